@@ -1,0 +1,106 @@
+"""Lazy, validated reading of a Hugging Face checkpoint folder.
+
+Tensors are read one at a time with `safetensors.safe_open`, so a rank (or the
+converter) touches only the bytes it needs. Legacy `pytorch_model*.bin` files are
+opened with `torch.load(weights_only=True, mmap=True)`: never unpickled code, and
+memory-mapped so they stay lazy too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import CheckpointError
+
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+class HFCheckpoint:
+    """Name -> tensor access over single or sharded safetensors (or .bin) files."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise CheckpointError(f"{self.folder}: no such folder")
+        self._files: dict[str, Path] = {}  # tensor name -> file
+        self._handles: dict[Path, object] = {}
+        self._index()
+
+    def _index(self) -> None:
+        f = self.folder
+        for index_name in (SAFE_INDEX, BIN_INDEX):
+            index = f / index_name
+            if index.is_file():
+                try:
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise CheckpointError(f"{index}: not a valid index file ({e})") from e
+                for name, file in weight_map.items():
+                    path = f / file
+                    if not path.is_file():
+                        raise CheckpointError(f"{index}: names {file} for {name}, which does not exist")
+                    self._files[name] = path
+                return
+        singles = [f / "model.safetensors", f / "pytorch_model.bin"]
+        for path in singles:
+            if path.is_file():
+                for name in self._open(path).keys():
+                    self._files[name] = path
+                return
+        raise CheckpointError(f"{f}: no weights found (model.safetensors, {SAFE_INDEX} or pytorch_model.bin)")
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            try:
+                if path.suffix == ".safetensors":
+                    self._handles[path] = safe_open(str(path), framework="pt")
+                else:
+                    self._handles[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except (SafetensorError, OSError, RuntimeError, Exception) as e:
+                raise CheckpointError(f"{path}: cannot read weights ({type(e).__name__}: {e})") from e
+        return self._handles[path]
+
+    def keys(self) -> list[str]:
+        return list(self._files)
+
+    def _resolve(self, name: str) -> str:
+        if name in self._files:
+            return name
+        # GPT-2 checkpoints from the original release store names without `transformer.`.
+        if name.startswith("transformer.") and name[len("transformer.") :] in self._files:
+            return name[len("transformer.") :]
+        raise CheckpointError(f"{self.folder}: tensor {name} is missing from the checkpoint")
+
+    def __contains__(self, name: str) -> bool:
+        try:
+            self._resolve(name)
+            return True
+        except CheckpointError:
+            return False
+
+    def get(self, name: str) -> torch.Tensor:
+        key = self._resolve(name)
+        path = self._files[key]
+        handle = self._open(path)
+        try:
+            if path.suffix == ".safetensors":
+                return handle.get_tensor(key)
+            return handle[key]
+        except (SafetensorError, OSError, RuntimeError, KeyError) as e:
+            raise CheckpointError(f"{path}: cannot read tensor {key} ({type(e).__name__}: {e})") from e
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        key = self._resolve(name)
+        path = self._files[key]
+        handle = self._open(path)
+        if path.suffix == ".safetensors":
+            return tuple(handle.get_slice(key).get_shape())
+        return tuple(handle[key].shape)
+
+    def files(self) -> list[Path]:
+        return sorted(set(self._files.values()))

@@ -1,0 +1,209 @@
+"""How each hfmeg tensor is made from HF tensors, and back: the one key table.
+
+Every parameter of a model chunk has a `TensorRule`: its hfmeg name, the HF names
+it is built from, and a split kind. `to_local` builds one TP rank's slice from the
+full HF tensors; `to_hf` rebuilds the HF tensors from all TP slices. Both are pure
+data movement (cat/split/reshape/transpose/pad), so HF -> shards -> HF is bit-exact.
+Loading, conversion and resharding all go through these two functions.
+
+Split kinds:
+- `replicated`: norms, biases after a row-parallel reduction, learned positions.
+- `rows`: split dim 0 (column-parallel output features, e.g. GPT-2 `c_fc`).
+- `cols`: split dim 1 (row-parallel input features: `o_proj`, `down_proj`).
+- `qkv`: Q, K, V fused per KV group, `[q heads of group g; k_g; v_g]` for each g,
+  then split dim 0 so each rank owns whole groups (and GQA needs no communication).
+- `gate_up`: gate and up each split dim 0, then `[gate_r; up_r]` on rank r.
+- `vocab`: rows padded with zeros to the padded vocabulary, then split dim 0.
+
+GPT-2 stores its linear weights as `Conv1D` (`[in, out]`); `transpose=True` turns
+them into `[out, in]` on the way in and back on the way out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from ..config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    local: str
+    hf: tuple[str, ...]
+    kind: str
+    transpose: bool = False
+    tied: bool = False  # a stage-local copy of the tied embedding: nothing to write back
+
+
+def _llama_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
+    p, L = f"model.layers.{i}.", f"layers.{i}."
+    a, m = p + "self_attn.", p + "mlp."
+    rules = [
+        TensorRule(L + "input_norm.weight", (p + "input_layernorm.weight",), "replicated"),
+        TensorRule(L + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"),
+        TensorRule(L + "attn.out.weight", (a + "o_proj.weight",), "cols"),
+        TensorRule(L + "post_attn_norm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
+        TensorRule(L + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up"),
+        TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols"),
+    ]
+    if cfg.qkv_bias:
+        rules.append(TensorRule(L + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv"))
+    if cfg.out_bias:
+        rules.append(TensorRule(L + "attn.out.bias", (a + "o_proj.bias",), "replicated"))
+    if cfg.mlp_bias:
+        rules.append(TensorRule(L + "mlp.fc1.bias", (m + "gate_proj.bias", m + "up_proj.bias"), "gate_up"))
+        rules.append(TensorRule(L + "mlp.fc2.bias", (m + "down_proj.bias",), "replicated"))
+    return rules
+
+
+def _gpt2_layer(i: int) -> list[TensorRule]:
+    p, L = f"transformer.h.{i}.", f"layers.{i}."
+    rules = []
+    for ours, theirs in (("input_norm", "ln_1"), ("post_attn_norm", "ln_2")):
+        for w in ("weight", "bias"):
+            rules.append(TensorRule(f"{L}{ours}.{w}", (f"{p}{theirs}.{w}",), "replicated"))
+    rules += [
+        TensorRule(L + "attn.qkv.weight", (p + "attn.c_attn.weight",), "qkv", transpose=True),
+        TensorRule(L + "attn.qkv.bias", (p + "attn.c_attn.bias",), "qkv"),
+        TensorRule(L + "attn.out.weight", (p + "attn.c_proj.weight",), "cols", transpose=True),
+        TensorRule(L + "attn.out.bias", (p + "attn.c_proj.bias",), "replicated"),
+        TensorRule(L + "mlp.fc1.weight", (p + "mlp.c_fc.weight",), "rows", transpose=True),
+        TensorRule(L + "mlp.fc1.bias", (p + "mlp.c_fc.bias",), "rows"),
+        TensorRule(L + "mlp.fc2.weight", (p + "mlp.c_proj.weight",), "cols", transpose=True),
+        TensorRule(L + "mlp.fc2.bias", (p + "mlp.c_proj.bias",), "replicated"),
+    ]
+    return rules
+
+
+def embedding_hf_name(cfg: ModelConfig) -> str:
+    return "model.embed_tokens.weight" if cfg.arch == "llama" else "transformer.wte.weight"
+
+
+def chunk_rules(cfg: ModelConfig, layers: Iterable[int], pre_process: bool, post_process: bool) -> list[TensorRule]:
+    """Rules for every parameter of a chunk holding `layers` (global indices)."""
+    emb = embedding_hf_name(cfg)
+    rules: list[TensorRule] = []
+    if pre_process:
+        rules.append(TensorRule("embed.weight", (emb,), "vocab"))
+        if cfg.positions == "learned":
+            rules.append(TensorRule("pos_embed.weight", ("transformer.wpe.weight",), "replicated"))
+    for i in layers:
+        rules += _llama_layer(cfg, i) if cfg.arch == "llama" else _gpt2_layer(i)
+    if post_process:
+        if cfg.arch == "llama":
+            rules.append(TensorRule("final_norm.weight", ("model.norm.weight",), "replicated"))
+        else:
+            rules.append(TensorRule("final_norm.weight", ("transformer.ln_f.weight",), "replicated"))
+            rules.append(TensorRule("final_norm.bias", ("transformer.ln_f.bias",), "replicated"))
+        if not cfg.tie_embeddings:
+            rules.append(TensorRule("lm_head.weight", ("lm_head.weight",), "vocab"))
+        elif not pre_process:
+            rules.append(TensorRule("lm_head.weight", (emb,), "vocab", tied=True))
+    return rules
+
+
+def _qkv_fuse(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    g, d = cfg.num_kv_heads, cfg.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(g, (cfg.num_heads // g) * d, *rest)
+    k = k.reshape(g, d, *rest)
+    v = v.reshape(g, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _qkv_unfuse(cfg: ModelConfig, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    g, d = cfg.num_kv_heads, cfg.head_dim
+    rep = cfg.num_heads // g
+    rest = fused.shape[1:]
+    f = fused.reshape(g, (rep + 2) * d, *rest)
+    q = f[:, : rep * d].reshape(-1, *rest)
+    k = f[:, rep * d : (rep + 1) * d].reshape(-1, *rest)
+    v = f[:, (rep + 1) * d :].reshape(-1, *rest)
+    return q, k, v
+
+
+def to_local(
+    rule: TensorRule, hf: list[torch.Tensor], cfg: ModelConfig, tp: int, tp_rank: int, vocab_multiple: int = 128
+) -> torch.Tensor:
+    """This TP rank's slice of `rule.local`, from the full HF tensors named by `rule.hf`."""
+    if rule.transpose:
+        hf = [t.t() for t in hf]
+    kind = rule.kind
+    if kind == "replicated":
+        out = hf[0]
+    elif kind == "rows":
+        out = hf[0].chunk(tp, dim=0)[tp_rank]
+    elif kind == "cols":
+        out = hf[0].chunk(tp, dim=1)[tp_rank]
+    elif kind == "qkv":
+        q, k, v = hf if len(hf) == 3 else hf[0].chunk(3, dim=0)
+        out = _qkv_fuse(cfg, q, k, v).chunk(tp, dim=0)[tp_rank]
+    elif kind == "gate_up":
+        gate, up = hf
+        out = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
+    elif kind == "vocab":
+        full = hf[0]
+        padded = cfg.padded_vocab(tp, vocab_multiple)
+        per = padded // tp
+        out = full.new_zeros((per,) + tuple(full.shape[1:]))
+        lo = tp_rank * per
+        n = max(0, min(per, full.shape[0] - lo))
+        out[:n] = full[lo : lo + n]
+        return out
+    else:
+        raise ValueError(f"unknown split kind {kind!r} for {rule.local}")
+    return out.contiguous()
+
+
+def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The HF tensors named by `rule.hf`, rebuilt from all TP slices (in TP-rank order)."""
+    if rule.tied:
+        return {}
+    kind = rule.kind
+    if kind == "replicated":
+        outs = [shards[0]]
+    elif kind == "rows":
+        outs = [torch.cat(shards, dim=0)]
+    elif kind == "cols":
+        outs = [torch.cat(shards, dim=1)]
+    elif kind == "qkv":
+        q, k, v = _qkv_unfuse(cfg, torch.cat(shards, dim=0))
+        outs = [q, k, v] if len(rule.hf) == 3 else [torch.cat([q, k, v], dim=0)]
+    elif kind == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        outs = [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+    elif kind == "vocab":
+        outs = [torch.cat(shards, dim=0)[: cfg.vocab_size]]
+    else:
+        raise ValueError(f"unknown split kind {kind!r} for {rule.local}")
+    if rule.transpose:
+        outs = [t.t() for t in outs]
+    return {name: t.contiguous() for name, t in zip(rule.hf, outs)}
+
+
+def expected_hf_shape(rule: TensorRule, index: int, cfg: ModelConfig) -> tuple[int, ...]:
+    """The shape `config.json` implies for HF tensor `rule.hf[index]` (for input validation)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv, f, v = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.ffn_size, cfg.vocab_size
+    is_bias = rule.local.endswith(".bias")
+    if rule.kind == "vocab":
+        return (v, h)
+    if rule.kind == "replicated":
+        if rule.local == "pos_embed.weight":
+            return (cfg.max_positions, h)
+        return (h,)
+    if rule.kind == "qkv":
+        out = (q + 2 * kv,) if len(rule.hf) == 1 else ((q, kv, kv)[index],)
+    elif rule.kind == "gate_up":
+        out = (f,)
+    elif rule.kind == "rows":
+        out = (f,)
+    else:  # cols: o_proj [h, q], down/c_proj [h, f]
+        inner = q if ".attn." in rule.local else f
+        return (inner, h) if rule.transpose else (h, inner)
+    if is_bias:
+        return out
+    return (h, out[0]) if rule.transpose else (out[0], h)

@@ -1,0 +1,17 @@
+"""Typed errors: every user-facing failure is one of these, with one clear line."""
+
+
+class HfmegError(Exception):
+    """Base class; CLIs print `str(e)` and exit with code 2."""
+
+
+class UnsupportedConfigError(HfmegError):
+    """A model or parallel configuration hfmeg cannot run (names the field)."""
+
+
+class CheckpointError(HfmegError):
+    """A checkpoint folder or file that is missing, corrupt or inconsistent (names the file)."""
+
+
+class LayoutError(HfmegError):
+    """A parallel layout (TP/PP/DP/VPP, micro-batches) that does not fit the world or the model."""

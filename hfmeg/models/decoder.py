@@ -1,0 +1,152 @@
+"""The Megatron-style decoder: one `ModelChunk` per pipeline stage (or virtual stage).
+
+A chunk holds a contiguous range of decoder layers (named by their global index, so
+names do not change with the layout), plus the token/position embeddings when it is
+the first chunk and the final norm and LM head when it is the last. With PP=1 a
+single chunk is the whole model.
+
+Activations between layers are `[s, b, h]` (`[s/tp, b, h]` under sequence
+parallelism). The first chunk takes token ids `[b, s]`; the last returns per-token
+losses `[b, s]` when given labels, otherwise its vocab shard of the logits
+`[b, s, padded_vocab/tp]`.
+
+Labels are already aligned with inputs: `labels[:, t]` is the target for position
+t (the data pipeline does the shift), and -100 marks tokens without loss.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ModelConfig, check_tp
+from ..parallel.comm import copy_to_tp, gather_from_sequence, scatter_to_sequence
+from ..parallel.layers import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from ..parallel.state import ParallelState
+from .attention import ParallelAttention, document_causal_mask
+from .mlp import ParallelMLP
+from .norm import make_norm
+from .rope import RotaryEmbedding
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, layer: int):
+        super().__init__()
+        sp = ps.sequence_parallel
+        self.input_norm = make_norm(cfg, sp)
+        self.attn = ParallelAttention(cfg, ps, layer)
+        self.post_attn_norm = make_norm(cfg, sp)
+        self.mlp = ParallelMLP(cfg, ps)
+
+    def forward(self, x, rope, mask, selective: bool = False):
+        h = self.input_norm(x)
+        if selective:
+            # Selective recompute: keep the projections' outputs, redo the attention core.
+            x = x + checkpoint(self.attn, h, rope, mask, use_reentrant=False)
+        else:
+            x = x + self.attn(h, rope, mask)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class ModelChunk(nn.Module):
+    """Layers `layers` of the model on this rank, with the ends it owns."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ps: ParallelState,
+        layers: Iterable[int],
+        *,
+        pre_process: bool,
+        post_process: bool,
+        vocab_multiple: int = 128,
+        recompute: str = "none",
+    ):
+        super().__init__()
+        check_tp(cfg, ps.tp)
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        self.cfg, self.ps = cfg, ps
+        self.pre_process, self.post_process = pre_process, post_process
+        self.recompute = recompute
+        self.padded_vocab = cfg.padded_vocab(ps.tp, vocab_multiple)
+        self.layer_ids = list(layers)
+        if pre_process:
+            self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps)
+            if cfg.positions == "learned":
+                self.pos_embed = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        self.rope = RotaryEmbedding(cfg) if cfg.positions == "rope" else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, ps, i) for i in self.layer_ids})
+        if post_process:
+            self.final_norm = make_norm(cfg, ps.sequence_parallel)
+            if not (cfg.tie_embeddings and pre_process):
+                self.lm_head = nn.Linear(cfg.hidden_size, self.padded_vocab // ps.tp, bias=False)
+                if cfg.tie_embeddings:
+                    self.lm_head.weight.shared_embedding = True  # summed with the first stage's copy
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if (self.cfg.tie_embeddings and self.pre_process) else self.lm_head.weight
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        seq_len: int | None = None,
+    ) -> torch.Tensor:
+        """Run the chunk.
+
+        `x` is token ids `[b, s]` on the first chunk, hidden states otherwise.
+        `position_ids` / `segment_ids` `[b, s]` describe packed documents (defaults:
+        0..s-1, one document). Later chunks need `seq_len` under SP only when they
+        receive no ids to read it from; it defaults from the inputs.
+        """
+        ps = self.ps
+        if self.pre_process:
+            b, s = x.shape
+        else:
+            s = seq_len or (x.shape[0] * (ps.tp if ps.sequence_parallel else 1))
+            b = x.shape[1]
+        if position_ids is None:
+            device = x.device
+            position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+        if self.pre_process:
+            x = self._embed(x, position_ids)
+        dtype = self._compute_dtype()
+        rope = self.rope(position_ids, dtype) if self.rope is not None else None
+        mask = document_causal_mask(segment_ids) if segment_ids is not None else None
+        for layer in self.layers.values():
+            if self.recompute == "full" and torch.is_grad_enabled():
+                x = checkpoint(layer, x, rope, mask, use_reentrant=False)
+            else:
+                x = layer(x, rope, mask, selective=self.recompute == "selective" and torch.is_grad_enabled())
+        if not self.post_process:
+            return x
+        return self._head(x, labels)
+
+    def _compute_dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def _embed(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)  # [s, b, h], already sequence-scattered under SP
+        if self.cfg.positions == "learned":
+            pos = self.pos_embed(position_ids).transpose(0, 1)
+            # Scatter (not slice) so each rank's position-embedding gradient is the full one.
+            x = x + (scatter_to_sequence(pos, self.ps) if self.ps.sequence_parallel else pos)
+        return x
+
+    def _head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        x = self.final_norm(x)
+        x = gather_from_sequence(x, self.ps) if self.ps.sequence_parallel else copy_to_tp(x, self.ps)
+        logits = torch.nn.functional.linear(x, self.head_weight())  # [s, b, v/tp]
+        if labels is None:
+            return logits.transpose(0, 1)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ps, self.cfg.vocab_size)
+        return loss.t()

@@ -1,0 +1,68 @@
+"""Inference over any TP/PP/VPP layout: full logits and greedy generation.
+
+This is the simple, unpipelined path used for parity checks and demos: one batch
+goes through the model chunks in model order, hidden states hop between stages by
+point-to-point, and the last stage gathers the vocab-parallel logits. Training uses
+the schedules in `hfmeg.parallel.pipeline` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.comm import gather_last_dim
+from ..parallel.state import ParallelState
+from .decoder import ModelChunk
+
+
+@torch.no_grad()
+def full_logits(chunks: list[ModelChunk], ps: ParallelState, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """Unpadded logits `[b, s, vocab]` on last-stage ranks, None on the others.
+
+    `chunks` are this rank's model chunks in virtual-stage order; model chunk
+    `v * pp + pp_rank` is `chunks[v]`. Every rank must pass the same `input_ids`.
+    """
+    b, s = input_ids.shape
+    cfg = chunks[0].cfg
+    dtype = next(chunks[0].parameters()).dtype
+    local_s = s // ps.tp if ps.sequence_parallel else s
+    n = ps.pp * len(chunks)
+    x = None
+    for idx in range(n):
+        owner, v = idx % ps.pp, idx // ps.pp
+        if owner != ps.pp_rank:
+            continue
+        chunk = chunks[v]
+        if idx == 0:
+            x = input_ids
+        elif ps.pp > 1:
+            x = torch.empty(local_s, b, cfg.hidden_size, dtype=dtype, device=ps.device)
+            dist.recv(x, src=ps.stage_rank((idx - 1) % ps.pp))
+        out = chunk(x, seq_len=s)
+        if idx == n - 1:
+            return gather_last_dim(out, ps)[..., : cfg.vocab_size].float()
+        if ps.pp > 1:
+            dist.send(out.contiguous(), dst=ps.stage_rank((idx + 1) % ps.pp))
+        x = out
+    return None
+
+
+@torch.no_grad()
+def greedy_generate(
+    chunks: list[ModelChunk], ps: ParallelState, input_ids: torch.Tensor, max_new_tokens: int
+) -> torch.Tensor:
+    """Greedy decoding without a KV cache; every rank returns the same `[b, s + new]` ids.
+
+    Under sequence parallelism every running length must be divisible by TP, which
+    a token-by-token loop cannot keep; generate with chunks built without SP.
+    """
+    ids = input_ids.to(ps.device)
+    last = ps.stage_rank(ps.pp - 1)
+    for _ in range(max_new_tokens):
+        logits = full_logits(chunks, ps, ids)
+        nxt = logits[:, -1].argmax(-1) if logits is not None else torch.empty(ids.shape[0], dtype=torch.long, device=ps.device)
+        if ps.pp > 1:
+            dist.broadcast(nxt, src=last, group=ps.pp_group)
+        ids = torch.cat([ids, nxt[:, None].to(ids.dtype)], dim=1)
+    return ids

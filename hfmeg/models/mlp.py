@@ -1,0 +1,30 @@
+"""Tensor-parallel MLP: SwiGLU with fused gate/up (LLaMA family) or GELU (GPT-2)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..parallel.state import ParallelState
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState):
+        super().__init__()
+        self.cfg = cfg
+        fc1_out = 2 * cfg.ffn_size if cfg.gated_mlp else cfg.ffn_size
+        # With gate/up fused, each rank's fc1 slice is [gate_r; up_r] (see checkpoint.rules).
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_out, ps, bias=cfg.mlp_bias)
+        self.fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ps, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.cfg.gated_mlp:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh" if self.cfg.activation == "gelu_tanh" else "none")
+        return self.fc2(h)

@@ -1,0 +1,59 @@
+"""Rotary position embeddings in HF's rotate-half convention.
+
+Frequencies come from `transformers`' own `ROPE_INIT_FUNCTIONS` for the scaled
+types (linear, dynamic NTK, llama3, yarn), so every scaling variant matches the
+reference by construction. Dynamic NTK depends on the sequence length: its
+frequencies are recomputed for `max(seq_len, max_position_embeddings)`, which is
+what HF computes on a fresh model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from ..config import ModelConfig
+
+
+def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        params = dict(getattr(hf, "rope_parameters", None) or {})
+        self.rope_type = params.get("rope_type", "default")
+        self.hf = hf
+        if self.rope_type == "default":
+            inv_freq, self.scaling = _default_inv_freq(params.get("rope_theta", 10000.0), cfg.head_dim), 1.0
+        else:
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[self.rope_type](hf, None)
+        # A plain attribute, not a buffer: `module.to(bf16)` must not round the frequencies.
+        self.inv_freq = inv_freq.float()
+
+    def _inv_freq_for(self, seq_len: int, device) -> torch.Tensor:
+        if self.rope_type == "dynamic" and seq_len > self.hf.max_position_embeddings:
+            inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.hf, device, seq_len=seq_len)
+            return inv_freq.float()
+        return self.inv_freq.to(device)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape `[b, s, head_dim]` for `position_ids` `[b, s]`."""
+        inv_freq = self._inv_freq_for(int(position_ids.max()) + 1, position_ids.device)
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[b, heads, s, d]` by cos/sin `[b, s, d]`."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin

@@ -1,0 +1,180 @@
+"""Autograd-aware tensor-parallel collectives.
+
+Each function is a pair of conjugate operations: what the forward does on the TP
+group, the backward does the transpose of. Activations are laid out
+`[seq, batch, hidden]` so that sequence-parallel shards are contiguous slices of
+dim 0, which is what the flat all-gather / reduce-scatter collectives produce.
+
+| function                  | forward                     | backward                    |
+|---------------------------|-----------------------------|-----------------------------|
+| copy_to_tp                | identity                    | all-reduce                  |
+| reduce_from_tp            | all-reduce                  | identity                    |
+| scatter_to_sequence       | keep own seq slice          | all-gather along seq        |
+| gather_from_sequence      | all-gather along seq        | reduce-scatter along seq    |
+| reduce_scatter_to_sequence| reduce-scatter along seq    | all-gather along seq        |
+| gather_last_dim           | all-gather along last dim   | keep own slice              |
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .state import ParallelState
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_reduce(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    if ps.tp > 1:
+        x = x.contiguous()
+        dist.all_reduce(x, group=ps.tp_group)
+    return x
+
+
+def _gather_dim0(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    if ps.tp == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * ps.tp,) + tuple(x.shape[1:]))
+    all_gather_flat(out, x, group=ps.tp_group)
+    return out
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    if ps.tp == 1:
+        return x
+    if x.shape[0] % ps.tp:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by TP={ps.tp}")
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // ps.tp,) + tuple(x.shape[1:]))
+    reduce_scatter_flat(out, x, group=ps.tp_group)
+    return out
+
+
+def _split_dim0(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    if ps.tp == 1:
+        return x
+    if x.shape[0] % ps.tp:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by TP={ps.tp}")
+    n = x.shape[0] // ps.tp
+    return x[ps.tp_rank * n : (ps.tp_rank + 1) * n].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ps):
+        ctx.ps = ps
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.ps), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ps):
+        return _all_reduce(x.clone(), ps)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ps):
+        ctx.ps = ps
+        return _split_dim0(x, ps)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_dim0(g, ctx.ps), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ps):
+        ctx.ps = ps
+        return _gather_dim0(x, ps)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter_dim0(g, ctx.ps), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ps):
+        ctx.ps = ps
+        return _reduce_scatter_dim0(x, ps)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_dim0(g, ctx.ps), None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ps):
+        ctx.ps = ps
+        if ps.tp == 1:
+            return x
+        moved = x.movedim(-1, 0)
+        return _gather_dim0(moved, ps).movedim(0, -1).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        ps = ctx.ps
+        if ps.tp == 1:
+            return g, None
+        n = g.shape[-1] // ps.tp
+        return g[..., ps.tp_rank * n : (ps.tp_rank + 1) * n].contiguous(), None
+
+
+def copy_to_tp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    return _CopyToTP.apply(x, ps) if ps.tp > 1 else x
+
+
+def reduce_from_tp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, ps) if ps.tp > 1 else x
+
+
+def scatter_to_sequence(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    return _ScatterToSequence.apply(x, ps) if ps.tp > 1 else x
+
+
+def gather_from_sequence(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    return _GatherFromSequence.apply(x, ps) if ps.tp > 1 else x
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    return _ReduceScatterToSequence.apply(x, ps) if ps.tp > 1 else x
+
+
+def gather_last_dim(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    return _GatherLastDim.apply(x, ps) if ps.tp > 1 else x
+
+
+def sync_sequence_parallel_grads(params, ps: ParallelState) -> None:
+    """All-reduce over TP the gradients of replicated parameters used on sequence shards.
+
+    Under sequence parallelism, norms (and GPT-2's position embedding and row-parallel
+    biases) see only this rank's slice of the sequence, so each TP rank holds a partial
+    gradient. Summing over TP once per step (not per micro-batch) restores the full one.
+    Parameters opt in with the attribute `sequence_parallel = True`.
+    """
+    if not ps.sequence_parallel or ps.tp == 1:
+        return
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=ps.tp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,79 @@
+"""Run a function on N local processes joined in one gloo world.
+
+Used by the test-suite and by tools that launch their own CPU workers
+(`tools/verify_parity.py`). Processes are forked so the function and its arguments
+need not be importable or picklable; results must be picklable. A failure on any
+rank is re-raised in the parent with that rank's traceback, and a hang is killed
+after `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, results, threads):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+        out = fn(*args)
+        dist.barrier()
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+    """Run `fn(*args)` on `world_size` gloo ranks; return the per-rank results in rank order."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, threads), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        while len(out) < world_size:
+            try:
+                rank, status, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise WorkerError(f"timed out after {timeout_s:.0f}s waiting for {world_size - len(out)} rank(s)")
+            if status == "error":
+                raise WorkerError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world_size)]

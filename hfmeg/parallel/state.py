@@ -1,0 +1,146 @@
+"""One object that owns every process group, built from the rank grid.
+
+Rank grid (Megatron's order): TP varies fastest, then DP, then PP, so the TP
+ranks of one replica are neighbours (inside one node) and pipeline neighbours
+are `tp * dp` ranks apart:
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+Context (CP) and expert (EP) parallelism are not implemented; `cp` is kept in the
+grid arithmetic at size 1 so that adding it later changes no existing group.
+
+`ParallelState` is passed explicitly to everything that communicates. The only
+global is `torch.distributed`'s default group, which the launcher sets up.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import LayoutError
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The layout a run asks for; DP is whatever is left of the world."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1  # virtual pipeline chunks per rank (interleaved 1F1B when > 1)
+    sequence_parallel: bool = False
+
+
+class ParallelState:
+    """Process groups for one rank of a TP x DP x PP grid.
+
+    Every group is created on every rank in the same order, as torch.distributed
+    requires, even the ones this rank is not in.
+    """
+
+    def __init__(self, config: ParallelConfig, rank: int, world_size: int, device: torch.device):
+        tp, pp = config.tp, config.pp
+        if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+            raise LayoutError(
+                f"world size {world_size} is not a multiple of TP x PP = {tp} x {pp}"
+            )
+        if config.vpp < 1:
+            raise LayoutError(f"vpp must be >= 1, got {config.vpp}")
+        if config.sequence_parallel and tp == 1:
+            config = ParallelConfig(tp=tp, pp=pp, vpp=config.vpp, sequence_parallel=False)
+        self.config = config
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.tp, self.pp = tp, pp
+        self.dp = world_size // (tp * pp)
+        self.vpp = config.vpp
+        self.sequence_parallel = config.sequence_parallel
+        self.tp_rank = rank % tp
+        self.dp_rank = (rank // tp) % self.dp
+        self.pp_rank = rank // (tp * self.dp)
+
+        self.tp_group = self._build(lambda r: (r // tp), "tp")
+        self.dp_group = self._build(lambda r: (r % tp, r // (tp * self.dp)), "dp")
+        self.pp_group = self._build(lambda r: r % (tp * self.dp), "pp")
+        # Model-parallel group (TP x PP of one replica): norms of sharded tensors reduce here.
+        self.mp_group = self._build(lambda r: (r // tp) % self.dp, "mp")
+        # First and last stage of each pipeline: tied-embedding gradients are summed here.
+        self.embedding_group = self._build_embedding_group()
+
+    # -- construction ---------------------------------------------------------
+    def _build(self, key, name: str):
+        """Partition all ranks by `key(rank)`; return this rank's group."""
+        buckets: dict = {}
+        for r in range(self.world_size):
+            buckets.setdefault(key(r), []).append(r)
+        mine = None
+        for k in sorted(buckets):
+            ranks = buckets[k]
+            group = dist.new_group(ranks) if self.world_size > 1 else None
+            if self.rank in ranks:
+                mine = group
+                setattr(self, f"{name}_ranks", ranks)
+        return mine
+
+    def _build_embedding_group(self):
+        stride = self.tp * self.dp
+        mine = None
+        self.embedding_ranks: list[int] = []
+        for col in range(stride):
+            ranks = [col] if self.pp == 1 else [col, col + (self.pp - 1) * stride]
+            group = dist.new_group(ranks) if self.world_size > 1 else None
+            if self.rank in ranks:
+                mine, self.embedding_ranks = group, ranks
+        return mine
+
+    @classmethod
+    def from_env(cls, config: ParallelConfig, *, timeout_s: float = 600.0) -> "ParallelState":
+        """Join the job that `torchrun` / `accelerate launch` describe in the environment.
+
+        Uses NCCL when CUDA is available, gloo otherwise. A single process without
+        launcher variables runs as a world of one.
+        """
+        if not dist.is_initialized():
+            if "RANK" not in os.environ:
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                os.environ.setdefault("MASTER_PORT", "29500")
+                os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            device = torch.device("cuda", local)
+        else:
+            device = torch.device("cpu")
+        return cls(config, dist.get_rank(), dist.get_world_size(), device)
+
+    # -- pipeline helpers -------------------------------------------------------
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """Global rank of the stage `pp_rank` that shares this rank's TP and DP coordinates."""
+        return self.tp_rank + self.tp * (self.dp_rank + self.dp * pp_rank)
+
+    @property
+    def next_rank(self) -> int:
+        return self.stage_rank((self.pp_rank + 1) % self.pp)
+
+    @property
+    def prev_rank(self) -> int:
+        return self.stage_rank((self.pp_rank - 1) % self.pp)
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelState(rank={self.rank}, tp={self.tp_rank}/{self.tp}, dp={self.dp_rank}/{self.dp}, "
+            f"pp={self.pp_rank}/{self.pp}, vpp={self.vpp}, sp={self.sequence_parallel})"
+        )

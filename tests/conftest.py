@@ -1,0 +1,25 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import STORIES, rewrite_config_v4, save_tiny  # noqa: E402
+
+RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Random tiny checkpoints of every family, plus stories260K when the assets exist."""
+    root = tmp_path_factory.mktemp("tiny")
+    out = {kind: save_tiny(kind, root / kind) for kind in RANDOM_KINDS + ("llama_tied",)}
+    rewrite_config_v4(out["llama3"])  # v4 keys for one model; the others keep v5 keys
+    return out
+
+
+def stories_or_skip() -> Path:
+    if not (STORIES / "config.json").is_file():
+        pytest.skip(f"{STORIES} is absent (../shared/assets not checked out beside the repo)")
+    return STORIES

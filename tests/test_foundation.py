@@ -1,0 +1,94 @@
+"""Rank grid, layout errors and build-time rejection of unsupported configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hfmeg.config import load_hf_config, model_config_from_hf
+from hfmeg.errors import CheckpointError, LayoutError, UnsupportedConfigError
+from hfmeg.models import build_chunk_from_hf
+from hfmeg.parallel.launch import spawn
+from hfmeg.parallel.state import ParallelConfig, ParallelState
+from tiny_models import save_tiny
+
+
+def _grid():
+    ps = ParallelState(ParallelConfig(tp=2, pp=2), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    return dict(tp=ps.tp_ranks, dp=ps.dp_ranks, pp=ps.pp_ranks, emb=ps.embedding_ranks,
+                coords=(ps.tp_rank, ps.dp_rank, ps.pp_rank), next=ps.next_rank, prev=ps.prev_rank)
+
+
+def test_rank_grid_tp_fastest_then_dp_then_pp():
+    grid = spawn(_grid, 8)
+    for rank, g in enumerate(grid):
+        tp_rank, dp_rank, pp_rank = g["coords"]
+        assert rank == tp_rank + 2 * (dp_rank + 2 * pp_rank)
+        assert g["tp"] == [rank - tp_rank, rank - tp_rank + 1]
+        assert g["dp"] == [tp_rank + 4 * pp_rank, tp_rank + 2 + 4 * pp_rank]
+        assert g["pp"] == [rank % 4, rank % 4 + 4]
+        assert g["emb"] == [rank % 4, rank % 4 + 4]
+        assert g["next"] == g["prev"] == (rank + 4) % 8
+
+
+def test_world_not_multiple_of_tp_pp():
+    with pytest.raises(LayoutError, match="world size 6 is not a multiple of TP x PP = 4 x 1"):
+        ParallelState(ParallelConfig(tp=4), 0, 6, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "kind, overrides, match",
+    [
+        ("llama3", {"model_type": "falcon"}, "model_type: 'falcon' is not supported"),
+        ("llama3", {"hidden_act": "gelu"}, "hidden_act"),
+        ("llama3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type"),
+        ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+        ("gpt2", {"activation_function": "relu"}, "activation_function"),
+    ],
+)
+def test_unsupported_config_rejected(kind, overrides, match):
+    from tiny_models import tiny_config
+
+    cfg = tiny_config(kind)
+    for k, v in overrides.items():
+        object.__setattr__(cfg, k, v)
+    with pytest.raises(UnsupportedConfigError, match=match):
+        model_config_from_hf(cfg)
+
+
+def _build(folder, tp):
+    ps = ParallelState(ParallelConfig(tp=tp), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    build_chunk_from_hf(folder, ps)
+
+
+def test_heads_not_divisible_by_tp(tmp_path):
+    folder = save_tiny("llama3", tmp_path / "m", num_key_value_heads=2)
+    with pytest.raises(Exception, match="num_key_value_heads: 2 is not divisible by TP=4"):
+        spawn(_build, 4, str(folder), 4)
+
+
+def test_shape_mismatch_names_tensor(tmp_path):
+    folder = save_tiny("qwen2", tmp_path / "m")
+    cfg = (folder / "config.json").read_text().replace('"intermediate_size": 128', '"intermediate_size": 96')
+    (folder / "config.json").write_text(cfg)
+    with pytest.raises(CheckpointError, match=r"gate_proj.weight has shape \[128, 64\], config.json implies \[96, 64\]"):
+        _build_single(folder)
+
+
+def _build_single(folder):
+    ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cpu"))
+    return build_chunk_from_hf(folder, ps)
+
+
+def test_mistral_sliding_window_refuses_longer_sequences(tmp_path):
+    folder = save_tiny("mistral", tmp_path / "m", sliding_window=8)
+    chunk = _build_single(folder)
+    chunk(torch.zeros(1, 8, dtype=torch.long))  # within the window: identical to full attention
+    with pytest.raises(UnsupportedConfigError, match="exceeds the sliding window 8"):
+        chunk(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(UnsupportedConfigError, match="no config.json"):
+        load_hf_config(tmp_path)

@@ -1,0 +1,59 @@
+"""Tiny random HF checkpoints, saved with transformers, for tests of every family."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
+STORIES = ASSETS / "models" / "stories260K"
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
+
+
+def tiny_config(kind: str, **overrides):
+    if kind == "llama3":
+        cfg = LlamaConfig(**_COMMON, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    elif kind == "llama_tied":
+        cfg = LlamaConfig(**{**_COMMON, "vocab_size": 32001}, tie_word_embeddings=True)
+    elif kind == "mistral":
+        cfg = MistralConfig(**_COMMON, sliding_window=None)
+    elif kind == "qwen2":
+        cfg = Qwen2Config(**_COMMON)
+    elif kind == "gpt2":
+        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=300, n_positions=128)
+    else:
+        raise ValueError(kind)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    """Save a random tiny checkpoint of `kind` to `folder` (fp32 safetensors)."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(kind, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # give norms and biases non-trivial values so their layout is tested
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+def rewrite_config_v4(folder: Path) -> None:
+    """Rewrite `config.json` with transformers-v4 RoPE keys (rope_theta + rope_scaling)."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params.pop("rope_theta")
+    params["type"] = params.pop("rope_type")
+    cfg["rope_scaling"] = params
+    path.write_text(json.dumps(cfg, indent=2))
