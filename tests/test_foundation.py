@@ -92,3 +92,18 @@ def test_mistral_sliding_window_refuses_longer_sequences(tmp_path):
 def test_missing_config(tmp_path):
     with pytest.raises(UnsupportedConfigError, match="no config.json"):
         load_hf_config(tmp_path)
+
+
+def test_split_layers_even_uneven_interleaved():
+    from hfmeg.parallel.layout import rank_chunks, split_layers
+
+    assert [list(s.layers) for s in split_layers(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert [len(s.layers) for s in split_layers(5, 3)] == [2, 2, 1]
+    specs = split_layers(8, 2, vpp=2)
+    assert [(s.pp_rank, s.virtual, list(s.layers)) for s in rank_chunks(specs, 1)] == [(1, 0, [2, 3]), (1, 1, [6, 7])]
+    assert specs[0].pre_process and specs[-1].post_process and not specs[1].post_process
+    assert [len(s.layers) for s in split_layers(32, 3, pp_layers=[11, 11, 10])] == [11, 11, 10]
+    with pytest.raises(LayoutError, match="sums to 31"):
+        split_layers(32, 3, pp_layers=[11, 10, 10])
+    with pytest.raises(LayoutError, match="more than the model's 5 layers"):
+        split_layers(5, 6)
