@@ -110,3 +110,25 @@ def test_greedy_generation_tp2_matches_transformers():
     ours = spawn(_generate_tp2, 2, str(folder), prompt, 40)
     assert torch.equal(ours[0], ref), (ours[0], ref)
     assert torch.equal(ours[1], ref)
+
+
+def _chunked_ce(folder, ids):
+    ps = ParallelState(ParallelConfig(tp=2, sequence_parallel=True), dist.get_rank(), dist.get_world_size(),
+                       torch.device("cpu"))
+    labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
+    out = []
+    for chunk_tokens in (5, 4096):  # 5 does not divide the 32 tokens: a ragged last chunk
+        chunk = build_chunk_from_hf(folder, ps)
+        chunk.ce_chunk_tokens = chunk_tokens
+        loss = chunk(ids, labels=labels)
+        loss.sum().backward()
+        out.append((loss.detach(), {n: p.grad for n, p in chunk.named_parameters()}))
+    return out
+
+
+def test_chunked_cross_entropy_equals_unchunked(tiny_checkpoints):
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    (loss_a, grads_a), (loss_b, grads_b) = spawn(_chunked_ce, 2, str(tiny_checkpoints["qwen2"]), ids)[0]
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -24,7 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig, check_tp
 from ..parallel.comm import copy_to_tp, gather_from_sequence, scatter_to_sequence
-from ..parallel.layers import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from ..parallel.layers import VocabParallelEmbedding
+from ..parallel.linear_cross_entropy import linear_cross_entropy
 from ..parallel.state import ParallelState
 from .attention import ParallelAttention, document_causal_mask
 from .mlp import ParallelMLP
@@ -66,6 +67,7 @@ class ModelChunk(nn.Module):
         post_process: bool,
         vocab_multiple: int = 128,
         recompute: str = "none",
+        ce_chunk_tokens: int = 4096,
     ):
         super().__init__()
         check_tp(cfg, ps.tp)
@@ -74,6 +76,7 @@ class ModelChunk(nn.Module):
         self.cfg, self.ps = cfg, ps
         self.pre_process, self.post_process = pre_process, post_process
         self.recompute = recompute
+        self.ce_chunk_tokens = ce_chunk_tokens
         self.padded_vocab = cfg.padded_vocab(ps.tp, vocab_multiple)
         self.layer_ids = list(layers)
         if pre_process:
@@ -145,8 +148,9 @@ class ModelChunk(nn.Module):
     def _head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         x = self.final_norm(x)
         x = gather_from_sequence(x, self.ps) if self.ps.sequence_parallel else copy_to_tp(x, self.ps)
-        logits = torch.nn.functional.linear(x, self.head_weight())  # [s, b, v/tp]
         if labels is None:
-            return logits.transpose(0, 1)
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.ps, self.cfg.vocab_size)
+            return torch.nn.functional.linear(x, self.head_weight()).transpose(0, 1)  # [b, s, v/tp]
+        # Training never materialises the full logits: see parallel/linear_cross_entropy.py.
+        loss = linear_cross_entropy(x, self.head_weight(), labels.t(), self.ps, self.cfg.vocab_size,
+                                    self.ce_chunk_tokens)
         return loss.t()

@@ -1,4 +1,4 @@
-"""Tensor-parallel layers and the vocab-parallel cross-entropy.
+"""Tensor-parallel layers (the vocab-parallel loss is in `linear_cross_entropy.py`).
 
 Weights hold only this rank's slice and are loaded from checkpoints (see
 `hfmeg.checkpoint.rules`); the layers never initialise values themselves.
@@ -12,7 +12,6 @@ all-reducing it. Between those two points activations are `[seq/tp, batch, hidde
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -99,61 +98,3 @@ class VocabParallelEmbedding(nn.Module):
         if self.ps.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.ps)
         return reduce_from_tp(out, self.ps)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over vocab-sharded logits without gathering them.
-
-    With logits z split over ranks, loss = log(sum_all exp(z - m)) - (z_t - m), where
-    the max m, the exp-sum and the target logit z_t are each one TP all-reduce of a
-    `[s, b]` tensor. Columns past the real vocabulary (padding) are masked to -inf so
-    the loss equals the unpadded model's. The gradient is softmax - onehot(target).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, ps, vocab_start, vocab_size):
-        z = logits.float()
-        n_local = z.shape[-1]
-        cols = torch.arange(vocab_start, vocab_start + n_local, device=z.device)
-        if int(cols[-1]) >= vocab_size:
-            z = z.masked_fill(cols >= vocab_size, float("-inf"))
-        m = z.max(dim=-1).values
-        if ps.tp > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.tp_group)
-        z = z - m.unsqueeze(-1)
-        local_t = target - vocab_start
-        in_range = (local_t >= 0) & (local_t < n_local)
-        local_t = local_t.masked_fill(~in_range, 0)
-        z_t = torch.where(in_range, z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1), 0.0)
-        exp = z.exp()
-        sum_exp = exp.sum(dim=-1)
-        if ps.tp > 1:
-            both = torch.stack([z_t, sum_exp])
-            dist.all_reduce(both, group=ps.tp_group)
-            z_t, sum_exp = both[0], both[1]
-        loss = sum_exp.log() - z_t
-        exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(exp, local_t, in_range)
-        ctx.logits_dtype = logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        softmax, local_t, in_range = ctx.saved_tensors
-        grad = softmax
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -in_range.to(grad.dtype).unsqueeze(-1))
-        grad.mul_(g.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, ps: ParallelState, vocab_size: int
-) -> torch.Tensor:
-    """Per-token loss `[...]` (fp32) from this rank's logits `[..., padded_vocab/tp]`.
-
-    Targets equal to -100 get loss 0 (and no gradient).
-    """
-    vocab_start = ps.tp_rank * logits.shape[-1]
-    ignore = target < 0
-    loss = _VocabParallelCrossEntropy.apply(logits, target.masked_fill(ignore, 0), ps, vocab_start, vocab_size)
-    return loss.masked_fill(ignore, 0.0)

@@ -1,0 +1,102 @@
+"""LM head + vocab-parallel cross-entropy, chunked over tokens.
+
+The plain path materialises `[tokens, V/tp]` logits in the model dtype and again in
+fp32 for the softmax; at seq 4096 x vocab 32000 that is GBs per micro-batch. Here
+the tokens are processed `chunk_tokens` at a time: the forward keeps only the
+per-token log-sum-exp, and the backward recomputes each chunk's logits to form
+`softmax - onehot` and accumulates the input and weight gradients. Peak extra
+memory is one chunk's fp32 logits; the cost is one more LM-head matmul.
+
+Per chunk, across TP ranks (each holding a contiguous vocabulary range):
+    m   = max over all ranks of the logits          (all-reduce MAX)
+    lse = m + log(sum over all ranks exp(z - m))     (all-reduce SUM)
+    z_t = the target's logit, from the rank that owns it (all-reduce SUM)
+    loss = lse - z_t
+Columns past the real vocabulary (padding) are masked to -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .state import ParallelState
+
+
+def _chunk_logits(x: torch.Tensor, w: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    z = (x @ w.t()).float()
+    if vocab_start + z.shape[-1] > vocab_size:
+        cols = torch.arange(vocab_start, vocab_start + z.shape[-1], device=z.device)
+        z = z.masked_fill(cols >= vocab_size, float("-inf"))
+    return z
+
+
+def _local_target(target: torch.Tensor, vocab_start: int, n_local: int):
+    local = target - vocab_start
+    owned = (local >= 0) & (local < n_local)
+    return local.masked_fill(~owned, 0), owned
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, target, ps, vocab_size, chunk_tokens):
+        n_local = w.shape[0]
+        vocab_start = ps.tp_rank * n_local
+        tp = ps.tp > 1
+        lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        z_t = torch.empty_like(lse)
+        for lo in range(0, x.shape[0], chunk_tokens):
+            sl = slice(lo, lo + chunk_tokens)
+            z = _chunk_logits(x[sl], w, vocab_start, vocab_size)
+            m = z.max(dim=-1).values
+            if tp:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.tp_group)
+            local, owned = _local_target(target[sl], vocab_start, n_local)
+            picked = torch.where(owned, z.gather(-1, local[:, None]).squeeze(-1), 0.0)
+            sums = torch.stack([(z - m[:, None]).exp().sum(-1), picked])
+            if tp:
+                dist.all_reduce(sums, group=ps.tp_group)
+            lse[sl] = m + sums[0].log()
+            z_t[sl] = sums[1]
+        ctx.save_for_backward(x, w, target, lse)
+        ctx.ps, ctx.vocab_size, ctx.chunk_tokens = ps, vocab_size, chunk_tokens
+        return lse - z_t
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, target, lse = ctx.saved_tensors
+        ps = ctx.ps
+        n_local = w.shape[0]
+        vocab_start = ps.tp_rank * n_local
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for lo in range(0, x.shape[0], ctx.chunk_tokens):
+            sl = slice(lo, lo + ctx.chunk_tokens)
+            z = _chunk_logits(x[sl], w, vocab_start, ctx.vocab_size)
+            d = (z - lse[sl, None]).exp_()  # softmax
+            local, owned = _local_target(target[sl], vocab_start, n_local)
+            d.scatter_add_(-1, local[:, None], -owned.to(d.dtype)[:, None])
+            d.mul_(g[sl, None])
+            grad_x[sl] = (d @ w.float()).to(x.dtype)
+            grad_w.addmm_(d.t(), x[sl].float())
+        # Each TP rank holds a vocabulary slice, so its grad_x is partial; the caller's
+        # copy-to-TP / sequence-gather backward sums it over TP.
+        return grad_x, grad_w.to(w.dtype), None, None, None, None
+
+
+def linear_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ps: ParallelState, vocab_size: int,
+    chunk_tokens: int = 4096,
+) -> torch.Tensor:
+    """Per-token fp32 loss of `x @ weight.T` against `target` (-100 ignored).
+
+    `x` is `[..., h]` (already copied/gathered for TP), `weight` this rank's
+    `[V_pad/tp, h]` slice; the loss has `x`'s leading shape.
+    """
+    lead = x.shape[:-1]
+    flat_t = target.reshape(-1)
+    ignore = flat_t < 0
+    loss = _LinearCrossEntropy.apply(
+        x.reshape(-1, x.shape[-1]), weight, flat_t.masked_fill(ignore, 0), ps, vocab_size, chunk_tokens
+    )
+    return loss.masked_fill(ignore, 0.0).reshape(lead)
