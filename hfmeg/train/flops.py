@@ -1,0 +1,42 @@
+"""Model FLOPs and MFU, with the Megatron-LM paper's accounting.
+
+Narayanan et al. (2021) count, for a GPT with hidden h, l layers, sequence s,
+vocabulary V and batch B, the FLOPs of one training iteration without activation
+recomputation as
+
+    F = 72 B s l h^2 (1 + s / (6h) + V / (12 l h))
+      = 6 B s (12 l h^2)  +  12 B s^2 l h  +  6 B s h V
+
+i.e. 6 FLOPs per token per matmul parameter (2 forward, 4 backward), plus the
+attention score and value products (2 * 2 s h per token per layer, times 3), plus
+the LM head. `training_flops` is that formula with the layer matmul parameters
+counted exactly, so it also covers GQA (smaller K/V projections) and SwiGLU (three
+FFN matrices). Recomputation is not counted: MFU measures useful model work.
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+    out = cfg.num_heads * d * h
+    mlp = (3 if cfg.gated_mlp else 2) * h * cfg.ffn_size
+    return qkv + out + mlp
+
+
+def training_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
+    """FLOPs of one forward + backward over `batch` sequences of `seq_len` tokens."""
+    tokens = batch * seq_len
+    attn_width = cfg.num_heads * cfg.head_dim
+    dense = 6 * tokens * (cfg.num_layers * layer_matmul_params(cfg) + cfg.hidden_size * cfg.vocab_size)
+    attention = 12 * tokens * seq_len * cfg.num_layers * attn_width
+    return float(dense + attention)
+
+
+def mfu(cfg: ModelConfig, tokens_per_s: float, seq_len: int, peak_flops_per_device: float, devices: int) -> float:
+    """Model FLOPs utilisation of `devices` devices processing `tokens_per_s`."""
+    flops_per_token = training_flops(cfg, 1, seq_len) / seq_len
+    return tokens_per_s * flops_per_token / (peak_flops_per_device * devices)
