@@ -15,13 +15,13 @@ from ..config import ModelConfig
 from ..errors import UnsupportedConfigError
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.state import ParallelState
-from .rope import apply_rope
+from .kernels import Kernels
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, layer: int):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, layer: int, kernels: Kernels):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.kernels = cfg, kernels
         self.groups = cfg.num_kv_heads // ps.tp  # KV groups on this rank
         self.rep = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.scale = cfg.attn_scale(layer)
@@ -44,7 +44,7 @@ class ParallelAttention(nn.Module):
         k = qkv[:, :, self.rep]
         v = qkv[:, :, self.rep + 1]
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = self.kernels.rope(q, *rope), self.kernels.rope(k, *rope)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.rep > 1
         )

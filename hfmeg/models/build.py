@@ -52,13 +52,16 @@ def build_chunk_from_hf(
     post_process: bool = True,
     dtype: torch.dtype = torch.float32,
     vocab_multiple: int = 128,
-    recompute: str = "none",
+    **options,
 ) -> ModelChunk:
-    """A chunk (default: the whole model) of the HF checkpoint in `folder`, on `ps.device`."""
+    """A chunk (default: the whole model) of the HF checkpoint in `folder`, on `ps.device`.
+
+    `options` go to `ModelChunk` (recompute, ce_chunk_tokens, compile_backend).
+    """
     cfg = model_config_from_hf(load_hf_config(folder))
     return build_chunk(
         cfg, HFCheckpoint(folder), ps, layers, pre_process=pre_process, post_process=post_process,
-        dtype=dtype, vocab_multiple=vocab_multiple, recompute=recompute,
+        dtype=dtype, vocab_multiple=vocab_multiple, **options,
     )
 
 
@@ -72,12 +75,12 @@ def build_chunk(
     post_process: bool = True,
     dtype: torch.dtype = torch.float32,
     vocab_multiple: int = 128,
-    recompute: str = "none",
+    **options,
 ) -> ModelChunk:
     layers = range(cfg.num_layers) if layers is None else layers
     chunk = ModelChunk(
-        cfg, ps, layers, pre_process=pre_process, post_process=post_process,
-        vocab_multiple=vocab_multiple, recompute=recompute,
+        cfg, ps, layers, pre_process=pre_process, post_process=post_process, vocab_multiple=vocab_multiple,
+        **options,
     )
     load_chunk_from_hf(chunk, ckpt, vocab_multiple)
     return chunk.to(device=ps.device, dtype=dtype)

@@ -28,6 +28,7 @@ from ..parallel.layers import VocabParallelEmbedding
 from ..parallel.linear_cross_entropy import linear_cross_entropy
 from ..parallel.state import ParallelState
 from .attention import ParallelAttention, document_causal_mask
+from .kernels import Kernels
 from .mlp import ParallelMLP
 from .norm import make_norm
 from .rope import RotaryEmbedding
@@ -36,13 +37,13 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, layer: int):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, layer: int, kernels: Kernels):
         super().__init__()
         sp = ps.sequence_parallel
-        self.input_norm = make_norm(cfg, sp)
-        self.attn = ParallelAttention(cfg, ps, layer)
-        self.post_attn_norm = make_norm(cfg, sp)
-        self.mlp = ParallelMLP(cfg, ps)
+        self.input_norm = make_norm(cfg, sp, kernels)
+        self.attn = ParallelAttention(cfg, ps, layer, kernels)
+        self.post_attn_norm = make_norm(cfg, sp, kernels)
+        self.mlp = ParallelMLP(cfg, ps, kernels)
 
     def forward(self, x, rope, mask, selective: bool = False):
         h = self.input_norm(x)
@@ -68,6 +69,7 @@ class ModelChunk(nn.Module):
         vocab_multiple: int = 128,
         recompute: str = "none",
         ce_chunk_tokens: int = 4096,
+        compile_backend: str | None = None,
     ):
         super().__init__()
         check_tp(cfg, ps.tp)
@@ -84,9 +86,10 @@ class ModelChunk(nn.Module):
             if cfg.positions == "learned":
                 self.pos_embed = nn.Embedding(cfg.max_positions, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg) if cfg.positions == "rope" else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, ps, i) for i in self.layer_ids})
+        kernels = Kernels(compile_backend)  # norm/RoPE/SwiGLU: eager, or fused by torch.compile
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, ps, i, kernels) for i in self.layer_ids})
         if post_process:
-            self.final_norm = make_norm(cfg, ps.sequence_parallel)
+            self.final_norm = make_norm(cfg, ps.sequence_parallel, kernels)
             if not (cfg.tie_embeddings and pre_process):
                 self.lm_head = nn.Linear(cfg.hidden_size, self.padded_vocab // ps.tp, bias=False)
                 if cfg.tie_embeddings:

@@ -9,12 +9,13 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.state import ParallelState
+from .kernels import Kernels
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, kernels: Kernels):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.kernels = cfg, kernels
         fc1_out = 2 * cfg.ffn_size if cfg.gated_mlp else cfg.ffn_size
         # With gate/up fused, each rank's fc1 slice is [gate_r; up_r] (see checkpoint.rules).
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_out, ps, bias=cfg.mlp_bias)
@@ -24,7 +25,7 @@ class ParallelMLP(nn.Module):
         h = self.fc1(x)
         if self.cfg.gated_mlp:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = self.kernels.swiglu(gate, up)
         else:
             h = F.gelu(h, approximate="tanh" if self.cfg.activation == "gelu_tanh" else "none")
         return self.fc2(h)

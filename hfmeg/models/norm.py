@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .kernels import Kernels
 
 
 def _mark(p: nn.Parameter, sequence_parallel: bool) -> nn.Parameter:
@@ -21,17 +22,13 @@ def _mark(p: nn.Parameter, sequence_parallel: bool) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, sequence_parallel: bool):
+    def __init__(self, hidden: int, eps: float, sequence_parallel: bool, kernels: Kernels):
         super().__init__()
-        self.eps = eps
+        self.eps, self.kernels = eps, kernels
         self.weight = _mark(nn.Parameter(torch.empty(hidden)), sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale in the input dtype, as the HF reference does.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):
@@ -45,6 +42,7 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-def make_norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
-    cls = RMSNorm if cfg.norm == "rms" else LayerNorm
-    return cls(cfg.hidden_size, cfg.norm_eps, sequence_parallel)
+def make_norm(cfg: ModelConfig, sequence_parallel: bool, kernels: Kernels) -> nn.Module:
+    if cfg.norm == "rms":
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel, kernels)
+    return LayerNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel)

@@ -1,4 +1,4 @@
-"""Rotary position embeddings in HF's rotate-half convention.
+"""Rotary position embeddings: cos/sin tables (the rotation itself is `kernels.rope`).
 
 Frequencies come from `transformers`' own `ROPE_INIT_FUNCTIONS` for the scaled
 types (linear, dynamic NTK, llama3, yarn), so every scaling variant matches the
@@ -47,13 +47,3 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[b, heads, s, d]` by cos/sin `[b, s, d]`."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
