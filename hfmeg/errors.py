@@ -15,3 +15,7 @@ class CheckpointError(HfmegError):
 
 class LayoutError(HfmegError):
     """A parallel layout (TP/PP/DP/VPP, micro-batches) that does not fit the world or the model."""
+
+
+class DataError(HfmegError):
+    """Training data that cannot be read or used (names the file and record or the config field)."""

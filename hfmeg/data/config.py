@@ -1,0 +1,77 @@
+"""`DataConfig`: the one typed description of a run's training and eval data.
+
+A source's `path` is local when it names an existing file or folder or is a glob
+(`*`, `?`, `[`); a path ending in a data extension that does not exist is an
+error, not a Hub lookup. Anything else is a Hugging Face Hub dataset id, read with
+`datasets.load_dataset(path, config, split=, revision=, streaming=True)`.
+
+`fields` maps the canonical field names of a format to the record's own keys:
+- alpaca: instruction, input, output, system (input and system optional);
+- messages: messages, role, content;
+- sharegpt: conversations, from, value;
+- text: text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import DataError
+
+Format = Literal["alpaca", "messages", "sharegpt", "text"]
+
+DEFAULT_FIELDS: dict[str, dict[str, str]] = {
+    "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
+    "messages": {"messages": "messages", "role": "role", "content": "content"},
+    "sharegpt": {"messages": "conversations", "role": "from", "content": "value"},
+    "text": {"text": "text"},
+}
+
+
+@dataclass
+class SourceConfig:
+    path: str  # Hub dataset id, or a local file / folder / glob (json, jsonl, parquet, txt)
+    config: str | None = None  # Hub dataset config name
+    split: str = "train"
+    revision: str | None = None  # Hub branch, tag or commit
+    weight: float = 1.0  # relative sampling weight when several sources are mixed
+    format: Format | None = None  # overrides DataConfig.format for this source
+    fields: dict[str, str] = field(default_factory=dict)  # canonical name -> record key
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=list)
+    format: Format = "alpaca"
+    system_prompt: str | None = None  # default system message for alpaca/messages records without one
+    train_on_prompt: bool = False  # False: loss on response tokens only
+    seq_len: int = 2048
+    packing: bool = True  # False: one example per row, padded to seq_len
+    overlong: Literal["truncate", "drop", "split"] = "truncate"  # split: pieces of seq_len (text)
+    bad_data: Literal["report", "fail"] = "report"
+    seed: int = 0  # seeds the weighted mixing of sources
+    eval_sources: list[SourceConfig] = field(default_factory=list)
+    eval_holdout: int = 0  # first N records of the training mixture go to eval instead
+    read_ahead: int = 64  # records rendered and tokenized per batch call
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise DataError(f"data.seq_len must be >= 2, got {self.seq_len}")
+        if self.read_ahead < 1:
+            raise DataError(f"data.read_ahead must be >= 1, got {self.read_ahead}")
+        if self.eval_holdout < 0:
+            raise DataError(f"data.eval_holdout must be >= 0, got {self.eval_holdout}")
+        for i, s in enumerate(self.sources + self.eval_sources):
+            if not s.weight > 0:
+                raise DataError(f"data source {s.path!r}: weight must be > 0, got {s.weight}")
+            fmt = s.format or self.format
+            unknown = set(s.fields) - set(DEFAULT_FIELDS[fmt])
+            if unknown:
+                raise DataError(f"data source {s.path!r}: unknown field {sorted(unknown)[0]!r} for format "
+                                f"{fmt} (known: {', '.join(DEFAULT_FIELDS[fmt])})")
+
+    def fields_of(self, source: SourceConfig) -> tuple[str, dict[str, str]]:
+        """The format of `source` and its canonical-name -> record-key mapping."""
+        fmt = source.format or self.format
+        return fmt, {**DEFAULT_FIELDS[fmt], **source.fields}

@@ -1,0 +1,181 @@
+"""Records -> token ids + per-token loss targets.
+
+Every SFT format becomes a chat (`[{"role", "content"}]`) first:
+- alpaca: optional system (the record's `system` field, else `DataConfig.system_prompt`),
+  user = instruction, or instruction + "\\n\\n" + input when input is not empty,
+  assistant = output;
+- messages: the list as is; sharegpt: `from`/`value` with roles human->user,
+  gpt/chatgpt/model->assistant, system->system.
+`DataConfig.system_prompt` is prepended to chats that start without a system message.
+
+The chat is rendered to text with `tokenizer.apply_chat_template` and the
+tokenizer's own `chat_template`; a tokenizer without one gets `DEFAULT_CHAT_TEMPLATE`:
+
+    <bos>{system}\\n\\n### Instruction:\\n{user}\\n\\n### Response:\\n{assistant}<eos>### Instruction:\\n...
+
+Loss mask: the text of assistant turn i is the character span from the end of
+`render(messages[:i], add_generation_prompt=True)` to the end of
+`render(messages[:i+1])` — its content plus the template's end-of-turn marker, so
+the model learns to stop. (Templates must render a conversation's prefixes as
+string prefixes of the whole; nearly all do, and one that does not is reported.)
+The whole text is tokenized once with offsets (a fast tokenizer is required) and
+token t is a target when its last character lies in an assistant span.
+`train_on_prompt` makes every token a target.
+
+Plain text: `[bos] + tokens + [eos]` (when the tokenizer has them), all targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import DataError
+from .config import DataConfig
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'assistant' %}### Response:\n{{ m['content'] }}{{ eos_token }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}### Response:\n{% endif %}"
+)
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                  "model": "assistant", "assistant": "assistant", "system": "system"}
+
+
+class BadRecord(Exception):
+    """A record that cannot be used; `kind` is one of the bad-data report's kinds."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class Rendered:
+    text: str
+    spans: list[tuple[int, int]]  # character spans of loss targets
+    add_bos_eos: bool = False  # plain text: ids added around the tokens
+
+
+@dataclass
+class Doc:
+    ids: np.ndarray  # int64 [L]
+    target: np.ndarray  # bool [L]: token t is a loss target (predicted from t-1)
+
+
+def _text(rec: dict[str, Any], key: str, required: bool) -> str:
+    v = rec.get(key)
+    if v is None:
+        if required:
+            raise BadRecord("missing_field", f"missing field {key!r}")
+        return ""
+    if not isinstance(v, str):
+        raise BadRecord("missing_field", f"field {key!r} is {type(v).__name__}, expected a string")
+    return v
+
+
+class Formatter:
+    def __init__(self, cfg: DataConfig, tokenizer):
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        if self.backend is None:
+            raise DataError(f"{type(tokenizer).__name__}: a fast (tokenizers-backed) tokenizer is needed "
+                            "for loss masks from character offsets")
+        self.template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def render(self, rec: dict[str, Any], fmt: str, fields: dict[str, str]) -> Rendered:
+        """The text of one record and its target spans; raises `BadRecord`."""
+        if fmt == "text":
+            text = _text(rec, fields["text"], True)
+            if not text.strip():
+                raise BadRecord("empty_response", f"empty field {fields['text']!r}")
+            return Rendered(text, [(0, len(text))], add_bos_eos=True)
+        if fmt == "alpaca":
+            chat = self._alpaca(rec, fields)
+        else:
+            chat = self._chat(rec, fields, sharegpt=fmt == "sharegpt")
+        if self.cfg.system_prompt and chat[0]["role"] != "system":
+            chat.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        return self._render_chat(chat)
+
+    def _alpaca(self, rec: dict[str, Any], f: dict[str, str]) -> list[dict[str, str]]:
+        instruction = _text(rec, f["instruction"], True)
+        extra = _text(rec, f["input"], False)
+        output = _text(rec, f["output"], True)
+        system = _text(rec, f["system"], False)
+        if not output.strip():
+            raise BadRecord("empty_response", f"empty field {f['output']!r}")
+        user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+        chat = [{"role": "system", "content": system}] if system.strip() else []
+        return chat + [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+    def _chat(self, rec: dict[str, Any], f: dict[str, str], sharegpt: bool) -> list[dict[str, str]]:
+        msgs = rec.get(f["messages"])
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRecord("missing_field", f"field {f['messages']!r} must be a non-empty list")
+        chat = []
+        for i, m in enumerate(msgs):
+            role, content = (m.get(f["role"]), m.get(f["content"])) if isinstance(m, dict) else (None, None)
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise BadRecord("missing_field", f"{f['messages']}[{i}] needs string fields "
+                                                 f"{f['role']!r} and {f['content']!r}")
+            if sharegpt:
+                if role not in SHAREGPT_ROLES:
+                    raise BadRecord("invalid_record", f"{f['messages']}[{i}]: unknown role {role!r}")
+                role = SHAREGPT_ROLES[role]
+            if role == "assistant" and not content.strip():
+                raise BadRecord("empty_response", f"{f['messages']}[{i}]: empty assistant message")
+            chat.append({"role": role, "content": content})
+        if not any(m["role"] == "assistant" for m in chat):
+            raise BadRecord("empty_response", "no assistant message")
+        return chat
+
+    def _apply(self, chat: list[dict[str, str]], generation: bool = False) -> str:
+        try:
+            return self.tok.apply_chat_template(chat, chat_template=self.template, tokenize=False,
+                                                add_generation_prompt=generation)
+        except Exception as e:  # jinja raises for chats a template rejects (e.g. roles not alternating)
+            raise BadRecord("invalid_record", f"chat template rejects the record ({e})") from e
+
+    def _render_chat(self, chat: list[dict[str, str]]) -> Rendered:
+        full = self._apply(chat)
+        if self.cfg.train_on_prompt:
+            return Rendered(full, [(0, len(full))])
+        spans = []
+        for i, m in enumerate(chat):
+            if m["role"] != "assistant":
+                continue
+            before, upto = self._apply(chat[:i], generation=True), self._apply(chat[: i + 1])
+            if not (full.startswith(before) and full.startswith(upto)):
+                raise DataError("the chat template does not render a conversation's prefixes as prefixes of "
+                                "the whole, so response tokens cannot be located; set train_on_prompt")
+            spans.append((len(before), len(upto)))
+        return Rendered(full, spans)
+
+    def tokenize(self, batch: list[Rendered]) -> list[Doc]:
+        """Tokenize rendered records in one batched call of the fast tokenizer."""
+        encs = self.backend.encode_batch([r.text for r in batch], add_special_tokens=False)
+        docs = []
+        for r, e in zip(batch, encs):
+            if r.add_bos_eos:
+                ids = self.bos + e.ids + self.eos
+                target = np.ones(len(ids), dtype=bool)
+            else:
+                ids = e.ids
+                ends = np.fromiter((end - 1 if end > start else -1 for start, end in e.offsets),
+                                   dtype=np.int64, count=len(ids))
+                target = np.zeros(len(ids), dtype=bool)
+                for a, b in r.spans:
+                    target |= (ends >= a) & (ends < b)
+            docs.append(Doc(np.asarray(ids, dtype=np.int64), target))
+        return docs

@@ -1,0 +1,226 @@
+"""The data pipeline the trainer iterates: records -> documents -> rows -> global batches.
+
+    data = build_data(cfg, tokenizer, dp_rank=ps.dp_rank, dp_size=ps.dp,
+                      micro_batch_size=mbs, global_batch_size=gbs)
+    for batch in data:            # one StepBatch per optimizer step, forever (sources cycle)
+        batch.microbatches        # this DP rank's micro-batches: dicts of [mbs, seq_len] int64 tensors
+        batch.num_tokens          # non-ignored labels of the whole global batch (loss normaliser)
+    state = data.state_dict()     # JSON-able, identical on every rank; save with the checkpoint
+    data.load_state_dict(state)   # the next batch is the one an uninterrupted run would yield
+
+    for batch in build_eval_data(...):  # finite: eval_sources once, or the eval_holdout records
+
+Every rank of every layout runs the same deterministic pipeline (mixture of
+sources -> `Formatter` -> overlong policy -> `Packer`), so global batch k is the
+same rows whatever TP/PP/DP; see `batches.py` for the DP slicing. Records are
+rendered and tokenized `read_ahead` at a time (one batched tokenizer call); the
+state only counts records whose documents were consumed, so read-ahead never
+leaks into a resumed stream. Records are not shuffled: they are read in file order
+and mixed across sources by weight (shuffle files offline when order matters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+import numpy as np
+
+from ..errors import DataError
+from .batches import StepBatch, check_batch_layout, dp_slice, stack_rows
+from .config import DataConfig
+from .formats import BadRecord, Doc, Formatter
+from .mixing import Mixture, Position, single_pass
+from .packing import Packer, build_row
+from .sources import Source
+from .state import VERSION, check_state, fingerprint, position_in, position_out
+from .validate import DataReport
+
+
+@dataclass
+class Item:
+    """The outcome of one raw record: its documents (0, 1, or pieces) and/or its problem."""
+
+    source: int
+    where: str
+    position: Position | None
+    docs: list[Doc] = field(default_factory=list)
+    problem: tuple[str, str] | None = None  # (kind, message)
+
+
+def fit(doc: Doc, cfg: DataConfig) -> tuple[list[Doc], tuple[str, str] | None]:
+    """Apply the overlong policy; a document without any target token is unusable."""
+    n, s = len(doc.ids), cfg.seq_len
+    if n > s and cfg.overlong == "split":
+        pieces = [Doc(doc.ids[i:i + s], doc.target[i:i + s]) for i in range(0, n, s)]
+        return [p for p in pieces if p.target[1:].any()], None
+    if n > s and cfg.overlong == "drop":
+        return [], ("overlong", f"{n} tokens > seq_len {s}; dropped")
+    problem = None
+    if n > s:
+        doc = Doc(doc.ids[:s], doc.target[:s])
+        problem = ("overlong", f"{n} tokens > seq_len {s}; truncated")
+    if not doc.target[1:].any():
+        if problem:
+            return [], ("overlong", f"{n} tokens > seq_len {s}; no response token left after truncation, dropped")
+        return [], ("empty_response", "no token to train on")
+    return [doc], problem
+
+
+def documents(cfg: DataConfig, fmt: Formatter, sources: list[Source], raws: Iterator) -> Iterator[Item]:
+    fields = [cfg.fields_of(s.cfg) for s in sources]
+    while chunk := list(islice(raws, cfg.read_ahead)):
+        items, rendered, owners = [], [], []
+        for c, raw, pos in chunk:
+            item = Item(c, raw.where, pos)
+            items.append(item)
+            if raw.problem is not None:
+                item.problem = ("malformed_json", raw.problem)
+                continue
+            try:
+                rendered.append(fmt.render(raw.record, *fields[c]))
+                owners.append(item)
+            except BadRecord as e:
+                item.problem = (e.kind, str(e))
+        for item, doc in zip(owners, fmt.tokenize(rendered) if rendered else []):
+            item.docs, item.problem = fit(doc, cfg)
+        yield from items
+
+
+def consume(item: Item, packer: Packer, report: DataReport) -> None:
+    if item.problem:
+        report.bad(item.problem[0], item.where, item.problem[1])
+    for d in item.docs:
+        packer.add(d)
+    report.documents += len(item.docs)
+
+
+def pad_id_of(tokenizer) -> int:
+    for t in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if t is not None:
+            return int(t)
+    return 0
+
+
+class _Pipeline:
+    def __init__(self, cfg: DataConfig, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size):
+        check_batch_layout(global_batch_size, micro_batch_size, dp_size, dp_rank)
+        self.cfg = cfg
+        self.formatter = Formatter(cfg, tokenizer)
+        self.sources = [Source(s) for s in sources]
+        self.report = DataReport(cfg.bad_data)
+        self.packer = Packer(cfg.seq_len, cfg.packing, pad_id_of(tokenizer))
+        self.layout = (dp_rank, dp_size, micro_batch_size)
+        self.global_batch_size = global_batch_size
+
+    def _slice(self, rows: list[dict[str, np.ndarray]]) -> StepBatch:
+        return dp_slice(stack_rows(rows), *self.layout)
+
+
+class TrainData(_Pipeline):
+    """Infinite, resumable iterator of this DP rank's `StepBatch`es (see the module docstring)."""
+
+    def __init__(self, cfg: DataConfig, tokenizer, *, dp_rank: int, dp_size: int, micro_batch_size: int,
+                 global_batch_size: int):
+        if not cfg.sources:
+            raise DataError("data.sources is empty: name at least one dataset")
+        super().__init__(cfg, tokenizer, cfg.sources, dp_rank, dp_size, micro_batch_size, global_batch_size)
+        self.step = 0
+        self.position: Position | None = None  # None until the first record is consumed
+        self._items: Iterator[Item] | None = None
+        self._epoch: list[tuple[int, bool, int] | None] = [None] * len(self.sources)
+
+    def initial_position(self) -> Position:
+        """Where training starts: after the records held out for eval."""
+        mixture = Mixture(self.sources, self.cfg.seed)
+        pos = mixture.pos.copy()
+        for _, _, pos in islice(mixture, self.cfg.eval_holdout):
+            pass
+        return pos
+
+    def __iter__(self) -> TrainData:
+        return self
+
+    def __next__(self) -> StepBatch:
+        if self.position is None:
+            self.position = self.initial_position()
+        if self._items is None:
+            raws = iter(Mixture(self.sources, self.cfg.seed, self.position))
+            self._items = documents(self.cfg, self.formatter, self.sources, raws)
+        rows = []
+        while len(rows) < self.global_batch_size:
+            if self.packer.ready:
+                rows.append(self.packer.take())
+                continue
+            item = next(self._items)
+            consume(item, self.packer, self.report)
+            self.position = item.position
+            self._check_epoch(item)
+        self.step += 1
+        return self._slice(rows)
+
+    def _check_epoch(self, item: Item) -> None:
+        """Fail instead of cycling forever over a source none of whose records is usable."""
+        c, pos = item.source, item.position
+        epoch, index = pos.epochs[c], pos.index[c]
+        seen = self._epoch[c]
+        if seen is None or seen[0] != epoch:
+            if seen is not None and seen[1] and seen[2] == 0:
+                raise DataError(f"data source {self.sources[c].name}: no usable record in a whole epoch "
+                                f"({self.report.summary()})")
+            seen = (epoch, index == 1, 0)
+        self._epoch[c] = (seen[0], seen[1], seen[2] + len(item.docs))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": VERSION, "fingerprint": fingerprint(self.cfg), "step": self.step,
+                "position": position_out(self.position or self.initial_position()),
+                "packer": self.packer.state_dict(), "report": self.report.state_dict()}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        check_state(d, self.cfg)
+        self.step = int(d["step"])
+        self.position = position_in(d["position"])
+        self.packer.load_state_dict(d["packer"])
+        self.report.load_state_dict(d["report"])
+        self._items = None
+        self._epoch = [None] * len(self.sources)
+
+
+class EvalData(_Pipeline):
+    """Finite eval batches: `eval_sources` read once each, else the `eval_holdout` records.
+
+    The last global batch is filled with all-padding rows (no labels), so every DP
+    rank gets the same number of micro-batches.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer, *, dp_rank: int, dp_size: int, micro_batch_size: int,
+                 global_batch_size: int):
+        if not cfg.eval_sources and not cfg.eval_holdout:
+            raise DataError("no eval data: set data.eval_sources or data.eval_holdout")
+        sources = cfg.eval_sources or cfg.sources
+        super().__init__(cfg, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size)
+
+    def __iter__(self) -> Iterator[StepBatch]:
+        cfg, packer = self.cfg, self.packer
+        if cfg.eval_sources:
+            raws = single_pass(self.sources)
+        else:
+            raws = islice(Mixture(self.sources, cfg.seed), cfg.eval_holdout)
+        self.report = DataReport(cfg.bad_data)
+        rows: list[dict[str, np.ndarray]] = []
+        for item in documents(cfg, self.formatter, self.sources, raws):
+            consume(item, packer, self.report)
+            while packer.ready:
+                rows.append(packer.take())
+                if len(rows) == self.global_batch_size:
+                    yield self._slice(rows)
+                    rows = []
+        packer.flush()
+        rows += [packer.take() for _ in range(len(packer.ready))]
+        g = self.global_batch_size
+        for i in range(0, len(rows), g):
+            last = rows[i:i + g]
+            yield self._slice(last + [build_row([], cfg.seq_len, packer.pad_id)] * (g - len(last)))
+
