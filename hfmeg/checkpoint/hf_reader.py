@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
+from .st_stream import CODE_DTYPES
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -101,6 +102,14 @@ class HFCheckpoint:
         if path.suffix == ".safetensors":
             return tuple(handle.get_slice(key).get_shape())
         return tuple(handle[key].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        key = self._resolve(name)
+        path = self._files[key]
+        handle = self._open(path)
+        if path.suffix == ".safetensors":
+            return CODE_DTYPES[handle.get_slice(key).get_dtype()]
+        return handle[key].dtype
 
     def files(self) -> list[Path]:
         return sorted(set(self._files.values()))

@@ -1,0 +1,130 @@
+"""HF <-> Megatron-style TP x PP shards, streaming.
+
+`hf_to_mp` and `reshard_mp` (reshard.py) share `write_mp_checkpoint`: for each
+pipeline rank it opens that rank's TP files (streaming safetensors writers whose
+headers are computed up front from the shapes), then walks the rank's tensor
+rules in file order; each rule's source tensors are read once (`source.get`, lazy
+per tensor), cut into the TP slices by `rules.to_local`, and each slice is written
+straight to its rank file. The largest thing in memory is therefore one full
+tensor plus one slice (the embedding, for LLaMA-7B ~0.26 GB in bf16), never a
+rank file or the model.
+
+The source is anything with `folder`, `shape(name)`, `dtype(name)` and `get(name)`
+by HF name: an `HFCheckpoint` for conversion, an `MPCheckpoint` (which merges
+slices with `rules.to_hf` on demand) for resharding. `mp_to_hf` writes HF shards
+from an `MPCheckpoint` (hf_writer.py).
+
+Everything that can be checked before writing is checked first (config, layout,
+every tensor's presence and shape), and all output goes through
+`atomic_output_dir`, so bad input leaves no output folder behind.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig, load_hf_config, model_config_from_hf
+from ..errors import CheckpointError, UnsupportedConfigError
+from .atomic import atomic_output_dir
+from .hf_reader import HFCheckpoint
+from .hf_writer import parse_size, write_hf_folder
+from .hub_source import resolve_hf_source
+from .mp_layout import HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, parse_dtype, write_latest
+from .mp_reader import MPCheckpoint, local_shape, rank_rules
+from .rules import expected_hf_shape, to_local
+from .st_stream import StreamingSafetensorsWriter
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
+
+
+def load_model_config(folder: Path) -> ModelConfig:
+    """The normalised config of an HF folder; refuses architectures other than the causal-LM heads."""
+    hf = load_hf_config(folder)
+    cfg = model_config_from_hf(hf)
+    for arch in getattr(hf, "architectures", None) or []:
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedConfigError(
+                f"{folder / 'config.json'} field architectures: {arch!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+    return cfg
+
+
+def check_source(source, cfg: ModelConfig, layout: MPLayout) -> None:
+    """Every tensor the layout needs exists in `source` with the shape config.json implies."""
+    for p in range(layout.pp):
+        for rule in rank_rules(cfg, layout, p):
+            for j, name in enumerate(rule.hf):
+                got, want = tuple(source.shape(name)), expected_hf_shape(rule, j, cfg)
+                if got != want:
+                    raise CheckpointError(
+                        f"{source.folder}: tensor {name} has shape {list(got)}, config.json implies {list(want)}"
+                    )
+
+
+def write_mp_shards(source, cfg: ModelConfig, layout: MPLayout, iter_dir: Path, dtype: torch.dtype | None) -> str:
+    """Write every rank file of `layout` into `iter_dir`; returns the dtype name for the metadata."""
+    tp, mult = layout.tp, layout.vocab_multiple
+    written: set[torch.dtype] = set()
+    for p in range(layout.pp):
+        rules = rank_rules(cfg, layout, p)
+        targets = [dtype or source.dtype(rule.hf[0]) for rule in rules]
+        written.update(targets)
+        specs = [{} for _ in range(tp)]
+        for rule, target in zip(rules, targets):
+            shapes = [tuple(source.shape(n)) for n in rule.hf]
+            for t in range(tp):
+                specs[t][rule.local] = (target, local_shape(rule, cfg, shapes, tp, t, mult))
+        with ExitStack() as stack:
+            writers = []
+            for t in range(tp):
+                rank_dir = iter_dir / layout.rank_dir(t, p)
+                rank_dir.mkdir()
+                writers.append(stack.enter_context(
+                    StreamingSafetensorsWriter(rank_dir / RANK_FILE, specs[t], {"format": "pt"})))
+            for rule, target in zip(rules, targets):
+                full = [source.get(n) for n in rule.hf]
+                for t, writer in enumerate(writers):
+                    writer.write(rule.local, to_local(rule, full, cfg, tp, t, mult).to(target))
+                del full
+    return dtype_name(written.pop()) if len(written) == 1 else "mixed"
+
+
+def write_mp_checkpoint(source, cfg: ModelConfig, layout: MPLayout, hf_side_dir: Path, out: str | Path, *,
+                        dtype: torch.dtype | None, overwrite: bool, inputs: tuple[Path, ...]) -> Path:
+    """Check `source` against `layout`, then write a complete release checkpoint to `out`, atomically."""
+    check_source(source, cfg, layout)
+    with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
+        iter_dir = tmp / "release"
+        iter_dir.mkdir()
+        layout.dtype = write_mp_shards(source, cfg, layout, iter_dir, dtype)
+        layout.write(iter_dir)
+        copy_hf_side_files(hf_side_dir, iter_dir / HF_DIR)
+        write_latest(tmp, None)
+    return Path(out)
+
+
+def hf_to_mp(hf: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None,
+             dtype: str = "auto", vocab_multiple: int = 128, overwrite: bool = False) -> Path:
+    """Convert an HF folder (or Hub id) into the MP shard layout at `out`."""
+    folder = resolve_hf_source(hf)
+    target = parse_dtype(dtype)
+    source = HFCheckpoint(folder)
+    cfg = load_model_config(folder)
+    layout = MPLayout.build(cfg, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, vocab_multiple=vocab_multiple)
+    return write_mp_checkpoint(source, cfg, layout, folder, out, dtype=target, overwrite=overwrite,
+                               inputs=(folder,))
+
+
+def mp_to_hf(mp: str | Path, out: str | Path, *, dtype: str = "auto", max_shard_size: str | int = "5GB",
+             overwrite: bool = False, iteration: int | None = None) -> Path:
+    """Convert an MP checkpoint back into an HF folder that `from_pretrained` loads."""
+    target = parse_dtype(dtype)
+    max_bytes = parse_size(max_shard_size)
+    source = MPCheckpoint(mp, iteration)
+    with atomic_output_dir(out, overwrite=overwrite, inputs=(Path(mp),)) as tmp:
+        write_hf_folder(source, tmp, target, max_bytes)
+    return Path(out)
