@@ -1,0 +1,153 @@
+"""Contiguous parameter / gradient buffers and their deterministic bucket layout.
+
+For each model chunk and each parameter dtype there is one `BufferGroup`: a flat
+parameter buffer (the model's parameters become views into it) and a flat fp32
+main-gradient buffer with the same layout (`param.main_grad` is a view into it).
+
+Bucket assignment (deterministic: it depends only on the chunk's parameter list,
+`bucket_size`, the DP size and the pipeline/tie flags, so every rank of a TP or DP
+group computes the same layout):
+
+1. Parameters requiring gradients are taken in *gradient-ready order*: the reverse
+   of their registration order, which for `ModelChunk` is forward order (embeddings,
+   layers 0..n, final norm, LM head), so the LM head's gradient is ready first.
+2. Walking that order, parameters are appended to the open bucket; the bucket is
+   closed once it holds at least `bucket_size` elements. A parameter is never split
+   between buckets.
+3. A tied-embedding copy (`embed.weight` on the first stage / `lm_head.weight` with
+   `shared_embedding` on the last, only when PP > 1) gets a bucket of its own, so its
+   DP shard boundaries are identical on both stages and the shard can be summed over
+   the embedding group directly.
+4. Each bucket is padded with zeros to a multiple of `shards` (the DP size for the
+   sharded modes) so that it splits into `shards` equal, contiguous shards. Shard
+   `r` belongs to DP rank `r`; a parameter may straddle a shard boundary.
+
+Buckets are numbered globally across groups in construction order (chunk 0 first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Slot:
+    """One parameter's place inside its bucket."""
+
+    name: str
+    param: nn.Parameter
+    offset: int  # element offset inside the bucket
+    numel: int
+
+
+@dataclass
+class Bucket:
+    index: int
+    chunk: int
+    start: int  # element offset inside the group buffers
+    size: int  # padded size, a multiple of `shards`
+    shards: int
+    slots: list[Slot] = field(default_factory=list)
+    param_buf: torch.Tensor | None = None  # views of the group buffers [start, start + size)
+    grad_buf: torch.Tensor | None = None
+    isolated: bool = False  # a tied-embedding bucket
+
+    @property
+    def shard_size(self) -> int:
+        return self.size // self.shards
+
+    def shard(self, buf: torch.Tensor, rank: int) -> torch.Tensor:
+        n = self.shard_size
+        return buf[rank * n : (rank + 1) * n]
+
+    def segments(self, rank: int) -> list[tuple[Slot, int, int]]:
+        """(slot, lo, hi): the part [lo, hi) of each parameter's flat range inside shard `rank`."""
+        a, b = rank * self.shard_size, (rank + 1) * self.shard_size
+        out = []
+        for s in self.slots:
+            lo, hi = max(a, s.offset), min(b, s.offset + s.numel)
+            if lo < hi:
+                out.append((s, lo - s.offset, hi - s.offset))
+        return out
+
+
+@dataclass
+class BufferGroup:
+    chunk: int
+    dtype: torch.dtype
+    param_buffer: torch.Tensor
+    grad_buffer: torch.Tensor
+    buckets: list[Bucket]
+
+
+def _is_isolated(name: str, param: nn.Parameter, chunk: nn.Module, pp: int) -> bool:
+    if pp == 1:
+        return False
+    if getattr(param, "shared_embedding", False):
+        return True
+    cfg = getattr(chunk, "cfg", None)
+    return name == "embed.weight" and cfg is not None and cfg.tie_embeddings and not chunk.post_process
+
+
+def plan_buckets(named: list[tuple[str, nn.Parameter]], isolated: set[str], bucket_size: int,
+                 shards: int, first_index: int, chunk: int) -> list[Bucket]:
+    """Cut `named` (already in gradient-ready order) into padded buckets; see the module docstring."""
+    buckets: list[Bucket] = []
+    open_slots: list[tuple[str, nn.Parameter]] = []
+    cursor = 0
+
+    def close(slots, alone=False):
+        nonlocal cursor
+        if not slots:
+            return
+        b = Bucket(first_index + len(buckets), chunk, cursor, 0, shards, isolated=alone)
+        offset = 0
+        for name, p in slots:
+            b.slots.append(Slot(name, p, offset, p.numel()))
+            offset += p.numel()
+        b.size = -(-offset // shards) * shards
+        cursor += b.size
+        buckets.append(b)
+
+    for name, p in named:
+        if name in isolated:
+            close(open_slots)
+            open_slots = []
+            close([(name, p)], alone=True)
+            continue
+        open_slots.append((name, p))
+        if sum(q.numel() for _, q in open_slots) >= bucket_size:
+            close(open_slots)
+            open_slots = []
+    close(open_slots)
+    return buckets
+
+
+def build_groups(chunks: list[nn.Module], pp: int, bucket_size: int, shards: int,
+                 grad_dtype: torch.dtype = torch.float32) -> list[BufferGroup]:
+    """Allocate the buffers, move every parameter into them and set `param.main_grad`."""
+    groups: list[BufferGroup] = []
+    index = 0
+    for c, chunk in enumerate(chunks):
+        named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad][::-1]
+        for dtype in sorted({p.dtype for _, p in named}, key=str):
+            mine = [(n, p) for n, p in named if p.dtype == dtype]
+            isolated = {n for n, p in mine if _is_isolated(n, p, chunk, pp)}
+            buckets = plan_buckets(mine, isolated, bucket_size, shards, index, c)
+            index += len(buckets)
+            total = sum(b.size for b in buckets)
+            device = mine[0][1].device
+            pbuf = torch.zeros(total, dtype=dtype, device=device)
+            gbuf = torch.zeros(total, dtype=grad_dtype, device=device)
+            for b in buckets:
+                b.param_buf, b.grad_buf = pbuf[b.start : b.start + b.size], gbuf[b.start : b.start + b.size]
+                for s in b.slots:
+                    view = b.param_buf[s.offset : s.offset + s.numel].view_as(s.param)
+                    view.copy_(s.param.detach())
+                    s.param.data = view
+                    s.param.main_grad = b.grad_buf[s.offset : s.offset + s.numel].view_as(s.param)
+            groups.append(BufferGroup(c, dtype, pbuf, gbuf, buckets))
+    return groups

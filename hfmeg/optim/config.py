@@ -1,0 +1,75 @@
+"""`OptimizerConfig`: the one source of truth for the optimizer and gradient sync.
+
+Which parameters are excluded from weight decay is decided here, by name, so the
+distributed optimizer and any single-process reference (tests, tools) use the same
+rule: `no_weight_decay(name, cfg)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import UnsupportedConfigError
+
+MODES = ("ddp", "distributed", "overlapped")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW hyper-parameters plus how gradients and state are distributed.
+
+    mode:
+      - `ddp`: gradients all-reduced bucket by bucket during backward, optimizer replicated;
+      - `distributed`: state sharded over DP, reduce-scatter after backward and
+        all-gather after the update, both in series with compute (Megatron's
+        DistributedOptimizer; the in-house anchor);
+      - `overlapped`: state sharded, reduce-scatter started bucket by bucket during the
+        last micro-batch's backward, all-gather waited bucket by bucket in the next forward.
+    """
+
+    mode: Literal["ddp", "distributed", "overlapped"] = "overlapped"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    no_decay_norms: bool = True
+    no_decay_biases: bool = True
+    no_decay_embeddings: bool = False  # embed.weight, pos_embed.weight, lm_head.weight
+    bucket_size: int = 40_000_000  # elements per gradient bucket (before DP padding)
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still computed)
+    impl: Literal["foreach", "fused"] = "foreach"  # torch.optim.AdamW implementation
+    # fp16 dynamic loss scaling (used only when the model has fp16 parameters)
+    initial_loss_scale: float = 2.0**16
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000  # overflow-free steps before the scale doubles
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise UnsupportedConfigError(f"optimizer field mode: {self.mode!r} is not one of {list(MODES)}")
+        if self.impl not in ("foreach", "fused"):
+            raise UnsupportedConfigError(f"optimizer field impl: {self.impl!r} is not 'foreach' or 'fused'")
+        if self.bucket_size < 1:
+            raise UnsupportedConfigError(f"optimizer field bucket_size: must be >= 1, got {self.bucket_size}")
+        if self.grad_clip < 0:
+            raise UnsupportedConfigError(f"optimizer field grad_clip: must be >= 0, got {self.grad_clip}")
+        if not (0 < self.min_loss_scale <= self.initial_loss_scale):
+            raise UnsupportedConfigError("optimizer field min_loss_scale: must be in (0, initial_loss_scale]")
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode != "ddp"
+
+
+EMBEDDING_NAMES = ("embed.weight", "pos_embed.weight", "lm_head.weight")
+
+
+def no_weight_decay(name: str, cfg: OptimizerConfig) -> bool:
+    """True when parameter `name` (hfmeg naming) is excluded from weight decay."""
+    leaf = name.rsplit(".", 2)
+    if cfg.no_decay_norms and len(leaf) >= 2 and leaf[-2].endswith("norm"):
+        return True
+    if cfg.no_decay_biases and name.endswith(".bias"):
+        return True
+    return cfg.no_decay_embeddings and name in EMBEDDING_NAMES

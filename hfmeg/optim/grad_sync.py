@@ -1,0 +1,112 @@
+"""Gradient accumulation into the main-grad buffer and the bucketed DP reduction.
+
+Every parameter gets a post-accumulate-grad hook. Autograd accumulates each
+micro-batch's gradient into `param.grad`; for parameters whose dtype matches the
+main-grad buffer, `param.grad` *is* the `main_grad` view, so autograd adds in place
+and the hook has nothing to copy. Otherwise (bf16/fp16 parameters) the hook adds
+`param.grad` into the fp32 `main_grad` and frees it.
+
+Communication happens only on the last micro-batch of a step, which the caller
+announces per model chunk with `set_last_microbatch(chunk, is_last)` before each
+backward. During that backward, each bucket counts its parameters' hooks; when the
+last one fires, the bucket's collective starts at once (async), while autograd goes
+on computing earlier layers' gradients:
+
+- sharded modes: reduce-scatter (a SUM: the loss is already normalised by the
+  global token count), so DP rank r ends up with the summed shard r in place;
+- `ddp`: all-reduce (SUM) of the whole bucket.
+
+In the `distributed` mode nothing is launched by hooks: `finish()` runs all
+reductions after backward, which is Megatron's non-overlapped behaviour. `finish()`
+also launches buckets that never became ready (parameters without gradients this
+step), then waits only for what is still in flight. With NCCL, `async_op=True`
+collectives run on NCCL's own communication stream (the side stream) and `wait()`
+makes the compute stream wait for them, so compute is never blocked by the launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.comm import reduce_scatter_flat
+from .buffers import Bucket, BufferGroup
+
+
+class GradSync:
+    def __init__(self, groups: list[BufferGroup], num_chunks: int, mode: str, dp_group, dp: int, dp_rank: int):
+        self.groups, self.mode, self.dp_group, self.dp, self.dp_rank = groups, mode, dp_group, dp, dp_rank
+        self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
+        self.is_last = [True] * num_chunks  # a step with a single backward needs no announcement
+        self._ready = [0] * len(self.buckets)
+        self._handles: dict[int, object] = {}
+        self._hooks = []
+        for b in self.buckets:
+            for s in b.slots:
+                if s.param.dtype == s.param.main_grad.dtype:
+                    s.param.grad = s.param.main_grad
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._hook(b)))
+
+    def set_last_microbatch(self, chunk_index: int, is_last: bool) -> None:
+        """Announce whether the next backward of chunk `chunk_index` is its last micro-batch of the step."""
+        self.is_last[chunk_index] = is_last
+
+    def _hook(self, bucket: Bucket):
+        def hook(p):
+            if p.grad.data_ptr() != p.main_grad.data_ptr():
+                p.main_grad.add_(p.grad)
+                p.grad = p.main_grad if p.dtype == p.main_grad.dtype else None
+            if not self.is_last[bucket.chunk]:
+                return
+            if bucket.index in self._handles:
+                raise RuntimeError(
+                    f"gradient of {_name(bucket, p)} arrived after bucket {bucket.index} was reduced: call "
+                    "set_last_microbatch(chunk, False) before every backward but the step's last"
+                )
+            self._ready[bucket.index] += 1
+            if self._ready[bucket.index] == len(bucket.slots) and self.mode != "distributed":
+                self._launch(bucket)
+
+        return hook
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._handles[bucket.index] = self._collective(bucket) if self.dp > 1 else None
+
+    def _collective(self, bucket: Bucket):
+        if self.mode == "ddp":
+            return dist.all_reduce(bucket.grad_buf, group=self.dp_group, async_op=True)
+        out = bucket.shard(bucket.grad_buf, self.dp_rank)
+        return reduce_scatter_flat(out, bucket.grad_buf, group=self.dp_group, async_op=True)
+
+    def in_flight(self) -> int:
+        return sum(1 for h in self._handles.values() if h is not None and not h.is_completed())
+
+    def finish(self) -> None:
+        """Launch what has not been launched yet, then wait for everything (call once per step)."""
+        for b in self.buckets:
+            if b.index not in self._handles:
+                self._launch(b)
+        for h in self._handles.values():
+            if h is not None:
+                h.wait()
+
+    def reset(self) -> None:
+        """Zero the main grads and forget this step's launches (after the update)."""
+        for g in self.groups:
+            g.grad_buffer.zero_()
+        self._handles.clear()
+        self._ready = [0] * len(self.buckets)
+        self.is_last = [True] * len(self.is_last)
+        for b in self.buckets:
+            for s in b.slots:
+                if s.param.dtype == s.param.main_grad.dtype:
+                    s.param.grad = s.param.main_grad
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _name(bucket: Bucket, p) -> str:
+    return next((s.name for s in bucket.slots if s.param is p), "a parameter")

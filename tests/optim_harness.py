@@ -1,0 +1,135 @@
+"""Shared pieces of the optimizer tests: data, a single-process AdamW reference, layouts.
+
+The reference is a TP=1 hfmeg chunk of the whole model trained with plain
+`torch.optim.AdamW` (decay / no-decay groups from `no_weight_decay`) and
+`torch.nn.utils.clip_grad_norm_`, one backward over the whole global batch per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from hfmeg.checkpoint.rules import chunk_rules, to_hf, to_local
+from hfmeg.models import build_chunk_from_hf
+from hfmeg.optim import DistributedOptimizer, OptimizerConfig, no_weight_decay
+from hfmeg.parallel.layout import rank_chunks, split_layers
+from hfmeg.parallel.state import ParallelConfig, ParallelState
+
+ROWS, SEQ, VOCAB = 4, 16, 300  # rows per micro-batch of the global batch
+
+
+def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((ROWS, 1), -100)], dim=1)
+    labels[0, :3] = -100  # some masked tokens, so the token count matters
+    return ids, labels
+
+
+def global_tokens(step: int, ga: int) -> int:
+    return sum(int((batch(step, m)[1] != -100).sum()) for m in range(ga))
+
+
+def make_ps(tp=1, pp=1, sp=False) -> ParallelState:
+    return ParallelState(ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp), dist.get_rank(),
+                         dist.get_world_size(), torch.device("cpu"))
+
+
+def reference(folder, cfg: OptimizerConfig, ga: int, steps: int, ps1: ParallelState):
+    """Single-process AdamW: returns (per-step losses, final {name: param})."""
+    model = build_chunk_from_hf(folder, ps1)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if not no_weight_decay(n, cfg)]},
+              {"params": [p for n, p in named if no_weight_decay(n, cfg)], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                            weight_decay=cfg.weight_decay)
+    losses = []
+    for step in range(steps):
+        ntok = global_tokens(step, ga)
+        total = 0.0
+        for m in range(ga):
+            ids, labels = batch(step, m)
+            loss = model(ids, labels=labels).sum() / ntok
+            loss.backward()
+            total += loss.item()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in named}
+
+
+def build_rank_chunk(folder, ps: ParallelState, dtype=torch.float32):
+    if ps.pp == 1:
+        return build_chunk_from_hf(folder, ps, dtype=dtype)
+    from hfmeg.config import load_hf_config, model_config_from_hf
+
+    cfg = model_config_from_hf(load_hf_config(folder))
+    spec = rank_chunks(split_layers(cfg.num_layers, ps.pp), ps.pp_rank)[0]
+    return build_chunk_from_hf(folder, ps, spec.layers, pre_process=spec.pre_process,
+                               post_process=spec.post_process, dtype=dtype)
+
+
+def micro_step(chunk, opt, ps: ParallelState, step: int, micro: int, ntok: int, is_last: bool) -> float:
+    """Forward + backward of this rank's slice of one micro-batch; PP=2 by plain send/recv."""
+    ids, labels = batch(step, micro)
+    rows = ROWS // ps.dp
+    ids, labels = ids[ps.dp_rank * rows:(ps.dp_rank + 1) * rows], labels[ps.dp_rank * rows:(ps.dp_rank + 1) * rows]
+    opt.set_last_microbatch(0, is_last)
+    if ps.pp == 1:
+        loss = chunk(ids, labels=labels).sum() / ntok
+        opt.scale_loss(loss).backward()
+        return loss.item()
+    s_local = SEQ // ps.tp if ps.sequence_parallel else SEQ
+    if ps.is_first_stage:
+        out = chunk(ids)
+        dist.send(out.detach().contiguous(), ps.next_rank)
+        grad = torch.empty_like(out)
+        dist.recv(grad, ps.prev_rank)
+        out.backward(grad)
+        return 0.0
+    x = torch.empty(s_local, rows, chunk.cfg.hidden_size)
+    dist.recv(x, ps.prev_rank)
+    x.requires_grad_(True)
+    loss = chunk(x, labels=labels).sum() / ntok
+    opt.scale_loss(loss).backward()
+    dist.send(x.grad.contiguous(), ps.next_rank)
+    return loss.item()
+
+
+def train(chunk, opt, ps, ga: int, steps: int, first_step: int = 0) -> list[float]:
+    """Returns the global loss of each step (summed over DP; PP: from the last stage)."""
+    losses = []
+    for step in range(first_step, first_step + steps):
+        ntok = global_tokens(step, ga)
+        local = sum(micro_step(chunk, opt, ps, step, m, ntok, m == ga - 1) for m in range(ga))
+        opt.step()
+        t = torch.tensor([local if ps.tp_rank == 0 and ps.is_last_stage else 0.0], dtype=torch.float64)
+        dist.all_reduce(t)
+        losses.append(t.item())
+    return losses
+
+
+def max_rel_diff(chunk, ps: ParallelState, ref: dict[str, torch.Tensor]) -> tuple[float, float, int]:
+    """Worst per-tensor ||ours - ref|| / ||ref|| and max|ours - ref| / max|ref| over this rank's
+    parameters (against TP slices of ref), and how many tensors were compared."""
+    params = dict(chunk.named_parameters())
+    worst, worst_max, n = 0.0, 0.0, 0
+    for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process):
+        if rule.tied:  # the last stage's copy of the tied embedding
+            rule = dataclasses.replace(rule, local="embed.weight", tied=False)
+        full = to_hf(rule, [ref[rule.local]], chunk.cfg)
+        want = to_local(rule, [full[k] for k in rule.hf], chunk.cfg, ps.tp, ps.tp_rank)
+        got = params["lm_head.weight" if rule.local not in params else rule.local].detach()
+        worst = max(worst, ((got - want).norm() / want.norm().clamp_min(1e-12)).item())
+        worst_max = max(worst_max, ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
+        n += 1
+    return worst, worst_max, n
+
+
+__all__ = ["DistributedOptimizer", "OptimizerConfig", "build_rank_chunk", "make_ps", "max_rel_diff",
+           "reference", "train"]
