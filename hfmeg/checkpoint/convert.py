@@ -21,7 +21,7 @@ every tensor's presence and shape), and all output goes through
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -43,7 +43,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 def load_model_config(folder: Path) -> ModelConfig:
     """The normalised config of an HF folder; refuses architectures other than the causal-LM heads."""
     hf = load_hf_config(folder)
-    cfg = model_config_from_hf(hf)
+    with config_errors_name(folder):
+        cfg = model_config_from_hf(hf)
     for arch in getattr(hf, "architectures", None) or []:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedConfigError(
@@ -51,6 +52,17 @@ def load_model_config(folder: Path) -> ModelConfig:
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
     return cfg
+
+
+@contextmanager
+def config_errors_name(folder: Path):
+    """Prefix the folder to 'config.json field ...' errors, so the message names the file."""
+    try:
+        yield
+    except UnsupportedConfigError as e:
+        if str(e).startswith("config.json"):
+            raise UnsupportedConfigError(f"{folder / str(e)}") from e
+        raise
 
 
 def check_source(source, cfg: ModelConfig, layout: MPLayout) -> None:
@@ -114,7 +126,8 @@ def hf_to_mp(hf: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1,
     target = parse_dtype(dtype)
     source = HFCheckpoint(folder)
     cfg = load_model_config(folder)
-    layout = MPLayout.build(cfg, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, vocab_multiple=vocab_multiple)
+    with config_errors_name(folder):
+        layout = MPLayout.build(cfg, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, vocab_multiple=vocab_multiple)
     return write_mp_checkpoint(source, cfg, layout, folder, out, dtype=target, overwrite=overwrite,
                                inputs=(folder,))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .convert import write_mp_checkpoint
+from .convert import config_errors_name, write_mp_checkpoint
 from .mp_layout import MPLayout, parse_dtype
 from .mp_reader import MPCheckpoint
 
@@ -24,6 +24,7 @@ def reshard_mp(mp: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 
     target = parse_dtype(dtype)
     source = MPCheckpoint(mp, iteration)
     mult = source.layout.vocab_multiple if vocab_multiple is None else vocab_multiple
-    layout = MPLayout.build(source.cfg, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, vocab_multiple=mult)
+    with config_errors_name(source.hf_dir):
+        layout = MPLayout.build(source.cfg, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, vocab_multiple=mult)
     return write_mp_checkpoint(source, source.cfg, layout, source.hf_dir, out, dtype=target, overwrite=overwrite,
                                inputs=(Path(mp),))
