@@ -1,0 +1,142 @@
+"""Packing against a real model, layout-invariant DP slices, exact resume, eval data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hfmeg.data import DataConfig, SourceConfig, build_data, build_eval_data
+from hfmeg.errors import DataError
+from hfmeg.models.build import build_chunk_from_hf
+from hfmeg.parallel.state import ParallelConfig, ParallelState
+from test_data import RECORDS, bad_file, char_tokenizer, llama2_or_skip, write_jsonl
+from tiny_models import save_tiny
+
+OWN = Path(__file__).resolve().parents[1] / "data"
+KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
+
+
+def mixed_config(tmp_path: Path, **kw) -> DataConfig:
+    """The project's own SFT and text samples mixed 2:1, plus a file with bad records."""
+    return DataConfig(sources=[SourceConfig(str(OWN / "sft_sample.jsonl"), weight=2.0),
+                               SourceConfig(str(OWN / "text_sample.txt"), format="text", weight=1.0),
+                               SourceConfig(str(bad_file(tmp_path)), weight=0.5)],
+                      seq_len=kw.pop("seq_len", 512), read_ahead=kw.pop("read_ahead", 5), **kw)
+
+
+def global_batches(cfg, dp: int, mbs: int, gbs: int, steps: int, state=None):
+    """Per step: the DP slices of all ranks concatenated in rank order, and num_tokens; plus final states."""
+    tok = char_tokenizer()
+    loaders = [build_data(cfg, tok, dp_rank=r, dp_size=dp, micro_batch_size=mbs, global_batch_size=gbs)
+               for r in range(dp)]
+    if state is not None:
+        for d in loaders:
+            d.load_state_dict(json.loads(json.dumps(state)))
+    out = []
+    for _ in range(steps):
+        batches = [next(d) for d in loaders]
+        assert len({b.num_tokens for b in batches}) == 1
+        micro = [m for b in batches for m in b.microbatches]
+        assert len(micro) == gbs // mbs and all(m["input_ids"].shape == (mbs, cfg.seq_len) for m in micro)
+        out.append(({k: torch.cat([m[k] for m in micro]) for k in KEYS}, batches[0].num_tokens))
+    states = [d.state_dict() for d in loaders]
+    assert all(s == states[0] for s in states)  # the data state is layout-free: any rank may save it
+    return out, states[0], loaders[0].report
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for (x, nx), (y, ny) in zip(a, b):
+        assert nx == ny == int((x["labels"] != -100).sum())
+        for k in KEYS:
+            assert torch.equal(x[k], y[k]), k
+
+
+@pytest.mark.parametrize("kind", ["llama3", "gpt2"])
+def test_packed_loss_equals_unpacked_document_losses(tmp_path, kind):
+    model = build_chunk_from_hf(save_tiny(kind, tmp_path / kind), ParallelState(ParallelConfig(), 0, 1,
+                                                                               torch.device("cpu")))
+    texts = tmp_path / "t.txt"
+    texts.write_text("".join(f"story {i}: " + "ab " * i + "\n" for i in range(9)))
+    cfg = DataConfig(sources=[SourceConfig(str(write_jsonl(tmp_path / "r.jsonl", RECORDS))),
+                              SourceConfig(str(texts), format="text")], seq_len=120)
+    ((row, _),), _, _ = global_batches(cfg, dp=1, mbs=2, gbs=2, steps=1)
+    seg = row["segment_ids"]
+    assert int(seg.max()) >= 3  # several documents per row
+    with torch.no_grad():
+        packed = model(row["input_ids"], position_ids=row["position_ids"], segment_ids=seg, labels=row["labels"])
+        leaky = model(row["input_ids"], labels=row["labels"])  # no document mask: attention crosses documents
+        assert (packed[seg == 0] == 0).all()
+        total = torch.zeros(())
+        for b in range(2):
+            for k in range(1, int(seg[b].max()) + 1):
+                ids, labels = row["input_ids"][b][seg[b] == k], row["labels"][b][seg[b] == k]
+                assert labels[-1] == -100 and torch.equal(ids[1:][labels[:-1] != -100], labels[labels != -100])
+                alone = model(ids[None], labels=labels[None])[0]
+                torch.testing.assert_close(packed[b][seg[b] == k], alone, atol=1e-5, rtol=1e-5)
+                total += alone.sum()
+    torch.testing.assert_close(packed.sum(), total, atol=1e-4, rtol=1e-6)
+    assert not torch.allclose(leaky.sum(), total, atol=1e-2)
+
+
+def test_global_batch_is_the_same_for_dp_1_2_4(tmp_path):
+    for packing in (True, False):
+        cfg = mixed_config(tmp_path, packing=packing)
+        ref, state, _ = global_batches(cfg, dp=1, mbs=1, gbs=8, steps=3)
+        assert_same(global_batches(cfg, dp=2, mbs=2, gbs=8, steps=3)[0], ref)
+        assert_same(global_batches(cfg, dp=4, mbs=1, gbs=8, steps=3)[0], ref)
+        assert not torch.equal(ref[0][0]["input_ids"], ref[1][0]["input_ids"])
+
+
+def test_exact_resume_also_with_another_dp_size(tmp_path):
+    for packing in (True, False):
+        cfg = mixed_config(tmp_path, packing=packing, eval_holdout=3)
+        ref, _, ref_report = global_batches(cfg, dp=1, mbs=2, gbs=8, steps=7)
+        first, state, _ = global_batches(cfg, dp=2, mbs=2, gbs=8, steps=3)
+        assert state["step"] == 3 and (state["packer"]["open"] or not packing)
+        rest, _, report = global_batches(cfg, dp=4, mbs=1, gbs=8, steps=4, state=state)
+        assert_same(first + rest, ref)
+        assert report.counts == ref_report.counts and report.counts and report.documents == ref_report.documents
+    with pytest.raises(DataError, match="different data config"):
+        global_batches(mixed_config(tmp_path, seq_len=64), dp=1, mbs=1, gbs=8, steps=1, state=state)
+
+
+def test_eval_holdout_and_eval_sources(tmp_path):
+    tok = char_tokenizer()
+    path = str(write_jsonl(tmp_path / "r.jsonl", RECORDS))
+    layout = dict(dp_size=2, micro_batch_size=1, global_batch_size=4)
+
+    def firsts(batches):  # the instruction text of each row's first document
+        return ["".join(tok.convert_ids_to_tokens(m["input_ids"][0][m["segment_ids"][0] == 1].tolist()))
+                .split("\n")[1] for b in batches for m in b.microbatches if m["segment_ids"][0].max() > 0]
+
+    cfg = DataConfig(sources=[SourceConfig(path)], seq_len=64, packing=False, eval_holdout=5)
+    evals = [list(build_eval_data(cfg, tok, dp_rank=r, **layout)) for r in range(2)]
+    assert [len(e) for e in evals] == [2, 2]  # 5 rows + 3 empty rows, as 2 global batches
+    assert firsts([evals[0][0], evals[1][0], evals[0][1], evals[1][1]]) == ["q0", "q1", "q2", "q3", "q4"]
+    assert evals[1][1].microbatches[1]["segment_ids"].max() == 0 and evals[0][1].num_tokens == 3  # "a4</s>"
+    train = [next(build_data(cfg, tok, dp_rank=r, **layout)) for r in range(2)]
+    assert firsts(train) == ["q5", "q6", "q0", "q1"]  # training starts after the holdout, then cycles
+    cfg = DataConfig(sources=[SourceConfig(path)], eval_sources=[SourceConfig(path)], seq_len=300)
+    (batch,) = build_eval_data(cfg, tok, dp_rank=0, dp_size=1, micro_batch_size=4, global_batch_size=4)
+    assert batch.microbatches[0]["segment_ids"][0].max() == 7 and batch.num_tokens == 7 * 3
+
+
+def test_llama2_tokenizer_on_the_projects_own_sft_sample():
+    tok = llama2_or_skip()
+    cfg = DataConfig(sources=[SourceConfig(str(OWN / "sft_sample.jsonl"))], seq_len=256)
+    batch = next(build_data(cfg, tok, dp_rank=0, dp_size=1, micro_batch_size=2, global_batch_size=2))
+    records = [json.loads(line) for line in (OWN / "sft_sample.jsonl").read_text().splitlines()]
+    k = 0
+    for m in batch.microbatches:
+        for ids, labels, seg in zip(m["input_ids"], m["labels"], m["segment_ids"]):
+            for s in range(1, int(seg.max()) + 1):
+                targets = labels[seg == s]
+                assert tok.decode(targets[targets != -100]) == records[k]["output"] + "</s>"
+                assert ids[seg == s][0] == tok.bos_token_id
+                k += 1
+    assert k >= 4 and batch.num_tokens == int(np.sum([(m["labels"] != -100).sum() for m in batch.microbatches]))
