@@ -187,7 +187,7 @@ class DistributedOptimizer:
             if coef < 1.0:
                 torch._foreach_mul_(self._shard_grads, coef)
             self.optimizer.step()
-            self._publish_params()
+            self.publish_params()
         self.grad_sync.reset()
         return StepResult(norm, skipped, scale)
 
@@ -203,7 +203,7 @@ class DistributedOptimizer:
             if b.isolated:  # only exists when PP > 1 and embeddings are tied (buffers.py)
                 dist.all_reduce(self._own(b, b.grad_buf), group=ps.embedding_group)
 
-    def _publish_params(self) -> None:
+    def publish_params(self) -> None:
         """Cast the new master shards into the parameter buffers and all-gather them over DP."""
         for b in self.buckets:
             self._own(b, b.param_buf).copy_(self._master_shard(b))

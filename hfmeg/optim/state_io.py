@@ -1,0 +1,122 @@
+"""Sharded optimizer-state checkpoints that reload at a different DP size.
+
+Each rank that owns state writes one safetensors file
+`optim_pp{PP}_tp{TP}_dp{DP}.safetensors` holding its flat fp32 `master`,
+`exp_avg` and `exp_avg_sq` tensors; the safetensors metadata holds one JSON
+document: the AdamW step, loss-scaler state, skip count, the DP size and, for every
+owned piece of a parameter, `[name, lo, hi, offset]` (elements [lo, hi) of the
+flattened parameter live at [offset, offset + hi - lo) of the flat tensors).
+In `ddp` mode every DP rank holds everything, so only DP rank 0 writes.
+
+Loading re-partitions by name: each rank reads the files of its own (PP, TP)
+coordinates, whatever DP size wrote them, and copies the overlap of every saved
+piece with every piece it now owns (bucket layouts depend on DP, names do not).
+Then the master weights are cast into the model parameters and all-gathered, so
+the model and the optimizer agree. Files are written to a temporary sibling and
+renamed; nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import CheckpointError
+from .distributed_optimizer import DistributedOptimizer
+
+FORMAT = 1
+STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _pieces(opt: DistributedOptimizer) -> list[list]:
+    out = []
+    for b in opt.buckets:
+        base = opt.offsets[b.index] - opt.rank * b.shard_size
+        for slot, lo, hi in b.segments(opt.rank):
+            out.append([slot.name, lo, hi, base + slot.offset + lo])
+    return out
+
+
+def _step_tensor(opt: DistributedOptimizer) -> torch.Tensor | None:
+    return next((s["step"] for s in opt.optimizer.state.values()), None)
+
+
+def save_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> Path | None:
+    """Write this rank's shard into `folder` (created if needed); returns the file written, if any."""
+    ps = opt.ps
+    if not opt.cfg.sharded and ps.dp_rank != 0:
+        return None
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    opt.wait_params()
+    step = _step_tensor(opt)
+    meta = {
+        "format": FORMAT, "dp": opt.shards, "mode": opt.cfg.mode, "tp": ps.tp, "pp": ps.pp,
+        "step": float(step.item()) if step is not None else 0.0, "skipped_steps": opt.skipped_steps,
+        "loss_scale": opt.loss_scale, "good_steps": opt.scaler.good_steps if opt.scaler else 0,
+        "pieces": _pieces(opt),
+    }
+    tensors = {"master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}
+    path = folder / f"optim_pp{ps.pp_rank:03d}_tp{ps.tp_rank:02d}_dp{ps.dp_rank:03d}.safetensors"
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+              metadata={"hfmeg_optimizer": json.dumps(meta)})
+    os.replace(tmp, path)
+    return path
+
+
+def _read_meta(path: Path) -> dict:
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {})["hfmeg_optimizer"])
+    except (KeyError, OSError, ValueError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not an hfmeg optimizer shard ({e})") from e
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: field format is {meta.get('format')!r}, expected {FORMAT}")
+    return meta
+
+
+def load_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> None:
+    """Fill `opt` (any DP size and mode) from the shards in `folder`, then resync the parameters."""
+    ps, folder = opt.ps, Path(folder)
+    files = sorted(folder.glob(f"optim_pp{ps.pp_rank:03d}_tp{ps.tp_rank:02d}_dp*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no optimizer shards for pp rank {ps.pp_rank}, tp rank {ps.tp_rank}")
+    mine: dict[str, list[tuple[int, int, int]]] = {}
+    for name, lo, hi, off in _pieces(opt):
+        mine.setdefault(name, []).append((lo, hi, off))
+    filled = {name: 0 for name in mine}
+    meta = {}
+    for path in files:
+        meta = _read_meta(path)
+        if (meta["tp"], meta["pp"]) != (ps.tp, ps.pp):
+            raise CheckpointError(f"{path}: fields tp/pp are {meta['tp']}/{meta['pp']}, this run has {ps.tp}/{ps.pp}")
+        with safe_open(str(path), "pt") as f:
+            flats = {k: f.get_tensor(k) for k in STATE}
+        for name, lo, hi, off in meta["pieces"]:
+            for my_lo, my_hi, my_off in mine.get(name, ()):
+                a, b = max(lo, my_lo), min(hi, my_hi)
+                if a >= b:
+                    continue
+                for k in STATE:
+                    getattr(opt, k)[my_off + a - my_lo : my_off + b - my_lo].copy_(flats[k][off + a - lo : off + b - lo])
+                filled[name] += b - a
+    need = {name: sum(hi - lo for lo, hi, _ in pieces) for name, pieces in mine.items()}
+    missing = sorted(n for n in need if filled[n] != need[n])
+    if missing:
+        raise CheckpointError(f"{folder}: optimizer shards do not cover {missing[0]} (and {len(missing) - 1} more)")
+    for s in opt.optimizer.state.values():
+        s["step"].fill_(meta["step"])
+    opt.skipped_steps = meta["skipped_steps"]
+    if opt.scaler is not None:
+        opt.scaler.scale, opt.scaler.good_steps = meta["loss_scale"], meta["good_steps"]
+    opt.publish_params()
+    opt.wait_params()
+    if dist.is_initialized() and ps.world_size > 1:
+        dist.barrier()
