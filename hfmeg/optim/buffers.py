@@ -97,7 +97,7 @@ def plan_buckets(named: list[tuple[str, nn.Parameter]], isolated: set[str], buck
     """Cut `named` (already in gradient-ready order) into padded buckets; see the module docstring."""
     buckets: list[Bucket] = []
     open_slots: list[tuple[str, nn.Parameter]] = []
-    cursor = 0
+    open_numel = cursor = 0
 
     def close(slots, alone=False):
         nonlocal cursor
@@ -115,13 +115,14 @@ def plan_buckets(named: list[tuple[str, nn.Parameter]], isolated: set[str], buck
     for name, p in named:
         if name in isolated:
             close(open_slots)
-            open_slots = []
+            open_slots, open_numel = [], 0
             close([(name, p)], alone=True)
             continue
         open_slots.append((name, p))
-        if sum(q.numel() for _, q in open_slots) >= bucket_size:
+        open_numel += p.numel()
+        if open_numel >= bucket_size:
             close(open_slots)
-            open_slots = []
+            open_slots, open_numel = [], 0
     close(open_slots)
     return buckets
 

@@ -78,9 +78,6 @@ class GradSync:
         out = bucket.shard(bucket.grad_buf, self.dp_rank)
         return reduce_scatter_flat(out, bucket.grad_buf, group=self.dp_group, async_op=True)
 
-    def in_flight(self) -> int:
-        return sum(1 for h in self._handles.values() if h is not None and not h.is_completed())
-
     def finish(self) -> None:
         """Launch what has not been launched yet, then wait for everything (call once per step)."""
         for b in self.buckets:

@@ -1,0 +1,180 @@
+"""Benchmark the optimizer modes against torch DistributedDataParallel on gloo.
+
+For each gradient-accumulation setting, one gloo world of `--dp` ranks trains a
+random LLaMA-shaped model with, in turn:
+
+- `compute`: forward/backward + a local AdamW step, no communication at all (the
+  floor used to define exposed communication);
+- `ddp`: torch `DistributedDataParallel` (bucketed all-reduce overlapped with
+  backward, `no_sync` on all but the last micro-batch) + replicated `torch.optim.AdamW`;
+- hfmeg `distributed` (reduce-scatter / all-gather in series with compute) and
+  `overlapped` (the default).
+
+Step time is the median over the timed steps (max over ranks). Exposed
+communication = step time - compute-only step time: the time the step spends on
+collectives that compute did not hide.
+
+`--throttle RATE` (e.g. `2gbit`) re-runs this script inside a private network
+namespace (`unshare -n`) whose loopback is rate-limited with `tc ... netem rate`;
+this needs root and iproute2 (`apt-get install -y iproute2`) and is skipped with a
+message otherwise. The last line printed is one JSON object.
+
+    .venv/bin/python tools/bench_optimizer.py --dp 2 --hidden 512 --layers 8 --throttle 1gbit
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hfmeg.models import build_chunk_from_hf
+from hfmeg.optim import DistributedOptimizer, OptimizerConfig, no_weight_decay
+from hfmeg.parallel.launch import spawn
+from hfmeg.parallel.state import ParallelConfig, ParallelState
+
+IMPLS = ("compute", "ddp", "distributed", "overlapped")
+
+
+def make_model(folder: Path, a) -> int:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.ffn or (a.hidden * 8 // 3 // 64) * 64,
+                      num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64,
+                      num_key_value_heads=a.hidden // 64, vocab_size=a.vocab, max_position_embeddings=a.seq)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _adamw(named, opt_cfg):
+    groups = [{"params": [p for n, p in named if not no_weight_decay(n, opt_cfg)]},
+              {"params": [p for n, p in named if no_weight_decay(n, opt_cfg)], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay, foreach=True)
+
+
+def _run(impl, folder, a, ga, ps):
+    """Median seconds per step for `impl`, and the optimizer-state bytes of this rank."""
+    chunk = build_chunk_from_hf(folder, ps)
+    opt_cfg = OptimizerConfig(mode=impl if impl in ("distributed", "overlapped") else "ddp",
+                              bucket_size=a.bucket_size)
+    g = torch.Generator().manual_seed(ps.rank)
+    ids = torch.randint(0, a.vocab, (a.mbs, a.seq), generator=g)
+    ntok = ids.numel() * ga * ps.dp
+    model, opt, state_bytes = chunk, None, 0
+    if impl in ("distributed", "overlapped"):
+        opt = DistributedOptimizer([chunk], ps, opt_cfg)
+        state_bytes = opt.state_bytes()
+    else:
+        if impl == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(chunk, bucket_cap_mb=a.bucket_size * 4 / 2**20,
+                                                              gradient_as_bucket_view=True)
+        adamw = _adamw(list(chunk.named_parameters()), opt_cfg)
+        state_bytes = 3 * 4 * sum(p.numel() for p in chunk.parameters())  # master (the params) + m + v
+    times = []
+    for step in range(a.warmup + a.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for m in range(ga):
+            last = m == ga - 1
+            if opt is not None:
+                opt.set_last_microbatch(0, last)
+            with model.no_sync() if impl == "ddp" and not last else contextlib.nullcontext():
+                (model(ids, labels=ids).sum() / ntok).backward()
+        if opt is not None:
+            opt.step()
+        else:
+            torch.nn.utils.clip_grad_norm_(chunk.parameters(), opt_cfg.grad_clip)
+            adamw.step()
+            adamw.zero_grad(set_to_none=False)
+        # `overlapped` leaves its all-gathers in flight: the next step's forward waits for them,
+        # so in steady state their exposed part is inside the next step's time.
+        t = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if step >= a.warmup:
+            times.append(t.item())
+    return statistics.median(times), state_bytes
+
+
+def _worker(folder, a, ga):
+    ps = ParallelState(ParallelConfig(), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    return {impl: _run(impl, folder, a, ga, ps) for impl in a.impls}
+
+
+def run_all(a) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        n_params = make_model(Path(tmp), a)
+        by_ga = {}
+        for ga in a.ga:
+            res = spawn(_worker, a.dp, tmp, a, ga, timeout_s=3600)[0]
+            by_ga[ga] = {impl: {"step_s": s, "state_bytes": b} for impl, (s, b) in res.items()}
+            base = by_ga[ga].get("compute", {}).get("step_s")
+            for impl, row in by_ga[ga].items():
+                row["exposed_comm_s"] = row["step_s"] - base if base is not None else None
+                print(f"GA={ga:<2} {impl:<12} step {row['step_s']:.3f}s  exposed comm "
+                      f"{row['exposed_comm_s']:.3f}s  opt state/rank {row['state_bytes'] / 2**20:.1f} MiB", flush=True)
+    first = by_ga[a.ga[0]]
+    return {"params": n_params, "dp": a.dp, "throttle": a.throttle, "ga": a.ga[0],
+            "ddp_step_s": first["ddp"]["step_s"], "distributed_step_s": first["distributed"]["step_s"],
+            "overlapped_step_s": first["overlapped"]["step_s"],
+            "overlapped_vs_distributed": first["overlapped"]["step_s"] / first["distributed"]["step_s"],
+            "overlapped_vs_ddp": first["overlapped"]["step_s"] / first["ddp"]["step_s"],
+            "opt_state_bytes_per_rank": first["overlapped"]["state_bytes"],
+            "ddp_opt_state_bytes_per_rank": first["ddp"]["state_bytes"],
+            "by_ga": {str(k): v for k, v in by_ga.items()}}
+
+
+def throttled(a, argv) -> int:
+    """Re-run this script in a private network namespace with a rate-limited loopback."""
+    missing = [t for t in ("unshare", "ip", "tc") if shutil.which(t) is None]
+    if missing:
+        print(f"throttled mode skipped: {', '.join(missing)} not found (apt-get install -y iproute2 util-linux)",
+              file=sys.stderr)
+        return 0
+    inner = [a for a in argv if not a.startswith("--throttle")]
+    script = (f"ip link set lo up && tc qdisc add dev lo root netem rate {a.throttle} && "
+              f"exec {sys.executable} {Path(__file__).resolve()} {' '.join(inner)} --inner-throttle {a.throttle}")
+    proc = subprocess.run(["unshare", "-n", "sh", "-c", script])
+    if proc.returncode != 0:
+        print("throttled mode skipped: `unshare -n` + `tc` failed (needs root / CAP_NET_ADMIN)", file=sys.stderr)
+    return proc.returncode
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--ffn", type=int, default=0, help="default: 8/3 hidden rounded to 64")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--mbs", type=int, default=1)
+    p.add_argument("--ga", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--bucket-size", type=int, default=5_000_000, dest="bucket_size")
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--throttle", default="", help="loopback rate, e.g. 1gbit (needs root + tc)")
+    p.add_argument("--inner-throttle", default="", dest="inner_throttle", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    a = p.parse_args(argv)
+    if a.throttle:
+        return throttled(a, argv)
+    a.throttle = a.inner_throttle or None
+    print(json.dumps(run_all(a)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
