@@ -172,8 +172,8 @@ class Formatter:
                 target = np.ones(len(ids), dtype=bool)
             else:
                 ids = e.ids
-                ends = np.fromiter((end - 1 if end > start else -1 for start, end in e.offsets),
-                                   dtype=np.int64, count=len(ids))
+                off = np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)
+                ends = np.where(off[:, 1] > off[:, 0], off[:, 1] - 1, -1)  # a token's last character
                 target = np.zeros(len(ids), dtype=bool)
                 for a, b in r.spans:
                     target |= (ends >= a) & (ends < b)
