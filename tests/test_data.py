@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -267,3 +268,22 @@ def test_bad_chats_and_unusable_sources(tmp_path):
     allbad = write_jsonl(tmp_path / "allbad.jsonl", [{"instruction": "x"}, "{oops"])
     with pytest.raises(DataError, match="no usable record in a whole epoch"):
         run_data(SourceConfig(str(allbad)))
+
+
+def test_text_with_the_stories260k_tokenizer():
+    from conftest import stories_or_skip
+
+    tok = AutoTokenizer.from_pretrained(stories_or_skip())
+    own = Path(__file__).resolve().parents[1] / "data" / "text_sample.txt"
+    cfg = DataConfig(sources=[SourceConfig(str(own), format="text")], seq_len=256)
+    batch = next(build_data(cfg, tok, dp_rank=0, dp_size=1, micro_batch_size=2, global_batch_size=2))
+    lines = own.read_text().splitlines()
+    k = 0
+    for m in batch.microbatches:
+        for ids, labels, seg in zip(m["input_ids"], m["labels"], m["segment_ids"]):
+            for s in range(1, int(seg.max()) + 1):
+                doc, lab = ids[seg == s], labels[seg == s]
+                assert doc[0] == tok.bos_token_id and doc[-1] == tok.eos_token_id
+                assert tok.decode(doc[1:-1]) == lines[k] and torch.equal(lab[:-1], doc[1:])
+                k += 1
+    assert k >= 4 and int(batch.microbatches[0]["input_ids"].max()) < 512

@@ -111,7 +111,7 @@ class _Pipeline:
         self.formatter = Formatter(cfg, tokenizer)
         self.sources = [Source(s) for s in sources]
         self.report = DataReport(cfg.bad_data)
-        self.packer = Packer(cfg.seq_len, cfg.packing, pad_id_of(tokenizer))
+        self.pad_id = pad_id_of(tokenizer)
         self.layout = (dp_rank, dp_size, micro_batch_size)
         self.global_batch_size = global_batch_size
 
@@ -127,6 +127,7 @@ class TrainData(_Pipeline):
         if not cfg.sources:
             raise DataError("data.sources is empty: name at least one dataset")
         super().__init__(cfg, tokenizer, cfg.sources, dp_rank, dp_size, micro_batch_size, global_batch_size)
+        self.packer = Packer(cfg.seq_len, cfg.packing, self.pad_id)
         self.step = 0
         self.position: Position | None = None  # None until the first record is consumed
         self._items: Iterator[Item] | None = None
@@ -203,7 +204,8 @@ class EvalData(_Pipeline):
         super().__init__(cfg, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size)
 
     def __iter__(self) -> Iterator[StepBatch]:
-        cfg, packer = self.cfg, self.packer
+        cfg = self.cfg
+        packer = Packer(cfg.seq_len, cfg.packing, self.pad_id)
         if cfg.eval_sources:
             raws = single_pass(self.sources)
         else:
@@ -222,5 +224,5 @@ class EvalData(_Pipeline):
         g = self.global_batch_size
         for i in range(0, len(rows), g):
             last = rows[i:i + g]
-            yield self._slice(last + [build_row([], cfg.seq_len, packer.pad_id)] * (g - len(last)))
+            yield self._slice(last + [build_row([], cfg.seq_len, self.pad_id)] * (g - len(last)))
 

@@ -42,8 +42,9 @@ def position_in(d: dict[str, Any]) -> Position:
 
 
 def check_state(d: dict[str, Any], cfg: DataConfig) -> None:
-    if not isinstance(d, dict) or d.get("version") != VERSION:
-        raise DataError(f"data state: expected version {VERSION}, got {d.get('version') if isinstance(d, dict) else d!r}")
+    version = d.get("version") if isinstance(d, dict) else None
+    if version != VERSION:
+        raise DataError(f"data state: expected version {VERSION}, got {version!r}")
     if d.get("fingerprint") != fingerprint(cfg):
         raise DataError("data state was saved with a different data config (sources, format, seq_len, packing, "
                         "masking, seed or eval_holdout changed); it cannot resume this stream")
