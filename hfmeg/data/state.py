@@ -14,12 +14,12 @@ is refused with a message instead of silently yielding other batches.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any
 
 from ..errors import DataError
-from ..train.dataclass_io import to_dict
 from .config import DataConfig
 from .mixing import Position
 
@@ -29,7 +29,7 @@ _STREAM_FIELDS = ("sources", "format", "system_prompt", "train_on_prompt", "seq_
 
 
 def fingerprint(cfg: DataConfig) -> str:
-    data = {k: to_dict(getattr(cfg, k)) for k in _STREAM_FIELDS}
+    data = {k: v for k, v in dataclasses.asdict(cfg).items() if k in _STREAM_FIELDS}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
