@@ -1,0 +1,97 @@
+"""`TrainConfig`: every setting of a run, typed, in one tree.
+
+Filled from a YAML file plus command-line overrides (`load_config`), printed at
+start and saved as `train_config.json` with every checkpoint. The optimizer and
+data sections are those packages' own configs, so there is one source of truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ..data.config import DataConfig
+from ..optim.config import OptimizerConfig
+from .dataclass_io import ConfigError, build, load_yaml, set_dotted, to_dict
+
+
+@dataclass
+class ModelArgs:
+    path: str = ""  # HF folder, Hub id, or an hfmeg shard folder (convert_hf_to_mp.py output)
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPUs, fp32 on CPU
+    recompute: Literal["none", "full", "selective"] = "none"
+    compile: bool = False  # fuse RMSNorm/RoPE/SwiGLU with torch.compile (GPU)
+    vocab_multiple: int = 128
+    ce_chunk_tokens: int = 4096
+
+
+@dataclass
+class ParallelArgs:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    sequence_parallel: bool = False
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"  # vpp > 1 implies interleaved
+    pp_layers: list[int] | None = None  # layers per pipeline chunk; default even
+
+
+@dataclass
+class LRArgs:
+    warmup_steps: int = 0
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * optim.lr
+
+
+@dataclass
+class LoopArgs:
+    micro_batch_size: int = 1
+    global_batch_size: int = 8  # sequences per optimizer step, over all DP ranks
+    max_steps: int = 100
+    eval_every: int = 0  # 0: no evaluation
+    eval_batches: int = 4
+    seed: int = 1234
+
+
+@dataclass
+class CheckpointArgs:
+    out: str = "out/run"
+    save_every: int = 0  # 0: only at the end (and on SIGTERM/SIGINT)
+    keep_last: int = 2
+    resume: str = "none"  # none | auto | path to a checkpoint iteration folder
+
+
+@dataclass
+class HubArgs:
+    push_to_hub: str | None = None  # repo id
+    private: bool = False
+
+
+@dataclass
+class TrainConfig:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    parallel: ParallelArgs = field(default_factory=ParallelArgs)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr: LRArgs = field(default_factory=LRArgs)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: LoopArgs = field(default_factory=LoopArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    hub: HubArgs = field(default_factory=HubArgs)
+    tensorboard: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+def load_config(yaml_path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
+    """The YAML file (if any) with dotted overrides (`{"optim.lr": 1e-4}`) applied on top."""
+    data = load_yaml(yaml_path) if yaml_path else {}
+    for key, value in overrides.items():
+        if value is not None:
+            set_dotted(data, key, value)
+    cfg = build(TrainConfig, data)
+    if not cfg.model.path:
+        raise ConfigError("model.path is required (--model)")
+    if not cfg.data.sources:
+        raise ConfigError("data.sources is empty (--data)")
+    return cfg

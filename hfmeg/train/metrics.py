@@ -1,0 +1,94 @@
+"""Per-step metrics: `metrics.jsonl`, a tqdm bar, TensorBoard and `loss.png`.
+
+Only the logging rank (global rank 0, which receives the loss from the last
+pipeline stage) creates a `MetricsLog`; other ranks log nothing. TensorBoard and
+matplotlib are optional: without them the run logs JSONL and the bar only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "skipped")
+
+
+class MetricsLog:
+    def __init__(self, out: Path, total_steps: int, start_step: int = 0, tensorboard: bool = True):
+        out.mkdir(parents=True, exist_ok=True)
+        self.out = out
+        self.path = out / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+        self.start_step = start_step
+        self.t0 = time.perf_counter()
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                self.tb = None
+
+    def log_step(self, row: dict[str, Any]) -> None:
+        missing = set(STEP_FIELDS) - set(row)
+        if missing:
+            raise ValueError(f"metrics row lacks {sorted(missing)}")
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", gnorm=f"{row['grad_norm']:.3f}",
+                             tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{row['mfu']:.3f}")
+        if self.tb is not None:
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+                self.tb.add_scalar(f"train/{k}", row[k], row["step"])
+
+    def log_eval(self, step: int, loss: float) -> None:
+        self._file.write(json.dumps({"step": step, "eval_loss": loss}) + "\n")
+        self._file.flush()
+        self.bar.write(f"step {step}: eval loss {loss:.4f}")
+        if self.tb is not None:
+            self.tb.add_scalar("eval/loss", loss, step)
+
+    def close(self) -> Path | None:
+        self.bar.close()
+        self._file.close()
+        if self.tb is not None:
+            self.tb.close()
+        return plot_loss(self.path, self.out / "loss.png")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss(metrics: Path, png: Path) -> Path | None:
+    """Draw train (and eval) loss against step; None when matplotlib is absent."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = read_metrics(metrics)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
