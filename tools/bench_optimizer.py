@@ -15,7 +15,7 @@ communication = step time - compute-only step time: the time the step spends on
 collectives that compute did not hide.
 
 `--throttle RATE` (e.g. `2gbit`) re-runs this script inside a private network
-namespace (`unshare -n`) whose loopback is rate-limited with `tc ... netem rate`;
+namespace (`unshare -n`) whose loopback is rate-limited with a `tc` token-bucket filter (`tbf`);
 this needs root and iproute2 (`apt-get install -y iproute2`) and is skipped with a
 message otherwise. The last line printed is one JSON object.
 
@@ -142,12 +142,17 @@ def throttled(a, argv) -> int:
         print(f"throttled mode skipped: {', '.join(missing)} not found (apt-get install -y iproute2 util-linux)",
               file=sys.stderr)
         return 0
-    inner = [a for a in argv if not a.startswith("--throttle")]
-    script = (f"ip link set lo up && tc qdisc add dev lo root netem rate {a.throttle} && "
+    inner, skip = [], False
+    for arg in argv:  # drop `--throttle RATE` / `--throttle=RATE`
+        if not skip and not arg.startswith("--throttle"):
+            inner.append(arg)
+        skip = arg == "--throttle"
+    script = (f"ip link set lo up && tc qdisc add dev lo root tbf rate {a.throttle} burst 256kb latency 50ms && "
               f"exec {sys.executable} {Path(__file__).resolve()} {' '.join(inner)} --inner-throttle {a.throttle}")
     proc = subprocess.run(["unshare", "-n", "sh", "-c", script])
     if proc.returncode != 0:
-        print("throttled mode skipped: `unshare -n` + `tc` failed (needs root / CAP_NET_ADMIN)", file=sys.stderr)
+        print("throttled run failed (`unshare -n` + `tc` need root / CAP_NET_ADMIN; see the error above)",
+              file=sys.stderr)
     return proc.returncode
 
 
