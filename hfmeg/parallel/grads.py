@@ -1,0 +1,65 @@
+"""Finish a step's gradients on the plain `.grad` path (no overlapped optimizer).
+
+After `forward_backward`, each rank's `.grad` holds its share of the
+global-batch-mean gradient. Three sums make it the full gradient everywhere:
+
+1. Sequence parallelism: norm weights (and row-parallel biases) saw only this
+   TP rank's slice of the sequence, so their gradients are summed over TP.
+2. Tied embeddings across stages: the first stage's `embed.weight` and the last
+   stage's `lm_head.weight` (a copy marked `shared_embedding`) are one tensor of
+   the model, so their gradients are summed over the embedding group and both
+   copies keep taking identical optimizer steps.
+3. Data parallelism: every replica saw different micro-batches of the same
+   global batch; losses are already divided by the global token count, so the
+   replicas' gradients are summed (not averaged) over DP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import sync_sequence_parallel_grads
+from .state import ParallelState
+
+
+def _all_reduce_grads(grads: list[torch.Tensor], group) -> None:
+    """Sum `grads` over `group` with one flat all-reduce per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def embedding_grads(chunks, ps: ParallelState) -> list[torch.Tensor]:
+    """The tied-embedding copies on this rank whose gradients are summed over `ps.embedding_group`."""
+    if ps.pp == 1:
+        return []
+    out = []
+    first, last = chunks[0], chunks[-1]
+    if ps.is_first_stage and first.pre_process and first.cfg.tie_embeddings:
+        out.append(first.embed.weight)
+    head = getattr(last, "lm_head", None) if ps.is_last_stage else None
+    if head is not None and getattr(head.weight, "shared_embedding", False):
+        out.append(head.weight)
+    return out
+
+
+def finalize_grads(chunks, ps: ParallelState) -> None:
+    """Sum gradients over TP (SP params), the embedding group (tied copies) and DP."""
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    sync_sequence_parallel_grads(params, ps)
+    tied = embedding_grads(chunks, ps)
+    if tied:
+        _all_reduce_grads([p.grad for p in tied], ps.embedding_group)
+    if ps.dp > 1:
+        _all_reduce_grads([p.grad for p in params], ps.dp_group)

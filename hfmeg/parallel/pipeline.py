@@ -1,0 +1,196 @@
+"""Run one global-batch step of a pipeline schedule: `forward_backward`.
+
+The plan (`hfmeg.parallel.schedules`) says which forward/backward runs when; this
+file executes it. After each step, one batched exchange (`p2p.P2P`) sends the
+step's outputs and receives the next step's inputs, so every wait is on data
+the next action needs and sends and receives between two ranks travel together.
+
+Memory: an intermediate chunk keeps, per micro-batch in flight, only what
+autograd saved plus its received input (whose `.grad` is sent back). The output
+activation's storage is released as soon as it has been sent; its backward then
+goes through the autograd engine directly, since `torch.autograd.backward` would
+compare the gradient's shape with the (now empty) output. This is what keeps
+1F1B at about pp micro-batches of activations per stage.
+
+Loss: micro-batch loss = sum of its per-token losses / `num_tokens`, the count of
+non-ignored label tokens of the whole global batch (all micro-batches and all DP
+ranks). Backward of these gives global-batch-mean gradients, so DP reductions sum.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Protocol
+
+import torch
+
+from ..errors import LayoutError
+from .p2p import ACTIVATION, GRADIENT, P2P, Transfer
+from .schedules import Action, Step, plan
+from .state import ParallelState
+from .timeline import Timeline
+
+
+class GradSync(Protocol):
+    def set_last_microbatch(self, chunk: int, is_last: bool) -> None: ...
+
+
+def _backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
+    # The engine call behind torch.autograd.backward, minus its Python-side shape
+    # check against `output`, whose storage we have already released.
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+        inputs=(), allow_unreachable=True, accumulate_grad=True,
+    )
+
+
+class _Executor:
+    def __init__(self, chunks, ps: ParallelState, microbatches, num_tokens, grad_sync, timeline, forward_only):
+        self.chunks, self.ps, self.mbs = chunks, ps, microbatches
+        self.num_tokens, self.grad_sync, self.timeline = num_tokens, grad_sync, timeline
+        self.forward_only = forward_only
+        self.n_chunks = ps.pp * len(chunks)
+        self.p2p = P2P(self.n_chunks)
+        b, s = microbatches[0]["input_ids"].shape
+        self.seq_len = s
+        local_s = s // ps.tp if ps.sequence_parallel else s
+        self.shape = (local_s, b, chunks[0].cfg.hidden_size)
+        self.dtype = next(chunks[0].parameters()).dtype
+        self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.saved: dict[tuple[int, int], tuple] = {}  # (chunk, mb) -> (input, output or loss)
+        self.loss = torch.zeros((), dtype=torch.float32, device=ps.device)
+        self.in_flight: list = []  # sends posted but not yet known complete
+
+    def model_chunk(self, v: int) -> int:
+        return v * self.ps.pp + self.ps.pp_rank
+
+    # -- communication ----------------------------------------------------------
+    def receives(self, step: Step) -> list[Transfer]:
+        out = []
+        for a in step:
+            c = self.model_chunk(a.chunk)
+            if a.kind == "F" and c > 0:
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.ps.device)
+                out.append(Transfer(buf, self.ps.prev_rank, ACTIVATION, c - 1, a.microbatch, False))
+            elif a.kind == "B" and c < self.n_chunks - 1:
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.ps.device)
+                out.append(Transfer(buf, self.ps.next_rank, GRADIENT, c + 1, a.microbatch, False))
+            else:
+                continue
+            self.inbox[(a.kind, a.chunk, a.microbatch)] = buf
+        return out
+
+    # -- actions ----------------------------------------------------------------
+    def forward(self, a: Action) -> list[Transfer]:
+        chunk, mb = self.chunks[a.chunk], self.mbs[a.microbatch]
+        c = self.model_chunk(a.chunk)
+        if chunk.pre_process:
+            x = mb["input_ids"].to(self.ps.device)
+        else:
+            x = self.inbox.pop(("F", a.chunk, a.microbatch))
+            x.requires_grad_(not self.forward_only)
+        labels = mb["labels"].to(self.ps.device) if chunk.post_process else None
+        kwargs = {k: mb[k].to(self.ps.device) for k in ("position_ids", "segment_ids") if mb.get(k) is not None}
+        with torch.set_grad_enabled(not self.forward_only):
+            out = chunk(x, labels=labels, seq_len=self.seq_len, **kwargs)
+            if chunk.post_process:
+                out = out.sum() / self.num_tokens
+                self.loss += out.detach().float()
+        if not self.forward_only:
+            self.saved[(a.chunk, a.microbatch)] = (x, out)
+        if chunk.post_process:
+            return []
+        return [Transfer(out.detach(), self.ps.next_rank, ACTIVATION, c, a.microbatch, True)]
+
+    def backward(self, a: Action, is_last: bool) -> list[Transfer]:
+        if self.grad_sync is not None:
+            self.grad_sync.set_last_microbatch(a.chunk, is_last)
+        chunk = self.chunks[a.chunk]
+        x, out = self.saved.pop((a.chunk, a.microbatch))
+        if chunk.post_process:
+            torch.autograd.backward(out)
+        else:
+            _backward_through(out, self.inbox.pop(("B", a.chunk, a.microbatch)))
+        if chunk.pre_process:
+            return []
+        return [Transfer(x.grad, self.ps.prev_rank, GRADIENT, self.model_chunk(a.chunk), a.microbatch, True)]
+
+    # -- the loop -----------------------------------------------------------------
+    def run(self, steps: list[Step]) -> None:
+        last_backward = {}
+        for i, step in enumerate(steps):
+            for a in step:
+                if a.kind == "B":
+                    last_backward[a.chunk] = (i, a.microbatch)
+        self.p2p.exchange(self.receives(steps[0]))
+        for i, step in enumerate(steps):
+            sends = []
+            for a in step:
+                with self.timeline.span(a) if self.timeline is not None else nullcontext():
+                    if a.kind == "F":
+                        sends += self.forward(a)
+                    else:
+                        sends += self.backward(a, last_backward[a.chunk] == (i, a.microbatch))
+            upcoming = self.receives(steps[i + 1]) if i + 1 < len(steps) else []
+            self.in_flight += self.p2p.exchange(sends + upcoming)
+            self.release_sent(wait=False)
+        self.release_sent(wait=True)
+
+    def release_sent(self, wait: bool) -> None:
+        """Drop completed sends; free the storage of activations that have left this rank."""
+        still = []
+        for t, work in self.in_flight:
+            if not wait and not work.is_completed():
+                still.append((t, work))
+                continue
+            work.wait()
+            key = (_chunk_of(t, self.ps), t.microbatch)
+            if t.direction == ACTIVATION and key in self.saved:
+                # Only the autograd node behind the output is still needed, not its data.
+                out = self.saved[key][1]
+                out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+        self.in_flight = still
+
+
+def _chunk_of(t: Transfer, ps: ParallelState) -> int:
+    return t.sender_chunk // ps.pp
+
+
+def forward_backward(
+    chunks: list,
+    ps: ParallelState,
+    microbatches: list[dict],
+    *,
+    schedule: str,
+    num_tokens: int,
+    grad_sync: GradSync | None = None,
+    timeline: Timeline | None = None,
+    forward_only: bool = False,
+) -> float | None:
+    """Forward and backward of this rank's share of one global batch.
+
+    `chunks` are this rank's model chunks in virtual order (model chunk
+    `v * pp + pp_rank` is `chunks[v]`); `microbatches` are this DP rank's
+    micro-batches (dicts with `input_ids` and `labels` `[b, s]`, optional
+    `position_ids`, `segment_ids`), the same list on every stage of a pipeline.
+    Gradients accumulate into `.grad` (call `grads.finalize_grads` afterwards, or
+    let the optimizer's `grad_sync` reduce them: before each backward of chunk v
+    it is told whether that is the chunk's last micro-batch of the step).
+
+    Returns, on last-stage ranks, the sum over this rank's micro-batches of
+    sum(per-token loss) / num_tokens, so summing it over DP ranks gives the
+    global-batch mean loss; None on other stages.
+    """
+    if len(chunks) != ps.vpp:
+        raise LayoutError(f"this rank holds {len(chunks)} model chunks but the layout has vpp={ps.vpp}")
+    if num_tokens < 1:
+        raise LayoutError(f"num_tokens must count at least one label token, got {num_tokens}")
+    steps = plan(schedule, ps.pp, ps.pp_rank, ps.vpp, len(microbatches), forward_only)
+    s = microbatches[0]["input_ids"].shape[1]
+    if ps.sequence_parallel and s % ps.tp:
+        raise LayoutError(f"sequence length {s} is not divisible by TP={ps.tp} (sequence parallelism)")
+    if any(mb["input_ids"].shape != microbatches[0]["input_ids"].shape for mb in microbatches):
+        raise LayoutError("all micro-batches of a step must have the same [batch, seq] shape")
+    ex = _Executor(chunks, ps, microbatches, num_tokens, grad_sync, timeline, forward_only)
+    ex.run(steps)
+    return ex.loss.item() if ps.is_last_stage else None
