@@ -5,9 +5,10 @@ pipeline rank it opens that rank's TP files (streaming safetensors writers whose
 headers are computed up front from the shapes), then walks the rank's tensor
 rules in file order; each rule's source tensors are read once (`source.get`, lazy
 per tensor), cut into the TP slices by `rules.to_local`, and each slice is written
-straight to its rank file. The largest thing in memory is therefore one full
-tensor plus one slice (the embedding, for LLaMA-7B ~0.26 GB in bf16), never a
-rank file or the model.
+to its rank file by a write-behind thread (so reading the next tensor overlaps
+writing this one). The largest thing in memory is therefore one full tensor plus
+one tensor's worth of queued slices (the embedding: 2 x 0.26 GB for LLaMA-7B in
+bf16), never a rank file or the model.
 
 The source is anything with `folder`, `shape(name)`, `dtype(name)` and `get(name)`
 by HF name: an `HFCheckpoint` for conversion, an `MPCheckpoint` (which merges
@@ -35,7 +36,7 @@ from .hub_source import resolve_hf_source
 from .mp_layout import HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, parse_dtype, write_latest
 from .mp_reader import MPCheckpoint, local_shape, rank_rules
 from .rules import expected_hf_shape, to_local
-from .st_stream import StreamingSafetensorsWriter
+from .st_stream import StreamingSafetensorsWriter, WriteBehind
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
 
@@ -97,11 +98,12 @@ def write_mp_shards(source, cfg: ModelConfig, layout: MPLayout, iter_dir: Path, 
                 rank_dir.mkdir()
                 writers.append(stack.enter_context(
                     StreamingSafetensorsWriter(rank_dir / RANK_FILE, specs[t], {"format": "pt"})))
-            for rule, target in zip(rules, targets):
-                full = [source.get(n) for n in rule.hf]
-                for t, writer in enumerate(writers):
-                    writer.write(rule.local, to_local(rule, full, cfg, tp, t, mult).to(target))
-                del full
+            with WriteBehind(depth=tp) as behind:
+                for rule, target in zip(rules, targets):
+                    full = [source.get(n) for n in rule.hf]
+                    for t, writer in enumerate(writers):
+                        behind.write(writer, rule.local, to_local(rule, full, cfg, tp, t, mult).to(target))
+                    del full
     return dtype_name(written.pop()) if len(written) == 1 else "mixed"
 
 

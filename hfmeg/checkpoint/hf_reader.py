@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
-from .st_stream import CODE_DTYPES
+from .st_stream import CODE_DTYPES, read_tensor
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -90,7 +90,7 @@ class HFCheckpoint:
         handle = self._open(path)
         try:
             if path.suffix == ".safetensors":
-                return handle.get_tensor(key)
+                return read_tensor(path, key)  # not handle.get_tensor: see st_stream.read_tensor
             return handle[key]
         except (SafetensorError, OSError, RuntimeError, KeyError) as e:
             raise CheckpointError(f"{path}: cannot read tensor {key} ({type(e).__name__}: {e})") from e

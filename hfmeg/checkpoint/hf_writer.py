@@ -5,7 +5,8 @@ The HF tensor names, shapes and dtypes are known up front (`MPCheckpoint.shape` 
 any data is read: tensors in model order fill `model-0000i-of-0000n.safetensors`
 files up to `max_shard_bytes` (a single `model.safetensors` when everything fits),
 with a `model.safetensors.index.json` when there are several. Each tensor is
-merged from its TP slices, written and dropped.
+merged from its TP slices and written (by a write-behind thread, so the next
+merge overlaps this write) and dropped.
 
 `config.json` keeps every field of the source config; only `torch_dtype` / `dtype`
 are set to what was written. Tokenizer and generation config files are copied
@@ -24,7 +25,7 @@ import torch
 from ..errors import HfmegError
 from .mp_layout import copy_hf_side_files, dtype_name
 from .mp_reader import MPCheckpoint
-from .st_stream import StreamingSafetensorsWriter
+from .st_stream import StreamingSafetensorsWriter, WriteBehind
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -72,9 +73,10 @@ def write_hf_folder(source: MPCheckpoint, folder: Path, dtype: torch.dtype | Non
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for file, names in zip(files, shards):
-        with StreamingSafetensorsWriter(folder / file, {k: specs[k] for k in names}, {"format": "pt"}) as writer:
+        with StreamingSafetensorsWriter(folder / file, {k: specs[k] for k in names}, {"format": "pt"}) as writer, \
+                WriteBehind(depth=1) as behind:
             for name in names:
-                writer.write(name, source.get(name).to(specs[name][0]))
+                behind.write(writer, name, source.get(name).to(specs[name][0]))
     if n > 1:
         total = sum(torch.Size(s).numel() * d.itemsize for d, s in specs.values())
         index = {"metadata": {"total_size": total},

@@ -20,7 +20,7 @@ from ..config import ModelConfig, load_hf_config, model_config_from_hf
 from ..errors import CheckpointError
 from .mp_layout import HF_DIR, LAYOUT_FILE, RANK_FILE, MPLayout, resolve_iteration_dir
 from .rules import TensorRule, chunk_rules, expected_hf_shape, to_hf, to_local
-from .st_stream import CODE_DTYPES
+from .st_stream import CODE_DTYPES, read_tensor
 
 
 def local_shape(rule: TensorRule, cfg: ModelConfig, hf_shapes: list[tuple[int, ...]], tp: int, tp_rank: int,
@@ -93,9 +93,10 @@ class MPCheckpoint:
 
     def local(self, tp_rank: int, pp_rank: int, name: str) -> torch.Tensor:
         """Tensor `name` of rank file (tp_rank, pp_rank), as stored."""
+        self._handle(tp_rank, pp_rank)  # validated on open
         try:
-            return self._handle(tp_rank, pp_rank).get_tensor(name)
-        except (SafetensorError, OSError) as e:
+            return read_tensor(self.rank_file(tp_rank, pp_rank), name)
+        except (OSError, KeyError) as e:
             path = self.rank_file(tp_rank, pp_rank)
             raise CheckpointError(f"{path}: cannot read tensor {name} ({type(e).__name__}: {e})") from e
 

@@ -1,4 +1,4 @@
-"""Write a safetensors file one tensor at a time.
+"""Stream safetensors files: write one tensor at a time, read one tensor at a time.
 
 `safetensors.torch.save_file` needs every tensor of a file in memory at once, so a
 converter writing one TP x PP rank file (1/(TP*PP) of the model) or one HF shard
@@ -8,13 +8,22 @@ name to its dtype, shape and `[begin, end)` byte offsets in the data section, th
 the raw little-endian bytes. Every name, dtype and shape is known before any data
 is read (they follow from the config and the split rules), so the header is
 written first and each tensor's bytes follow in header order; only the tensor
-being written is in memory. The files are read back with `safetensors.safe_open`.
+being written is in memory. The files load with `safetensors.safe_open`.
+
+Reading: `safe_open(...).get_tensor` returns a view on a private memory map of the
+whole file, and every page a converter touches stays resident (and counts in its
+RSS) for as long as the file is open, so streaming a checkpoint through it grows
+RSS to the checkpoint's size. `read_tensor` instead reads the tensor's byte range
+with one positioned read into fresh memory that is freed with the tensor.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -96,3 +105,53 @@ class StreamingSafetensorsWriter:
             self.close()
         else:
             self._abort()
+
+
+class WriteBehind:
+    """Run `writer.write` calls on one background thread, at most `depth` queued.
+
+    Reading and slicing the next tensor then overlaps writing this one (file writes
+    and torch copies release the GIL); memory grows by at most `depth` queued
+    tensors. Call `drain()` before closing the writers; a write error surfaces at
+    the next `write` or at `drain`.
+    """
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hfmeg-write")
+        self._pending: deque[Future] = deque()
+
+    def write(self, writer: StreamingSafetensorsWriter, name: str, tensor: torch.Tensor) -> None:
+        self._pending.append(self._pool.submit(writer.write, name, tensor))
+        while len(self._pending) > self.depth:
+            self._pending.popleft().result()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def __enter__(self) -> "WriteBehind":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.drain()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def read_tensor(path: str | Path, name: str) -> torch.Tensor:
+    """Tensor `name` of a safetensors file, read into its own memory (see the module docstring)."""
+    path = Path(path)
+    with open(path, "rb", buffering=0) as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        info = header[name]
+        begin, end = info["data_offsets"]
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        while done < len(view):
+            got = os.preadv(f.fileno(), [view[done:]], 8 + n + begin + done)
+            if got == 0:
+                raise CheckpointError(f"{path}: tensor {name} is truncated")
+            done += got
+    return buf.view(CODE_DTYPES[info["dtype"]]).reshape(info["shape"])
