@@ -1,0 +1,200 @@
+"""Pipeline schedules composed with TP, SP and DP: loss and every gradient vs one process.
+
+Each gloo world runs many (layout, schedule, recompute) cases back to back. Every
+rank builds the same HF checkpoint as one unsharded `ModelChunk` (a world-1
+ParallelState), runs the whole global batch through it as the reference, then runs
+its own stage under the pipeline schedule on its DP share of the micro-batches,
+finalises gradients (SP, tied embedding, DP sums), rebuilds full-shape HF gradients
+from the TP shards with `checkpoint.rules.to_hf`, and compares. The parent checks
+that the ranks together covered every reference gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import STORIES
+from hfmeg.checkpoint.rules import chunk_rules, to_hf
+from hfmeg.models import build_chunk_from_hf
+from hfmeg.parallel.grads import finalize_grads
+from hfmeg.parallel.launch import spawn
+from hfmeg.parallel.pipeline import forward_backward
+from hfmeg.parallel.stage import build_stage_from_hf
+from hfmeg.parallel.state import ParallelConfig, ParallelState
+from tiny_models import save_tiny
+
+TOL = 1e-5
+CPU = torch.device("cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: str  # key of the folders dict
+    tp: int
+    pp: int
+    schedule: str
+    vpp: int = 1
+    sp: bool = False
+    microbatches: int = 4  # per DP rank
+    recompute: str = "none"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp")
+    out = {
+        "llama8": str(save_tiny("llama3", root / "llama8", num_hidden_layers=8)),
+        "tied8": str(save_tiny("llama_tied", root / "tied8", num_hidden_layers=8)),
+    }
+    if (STORIES / "config.json").is_file():
+        out["stories"] = str(STORIES)
+    return out
+
+
+def _global_batch(vocab: int, n: int, b: int = 2, s: int = 8) -> list[dict]:
+    g = torch.Generator().manual_seed(n)
+    mbs = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (b, s), generator=g)
+        labels = torch.randint(0, vocab, (b, s), generator=g)
+        labels[:, -1] = -100
+        labels[0, :2] = -100  # uneven ignored tokens across micro-batches
+        mbs.append(dict(input_ids=ids, labels=labels))
+    return mbs
+
+
+def _hf_grads(chunk, shards_of) -> dict[str, torch.Tensor]:
+    params = dict(chunk.named_parameters())
+    out = {}
+    for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process):
+        # A tied lm_head copy must end up holding the whole embedding gradient: compare it as one.
+        out.update(to_hf(dataclasses.replace(rule, tied=False), shards_of(params[rule.local].grad), chunk.cfg))
+    return out
+
+
+def _reference(folder: str, mbs: list[dict], num_tokens: int):
+    chunk = build_chunk_from_hf(folder, ParallelState(ParallelConfig(), 0, 1, CPU))
+    ids = torch.cat([m["input_ids"] for m in mbs])
+    labels = torch.cat([m["labels"] for m in mbs])
+    loss = chunk(ids, labels=labels).sum() / num_tokens
+    loss.backward()
+    return loss.item(), _hf_grads(chunk, lambda g: [g])
+
+
+def _gather_tp(t: torch.Tensor, ps: ParallelState) -> list[torch.Tensor]:
+    if ps.tp == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(ps.tp)]
+    dist.all_gather(parts, t.contiguous(), group=ps.tp_group)
+    return parts
+
+
+class _Recorder:
+    """Stands in for the optimizer's grad_sync: records the schedule's hook calls."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, bool]] = []
+
+    def set_last_microbatch(self, chunk: int, is_last: bool) -> None:
+        self.calls.append((chunk, is_last))
+
+
+def _run_cases(folders: dict, cases: list[Case]) -> list[dict]:
+    refs: dict = {}
+    results = []
+    for case in cases:
+        ps = ParallelState(ParallelConfig(tp=case.tp, pp=case.pp, vpp=case.vpp, sequence_parallel=case.sp),
+                           dist.get_rank(), dist.get_world_size(), CPU)
+        folder = folders[case.model]
+        chunks = build_stage_from_hf(folder, ps, recompute=case.recompute)
+        n_total = case.microbatches * ps.dp
+        everything = _global_batch(chunks[0].cfg.vocab_size, n_total)
+        num_tokens = sum(int((m["labels"] != -100).sum()) for m in everything)
+        if (folder, n_total) not in refs:
+            refs[(folder, n_total)] = _reference(folder, everything, num_tokens)
+        ref_loss, ref_grads = refs[(folder, n_total)]
+        mine = everything[ps.dp_rank * case.microbatches : (ps.dp_rank + 1) * case.microbatches]
+        recorder = _Recorder()
+        loss = forward_backward(chunks, ps, mine, schedule=case.schedule, num_tokens=num_tokens,
+                                grad_sync=recorder)
+        finalize_grads(chunks, ps)
+        row = dict(case=case, loss_rel=None, grad_rel=0.0, names=set(), hook_ok=_hooks_ok(recorder, case))
+        if loss is not None:
+            total = torch.tensor(loss, dtype=torch.float64)
+            if ps.dp > 1:
+                dist.all_reduce(total, group=ps.dp_group)
+            row["loss_rel"] = abs(total.item() - ref_loss) / abs(ref_loss)
+            # forward_only gives the same loss without touching gradients.
+            again = forward_backward(chunks, ps, mine, schedule=case.schedule, num_tokens=num_tokens,
+                                     forward_only=True)
+            row["forward_only_diff"] = abs(again - loss)
+        else:
+            forward_backward(chunks, ps, mine, schedule=case.schedule, num_tokens=num_tokens, forward_only=True)
+        for chunk in chunks:
+            for name, g in _hf_grads(chunk, lambda t: _gather_tp(t, ps)).items():
+                ref = ref_grads[name]
+                row["grad_rel"] = max(row["grad_rel"], ((g - ref).abs().max() / ref.abs().max()).item())
+                row["names"].add(name)
+        row["n_ref"] = len(ref_grads)
+        results.append(row)
+    return results
+
+
+def _hooks_ok(recorder: _Recorder, case: Case) -> bool:
+    """One call per backward; is_last exactly on each chunk's final backward of the step."""
+    ok = len(recorder.calls) == case.vpp * case.microbatches
+    for v in range(case.vpp):
+        flags = [last for c, last in recorder.calls if c == v]
+        ok &= flags == [False] * (case.microbatches - 1) + [True]
+    return ok
+
+
+def _check(per_rank: list[list[dict]]) -> None:
+    for i, row in enumerate(per_rank[0]):
+        rows = [r[i] for r in per_rank]
+        case = row["case"]
+        names = set().union(*(r["names"] for r in rows))
+        assert len(names) == row["n_ref"], f"{case}: compared {len(names)} of {row['n_ref']} gradients"
+        worst = max(r["grad_rel"] for r in rows)
+        assert worst <= TOL, f"{case}: gradient rel err {worst:.2e}"
+        losses = [r["loss_rel"] for r in rows if r["loss_rel"] is not None]
+        assert losses and max(losses) <= TOL, f"{case}: loss rel err {losses}"
+        assert all(r["forward_only_diff"] <= 1e-6 for r in rows if "forward_only_diff" in r), case
+        assert all(r["hook_ok"] for r in rows), f"{case}: grad_sync hooks called wrongly"
+
+
+def _with_stories(folders: dict, cases: list[Case]) -> list[Case]:
+    return [c for c in cases if c.model in folders]
+
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+
+
+def test_pipeline_pp2(folders):
+    cases = [Case("llama8", 1, 2, s, v) for s, v in SCHEDULES]
+    cases += [Case("llama8", 1, 2, "1f1b", microbatches=7)]  # fewer warm-up slots than micro-batches, odd count
+    cases += [Case("llama8", 1, 2, s, v, recompute=r) for s, v in SCHEDULES for r in ("full", "selective")]
+    cases += [Case("stories", 1, 2, s, v) for s, v in SCHEDULES]  # 3+2 layers; interleaved 2+1+1+1
+    cases += [Case("tied8", 1, 2, s, v) for s, v in (("1f1b", 1), ("interleaved", 2))]
+    _check(spawn(_run_cases, 2, folders, _with_stories(folders, cases)))
+
+
+def test_pipeline_world4(folders):
+    cases = [Case("llama8", 1, 4, s, v, microbatches=8) for s, v in SCHEDULES]  # (1,4,1)
+    cases += [Case("llama8", 1, 4, "interleaved", 2, microbatches=4)]  # m == pp: all warm-up
+    cases += [Case("llama8", 2, 2, "1f1b"), Case("llama8", 2, 2, "gpipe", sp=True)]  # (2,2,1)
+    cases += [Case("llama8", 2, 2, "interleaved", 2, sp=True, recompute="selective")]
+    cases += [Case("stories", 2, 2, "1f1b", sp=True)]
+    cases += [Case("llama8", 1, 2, s, v) for s, v in SCHEDULES]  # (1,2,2)
+    cases += [Case("tied8", 1, 2, "1f1b", recompute="full"), Case("stories", 1, 2, "interleaved", 2)]
+    _check(spawn(_run_cases, 4, folders, _with_stories(folders, cases)))
+
+
+def test_pipeline_tp2_pp2_dp2(folders):
+    cases = [Case("llama8", 2, 2, s, v, sp=(s != "gpipe")) for s, v in SCHEDULES]
+    cases += [Case("tied8", 2, 2, "interleaved", 2, sp=True), Case("stories", 2, 2, "1f1b", sp=True)]
+    _check(spawn(_run_cases, 8, folders, _with_stories(folders, cases)))
