@@ -87,8 +87,9 @@ def draw(events: list[Event], path: str | Path, title: str = "") -> Path:
     handles = [Patch(color=blues(0.6), label="forward"), Patch(color=greens(0.6), label="backward")]
     if vpp > 1:
         handles.append(Patch(color="white", label="darker = later virtual chunk"))
-    ax.legend(handles=handles, loc="upper right", fontsize=8, ncols=len(handles))
-    ax.set_title(title, fontsize=10)
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncols=len(handles),
+              frameon=False)
+    ax.set_title(title, fontsize=10, loc="left")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
