@@ -159,3 +159,36 @@ def test_load_chunks_checks_the_layout(sources, tmp_path):
     assert [c.layer_ids for c in chunks] == [[0, 1], [2, 3]]
     with pytest.raises(LayoutError, match=r"saved with TP=1 PP=1 VPP=2, but this run uses TP=1 PP=1 VPP=1"):
         load_chunks_from_mp(tmp_path / "mp", ParallelState(ParallelConfig(), 0, 1, torch.device("cpu")))
+
+
+
+def _save_live_chunks(mp22, mp21, out):
+    """Save TP2 x PP2 chunks as iteration 7, then TP2 x DP2 chunks as iteration 8, from live models."""
+    import torch.distributed as dist
+
+    from hfmeg.checkpoint.mp_save import save_chunks_to_mp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mark = lambda d: (d / f"extra_{rank}.txt").write_text("optimizer shard")  # noqa: E731
+    for mp, pp, it in ((mp22, 2, 7), (mp21, 1, 8)):
+        ps = ParallelState(ParallelConfig(tp=2, pp=pp), rank, world, torch.device("cpu"))
+        save_chunks_to_mp(load_chunks_from_mp(mp, ps), ps, out, it, f"{mp}/release/hf", on_rank_dir=mark)
+
+
+def test_save_live_chunks_then_export_bit_exact(sources, tmp_path):
+    from hfmeg.parallel.launch import spawn
+
+    src, out = sources["llama_tied"], tmp_path / "ckpt"
+    hf_to_mp(src, tmp_path / "mp22", tp=2, pp=2)
+    hf_to_mp(src, tmp_path / "mp21", tp=2, pp=1)
+    spawn(_save_live_chunks, 4, str(tmp_path / "mp22"), str(tmp_path / "mp21"), str(out))
+    assert (out / LATEST_FILE).read_text().strip() == "8"
+    assert sorted(p.name for p in out.iterdir()) == ["iter_0000007", "iter_0000008", LATEST_FILE]
+    assert sorted(p.name for p in (out / "iter_0000008" / "mp_rank_00").iterdir()) == \
+        ["extra_0.txt", "extra_2.txt", "model.safetensors"]  # DP replicas share the TP rank's folder
+    assert (out / "iter_0000007" / "mp_rank_01_001" / "extra_3.txt").is_file()
+    assert MPLayout.read(out / "iter_0000007").iteration == 7
+    mp_to_hf(out, tmp_path / "hf8")
+    assert_same_tensors(src, tmp_path / "hf8")
+    mp_to_hf(out, tmp_path / "hf7", iteration=7)
+    assert_same_tensors(src, tmp_path / "hf7")

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from convert_helpers import LAYOUTS, make_sources
 from hfmeg.checkpoint.convert import hf_to_mp
 from hfmeg.checkpoint.parity import compare, prompt_ids, reference_outputs, sharded_outputs
-from hfmeg.parallel.launch import spawn
+from hfmeg.parallel.launch import free_port, spawn
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,3 +111,17 @@ def test_verify_parity_cli_stories(converted):
     theirs = next(line for line in lines if line.startswith("transformers greedy")).split(":", 1)[1].strip()
     assert ours == theirs and "little girl named Lily" in ours
     assert "PARITY OK" in lines
+
+
+def test_verify_parity_cli_under_torchrun(converted):
+    """The same check inside a launcher's world (2 processes: TP2), as `torchrun` users run it."""
+    src, mps = converted["llama3"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun not installed beside this interpreter")
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(ROOT / "tools" / "verify_parity.py"), "--mp", str(mps[(2, 1, 1)]), "--hf", str(src)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("max_abs_logit_diff=") == 1 and "PARITY OK" in proc.stdout
+    assert "on 2 process(es)" in proc.stdout
