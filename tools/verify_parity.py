@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from hfmeg.checkpoint.cli import run_cli
 from hfmeg.checkpoint.hub_source import resolve_hf_source
-from hfmeg.checkpoint.parity import compare, prompt_ids, read_layout, reference_outputs, sharded_outputs
+from hfmeg.checkpoint.mp_reader import MPCheckpoint
+from hfmeg.checkpoint.parity import compare, prompt_ids, reference_outputs, sharded_outputs
 from hfmeg.parallel.launch import spawn
 
 
@@ -29,7 +30,7 @@ def _text(ids: list[int], tok) -> str:
 
 
 def verify(args) -> int:
-    layout = read_layout(args.mp)
+    layout = MPCheckpoint(args.mp).layout  # validates every rank file here, not inside the workers
     hf_dir = resolve_hf_source(args.hf)
     ids, tok = prompt_ids(args.mp, args.prompt, layout.model_config["vocab_size"])
     n, world = args.max_new_tokens, layout.tp * layout.pp

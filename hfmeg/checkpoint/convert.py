@@ -6,9 +6,9 @@ headers are computed up front from the shapes), then walks the rank's tensor
 rules in file order; each rule's source tensors are read once (`source.get`, lazy
 per tensor), cut into the TP slices by `rules.to_local`, and each slice is written
 to its rank file by a write-behind thread (so reading the next tensor overlaps
-writing this one). The largest thing in memory is therefore one full tensor plus
-one tensor's worth of queued slices (the embedding: 2 x 0.26 GB for LLaMA-7B in
-bf16), never a rank file or the model.
+writing this one; one slice queued at most). The largest thing in memory is
+therefore one full tensor plus two of its slices (for LLaMA-7B in bf16 at TP4:
+the 0.26 GB embedding + 2 x 0.07 GB), never a rank file or the model.
 
 The source is anything with `folder`, `shape(name)`, `dtype(name)` and `get(name)`
 by HF name: an `HFCheckpoint` for conversion, an `MPCheckpoint` (which merges
@@ -98,7 +98,7 @@ def write_mp_shards(source, cfg: ModelConfig, layout: MPLayout, iter_dir: Path, 
                 rank_dir.mkdir()
                 writers.append(stack.enter_context(
                     StreamingSafetensorsWriter(rank_dir / RANK_FILE, specs[t], {"format": "pt"})))
-            with WriteBehind(depth=tp) as behind:
+            with WriteBehind(depth=1) as behind:
                 for rule, target in zip(rules, targets):
                     full = [source.get(n) for n in rule.hf]
                     for t, writer in enumerate(writers):
