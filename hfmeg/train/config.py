@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from ..data.config import DataConfig
 from ..optim.config import OptimizerConfig
+from ..optim.lr_schedule import LRScheduleConfig
 from .dataclass_io import ConfigError, build, load_yaml, set_dotted, to_dict
 
 
@@ -34,13 +35,6 @@ class ParallelArgs:
     sequence_parallel: bool = False
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"  # vpp > 1 implies interleaved
     pp_layers: list[int] | None = None  # layers per pipeline chunk; default even
-
-
-@dataclass
-class LRArgs:
-    warmup_steps: int = 0
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * optim.lr
 
 
 @dataclass
@@ -72,7 +66,7 @@ class TrainConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
-    lr: LRArgs = field(default_factory=LRArgs)
+    lr: LRScheduleConfig = field(default_factory=LRScheduleConfig)  # total_steps defaults to train.max_steps
     data: DataConfig = field(default_factory=DataConfig)
     train: LoopArgs = field(default_factory=LoopArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
@@ -89,6 +83,9 @@ def load_config(yaml_path: str | Path | None, overrides: dict[str, Any]) -> Trai
     for key, value in overrides.items():
         if value is not None:
             set_dotted(data, key, value)
+    lr = data.setdefault("lr", {})
+    if isinstance(lr, dict) and "total_steps" not in lr:
+        lr["total_steps"] = data.get("train", {}).get("max_steps", LoopArgs.max_steps)
     cfg = build(TrainConfig, data)
     if not cfg.model.path:
         raise ConfigError("model.path is required (--model)")

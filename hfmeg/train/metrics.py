@@ -42,11 +42,13 @@ class MetricsLog:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         self.bar.update(1)
+        mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.3f}"  # None: device peak unknown (CPU)
         self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", gnorm=f"{row['grad_norm']:.3f}",
-                             tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{row['mfu']:.3f}")
+                             tok_s=f"{row['tokens_per_s']:.0f}", mfu=mfu)
         if self.tb is not None:
             for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
-                self.tb.add_scalar(f"train/{k}", row[k], row["step"])
+                if row[k] is not None:
+                    self.tb.add_scalar(f"train/{k}", row[k], row["step"])
 
     def log_eval(self, step: int, loss: float) -> None:
         self._file.write(json.dumps({"step": step, "eval_loss": loss}) + "\n")

@@ -1,0 +1,210 @@
+"""The training loop: data -> pipeline schedule -> overlapped optimizer, with checkpoints.
+
+One step:
+1. the data pipeline yields this DP rank's micro-batches of global batch k and the
+   global count of label tokens (the loss normaliser);
+2. the pipeline schedule runs every micro-batch forward and backward; on each
+   chunk's last micro-batch the optimizer's hooks start the bucketed reduce-scatter;
+3. `opt.step()` waits for what is still in flight, clips, updates its fp32 shard and
+   starts the all-gathers that the next forward waits on bucket by bucket;
+4. the loss (summed over the last stage's DP ranks = the global-batch mean) is
+   logged by rank 0; evaluation, checkpointing and a requested stop follow.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from ..checkpoint.convert import mp_to_hf
+from ..checkpoint.hub_source import resolve_hf_source
+from ..checkpoint.mp_layout import HF_DIR, LAYOUT_FILE, LATEST_FILE, resolve_iteration_dir
+from ..checkpoint.mp_load import load_chunks_from_mp
+from ..data import build_data, build_eval_data
+from ..hub import push_to_hub, write_model_card
+from ..optim.distributed_optimizer import DistributedOptimizer
+from ..optim.lr_schedule import lr_at
+from ..parallel.pipeline import forward_backward
+from ..parallel.stage import build_stage_from_hf
+from ..parallel.state import ParallelConfig, ParallelState
+from .checkpointing import find_resume, load_trainer_state, save_checkpoint
+from .config import TrainConfig
+from .flops import mfu
+from .metrics import MetricsLog, read_metrics
+from .rng import seed_all
+from .stop import GracefulStop
+
+# Dense bf16 peak FLOP/s by device-name substring, for MFU; unknown devices report no MFU.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class RunResult:
+    out: Path
+    steps: int
+    final_loss: float | None
+    checkpoint: Path | None
+    hf_folder: Path | None
+    stopped_by_signal: bool
+
+
+def _is_mp(path: Path) -> bool:
+    return (path / LATEST_FILE).is_file() or (path / LAYOUT_FILE).is_file()
+
+
+def _peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def _sum_over_world(value: float | None, contributes: bool, device) -> float:
+    t = torch.tensor([value if contributes and value is not None else 0.0], dtype=torch.float64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return float(t.item())
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        p = cfg.parallel
+        self.ps = ParallelState.from_env(ParallelConfig(tp=p.tp, pp=p.pp, vpp=p.vpp, sequence_parallel=p.sequence_parallel))
+        self.out = Path(cfg.checkpoint.out)
+        self.ckpt_root = self.out / "checkpoints"
+        self.schedule = "interleaved" if p.vpp > 1 else p.schedule
+        seed_all(cfg.train.seed)
+        self.dtype = DTYPES.get(cfg.model.dtype) or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+        self.resume_dir = find_resume(self.ckpt_root, cfg.checkpoint.resume)
+        self.chunks, self.hf_side_dir = self._load_model()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.hf_side_dir))
+        self.opt = DistributedOptimizer(self.chunks, self.ps, cfg.optim)
+        loop = cfg.train
+        data_args = dict(dp_rank=self.ps.dp_rank, dp_size=self.ps.dp, micro_batch_size=loop.micro_batch_size,
+                         global_batch_size=loop.global_batch_size)
+        self.data = build_data(cfg.data, self.tokenizer, **data_args)
+        self.data_args = data_args
+        self.step = 0
+        if self.resume_dir is not None:
+            state = load_trainer_state(self.resume_dir, self.opt)
+            self.step = state["step"]
+            self.data.load_state_dict(state["data"])
+        self.model_cfg = self.chunks[0].cfg
+        self.peak = _peak_flops(self.ps.device)
+
+    # -- setup ---------------------------------------------------------------------------
+    def _load_model(self):
+        m, ps = self.cfg.model, self.ps
+        options = dict(recompute=m.recompute)  # TODO(lead): ce_chunk_tokens, compile_backend
+        source = self.resume_dir
+        if source is None:
+            local = Path(m.path)
+            source = local if local.is_dir() and _is_mp(local) else None
+        if source is not None:
+            iter_dir = resolve_iteration_dir(source)
+            chunks = load_chunks_from_mp(iter_dir, ps, dtype=self.dtype, **options)
+            return chunks, iter_dir / HF_DIR
+        folder = resolve_hf_source(m.path)
+        chunks = build_stage_from_hf(folder, ps, pp_layers=self.cfg.parallel.pp_layers, dtype=self.dtype,
+                                     vocab_multiple=m.vocab_multiple, **options)
+        return chunks, folder
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        cfg, ps = self.cfg, self.ps
+        is_logger = ps.rank == 0
+        if is_logger:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+            print(json.dumps(cfg.to_dict(), indent=2, default=str))
+        metrics = MetricsLog(self.out, cfg.train.max_steps, self.step, cfg.tensorboard) if is_logger else None
+        stop = GracefulStop()
+        last_saved, loss, stopped = None, None, False
+        seq_len = cfg.data.seq_len
+        tokens_per_step = cfg.train.global_batch_size * seq_len
+        try:
+            while self.step < cfg.train.max_steps:
+                lr = lr_at(self.step, cfg.optim.lr, cfg.lr)
+                self.opt.set_lr(lr)
+                batch = next(self.data)
+                t0 = time.perf_counter()
+                local = forward_backward(self.chunks, ps, batch.microbatches, schedule=self.schedule,
+                                         num_tokens=batch.num_tokens, grad_sync=self.opt)
+                result = self.opt.step()
+                loss = _sum_over_world(local, ps.is_last_stage and ps.tp_rank == 0, ps.device)
+                dt = time.perf_counter() - t0
+                self.step += 1
+                if metrics is not None:
+                    tps = tokens_per_step / dt
+                    metrics.log_step(dict(
+                        step=self.step, loss=loss, lr=lr, grad_norm=result.grad_norm, tokens=batch.num_tokens,
+                        tokens_per_s=tps, skipped=result.skipped,
+                        mfu=mfu(self.model_cfg, tps, seq_len, self.peak, ps.world_size) if self.peak else None,
+                    ))
+                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                    ev = self.evaluate()
+                    if metrics is not None:
+                        metrics.log_eval(self.step, ev)
+                stopped = stop.should_stop(ps.device)
+                due = cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0
+                if due or stopped or self.step == cfg.train.max_steps:
+                    last_saved = self.save()
+                if stopped:
+                    if metrics is not None:
+                        metrics.bar.write(f"{stop.signal_name}: saved step {self.step} to {last_saved}, exiting")
+                    break
+        finally:
+            stop.restore()
+            if metrics is not None:
+                metrics.close()
+        hf = None if stopped else self.export(last_saved)
+        return RunResult(self.out, self.step, loss, last_saved, hf, stopped)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the eval batches (each normalised by its own token count)."""
+        cfg, ps = self.cfg, self.ps
+        total, n = 0.0, 0
+        for batch in build_eval_data(cfg.data, self.tokenizer, **self.data_args):
+            local = forward_backward(self.chunks, ps, batch.microbatches, schedule=self.schedule,
+                                     num_tokens=batch.num_tokens, forward_only=True)
+            total += _sum_over_world(local, ps.is_last_stage and ps.tp_rank == 0, ps.device)
+            n += 1
+            if n == cfg.train.eval_batches:
+                break
+        return total / max(n, 1)
+
+    def save(self) -> Path:
+        state = {"data": self.data.state_dict(), "config": self.cfg.to_dict()}
+        return save_checkpoint(self.ckpt_root, self.step, self.chunks, self.ps, self.opt, self.hf_side_dir, state,
+                               pp_layers=self.cfg.parallel.pp_layers, vocab_multiple=self.cfg.model.vocab_multiple,
+                               keep_last=self.cfg.checkpoint.keep_last)
+
+    def export(self, checkpoint: Path | None) -> Path | None:
+        """Rank 0 converts the final checkpoint to `<out>/hf`, writes the model card, pushes if asked."""
+        if checkpoint is None:
+            return None
+        hf = self.out / "hf"
+        if self.ps.rank == 0:
+            mp_to_hf(checkpoint, hf, overwrite=True)
+            rows = [r for r in read_metrics(self.out / "metrics.jsonl") if "loss" in r]
+            final = {k: rows[-1][k] for k in ("step", "loss", "grad_norm", "tokens_per_s")} if rows else {}
+            evals = [r for r in read_metrics(self.out / "metrics.jsonl") if "eval_loss" in r]
+            if evals:
+                final["eval_loss"] = evals[-1]["eval_loss"]
+            write_model_card(hf, base_model=self.cfg.model.path, data=[s.path for s in self.cfg.data.sources],
+                             config=self.cfg.to_dict(), metrics=final)
+            if self.cfg.hub.push_to_hub:
+                url = push_to_hub(hf, self.cfg.hub.push_to_hub, private=self.cfg.hub.private)
+                print(f"pushed to {url}")
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        return hf

@@ -1,0 +1,19 @@
+"""Supervised fine-tuning of LLaMA-2-13B on one node of 8 x 80 GB GPUs.
+
+    accelerate launch --num_processes 8 recipes/sft_llama13b.py \
+        --model meta-llama/Llama-2-13b-hf --data tatsu-lab/alpaca
+
+Defaults (TP=4 x DP=2 with sequence parallelism, seq 4096, bf16, overlapped
+optimizer, selective recompute) and their memory arithmetic are in
+`recipes/configs/sft_llama13b.yaml`. Any flag overrides them; on CPU the same script
+runs in fp32 with gloo, e.g. with `--model ../shared/assets/models/stories260K
+--data ../shared/assets/data/alpaca_en_demo.json --tp 2 --pp 2 --max-steps 30`.
+"""
+
+import sys
+from pathlib import Path
+
+from hfmeg.train.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(__doc__, Path(__file__).parent / "configs" / "sft_llama13b.yaml"))
