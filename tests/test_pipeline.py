@@ -22,9 +22,11 @@ from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.models import build_chunk_from_hf
 from hfmeg.parallel.grads import finalize_grads
 from hfmeg.parallel.launch import spawn
+from hfmeg.parallel.p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.stage import build_stage_from_hf
 from hfmeg.parallel.state import ParallelConfig, ParallelState
+from test_tp_parity import _gather_tp
 from tiny_models import save_tiny
 
 TOL = 1e-5
@@ -83,14 +85,6 @@ def _reference(folder: str, mbs: list[dict], num_tokens: int):
     loss = chunk(ids, labels=labels).sum() / num_tokens
     loss.backward()
     return loss.item(), _hf_grads(chunk, lambda g: [g])
-
-
-def _gather_tp(t: torch.Tensor, ps: ParallelState) -> list[torch.Tensor]:
-    if ps.tp == 1:
-        return [t]
-    parts = [torch.empty_like(t) for _ in range(ps.tp)]
-    dist.all_gather(parts, t.contiguous(), group=ps.tp_group)
-    return parts
 
 
 class _Recorder:
@@ -174,13 +168,36 @@ def _with_stories(folders: dict, cases: list[Case]) -> list[Case]:
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
 
 
+def _p2p_out_of_order() -> list[torch.Tensor]:
+    """Rank 0 sends a gradient then an activation to rank 1, which receives them the other way round."""
+    p2p, rank = P2P(num_chunks=4), dist.get_rank()
+    if rank == 0:
+        grad, act = torch.full((3,), 1.0), torch.full((3,), 2.0)
+        pending = p2p.exchange([Transfer(grad, 1, GRADIENT, 2, 0, True)])
+        pending += p2p.exchange([Transfer(act, 1, ACTIVATION, 0, 1, True)])
+        for _, work in pending:
+            work.wait()
+        return []
+    act, grad = torch.empty(3), torch.empty(3)
+    p2p.exchange([Transfer(act, 0, ACTIVATION, 0, 1, False)])
+    p2p.exchange([Transfer(grad, 0, GRADIENT, 2, 0, False)])
+    return [act, grad]
+
+
+def _pp2_world(folders, cases):
+    return _p2p_out_of_order(), _run_cases(folders, cases)
+
+
 def test_pipeline_pp2(folders):
     cases = [Case("llama8", 1, 2, s, v) for s, v in SCHEDULES]
     cases += [Case("llama8", 1, 2, "1f1b", microbatches=7)]  # fewer warm-up slots than micro-batches, odd count
     cases += [Case("llama8", 1, 2, s, v, recompute=r) for s, v in SCHEDULES for r in ("full", "selective")]
     cases += [Case("stories", 1, 2, s, v) for s, v in SCHEDULES]  # 3+2 layers; interleaved 2+1+1+1
     cases += [Case("tied8", 1, 2, s, v) for s, v in (("1f1b", 1), ("interleaved", 2))]
-    _check(spawn(_run_cases, 2, folders, _with_stories(folders, cases)))
+    results = spawn(_pp2_world, 2, folders, _with_stories(folders, cases))
+    act, grad = results[1][0]  # tags, not posting order, match messages between the same two ranks
+    assert act.eq(2.0).all() and grad.eq(1.0).all(), (act, grad)
+    _check([r[1] for r in results])
 
 
 def test_pipeline_world4(folders):

@@ -9,7 +9,7 @@ from hfmeg.parallel.schedules import plan, validate
 from hfmeg.parallel.timeline import Event, bubble_fractions, draw
 
 LAYOUTS = [("gpipe", 4, 1, 6), ("1f1b", 4, 1, 6), ("1f1b", 4, 1, 2), ("interleaved", 4, 2, 8),
-           ("interleaved", 2, 3, 4), ("interleaved", 4, 2, 4), ("gpipe", 2, 2, 3)]
+           ("interleaved", 2, 3, 4), ("interleaved", 4, 2, 4), ("gpipe", 2, 1, 3)]
 
 
 def _max_in_flight(steps) -> int:
@@ -52,6 +52,7 @@ def test_forward_only_plan_has_no_backward():
     (("interleaved", 4, 2, 6), "multiple of pp"),
     (("interleaved", 2, 1, 4), "vpp >= 2"),
     (("1f1b", 2, 2, 4), "use schedule 'interleaved'"),
+    (("gpipe", 2, 2, 4), "use schedule 'interleaved'"),
     (("gpipe", 1, 2, 4), "needs pipeline parallelism"),
     (("zero-bubble", 2, 1, 4), "unknown pipeline schedule"),
     (("1f1b", 2, 1, 0), "at least one micro-batch"),

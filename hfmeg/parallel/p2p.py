@@ -70,8 +70,15 @@ class P2P:
             fn = dist.isend if t.is_send else dist.irecv
             tag = message_tag(t.direction, t.sender_chunk, t.microbatch, self.num_chunks) if self.use_tags else 0
             ops.append(dist.P2POp(fn, t.tensor, t.peer, tag=tag))
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):
+            # A coalescing backend (NCCL) returns one handle for the whole group; its wait
+            # only orders the compute stream after the group and does not block the host.
+            for work in works:
+                work.wait()
+            return []
         pending = []
-        for t, work in zip(ordered, dist.batch_isend_irecv(ops)):
+        for t, work in zip(ordered, works):
             if t.is_send:
                 pending.append((t, work))
             else:

@@ -5,7 +5,10 @@ A plan is a list of *steps*; a step is one or two actions `F(v, m)` / `B(v, m)`
 executor (`hfmeg.parallel.pipeline`) runs a step's actions, then makes one
 batched point-to-point exchange: the step's outputs go out and the next step's
 inputs come in. Plans only depend on (schedule, pp, pp_rank, vpp, micro-batches),
-so every rank derives its neighbours' plans too and the exchanges pair up.
+so every rank derives its neighbours' plans too and the exchanges pair up. The
+steps put the exchanges where Megatron-LM's schedules put theirs, so backends that
+run point-to-point groups in posting order (NCCL) pair them up as well; this is
+also why GPipe runs one chunk per rank (interleaving is the interleaved schedule's).
 
 Notation: p stages, m micro-batches, v virtual chunks per rank; a stage is busy
 for (m·v) forward and (m·v) backward slots per step.
@@ -69,8 +72,8 @@ def validate(schedule: str, pp: int, vpp: int, microbatches: int) -> None:
             raise LayoutError(
                 f"the interleaved schedule needs micro-batches ({microbatches}) to be a multiple of pp ({pp})"
             )
-    elif schedule == "1f1b" and vpp > 1:
-        raise LayoutError(f"1f1b runs one chunk per rank; with vpp={vpp} use schedule 'interleaved'")
+    elif vpp > 1:
+        raise LayoutError(f"{schedule} runs one chunk per rank; with vpp={vpp} use schedule 'interleaved'")
 
 
 def plan(schedule: str, pp: int, pp_rank: int, vpp: int, microbatches: int, forward_only: bool = False) -> list[Step]:
@@ -79,7 +82,7 @@ def plan(schedule: str, pp: int, pp_rank: int, vpp: int, microbatches: int, forw
     if forward_only:
         return [[a] for a in _forward_order(schedule, pp, vpp, microbatches)]
     if schedule == "gpipe":
-        return _gpipe(vpp, microbatches)
+        return _gpipe(microbatches)
     if schedule == "1f1b":
         return _one_f_one_b(pp, pp_rank, microbatches)
     return _interleaved(pp, pp_rank, vpp, microbatches)
@@ -88,13 +91,11 @@ def plan(schedule: str, pp: int, pp_rank: int, vpp: int, microbatches: int, forw
 def _forward_order(schedule: str, pp: int, vpp: int, m: int) -> list[Action]:
     if schedule == "interleaved":
         return [_interleaved_action("F", k, pp, vpp) for k in range(m * vpp)]
-    return [Action("F", v, i) for v in range(vpp) for i in range(m)]
+    return [Action("F", 0, i) for i in range(m)]
 
 
-def _gpipe(vpp: int, m: int) -> list[Step]:
-    forwards = [[Action("F", v, i)] for v in range(vpp) for i in range(m)]
-    backwards = [[Action("B", v, i)] for v in reversed(range(vpp)) for i in range(m)]
-    return forwards + backwards
+def _gpipe(m: int) -> list[Step]:
+    return [[Action("F", 0, i)] for i in range(m)] + [[Action("B", 0, i)] for i in range(m)]
 
 
 def _one_f_one_b(pp: int, rank: int, m: int) -> list[Step]:
