@@ -108,6 +108,10 @@ def test_export_loads_in_transformers_with_dtype_and_shards(tmp_path):
     for (n, p), (_, q) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(p, q.to(torch.bfloat16)), n
     assert AutoTokenizer.from_pretrained(out)("Hello")["input_ids"] == AutoTokenizer.from_pretrained(src)("Hello")["input_ids"]
+    # A sharded (index + several files) bf16 source converts back bit-exact too, with --pp-layers.
+    hf_to_mp(out, tmp_path / "mp2", tp=4, pp=2, pp_layers=[4, 1])
+    mp_to_hf(tmp_path / "mp2", tmp_path / "hf2")
+    assert_same_tensors(out, tmp_path / "hf2")
 
 
 def test_bin_checkpoint_source(tmp_path):
