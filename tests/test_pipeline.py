@@ -21,6 +21,7 @@ from conftest import STORIES
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.models import build_chunk_from_hf
 from hfmeg.parallel.grads import finalize_grads
+from hfmeg.parallel.activation_meter import SavedTensorMeter
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from hfmeg.parallel.pipeline import forward_backward
@@ -184,8 +185,23 @@ def _p2p_out_of_order() -> list[torch.Tensor]:
     return [act, grad]
 
 
+def _peak_saved_bytes(folder: str, m: int) -> dict[str, int]:
+    """This stage's peak bytes saved for backward under GPipe and 1F1B (PP=2)."""
+    ps = ParallelState(ParallelConfig(pp=2), dist.get_rank(), dist.get_world_size(), CPU)
+    chunks = build_stage_from_hf(folder, ps)
+    mbs = _global_batch(chunks[0].cfg.vocab_size, m)
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        meter = SavedTensorMeter(chunks)
+        with meter.hooks():
+            forward_backward(chunks, ps, mbs, schedule=schedule, num_tokens=1)
+        assert meter.live == 0, "saved activations outlived the step"
+        peaks[schedule] = meter.peak
+    return peaks
+
+
 def _pp2_world(folders, cases):
-    return _p2p_out_of_order(), _run_cases(folders, cases)
+    return _p2p_out_of_order(), _run_cases(folders, cases), _peak_saved_bytes(folders["llama8"], 6)
 
 
 def test_pipeline_pp2(folders):
@@ -198,6 +214,9 @@ def test_pipeline_pp2(folders):
     act, grad = results[1][0]  # tags, not posting order, match messages between the same two ranks
     assert act.eq(2.0).all() and grad.eq(1.0).all(), (act, grad)
     _check([r[1] for r in results])
+    # 1F1B keeps pp - rank micro-batches in flight on stage rank, GPipe all 6; same bytes per micro-batch.
+    for rank, (_, _, peaks) in enumerate(results):
+        assert peaks["1f1b"] * 6 == peaks["gpipe"] * (2 - rank), (rank, peaks)
 
 
 def test_pipeline_world4(folders):
@@ -207,6 +226,7 @@ def test_pipeline_world4(folders):
     cases += [Case("llama8", 2, 2, "interleaved", 2, sp=True, recompute="selective")]
     cases += [Case("stories", 2, 2, "1f1b", sp=True)]
     cases += [Case("llama8", 1, 2, s, v) for s, v in SCHEDULES]  # (1,2,2)
+    cases += [Case("llama8", 2, 1, "1f1b", sp=True)]  # no pipeline: the schedule degenerates to F, B, F, B
     cases += [Case("tied8", 1, 2, "1f1b", recompute="full"), Case("stories", 1, 2, "interleaved", 2)]
     _check(spawn(_run_cases, 4, folders, _with_stories(folders, cases)))
 

@@ -35,50 +35,13 @@ import torch.distributed as dist
 from hfmeg.config import model_config_from_hf
 from hfmeg.errors import HfmegError
 from hfmeg.models import ModelChunk
+from hfmeg.parallel.activation_meter import SavedTensorMeter
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.layout import rank_chunks, split_layers
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.schedules import validate
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 from hfmeg.parallel.timeline import Timeline, bubble_fractions, draw
-
-
-class SavedTensorMeter:
-    """Live bytes of tensors saved for backward (each storage counted once), and their peak."""
-
-    def __init__(self, exclude: set[int]):
-        self.exclude, self.refs, self.live, self.peak = exclude, {}, 0, 0
-
-    def pack(self, t: torch.Tensor):
-        key = t.untyped_storage().data_ptr()
-        if key in self.exclude:
-            return t
-        return _Held(self, key, t, t.untyped_storage().nbytes())
-
-    @staticmethod
-    def unpack(x):
-        return x.tensor if isinstance(x, _Held) else x
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-
-class _Held:
-    def __init__(self, meter: SavedTensorMeter, key: int, tensor: torch.Tensor, nbytes: int):
-        self.meter, self.key, self.tensor = meter, key, tensor
-        count, _ = meter.refs.get(key, (0, nbytes))
-        if count == 0:
-            meter.live += nbytes
-            meter.peak = max(meter.peak, meter.live)
-        meter.refs[key] = (count + 1, nbytes)
-
-    def __del__(self):
-        count, nbytes = self.meter.refs[self.key]
-        if count == 1:
-            del self.meter.refs[self.key]
-            self.meter.live -= nbytes
-        else:
-            self.meter.refs[self.key] = (count - 1, nbytes)
 
 
 def _model_config(args):
@@ -105,10 +68,9 @@ def _worker(args, schedules):
                     labels=torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g))
                for _ in range(args.microbatches)]
         tokens = args.microbatches * args.micro_batch * args.seq
-        params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
         for _ in range(args.warmup):
             forward_backward(chunks, ps, mbs, schedule=schedule, num_tokens=tokens)
-        meter, timeline = SavedTensorMeter(params), Timeline(ps.pp_rank)
+        meter, timeline = SavedTensorMeter(chunks), Timeline(ps.pp_rank)
         dist.barrier()
         with meter.hooks():
             forward_backward(chunks, ps, mbs, schedule=schedule, num_tokens=tokens, timeline=timeline)

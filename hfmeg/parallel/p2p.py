@@ -76,7 +76,7 @@ class P2P:
             # only orders the compute stream after the group and does not block the host.
             for work in works:
                 work.wait()
-            return []
+            return [(t, works[-1]) for t in ordered if t.is_send]
         pending = []
         for t, work in zip(ordered, works):
             if t.is_send:
