@@ -222,6 +222,7 @@ def test_pipeline_pp2(folders):
 def test_pipeline_world4(folders):
     cases = [Case("llama8", 1, 4, s, v, microbatches=8) for s, v in SCHEDULES]  # (1,4,1)
     cases += [Case("llama8", 1, 4, "interleaved", 2, microbatches=4)]  # m == pp: all warm-up
+    cases += [Case("stories", 1, 4, s, microbatches=6) for s in ("gpipe", "1f1b")]  # 2+1+1+1 layers
     cases += [Case("llama8", 2, 2, "1f1b"), Case("llama8", 2, 2, "gpipe", sp=True)]  # (2,2,1)
     cases += [Case("llama8", 2, 2, "interleaved", 2, sp=True, recompute="selective")]
     cases += [Case("stories", 2, 2, "1f1b", sp=True)]

@@ -68,5 +68,5 @@ def test_bubble_fraction_and_picture(tmp_path):
               Event(1, "B", 0, 0, 2.0, 3.0), Event(0, "B", 0, 0, 3.0, 4.0)]
     assert bubble_fractions(events) == {0: 1.0, 1: 1.0}
     pytest.importorskip("matplotlib")
-    out = draw(events, tmp_path / "t.png", title="toy")
+    out = draw([("toy", events), ("again", events)], tmp_path / "t.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -14,7 +14,7 @@ reports per schedule:
   cost.
 
 Each result line is one JSON object; the last line compares with GPipe, the anchor
-(ratios). Each schedule's timeline picture goes to `--out/pipeline_timeline_<schedule>.png`.
+(ratios). The schedules' timelines go to one picture, `--out/pipeline_timeline.png`.
 Needs at least as many CPU cores as processes (TP x PP), or busy time measures
 contention: PP=2 on 2 cores, PP=4 on a 16-core machine.
 
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         print(f"bench_pipeline: {e}", file=sys.stderr)
         return 2
     per_rank = [r for r in spawn(_worker, world, args, schedules, timeout_s=1800) if r is not None]
-    rows = []
+    rows, panels = [], []
     for s in schedules:
         vpp = args.vpp if s == "interleaved" else 1
         events = [e for r in per_rank for e in r[s][0]]
@@ -118,11 +118,11 @@ def main(argv=None) -> int:
                    bubble_per_stage=[round(b, 4) for b in bubbles.values()],
                    peak_activation_bytes=[r[s][1] for r in per_rank],
                    step_ms=round((max(e.end for e in events) - min(e.start for e in events)) * 1e3, 1))
-        title = (f"{s}: pp={args.pp} vpp={vpp} m={args.microbatches}  bubble measured "
-                 f"{row['bubble_measured']:.3f} vs theory {row['bubble_theory']:.3f}")
-        row["timeline_png"] = str(draw(events, Path(args.out) / f"pipeline_timeline_{s}.png", title))
+        panels.append((f"{s}: pp={args.pp} vpp={vpp} m={args.microbatches}  bubble measured "
+                       f"{row['bubble_measured']:.3f} vs theory {row['bubble_theory']:.3f}", events))
         rows.append(row)
         print(json.dumps(row))
+    png = draw(panels, Path(args.out) / "pipeline_timeline.png")
     print(f"{'schedule':<12} {'vpp':>3} {'bubble':>8} {'theory':>8} {'peak act MiB/stage':>24}", file=sys.stderr)
     for r in rows:
         mib = "/".join(f"{b / 2**20:.1f}" for b in r["peak_activation_bytes"])
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
     anchor = next((r for r in rows if r["schedule"] == "gpipe"), rows[0])
     print(json.dumps(dict(
-        anchor=anchor["schedule"], pp=args.pp, microbatches=args.microbatches,
+        anchor=anchor["schedule"], timeline_png=str(png), pp=args.pp, microbatches=args.microbatches,
         **{f"{r['schedule']}_peak_activation_ratio": round(max(r["peak_activation_bytes"])
                                                             / max(anchor["peak_activation_bytes"]), 3) for r in rows},
         **{f"{r['schedule']}_bubble_ratio": round(r["bubble_measured"] / max(anchor["bubble_measured"], 1e-9), 3)

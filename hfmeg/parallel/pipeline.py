@@ -172,7 +172,9 @@ def forward_backward(
     `chunks` are this rank's model chunks in virtual order (model chunk
     `v * pp + pp_rank` is `chunks[v]`); `microbatches` are this DP rank's
     micro-batches (dicts with `input_ids` and `labels` `[b, s]`, optional
-    `position_ids`, `segment_ids`), the same list on every stage of a pipeline.
+    `position_ids`, `segment_ids`), the same list on every stage of a pipeline:
+    every stage reads the shape of `input_ids` and the positions / document ids
+    (RoPE and the packed-document mask are applied in every layer).
     Gradients accumulate into `.grad` (call `grads.finalize_grads` afterwards, or
     let the optimizer's `grad_sync` reduce them: before each backward of chunk v
     it is told whether that is the chunk's last micro-batch of the step).

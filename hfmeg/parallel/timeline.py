@@ -4,7 +4,7 @@ Pass a `Timeline` to `forward_backward`; it records one `Event` per action with
 wall-clock start/end (`time.perf_counter`, which on Linux is the system-wide
 monotonic clock, so events from processes on one machine share a time axis).
 Collect every stage's events on one process (e.g. `dist.gather_object`) and
-`draw` them as a picture like the schedule figures of the Megatron-LM paper: one
+`draw` them (one panel per schedule) as a picture like the schedule figures of the Megatron-LM paper: one
 row per stage, forwards blue, backwards green, the micro-batch number in each box,
 a darker shade per later virtual chunk. matplotlib is optional and only imported
 by `draw`.
@@ -56,21 +56,38 @@ def bubble_fractions(events: list[Event]) -> dict[int, float]:
     return {s: (end - start - b) / b for s, b in sorted(busy.items())}
 
 
-def draw(events: list[Event], path: str | Path, title: str = "") -> Path:
-    """Save the schedule picture of `events` (all stages) as a PNG at `path`."""
+def draw(panels: list[tuple[str, list[Event]]], path: str | Path) -> Path:
+    """Save one picture with a panel per (title, events of all stages) as a PNG at `path`."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
     except ImportError as e:  # optional dependency
         raise ImportError("drawing a pipeline timeline needs matplotlib: pip install matplotlib") from e
+    rows = [len({e.stage for e in events}) for _, events in panels]
+    width = max(8.0, min(24.0, max(len(ev) / n for (_, ev), n in zip(panels, rows)) * 0.45))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width, sum(0.7 * n + 1.2 for n in rows)),
+                             height_ratios=[n + 1.2 for n in rows], squeeze=False)
+    for ax, (title, events) in zip(axes[:, 0], panels):
+        _panel(ax, plt, title, events)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def _panel(ax, plt, title: str, events: list[Event]) -> None:
+    from matplotlib.patches import Patch
+
     t0 = min(e.start for e in events)
     stages = sorted({e.stage for e in events})
     vpp = max(e.chunk for e in events) + 1
     span_ms = (max(e.end for e in events) - t0) * 1e3
-    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, len(events) / len(stages) * 0.45)), 0.7 * len(stages) + 1.4))
     blues, greens = plt.get_cmap("Blues"), plt.get_cmap("Greens")
     for e in events:
         shade = 0.45 + 0.4 * (e.chunk / max(1, vpp - 1)) if vpp > 1 else 0.6
@@ -90,11 +107,3 @@ def draw(events: list[Event], path: str | Path, title: str = "") -> Path:
     ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncols=len(handles),
               frameon=False)
     ax.set_title(title, fontsize=10, loc="left")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
