@@ -1,0 +1,259 @@
+"""Training throughput and MFU of hfmeg against transformers, same model, batch and GPU, one run.
+
+Model: LLaMA-2-7B layer shapes (hidden 4096, FFN 11008, 32 heads, vocabulary 32000,
+sequence 4096) with `--layers` layers, randomly initialised once by transformers;
+both sides start from those same weights (hfmeg reads them from memory through
+`hfmeg.models.random_init.TensorSource`), see the same token ids, and run full
+training steps: `--grad-accum` micro-batches of `--micro-batch-size` sequences
+forward and backward, gradient clipping at 1.0, AdamW (lr 3e-4, betas 0.9/0.95,
+weight decay 0.1 except norms) and the update.
+
+- hfmeg: a world of one (TP = PP = DP = 1), one `ModelChunk` with SDPA attention,
+  RMSNorm/RoPE/SwiGLU compiled by Inductor (`--compile`, default on CUDA), the
+  chunked LM-head + cross-entropy, bf16 parameters; `DistributedOptimizer` (mode
+  `overlapped`, torch fused AdamW on the fp32 master shard, fp32 main grads); the
+  step is `pipeline.forward_backward` + `opt.step()`, as in the trainer.
+- anchor: transformers `LlamaForCausalLM` with `attn_implementation="sdpa"`, bf16
+  parameters updated by `torch.optim.AdamW(fused=True)` (bf16 moments, no fp32
+  master: the fastest and smallest setting HF offers), `clip_grad_norm_(foreach)`.
+  `--recompute full` turns on HF gradient checkpointing too (same memory regime);
+  `--hf-compile` wraps the HF model in `torch.compile`.
+
+Timing: `--warmup` untimed steps (compilation, allocator warm-up), then `--steps`
+steps between two `torch.cuda.synchronize()` + `perf_counter()`. Peak memory is
+`torch.cuda.max_memory_allocated` since the side's model and optimizer were built
+(reset then, and everything of the other side freed before). MFU uses the Megatron-LM
+formula (`hfmeg.train.flops.training_flops`) against the dense bf16 peak of the GPU
+(989 TFLOP/s for H100/H200 SXM; `--peak-tflops` overrides); null when unknown.
+
+The last line printed is one JSON object. GPU run:
+
+    .venv/bin/python tools/bench_mfu.py --layers 16
+CPU smoke test (fp32, both sides' losses must agree step by step):
+
+    .venv/bin/python tools/bench_mfu.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaConfig
+
+from hfmeg.config import model_config_from_hf
+from hfmeg.models.random_init import TensorSource, chunk_from_source, random_hf_model
+from hfmeg.optim import DistributedOptimizer, OptimizerConfig
+from hfmeg.parallel.pipeline import forward_backward
+from hfmeg.parallel.state import ParallelConfig, ParallelState
+from hfmeg.train.flops import mfu, training_flops
+from hfmeg.train.trainer import PEAK_FLOPS
+
+SEVEN_B = dict(hidden=4096, ffn=11008, heads=32, vocab=32000, seq=4096, layers=16, micro_batch_size=1,
+               grad_accum=4, steps=5, warmup=3)
+TINY = dict(hidden=64, ffn=176, heads=4, vocab=300, seq=32, layers=2, micro_batch_size=2, grad_accum=2,
+            steps=2, warmup=1)
+OPTIM = OptimizerConfig(mode="overlapped", impl="fused", lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                        weight_decay=0.1, grad_clip=1.0)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="CPU smoke-test shapes (defaults below become tiny)")
+    for name in ("layers", "hidden", "ffn", "heads", "vocab", "seq", "micro-batch-size", "grad-accum", "steps",
+                 "warmup"):
+        p.add_argument(f"--{name}", type=int, default=None)
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="Inductor for hfmeg's norm/RoPE/SwiGLU (default: on with CUDA)")
+    p.add_argument("--hf-compile", action="store_true", help="torch.compile the transformers model too")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense peak per device (default: detected)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    for k, v in (TINY if a.tiny else SEVEN_B).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    for k in ("layers", "hidden", "ffn", "heads", "vocab", "seq", "micro_batch_size", "grad_accum", "steps"):
+        if getattr(a, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    if a.hidden % a.heads:
+        p.error(f"--hidden {a.hidden} is not divisible by --heads {a.heads}")
+    return a
+
+
+@dataclass
+class SideResult:
+    losses: list[float]  # every step's global-batch mean loss, warm-up included
+    tokens: int  # tokens this side consumed in all steps
+    seconds: float  # wall time of the timed steps
+    peak_mem_bytes: int | None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _measure(step, a, device) -> SideResult:
+    """Run warm-up then timed steps; `step(i)` returns (loss, tokens) of global batch i."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # resident weights/state count, building transients do not
+    losses, tokens = [], 0
+    for i in range(a.warmup):
+        loss, n = step(i)
+        losses.append(loss)
+        tokens += n
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in range(a.warmup, a.warmup + a.steps):
+        loss, n = step(i)
+        losses.append(loss)
+        tokens += n
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return SideResult(losses, tokens, seconds, peak)
+
+
+def run_hf(model, batches, a, device) -> SideResult:
+    """The anchor: transformers' own loss (it shifts labels), fused AdamW on the bf16 parameters."""
+    if a.recompute == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    forward = torch.compile(model) if a.hf_compile else model
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    # Same weight-decay exclusion as hfmeg's OptimizerConfig: norms only.
+    groups = [{"params": [p for n, p in named if "norm" not in n]},
+              {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps,
+                            weight_decay=OPTIM.weight_decay, fused=True)
+
+    def step(i):
+        total = torch.zeros((), device=device)
+        for ids in batches[i]:
+            loss = forward(input_ids=ids, labels=ids).loss / len(batches[i])  # equal micro-batches: global mean
+            loss.backward()
+            total += loss.detach().float()
+        torch.nn.utils.clip_grad_norm_(params, OPTIM.grad_clip, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total.item(), sum(ids.numel() for ids in batches[i])
+
+    return _measure(step, a, device)
+
+
+def run_hfmeg(cfg, source, batches, a, device, dtype) -> SideResult:
+    """hfmeg as the trainer runs it, in a world of one: forward_backward + the overlapped optimizer."""
+    ps = ParallelState(ParallelConfig(), 0, 1, device)
+    chunk = chunk_from_source(cfg, source, ps, dtype=dtype, recompute=a.recompute,
+                              compile_backend="inductor" if a.compile else None)
+    opt = DistributedOptimizer([chunk], ps, OPTIM)
+    ignore = torch.full((a.micro_batch_size, 1), -100, device=device)
+    # Pre-shifted labels (the data pipeline's convention): the same b * (s - 1) targets HF shifts out itself.
+    steps = [[{"input_ids": ids, "labels": torch.cat([ids[:, 1:], ignore], dim=1)} for ids in mbs]
+             for mbs in batches]
+
+    def step(i):
+        mbs = steps[i]
+        num_tokens = sum(int(mb["input_ids"][:, 1:].numel()) for mb in mbs)
+        loss = forward_backward([chunk], ps, mbs, schedule="1f1b", num_tokens=num_tokens, grad_sync=opt)
+        opt.step()
+        return loss, sum(mb["input_ids"].numel() for mb in mbs)
+
+    return _measure(step, a, device)
+
+
+def peak_flops(a, device: torch.device) -> float | None:
+    if a.peak_tflops is not None:
+        return a.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    a.compile = device.type == "cuda" if a.compile is None else a.compile
+    hf_cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
+                         num_attention_heads=a.heads, num_key_value_heads=a.heads, vocab_size=a.vocab,
+                         max_position_embeddings=a.seq, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    cfg = model_config_from_hf(hf_cfg)
+    g = torch.Generator().manual_seed(a.seed + 1)
+    batches = [[torch.randint(0, a.vocab, (a.micro_batch_size, a.seq), generator=g).to(device)
+                for _ in range(a.grad_accum)] for _ in range(a.warmup + a.steps)]
+
+    model = random_hf_model(hf_cfg, seed=a.seed, dtype=dtype, device=device)
+    source = TensorSource.snapshot(model)  # on the CPU: not counted in either side's GPU memory
+    hf = run_hf(model, batches, a, device)
+    del model
+    _free(device)
+    ours = run_hfmeg(cfg, source, batches, a, device, dtype)
+    del source
+    _free(device)
+
+    peak = peak_flops(a, device)
+    flops_per_token = training_flops(cfg, 1, a.seq) / a.seq
+    timed_tokens = a.steps * a.grad_accum * a.micro_batch_size * a.seq
+    tps = {"hfmeg": timed_tokens / ours.seconds, "hf": timed_tokens / hf.seconds}
+    rate = {k: (mfu(cfg, v, a.seq, peak, 1) if peak else None) for k, v in tps.items()}
+    result_dtype = str(dtype).removeprefix("torch.")
+    result = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        dtype=result_dtype,
+        hfmeg_tokens_per_s=tps["hfmeg"], hf_tokens_per_s=tps["hf"], speedup=tps["hfmeg"] / tps["hf"],
+        hfmeg_mfu=rate["hfmeg"], hf_mfu=rate["hf"],
+        hfmeg_peak_mem_bytes=ours.peak_mem_bytes, hf_peak_mem_bytes=hf.peak_mem_bytes,
+        hfmeg_tokens=ours.tokens, hf_tokens=hf.tokens, hfmeg_losses=ours.losses, hf_losses=hf.losses,
+        peak_flops=peak, flops_per_token=flops_per_token,
+        shapes=dict(layers=a.layers, hidden=a.hidden, ffn=a.ffn, heads=a.heads, vocab=a.vocab, seq=a.seq,
+                    micro_batch_size=a.micro_batch_size, grad_accum=a.grad_accum, steps=a.steps, warmup=a.warmup),
+        hfmeg_settings=f"compile={'inductor' if a.compile else 'none'} recompute={a.recompute} chunked-CE "
+                       "overlapped DistributedOptimizer fused AdamW, fp32 master + main grads",
+        hf_settings=f"sdpa, fused AdamW on {result_dtype} params, clip foreach, "
+                    f"gradient_checkpointing={a.recompute == 'full'}, torch.compile={a.hf_compile}",
+    )
+    _print_table(result)
+    print(json.dumps(result))
+    return result
+
+
+def _print_table(r: dict) -> None:
+    def gib(b):
+        return f"{b / 2**30:.2f}" if b is not None else "-"
+
+    def pct(x):
+        return f"{100 * x:.1f}" if x is not None else "-"
+
+    print(f"{r['device']}, {r['dtype']}, shapes {r['shapes']}")
+    print(f"{'side':<8}{'tokens/s':>14}{'MFU %':>8}{'peak GiB':>10}{'first loss':>12}")
+    for side in ("hfmeg", "hf"):
+        print(f"{side:<8}{r[f'{side}_tokens_per_s']:>14.1f}{pct(r[f'{side}_mfu']):>8}"
+              f"{gib(r[f'{side}_peak_mem_bytes']):>10}{r[f'{side}_losses'][0]:>12.5f}")
+    print(f"speedup (hfmeg / hf): {r['speedup']:.3f}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except torch.OutOfMemoryError as e:
+        print(f"bench_mfu: out of GPU memory ({str(e).splitlines()[0]}); try fewer --layers or --recompute full",
+              file=sys.stderr)
+        sys.exit(2)
