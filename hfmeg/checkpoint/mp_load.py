@@ -42,7 +42,7 @@ def load_chunks_from_mp(
     *,
     iteration: int | None = None,
     dtype: torch.dtype | None = None,
-    recompute: str = "none",
+    **options,
 ) -> list[ModelChunk]:
     """This rank's chunks in virtual-chunk order (chunk v is model chunk v * pp + pp_rank).
 
@@ -55,7 +55,7 @@ def load_chunks_from_mp(
     chunks = []
     for spec in layout.rank_chunks(ps.pp_rank):
         chunk = ModelChunk(cfg, ps, spec.layers, pre_process=spec.pre_process, post_process=spec.post_process,
-                           vocab_multiple=layout.vocab_multiple, recompute=recompute)
+                           vocab_multiple=layout.vocab_multiple, **options)
         params = dict(chunk.named_parameters())
         rules = chunk_rules(cfg, spec.layers, spec.pre_process, spec.post_process)
         if set(params) != {r.local for r in rules}:

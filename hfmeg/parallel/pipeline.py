@@ -45,10 +45,11 @@ def _backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 class _Executor:
-    def __init__(self, chunks, ps: ParallelState, microbatches, num_tokens, grad_sync, timeline, forward_only):
+    def __init__(self, chunks, ps: ParallelState, microbatches, num_tokens, grad_sync, timeline, forward_only,
+                 loss_scale=1.0):
         self.chunks, self.ps, self.mbs = chunks, ps, microbatches
         self.num_tokens, self.grad_sync, self.timeline = num_tokens, grad_sync, timeline
-        self.forward_only = forward_only
+        self.forward_only, self.loss_scale = forward_only, loss_scale
         self.n_chunks = ps.pp * len(chunks)
         self.p2p = P2P(self.n_chunks)
         b, s = microbatches[0]["input_ids"].shape
@@ -108,7 +109,7 @@ class _Executor:
         chunk = self.chunks[a.chunk]
         x, out = self.saved.pop((a.chunk, a.microbatch))
         if chunk.post_process:
-            torch.autograd.backward(out)
+            torch.autograd.backward(out * self.loss_scale if self.loss_scale != 1.0 else out)
         else:
             _backward_through(out, self.inbox.pop(("B", a.chunk, a.microbatch)))
         if chunk.pre_process:
@@ -166,6 +167,7 @@ def forward_backward(
     grad_sync: GradSync | None = None,
     timeline: Timeline | None = None,
     forward_only: bool = False,
+    loss_scale: float = 1.0,
 ) -> float | None:
     """Forward and backward of this rank's share of one global batch.
 
@@ -178,6 +180,8 @@ def forward_backward(
     Gradients accumulate into `.grad` (call `grads.finalize_grads` afterwards, or
     let the optimizer's `grad_sync` reduce them: before each backward of chunk v
     it is told whether that is the chunk's last micro-batch of the step).
+    `loss_scale` multiplies the loss before backward (fp16 dynamic loss scaling;
+    the optimizer divides it out of the gradients).
 
     Returns, on last-stage ranks, the sum over this rank's micro-batches of
     sum(per-token loss) / num_tokens, so summing it over DP ranks gives the
@@ -193,6 +197,6 @@ def forward_backward(
         raise LayoutError(f"sequence length {s} is not divisible by TP={ps.tp} (sequence parallelism)")
     if any(mb["input_ids"].shape != microbatches[0]["input_ids"].shape for mb in microbatches):
         raise LayoutError("all micro-batches of a step must have the same [batch, seq] shape")
-    ex = _Executor(chunks, ps, microbatches, num_tokens, grad_sync, timeline, forward_only)
+    ex = _Executor(chunks, ps, microbatches, num_tokens, grad_sync, timeline, forward_only, loss_scale)
     ex.run(steps)
     return ex.loss.item() if ps.is_last_stage else None

@@ -25,15 +25,18 @@ def build_stage_from_hf(
     *,
     pp_layers: list[int] | None = None,
     dtype: torch.dtype = torch.float32,
-    recompute: str = "none",
     vocab_multiple: int = 128,
+    **options,
 ) -> list[ModelChunk]:
-    """This rank's chunks (virtual order) of the checkpoint in `folder` for the layout `ps`."""
+    """This rank's chunks (virtual order) of the checkpoint in `folder` for the layout `ps`.
+
+    `options` go to `ModelChunk` (recompute, ce_chunk_tokens, compile_backend).
+    """
     cfg = model_config_from_hf(load_hf_config(folder))
     ckpt = HFCheckpoint(folder)
     specs = rank_chunks(split_layers(cfg.num_layers, ps.pp, ps.vpp, pp_layers), ps.pp_rank)
     return [
         build_chunk(cfg, ckpt, ps, spec.layers, pre_process=spec.pre_process, post_process=spec.post_process,
-                    dtype=dtype, vocab_multiple=vocab_multiple, recompute=recompute)
+                    dtype=dtype, vocab_multiple=vocab_multiple, **options)
         for spec in specs
     ]

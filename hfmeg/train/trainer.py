@@ -103,7 +103,8 @@ class Trainer:
     # -- setup ---------------------------------------------------------------------------
     def _load_model(self):
         m, ps = self.cfg.model, self.ps
-        options = dict(recompute=m.recompute)  # TODO(lead): ce_chunk_tokens, compile_backend
+        options = dict(recompute=m.recompute, ce_chunk_tokens=m.ce_chunk_tokens,
+                       compile_backend="inductor" if m.compile else None)
         source = self.resume_dir
         if source is None:
             local = Path(m.path)
@@ -137,7 +138,8 @@ class Trainer:
                 batch = next(self.data)
                 t0 = time.perf_counter()
                 local = forward_backward(self.chunks, ps, batch.microbatches, schedule=self.schedule,
-                                         num_tokens=batch.num_tokens, grad_sync=self.opt)
+                                         num_tokens=batch.num_tokens, grad_sync=self.opt,
+                                         loss_scale=self.opt.loss_scale)
                 result = self.opt.step()
                 loss = _sum_over_world(local, ps.is_last_stage and ps.tp_rank == 0, ps.device)
                 dt = time.perf_counter() - t0
