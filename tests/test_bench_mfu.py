@@ -1,0 +1,78 @@
+"""tools/bench_mfu.py at tiny size on the CPU: output contract and a real parity check.
+
+Both sides start from the same random transformers weights and see the same token
+ids; in fp32 the hfmeg path (forward_backward + overlapped DistributedOptimizer with
+fused AdamW, clipping, weight-decay exclusions) and the transformers anchor (its own
+loss, torch fused AdamW) must report the same loss at every step, including the
+steps after optimizer updates. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from hfmeg.config import model_config_from_hf
+from hfmeg.train.flops import training_flops
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_mfu.py"
+KEYS = {"device": str, "hfmeg_tokens_per_s": float, "hf_tokens_per_s": float, "speedup": float,
+        "hfmeg_tokens": int, "hf_tokens": int, "hfmeg_losses": list, "hf_losses": list, "shapes": dict}
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("bench_mfu", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tiny_run_reports_both_sides_with_equal_losses():
+    peak_tflops = 0.5
+    out = subprocess.run([sys.executable, str(TOOL), "--tiny", "--peak-tflops", str(peak_tflops)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    r = json.loads(lines[-1])
+    assert any(line.startswith("hfmeg") for line in lines[:-1]) and any(line.startswith("hf ") for line in lines)
+    for key, typ in KEYS.items():
+        assert isinstance(r[key], typ), (key, r[key])
+    assert r["device"] == "cpu" and r["dtype"] == "float32"
+    assert r["hfmeg_peak_mem_bytes"] is None and r["hf_peak_mem_bytes"] is None  # CUDA-only measurement
+
+    sh = r["shapes"]
+    steps = sh["warmup"] + sh["steps"]
+    assert r["hfmeg_tokens"] == r["hf_tokens"] == steps * sh["grad_accum"] * sh["micro_batch_size"] * sh["seq"]
+    assert len(r["hfmeg_losses"]) == len(r["hf_losses"]) == steps
+    for ours, theirs in zip(r["hfmeg_losses"], r["hf_losses"]):
+        assert math.isfinite(ours) and abs(ours - theirs) <= 2e-5 * abs(theirs), (r["hfmeg_losses"], r["hf_losses"])
+    assert abs(r["hf_losses"][0] - math.log(sh["vocab"])) < 1.0  # random init: near-uniform predictions
+
+    assert r["speedup"] == pytest.approx(r["hfmeg_tokens_per_s"] / r["hf_tokens_per_s"])
+    assert r["peak_flops"] == peak_tflops * 1e12
+    # MFU = tokens/s x Megatron-LM FLOPs per token / peak, for the bench's own shapes.
+    cfg = model_config_from_hf(LlamaConfig(
+        hidden_size=sh["hidden"], intermediate_size=sh["ffn"], num_hidden_layers=sh["layers"],
+        num_attention_heads=sh["heads"], vocab_size=sh["vocab"]))
+    per_token = training_flops(cfg, 1, sh["seq"]) / sh["seq"]
+    assert r["flops_per_token"] == per_token
+    for side in ("hfmeg", "hf"):
+        assert r[f"{side}_mfu"] == pytest.approx(r[f"{side}_tokens_per_s"] * per_token / (peak_tflops * 1e12))
+
+
+def test_bad_arguments_exit_2_with_one_message(capsys):
+    tool = _tool()
+    for argv, field in ((["--tiny", "--heads", "5"], "--heads"), (["--tiny", "--seq", "0"], "--seq"),
+                        (["--tiny", "--warmup", "-1"], "--warmup")):
+        with pytest.raises(SystemExit) as e:
+            tool.parse_args(argv)
+        assert e.value.code == 2
+        assert field in capsys.readouterr().err.strip().splitlines()[-1]
