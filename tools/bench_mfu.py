@@ -253,7 +253,7 @@ def _print_table(r: dict) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except torch.OutOfMemoryError as e:
+    except torch.cuda.OutOfMemoryError as e:
         print(f"bench_mfu: out of GPU memory ({str(e).splitlines()[0]}); try fewer --layers or --recompute full",
               file=sys.stderr)
         sys.exit(2)
