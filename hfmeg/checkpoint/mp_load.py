@@ -46,7 +46,8 @@ def load_chunks_from_mp(
 ) -> list[ModelChunk]:
     """This rank's chunks in virtual-chunk order (chunk v is model chunk v * pp + pp_rank).
 
-    `dtype` defaults to the checkpoint's dtype (float32 when it is mixed).
+    `dtype` defaults to the checkpoint's dtype (float32 when it is mixed); `options`
+    go to `ModelChunk` (recompute, ce_chunk_tokens, ...).
     """
     ckpt = MPCheckpoint(mp_dir, iteration)
     layout, cfg = ckpt.layout, ckpt.cfg
