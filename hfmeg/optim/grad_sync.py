@@ -16,6 +16,16 @@ on computing earlier layers' gradients:
   global token count), so DP rank r ends up with the summed shard r in place;
 - `ddp`: all-reduce (SUM) of the whole bucket.
 
+The reduce-scatter primitive is picked per backend. NCCL (and anything else) uses
+the native `reduce_scatter_tensor`. gloo's native reduce-scatter moves as many bytes
+as a full all-reduce (measured: 20 MB bucket at DP=2 on a 1 Gbit/s loopback, 363 ms
+vs 326 ms for all-reduce and 166 ms for all-gather), which made the sharded modes
+pay 1.5x DDP's traffic. On gloo the bucket is therefore reduce-scattered as an
+async `all_to_all_single` (rank r receives every rank's copy of shard r, (DP-1)/DP
+of the bucket, the optimal reduce-scatter volume) into a temporary buffer, and
+`wait()` sums the DP copies, in rank order, into the owned shard of `main_grad`.
+The temporary buffer (one bucket) lives only while the bucket is in flight.
+
 In the `distributed` mode nothing is launched by hooks: `finish()` runs all
 reductions after backward, which is Megatron's non-overlapped behaviour. `finish()`
 also launches buckets that never became ready (parameters without gradients this
@@ -41,6 +51,7 @@ class GradSync:
         self._ready = [0] * len(self.buckets)
         self._handles: dict[int, object] = {}
         self._hooks = []
+        self._gloo = dp > 1 and dist.get_backend(dp_group) == "gloo"
         for b in self.buckets:
             for s in b.slots:
                 if s.param.dtype == s.param.main_grad.dtype:
@@ -76,6 +87,8 @@ class GradSync:
         if self.mode == "ddp":
             return dist.all_reduce(bucket.grad_buf, group=self.dp_group, async_op=True)
         out = bucket.shard(bucket.grad_buf, self.dp_rank)
+        if self._gloo:
+            return _AllToAllReduceScatter(out, bucket.grad_buf, self.dp, self.dp_group)
         return reduce_scatter_flat(out, bucket.grad_buf, group=self.dp_group, async_op=True)
 
     def finish(self) -> None:
@@ -103,6 +116,20 @@ class GradSync:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+class _AllToAllReduceScatter:
+    """Async reduce-scatter of `full` into `out` (this rank's shard) as all-to-all + local sum (gloo)."""
+
+    def __init__(self, out: torch.Tensor, full: torch.Tensor, dp: int, group):
+        self.out, self.dp = out, dp
+        self.recv = torch.empty_like(full)  # recv[r * shard : (r + 1) * shard] = DP rank r's copy of our shard
+        self.work = dist.all_to_all_single(self.recv, full, group=group, async_op=True)
+
+    def wait(self) -> None:
+        self.work.wait()
+        torch.sum(self.recv.view(self.dp, -1), dim=0, out=self.out)
+        self.recv = None
 
 
 def _name(bucket: Bucket, p) -> str:
