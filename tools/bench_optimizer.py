@@ -10,9 +10,17 @@ random LLaMA-shaped model with, in turn:
 - hfmeg `distributed` (reduce-scatter / all-gather in series with compute) and
   `overlapped` (the default).
 
-Step time is the median over the timed steps (max over ranks). Exposed
-communication = step time - compute-only step time: the time the step spends on
-collectives that compute did not hide.
+Step time is the median over the timed steps (max over ranks; the mean is
+reported too). Exposed communication = step time - compute-only step time: the
+time the step spends on collectives that compute did not hide.
+
+To separate the network from CPU contention, each world also times the
+communication alone, with no compute (`comm_only_s`): DDP's bucketed all-reduce of
+the gradients, and the sharded modes' gradient reduce-scatter + parameter
+all-gather of the same buckets (hfmeg's own `GradSync` / `publish_params` path).
+Overlap can at best hide min(comm, compute); on a 2-core machine the gloo threads
+also compete with compute for the cores, which the `compute` and `comm_only`
+rows next to the mode rows make visible.
 
 `--throttle RATE` (e.g. `2gbit`) re-runs this script inside a private network
 namespace (`unshare -n`) whose loopback is rate-limited with a `tc` token-bucket filter (`tbf`);
@@ -104,26 +112,63 @@ def _run(impl, folder, a, ga, ps):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if step >= a.warmup:
             times.append(t.item())
-    return statistics.median(times), state_bytes
+    return statistics.median(times), statistics.mean(times), state_bytes
 
 
-def _worker(folder, a, ga):
+def _timed(fn, reps: int) -> float:
+    """Median over `reps` of the slowest rank's time for `fn()`."""
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return statistics.median(times)
+
+
+def _comm_only(folder, a, ps) -> dict[str, float]:
+    """Seconds for one step's communication with no compute: DDP all-reduce vs sharded RS + AG."""
+    opt = DistributedOptimizer([build_chunk_from_hf(folder, ps)], ps,
+                               OptimizerConfig(mode="distributed", bucket_size=a.bucket_size))
+    sync = opt.grad_sync
+
+    def allreduce():
+        for h in [dist.all_reduce(b.grad_buf, async_op=True) for b in opt.buckets]:
+            h.wait()
+
+    def sharded():
+        sync.finish()  # launches every bucket's reduce-scatter, then waits
+        opt.publish_params()  # all-gathers (waited in `distributed` mode)
+        sync.reset()
+
+    return {"allreduce": _timed(allreduce, a.steps), "sharded": _timed(sharded, a.steps)}
+
+
+def _worker(folder, a, ga, comm):
     ps = ParallelState(ParallelConfig(), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
-    return {impl: _run(impl, folder, a, ga, ps) for impl in a.impls}
+    out = {impl: _run(impl, folder, a, ga, ps) for impl in a.impls}
+    return out, _comm_only(folder, a, ps) if comm else None
 
 
 def run_all(a) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         n_params = make_model(Path(tmp), a)
-        by_ga = {}
+        by_ga, comm = {}, None
         for ga in a.ga:
-            res = spawn(_worker, a.dp, tmp, a, ga, timeout_s=3600)[0]
-            by_ga[ga] = {impl: {"step_s": s, "state_bytes": b} for impl, (s, b) in res.items()}
+            res, c = spawn(_worker, a.dp, tmp, a, ga, comm is None, timeout_s=3600)[0]
+            if c is not None:
+                comm = c
+                print(f"comm only: DDP all-reduce {c['allreduce']:.3f}s  sharded RS+AG {c['sharded']:.3f}s", flush=True)
+            by_ga[ga] = {impl: {"step_s": med, "mean_step_s": mean, "state_bytes": b}
+                         for impl, (med, mean, b) in res.items()}
             base = by_ga[ga].get("compute", {}).get("step_s")
             for impl, row in by_ga[ga].items():
-                row["exposed_comm_s"] = row["step_s"] - base if base is not None else None
-                print(f"GA={ga:<2} {impl:<12} step {row['step_s']:.3f}s  exposed comm "
-                      f"{row['exposed_comm_s']:.3f}s  opt state/rank {row['state_bytes'] / 2**20:.1f} MiB", flush=True)
+                row["exposed_comm_s"] = row["step_s"] - base if base is not None else float("nan")
+                print(f"GA={ga:<2} {impl:<12} step median {row['step_s']:.3f}s mean {row['mean_step_s']:.3f}s  "
+                      f"exposed comm {row['exposed_comm_s']:.3f}s  opt state/rank "
+                      f"{row['state_bytes'] / 2**20:.1f} MiB", flush=True)
     first = by_ga[a.ga[0]]
     return {"params": n_params, "dp": a.dp, "throttle": a.throttle, "ga": a.ga[0],
             "ddp_step_s": first["ddp"]["step_s"], "distributed_step_s": first["distributed"]["step_s"],
@@ -131,7 +176,7 @@ def run_all(a) -> dict:
             "overlapped_vs_distributed": first["overlapped"]["step_s"] / first["distributed"]["step_s"],
             "overlapped_vs_ddp": first["overlapped"]["step_s"] / first["ddp"]["step_s"],
             "opt_state_bytes_per_rank": first["overlapped"]["state_bytes"],
-            "ddp_opt_state_bytes_per_rank": first["ddp"]["state_bytes"],
+            "ddp_opt_state_bytes_per_rank": first["ddp"]["state_bytes"], "comm_only_s": comm,
             "by_ga": {str(k): v for k, v in by_ga.items()}}
 
 
@@ -166,7 +211,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--mbs", type=int, default=1)
     p.add_argument("--ga", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--bucket-size", type=int, default=5_000_000, dest="bucket_size")
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
