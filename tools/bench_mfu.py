@@ -16,7 +16,7 @@ weight decay 0.1 except norms) and the update.
 - anchor: transformers `LlamaForCausalLM` with `attn_implementation="sdpa"`, bf16
   parameters updated by `torch.optim.AdamW(fused=True)` (bf16 moments, no fp32
   master: the fastest and smallest setting HF offers), `clip_grad_norm_(foreach)`.
-  `--recompute full` turns on HF gradient checkpointing too (same memory regime);
+  `--recompute full` turns on HF activation checkpointing too (same memory regime);
   `--hf-compile` wraps the HF model in `torch.compile`.
 
 Timing: `--warmup` untimed steps (compilation, allocator warm-up), then `--steps`
@@ -26,7 +26,10 @@ steps between two `torch.cuda.synchronize()` + `perf_counter()`. Peak memory is
 formula (`hfmeg.train.flops.training_flops`) against the dense bf16 peak of the GPU
 (989 TFLOP/s for H100/H200 SXM; `--peak-tflops` overrides); null when unknown.
 
-The last line printed is one JSON object. GPU run:
+Memory per parameter: hfmeg 18 bytes (bf16 weight, fp32 main grad, fp32 master and
+two fp32 moments), the anchor 8 (bf16 weight, grad and two moments), plus
+activations; 16 LLaMA-7B layers (3.5 B parameters with embeddings) fit an H200 with
+recompute off. The last line printed is one JSON object. GPU run:
 
     .venv/bin/python tools/bench_mfu.py --layers 16
 CPU smoke test (fp32, both sides' losses must agree step by step):
@@ -132,7 +135,7 @@ def _measure(step, a, device) -> SideResult:
 def run_hf(model, batches, a, device) -> SideResult:
     """The anchor: transformers' own loss (it shifts labels), fused AdamW on the bf16 parameters."""
     if a.recompute == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     forward = torch.compile(model) if a.hf_compile else model
     named = list(model.named_parameters())
@@ -228,7 +231,7 @@ def main(argv=None) -> dict:
         hfmeg_settings=f"compile={'inductor' if a.compile else 'none'} recompute={a.recompute} chunked-CE "
                        "overlapped DistributedOptimizer fused AdamW, fp32 master + main grads",
         hf_settings=f"sdpa, fused AdamW on {result_dtype} params, clip foreach, "
-                    f"gradient_checkpointing={a.recompute == 'full'}, torch.compile={a.hf_compile}",
+                    f"activation_checkpointing={a.recompute == 'full'}, torch.compile={a.hf_compile}",
     )
     _print_table(result)
     print(json.dumps(result))
