@@ -54,8 +54,7 @@ from hfmeg.models.random_init import TensorSource, chunk_from_source, random_hf_
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.state import ParallelConfig, ParallelState
-from hfmeg.train.flops import mfu, training_flops
-from hfmeg.train.trainer import PEAK_FLOPS
+from hfmeg.train.flops import mfu, peak_flops, training_flops
 
 SEVEN_B = dict(hidden=4096, ffn=11008, heads=32, vocab=32000, seq=4096, layers=16, micro_batch_size=1,
                grad_accum=4, steps=5, warmup=3)
@@ -181,13 +180,8 @@ def run_hfmeg(cfg, source, batches, a, device, dtype) -> SideResult:
     return _measure(step, a, device)
 
 
-def peak_flops(a, device: torch.device) -> float | None:
-    if a.peak_tflops is not None:
-        return a.peak_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+def _peak(a, device: torch.device) -> float | None:
+    return a.peak_tflops * 1e12 if a.peak_tflops is not None else peak_flops(device)
 
 
 def main(argv=None) -> dict:
@@ -212,7 +206,7 @@ def main(argv=None) -> dict:
     del source
     _free(device)
 
-    peak = peak_flops(a, device)
+    peak = _peak(a, device)
     flops_per_token = training_flops(cfg, 1, a.seq) / a.seq
     timed_tokens = a.steps * a.grad_accum * a.micro_batch_size * a.seq
     tps = {"hfmeg": timed_tokens / ours.seconds, "hf": timed_tokens / hf.seconds}

@@ -34,15 +34,17 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: `module.to(bf16)` must not round the frequencies.
         self.inv_freq = inv_freq.float()
 
-    def _inv_freq_for(self, seq_len: int, device) -> torch.Tensor:
-        if self.rope_type == "dynamic" and seq_len > self.hf.max_position_embeddings:
-            inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.hf, device, seq_len=seq_len)
-            return inv_freq.float()
-        return self.inv_freq.to(device)
+    def _inv_freq_for(self, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.rope_type == "dynamic":  # only dynamic NTK reads the length (a host sync on GPUs)
+            seq_len = int(position_ids.max()) + 1
+            if seq_len > self.hf.max_position_embeddings:
+                inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.hf, position_ids.device, seq_len=seq_len)
+                return inv_freq.float()
+        return self.inv_freq.to(position_ids.device)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape `[b, s, head_dim]` for `position_ids` `[b, s]`."""
-        inv_freq = self._inv_freq_for(int(position_ids.max()) + 1, position_ids.device)
+        inv_freq = self._inv_freq_for(position_ids)
         freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)

@@ -16,7 +16,19 @@ FFN matrices). Recomputation is not counted: MFU measures useful model work.
 
 from __future__ import annotations
 
+import torch
+
 from ..config import ModelConfig
+
+# Dense bf16 peak FLOP/s by device-name substring; unknown devices (and CPUs) have none.
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
 def layer_matmul_params(cfg: ModelConfig) -> int:

@@ -35,13 +35,11 @@ from ..parallel.stage import build_stage_from_hf
 from ..parallel.state import ParallelConfig, ParallelState
 from .checkpointing import find_resume, load_trainer_state, save_checkpoint
 from .config import TrainConfig
-from .flops import mfu
+from .flops import mfu, peak_flops
 from .metrics import MetricsLog, read_metrics
 from .rng import seed_all
 from .stop import GracefulStop
 
-# Dense bf16 peak FLOP/s by device-name substring, for MFU; unknown devices report no MFU.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -57,13 +55,6 @@ class RunResult:
 
 def _is_mp(path: Path) -> bool:
     return (path / LATEST_FILE).is_file() or (path / LAYOUT_FILE).is_file()
-
-
-def _peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
 def _sum_over_world(value: float | None, contributes: bool, device) -> float:
@@ -98,7 +89,7 @@ class Trainer:
             self.step = state["step"]
             self.data.load_state_dict(state["data"])
         self.model_cfg = self.chunks[0].cfg
-        self.peak = _peak_flops(self.ps.device)
+        self.peak = peak_flops(self.ps.device)
 
     # -- setup ---------------------------------------------------------------------------
     def _load_model(self):
