@@ -169,12 +169,16 @@ def sync_sequence_parallel_grads(params, ps: ParallelState) -> None:
     """
     if not ps.sequence_parallel or ps.tp == 1:
         return
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=ps.tp_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    all_reduce_coalesced([p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None],
+                         ps.tp_group)
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+    """Sum `tensors` in place over `group` with one flat all-reduce per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        torch._foreach_copy_(same, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in same]), same)])

@@ -17,24 +17,9 @@ global-batch-mean gradient. Three sums make it the full gradient everywhere:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .comm import sync_sequence_parallel_grads
+from .comm import all_reduce_coalesced, sync_sequence_parallel_grads
 from .state import ParallelState
-
-
-def _all_reduce_grads(grads: list[torch.Tensor], group) -> None:
-    """Sum `grads` over `group` with one flat all-reduce per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 def embedding_grads(chunks, ps: ParallelState) -> list[torch.Tensor]:
@@ -60,6 +45,6 @@ def finalize_grads(chunks, ps: ParallelState) -> None:
     sync_sequence_parallel_grads(params, ps)
     tied = embedding_grads(chunks, ps)
     if tied:
-        _all_reduce_grads([p.grad for p in tied], ps.embedding_group)
+        all_reduce_coalesced([p.grad for p in tied], ps.embedding_group)
     if ps.dp > 1:
-        _all_reduce_grads([p.grad for p in params], ps.dp_group)
+        all_reduce_coalesced([p.grad for p in params], ps.dp_group)
