@@ -43,26 +43,12 @@ def load_chunk_from_hf(chunk: ModelChunk, ckpt: HFCheckpoint, vocab_multiple: in
             params[rule.local].copy_(local)
 
 
-def build_chunk_from_hf(
-    folder: str | Path,
-    ps: ParallelState,
-    layers: range | None = None,
-    *,
-    pre_process: bool = True,
-    post_process: bool = True,
-    dtype: torch.dtype = torch.float32,
-    vocab_multiple: int = 128,
-    **options,
-) -> ModelChunk:
+def build_chunk_from_hf(folder: str | Path, ps: ParallelState, layers: range | None = None, **kwargs) -> ModelChunk:
     """A chunk (default: the whole model) of the HF checkpoint in `folder`, on `ps.device`.
 
-    `options` go to `ModelChunk` (recompute, ce_chunk_tokens, compile_backend).
+    `kwargs` are `build_chunk`'s (pre_process, post_process, dtype, vocab_multiple, ModelChunk options).
     """
-    cfg = model_config_from_hf(load_hf_config(folder))
-    return build_chunk(
-        cfg, HFCheckpoint(folder), ps, layers, pre_process=pre_process, post_process=post_process,
-        dtype=dtype, vocab_multiple=vocab_multiple, **options,
-    )
+    return build_chunk(model_config_from_hf(load_hf_config(folder)), HFCheckpoint(folder), ps, layers, **kwargs)
 
 
 def build_chunk(
@@ -77,6 +63,10 @@ def build_chunk(
     vocab_multiple: int = 128,
     **options,
 ) -> ModelChunk:
+    """Layers `layers` (default: all) of `ckpt` as this rank's chunk, on `ps.device` in `dtype`.
+
+    `options` go to `ModelChunk` (recompute, ce_chunk_tokens, compile_backend).
+    """
     layers = range(cfg.num_layers) if layers is None else layers
     chunk = ModelChunk(
         cfg, ps, layers, pre_process=pre_process, post_process=post_process, vocab_multiple=vocab_multiple,
