@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -31,12 +32,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, results, threads):
+def _worker(fn, rank, world_size, port, args, results):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
-    torch.set_num_threads(threads)
+    # One intra-op thread per rank: GNU OpenMP's thread pool does not survive fork(), so a forked
+    # child that opens a parallel region after the parent used one can hang (seen in torch.zeros).
+    torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
         out = fn(*args)
@@ -53,21 +56,27 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     """Run `fn(*args)` on `world_size` gloo ranks; return the per-rank results in rank order."""
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    threads = max(1, (os.cpu_count() or 1) // world_size)
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, threads), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
     try:
         while len(out) < world_size:
             try:
-                rank, status, value = results.get(timeout=timeout_s)
+                rank, status, value = results.get(timeout=1.0)
             except queue.Empty:
-                raise WorkerError(f"timed out after {timeout_s:.0f}s waiting for {world_size - len(out)} rank(s)")
+                dead = {r: p.exitcode for r, p in enumerate(procs) if r not in out and p.exitcode is not None}
+                if dead:  # killed or crashed before it could report (e.g. by the OOM killer)
+                    raise WorkerError(f"rank(s) exited without a result: exit codes {dead}") from None
+                if time.monotonic() > deadline:
+                    raise WorkerError(f"timed out after {timeout_s:.0f}s waiting for "
+                                      f"{world_size - len(out)} rank(s)") from None
+                continue
             if status == "error":
                 raise WorkerError(f"rank {rank} failed:\n{value}")
             out[rank] = value
