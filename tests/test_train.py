@@ -33,14 +33,15 @@ ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
 
 
 def _config(out: Path, model: Path, *, tp=1, pp=1, steps=10, save_every=0, resume="none", gbs=8, lr=2e-3,
-            sp=False, schedule_steps=None) -> TrainConfig:
+            sp=False, schedule_steps=None, eval_every=0, eval_holdout=0) -> TrainConfig:
     return TrainConfig(
         model=ModelArgs(path=str(model), dtype="fp32"),
         parallel=ParallelArgs(tp=tp, pp=pp, sequence_parallel=sp),
         optim=OptimizerConfig(lr=lr, weight_decay=0.01, eps=1e-5),
         lr=LRScheduleConfig(warmup_steps=2, total_steps=schedule_steps or steps, min_lr=lr / 10),
-        data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=64),
-        train=LoopArgs(micro_batch_size=1, global_batch_size=gbs, max_steps=steps),
+        data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=64, eval_holdout=eval_holdout),
+        train=LoopArgs(micro_batch_size=1, global_batch_size=gbs, max_steps=steps, eval_every=eval_every,
+                       eval_batches=2),
         checkpoint=CheckpointArgs(out=str(out), save_every=save_every, resume=resume, keep_last=2),
         tensorboard=False,
     )
@@ -67,9 +68,12 @@ def test_finetune_exports_a_working_model(tp, pp, world, tmp_path):
     """TP2xPP2 and TP2xDP2: loss goes down, export loads in transformers, parity holds."""
     model = _assets()
     out = tmp_path / "run"
-    hf, ckpt = spawn(_run, world, _config(out, model, tp=tp, pp=pp, steps=30, sp=True, lr=5e-3))[0]
+    cfg = _config(out, model, tp=tp, pp=pp, steps=30, sp=True, lr=5e-3, eval_every=15, eval_holdout=16)
+    hf, ckpt = spawn(_run, world, cfg)[0]
     losses = _losses(out)
     assert len(losses) == 30
+    evals = [r["eval_loss"] for r in read_metrics(out / "metrics.jsonl") if "eval_loss" in r]
+    assert len(evals) == 2 and evals[1] < evals[0], evals
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses
     rows = read_metrics(out / "metrics.jsonl")
     assert set(rows[0]) >= {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "skipped"}
@@ -146,3 +150,52 @@ def test_cli_bad_config_exits_2(tmp_path):
                            "--data", "x.json", "--set", "optim.no_such_field=1"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "unknown config field 'optim.no_such_field'" in proc.stderr
+
+
+def test_train_from_converted_shards_matches_hf_start(tmp_path):
+    """Starting from convert_hf_to_mp.py output is the same run as starting from the HF folder."""
+    from hfmeg.checkpoint.convert import hf_to_mp
+
+    model = _assets()
+    mp = hf_to_mp(model, tmp_path / "mp", tp=2, pp=2)
+    spawn(_run, 4, _config(tmp_path / "from_hf", model, tp=2, pp=2, steps=3))
+    spawn(_run, 4, _config(tmp_path / "from_mp", mp, tp=2, pp=2, steps=3))
+    assert _losses(tmp_path / "from_mp") == _losses(tmp_path / "from_hf")
+
+
+class _FakeHfApi:
+    """Records the Hub calls (in a file: they happen in a forked rank) instead of making them."""
+
+    log: Path
+
+    def create_repo(self, **kwargs):
+        with self.log.open("a") as f:
+            f.write(json.dumps({"call": "create_repo", **kwargs}) + "\n")
+
+    def upload_folder(self, **kwargs):
+        files = sorted(p.name for p in Path(kwargs["folder_path"]).iterdir())
+        with self.log.open("a") as f:
+            f.write(json.dumps({"call": "upload_folder", "files": files, **kwargs}) + "\n")
+        return "https://huggingface.co/me/tiny/commit/0"
+
+
+def test_push_to_hub_uploads_the_export(tmp_path, monkeypatch):
+    import hfmeg.hub
+
+    model = _assets()
+    _FakeHfApi.log = tmp_path / "calls.jsonl"
+    monkeypatch.setattr(hfmeg.hub, "HfApi", _FakeHfApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_do_not_leak_0123456789")
+    cfg = _config(tmp_path / "run", model, steps=2)
+    cfg.hub.push_to_hub, cfg.hub.private = "me/tiny", True
+    hf, _ = spawn(_run, 1, cfg)[0]
+    calls = [json.loads(line) for line in _FakeHfApi.log.read_text().splitlines()]
+    assert calls[0] == {"call": "create_repo", "repo_id": "me/tiny", "repo_type": "model", "private": True,
+                        "exist_ok": True}
+    assert calls[1]["call"] == "upload_folder" and calls[1]["repo_id"] == "me/tiny"
+    assert Path(calls[1]["folder_path"]) == Path(hf)
+    assert {"README.md", "config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(
+        calls[1]["files"])
+    for path in (tmp_path / "run").rglob("*"):
+        if path.is_file():
+            assert b"hf_do_not_leak" not in path.read_bytes(), path
