@@ -27,136 +27,75 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# The helpers below run only for TP > 1 (the public functions are identities at TP = 1).
 def _all_reduce(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    if ps.tp > 1:
-        x = x.contiguous()
-        dist.all_reduce(x, group=ps.tp_group)
+    x = x.contiguous()
+    dist.all_reduce(x, group=ps.tp_group)
     return x
 
 
 def _gather_dim0(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    if ps.tp == 1:
-        return x
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * ps.tp,) + tuple(x.shape[1:]))
     all_gather_flat(out, x, group=ps.tp_group)
     return out
 
 
-def _reduce_scatter_dim0(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    if ps.tp == 1:
-        return x
+def _shard_len(x: torch.Tensor, ps: ParallelState) -> int:
     if x.shape[0] % ps.tp:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by TP={ps.tp}")
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0] // ps.tp,) + tuple(x.shape[1:]))
-    reduce_scatter_flat(out, x, group=ps.tp_group)
+    return x.shape[0] // ps.tp
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    out = x.new_empty((_shard_len(x, ps),) + tuple(x.shape[1:]))
+    reduce_scatter_flat(out, x.contiguous(), group=ps.tp_group)
     return out
 
 
 def _split_dim0(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    if ps.tp == 1:
-        return x
-    if x.shape[0] % ps.tp:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by TP={ps.tp}")
-    n = x.shape[0] // ps.tp
+    n = _shard_len(x, ps)
     return x[ps.tp_rank * n : (ps.tp_rank + 1) * n].contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
+def _gather_last(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    return _gather_dim0(x.movedim(-1, 0), ps).movedim(0, -1).contiguous()
+
+
+def _split_last(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    n = x.shape[-1] // ps.tp
+    return x[..., ps.tp_rank * n : (ps.tp_rank + 1) * n].contiguous()
+
+
+def _conjugate_pair(name: str, forward_op, backward_op):
+    """A TP-collective autograd function: `forward_op` on the way in, `backward_op` on the way back."""
+
     def forward(ctx, x, ps):
         ctx.ps = ps
-        return x
+        return forward_op(x, ps)
 
-    @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.ps), None
+        return backward_op(g, ctx.ps), None
+
+    fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def apply(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+        return fn.apply(x, ps) if ps.tp > 1 else x
+
+    return apply
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ps):
-        return _all_reduce(x.clone(), ps)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
+def _identity(x, ps):
+    return x
 
 
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ps):
-        ctx.ps = ps
-        return _split_dim0(x, ps)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_dim0(g, ctx.ps), None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ps):
-        ctx.ps = ps
-        return _gather_dim0(x, ps)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter_dim0(g, ctx.ps), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ps):
-        ctx.ps = ps
-        return _reduce_scatter_dim0(x, ps)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_dim0(g, ctx.ps), None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ps):
-        ctx.ps = ps
-        if ps.tp == 1:
-            return x
-        moved = x.movedim(-1, 0)
-        return _gather_dim0(moved, ps).movedim(0, -1).contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        ps = ctx.ps
-        if ps.tp == 1:
-            return g, None
-        n = g.shape[-1] // ps.tp
-        return g[..., ps.tp_rank * n : (ps.tp_rank + 1) * n].contiguous(), None
-
-
-def copy_to_tp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    return _CopyToTP.apply(x, ps) if ps.tp > 1 else x
-
-
-def reduce_from_tp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, ps) if ps.tp > 1 else x
-
-
-def scatter_to_sequence(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    return _ScatterToSequence.apply(x, ps) if ps.tp > 1 else x
-
-
-def gather_from_sequence(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    return _GatherFromSequence.apply(x, ps) if ps.tp > 1 else x
-
-
-def reduce_scatter_to_sequence(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    return _ReduceScatterToSequence.apply(x, ps) if ps.tp > 1 else x
-
-
-def gather_last_dim(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    return _GatherLastDim.apply(x, ps) if ps.tp > 1 else x
+# The all-reduce in reduce_from_tp works in place, so it runs on a copy of the input.
+copy_to_tp = _conjugate_pair("CopyToTP", _identity, _all_reduce)
+reduce_from_tp = _conjugate_pair("ReduceFromTP", lambda x, ps: _all_reduce(x.clone(), ps), _identity)
+scatter_to_sequence = _conjugate_pair("ScatterToSequence", _split_dim0, _gather_dim0)
+gather_from_sequence = _conjugate_pair("GatherFromSequence", _gather_dim0, _reduce_scatter_dim0)
+reduce_scatter_to_sequence = _conjugate_pair("ReduceScatterToSequence", _reduce_scatter_dim0, _gather_dim0)
+gather_last_dim = _conjugate_pair("GatherLastDim", _gather_last, _split_last)
 
 
 def sync_sequence_parallel_grads(params, ps: ParallelState) -> None:
