@@ -17,14 +17,15 @@ on computing earlier layers' gradients:
 - `ddp`: all-reduce (SUM) of the whole bucket.
 
 The reduce-scatter primitive is picked per backend. NCCL (and anything else) uses
-the native `reduce_scatter_tensor`. gloo's native reduce-scatter moves as many bytes
-as a full all-reduce (measured: 20 MB bucket at DP=2 on a 1 Gbit/s loopback, 363 ms
-vs 326 ms for all-reduce and 166 ms for all-gather), which made the sharded modes
-pay 1.5x DDP's traffic. On gloo the bucket is therefore reduce-scattered as an
-async `all_to_all_single` (rank r receives every rank's copy of shard r, (DP-1)/DP
-of the bucket, the optimal reduce-scatter volume) into a temporary buffer, and
-`wait()` sums the DP copies, in rank order, into the owned shard of `main_grad`.
-The temporary buffer (one bucket) lives only while the bucket is in flight.
+the native `reduce_scatter_tensor`. gloo's native reduce-scatter moves as many
+bytes as a full all-reduce (measured, 20 MB bucket, DP=2, 1 Gbit/s loopback: 363 ms
+vs 326 ms for all-reduce, 170 ms for all-gather, 166 ms for the all-to-all below),
+which made the sharded modes pay 1.5x DDP's traffic. On gloo the bucket is therefore
+reduce-scattered as an async `all_to_all_single` (rank r receives every rank's copy
+of shard r: (DP-1)/DP of the bucket, the optimal reduce-scatter volume) into a
+temporary buffer, and `wait()` sums the DP copies, in rank order, into the owned
+shard of `main_grad`. The temporary buffer (one bucket) lives only while the
+bucket is in flight.
 
 In the `distributed` mode nothing is launched by hooks: `finish()` runs all
 reductions after backward, which is Megatron's non-overlapped behaviour. `finish()`
