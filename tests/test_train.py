@@ -110,6 +110,8 @@ def test_resume_continues_identically(tmp_path):
     spawn(_run, 4, _config(tmp_path / "split", model, tp=2, steps=20, resume="auto"))
     straight, split = _losses(tmp_path / "straight"), _losses(tmp_path / "split")
     assert len(split) == 20
+    kept = sorted(p.name for p in (tmp_path / "split" / "checkpoints").glob("iter_*"))
+    assert kept == ["iter_0000010", "iter_0000020"]  # keep_last=2: iter 5 was pruned
     assert split == straight, (split, straight)
 
 
@@ -199,3 +201,19 @@ def test_push_to_hub_uploads_the_export(tmp_path, monkeypatch):
     for path in (tmp_path / "run").rglob("*"):
         if path.is_file():
             assert b"hf_do_not_leak" not in path.read_bytes(), path
+
+
+def test_pretrain_recipe_on_text(tmp_path):
+    """recipes/pretrain_llama.py: plain-text stream, every token trained on, split long documents."""
+    model = _assets()
+    c4 = ASSETS / "data" / "c4_demo.jsonl"
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "pretrain_llama.py"), "--model", str(model),
+                           "--data", str(c4), "--tp", "1", "--seq-len", "128", "--global-batch-size", "4", "--max-steps", "3",
+                           "--out", str(out), "--set", "tensorboard=false"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    # Text: every position has a target except each document's last token (nothing follows it).
+    assert len(rows) == 3 and 0.95 * 4 * 128 < rows[0]["tokens"] < 4 * 128
+    assert json.loads((out / "train_config.json").read_text())["data"]["format"] == "text"

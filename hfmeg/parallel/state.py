@@ -104,12 +104,13 @@ class ParallelState:
         launcher variables runs as a world of one.
         """
         if not dist.is_initialized():
-            if "RANK" not in os.environ:
-                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-                os.environ.setdefault("MASTER_PORT", "29500")
-                os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+            timeout = timedelta(seconds=timeout_s)
+            if "RANK" in os.environ:
+                dist.init_process_group(backend=backend, timeout=timeout)
+            else:  # a plain `python` run: an in-process store, so no port can clash with another job
+                dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                        timeout=timeout)
         if torch.cuda.is_available():
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local)
