@@ -101,6 +101,6 @@ def main(description: str, default_config: Path, argv: list[str] | None = None) 
     except HfmegError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if result.hf_folder is not None:
+    if result.hf_folder is not None and result.is_logger:
         print(f"exported: {result.hf_folder}")
     return 0

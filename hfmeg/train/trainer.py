@@ -51,6 +51,7 @@ class RunResult:
     checkpoint: Path | None
     hf_folder: Path | None
     stopped_by_signal: bool
+    is_logger: bool  # global rank 0, which logs and exports
 
 
 def _is_mp(path: Path) -> bool:
@@ -159,7 +160,7 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
         hf = None if stopped else self.export(last_saved)
-        return RunResult(self.out, self.step, loss, last_saved, hf, stopped)
+        return RunResult(self.out, self.step, loss, last_saved, hf, stopped, is_logger)
 
     @torch.no_grad()
     def evaluate(self) -> float:
