@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig
 
+from hfmeg.checkpoint.mp_layout import parse_dtype
 from hfmeg.config import model_config_from_hf
 from hfmeg.models.random_init import TensorSource, chunk_from_source, random_hf_model
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
@@ -187,7 +188,7 @@ def _peak(a, device: torch.device) -> float | None:
 def main(argv=None) -> dict:
     a = parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    dtype = parse_dtype(a.dtype or ("bf16" if device.type == "cuda" else "fp32"))
     a.compile = device.type == "cuda" if a.compile is None else a.compile
     hf_cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
                          num_attention_heads=a.heads, num_key_value_heads=a.heads, vocab_size=a.vocab,

@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from ..checkpoint.convert import mp_to_hf
 from ..checkpoint.hub_source import resolve_hf_source
-from ..checkpoint.mp_layout import HF_DIR, LAYOUT_FILE, LATEST_FILE, resolve_iteration_dir
+from ..checkpoint.mp_layout import HF_DIR, LAYOUT_FILE, LATEST_FILE, parse_dtype, resolve_iteration_dir
 from ..checkpoint.mp_load import load_chunks_from_mp
 from ..data import build_data, build_eval_data
 from ..hub import push_to_hub, write_model_card
@@ -39,8 +39,6 @@ from .flops import mfu, peak_flops
 from .metrics import MetricsLog, read_metrics
 from .rng import seed_all
 from .stop import GracefulStop
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -74,7 +72,7 @@ class Trainer:
         self.ckpt_root = self.out / "checkpoints"
         self.schedule = "interleaved" if p.vpp > 1 else p.schedule
         seed_all(cfg.train.seed)
-        self.dtype = DTYPES.get(cfg.model.dtype) or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+        self.dtype = parse_dtype(cfg.model.dtype) or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
         self.resume_dir = find_resume(self.ckpt_root, cfg.checkpoint.resume)
         self.chunks, self.hf_side_dir = self._load_model()
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.hf_side_dir))
@@ -189,9 +187,10 @@ class Trainer:
         hf = self.out / "hf"
         if self.ps.rank == 0:
             mp_to_hf(checkpoint, hf, overwrite=True)
-            rows = [r for r in read_metrics(self.out / "metrics.jsonl") if "loss" in r]
+            logged = read_metrics(self.out / "metrics.jsonl")
+            rows = [r for r in logged if "loss" in r]
             final = {k: rows[-1][k] for k in ("step", "loss", "grad_norm", "tokens_per_s")} if rows else {}
-            evals = [r for r in read_metrics(self.out / "metrics.jsonl") if "eval_loss" in r]
+            evals = [r for r in logged if "eval_loss" in r]
             if evals:
                 final["eval_loss"] = evals[-1]["eval_loss"]
             write_model_card(hf, base_model=self.cfg.model.path, data=[s.path for s in self.cfg.data.sources],
