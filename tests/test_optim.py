@@ -57,8 +57,8 @@ def _parity(models):
                 loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
                 padded = sum(b.size for b in opt.buckets)
                 storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                            for g in opt.optimizer.param_groups for p in g["params"]
-                            for t in (p, opt.optimizer.state[p]["exp_avg"], opt.optimizer.state[p]["exp_avg_sq"])}
+                            for adamw in opt.optimizers.values() for g in adamw.param_groups for p in g["params"]
+                            for t in (p, adamw.state[p]["exp_avg"], adamw.state[p]["exp_avg_sq"])}
                 out.append(dict(layout=layout, ga=ga, mode=mode, rel=rel, rel_max=rel_max, n=n, loss_rel=loss_rel,
                                 state_bytes=sum(storages.values()), n_params=n_params, padded=padded,
                                 n_buckets=len(opt.buckets), dp=ps.dp, shards=opt.shards))

@@ -173,14 +173,16 @@ def run_all(a) -> dict:
                       f"exposed comm {row['exposed_comm_s']:.3f}s  opt state/rank "
                       f"{row['state_bytes'] / 2**20:.1f} MiB", flush=True)
     first = by_ga[a.ga[0]]
+    step = lambda impl: first[impl]["step_s"] if impl in first else None  # noqa: E731
+    ratio = lambda x, y: step(x) / step(y) if step(x) and step(y) else None  # noqa: E731
+    state = lambda impl: first[impl]["state_bytes"] if impl in first else None  # noqa: E731
     return {"params": n_params, "dp": a.dp, "throttle": a.throttle, "ga": a.ga[0],
-            "ddp_step_s": first["ddp"]["step_s"], "distributed_step_s": first["distributed"]["step_s"],
-            "overlapped_step_s": first["overlapped"]["step_s"],
-            "overlapped_vs_distributed": first["overlapped"]["step_s"] / first["distributed"]["step_s"],
-            "overlapped_vs_ddp": first["overlapped"]["step_s"] / first["ddp"]["step_s"],
-            "opt_state_bytes_per_rank": first["overlapped"]["state_bytes"],
-            "ddp_opt_state_bytes_per_rank": first["ddp"]["state_bytes"], "comm_only_s": comm,
-            "by_ga": {str(k): v for k, v in by_ga.items()}}
+            "ddp_step_s": step("ddp"), "distributed_step_s": step("distributed"),
+            "overlapped_step_s": step("overlapped"),
+            "overlapped_vs_distributed": ratio("overlapped", "distributed"),
+            "overlapped_vs_ddp": ratio("overlapped", "ddp"),
+            "opt_state_bytes_per_rank": state("overlapped"), "ddp_opt_state_bytes_per_rank": state("ddp"),
+            "comm_only_s": comm, "by_ga": {str(k): v for k, v in by_ga.items()}}
 
 
 def throttled(a, argv) -> int:

@@ -8,17 +8,22 @@ Life of one step (mode `overlapped`; see `OptimizerConfig` for the others):
    shard of sequence-parallel parameters over TP and of the tied embedding over the
    embedding group (first + last stage), unscales (fp16), computes the global norm
    (clip.py); a non-finite norm skips the step (counted, logged, loss scale backed off).
-3. Clip, then `torch.optim.AdamW` (foreach or fused) updates this rank's fp32
-   master shard in place. The AdamW "parameters" are views of one flat master
-   tensor, one per contiguous run of elements that share a weight-decay setting, so
-   a weight-decay exclusion that straddles a shard boundary is honoured on both
-   sides; the moments are views of two flat tensors laid out the same way.
-4. The new master shard is cast into the parameter buffer and each bucket's
-   all-gather is launched asynchronously, in forward order. Pre-forward hooks on
-   each module that owns parameters wait for that module's buckets, so the next
-   forward blocks bucket by bucket, only when it reaches weights still in flight.
-   (`lm_head`, whose weight `ModelChunk._head` reads right after `final_norm`
-   without calling `lm_head.forward`, is waited for at `final_norm`.)
+3. Clip, then update bucket by bucket in forward order (the first stage's
+   embedding first). Each bucket has its own `torch.optim.AdamW` (foreach or fused)
+   over this rank's fp32 master shard of the bucket. The AdamW "parameters" are
+   views of one flat master tensor, one per contiguous run of elements that share a
+   weight-decay setting, so a weight-decay exclusion that straddles a shard
+   boundary is honoured on both sides; the moments are views of two flat tensors
+   laid out the same way. (One optimizer for all buckets would compute the same
+   numbers, but only all at once.)
+4. As soon as a bucket is updated, its new master shard is cast into the parameter
+   buffer and its all-gather is launched asynchronously, so the bucket the next
+   forward needs first is in flight while the later buckets are still being
+   updated. Pre-forward hooks on each module that owns parameters wait for that
+   module's buckets, so the next forward blocks bucket by bucket, only when it
+   reaches weights still in flight. (`lm_head`, whose weight `ModelChunk._head`
+   reads right after `final_norm` without calling `lm_head.forward`, is waited for
+   at `final_norm`.)
 
 The object also answers the pipeline schedules' `set_last_microbatch(chunk, is_last)`.
 """
@@ -99,9 +104,12 @@ class DistributedOptimizer:
         replicated = set().union(*(_replicated_names(c) for c in self.chunks))
         counted = lambda s: not getattr(s.param, "shared_embedding", False) and \
             (ps.tp_rank == 0 or s.name not in replicated)  # noqa: E731
-        self._norm_grads, self._sp_grads, decay, no_decay = [], [], [], []
-        for b in self.buckets:
-            grad, off = self._own(b, b.grad_buf), self.offsets[b.index]
+        self._norm_grads, self._sp_grads = [], []
+        # Forward order: chunk by chunk, and inside a chunk the reverse of gradient-ready order.
+        self._forward_order = sorted(self.buckets, key=lambda b: (b.chunk, -b.index))
+        self.optimizers: dict[int, torch.optim.AdamW] = {}  # bucket index -> AdamW over its owned shard
+        for b in self._forward_order:
+            grad = self._own(b, b.grad_buf)
             for lo, hi, ok in _runs(b, self.rank, counted):
                 if ok:
                     self._norm_grads.append(grad[lo:hi])
@@ -109,20 +117,9 @@ class DistributedOptimizer:
                 for lo, hi, sp in _runs(b, self.rank, lambda s: getattr(s.param, "sequence_parallel", False)):
                     if sp:
                         self._sp_grads.append(grad[lo:hi])
-            for lo, hi, nd in _runs(b, self.rank, lambda s: no_weight_decay(s.name, cfg)):
-                p = self.master[off + lo : off + hi]
-                p.grad = grad[lo:hi]
-                (no_decay if nd else decay).append((p, off + lo, off + hi))
-        groups = [{"params": [p for p, _, _ in decay]}, {"params": [p for p, _, _ in no_decay], "weight_decay": 0.0}]
-        impl = {"fused": cfg.impl == "fused", "foreach": cfg.impl == "foreach"}
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                                           betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                           weight_decay=cfg.weight_decay, **impl)
-        for p, lo, hi in decay + no_decay:
-            # Moments live in flat tensors (for checkpoints and memory accounting); AdamW sees views.
-            step_device = device if cfg.impl == "fused" else torch.device("cpu")
-            self.optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
-                                       "exp_avg": self.exp_avg[lo:hi], "exp_avg_sq": self.exp_avg_sq[lo:hi]}
+            adamw = self._bucket_adamw(b, grad)
+            if adamw is not None:
+                self.optimizers[b.index] = adamw
         self._shard_grads = [self._own(b, b.grad_buf) for b in self.buckets]
 
         fp16 = any(g.dtype == torch.float16 for g in self.groups)
@@ -131,6 +128,32 @@ class DistributedOptimizer:
         self.skipped_steps = 0
         self._pending: dict[int, object] = {}  # bucket index -> in-flight parameter all-gather
         self._register_forward_hooks()
+
+    def _bucket_adamw(self, b: Bucket, grad: torch.Tensor) -> torch.optim.AdamW | None:
+        """torch AdamW over the owned shard of `b` (None when the shard is all padding)."""
+        cfg, off = self.cfg, self.offsets[b.index]
+        decay, no_decay = [], []
+        for lo, hi, nd in _runs(b, self.rank, lambda s: no_weight_decay(s.name, cfg)):
+            p = self.master[off + lo : off + hi]
+            p.grad = grad[lo:hi]
+            (no_decay if nd else decay).append((p, off + lo, off + hi))
+        groups = [{"params": [p for p, _, _ in decay]}, {"params": [p for p, _, _ in no_decay], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        if not groups:
+            return None
+        adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay,
+                                  fused=cfg.impl == "fused", foreach=cfg.impl == "foreach")
+        step_device = self.master.device if cfg.impl == "fused" else torch.device("cpu")
+        for p, lo, hi in decay + no_decay:
+            # Moments live in flat tensors (for checkpoints and memory accounting); AdamW sees views.
+            adamw.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                              "exp_avg": self.exp_avg[lo:hi], "exp_avg_sq": self.exp_avg_sq[lo:hi]}
+        return adamw
+
+    def adam_states(self) -> list[dict]:
+        """Per-parameter AdamW state dicts (`step`, `exp_avg`, `exp_avg_sq`) of every bucket."""
+        return [st for adamw in self.optimizers.values() for st in adamw.state.values()]
 
     # -- layout helpers --------------------------------------------------------------
     def _own(self, b: Bucket, buf: torch.Tensor) -> torch.Tensor:
@@ -156,8 +179,9 @@ class DistributedOptimizer:
         return loss * self.loss_scale if self.scaler is not None else loss
 
     def set_lr(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        for adamw in self.optimizers.values():
+            for g in adamw.param_groups:
+                g["lr"] = lr
 
     def zero_grad(self) -> None:
         """Drop this step's gradients (the step does this itself)."""
@@ -186,8 +210,12 @@ class DistributedOptimizer:
             coef = clip_coefficient(norm, self.cfg.grad_clip)
             if coef < 1.0:
                 torch._foreach_mul_(self._shard_grads, coef)
-            self.optimizer.step()
-            self.publish_params()
+            for b in self._forward_order:
+                if b.index in self.optimizers:
+                    self.optimizers[b.index].step()
+                self._publish(b)
+            if self.cfg.mode == "distributed":
+                self.wait_params()
         self.grad_sync.reset()
         return StepResult(norm, skipped, scale)
 
@@ -204,18 +232,18 @@ class DistributedOptimizer:
                 dist.all_reduce(self._own(b, b.grad_buf), group=ps.embedding_group)
 
     def publish_params(self) -> None:
-        """Cast the new master shards into the parameter buffers and all-gather them over DP."""
-        for b in self.buckets:
-            self._own(b, b.param_buf).copy_(self._master_shard(b))
-        if self.shards == 1:
-            return
-        # Forward order: chunk by chunk, and inside a chunk the reverse of gradient-ready order.
-        order = sorted(self.buckets, key=lambda b: (b.chunk, -b.index))
-        for b in order:
-            self._pending[b.index] = all_gather_flat(b.param_buf, self._own(b, b.param_buf),
-                                                     group=self.ps.dp_group, async_op=True)
+        """Cast every master shard into the parameter buffers and all-gather them over DP, in forward order."""
+        for b in self._forward_order:
+            self._publish(b)
         if self.cfg.mode == "distributed":
             self.wait_params()
+
+    def _publish(self, b: Bucket) -> None:
+        """Cast the master shard of `b` into its parameter buffer and launch the bucket's async all-gather."""
+        self._own(b, b.param_buf).copy_(self._master_shard(b))
+        if self.shards > 1:
+            self._pending[b.index] = all_gather_flat(b.param_buf, self._own(b, b.param_buf),
+                                                     group=self.ps.dp_group, async_op=True)
 
     def wait_params(self, buckets: list[int] | None = None) -> None:
         """Wait for the parameter all-gathers of `buckets` (default: all still in flight)."""

@@ -44,7 +44,7 @@ def _pieces(opt: DistributedOptimizer) -> list[list]:
 
 
 def _step_tensor(opt: DistributedOptimizer) -> torch.Tensor | None:
-    return next((s["step"] for s in opt.optimizer.state.values()), None)
+    return next((s["step"] for s in opt.adam_states()), None)
 
 
 def save_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> Path | None:
@@ -111,7 +111,7 @@ def load_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> None:
     missing = sorted(n for n in need if filled[n] != need[n])
     if missing:
         raise CheckpointError(f"{folder}: optimizer shards do not cover {missing[0]} (and {len(missing) - 1} more)")
-    for s in opt.optimizer.state.values():
+    for s in opt.adam_states():
         s["step"].fill_(meta["step"])
     opt.skipped_steps = meta["skipped_steps"]
     if opt.scaler is not None:
