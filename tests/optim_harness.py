@@ -20,6 +20,17 @@ from hfmeg.parallel.state import ParallelConfig, ParallelState
 
 ROWS, SEQ, VOCAB = 4, 16, 300  # rows per micro-batch of the global batch
 
+# The optimizer settings of every parity test: clipping and weight decay on, buckets small
+# enough that parameters straddle shard boundaries. eps = 1e-5 and lr = 1e-3 keep the
+# comparison well conditioned. Adam's update is ~lr * g / (|g| + eps) whatever the size of
+# g, so fp32 reduction-order noise in a gradient (present even at DP=1 between a TP layout
+# and the TP=1 reference, in all three modes alike: it comes from the model's TP sums, not
+# from the optimizer) moves a parameter by up to O(lr) per step. At lr = 3e-3 that noise
+# alone put TP=2 (SP) and TP=4 at 1.1-1.5e-6 relative after 10 steps; at 1e-3 the worst
+# layout is 6.4e-7, while a stale, missing or doubly applied update still shows as
+# ~lr / |param| >> 1e-6.
+CFG = dict(lr=1e-3, weight_decay=0.1, grad_clip=0.5, bucket_size=5000, eps=1e-5)
+
 
 def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + micro)
@@ -131,5 +142,5 @@ def max_rel_diff(chunk, ps: ParallelState, ref: dict[str, torch.Tensor]) -> tupl
     return worst, worst_max, n
 
 
-__all__ = ["DistributedOptimizer", "OptimizerConfig", "build_rank_chunk", "make_ps", "max_rel_diff",
+__all__ = ["CFG", "DistributedOptimizer", "OptimizerConfig", "build_rank_chunk", "make_ps", "max_rel_diff",
            "reference", "train"]

@@ -13,10 +13,9 @@ from hfmeg.errors import UnsupportedConfigError
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig, lr_at
 from hfmeg.parallel.launch import spawn
-from optim_harness import batch, build_rank_chunk, make_ps, micro_step, reference, train
+from optim_harness import CFG, batch, build_rank_chunk, make_ps, micro_step, reference, train
 from tiny_models import save_tiny
 
-CFG = dict(lr=3e-3, weight_decay=0.1, grad_clip=0.5, bucket_size=5000, eps=1e-5)
 
 
 def _owned_equal_master(opt, dtype):

@@ -23,10 +23,10 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.stage import build_stage_from_hf
 from hfmeg.parallel.state import ParallelConfig, ParallelState
-from optim_harness import ROWS, batch, build_rank_chunk, global_tokens, make_ps, max_rel_diff, micro_step, reference
+from optim_harness import (CFG, ROWS, batch, build_rank_chunk, global_tokens, make_ps, max_rel_diff, micro_step,
+                           reference)
 from tiny_models import save_tiny
 
-CFG = dict(lr=3e-3, weight_decay=0.1, grad_clip=0.5, bucket_size=5000, eps=1e-5)
 STEPS, MICRO = 3, 4
 CASES = [("1f1b", 1, "overlapped"), ("interleaved", 2, "overlapped"), ("interleaved", 2, "distributed")]
 

@@ -8,10 +8,9 @@ import torch.distributed as dist
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.optim.state_io import load_optimizer_state, save_optimizer_state
 from hfmeg.parallel.launch import spawn
-from optim_harness import build_rank_chunk, make_ps, train
+from optim_harness import CFG, build_rank_chunk, make_ps, train
 from tiny_models import save_tiny
 
-CFG = dict(lr=3e-3, weight_decay=0.1, grad_clip=0.5, bucket_size=5000, eps=1e-5)
 GA, FIRST, MORE = 2, 4, 4
 
 
