@@ -58,19 +58,19 @@ class LazyGather:
 
     log: list = []
 
-    def __init__(self, out, inp, group, async_op):
-        self.args = (out, inp, group)
+    def __init__(self, out, inp, group, tag):
+        self.args = (out, inp, group, tag)
 
     def wait(self):
         LazyGather.log.append((self.args[0].data_ptr(), LazyGather.in_forward))
-        real_all_gather(*self.args[:2], group=self.args[2])
+        real_all_gather(*self.args).wait()
 
 
-real_all_gather = dopt.all_gather_flat
+real_all_gather = dopt.all_gather_async
 
 
 def _forward_waits(folder):
-    dopt.all_gather_flat = LazyGather
+    dopt.all_gather_async = LazyGather
     ps = make_ps()
     cfg = OptimizerConfig(**CFG)
     ref_losses, _ = reference(folder, cfg, 2, 4, make_ps())

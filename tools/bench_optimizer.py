@@ -67,16 +67,18 @@ def make_model(folder: Path, a) -> int:
 
 
 def _adamw(named, opt_cfg):
+    """The anchors' replicated torch AdamW, the same implementation the sharded modes use."""
     groups = [{"params": [p for n, p in named if not no_weight_decay(n, opt_cfg)]},
               {"params": [p for n, p in named if no_weight_decay(n, opt_cfg)], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay, foreach=True)
+    return torch.optim.AdamW(groups, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay,
+                             fused=opt_cfg.impl == "fused", foreach=opt_cfg.impl == "foreach")
 
 
 def _run(impl, folder, a, ga, ps):
     """Median seconds per step for `impl`, and the optimizer-state bytes of this rank."""
     chunk = build_chunk_from_hf(folder, ps)
     opt_cfg = OptimizerConfig(mode=impl if impl in ("distributed", "overlapped") else "ddp",
-                              bucket_size=a.bucket_size)
+                              bucket_size=a.bucket_size, impl=a.adamw)
     g = torch.Generator().manual_seed(ps.rank)
     ids = torch.randint(0, a.vocab, (a.mbs, a.seq), generator=g)
     ntok = ids.numel() * ga * ps.dp
@@ -219,6 +221,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--bucket-size", type=int, default=5_000_000, dest="bucket_size")
+    p.add_argument("--adamw", default="fused", choices=("fused", "foreach"),
+                   help="torch AdamW implementation, for every row alike")
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--throttle", default="", help="loopback rate, e.g. 1gbit (needs root + tc)")
     p.add_argument("--inner-throttle", default="", dest="inner_throttle", help=argparse.SUPPRESS)

@@ -39,7 +39,7 @@ class OptimizerConfig:
     no_decay_embeddings: bool = False  # embed.weight, pos_embed.weight, lm_head.weight
     bucket_size: int = 40_000_000  # elements per gradient bucket (before DP padding)
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still computed)
-    impl: Literal["foreach", "fused"] = "foreach"  # torch.optim.AdamW implementation
+    impl: Literal["foreach", "fused"] = "fused"  # torch.optim.AdamW implementation (fused: one pass, 4x foreach on CPU)
     # fp16 dynamic loss scaling (used only when the model has fp16 parameters)
     initial_loss_scale: float = 2.0**16
     min_loss_scale: float = 1.0

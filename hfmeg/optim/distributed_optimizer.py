@@ -23,7 +23,9 @@ Life of one step (mode `overlapped`; see `OptimizerConfig` for the others):
    module's buckets, so the next forward blocks bucket by bucket, only when it
    reaches weights still in flight. (`lm_head`, whose weight `ModelChunk._head`
    reads right after `final_norm` without calling `lm_head.forward`, is waited for
-   at `final_norm`.)
+   at `final_norm`.) Mode `distributed` keeps Megatron's serial order instead:
+   every bucket is updated first, then all buckets are all-gathered and waited
+   for inside `step()`, so no communication overlaps any compute.
 
 The object also answers the pipeline schedules' `set_last_microbatch(chunk, is_last)`.
 """
@@ -39,8 +41,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.rules import chunk_rules
-from ..parallel.comm import all_gather_flat
 from ..parallel.state import ParallelState
+from .bucket_comm import all_gather_async
 from .buffers import Bucket, build_groups
 from .clip import clip_coefficient, global_norm
 from .config import OptimizerConfig, no_weight_decay
@@ -210,12 +212,14 @@ class DistributedOptimizer:
             coef = clip_coefficient(norm, self.cfg.grad_clip)
             if coef < 1.0:
                 torch._foreach_mul_(self._shard_grads, coef)
+            serial = self.cfg.mode == "distributed"
             for b in self._forward_order:
                 if b.index in self.optimizers:
                     self.optimizers[b.index].step()
-                self._publish(b)
-            if self.cfg.mode == "distributed":
-                self.wait_params()
+                if not serial:
+                    self._publish(b)
+            if serial:  # Megatron's order: the whole update, then the all-gathers, waited here
+                self.publish_params()
         self.grad_sync.reset()
         return StepResult(norm, skipped, scale)
 
@@ -242,8 +246,8 @@ class DistributedOptimizer:
         """Cast the master shard of `b` into its parameter buffer and launch the bucket's async all-gather."""
         self._own(b, b.param_buf).copy_(self._master_shard(b))
         if self.shards > 1:
-            self._pending[b.index] = all_gather_flat(b.param_buf, self._own(b, b.param_buf),
-                                                     group=self.ps.dp_group, async_op=True)
+            self._pending[b.index] = all_gather_async(b.param_buf, self._own(b, b.param_buf), self.ps.dp_group,
+                                                      tag=b.index)
 
     def wait_params(self, buckets: list[int] | None = None) -> None:
         """Wait for the parameter all-gathers of `buckets` (default: all still in flight)."""
