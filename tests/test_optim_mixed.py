@@ -17,7 +17,6 @@ from optim_harness import CFG, batch, build_rank_chunk, make_ps, micro_step, ref
 from tiny_models import save_tiny
 
 
-
 def _owned_equal_master(opt, dtype):
     return all(torch.equal(opt._own(b, b.param_buf), opt._master_shard(b).to(dtype)) for b in opt.buckets)
 

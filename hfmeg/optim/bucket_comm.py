@@ -110,7 +110,7 @@ class _PointToPointAllGather:
 
 def reduce_scatter_async(out: torch.Tensor, full: torch.Tensor, group, pool: ScratchPool | None):
     """Start summing `full` over `group` into this rank's shard `out`; `pool` is required on gloo."""
-    if pool is not None:
+    if is_gloo(group):
         return _AllToAllReduceScatter(out, full, group, pool)
     return reduce_scatter_flat(out, full, group=group, async_op=True)
 

@@ -16,7 +16,10 @@ on computing earlier layers' gradients:
   global token count), so DP rank r ends up with the summed shard r in place;
 - `ddp`: all-reduce (SUM) of the whole bucket.
 
-The reduce-scatter itself, and why gloo gets its own, is in bucket_comm.py.
+The reduce-scatter itself, and why gloo gets its own, is in bucket_comm.py. On gloo
+each launch first retires the reductions that have already completed (sum, receive
+buffer back to the pool), so the pool holds about as many buffers as the network
+has buckets in flight.
 
 In the `distributed` mode nothing is launched by hooks: `finish()` runs all
 reductions after backward, which is Megatron's non-overlapped behaviour. `finish()`
