@@ -11,7 +11,9 @@ random LLaMA-shaped model with, in turn:
   `overlapped` (the default).
 
 Steps run back to back; step time is the median over the timed steps (max over
-ranks; the mean is reported too). Exposed communication = step time - compute-only step time: the
+ranks; the mean is reported too), and `cpu_per_step_s` the user + system CPU time
+per timed step of the busiest rank (all its threads: on a machine with a core per
+rank, a step can be no faster than that). Exposed communication = step time - compute-only step time: the
 time the step spends on collectives that compute did not hide.
 
 To separate the network from CPU contention, each world also times the
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import resource
 import shutil
 import statistics
 import subprocess
@@ -74,8 +77,15 @@ def _adamw(named, opt_cfg):
                              fused=opt_cfg.impl == "fused", foreach=opt_cfg.impl == "foreach")
 
 
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process so far (all its threads, gloo's included)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _run(impl, folder, a, ga, ps):
-    """Median seconds per step for `impl`, and the optimizer-state bytes of this rank."""
+    """Median and mean seconds per step for `impl`, CPU seconds per step (the busiest rank), and
+    the optimizer-state bytes of this rank."""
     chunk = build_chunk_from_hf(folder, ps)
     opt_cfg = OptimizerConfig(mode=impl if impl in ("distributed", "overlapped") else "ddp",
                               bucket_size=a.bucket_size, impl=a.adamw)
@@ -97,7 +107,7 @@ def _run(impl, folder, a, ga, ps):
     # the last step `overlapped` waits for its all-gathers, so nothing is left uncounted.
     ends = []
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), [_cpu_s()]
     for step in range(a.warmup + a.steps):
         for m in range(ga):
             last = m == ga - 1
@@ -114,13 +124,15 @@ def _run(impl, folder, a, ga, ps):
             adamw.step()
             adamw.zero_grad(set_to_none=False)
         ends.append(time.perf_counter())
-    steps = torch.tensor([b - e for b, e in zip(ends, [start] + ends[:-1])][a.warmup:])
+        cpu.append(_cpu_s())
+    steps = torch.tensor([b - e for b, e in zip(ends, [start] + ends[:-1])][a.warmup:] +
+                         [(cpu[-1] - cpu[a.warmup]) / a.steps])
     dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-    times = steps.tolist()
-    return statistics.median(times), statistics.mean(times), state_bytes
+    times, cpu_per_step = steps[:-1].tolist(), steps[-1].item()
+    return statistics.median(times), statistics.mean(times), cpu_per_step, state_bytes
 
 
-def _timed(fn, reps: int) -> float:
+def timed(fn, reps: int) -> float:
     """Median over `reps` of the slowest rank's time for `fn()`."""
     times = []
     for _ in range(reps):
@@ -148,7 +160,7 @@ def _comm_only(folder, a, ps) -> dict[str, float]:
         opt.publish_params()  # all-gathers (waited in `distributed` mode)
         sync.reset()
 
-    return {"allreduce": _timed(allreduce, a.steps), "sharded": _timed(sharded, a.steps)}
+    return {"allreduce": timed(allreduce, a.steps), "sharded": timed(sharded, a.steps)}
 
 
 def _worker(folder, a, ga, comm):
@@ -166,13 +178,13 @@ def run_all(a) -> dict:
             if c is not None:
                 comm = c
                 print(f"comm only: DDP all-reduce {c['allreduce']:.3f}s  sharded RS+AG {c['sharded']:.3f}s", flush=True)
-            by_ga[ga] = {impl: {"step_s": med, "mean_step_s": mean, "state_bytes": b}
-                         for impl, (med, mean, b) in res.items()}
+            by_ga[ga] = {impl: {"step_s": med, "mean_step_s": mean, "cpu_per_step_s": cpu, "state_bytes": b}
+                         for impl, (med, mean, cpu, b) in res.items()}
             base = by_ga[ga].get("compute", {}).get("step_s")
             for impl, row in by_ga[ga].items():
                 row["exposed_comm_s"] = row["step_s"] - base if base is not None else float("nan")
                 print(f"GA={ga:<2} {impl:<12} step median {row['step_s']:.3f}s mean {row['mean_step_s']:.3f}s  "
-                      f"exposed comm {row['exposed_comm_s']:.3f}s  opt state/rank "
+                      f"cpu/step {row['cpu_per_step_s']:.3f}s  exposed comm {row['exposed_comm_s']:.3f}s  opt state/rank "
                       f"{row['state_bytes'] / 2**20:.1f} MiB", flush=True)
     first = by_ga[a.ga[0]]
     step = lambda impl: first[impl]["step_s"] if impl in first else None  # noqa: E731
@@ -187,8 +199,24 @@ def run_all(a) -> dict:
             "comm_only_s": comm, "by_ga": {str(k): v for k, v in by_ga.items()}}
 
 
-def throttled(a, argv) -> int:
-    """Re-run this script in a private network namespace with a rate-limited loopback."""
+def parse_throttled(p: argparse.ArgumentParser, argv: list[str] | None, script: Path):
+    """Parse `argv` with `--throttle RATE` added to `p`. Returns (args, None) to run here, with
+    `args.throttle` the loopback rate in force (None: unthrottled), or (args, exit code) once
+    `script` has been re-run inside a throttled namespace."""
+    p.add_argument("--throttle", default="", help="loopback rate, e.g. 4gbit (needs root + tc)")
+    p.add_argument("--inner-throttle", default="", dest="inner_throttle", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    a = p.parse_args(argv)
+    if a.throttle:
+        return a, throttled(script, a.throttle, argv)
+    a.throttle = a.inner_throttle or None
+    return a, None
+
+
+def throttled(script: Path, rate: str, argv: list[str]) -> int:
+    """Re-run `script` with `argv` in a private network namespace whose loopback runs at `rate`.
+
+    The script gets `--inner-throttle RATE` in place of `--throttle RATE`, to report the rate."""
     missing = [t for t in ("unshare", "ip", "tc") if shutil.which(t) is None]
     if missing:
         print(f"throttled mode skipped: {', '.join(missing)} not found (apt-get install -y iproute2 util-linux)",
@@ -199,9 +227,9 @@ def throttled(a, argv) -> int:
         if not skip and not arg.startswith("--throttle"):
             inner.append(arg)
         skip = arg == "--throttle"
-    script = (f"ip link set lo up && tc qdisc add dev lo root tbf rate {a.throttle} burst 256kb latency 50ms && "
-              f"exec {sys.executable} {Path(__file__).resolve()} {' '.join(inner)} --inner-throttle {a.throttle}")
-    proc = subprocess.run(["unshare", "-n", "sh", "-c", script])
+    shell = (f"ip link set lo up && tc qdisc add dev lo root tbf rate {rate} burst 256kb latency 50ms && "
+             f"exec {sys.executable} {script.resolve()} {' '.join(inner)} --inner-throttle {rate}")
+    proc = subprocess.run(["unshare", "-n", "sh", "-c", shell])
     if proc.returncode != 0:
         print("throttled run failed (`unshare -n` + `tc` need root / CAP_NET_ADMIN; see the error above)",
               file=sys.stderr)
@@ -224,13 +252,9 @@ def main(argv=None) -> int:
     p.add_argument("--adamw", default="fused", choices=("fused", "foreach"),
                    help="torch AdamW implementation, for every row alike")
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
-    p.add_argument("--throttle", default="", help="loopback rate, e.g. 1gbit (needs root + tc)")
-    p.add_argument("--inner-throttle", default="", dest="inner_throttle", help=argparse.SUPPRESS)
-    argv = sys.argv[1:] if argv is None else argv
-    a = p.parse_args(argv)
-    if a.throttle:
-        return throttled(a, argv)
-    a.throttle = a.inner_throttle or None
+    a, rc = parse_throttled(p, argv, Path(__file__))
+    if rc is not None:
+        return rc
     print(json.dumps(run_all(a)))
     return 0
 

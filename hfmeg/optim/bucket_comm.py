@@ -12,16 +12,17 @@ but gloo) uses its native `reduce_scatter_tensor` / `all_gather_into_tensor`; wi
 the launch.
 
 gloo's native versions move more bytes or take longer than the optimum of
-(DP-1)/DP of the bucket in and out of each rank. Measured with two ranks on a
-loopback rate-limited with `tc` (57.7M fp32 elements in one call):
+(DP-1)/DP of the bucket in and out of each rank. `tools/bench_collectives.py`,
+two ranks, 57.7M fp32 elements in one call, loopback rate-limited with `tc`:
 
-| link     | all_reduce | native RS | native AG | all-to-all | isend + irecv |
-|----------|------------|-----------|-----------|------------|---------------|
-| 8 Gbit/s | 0.464 s    | 0.603 s   | 0.353 s   | 0.244 s    | 0.231 s       |
-| 4 Gbit/s | 0.925 s    | 1.062 s   | 0.591 s   | 0.476 s    | 0.462 s       |
+| link     | all_reduce | native RS | native AG | hfmeg RS | hfmeg AG |
+|----------|------------|-----------|-----------|----------|----------|
+| 8 Gbit/s | 0.466 s    | 0.595 s   | 0.382 s   | 0.296 s  | 0.256 s  |
+| 4 Gbit/s | 0.926 s    | 1.085 s   | 0.644 s   | 0.534 s  | 0.483 s  |
+| none     | 0.193 s    | 0.347 s   | 0.306 s   | 0.177 s  | 0.109 s  |
 
 (the native reduce-scatter costs more than a whole all-reduce; the native all-gather
-45% more than the same bytes sent point to point). On gloo, therefore:
+1.3-2.8x the point-to-point version). On gloo, therefore:
 
 - reduce-scatter is an async `all_to_all_single`: rank r receives every rank's copy
   of shard r into a receive buffer, and `wait()` sums the DP copies, in rank order,
