@@ -4,7 +4,8 @@ Collective over the default process group; every rank calls it. Protocol:
 
 1. rank 0 (re)creates `<dir>/.iter_XXXXXXX.tmp`, writes `hfmeg_layout.json` and
    copies the HF side files; barrier.
-2. every rank with dp_rank 0 writes its own `mp_rank_TT[_PPP]/model.safetensors`
+2. every rank waits for in-flight writes to its parameters (parallel/params_ready.py),
+   every rank with dp_rank 0 writes its own `mp_rank_TT[_PPP]/model.safetensors`
    (DP replicas hold identical weights); then `on_rank_dir(rank_dir)` runs on
    every rank (e.g. the trainer's optimizer shard and data state); barrier.
 3. rank 0 renames the temporary folder to `iter_XXXXXXX` (replacing an older one
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from ..errors import LayoutError
 from ..models.decoder import ModelChunk
+from ..parallel.params_ready import wait_params_ready
 from ..parallel.state import ParallelState
 from .atomic import replace_dir
 from .mp_layout import HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, iteration_dir_name, write_latest
@@ -75,6 +77,9 @@ def save_chunks_to_mp(
     _barrier()
     rank_dir = tmp / layout.rank_dir(ps.tp_rank, ps.pp_rank)
     rank_dir.mkdir(exist_ok=True)
+    # The overlapped optimizer's parameter all-gathers may still be in flight: without this wait
+    # the shards other DP ranks own would be written as they were one step ago.
+    wait_params_ready(chunks)
     if ps.dp_rank == 0:
         params = [(rule.local, dict(c.named_parameters())[rule.local]) for c, s in zip(chunks, mine)
                   for rule in chunk_rules(cfg, s.layers, s.pre_process, s.post_process)]

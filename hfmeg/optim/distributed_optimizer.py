@@ -23,7 +23,9 @@ Life of one step (mode `overlapped`; see `OptimizerConfig` for the others):
    module's buckets, so the next forward blocks bucket by bucket, only when it
    reaches weights still in flight. (`lm_head`, whose weight `ModelChunk._head`
    reads right after `final_norm` without calling `lm_head.forward`, is waited for
-   at `final_norm`.) Mode `distributed` keeps Megatron's serial order instead:
+   at `final_norm`.) Readers outside a forward (saving a checkpoint) wait for
+   all of a chunk's buckets through the chunk's "parameters ready" barrier
+   (parallel/params_ready.py). Mode `distributed` keeps Megatron's serial order instead:
    every bucket is updated first, then all buckets are all-gathered and waited
    for inside `step()`, so no communication overlaps any compute.
 
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.rules import chunk_rules
+from ..parallel.params_ready import set_params_barrier
 from ..parallel.state import ParallelState
 from .bucket_comm import all_gather_async
 from .buffers import Bucket, build_groups
@@ -130,6 +133,9 @@ class DistributedOptimizer:
         self.skipped_steps = 0
         self._pending: dict[int, object] = {}  # bucket index -> in-flight parameter all-gather
         self._register_forward_hooks()
+        for c, chunk in enumerate(self.chunks):  # readers outside a forward (checkpoint saving) wait here
+            mine = [b.index for b in self._forward_order if b.chunk == c]
+            set_params_barrier(chunk, lambda mine=mine: self.wait_params(mine))
 
     def _bucket_adamw(self, b: Bucket, grad: torch.Tensor) -> torch.optim.AdamW | None:
         """torch AdamW over the owned shard of `b` (None when the shard is all padding)."""

@@ -71,7 +71,8 @@ def save_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> Path 
     return path
 
 
-def _read_meta(path: Path) -> dict:
+def read_meta(path: Path) -> dict:
+    """The JSON metadata of an optimizer shard file (step, DP size, the pieces it holds), checked."""
     try:
         with safe_open(str(path), "pt") as f:
             meta = json.loads((f.metadata() or {})["hfmeg_optimizer"])
@@ -94,7 +95,7 @@ def load_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> None:
     filled = {name: 0 for name in mine}
     meta = {}
     for path in files:
-        meta = _read_meta(path)
+        meta = read_meta(path)
         if (meta["tp"], meta["pp"]) != (ps.tp, ps.pp):
             raise CheckpointError(f"{path}: fields tp/pp are {meta['tp']}/{meta['pp']}, this run has {ps.tp}/{ps.pp}")
         with safe_open(str(path), "pt") as f:
