@@ -21,14 +21,21 @@ import torch
 import torch.distributed as dist
 
 
-def global_norm(grads: list[torch.Tensor], group, reduce: bool) -> float:
+def sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """This rank's fp64 sum of squares of `grads`, a 0-d tensor on `device`.
+
+    `device` is the norm all-reduce's device: a rank that counts no gradients (all its
+    shard is padding, or it holds only TP-replicated parameters on TP rank > 0) still
+    joins the collective, and NCCL takes no CPU tensor.
+    """
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(grads)).double().square().sum()
+
+
+def global_norm(grads: list[torch.Tensor], group, reduce: bool, device: torch.device) -> float:
     """sqrt of the sum of squares of `grads`, summed over `group` when `reduce`."""
-    device = grads[0].device if grads else torch.device("cpu")
-    if grads:
-        norms = torch._foreach_norm(grads)
-        sq = torch.stack(norms).double().square().sum()
-    else:
-        sq = torch.zeros((), dtype=torch.float64, device=device)
+    sq = sum_of_squares(grads, device)
     if reduce:
         dist.all_reduce(sq, group=group)
     return sq.sqrt().item()

@@ -205,7 +205,7 @@ class DistributedOptimizer:
         ps = self.ps
         group = None if self.cfg.sharded else ps.mp_group  # world = DP x model-parallel
         reduce = ps.world_size > 1 if self.cfg.sharded else ps.tp * ps.pp > 1
-        norm = global_norm(self._norm_grads, group, reduce)
+        norm = global_norm(self._norm_grads, group, reduce, self.master.device)
         skipped = not math.isfinite(norm)
         scale = self.loss_scale
         if self.scaler is not None:
