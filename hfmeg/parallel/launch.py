@@ -1,4 +1,4 @@
-"""Run a function on N local processes joined in one gloo world.
+"""Run a function on N local processes joined in one gloo world, on the CPU.
 
 Used by the test-suite and by tools that launch their own CPU workers
 (`tools/verify_parity.py`). Processes are forked so the function and its arguments
@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .state import BACKEND_ENV
+
 
 class WorkerError(RuntimeError):
     """A rank raised; the message carries its traceback."""
@@ -32,11 +34,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cpu_only() -> None:
+    """Make this forked rank a CPU process, also on a machine with GPUs.
+
+    CUDA cannot be re-initialised in a child forked after the parent used it, and a CPU
+    world of N ranks has no business binding N GPUs. So the child's group is gloo (and
+    `ParallelState.from_env` follows the group: CPU), and every "is CUDA there?" check in
+    the child (RNG state capture, dtype defaults) answers no, as it would with no GPU;
+    `CUDA_VISIBLE_DEVICES` carries that to any process the rank starts.
+    """
+    os.environ.update({BACKEND_ENV: "gloo", "CUDA_VISIBLE_DEVICES": ""})
+    torch.cuda.is_available = lambda: False
+    torch.cuda.device_count = lambda: 0
+
+
 def _worker(fn, rank, world_size, port, args, results):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
+    _cpu_only()
     # One intra-op thread per rank: GNU OpenMP's thread pool does not survive fork(), so a forked
     # child that opens a parallel region after the parent used one can hang (seen in torch.zeros).
     torch.set_num_threads(1)

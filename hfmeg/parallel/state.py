@@ -22,7 +22,30 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import LayoutError
+from ..errors import LayoutError, UnsupportedConfigError
+
+BACKEND_ENV = "HFMEG_BACKEND"  # "gloo" or "nccl": overrides the default choice of ParallelState.from_env
+
+
+def choose_backend(requested: str | None, local_rank: int) -> tuple[str, torch.device]:
+    """The process-group backend and the device a rank computes on; the backend decides the device.
+
+    gloo computes on the CPU, also on a machine with GPUs (so CPU test worlds stay CPU);
+    nccl on `cuda:local_rank`. Without a request, nccl when CUDA is available, else gloo.
+    CUDA is only queried when the answer can be nccl.
+    """
+    backend = (requested or ("nccl" if torch.cuda.is_available() else "gloo")).lower()
+    if backend == "gloo":
+        return backend, torch.device("cpu")
+    if backend != "nccl":
+        raise UnsupportedConfigError(f"{BACKEND_ENV}/backend: {requested!r} is not supported (use gloo or nccl)")
+    if not torch.cuda.is_available():
+        raise UnsupportedConfigError(f"{BACKEND_ENV}/backend: nccl needs CUDA, and no CUDA device is available")
+    count = torch.cuda.device_count()
+    if not 0 <= local_rank < count:
+        raise LayoutError(f"LOCAL_RANK={local_rank} but this node has {count} visible CUDA device(s): "
+                          f"start at most {count} processes per node")
+    return backend, torch.device("cuda", local_rank)
 
 
 @dataclass(frozen=True)
@@ -97,26 +120,30 @@ class ParallelState:
         return mine
 
     @classmethod
-    def from_env(cls, config: ParallelConfig, *, timeout_s: float = 600.0) -> "ParallelState":
+    def from_env(cls, config: ParallelConfig, *, backend: str | None = None,
+                 timeout_s: float = 600.0) -> "ParallelState":
         """Join the job that `torchrun` / `accelerate launch` describe in the environment.
 
-        Uses NCCL when CUDA is available, gloo otherwise. A single process without
+        The backend is `backend`, else `$HFMEG_BACKEND`, else nccl when CUDA is available
+        and gloo otherwise (`choose_backend`); an already initialised default group (e.g.
+        `launch.spawn`'s gloo world) keeps its own. The CUDA device is bound before the
+        group is created, so NCCL's communicator is built on it. A single process without
         launcher variables runs as a world of one.
         """
-        if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            timeout = timedelta(seconds=timeout_s)
-            if "RANK" in os.environ:
-                dist.init_process_group(backend=backend, timeout=timeout)
-            else:  # a plain `python` run: an in-process store, so no port can clash with another job
-                dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
-                                        timeout=timeout)
-        if torch.cuda.is_available():
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local)
-            device = torch.device("cuda", local)
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if dist.is_initialized():  # a mixed "cpu:gloo,cuda:nccl" group (torch's default with CUDA) computes on CUDA
+            backend, device = choose_backend("nccl" if "nccl" in dist.get_backend() else "gloo", local)
         else:
-            device = torch.device("cpu")
+            backend, device = choose_backend(backend or os.environ.get(BACKEND_ENV), local)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            kwargs = dict(backend=backend, timeout=timedelta(seconds=timeout_s),
+                          device_id=device if device.type == "cuda" else None)
+            if "RANK" in os.environ:
+                dist.init_process_group(**kwargs)
+            else:  # a plain `python` run: an in-process store, so no port can clash with another job
+                dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         return cls(config, dist.get_rank(), dist.get_world_size(), device)
 
     # -- pipeline helpers -------------------------------------------------------
