@@ -1,11 +1,18 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from hfmeg.parallel.state import BACKEND_ENV
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import STORIES, rewrite_config_v4, save_tiny  # noqa: E402
+
+# CPU tests stay CPU on a GPU machine too: every ParallelState.from_env in this process and in
+# the torchrun / recipe subprocesses the tests start joins gloo; GPU tests ask for nccl themselves.
+os.environ.setdefault(BACKEND_ENV, "gloo")
 
 RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.config import model_config_from_hf
 from hfmeg.models.kernels import Kernels
 from hfmeg.models.random_init import TensorSource, chunk_from_source, random_hf_model
-from hfmeg.parallel.state import ParallelConfig, ParallelState
+from hfmeg.parallel.state import BACKEND_ENV, ParallelConfig, ParallelState
 from tiny_models import tiny_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -128,3 +129,23 @@ def test_bench_mfu_small_run_on_cuda():
         assert 0 < r[f"{side}_mfu"] < 1
     # Same weights and ids; bf16 forward passes agree to bf16 accuracy before any update.
     assert abs(r["hfmeg_losses"][0] - r["hf_losses"][0]) < 2e-2 * r["hf_losses"][0]
+
+
+NCCL_WORLD_OF_ONE = """
+import torch, torch.distributed as dist
+from hfmeg.optim.clip import global_norm
+from hfmeg.parallel.state import ParallelConfig, ParallelState
+ps = ParallelState.from_env(ParallelConfig())
+assert ps.device == torch.device("cuda", 0) and dist.get_backend() == "nccl", (ps.device, dist.get_backend())
+assert torch.cuda.current_device() == 0
+assert global_norm([], None, True, ps.device) == 0.0  # a rank with no counted gradients in an NCCL all-reduce
+dist.destroy_process_group()
+"""
+
+
+def test_nccl_binds_cuda_and_reduces_an_empty_gradient_norm():
+    """`from_env` with nccl on cuda:0 (a fresh process: pytest's own stays gloo), and clip.py's collective on it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", NCCL_WORLD_OF_ONE], env={**env, BACKEND_ENV: "nccl"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
