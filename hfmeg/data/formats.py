@@ -23,6 +23,19 @@ token t is a target when its last character lies in an assistant span.
 `train_on_prompt` makes every token a target.
 
 Plain text: `[bos] + tokens + [eos]` (when the tokenizer has them), all targets.
+
+Overlong texts are cut before tokenising (`tokenize(limit=)`, used by the truncate
+and drop policies): only a prefix of `CHARS_PER_TOKEN * (limit + GUARD_TOKENS)`
+characters is tokenised, doubled until it yields `limit + GUARD_TOKENS` tokens or
+is the whole text, and the doc keeps its first `limit + 1` tokens. So a 3 MB record
+costs about what a `seq_len` record costs. The kept tokens equal those of the whole
+text's tokenisation unless the tokenizer's choice for a token depends on text
+more than `GUARD_TOKENS` tokens after it: a pre-tokenizer confines a cut's effect
+to the word it falls in, and BPE merges without one (LLaMA-2's Metaspace) only
+join neighbouring symbols, so the effect does not travel back over 64 tokens of
+text (tests/test_data_overlong.py checks equality on real text cut everywhere).
+A normalizer that deletes long runs of characters just makes the prefix yield too
+few tokens, and the prefix grows; correctness never rests on the character budget.
 """
 
 from __future__ import annotations
@@ -68,6 +81,11 @@ class Rendered:
 class Doc:
     ids: np.ndarray  # int64 [L]
     target: np.ndarray  # bool [L]: token t is a loss target (predicted from t-1)
+    cut: bool = False  # the text was cut before tokenising: it has more tokens than `ids`
+
+
+CHARS_PER_TOKEN = 8  # first guess of characters per token; real text averages 3-5
+GUARD_TOKENS = 64  # tokens tokenised past the kept ones, so the cut cannot change them
 
 
 def _text(rec: dict[str, Any], key: str, required: bool) -> str:
@@ -162,20 +180,41 @@ class Formatter:
             spans.append((len(before), len(upto)))
         return Rendered(full, spans)
 
-    def tokenize(self, batch: list[Rendered]) -> list[Doc]:
-        """Tokenize rendered records in one batched call of the fast tokenizer."""
-        encs = self.backend.encode_batch([r.text for r in batch], add_special_tokens=False)
+    def tokenize(self, batch: list[Rendered], limit: int | None = None) -> list[Doc]:
+        """Tokenize rendered records in batched calls of the fast tokenizer.
+
+        With `limit`, a text longer than that many tokens may come back cut after
+        `limit + 1` tokens (`Doc.cut`), its rest never tokenised (see the module docstring).
+        """
+        encs = self._encode([r.text for r in batch], limit)
         docs = []
-        for r, e in zip(batch, encs):
+        for r, (e, cut) in zip(batch, encs):
+            ids = e.ids[:limit + 1] if cut else e.ids
             if r.add_bos_eos:
-                ids = self.bos + e.ids + self.eos
+                ids = self.bos + ids + ([] if cut else self.eos)
                 target = np.ones(len(ids), dtype=bool)
             else:
-                ids = e.ids
-                off = np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)
+                off = np.asarray(e.offsets[:len(ids)], dtype=np.int64).reshape(-1, 2)
                 ends = np.where(off[:, 1] > off[:, 0], off[:, 1] - 1, -1)  # a token's last character
                 target = np.zeros(len(ids), dtype=bool)
                 for a, b in r.spans:
                     target |= (ends >= a) & (ends < b)
-            docs.append(Doc(np.asarray(ids, dtype=np.int64), target))
+            docs.append(Doc(np.asarray(ids, dtype=np.int64), target, cut))
         return docs
+
+    def _encode(self, texts: list[str], limit: int | None) -> list[tuple[Any, bool]]:
+        """(encoding, cut) per text: whole texts, or prefixes long enough for `limit` tokens."""
+        out: list[tuple[Any, bool]] = [(None, False)] * len(texts)
+        todo = list(range(len(texts)))
+        chars = None if limit is None else CHARS_PER_TOKEN * (limit + GUARD_TOKENS)
+        while todo:
+            cut = [chars is not None and len(texts[i]) > chars for i in todo]
+            pieces = [texts[i][:chars] if c else texts[i] for i, c in zip(todo, cut)]
+            again = []
+            for i, c, e in zip(todo, cut, self.backend.encode_batch(pieces, add_special_tokens=False)):
+                if c and len(e.ids) < limit + GUARD_TOKENS:
+                    again.append(i)  # too few tokens in the prefix to trust the first `limit`
+                else:
+                    out[i] = (e, c)
+            todo, chars = again, None if chars is None else 2 * chars
+        return out

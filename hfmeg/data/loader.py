@@ -56,21 +56,23 @@ def fit(doc: Doc, cfg: DataConfig) -> tuple[list[Doc], tuple[str, str] | None]:
     if n > s and cfg.overlong == "split":
         pieces = [Doc(doc.ids[i:i + s], doc.target[i:i + s]) for i in range(0, n, s)]
         return [p for p in pieces if p.target[1:].any()], None
+    size = f"{'over ' if doc.cut else ''}{n} tokens > seq_len {s}"
     if n > s and cfg.overlong == "drop":
-        return [], ("overlong", f"{n} tokens > seq_len {s}; dropped")
+        return [], ("overlong", f"{size}; dropped")
     problem = None
     if n > s:
         doc = Doc(doc.ids[:s], doc.target[:s])
-        problem = ("overlong", f"{n} tokens > seq_len {s}; truncated")
+        problem = ("overlong", f"{size}; truncated")
     if not doc.target[1:].any():
         if problem:
-            return [], ("overlong", f"{n} tokens > seq_len {s}; no response token left after truncation, dropped")
+            return [], ("overlong", f"{size}; no response token left after truncation, dropped")
         return [], ("empty_response", "no token to train on")
     return [doc], problem
 
 
 def documents(cfg: DataConfig, fmt: Formatter, sources: list[Source], raws: Iterator) -> Iterator[Item]:
     fields = [cfg.fields_of(s.cfg) for s in sources]
+    limit = None if cfg.overlong == "split" else cfg.seq_len  # truncate and drop need only seq_len + 1 tokens
     while chunk := list(islice(raws, cfg.read_ahead)):
         items, rendered, owners = [], [], []
         for c, raw, pos in chunk:
@@ -84,7 +86,7 @@ def documents(cfg: DataConfig, fmt: Formatter, sources: list[Source], raws: Iter
                 owners.append(item)
             except BadRecord as e:
                 item.problem = (e.kind, str(e))
-        for item, doc in zip(owners, fmt.tokenize(rendered) if rendered else []):
+        for item, doc in zip(owners, fmt.tokenize(rendered, limit) if rendered else []):
             item.docs, item.problem = fit(doc, cfg)
         yield from items
 
