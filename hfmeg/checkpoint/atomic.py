@@ -5,6 +5,11 @@ renames it into place only when everything has been written. A crash, a bad inpu
 found half-way or a full disk therefore leaves no half-written output behind:
 the temporary folder is removed and the target is untouched. With `overwrite`,
 an existing target is moved aside just before the rename and deleted after it.
+
+A rename is only as durable as what it points at: without an fsync, a power loss
+after the rename can leave the new name pointing at files whose data never reached
+the disk. So every file and folder of the temporary tree is fsync'ed before the
+rename, and the parent folder (which holds the new name) right after it.
 """
 
 from __future__ import annotations
@@ -30,15 +35,35 @@ def check_output(out: Path, *, overwrite: bool, inputs: tuple[Path, ...] = ()) -
     return out
 
 
+def fsync_path(path: Path) -> None:
+    """Flush one file's data, or one folder's entries, to stable storage."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every folder bottom-up (a folder after its entries)."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fsync_path(Path(folder) / name)
+        fsync_path(Path(folder))
+
+
 def replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished `tmp` to `out`, replacing what is there."""
+    """Move the finished `tmp` to `out` durably, replacing what is there."""
+    fsync_tree(tmp)
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.rename(out, old)
         os.rename(tmp, out)
+        fsync_path(out.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, out)
+        fsync_path(out.parent)
 
 
 @contextmanager
