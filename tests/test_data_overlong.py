@@ -63,8 +63,8 @@ class CountingBackend:
 def test_a_huge_record_costs_what_a_seq_len_record_costs(tmp_path):
     huge = {"instruction": "q", "output": "x" * 3_400_000}
     src = SourceConfig(str(write_jsonl(tmp_path / "h.jsonl", [{"instruction": "a", "output": "b"}, huge])))
-    data = build_data(DataConfig(sources=[src], seq_len=64, packing=False, read_ahead=2), char_tokenizer(),
-                      dp_rank=0, dp_size=1, micro_batch_size=1, global_batch_size=2)
+    data = build_data(DataConfig(sources=[src], seq_len=64, packing=False, read_ahead=2, prefetch=0),
+                      char_tokenizer(), dp_rank=0, dp_size=1, micro_batch_size=1, global_batch_size=2)
     counter = data.formatter.backend = CountingBackend(data.formatter.backend)
     row = next(data).microbatches[1]
     assert counter.chars < 2_000  # the record's first 8 x (64 + 64) characters, plus the small record

@@ -10,8 +10,14 @@ replica share a DP rank and so get the same micro-batches; every stage needs
 
 `num_tokens` counts the non-ignored labels of the WHOLE global batch, which is the
 loss normaliser of the project's loss contract (sum of per-token losses / that
-count, summed over micro-batches and DP ranks). Every rank holds the whole global
-batch, so it needs no communication.
+count, summed over micro-batches and DP ranks). It is counted from the documents
+of every row (a document's labels are its targets after its first token), so it
+needs no communication.
+
+Packing is sequential (where a row ends depends on the length of every earlier
+document, known only once it is tokenised), so every rank still tokenises and
+packs the whole global batch, as lists of documents; only this rank's rows become
+arrays and tensors (`build_row`, `torch.from_numpy`), 1/DP of that work.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import numpy as np
 import torch
 
 from ..errors import LayoutError
-from .packing import IGNORE
+from .formats import Doc
+from .packing import IGNORE, build_row
 
 KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
@@ -46,17 +53,13 @@ def count_tokens(labels: np.ndarray | torch.Tensor) -> int:
     return int((labels != IGNORE).sum())
 
 
-def stack_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.stack([r[k] for r in rows]) for k in KEYS}
-
-
-def dp_slice(batch: dict[str, np.ndarray], dp_rank: int, dp_size: int, micro_batch_size: int) -> StepBatch:
-    """This DP rank's micro-batches of a global batch `{key: [G, s]}`."""
-    g = batch["labels"].shape[0]
-    per_rank = g // dp_size
-    lo = dp_rank * per_rank
-    micro = [
-        {k: torch.from_numpy(batch[k][i:i + micro_batch_size].copy()) for k in KEYS}
-        for i in range(lo, lo + per_rank, micro_batch_size)
-    ]
-    return StepBatch(micro, count_tokens(batch["labels"]))
+def step_batch(rows: list[list[Doc]], seq_len: int, pad_id: int, dp_rank: int, dp_size: int,
+               micro_batch_size: int) -> StepBatch:
+    """This DP rank's micro-batches of a global batch given as each row's documents."""
+    per_rank = len(rows) // dp_size
+    mine = rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    micro = []
+    for i in range(0, per_rank, micro_batch_size):
+        built = [build_row(docs, seq_len, pad_id) for docs in mine[i:i + micro_batch_size]]
+        micro.append({k: torch.from_numpy(np.stack([b[k] for b in built])) for k in KEYS})
+    return StepBatch(micro, sum(int(d.target[1:].sum()) for docs in rows for d in docs))

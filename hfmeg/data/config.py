@@ -54,12 +54,15 @@ class DataConfig:
     eval_sources: list[SourceConfig] = field(default_factory=list)
     eval_holdout: int = 0  # first N records of the training mixture go to eval instead
     read_ahead: int = 64  # records rendered and tokenized per batch call
+    prefetch: int = 2  # global batches built ahead in a background thread (0: built when asked for)
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
             raise DataError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if self.read_ahead < 1:
             raise DataError(f"data.read_ahead must be >= 1, got {self.read_ahead}")
+        if self.prefetch < 0:
+            raise DataError(f"data.prefetch must be >= 0, got {self.prefetch}")
         if self.eval_holdout < 0:
             raise DataError(f"data.eval_holdout must be >= 0, got {self.eval_holdout}")
         for i, s in enumerate(self.sources + self.eval_sources):

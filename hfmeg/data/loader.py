@@ -26,14 +26,15 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-import numpy as np
+import torch.distributed as dist
 
 from ..errors import DataError
-from .batches import StepBatch, check_batch_layout, dp_slice, stack_rows
+from .batches import StepBatch, check_batch_layout, step_batch
 from .config import DataConfig
 from .formats import BadRecord, Doc, Formatter
 from .mixing import Mixture, Position, single_pass
-from .packing import Packer, build_row
+from .packing import Packer
+from .prefetch import Prefetcher
 from .sources import Source
 from .state import VERSION, check_state, fingerprint, position_in, position_out
 from .validate import DataReport
@@ -107,62 +108,70 @@ def pad_id_of(tokenizer) -> int:
 
 
 class _Pipeline:
+    """What every batch builder shares: config, formatter, sources, this rank's place in the layout."""
+
     def __init__(self, cfg: DataConfig, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size):
         check_batch_layout(global_batch_size, micro_batch_size, dp_size, dp_rank)
         self.cfg = cfg
         self.formatter = Formatter(cfg, tokenizer)
         self.sources = [Source(s) for s in sources]
-        self.report = DataReport(cfg.bad_data)
         self.pad_id = pad_id_of(tokenizer)
         self.layout = (dp_rank, dp_size, micro_batch_size)
         self.global_batch_size = global_batch_size
+        # every rank meets the same data problems: one process (global rank 0, a DP rank 0) logs them
+        self.announce = dp_rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0)
 
-    def _slice(self, rows: list[dict[str, np.ndarray]]) -> StepBatch:
-        return dp_slice(stack_rows(rows), *self.layout)
+    def batch(self, rows: list[list[Doc]]) -> StepBatch:
+        return step_batch(rows, self.cfg.seq_len, self.pad_id, *self.layout)
 
 
-class TrainData(_Pipeline):
-    """Infinite, resumable iterator of this DP rank's `StepBatch`es (see the module docstring)."""
+@dataclass
+class Consumed:
+    """The stream's resumable state right after one batch was built, kept with that batch."""
 
-    def __init__(self, cfg: DataConfig, tokenizer, *, dp_rank: int, dp_size: int, micro_batch_size: int,
-                 global_batch_size: int):
-        if not cfg.sources:
-            raise DataError("data.sources is empty: name at least one dataset")
-        super().__init__(cfg, tokenizer, cfg.sources, dp_rank, dp_size, micro_batch_size, global_batch_size)
-        self.packer = Packer(cfg.seq_len, cfg.packing, self.pad_id)
-        self.step = 0
-        self.position: Position | None = None  # None until the first record is consumed
+    step: int
+    position: Position | None  # None until the first record is consumed
+    packer: Packer
+    report: DataReport
+
+
+class _Stream:
+    """The training stream proper: builds global batch after global batch, single-threaded."""
+
+    def __init__(self, pipe: _Pipeline):
+        self.pipe = pipe
+        self.state = Consumed(0, None, Packer(pipe.cfg.seq_len, pipe.cfg.packing, pipe.pad_id),
+                              DataReport(pipe.cfg.bad_data, announce=pipe.announce))
         self._items: Iterator[Item] | None = None
-        self._epoch: list[tuple[int, bool, int] | None] = [None] * len(self.sources)
+        self._epoch: list[tuple[int, bool, int] | None] = [None] * len(pipe.sources)
 
     def initial_position(self) -> Position:
         """Where training starts: after the records held out for eval."""
-        mixture = Mixture(self.sources, self.cfg.seed)
+        mixture = Mixture(self.pipe.sources, self.pipe.cfg.seed)
         pos = mixture.pos.copy()
-        for _, _, pos in islice(mixture, self.cfg.eval_holdout):
+        for _, _, pos in islice(mixture, self.pipe.cfg.eval_holdout):
             pass
         return pos
 
-    def __iter__(self) -> TrainData:
-        return self
-
-    def __next__(self) -> StepBatch:
-        if self.position is None:
-            self.position = self.initial_position()
+    def next(self) -> tuple[StepBatch, Consumed]:
+        """The next batch and a snapshot of the state right after it."""
+        st, pipe = self.state, self.pipe
+        if st.position is None:
+            st.position = self.initial_position()
         if self._items is None:
-            raws = iter(Mixture(self.sources, self.cfg.seed, self.position))
-            self._items = documents(self.cfg, self.formatter, self.sources, raws)
+            raws = iter(Mixture(pipe.sources, pipe.cfg.seed, st.position))
+            self._items = documents(pipe.cfg, pipe.formatter, pipe.sources, raws)
         rows = []
-        while len(rows) < self.global_batch_size:
-            if self.packer.ready:
-                rows.append(self.packer.take())
+        while len(rows) < pipe.global_batch_size:
+            if st.packer.ready:
+                rows.append(st.packer.take())
                 continue
             item = next(self._items)
-            consume(item, self.packer, self.report)
-            self.position = item.position
+            consume(item, st.packer, st.report)
+            st.position = item.position
             self._check_epoch(item)
-        self.step += 1
-        return self._slice(rows)
+        st.step += 1
+        return pipe.batch(rows), Consumed(st.step, st.position, st.packer.copy(), st.report.copy())
 
     def _check_epoch(self, item: Item) -> None:
         """Fail instead of cycling forever over a source none of whose records is usable."""
@@ -171,31 +180,94 @@ class TrainData(_Pipeline):
         seen = self._epoch[c]
         if seen is None or seen[0] != epoch:
             if seen is not None and seen[1] and seen[2] == 0:
-                raise DataError(f"data source {self.sources[c].name}: no usable record in a whole epoch "
-                                f"({self.report.summary()})")
+                raise DataError(f"data source {self.pipe.sources[c].name}: no usable record in a whole epoch "
+                                f"({self.state.report.summary()})")
             seen = (epoch, index == 1, 0)
         self._epoch[c] = (seen[0], seen[1], seen[2] + len(item.docs))
 
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        st = self.state
+        st.step = int(d["step"])
+        st.position = position_in(d["position"])
+        st.packer.load_state_dict(d["packer"])
+        st.report.load_state_dict(d["report"])
+        self._items = None
+        self._epoch = [None] * len(self.pipe.sources)
+
+
+class TrainData:
+    """Infinite, resumable iterator of this DP rank's `StepBatch`es (see the module docstring).
+
+    With `cfg.prefetch > 0` the batches are built that many ahead in a background
+    thread (`prefetch.Prefetcher`). Each batch travels with a snapshot of the
+    stream's state right after it, so `state_dict()` and `report` describe the
+    batches CONSUMED, never the ones built ahead: the sequence and the saved states
+    are the same with and without prefetching. `close()` stops the thread.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer, *, dp_rank: int, dp_size: int, micro_batch_size: int,
+                 global_batch_size: int):
+        if not cfg.sources:
+            raise DataError("data.sources is empty: name at least one dataset")
+        self.cfg = cfg
+        pipe = _Pipeline(cfg, tokenizer, cfg.sources, dp_rank, dp_size, micro_batch_size, global_batch_size)
+        self.formatter = pipe.formatter
+        # the producer thread references only the stream, so a dropped TrainData stops it when collected
+        self._stream = _Stream(pipe)
+        self._consumed = self._snapshot()
+        self._ahead: Prefetcher | None = None
+
+    def _snapshot(self) -> Consumed:
+        st = self._stream.state
+        return Consumed(st.step, st.position, st.packer.copy(), st.report.copy())
+
+    @property
+    def report(self) -> DataReport:
+        """Data problems and documents up to the last batch consumed: `counts` by kind, `first` case of each."""
+        return self._consumed.report
+
+    @property
+    def step(self) -> int:
+        """Batches consumed (across resumes)."""
+        return self._consumed.step
+
+    def __iter__(self) -> TrainData:
+        return self
+
+    def __next__(self) -> StepBatch:
+        if not self.cfg.prefetch:
+            batch, self._consumed = self._stream.next()
+            return batch
+        if self._ahead is None:
+            self._ahead = Prefetcher(self._stream.next, self.cfg.prefetch)
+        batch, self._consumed = self._ahead.get()
+        return batch
+
+    def close(self) -> None:
+        """Stop building ahead (waits for a batch being built); the next `next()` starts again."""
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
+
     def state_dict(self) -> dict[str, Any]:
-        return {"version": VERSION, "fingerprint": fingerprint(self.cfg), "step": self.step,
-                "position": position_out(self.position or self.initial_position()),
-                "packer": self.packer.state_dict(), "report": self.report.state_dict()}
+        c = self._consumed
+        return {"version": VERSION, "fingerprint": fingerprint(self.cfg), "step": c.step,
+                "position": position_out(c.position or self._stream.initial_position()),
+                "packer": c.packer.state_dict(), "report": c.report.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         check_state(d, self.cfg)
-        self.step = int(d["step"])
-        self.position = position_in(d["position"])
-        self.packer.load_state_dict(d["packer"])
-        self.report.load_state_dict(d["report"])
-        self._items = None
-        self._epoch = [None] * len(self.sources)
+        self.close()
+        self._stream.load_state_dict(d)
+        self._consumed = self._snapshot()
 
 
 class EvalData(_Pipeline):
     """Finite eval batches: `eval_sources` read once each, else the `eval_holdout` records.
 
     The last global batch is filled with all-padding rows (no labels), so every DP
-    rank gets the same number of micro-batches.
+    rank gets the same number of micro-batches. Data problems are logged on the
+    first pass only (every pass meets the same ones); `report` counts the last pass.
     """
 
     def __init__(self, cfg: DataConfig, tokenizer, *, dp_rank: int, dp_size: int, micro_batch_size: int,
@@ -204,6 +276,7 @@ class EvalData(_Pipeline):
             raise DataError("no eval data: set data.eval_sources or data.eval_holdout")
         sources = cfg.eval_sources or cfg.sources
         super().__init__(cfg, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size)
+        self.report = DataReport(cfg.bad_data, announce=self.announce)
 
     def __iter__(self) -> Iterator[StepBatch]:
         cfg = self.cfg
@@ -212,19 +285,18 @@ class EvalData(_Pipeline):
             raws = single_pass(self.sources)
         else:
             raws = islice(Mixture(self.sources, cfg.seed), cfg.eval_holdout)
-        self.report = DataReport(cfg.bad_data)
-        rows: list[dict[str, np.ndarray]] = []
+        self.report = DataReport(cfg.bad_data, announce=self.report.announce and not self.report.first)
+        rows: list[list[Doc]] = []
         for item in documents(cfg, self.formatter, self.sources, raws):
             consume(item, packer, self.report)
             while packer.ready:
                 rows.append(packer.take())
                 if len(rows) == self.global_batch_size:
-                    yield self._slice(rows)
+                    yield self.batch(rows)
                     rows = []
         packer.flush()
         rows += [packer.take() for _ in range(len(packer.ready))]
         g = self.global_batch_size
         for i in range(0, len(rows), g):
             last = rows[i:i + g]
-            yield self._slice(last + [build_row([], cfg.seq_len, self.pad_id)] * (g - len(last)))
-
+            yield self.batch(last + [[]] * (g - len(last)))

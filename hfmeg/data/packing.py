@@ -71,8 +71,15 @@ class Packer:
             self.ready.append(self.open)
             self.open = []
 
-    def take(self) -> dict[str, np.ndarray]:
-        return build_row(self.ready.pop(0), self.seq_len, self.pad_id)
+    def take(self) -> list[Doc]:
+        """The documents of the next finished row (`build_row` makes it arrays)."""
+        return self.ready.pop(0)
+
+    def copy(self) -> Packer:
+        """A snapshot: rows are never changed once finished and documents never at all."""
+        p = Packer(self.seq_len, self.packing, self.pad_id)
+        p.open, p.ready = list(self.open), list(self.ready)
+        return p
 
     def state_dict(self) -> dict[str, Any]:
         return {"open": [_doc_out(d) for d in self.open], "ready": [[_doc_out(d) for d in r] for r in self.ready]}

@@ -8,9 +8,10 @@ Kinds:
 - `overlong`: longer than `seq_len`; truncated (kept) or dropped per `DataConfig.overlong`.
 (`overlong: split` cuts long documents into `seq_len` pieces on purpose and is not reported.)
 
-With `bad_data: report` each kind is counted, its first record (file:line,
-file[index] or hub-name#index) and message kept, and one warning is logged the
-first time a kind appears; `summary()` gives the totals. With `bad_data: fail`
+With `bad_data: report` each kind is counted and its first record (file:line,
+file[index] or hub-name#index) and message kept; the first case of each kind is
+logged once, by one process only (`announce`: global rank 0), and `counts`/`first`
+(or `summary()`) give the totals for an end-of-run report. With `bad_data: fail`
 the first bad record raises `DataError` naming it. The counts are part of the
 resumable data state, so they stay cumulative across restarts.
 """
@@ -32,6 +33,7 @@ class DataReport:
     counts: dict[str, int] = field(default_factory=dict)
     first: dict[str, str] = field(default_factory=dict)  # kind -> "where: message"
     documents: int = 0  # documents packed into rows
+    announce: bool = True  # log each kind's first case (one process of the run does)
 
     def bad(self, kind: str, where: str, message: str) -> None:
         line = f"{where}: {message}"
@@ -39,8 +41,12 @@ class DataReport:
             raise DataError(f"{line} ({kind}; set data.bad_data=report to skip and count such records)")
         if kind not in self.first:
             self.first[kind] = line
-            log.warning("bad training data (%s), counting further cases: %s", kind, line)
+            if self.announce:
+                log.warning("bad training data (%s), counting further cases: %s", kind, line)
         self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    def copy(self) -> DataReport:
+        return DataReport(self.policy, dict(self.counts), dict(self.first), self.documents, self.announce)
 
     def summary(self) -> str:
         if not self.counts:
