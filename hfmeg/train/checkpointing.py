@@ -10,10 +10,21 @@ and `verify_parity.py` read it directly:
         optim/optim_ppPPP_tpTT_dpDDD.safetensors             sharded fp32 master + Adam moments
         rng/rank_RRRRR.json                                   every rank's RNG state
         trainer_state.json                                    step, data position, config
+    <out>/hf_source/                                         the HF side files every checkpoint copies
 
-Everything goes into a temporary sibling first and is renamed into place, then the
-`latest` pointer is rewritten: a crash at any point leaves the previous checkpoint
-as the newest complete one. Only the last `keep_last` checkpoints are kept.
+Everything goes into a temporary sibling first, is fsync'ed and renamed into place,
+then the `latest` pointer is rewritten: a crash or power loss at any point leaves
+the previous checkpoint as the newest complete one.
+
+`RunCheckpoints` owns the whole lifecycle, so the rules live in one place:
+- the HF side files (config, tokenizer) are copied once, at start, from wherever the
+  model came from into `<out>/hf_source/`, which pruning never touches; every save
+  copies them from there (copying them from the resumed checkpoint's `hf/` gave
+  every later checkpoint an empty `hf/` once pruning removed that checkpoint);
+- pruning keeps the newest `keep_last` by iteration NUMBER along this run's
+  timeline, and never removes the checkpoint `latest` names or the one this run
+  resumed from. Checkpoints numbered above the one just written were left by an
+  abandoned run (this one resumed from an earlier checkpoint) and count as oldest.
 """
 
 from __future__ import annotations
@@ -25,38 +36,78 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..checkpoint.mp_layout import LATEST_FILE, resolve_iteration_dir
+from ..checkpoint.atomic import replace_dir
+from ..checkpoint.mp_layout import LATEST_FILE, copy_hf_side_files, resolve_iteration_dir
 from ..checkpoint.mp_save import save_chunks_to_mp
 from ..errors import CheckpointError
 from ..optim.state_io import load_optimizer_state, save_optimizer_state
+from .dataclass_io import ConfigError
 from .rng import rng_state, set_rng_state
 
 STATE_FILE = "trainer_state.json"
+HF_SOURCE_DIR = "hf_source"
 
 
-def save_checkpoint(root: Path, step: int, chunks, ps, opt, hf_side_dir: Path, trainer_state: dict[str, Any], *,
-                    pp_layers: list[int] | None, vocab_multiple: int, keep_last: int) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint's iteration folder."""
-
-    def extras(rank_dir: Path) -> None:
-        iter_tmp = rank_dir.parent
-        save_optimizer_state(opt, iter_tmp / "optim")
-        (iter_tmp / "rng").mkdir(exist_ok=True)
-        (iter_tmp / "rng" / f"rank_{dist.get_rank():05d}.json").write_text(json.dumps(rng_state()))
-        if dist.get_rank() == 0:
-            (iter_tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
-
-    folder = save_chunks_to_mp(chunks, ps, root, step, hf_side_dir, pp_layers=pp_layers,
-                               vocab_multiple=vocab_multiple, on_rank_dir=extras)
-    if dist.get_rank() == 0:
-        _prune(root, keep_last)
-    return folder
+def _iteration(folder: Path) -> int | None:
+    digits = folder.name.removeprefix("iter_")
+    return int(digits) if folder.name.startswith("iter_") and digits.isdigit() else None
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    iters = sorted(p for p in root.glob("iter_*") if p.is_dir() and p.name[5:].isdigit())
-    for old in iters[: max(0, len(iters) - keep_last)]:
-        shutil.rmtree(old, ignore_errors=True)
+class RunCheckpoints:
+    """The checkpoints of one run's `<out>`: where to resume from, saving, pruning."""
+
+    def __init__(self, out: Path, *, keep_last: int, resume: str):
+        if keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last: must be >= 1 (got {keep_last}); it is how many checkpoints "
+                              "to keep, and 0 would delete every one")
+        self.root = out / "checkpoints"
+        self.hf_source = out / HF_SOURCE_DIR
+        self.keep_last = keep_last
+        self.resume_dir = find_resume(self.root, resume)
+
+    def pin_hf_source(self, src: Path) -> None:
+        """Rank 0, at start: copy the HF side files of `src` (the model's folder) into `<out>/hf_source/`."""
+        if not (src / "config.json").is_file():
+            raise CheckpointError(f"{src}: no config.json (the HF side files every checkpoint must carry)")
+        tmp = self.hf_source.parent / f".{HF_SOURCE_DIR}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        copy_hf_side_files(src, tmp)
+        replace_dir(tmp, self.hf_source)
+
+    def save(self, step: int, chunks, ps, opt, trainer_state: dict[str, Any], *, pp_layers: list[int] | None,
+             vocab_multiple: int) -> Path:
+        """Collective: every rank calls it. Returns the checkpoint's iteration folder."""
+        if ps.rank == 0 and not (self.hf_source / "config.json").is_file():
+            raise CheckpointError(f"{self.hf_source}: no config.json; it was copied at the start of the run and "
+                                  "must stay while the run lasts")
+
+        def extras(rank_dir: Path) -> None:
+            iter_tmp = rank_dir.parent
+            save_optimizer_state(opt, iter_tmp / "optim")
+            (iter_tmp / "rng").mkdir(exist_ok=True)
+            (iter_tmp / "rng" / f"rank_{dist.get_rank():05d}.json").write_text(json.dumps(rng_state()))
+            if dist.get_rank() == 0:
+                (iter_tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
+
+        folder = save_chunks_to_mp(chunks, ps, self.root, step, self.hf_source, pp_layers=pp_layers,
+                                   vocab_multiple=vocab_multiple, on_rank_dir=extras)
+        if ps.rank == 0:
+            self.prune(step)
+        return folder
+
+    def prune(self, current: int) -> list[Path]:
+        """Remove what `keep_last` does not keep (see the module docstring); returns the removed folders."""
+        iters = {n: p for p in self.root.glob("iter_*") if p.is_dir() and (n := _iteration(p)) is not None}
+        newest_first = sorted(iters, key=lambda n: (n <= current, n), reverse=True)
+        protected = {resolve_iteration_dir(self.root).resolve()}
+        if self.resume_dir is not None:
+            protected.add(self.resume_dir.resolve())
+        removed = []
+        for n in newest_first[self.keep_last:]:
+            if iters[n].resolve() not in protected:
+                shutil.rmtree(iters[n], ignore_errors=True)
+                removed.append(iters[n])
+        return removed
 
 
 def find_resume(root: Path, resume: str) -> Path | None:

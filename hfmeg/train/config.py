@@ -45,6 +45,7 @@ class LoopArgs:
     eval_every: int = 0  # 0: no evaluation
     eval_batches: int = 4
     seed: int = 1234
+    max_skipped_steps: int = 10  # this many skipped (non-finite) steps in a row: save and abort; 0: never
 
 
 @dataclass

@@ -2,11 +2,13 @@
 
 Only the logging rank (global rank 0, which receives the loss from the last
 pipeline stage) creates a `MetricsLog`; other ranks log nothing. TensorBoard and
-matplotlib are optional: without them the run logs JSONL and the bar only.
+matplotlib are optional: without them the run logs JSONL and the bar only (the
+trainer asks `tensorboard_available()` first and says once that logs are skipped).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -28,12 +30,9 @@ class MetricsLog:
         self.t0 = time.perf_counter()
         self.tb = None
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(out / "tensorboard"))
-            except ImportError:  # tensorboard is optional
-                self.tb = None
+            self.tb = SummaryWriter(str(out / "tensorboard"))
 
     def log_step(self, row: dict[str, Any]) -> None:
         missing = set(STEP_FIELDS) - set(row)
@@ -63,6 +62,10 @@ class MetricsLog:
         if self.tb is not None:
             self.tb.close()
         return plot_loss(self.path, self.out / "loss.png")
+
+
+def tensorboard_available() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

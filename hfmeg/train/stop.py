@@ -1,16 +1,32 @@
-"""Graceful stop on SIGTERM / SIGINT: finish the step, save a checkpoint, exit cleanly.
+"""How a run stops early: on SIGTERM / SIGINT (gracefully), or when its launcher is gone.
 
-The handler only sets a flag. Ranks may receive the signal at different times (or
-only some of them, e.g. one node's scheduler), so the loop asks `should_stop()`,
-which agrees across the world with one MAX all-reduce of a single int per step.
+Graceful stop: the handler only sets a flag. Ranks may receive the signal at
+different times (or only some of them, e.g. one node's scheduler), so the loop asks
+`should_stop()`, which agrees across the world with one MAX all-reduce of a single
+int per step; the run then saves a checkpoint and exits.
+
+Launcher gone: a worker whose launcher (torchrun, accelerate, `launch.spawn`) was
+killed with SIGKILL is re-parented and would go on training and writing checkpoints
+as an orphan, colliding with the next run on the same `--out`. On Linux the kernel
+kills such a worker at once (`PR_SET_PDEATHSIG`); elsewhere, and as a second line,
+the loop compares the parent pid at every step boundary and stops without saving.
+A run started by plain `python` (no launcher) is left alone: its parent is a shell,
+and a `nohup` run must survive that shell.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
+
+from ..errors import HfmegError
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class GracefulStop:
@@ -32,3 +48,29 @@ class GracefulStop:
     def restore(self) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+
+class LauncherGone(HfmegError):
+    """The process that launched this worker has died; the worker stops without writing."""
+
+
+class LauncherWatch:
+    def __init__(self, parent: int | None):
+        self.parent = parent  # None: not started by a launcher, nothing to watch
+
+    @classmethod
+    def start(cls) -> "LauncherWatch":
+        """Watch this process's launcher, if it has one (launchers set LOCAL_RANK for their workers)."""
+        if "LOCAL_RANK" not in os.environ:
+            return cls(None)
+        watch = cls(os.getppid())
+        if sys.platform.startswith("linux"):
+            # Delivered when the parent dies (torchrun and accelerate start workers from their main thread).
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        watch.check()  # the launcher may have died before the prctl above took effect
+        return watch
+
+    def check(self) -> None:
+        if self.parent is not None and os.getppid() != self.parent:
+            raise LauncherGone(f"the launcher (pid {self.parent}) is gone: this worker (pid {os.getpid()}) stops "
+                               "without writing anything more")

@@ -9,6 +9,14 @@ One step:
    starts the all-gathers that the next forward waits on bucket by bucket;
 4. the loss (summed over the last stage's DP ranks = the global-batch mean) is
    logged by rank 0; evaluation, checkpointing and a requested stop follow.
+
+Around the loop: rank 0 holds `<out>`'s run lock from start to end (`run_lock.py`);
+a worker whose launcher dies stops (`stop.LauncherWatch`); `train.max_skipped_steps`
+skipped steps in a row (non-finite gradients: the run has diverged) save a
+checkpoint and abort with `TrainingDiverged`. After the final checkpoint, the last
+collective of the run, rank 0 alone exports (and uploads) while the other ranks
+return: a rank waiting in a barrier through an upload of many GB would be killed by
+the NCCL watchdog's timeout. Rank 0 then prints the run's summary (`summary.py`).
 """
 
 from __future__ import annotations
@@ -27,18 +35,25 @@ from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.mp_layout import HF_DIR, LAYOUT_FILE, LATEST_FILE, parse_dtype, resolve_iteration_dir
 from ..checkpoint.mp_load import load_chunks_from_mp
 from ..data import build_data, build_eval_data
+from ..errors import HfmegError
 from ..hub import push_to_hub, write_model_card
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.pipeline import forward_backward
 from ..parallel.stage import build_stage_from_hf
 from ..parallel.state import ParallelConfig, ParallelState
-from .checkpointing import find_resume, load_trainer_state, save_checkpoint
+from .checkpointing import RunCheckpoints, load_trainer_state
 from .config import TrainConfig
 from .flops import mfu, peak_flops
-from .metrics import MetricsLog, read_metrics
+from .metrics import MetricsLog, read_metrics, tensorboard_available
 from .rng import seed_all
-from .stop import GracefulStop
+from .run_lock import lock_run
+from .stop import GracefulStop, LauncherWatch
+from .summary import RunSummary
+
+
+class TrainingDiverged(HfmegError):
+    """Too many optimizer steps in a row were skipped for non-finite gradients."""
 
 
 @dataclass
@@ -49,7 +64,8 @@ class RunResult:
     checkpoint: Path | None
     hf_folder: Path | None
     stopped_by_signal: bool
-    is_logger: bool  # global rank 0, which logs and exports
+    is_logger: bool  # global rank 0, which logs and exports; hf_folder is None on the other ranks
+    summary: RunSummary
 
 
 def _is_mp(path: Path) -> bool:
@@ -68,14 +84,32 @@ class Trainer:
         self.cfg = cfg
         p = cfg.parallel
         self.ps = ParallelState.from_env(ParallelConfig(tp=p.tp, pp=p.pp, vpp=p.vpp, sequence_parallel=p.sequence_parallel))
+        self.launcher = LauncherWatch.start()
+        self.is_logger = self.ps.rank == 0
         self.out = Path(cfg.checkpoint.out)
-        self.ckpt_root = self.out / "checkpoints"
+        self.checkpoints = RunCheckpoints(self.out, keep_last=cfg.checkpoint.keep_last, resume=cfg.checkpoint.resume)
+        self.lock = lock_run(self.out, self.ps)
+        try:
+            self._setup()
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
+
+    def _setup(self) -> None:
+        cfg, p = self.cfg, self.cfg.parallel
+        if cfg.tensorboard and not tensorboard_available():
+            cfg.tensorboard = False  # so that the printed and saved config says what the run does
+            if self.is_logger:
+                print("TensorBoard not installed: logs skipped")
         self.schedule = "interleaved" if p.vpp > 1 else p.schedule
         seed_all(cfg.train.seed)
         self.dtype = parse_dtype(cfg.model.dtype) or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-        self.resume_dir = find_resume(self.ckpt_root, cfg.checkpoint.resume)
-        self.chunks, self.hf_side_dir = self._load_model()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.hf_side_dir))
+        self.resume_dir = self.checkpoints.resume_dir
+        self.chunks, hf_side_dir = self._load_model()
+        if self.is_logger:
+            self.checkpoints.pin_hf_source(hf_side_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(hf_side_dir))
         self.opt = DistributedOptimizer(self.chunks, self.ps, cfg.optim)
         loop = cfg.train
         data_args = dict(dp_rank=self.ps.dp_rank, dp_size=self.ps.dp, micro_batch_size=loop.micro_batch_size,
@@ -87,6 +121,8 @@ class Trainer:
             state = load_trainer_state(self.resume_dir, self.opt)
             self.step = state["step"]
             self.data.load_state_dict(state["data"])
+            if self.is_logger:
+                print(f"resuming from {self.resume_dir} (step {self.step})")
         self.model_cfg = self.chunks[0].cfg
         self.peak = peak_flops(self.ps.device)
 
@@ -110,19 +146,33 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> RunResult:
+        try:
+            summary = self._train()
+            if self.is_logger and summary.stopped_by is None:
+                summary.hf = self.export(summary.checkpoint)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+        if self.is_logger:
+            print("\n".join(summary.lines()), flush=True)
+        return RunResult(self.out, self.step, summary.train_loss, summary.checkpoint, summary.hf,
+                         summary.stopped_by is not None, self.is_logger, summary)
+
+    def _train(self) -> RunSummary:
         cfg, ps = self.cfg, self.ps
-        is_logger = ps.rank == 0
-        if is_logger:
-            self.out.mkdir(parents=True, exist_ok=True)
+        if self.is_logger:
             (self.out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
             print(json.dumps(cfg.to_dict(), indent=2, default=str))
-        metrics = MetricsLog(self.out, cfg.train.max_steps, self.step, cfg.tensorboard) if is_logger else None
+        summary = RunSummary(self.out, self.step, self.step, cfg.train.max_steps)
+        metrics = MetricsLog(self.out, cfg.train.max_steps, self.step, cfg.tensorboard) if self.is_logger else None
         stop = GracefulStop()
-        last_saved, loss, stopped = None, None, False
+        skipped_in_a_row, stopped = 0, False
         seq_len = cfg.data.seq_len
         tokens_per_step = cfg.train.global_batch_size * seq_len
+        started = time.perf_counter()
         try:
             while self.step < cfg.train.max_steps:
+                self.launcher.check()
                 lr = lr_at(self.step, cfg.optim.lr, cfg.lr)
                 self.opt.set_lr(lr)
                 batch = next(self.data)
@@ -134,6 +184,10 @@ class Trainer:
                 loss = _sum_over_world(local, ps.is_last_stage and ps.tp_rank == 0, ps.device)
                 dt = time.perf_counter() - t0
                 self.step += 1
+                summary.step, summary.train_loss = self.step, loss
+                summary.tokens += batch.num_tokens
+                summary.skipped += result.skipped
+                skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
                 if metrics is not None:
                     tps = tokens_per_step / dt
                     metrics.log_step(dict(
@@ -141,24 +195,33 @@ class Trainer:
                         tokens_per_s=tps, skipped=result.skipped,
                         mfu=mfu(self.model_cfg, tps, seq_len, self.peak, ps.world_size) if self.peak else None,
                     ))
+                if 0 < cfg.train.max_skipped_steps <= skipped_in_a_row:
+                    saved = self.save()
+                    raise TrainingDiverged(
+                        f"train.max_skipped_steps: {skipped_in_a_row} steps in a row skipped for non-finite "
+                        f"gradients (the run diverged; optim.lr is {cfg.optim.lr:g}); saved step {self.step} to "
+                        f"{saved} for inspection, not exported")
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                    ev = self.evaluate()
+                    summary.eval_loss, summary.eval_step = self.evaluate(), self.step
                     if metrics is not None:
-                        metrics.log_eval(self.step, ev)
+                        metrics.log_eval(self.step, summary.eval_loss)
                 stopped = stop.should_stop(ps.device)
                 due = cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0
                 if due or stopped or self.step == cfg.train.max_steps:
-                    last_saved = self.save()
+                    summary.checkpoint = self.save()
                 if stopped:
+                    summary.stopped_by = stop.signal_name or "a signal on another rank"
                     if metrics is not None:
-                        metrics.bar.write(f"{stop.signal_name}: saved step {self.step} to {last_saved}, exiting")
+                        metrics.bar.write(f"{stop.signal_name}: saved step {self.step} to {summary.checkpoint}, "
+                                          "exiting")
                     break
         finally:
             stop.restore()
             if metrics is not None:
                 metrics.close()
-        hf = None if stopped else self.export(last_saved)
-        return RunResult(self.out, self.step, loss, last_saved, hf, stopped, is_logger)
+        summary.seconds = time.perf_counter() - started
+        summary.data = self.data.report  # read at the end: the data pipeline may hand out a snapshot
+        return summary
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -176,28 +239,28 @@ class Trainer:
 
     def save(self) -> Path:
         state = {"data": self.data.state_dict(), "config": self.cfg.to_dict()}
-        return save_checkpoint(self.ckpt_root, self.step, self.chunks, self.ps, self.opt, self.hf_side_dir, state,
-                               pp_layers=self.cfg.parallel.pp_layers, vocab_multiple=self.cfg.model.vocab_multiple,
-                               keep_last=self.cfg.checkpoint.keep_last)
+        return self.checkpoints.save(self.step, self.chunks, self.ps, self.opt, state,
+                                     pp_layers=self.cfg.parallel.pp_layers,
+                                     vocab_multiple=self.cfg.model.vocab_multiple)
 
     def export(self, checkpoint: Path | None) -> Path | None:
-        """Rank 0 converts the final checkpoint to `<out>/hf`, writes the model card, pushes if asked."""
+        """Rank 0 alone: convert the final checkpoint to `<out>/hf`, write the model card, push if asked.
+
+        No collective may follow the final checkpoint (see the module docstring)."""
         if checkpoint is None:
             return None
         hf = self.out / "hf"
-        if self.ps.rank == 0:
-            mp_to_hf(checkpoint, hf, overwrite=True)
-            logged = read_metrics(self.out / "metrics.jsonl")
-            rows = [r for r in logged if "loss" in r]
-            final = {k: rows[-1][k] for k in ("step", "loss", "grad_norm", "tokens_per_s")} if rows else {}
-            evals = [r for r in logged if "eval_loss" in r]
-            if evals:
-                final["eval_loss"] = evals[-1]["eval_loss"]
-            write_model_card(hf, base_model=self.cfg.model.path, data=[s.path for s in self.cfg.data.sources],
-                             config=self.cfg.to_dict(), metrics=final)
-            if self.cfg.hub.push_to_hub:
-                url = push_to_hub(hf, self.cfg.hub.push_to_hub, private=self.cfg.hub.private)
-                print(f"pushed to {url}")
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        mp_to_hf(checkpoint, hf, overwrite=True)
+        logged = read_metrics(self.out / "metrics.jsonl")
+        rows = [r for r in logged if "loss" in r]
+        final = {k: rows[-1][k] for k in ("step", "loss", "grad_norm", "tokens_per_s")} if rows else {}
+        evals = [r for r in logged if "eval_loss" in r]
+        if evals:
+            final["eval_loss"] = evals[-1]["eval_loss"]
+        final["skipped_steps"] = self.opt.skipped_steps
+        write_model_card(hf, base_model=self.cfg.model.path, data=[s.path for s in self.cfg.data.sources],
+                         config=self.cfg.to_dict(), metrics=final)
+        if self.cfg.hub.push_to_hub:
+            url = push_to_hub(hf, self.cfg.hub.push_to_hub, private=self.cfg.hub.private)
+            print(f"pushed to {url}")
         return hf
