@@ -44,10 +44,21 @@ def _backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
     )
 
 
+def _to_device(mb: dict, device: torch.device) -> dict:
+    """A micro-batch's tensors on `device`. Host -> CUDA copies go through pinned memory with
+    `non_blocking`, so the host queues them and goes on launching kernels instead of waiting
+    (the caching host allocator keeps the pinned buffer alive until its copy is done)."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in mb.items() if v is not None}
+    return {k: (v if v.is_cuda or v.is_pinned() else v.pin_memory()).to(device, non_blocking=True)
+            for k, v in mb.items() if v is not None}
+
+
 class _Executor:
     def __init__(self, chunks, ps: ParallelState, microbatches, num_tokens, grad_sync, timeline, forward_only,
                  loss_scale=1.0):
-        self.chunks, self.ps, self.mbs = chunks, ps, microbatches
+        self.chunks, self.ps = chunks, ps
+        self.mbs = [_to_device(mb, ps.device) for mb in microbatches]  # every copy queued before any compute
         self.num_tokens, self.grad_sync, self.timeline = num_tokens, grad_sync, timeline
         self.forward_only, self.loss_scale = forward_only, loss_scale
         self.n_chunks = ps.pp * len(chunks)
@@ -86,12 +97,12 @@ class _Executor:
         chunk, mb = self.chunks[a.chunk], self.mbs[a.microbatch]
         c = self.model_chunk(a.chunk)
         if chunk.pre_process:
-            x = mb["input_ids"].to(self.ps.device)
+            x = mb["input_ids"]
         else:
             x = self.inbox.pop(("F", a.chunk, a.microbatch))
             x.requires_grad_(not self.forward_only)
-        labels = mb["labels"].to(self.ps.device) if chunk.post_process else None
-        kwargs = {k: mb[k].to(self.ps.device) for k in ("position_ids", "segment_ids") if mb.get(k) is not None}
+        labels = mb["labels"] if chunk.post_process else None
+        kwargs = {k: mb[k] for k in ("position_ids", "segment_ids") if mb.get(k) is not None}
         with torch.set_grad_enabled(not self.forward_only):
             out = chunk(x, labels=labels, seq_len=self.seq_len, **kwargs)
             if chunk.post_process:
@@ -168,7 +179,8 @@ def forward_backward(
     timeline: Timeline | None = None,
     forward_only: bool = False,
     loss_scale: float = 1.0,
-) -> float | None:
+    sync_loss: bool = True,
+) -> float | torch.Tensor | None:
     """Forward and backward of this rank's share of one global batch.
 
     `chunks` are this rank's model chunks in virtual order (model chunk
@@ -185,7 +197,9 @@ def forward_backward(
 
     Returns, on last-stage ranks, the sum over this rank's micro-batches of
     sum(per-token loss) / num_tokens, so summing it over DP ranks gives the
-    global-batch mean loss; None on other stages.
+    global-batch mean loss; None on other stages. With `sync_loss=False` that
+    sum stays a 0-dim float32 tensor on the device: no host sync here, so a
+    caller can read it together with its other per-step values in one.
     """
     if len(chunks) != ps.vpp:
         raise LayoutError(f"this rank holds {len(chunks)} model chunks but the layout has vpp={ps.vpp}")
@@ -199,4 +213,6 @@ def forward_backward(
         raise LayoutError("all micro-batches of a step must have the same [batch, seq] shape")
     ex = _Executor(chunks, ps, microbatches, num_tokens, grad_sync, timeline, forward_only, loss_scale)
     ex.run(steps)
-    return ex.loss.item() if ps.is_last_stage else None
+    if not ps.is_last_stage:
+        return None
+    return ex.loss.item() if sync_loss else ex.loss
