@@ -72,8 +72,11 @@ def _is_mp(path: Path) -> bool:
     return (path / LATEST_FILE).is_file() or (path / LAYOUT_FILE).is_file()
 
 
-def _sum_over_world(value: float | None, contributes: bool, device) -> float:
-    t = torch.tensor([value if contributes and value is not None else 0.0], dtype=torch.float64, device=device)
+def _sum_over_world(value: float | torch.Tensor | None, contributes: bool, device) -> float:
+    """The sum over ranks, read in one host sync (a device tensor `value` is not read before)."""
+    t = torch.zeros(1, dtype=torch.float64, device=device)
+    if contributes and value is not None:
+        t += value
     if dist.get_world_size() > 1:
         dist.all_reduce(t)
     return float(t.item())
@@ -175,11 +178,11 @@ class Trainer:
                 self.launcher.check()
                 lr = lr_at(self.step, cfg.optim.lr, cfg.lr)
                 self.opt.set_lr(lr)
+                t0 = time.perf_counter()  # the step's time includes waiting for its data
                 batch = next(self.data)
-                t0 = time.perf_counter()
                 local = forward_backward(self.chunks, ps, batch.microbatches, schedule=self.schedule,
                                          num_tokens=batch.num_tokens, grad_sync=self.opt,
-                                         loss_scale=self.opt.loss_scale)
+                                         loss_scale=self.opt.loss_scale, sync_loss=False)
                 result = self.opt.step()
                 loss = _sum_over_world(local, ps.is_last_stage and ps.tp_rank == 0, ps.device)
                 dt = time.perf_counter() - t0
