@@ -1,0 +1,115 @@
+"""Bytes autograd saves for backward, per layer and per chunk, for hfmeg's own decoder.
+
+These are not a textbook estimate but a count of what hfmeg's eager kernels
+(the CPU default, `Kernels(None)`) hand to autograd, each storage once, so that
+`SavedTensorMeter` can check them exactly. Notation: micro-batch b, sequence s,
+s' = s/t under sequence parallelism (else s), hidden h, head_dim d, per TP rank
+nh query heads, nkv KV heads and f FFN features, e = bytes of the model dtype.
+
+Per layer, recompute `none`:
+- each norm: RMSNorm keeps x.float() (4·s'bh), rsqrt (4·s'b) and the normalised
+  x in the model dtype (e·s'bh); LayerNorm keeps x (e·s'bh), mean and rstd (8·s'b);
+- each column-parallel input (QKV, FC1): the norm's output, gathered to the full
+  sequence under SP (e·sbh);
+- attention: the fused QKV output (e·sb(nh+2nkv)d; V is a view of it, so is Q
+  and K without RoPE), rotated Q and K with RoPE, SDPA's output (e·sb·nh·d) and
+  log-sum-exp (4·b·nh·s), and the output projection's input (e·sb·nh·d), a copy
+  unless Q was a view of QKV (one KV group per rank, or one query head per group),
+  in which case SDPA's output keeps the sequence-major layout and the reshape is a view;
+- MLP: FC1's output (e·sb·2f gated, e·sb·f plain), the activation's output (e·sbf)
+  and, gated, the SwiGLU product (e·sbf);
+- per chunk, not per layer: RoPE's cos and sin (2·e·bsd).
+`selective` checkpoints the attention core (RoPE + SDPA), as Megatron does: the
+QKV input, the fused QKV output and the output projection's input stay, rotated
+Q/K, SDPA's output and log-sum-exp go; `full` keeps only each layer's input (e·s'bh).
+The first chunk adds the token ids (8·bs), the TP range mask (bs) and GPT-2's
+position ids (8·s); the last adds the final norm, the LM head's input (e·sbh),
+targets (8·bs), the log-sum-exp (4·bs) and the ignore mask (bs).
+
+Fused (compiled) kernels save less; the count is then an upper bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Shape:
+    micro_batch: int
+    seq_len: int
+    tp: int
+    sp: bool
+    dtype_bytes: int
+    recompute: str
+
+    @property
+    def local_seq(self) -> int:
+        return self.seq_len // self.tp if self.sp else self.seq_len
+
+
+def _norm(cfg: ModelConfig, x: Shape) -> int:
+    tokens, e, h = x.local_seq * x.micro_batch, x.dtype_bytes, cfg.hidden_size
+    return tokens * (4 * h + 4 + e * h) if cfg.norm == "rms" else tokens * (e * h + 8)
+
+
+def _attention_core(cfg: ModelConfig, x: Shape) -> int:
+    sb, e, d = x.seq_len * x.micro_batch, x.dtype_bytes, cfg.head_dim
+    nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
+    q_is_view = nkv == 1 or nh == nkv
+    total = e * sb * (nh + 2 * nkv) * d + 4 * x.micro_batch * nh * x.seq_len + e * sb * nh * d
+    if cfg.positions == "rope":
+        total += e * sb * (nh + nkv) * d
+    if not q_is_view:
+        total += e * sb * nh * d
+    return total
+
+
+def layer_bytes(cfg: ModelConfig, x: Shape) -> int:
+    """Saved bytes of one decoder layer for one micro-batch."""
+    e, h = x.dtype_bytes, cfg.hidden_size
+    if x.recompute == "full":
+        return e * x.local_seq * x.micro_batch * h
+    sb, f = x.seq_len * x.micro_batch, cfg.ffn_size // x.tp
+    mlp = e * sb * (4 * f if cfg.gated_mlp else 2 * f)
+    column_input = e * sb * h
+    if x.recompute == "selective":
+        nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
+        attention = column_input + e * sb * (2 * nh + 2 * nkv) * cfg.head_dim
+    else:
+        attention = column_input + _attention_core(cfg, x)
+    return 2 * _norm(cfg, x) + attention + column_input + mlp
+
+
+def chunk_bytes(cfg: ModelConfig, x: Shape, layers: int, pre_process: bool, post_process: bool) -> int:
+    """Saved bytes of one model chunk (its layers plus the ends it owns) for one micro-batch."""
+    bs, e = x.micro_batch * x.seq_len, x.dtype_bytes
+    total = layers * layer_bytes(cfg, x)
+    if layers and cfg.positions == "rope" and x.recompute == "none":
+        total += 2 * e * bs * cfg.head_dim
+    if pre_process:
+        total += 8 * bs + (bs if x.tp > 1 else 0) + (8 * x.seq_len if cfg.positions == "learned" else 0)
+    if post_process:
+        total += _norm(cfg, x) + e * bs * cfg.hidden_size + (8 + 4 + 1) * bs
+    return total
+
+
+def received_input_bytes(cfg: ModelConfig, x: Shape) -> int:
+    """A later chunk's received activation, which the pipeline holds until that micro-batch's backward.
+
+    In fp32 it is the very storage the first norm (or `full` recompute) saves, so it
+    costs nothing extra; in 16-bit the norm saves an fp32 copy instead.
+    """
+    if x.dtype_bytes == 4 or x.recompute == "full":
+        return 0
+    return x.dtype_bytes * x.local_seq * x.micro_batch * cfg.hidden_size
+
+
+def recompute_transient_bytes(cfg: ModelConfig, x: Shape) -> int:
+    """What backward re-creates for one layer at a time (not seen by the saved-tensor meter)."""
+    if x.recompute == "none":
+        return 0
+    again = Shape(x.micro_batch, x.seq_len, x.tp, x.sp, x.dtype_bytes, "none")
+    return layer_bytes(cfg, again) - layer_bytes(cfg, x)

@@ -1,0 +1,100 @@
+"""What the planner knows about the machines: GPU kinds and the cluster around them.
+
+A `GpuSpec` is the vendor's datasheet (dense bf16 peak without sparsity, memory,
+HBM bandwidth); how much of that peak real matmuls reach, and what the links
+really carry, is measured (`hfmeg plan calibrate`) and lives in a `Profile`
+(profile.py), not here. A `ClusterSpec` adds how GPUs are grouped into nodes and
+the two link levels: inside a node (NVLink) and between nodes (the NICs, shared
+by all GPUs of the node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import UnsupportedConfigError
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    peak_flops: float  # dense bf16 (fp32 on a CPU profile) FLOP/s
+    memory_bytes: float  # what the framework can allocate, after the CUDA context (see usable_memory)
+    hbm_bytes_per_s: float
+    intra_node_bytes_per_s: float  # per GPU, one direction (NVLink)
+
+
+# Datasheet figures (NVIDIA A100 / H100 / H200 datasheets, SXM parts, dense bf16).
+GPUS: dict[str, GpuSpec] = {
+    "a100-40": GpuSpec("A100-SXM4-40GB", 312e12, 40 * GIB, 1.555e12, 300 * GB),
+    "a100-80": GpuSpec("A100-SXM4-80GB", 312e12, 80 * GIB, 2.039e12, 300 * GB),
+    "h100": GpuSpec("H100-SXM5-80GB", 989e12, 80 * GIB, 3.35e12, 450 * GB),
+    "h200": GpuSpec("H200-SXM-141GB", 989e12, 141 * GB, 4.8e12, 450 * GB),
+}
+# Memory the allocator cannot use: CUDA context, NCCL and cuBLAS workspaces, fragmentation.
+RESERVED_BYTES = 3 * GIB
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    gpu: GpuSpec
+    gpus: int
+    gpus_per_node: int = 8
+    inter_node_bytes_per_s: float = 100e9 / 8  # per node, one direction (all NICs together)
+    inter_node_latency_s: float = 10e-6
+    intra_node_latency_s: float = 5e-6
+    reserved_bytes: float = RESERVED_BYTES
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise UnsupportedConfigError(f"cluster: --gpus ({self.gpus}) and --gpus-per-node "
+                                         f"({self.gpus_per_node}) must be >= 1")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise UnsupportedConfigError(f"cluster: --gpus {self.gpus} is not a whole number of "
+                                         f"{self.gpus_per_node}-GPU nodes")
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    @property
+    def usable_memory(self) -> float:
+        return self.gpu.memory_bytes - self.reserved_bytes
+
+    def link(self, group_size: int, stride: int) -> tuple[float, float]:
+        """(bytes/s per GPU, latency) of a ring over `group_size` ranks `stride` apart in the rank grid.
+
+        A group that stays inside one node rides NVLink. One that spans nodes is limited
+        by the NICs, which all GPUs of a node share when every group communicates at
+        once (DP and PP groups do): each GPU gets inter_node / gpus_per_node.
+        """
+        if group_size * stride <= self.gpus_per_node:
+            return self.gpu.intra_node_bytes_per_s, self.intra_node_latency_s
+        share = self.inter_node_bytes_per_s / min(self.gpus_per_node, self.gpus)
+        return min(share, self.gpu.intra_node_bytes_per_s), self.inter_node_latency_s
+
+
+def gpu_spec(kind: str, *, peak_tflops: float | None = None, memory_gb: float | None = None,
+             hbm_gbps: float | None = None, nvlink_gbps: float | None = None) -> GpuSpec:
+    """A shipped GPU kind (numbers may be overridden), or `custom` built from the numbers alone."""
+    given = {"peak_flops": peak_tflops and peak_tflops * 1e12, "memory_bytes": memory_gb and memory_gb * GB,
+             "hbm_bytes_per_s": hbm_gbps and hbm_gbps * GB, "intra_node_bytes_per_s": nvlink_gbps and nvlink_gbps * GB}
+    given = {k: v for k, v in given.items() if v}
+    if kind == "custom":
+        missing = [f for f in ("peak_flops", "memory_bytes", "hbm_bytes_per_s") if f not in given]
+        if missing:
+            raise UnsupportedConfigError("--gpu custom needs --peak-tflops, --memory-gb and --hbm-gbps "
+                                         f"(missing: {', '.join(missing)})")
+        given.setdefault("intra_node_bytes_per_s", 300 * GB)
+        return GpuSpec("custom", **given)
+    if kind not in GPUS:
+        raise UnsupportedConfigError(f"--gpu {kind!r} is not known (known: {', '.join(GPUS)}, custom)")
+    return replace(GPUS[kind], **given)
+
+
+def seed_cluster() -> ClusterSpec:
+    """The issue's example: 16 nodes x 8 A100-40GB on 100 Gbps Ethernet."""
+    return ClusterSpec(GPUS["a100-40"], 128, 8, inter_node_bytes_per_s=100e9 / 8, inter_node_latency_s=20e-6)

@@ -1,0 +1,88 @@
+"""`PlanLayout`: one candidate way to run a training step, and the checks it must pass.
+
+The checks are the ones the runtime itself makes (`config.check_tp`,
+`schedules.validate`, `layout.split_layers`), called rather than restated, so the
+planner never proposes a layout the trainer would refuse.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..config import ModelConfig, check_tp
+from ..errors import HfmegError, LayoutError
+from ..models.decoder import RECOMPUTE_MODES
+from ..optim.config import MODES
+from ..parallel.layout import split_layers
+from ..parallel.schedules import validate
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    vpp: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = True  # only meaningful with tp > 1
+    optimizer: str = "overlapped"
+    schedule: str = "1f1b"  # becomes "interleaved" when vpp > 1; "gpipe" on request
+
+    def __post_init__(self) -> None:
+        if self.vpp > 1 and self.schedule == "1f1b":
+            object.__setattr__(self, "schedule", "interleaved")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def sp(self) -> bool:
+        return self.sequence_parallel and self.tp > 1
+
+    def microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch)
+
+    def name(self) -> str:
+        v = f"v{self.vpp}" if self.vpp > 1 else ""
+        sp = "sp" if self.sp else ""
+        gpipe = "-gpipe" if self.schedule == "gpipe" else ""
+        return (f"tp{self.tp}{sp}-pp{self.pp}{v}-dp{self.dp}-mb{self.micro_batch}-{self.recompute}-{self.optimizer}"
+                f"{gpipe}")
+
+
+LAYOUT_NAME = re.compile(r"^tp(\d+)(sp)?-pp(\d+)(?:v(\d+))?-dp(\d+)-mb(\d+)-(none|selective|full)"
+                         r"(?:-(overlapped|distributed|ddp))?(-gpipe)?$")
+
+
+def parse_layout(text: str) -> PlanLayout:
+    """The inverse of `PlanLayout.name` (what `--explain` takes)."""
+    m = LAYOUT_NAME.match(text)
+    if not m:
+        raise LayoutError(f"--explain {text!r}: expected a layout name like tp2sp-pp4v2-dp16-mb1-selective")
+    tp, sp, pp, vpp, dp, mb, rec, opt, gpipe = m.groups()
+    return PlanLayout(int(tp), int(pp), int(dp), int(mb), int(vpp or 1), rec, sp is not None or int(tp) == 1,
+                      opt or "overlapped", "gpipe" if gpipe else "1f1b")
+
+
+def check_layout(cfg: ModelConfig, lay: PlanLayout, gpus: int, global_batch: int, seq_len: int) -> None:
+    """Raise LayoutError (one line) when `lay` cannot run this job."""
+    if lay.gpus != gpus:
+        raise LayoutError(f"TP x PP x DP = {lay.tp} x {lay.pp} x {lay.dp} = {lay.gpus}, but there are {gpus} GPUs")
+    if lay.recompute not in RECOMPUTE_MODES:
+        raise LayoutError(f"--recompute {lay.recompute!r}: choose one of {RECOMPUTE_MODES}")
+    if lay.optimizer not in MODES:
+        raise LayoutError(f"--optimizer {lay.optimizer!r}: choose one of {MODES}")
+    if global_batch % (lay.dp * lay.micro_batch):
+        raise LayoutError(f"global batch {global_batch} is not divisible by DP x micro-batch = "
+                          f"{lay.dp} x {lay.micro_batch}")
+    if lay.sp and seq_len % lay.tp:
+        raise LayoutError(f"sequence length {seq_len} is not divisible by TP={lay.tp} (sequence parallelism)")
+    try:
+        check_tp(cfg, lay.tp)
+        validate(lay.schedule, lay.pp, lay.vpp, lay.microbatches(global_batch))
+        split_layers(cfg.num_layers, lay.pp, lay.vpp)
+    except HfmegError as e:
+        raise LayoutError(str(e)) from e

@@ -1,0 +1,122 @@
+"""Per-GPU memory of one training step: what the runtime really allocates, counted.
+
+- Parameters: the rank's chunks are built on the `meta` device with the real
+  `ModelChunk` (so TP splits, vocabulary padding, tied embeddings and biases are
+  the model's own), and cut into buckets by the optimizer's own `plan_buckets`
+  (so DP padding is exact). The distributed optimizer then holds, per padded
+  element: the parameter buffer (model dtype), the fp32 main-gradient buffer, and
+  fp32 master + exp_avg + exp_avg_sq over its 1/DP shard (all of it for `ddp`).
+- Activations: `activations.chunk_bytes` per micro-batch and chunk, summed over
+  the micro-batches the schedule keeps in flight. In-flight counts come from the
+  schedule's plan itself (`schedules.plan`), so GPipe, 1F1B's pp - r and the
+  interleaved warm-up are exact by construction, uneven layer splits included.
+- Transients the saved-tensor meter cannot see: one layer recomputed in backward,
+  and the chunked cross-entropy's fp32 logits (forward and backward hold two
+  `chunk_tokens x V/tp` buffers) plus its fp32 weight-gradient accumulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+
+import torch
+
+from ..config import ModelConfig
+from ..models.decoder import ModelChunk
+from ..optim.buffers import _is_isolated, plan_buckets
+from ..optim.config import OptimizerConfig
+from ..parallel.layout import rank_chunks, split_layers
+from ..parallel.schedules import plan
+from .activations import Shape, chunk_bytes, received_input_bytes, recompute_transient_bytes
+from .layout import PlanLayout
+
+CE_CHUNK_TOKENS = 4096  # ModelChunk's default `ce_chunk_tokens`
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on the busiest pipeline stage."""
+
+    stage: int
+    params: int  # elements on this rank, bucket padding included
+    param_buffer: int
+    grad_buffer: int
+    optimizer_state: int
+    activations: int  # peak saved for backward over the schedule
+    transient: int
+
+    @property
+    def measurable(self) -> int:
+        """What the CPU check measures: saved-tensor meter peak + optimizer buffers and state."""
+        return self.param_buffer + self.grad_buffer + self.optimizer_state + self.activations
+
+    @property
+    def total(self) -> int:
+        return self.measurable + self.transient
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+_ELEMENTS: dict[tuple, tuple[int, int]] = {}  # the search asks for the same chunks many times
+
+
+def _chunk_elements(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: bool,
+                    pp: int, shards: int, bucket_size: int) -> tuple[int, int]:
+    """(parameter elements, padded bucket elements) of one chunk on one rank."""
+    key = (repr(sorted(cfg.to_dict().items())), tp, len(layers), pre, post, pp, shards,
+           bucket_size)
+    if key not in _ELEMENTS:
+        _ELEMENTS[key] = _count_chunk(cfg, tp, layers, pre, post, pp, shards, bucket_size)
+    return _ELEMENTS[key]
+
+
+def _count_chunk(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: bool,
+                 pp: int, shards: int, bucket_size: int) -> tuple[int, int]:
+    ps = SimpleNamespace(tp=tp, tp_rank=0, sequence_parallel=False)  # construction reads only these
+    with torch.device("meta"):
+        chunk = ModelChunk(cfg, ps, layers, pre_process=pre, post_process=post)
+    named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad][::-1]
+    isolated = {n for n, p in named if _is_isolated(n, p, chunk, pp)}
+    buckets = plan_buckets(named, isolated, bucket_size, shards, 0, 0)
+    return sum(p.numel() for _, p in named), sum(b.size for b in buckets)
+
+
+def _in_flight_peak(lay: PlanLayout, pp_rank: int, microbatches: int, per_chunk: list[int]) -> int:
+    live = peak = 0
+    for step in plan(lay.schedule, lay.pp, pp_rank, lay.vpp, microbatches):
+        for a in step:
+            live += per_chunk[a.chunk] if a.kind == "F" else -per_chunk[a.chunk]
+            peak = max(peak, live)
+    return peak
+
+
+def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: int, seq_len: int,
+                 dtype_bytes: int = 2, opt: OptimizerConfig | None = None) -> Memory:
+    opt = opt or OptimizerConfig(mode=lay.optimizer)
+    shards = lay.dp if lay.optimizer != "ddp" else 1
+    shape = Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute)
+    specs = rank_chunks(split_layers(cfg.num_layers, lay.pp, lay.vpp), pp_rank)
+    params = padded = 0
+    per_chunk = []
+    for s in specs:
+        n, padded_n = _chunk_elements(cfg, lay.tp, s.layers, s.pre_process, s.post_process, lay.pp, shards,
+                                      opt.bucket_size)
+        params, padded = params + n, padded + padded_n
+        held = chunk_bytes(cfg, shape, len(s.layers), s.pre_process, s.post_process)
+        per_chunk.append(held + (0 if s.pre_process else received_input_bytes(cfg, shape)))
+    activations = _in_flight_peak(lay, pp_rank, lay.microbatches(global_batch), per_chunk)
+    transient = recompute_transient_bytes(cfg, shape)
+    if any(s.post_process for s in specs):
+        vocab = cfg.padded_vocab(lay.tp) // lay.tp
+        ce = 2 * min(CE_CHUNK_TOKENS, lay.micro_batch * seq_len) * vocab * 4 + vocab * cfg.hidden_size * 4
+        transient = max(transient, ce)
+    return Memory(pp_rank, params, dtype_bytes * padded, 4 * padded, 12 * padded // shards, activations, transient)
+
+
+def memory(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,
+           opt: OptimizerConfig | None = None) -> Memory:
+    """The pipeline stage that needs the most memory."""
+    stages = [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt) for r in range(lay.pp)]
+    return max(stages, key=lambda m: m.total)
