@@ -171,12 +171,13 @@ def test_workers_die_with_their_launcher(tmp_path):
            *_recipe(model, out, "--tp", "2", "--max-steps", "100000")]
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+    workers: list[int] = []
     try:
         deadline = time.time() + 300
         while not (out / "metrics.jsonl").is_file() or len(_losses(out)) < 1:
             assert launcher.poll() is None and time.time() < deadline
             time.sleep(0.5)
-        workers = _children(launcher.pid)
+        workers += _children(launcher.pid)
         assert len(workers) == 2, workers
         launcher.kill()
         launcher.wait()
@@ -184,9 +185,11 @@ def test_workers_die_with_their_launcher(tmp_path):
         while any(_alive(w) for w in workers) and time.time() < deadline:
             time.sleep(0.2)
         assert not [w for w in workers if _alive(w)]
-    finally:
-        for w in _children(launcher.pid) + ([] if launcher.poll() is not None else [launcher.pid]):
-            os.kill(w, signal.SIGKILL)
+    finally:  # whatever failed, leave no process behind (the workers may be orphans by now)
+        for pid in [launcher.pid, *workers, *_children(launcher.pid)]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
 
 
 def test_a_diverging_run_saves_and_aborts(tmp_path):
