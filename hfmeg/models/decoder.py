@@ -27,7 +27,8 @@ from ..parallel.comm import copy_to_tp, gather_from_sequence, scatter_to_sequenc
 from ..parallel.layers import VocabParallelEmbedding
 from ..parallel.linear_cross_entropy import linear_cross_entropy
 from ..parallel.state import ParallelState
-from .attention import ParallelAttention, document_causal_mask
+from .attention import ParallelAttention
+from .document_attention import plan as plan_document_mask
 from .kernels import Kernels
 from .mlp import ParallelMLP
 from .norm import make_norm
@@ -45,13 +46,8 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = make_norm(cfg, sp, kernels)
         self.mlp = ParallelMLP(cfg, ps, kernels)
 
-    def forward(self, x, rope, mask, selective: bool = False):
-        h = self.input_norm(x)
-        if selective:
-            # Selective recompute: keep the projections' outputs, redo the attention core.
-            x = x + checkpoint(self.attn, h, rope, mask, use_reentrant=False)
-        else:
-            x = x + self.attn(h, rope, mask)
+    def forward(self, x, rope, docs, selective: bool = False):
+        x = x + self.attn(self.input_norm(x), rope, docs, recompute_core=selective)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -127,12 +123,12 @@ class ModelChunk(nn.Module):
             x = self._embed(x, position_ids)
         dtype = self._compute_dtype()
         rope = self.rope(position_ids, dtype) if self.rope is not None else None
-        mask = document_causal_mask(segment_ids) if segment_ids is not None else None
+        docs = plan_document_mask(segment_ids, flex=x.is_cuda)
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, mask, use_reentrant=False)
+                x = checkpoint(layer, x, rope, docs, use_reentrant=False)
             else:
-                x = layer(x, rope, mask, selective=self.recompute == "selective" and torch.is_grad_enabled())
+                x = layer(x, rope, docs, selective=self.recompute == "selective" and torch.is_grad_enabled())
         if not self.post_process:
             return x
         return self._head(x, labels)

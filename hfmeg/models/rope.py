@@ -33,6 +33,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[self.rope_type](hf, None)
         # A plain attribute, not a buffer: `module.to(bf16)` must not round the frequencies.
         self.inv_freq = inv_freq.float()
+        # One copy per device, made on first use: a host-to-device copy every forward is a sync.
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
 
     def _inv_freq_for(self, position_ids: torch.Tensor) -> torch.Tensor:
         if self.rope_type == "dynamic":  # only dynamic NTK reads the length (a host sync on GPUs)
@@ -40,7 +42,10 @@ class RotaryEmbedding(nn.Module):
             if seq_len > self.hf.max_position_embeddings:
                 inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.hf, position_ids.device, seq_len=seq_len)
                 return inv_freq.float()
-        return self.inv_freq.to(position_ids.device)
+        device = position_ids.device
+        if device not in self._inv_freq_on:
+            self._inv_freq_on[device] = self.inv_freq.to(device)
+        return self._inv_freq_on[device]
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape `[b, s, head_dim]` for `position_ids` `[b, s]`."""

@@ -1,0 +1,84 @@
+"""Document-causal attention for packed rows, without a dense mask where it can.
+
+A packed row holds several documents (`segment_ids`: i for document i, 0 for
+padding); a token attends to the earlier tokens of its own document only. The
+boolean `[b, 1, s, s]` mask that says so keeps SDPA off its flash kernels and makes
+it compute every block, although most blocks of a packed causal row are empty.
+`plan` looks at the micro-batch once (per chunk forward, not per layer) and picks:
+
+- every row one document (or no `segment_ids`): plain causal SDPA (`is_causal=True`,
+  flash on GPUs, blocks above the diagonal skipped). Deciding it reads one bool from
+  the device, a host sync per micro-batch; a data pipeline that already knows its
+  rows are single documents avoids it by passing `segment_ids=None`;
+- packed rows on CUDA: `flex_attention` with a `BlockMask` built from `segment_ids`:
+  blocks outside every document are skipped, blocks wholly inside one are computed
+  without evaluating the mask, and GQA K/V heads are shared (`enable_gqa`), not
+  repeated;
+- packed rows elsewhere: SDPA with the dense mask. On CPU, flex_attention has no
+  backward (torch 2.13) and its eager form materialises the scores anyway; its
+  forward is tested there against the dense mask (tests/test_attention.py).
+
+All three compute the same function: on a row of one document the dense mask is
+exactly the causal one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+
+@dataclass(frozen=True)
+class DocumentMask:
+    """The packed-row mask of one micro-batch: a flex `BlockMask`, or the dense boolean mask."""
+
+    block: BlockMask | None = None
+    dense: torch.Tensor | None = None  # [b, 1, s, s], True where attention is allowed
+
+
+def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean `[b, 1, s, s]` mask: causal, and no attention across packed documents."""
+    s = segment_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (same & causal).unsqueeze(1)
+
+
+def document_block_mask(segment_ids: torch.Tensor) -> BlockMask:
+    """The same mask as `document_causal_mask`, as a flex-attention block mask (one for all heads)."""
+    b, s = segment_ids.shape
+
+    def same_document_causal(batch, head, q, kv):
+        return (segment_ids[batch, q] == segment_ids[batch, kv]) & (q >= kv)
+
+    return create_block_mask(same_document_causal, b, None, s, s, device=segment_ids.device)
+
+
+def plan(segment_ids: torch.Tensor | None, flex: bool) -> DocumentMask | None:
+    """The mask for a micro-batch; None means plain causal attention."""
+    if segment_ids is None or bool((segment_ids == segment_ids[:, :1]).all()):
+        return None
+    if flex:
+        return DocumentMask(block=document_block_mask(segment_ids))
+    return DocumentMask(dense=document_causal_mask(segment_ids))
+
+
+@cache
+def _compiled_flex():
+    # flex_attention is only a fused kernel when compiled; eager it materialises the scores.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentMask | None, scale: float,
+           gqa: bool) -> torch.Tensor:
+    """Attention of `q` `[b, heads, s, d]` over `k`, `v` `[b, kv_heads, s, d]` under `docs`."""
+    if docs is not None and docs.block is not None:
+        flex = _compiled_flex() if q.is_cuda else flex_attention
+        return flex(q, k, v, block_mask=docs.block, scale=scale, enable_gqa=gqa)
+    mask = docs.dense if docs is not None else None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=gqa)

@@ -1,0 +1,113 @@
+"""Document-causal attention (models/document_attention.py), selective recompute and the RoPE cache.
+
+flex_attention has no backward on CPU (torch 2.13), so its forward is checked here
+against the dense mask and its backward in tests/test_gpu.py. The dense path's
+packed == unpacked losses are in tests/test_data_batches.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from hfmeg.models import build_chunk_from_hf
+from hfmeg.models.document_attention import DocumentMask, attend, document_causal_mask, plan
+from hfmeg.parallel.activation_meter import SavedTensorMeter
+from hfmeg.parallel.state import ParallelConfig, ParallelState
+from tiny_models import save_tiny
+
+# Row 0: three documents, the second crossing the 128-token block boundary, then padding (0);
+# row 1: one document filling the row.
+SEGMENTS = torch.tensor([[1] * 50 + [2] * 100 + [3] * 30 + [0] * 20, [1] * 200])
+
+
+def _qkv(heads=8, kv_heads=2, s=200, d=16, requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    shapes = ((2, heads, s, d), (2, kv_heads, s, d), (2, kv_heads, s, d))
+    return [torch.randn(*sh, generator=g).requires_grad_(requires_grad) for sh in shapes]
+
+
+def test_flex_block_mask_forward_equals_dense_mask():
+    q, k, v = _qkv()
+    flex, dense = plan(SEGMENTS, flex=True), plan(SEGMENTS, flex=False)
+    assert flex.block is not None and flex.dense is None
+    assert torch.equal(dense.dense, document_causal_mask(SEGMENTS))
+    with torch.no_grad():
+        got = attend(q, k, v, flex, scale=0.25, gqa=True)
+        want = attend(q, k, v, dense, scale=0.25, gqa=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+
+
+def test_single_document_rows_use_plain_causal_attention_with_the_same_result():
+    assert plan(None, flex=True) is None
+    one_doc = torch.full((2, 200), 3)
+    assert plan(one_doc, flex=True) is None and plan(one_doc, flex=False) is None
+    q, k, v = _qkv(requires_grad=True)
+    causal = attend(q, k, v, None, scale=0.25, gqa=True)
+    masked = attend(q, k, v, DocumentMask(dense=document_causal_mask(one_doc)), scale=0.25, gqa=True)
+    torch.testing.assert_close(causal, masked, rtol=0, atol=1e-6)
+    g = torch.randn_like(causal)
+    for a, b in zip(torch.autograd.grad(causal, (q, k, v), g), torch.autograd.grad(masked, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_one_document_rows_with_segment_ids_match_transformers(tmp_path):
+    folder = save_tiny("llama3", tmp_path / "m")
+    ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cpu"))
+    chunk = build_chunk_from_hf(folder, ps)
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        got = chunk(ids, segment_ids=torch.ones_like(ids))[..., :300]
+        torch.testing.assert_close(got, ref(ids).logits, rtol=0, atol=1e-4)
+
+
+def _layer_calls(chunk, ids, labels):
+    """Forward + backward of `chunk`; calls of each attention piece, gradients, peak saved bytes."""
+    calls = {"qkv": 0, "out": 0, "core": 0}
+    hooks = []
+    for layer in chunk.layers.values():
+        for name in ("qkv", "out"):
+            hooks.append(getattr(layer.attn, name).register_forward_hook(
+                lambda *_, n=name: calls.__setitem__(n, calls[n] + 1)))
+        core = layer.attn._core
+
+        def counted(*args, core=core):
+            calls["core"] += 1
+            return core(*args)
+
+        layer.attn._core = counted
+    meter = SavedTensorMeter([chunk])
+    with meter.hooks():
+        loss = chunk(ids, labels=labels, segment_ids=SEGMENTS[:, :ids.shape[1]]).sum()
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    return calls, {n: p.grad for n, p in chunk.named_parameters()}, meter.peak
+
+
+def test_selective_recompute_reruns_only_rope_and_attention(tmp_path):
+    folder = save_tiny("llama3", tmp_path / "m")
+    ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cpu"))
+    ids = torch.randint(0, 300, (2, 200), generator=torch.Generator().manual_seed(2))
+    labels = torch.roll(ids, -1, 1)
+    runs = {mode: _layer_calls(build_chunk_from_hf(folder, ps, recompute=mode), ids, labels)
+            for mode in ("none", "selective", "full")}
+    layers = 2
+    assert runs["none"][0] == {"qkv": layers, "out": layers, "core": layers}
+    # The projections (and, under TP/SP, their collectives) run once; only the core runs again.
+    assert runs["selective"][0] == {"qkv": layers, "out": layers, "core": 2 * layers}
+    assert runs["full"][0] == {"qkv": 2 * layers, "out": 2 * layers, "core": 2 * layers}
+    for mode in ("selective", "full"):
+        for name, g in runs["none"][1].items():
+            torch.testing.assert_close(runs[mode][1][name], g, rtol=0, atol=0, msg=f"{mode} {name}")
+    assert runs["full"][2] < runs["selective"][2] < runs["none"][2]
+
+
+def test_rope_frequencies_are_copied_to_a_device_once(tmp_path):
+    chunk = build_chunk_from_hf(save_tiny("qwen2", tmp_path / "m"), ParallelState(ParallelConfig(), 0, 1,
+                                                                                 torch.device("cpu")))
+    positions = torch.arange(8, device="meta")[None]
+    first = chunk.rope._inv_freq_for(positions)
+    assert first.device.type == "meta" and chunk.rope._inv_freq_for(positions) is first
+
