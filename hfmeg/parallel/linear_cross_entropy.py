@@ -13,6 +13,15 @@ Per chunk, across TP ranks (each holding a contiguous vocabulary range):
     z_t = the target's logit, from the rank that owns it (all-reduce SUM)
     loss = lse - z_t
 Columns past the real vocabulary (padding) are masked to -inf.
+
+Low-precision (bf16/fp16) weights: the softmax gradient is formed in fp32, then
+rounded once to the weight dtype so that both backward GEMMs run on the tensor
+cores with fp32 accumulation (no fp32 copy of the head weight). The weight
+gradient's products are written in fp32 (`_add_product_fp32`) and summed into
+`weight.main_grad` directly where the optimizer keeps an fp32 main gradient, so
+the head's gradient is never rounded to bf16 on its way there; autograd then gets
+a zero gradient for the weight, which the grad-sync hook adds as it adds any other.
+The fp32 path is unchanged (fp32 GEMMs, bit-identical to before).
 """
 
 from __future__ import annotations
@@ -29,6 +38,21 @@ def _chunk_logits(x: torch.Tensor, w: torch.Tensor, vocab_start: int, vocab_size
         cols = torch.arange(vocab_start, vocab_start + z.shape[-1], device=z.device)
         z = z.masked_fill(cols >= vocab_size, float("-inf"))
     return z
+
+
+def _add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: int = 4096) -> None:
+    """`acc += a @ b` for low-precision `a`, `b` into fp32 `acc`, the product never rounded below fp32.
+
+    In blocks of `rows` output rows, so the fp32 temporaries stay small next to the
+    `[V/tp, h]` gradient. CUDA GEMMs write fp32 from bf16 inputs (`out_dtype`); CPUs
+    have no such kernel, so there the same bf16 values are multiplied as fp32.
+    """
+    for lo in range(0, acc.shape[0], rows):
+        r = slice(lo, lo + rows)
+        if acc.is_cuda:
+            acc[r] += torch.mm(a[r], b, out_dtype=torch.float32)
+        else:
+            acc[r].addmm_(a[r].float(), b.float())
 
 
 def _local_target(target: torch.Tensor, vocab_start: int, n_local: int):
@@ -68,8 +92,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ps = ctx.ps
         n_local = w.shape[0]
         vocab_start = ps.tp_rank * n_local
+        low = w.dtype != torch.float32
+        main_grad = getattr(w, "main_grad", None)
+        into_main = low and main_grad is not None and main_grad.dtype == torch.float32
         grad_x = torch.empty_like(x)
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        grad_w = main_grad if into_main else torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         for lo in range(0, x.shape[0], ctx.chunk_tokens):
             sl = slice(lo, lo + ctx.chunk_tokens)
             z = _chunk_logits(x[sl], w, vocab_start, ctx.vocab_size)
@@ -77,11 +104,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             local, owned = _local_target(target[sl], vocab_start, n_local)
             d.scatter_add_(-1, local[:, None], -owned.to(d.dtype)[:, None])
             d.mul_(g[sl, None])
-            grad_x[sl] = (d @ w.float()).to(x.dtype)
-            grad_w.addmm_(d.t(), x[sl].float())
+            if low:
+                d = d.to(w.dtype)
+                grad_x[sl] = d @ w
+                _add_product_fp32(grad_w, d.t(), x[sl])
+            else:
+                grad_x[sl] = (d @ w.float()).to(x.dtype)
+                grad_w.addmm_(d.t(), x[sl].float())
         # Each TP rank holds a vocabulary slice, so its grad_x is partial; the caller's
         # copy-to-TP / sequence-gather backward sums it over TP.
-        return grad_x, grad_w.to(w.dtype), None, None, None, None
+        return grad_x, torch.zeros_like(w) if into_main else grad_w.to(w.dtype), None, None, None, None
 
 
 def linear_cross_entropy(

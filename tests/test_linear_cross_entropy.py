@@ -1,0 +1,54 @@
+"""The LM head + cross-entropy backward in bf16 (parallel/linear_cross_entropy.py).
+
+The weight gradient's products are fp32 and go straight into an fp32 `main_grad`
+(what the optimizer's grad buffers hold), never rounded to bf16 on the way. The
+fp32 path keeps its own tests (tests/test_tp_parity.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hfmeg.parallel.linear_cross_entropy import linear_cross_entropy
+from hfmeg.parallel.state import ParallelConfig, ParallelState
+
+V, H, T = 96, 32, 24
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g).bfloat16().requires_grad_()
+    w = torch.nn.Parameter(torch.randn(V, H, generator=g).bfloat16())
+    target = torch.randint(0, V, (T,), generator=g)
+    target[3] = -100
+    return x, w, target
+
+
+def _reference(x, w, target):
+    """fp64 maths on the same bf16 values: softmax - onehot in fp32, rounded once to bf16, as the GEMMs see it."""
+    z = (x.detach() @ w.detach().t()).float()
+    d = torch.softmax(z, -1) - torch.nn.functional.one_hot(target.clamp_min(0), V).float()
+    d[target < 0] = 0
+    d = d.bfloat16().double()
+    return d @ w.detach().double(), d.t() @ x.detach().double()
+
+
+def test_bf16_weight_gradient_lands_unrounded_in_fp32_main_grad():
+    ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cpu"))
+    x, w, target = _inputs()
+    w.main_grad = torch.full((V, H), 0.5)  # what earlier micro-batches left there
+    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
+    w.main_grad.add_(w.grad)  # what grad_sync's hook does with the gradient autograd hands it
+    grad_x, grad_w = _reference(x, w, target)
+    assert not w.grad.any()  # everything went into main_grad already
+    torch.testing.assert_close(w.main_grad.double() - 0.5, grad_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), grad_x, rtol=1e-2, atol=1e-3)  # bf16 output
+
+
+def test_bf16_weight_without_main_grad_gets_its_gradient_from_autograd():
+    ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cpu"))
+    x, w, target = _inputs()
+    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
+    _, grad_w = _reference(x, w, target)
+    assert w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(w.grad, grad_w.bfloat16(), rtol=8e-3, atol=0)  # one bf16 step: double rounding
