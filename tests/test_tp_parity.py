@@ -122,16 +122,18 @@ def _chunked_ce(folder, ids):
         chunk.ce_chunk_tokens = chunk_tokens
         loss = chunk(ids, labels=labels)
         loss.sum().backward()
-        out.append((loss.detach(), {n: p.grad for n, p in chunk.named_parameters()}))
+        # numpy, not torch: torch tensors cross the result queue as file descriptors that die with the rank.
+        out.append((loss.detach().numpy(), {n: p.grad.numpy() for n, p in chunk.named_parameters()}))
     return out
 
 
 def test_chunked_cross_entropy_equals_unchunked(tiny_checkpoints):
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     (loss_a, grads_a), (loss_b, grads_b) = spawn(_chunked_ce, 2, str(tiny_checkpoints["qwen2"]), ids)[0]
-    torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.from_numpy(loss_a), torch.from_numpy(loss_b), rtol=1e-6, atol=1e-6)
     for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(torch.from_numpy(grads_a[name]), torch.from_numpy(grads_b[name]), rtol=1e-5,
+                                   atol=1e-7, msg=name)
 
 
 def test_compiled_kernels_match_eager(tiny_checkpoints):
