@@ -37,12 +37,12 @@ def test_cut_tokens_equal_full_tokenisation_then_truncation(kind):
     cfg = DataConfig(sources=[SourceConfig("x")])
     f = Formatter(cfg, tok)
     fields = cfg.fields_of(cfg.sources[0])[1]
-    records = [f.render({"instruction": "Summarise.", "output": t}, "alpaca", fields) for t in hard_texts(prose)]
-    records += [f.render({"text": t}, "text", {"text": "text"}) for t in hard_texts(prose)]
-    full = f.tokenize(records)
+    records = [({"instruction": "Summarise.", "output": t}, "alpaca", fields) for t in hard_texts(prose)]
+    records += [({"text": t}, "text", {"text": "text"}) for t in hard_texts(prose)]
+    full = f.tokenize([f.render(*r) for r in records])
     cuts = 0
     for limit in list(range(8, 1200, 37)) + [2048]:  # each limit cuts every text at another character
-        for r, whole, cut in zip(records, full, f.tokenize(records, limit)):
+        for whole, cut in zip(full, f.tokenize([f.render(*r, limit) for r in records], limit)):
             assert len(cut.ids) == len(cut.target) and len(cut.ids) > limit
             assert (cut.ids[:limit] == whole.ids[:limit]).all() and (cut.target[:limit] == whole.target[:limit]).all()
             cuts += cut.cut
@@ -66,8 +66,12 @@ def test_a_huge_record_costs_what_a_seq_len_record_costs(tmp_path):
     data = build_data(DataConfig(sources=[src], seq_len=64, packing=False, read_ahead=2, prefetch=0),
                       char_tokenizer(), dp_rank=0, dp_size=1, micro_batch_size=1, global_batch_size=2)
     counter = data.formatter.backend = CountingBackend(data.formatter.backend)
+    rendered = []
+    apply = data.formatter._apply
+    data.formatter._apply = lambda chat, generation=False: rendered.append(apply(chat, generation)) or rendered[-1]
     row = next(data).microbatches[1]
     assert counter.chars < 2_000  # the record's first 8 x (64 + 64) characters, plus the small record
+    assert max(len(t) for t in rendered) < 5_000  # its output was clipped to 4 x 8 x (64 + 64) before rendering
     assert (row["segment_ids"] == 1).all() and int((row["labels"] != -100).sum()) == 29  # 35 prompt tokens
     assert data.report.counts == {"overlong": 1}
     assert "over 65 tokens > seq_len 64; truncated" in data.report.first["overlong"]
@@ -79,8 +83,9 @@ def test_a_normalizer_that_deletes_text_makes_the_prefix_grow():
     cfg = DataConfig(sources=[SourceConfig("x", format="text")], seq_len=64)
     f = Formatter(cfg, tok)
     f.backend = CountingBackend(f.backend)
-    rec = f.render({"text": " " * 100_000 + "y" * 1_000_000}, "text", {"text": "text"})
-    (cut,) = f.tokenize([rec], 64)
-    assert cut.cut and f.backend.chars < 300_000  # prefixes of 1k, 2k, ... 128k characters
-    (whole,) = f.tokenize([rec])
+    rec = {"text": " " * 100_000 + "y" * 1_000_000}
+    (cut,) = f.tokenize([f.render(rec, "text", {"text": "text"}, 64)], 64)
+    # prefixes of 1k, 2k, 4k characters of the text clipped to 4k, then of the whole: 1k ... 128k
+    assert cut.cut and f.backend.chars < 300_000
+    (whole,) = f.tokenize([f.render(rec, "text", {"text": "text"})])
     assert (cut.ids[:64] == whole.ids[:64]).all() and len(whole.ids) == 1_000_002

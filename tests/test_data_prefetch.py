@@ -80,20 +80,31 @@ def test_an_unclosed_loader_stops_its_thread():
     del data
     gc.collect()
     assert not prefetch_threads()
-    # a process that never closes its loader exits promptly
-    code = ("from test_data import char_tokenizer; from hfmeg.data import *; "
-            f"d = build_data(DataConfig(sources=[SourceConfig({str(REPO / 'data' / 'sft_sample.jsonl')!r})], "
-            "seq_len=64), char_tokenizer(), dp_rank=0, dp_size=1, micro_batch_size=1, global_batch_size=4); "
-            "next(d); print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO / "tests", capture_output=True, text=True,
-                         timeout=120)
+    # a process that never closes its loader exits promptly (a stub tokenizer spares importing transformers)
+    code = f"""
+from types import SimpleNamespace
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from hfmeg.data import DataConfig, SourceConfig, build_data
+backend = Tokenizer(models.WordLevel({{"a": 0, "<unk>": 1}}, unk_token="<unk>"))
+backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\\s\\S]"), "isolated")
+tok = SimpleNamespace(backend_tokenizer=backend, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+cfg = DataConfig(sources=[SourceConfig({str(REPO / "data" / "text_sample.txt")!r}, format="text")], seq_len=64)
+next(build_data(cfg, tok, dp_rank=0, dp_size=1, micro_batch_size=1, global_batch_size=4))
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_only_this_ranks_rows_are_built(tmp_path, monkeypatch):
     built = []
     real = batches.build_row
-    monkeypatch.setattr(batches, "build_row", lambda docs, *a: built.append([d.ids.tolist() for d in docs]) or real(docs, *a))
+
+    def build_row(docs, *args):
+        built.append([d.ids.tolist() for d in docs])
+        return real(docs, *args)
+
+    monkeypatch.setattr(batches, "build_row", build_row)
     cfg = mixed_config(tmp_path, prefetch=0)
     whole = loader(cfg)
     ref = next(whole)

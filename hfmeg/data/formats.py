@@ -24,22 +24,28 @@ token t is a target when its last character lies in an assistant span.
 
 Plain text: `[bos] + tokens + [eos]` (when the tokenizer has them), all targets.
 
-Overlong texts are cut before tokenising (`tokenize(limit=)`, used by the truncate
-and drop policies): only a prefix of `CHARS_PER_TOKEN * (limit + GUARD_TOKENS)`
-characters is tokenised, doubled until it yields `limit + GUARD_TOKENS` tokens or
-is the whole text, and the doc keeps its first `limit + 1` tokens. So a 3 MB record
-costs about what a `seq_len` record costs. The kept tokens equal those of the whole
-text's tokenisation unless the tokenizer's choice for a token depends on text
-more than `GUARD_TOKENS` tokens after it: a pre-tokenizer confines a cut's effect
-to the word it falls in, and BPE merges without one (LLaMA-2's Metaspace) only
-join neighbouring symbols, so the effect does not travel back over 64 tokens of
-text (tests/test_data_overlong.py checks equality on real text cut everywhere).
-A normalizer that deletes long runs of characters just makes the prefix yield too
-few tokens, and the prefix grows; correctness never rests on the character budget.
+Overlong records are cut before rendering and tokenising (`render(limit=)` and
+`tokenize(limit=)`, used by the truncate and drop policies, which need only the
+first `limit + 1` tokens), so a 3 MB record costs about what a `seq_len` record
+costs:
+- `render` clips every message (or plain text) to `CLIP_BUDGETS` character budgets
+  of `CHARS_PER_TOKEN * (limit + GUARD_TOKENS)`; the rendered text then equals the
+  whole record's rendering in its first `Rendered.exact` characters (the shortest
+  clipped content, stripped: templates insert a message verbatim or trimmed);
+- `tokenize` tokenises a prefix of one budget, doubled while it yields fewer than
+  `limit + GUARD_TOKENS` tokens and is shorter than the exact part; past that (a
+  normalizer that deletes long runs, say) the record is rendered whole;
+- the doc keeps its first `limit + 1` tokens and is marked `cut`.
+The kept tokens equal the whole text's unless the tokenizer's choice for a token
+depends on text more than `GUARD_TOKENS` tokens after it: a pre-tokenizer confines
+a cut's effect to the word it falls in, and BPE merges without one (LLaMA-2's
+Metaspace) only join neighbouring symbols; tests/test_data_overlong.py checks
+equality on real text, code and a 30k-character word, cut at hundreds of places.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +81,8 @@ class Rendered:
     text: str
     spans: list[tuple[int, int]]  # character spans of loss targets
     add_bos_eos: bool = False  # plain text: ids added around the tokens
+    exact: int | None = None  # clipped: only the first `exact` characters are the record's; None: all
+    whole: Callable[[], Rendered] | None = None  # clipped: renders the record unclipped
 
 
 @dataclass
@@ -86,6 +94,11 @@ class Doc:
 
 CHARS_PER_TOKEN = 8  # first guess of characters per token; real text averages 3-5
 GUARD_TOKENS = 64  # tokens tokenised past the kept ones, so the cut cannot change them
+CLIP_BUDGETS = 4  # a message is clipped to this many budgets: room for two doublings
+
+
+def char_budget(limit: int) -> int:
+    return CHARS_PER_TOKEN * (limit + GUARD_TOKENS)
 
 
 def _text(rec: dict[str, Any], key: str, required: bool) -> str:
@@ -111,12 +124,16 @@ class Formatter:
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
-    def render(self, rec: dict[str, Any], fmt: str, fields: dict[str, str]) -> Rendered:
-        """The text of one record and its target spans; raises `BadRecord`."""
+    def render(self, rec: dict[str, Any], fmt: str, fields: dict[str, str], limit: int | None = None) -> Rendered:
+        """The text of one record and its target spans; raises `BadRecord`. With `limit`, long
+        contents are clipped (see the module docstring)."""
+        clip = None if limit is None else CLIP_BUDGETS * char_budget(limit)
         if fmt == "text":
             text = _text(rec, fields["text"], True)
             if not text.strip():
                 raise BadRecord("empty_response", f"empty field {fields['text']!r}")
+            if clip is not None and len(text) > clip:
+                return Rendered(text[:clip], [(0, clip)], True, clip, lambda: self.render(rec, fmt, fields))
             return Rendered(text, [(0, len(text))], add_bos_eos=True)
         if fmt == "alpaca":
             chat = self._alpaca(rec, fields)
@@ -124,7 +141,15 @@ class Formatter:
             chat = self._chat(rec, fields, sharegpt=fmt == "sharegpt")
         if self.cfg.system_prompt and chat[0]["role"] != "system":
             chat.insert(0, {"role": "system", "content": self.cfg.system_prompt})
-        return self._render_chat(chat)
+        long = [m for m in chat if clip is not None and len(m["content"]) > clip]
+        if not long:
+            return self._render_chat(chat)
+        for m in long:
+            m["content"] = m["content"][:clip]
+        r = self._render_chat(chat)
+        r.exact = min(len(m["content"].strip()) for m in long)
+        r.whole = lambda: self.render(rec, fmt, fields)
+        return r
 
     def _alpaca(self, rec: dict[str, Any], f: dict[str, str]) -> list[dict[str, str]]:
         instruction = _text(rec, f["instruction"], True)
@@ -186,7 +211,11 @@ class Formatter:
         With `limit`, a text longer than that many tokens may come back cut after
         `limit + 1` tokens (`Doc.cut`), its rest never tokenised (see the module docstring).
         """
-        encs = self._encode([r.text for r in batch], limit)
+        encs = self._encode(batch, limit)
+        for i, r in enumerate(batch):
+            if encs[i] is None:  # the clipped text was not enough: render the record whole (rare)
+                batch[i] = r.whole()
+                encs[i] = self._encode([batch[i]], limit)[0]
         docs = []
         for r, (e, cut) in zip(batch, encs):
             ids = e.ids[:limit + 1] if cut else e.ids
@@ -202,19 +231,26 @@ class Formatter:
             docs.append(Doc(np.asarray(ids, dtype=np.int64), target, cut))
         return docs
 
-    def _encode(self, texts: list[str], limit: int | None) -> list[tuple[Any, bool]]:
-        """(encoding, cut) per text: whole texts, or prefixes long enough for `limit` tokens."""
-        out: list[tuple[Any, bool]] = [(None, False)] * len(texts)
-        todo = list(range(len(texts)))
-        chars = None if limit is None else CHARS_PER_TOKEN * (limit + GUARD_TOKENS)
+    def _encode(self, batch: list[Rendered], limit: int | None) -> list[tuple[Any, bool] | None]:
+        """(encoding, cut) per text: whole texts, or prefixes long enough for `limit` tokens;
+        None for a clipped text whose exact part is too short for that."""
+        out: list[tuple[Any, bool] | None] = [None] * len(batch)
+        todo = list(range(len(batch)))
+        chars = None if limit is None else char_budget(limit)
         while todo:
-            cut = [chars is not None and len(texts[i]) > chars for i in todo]
-            pieces = [texts[i][:chars] if c else texts[i] for i, c in zip(todo, cut)]
+            pieces, sizes = [], []
+            for i in todo:
+                r = batch[i]
+                known = len(r.text) if r.exact is None else r.exact
+                size = known if chars is None or r.exact is None and known <= chars else min(chars, known)
+                pieces.append(r.text if size == len(r.text) else r.text[:size])
+                sizes.append((size, known))
             again = []
-            for i, c, e in zip(todo, cut, self.backend.encode_batch(pieces, add_special_tokens=False)):
-                if c and len(e.ids) < limit + GUARD_TOKENS:
-                    again.append(i)  # too few tokens in the prefix to trust the first `limit`
-                else:
-                    out[i] = (e, c)
+            for i, (size, known), e in zip(todo, sizes, self.backend.encode_batch(pieces, add_special_tokens=False)):
+                cut = size < len(batch[i].text) or batch[i].exact is not None
+                if not cut or len(e.ids) >= limit + GUARD_TOKENS:
+                    out[i] = (e, cut)
+                elif size < known:
+                    again.append(i)  # too few tokens in the prefix to trust the first `limit`: a longer one
             todo, chars = again, None if chars is None else 2 * chars
         return out

@@ -83,7 +83,7 @@ def documents(cfg: DataConfig, fmt: Formatter, sources: list[Source], raws: Iter
                 item.problem = ("malformed_json", raw.problem)
                 continue
             try:
-                rendered.append(fmt.render(raw.record, *fields[c]))
+                rendered.append(fmt.render(raw.record, *fields[c], limit))
                 owners.append(item)
             except BadRecord as e:
                 item.problem = (e.kind, str(e))
