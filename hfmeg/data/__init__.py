@@ -9,7 +9,8 @@ packed, DP-sliced, resumable batches.
 Modules, in pipeline order: `config` (DataConfig), `sources` (Hub/local readers),
 `mixing` (weighted deterministic mixture), `formats` (chat/alpaca/text -> ids +
 loss targets), `validate` (bad-data policy), `packing` (rows), `batches` (global
-batch -> DP slice), `state` (resume), `loader` (the iterators).
+batch -> DP slice), `state` (resume), `loader` (the iterators), `prefetch` (the
+thread that builds batches ahead).
 """
 
 from .batches import StepBatch, count_tokens

@@ -7,6 +7,8 @@
         batch.num_tokens          # non-ignored labels of the whole global batch (loss normaliser)
     state = data.state_dict()     # JSON-able, identical on every rank; save with the checkpoint
     data.load_state_dict(state)   # the next batch is the one an uninterrupted run would yield
+    data.report.counts            # data problems by kind so far ({"overlong": 311, ...}); .first: each one's first case
+    data.close()                  # stop the thread that builds batches ahead (data.prefetch)
 
     for batch in build_eval_data(...):  # finite: eval_sources once, or the eval_holdout records
 
@@ -15,7 +17,8 @@ sources -> `Formatter` -> overlong policy -> `Packer`), so global batch k is the
 same rows whatever TP/PP/DP; see `batches.py` for the DP slicing. Records are
 rendered and tokenized `read_ahead` at a time (one batched tokenizer call); the
 state only counts records whose documents were consumed, so read-ahead never
-leaks into a resumed stream. Records are not shuffled: they are read in file order
+leaks into a resumed stream. With `data.prefetch`, the next batches are built in
+a background thread while the step runs (`TrainData`). Records are not shuffled: they are read in file order
 and mixed across sources by weight (shuffle files offline when order matters).
 """
 
