@@ -77,7 +77,8 @@ class RunCheckpoints:
     def save(self, step: int, chunks, ps, opt, trainer_state: dict[str, Any], *, pp_layers: list[int] | None,
              vocab_multiple: int) -> Path:
         """Collective: every rank calls it. Returns the checkpoint's iteration folder."""
-        if ps.rank == 0 and not (self.hf_source / "config.json").is_file():
+        # Checked on every rank (the folder is shared), so that all stop here rather than some in a barrier.
+        if not (self.hf_source / "config.json").is_file():
             raise CheckpointError(f"{self.hf_source}: no config.json; it was copied at the start of the run and "
                                   "must stay while the run lasts")
 
