@@ -1,7 +1,7 @@
 """A checkpoint holds the model the optimizer trained, even while parameter all-gathers are in flight.
 
 fp32, TP1 x DP2, overlapped optimizer, a checkpoint after every step through the trainer's
-`save_checkpoint`. The all-gathers `step()` launches are made to complete late (they start
+`RunCheckpoints.save`. The all-gathers `step()` launches are made to complete late (they start
 only when someone waits for them), which is what a slow network does to the real ones: a
 save that does not wait writes DP rank 0's parameter buffers while the other rank's shards
 still hold the previous step. Every saved model tensor must then equal, bit for bit, the fp32
@@ -21,7 +21,7 @@ from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.optim import distributed_optimizer
 from hfmeg.optim.state_io import read_meta
 from hfmeg.parallel.launch import spawn
-from hfmeg.train.checkpointing import save_checkpoint
+from hfmeg.train.checkpointing import RunCheckpoints
 from optim_harness import CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, make_ps, train
 from tiny_models import save_tiny
 
@@ -41,16 +41,18 @@ class _LateAllGather:
         self._start(*self._args, **self._kwargs).wait()
 
 
-def _train_and_save(folder: str, root: str) -> None:
+def _train_and_save(folder: str, out: str) -> None:
     start = distributed_optimizer.all_gather_async  # patched in this forked rank only
     distributed_optimizer.all_gather_async = lambda *a, **k: _LateAllGather(start, a, k)
     ps = make_ps()
     chunk = build_rank_chunk(folder, ps)
     opt = DistributedOptimizer([chunk], ps, OptimizerConfig(mode="overlapped", **CFG))
+    checkpoints = RunCheckpoints(Path(out), keep_last=STEPS, resume="none")
+    if ps.rank == 0:
+        checkpoints.pin_hf_source(Path(folder))
     for step in range(STEPS):
         train(chunk, opt, ps, 1, 1, first_step=step)
-        save_checkpoint(Path(root), step + 1, [chunk], ps, opt, Path(folder), {}, pp_layers=None,
-                        vocab_multiple=128, keep_last=STEPS)
+        checkpoints.save(step + 1, [chunk], ps, opt, {}, pp_layers=None, vocab_multiple=128)
 
 
 def _master_model(iter_dir: Path, model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -69,8 +71,8 @@ def _master_model(iter_dir: Path, model: dict[str, torch.Tensor]) -> dict[str, t
 
 def test_every_checkpoint_and_export_equal_the_optimizer_master(tmp_path):
     folder = save_tiny("llama3", tmp_path / "model")
-    root = tmp_path / "ckpt"
-    spawn(_train_and_save, 2, str(folder), str(root))
+    spawn(_train_and_save, 2, str(folder), str(tmp_path / "run"))
+    root = tmp_path / "run" / "checkpoints"
     cfg = load_model_config(folder)
     for step in range(1, STEPS + 1):
         iter_dir = root / f"iter_{step:07d}"
