@@ -12,10 +12,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import LlamaConfig
 
@@ -76,3 +78,39 @@ def test_bad_arguments_exit_2_with_one_message(capsys):
             tool.parse_args(argv)
         assert e.value.code == 2
         assert field in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_trainer_path_runs_packed_rows_and_defaults_to_tiny_without_a_gpu():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a machine without a GPU, also when the tests have one
+    out = subprocess.run([sys.executable, str(TOOL), "--trainer-path"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "no GPU, running the tiny smoke shapes" in out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    for key, typ in KEYS.items():
+        assert isinstance(r[key], typ), (key, r[key])
+    assert r["trainer_path"] is True and r["shapes"]["hidden"] == 64
+    assert r["documents_per_row"] > 2  # packed: several documents per row
+    assert all(math.isfinite(x) for x in r["hfmeg_losses"] + r["hf_losses"])
+
+
+def test_default_shapes_follow_the_device():
+    tool = _tool()
+    assert tool.parse_args([], cuda=True).hidden == 4096
+    a = tool.parse_args([], cuda=False)
+    assert a.tiny and a.hidden == 64
+
+
+def test_packed_microbatches_are_the_recipes_rows():
+    tool = _tool()
+    a = tool.parse_args(["--tiny", "--seq", "256", "--micro-batch-size", "3"], cuda=False)
+    mb = tool.packed_microbatches(a, np.random.default_rng(0))
+    assert {k: tuple(v.shape) for k, v in mb.items()} == {k: (3, 256) for k in
+                                                          ("input_ids", "labels", "position_ids", "segment_ids")}
+    seg, labels = mb["segment_ids"], mb["labels"]
+    for row, lab in zip(seg, labels):
+        docs = set(row.tolist()) - {0}
+        assert 5 <= len(docs) <= 40  # ~14 documents per row
+        assert (lab[row == 0] == -100).all()  # padding carries no loss
+        for d in docs:  # prompts are masked: each document has fewer targets than tokens
+            assert 0 < int((lab[row == d] != -100).sum()) < int((row == d).sum())

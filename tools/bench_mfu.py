@@ -19,6 +19,15 @@ weight decay 0.1 except norms) and the update.
   `--recompute full` turns on HF activation checkpointing too (same memory regime);
   `--hf-compile` wraps the HF model in `torch.compile`.
 
+`--trainer-path` feeds both sides what the SFT recipe feeds: rows packed by
+`hfmeg.data.packing` from synthetic prompt/response documents (lengths log-normal
+around seq/14, so ~14 documents per row, prompts masked from the loss), with
+`position_ids` and `segment_ids`; hfmeg attends within documents (flex_attention on
+CUDA), as the trainer does. transformers' SDPA path has no packed-document mask, so
+the anchor attends across documents (causal over the whole row, the same work as one
+long document) and its losses are not comparable; tokens/s and MFU count every
+position of every row, padding included, as without the flag.
+
 Timing: `--warmup` untimed steps (compilation, allocator warm-up), then `--steps`
 steps between two `torch.cuda.synchronize()` + `perf_counter()`. Peak memory is
 `torch.cuda.max_memory_allocated` since the side's model and optimizer were built
@@ -31,8 +40,9 @@ two fp32 moments), the anchor 8 (bf16 weight, grad and two moments), plus
 activations; 16 LLaMA-7B layers (3.5 B parameters with embeddings) fit an H200 with
 recompute off. The last line printed is one JSON object. GPU run:
 
-    .venv/bin/python tools/bench_mfu.py --layers 16
-CPU smoke test (fp32, both sides' losses must agree step by step):
+    .venv/bin/python tools/bench_mfu.py --layers 16 [--trainer-path]
+CPU smoke test (fp32, both sides' losses must agree step by step; without a GPU the
+tiny shapes are the default, 7B-shape layers would not fit a CPU's memory):
 
     .venv/bin/python tools/bench_mfu.py --tiny
 """
@@ -46,11 +56,14 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import LlamaConfig
 
 from hfmeg.checkpoint.mp_layout import parse_dtype
 from hfmeg.config import model_config_from_hf
+from hfmeg.data.formats import Doc
+from hfmeg.data.packing import IGNORE, Packer, build_row
 from hfmeg.models.random_init import TensorSource, chunk_from_source, random_hf_model
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.pipeline import forward_backward
@@ -65,9 +78,13 @@ OPTIM = OptimizerConfig(mode="overlapped", impl="fused", lr=3e-4, beta1=0.9, bet
                         weight_decay=0.1, grad_clip=1.0)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tiny", action="store_true", help="CPU smoke-test shapes (defaults below become tiny)")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU smoke-test shapes (the default without a GPU; defaults below become tiny)")
+    p.add_argument("--trainer-path", action="store_true",
+                   help="packed SFT rows with position_ids/segment_ids, as the recipe feeds the trainer")
     for name in ("layers", "hidden", "ffn", "heads", "vocab", "seq", "micro-batch-size", "grad-accum", "steps",
                  "warmup"):
         p.add_argument(f"--{name}", type=int, default=None)
@@ -79,6 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None, help="dense peak per device (default: detected)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    if not (a.tiny or cuda):
+        print("bench_mfu: no GPU, running the tiny smoke shapes (LLaMA-7B shapes need a GPU: run it there)",
+              file=sys.stderr)
+        a.tiny = True
     for k, v in (TINY if a.tiny else SEVEN_B).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -148,14 +169,16 @@ def run_hf(model, batches, a, device) -> SideResult:
 
     def step(i):
         total = torch.zeros((), device=device)
-        for ids in batches[i]:
-            loss = forward(input_ids=ids, labels=ids).loss / len(batches[i])  # equal micro-batches: global mean
+        for mb in batches[i]:
+            # transformers shifts labels itself: un-shift the pre-shifted ones (the last is always ignored).
+            labels = torch.cat([torch.full_like(mb["labels"][:, :1], IGNORE), mb["labels"][:, :-1]], dim=1)
+            loss = forward(input_ids=mb["input_ids"], labels=labels).loss / len(batches[i])
             loss.backward()
             total += loss.detach().float()
         torch.nn.utils.clip_grad_norm_(params, OPTIM.grad_clip, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return total.item(), sum(ids.numel() for ids in batches[i])
+        return total.item(), sum(mb["input_ids"].numel() for mb in batches[i])
 
     return _measure(step, a, device)
 
@@ -166,19 +189,48 @@ def run_hfmeg(cfg, source, batches, a, device, dtype) -> SideResult:
     chunk = chunk_from_source(cfg, source, ps, dtype=dtype, recompute=a.recompute,
                               compile_backend="inductor" if a.compile else None)
     opt = DistributedOptimizer([chunk], ps, OPTIM)
-    ignore = torch.full((a.micro_batch_size, 1), -100, device=device)
-    # Pre-shifted labels (the data pipeline's convention): the same b * (s - 1) targets HF shifts out itself.
-    steps = [[{"input_ids": ids, "labels": torch.cat([ids[:, 1:], ignore], dim=1)} for ids in mbs]
-             for mbs in batches]
+    # The global batch's loss-token counts, read once here as the data pipeline hands them over.
+    num_tokens = [sum(int((mb["labels"] != IGNORE).sum()) for mb in mbs) for mbs in batches]
 
     def step(i):
-        mbs = steps[i]
-        num_tokens = sum(int(mb["input_ids"][:, 1:].numel()) for mb in mbs)
-        loss = forward_backward([chunk], ps, mbs, schedule="1f1b", num_tokens=num_tokens, grad_sync=opt)
+        mbs = batches[i]
+        loss = forward_backward([chunk], ps, mbs, schedule="1f1b", num_tokens=num_tokens[i], grad_sync=opt)
         opt.step()
         return loss, sum(mb["input_ids"].numel() for mb in mbs)
 
     return _measure(step, a, device)
+
+
+def packed_microbatches(a, rng: np.random.Generator) -> list[dict[str, torch.Tensor]]:
+    """`--micro-batch-size` rows packed as the recipe packs SFT data: prompt (no loss) + response documents."""
+    packer = Packer(a.seq, packing=True, pad_id=0)
+    mean = max(a.seq / 14, 4.0)
+    while len(packer.ready) < a.micro_batch_size:
+        n = int(np.clip(rng.lognormal(np.log(mean) - 0.18, 0.6), 4, a.seq))  # mean ~ seq/14
+        ids = rng.integers(1, a.vocab, n)
+        target = np.arange(n) > n // 3  # the first third is the prompt
+        packer.add(Doc(ids, target))
+    rows = [build_row(packer.take(), a.seq, 0) for _ in range(a.micro_batch_size)]
+    return {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
+
+
+def make_batches(a, device) -> list[list[dict[str, torch.Tensor]]]:
+    """Global batch i: `--grad-accum` micro-batches of input_ids and pre-shifted labels (and packing ids)."""
+    g = torch.Generator().manual_seed(a.seed + 1)
+    rng = np.random.default_rng(a.seed + 1)
+    ignore = torch.full((a.micro_batch_size, 1), IGNORE)
+    out = []
+    for _ in range(a.warmup + a.steps):
+        mbs = []
+        for _ in range(a.grad_accum):
+            if a.trainer_path:
+                mb = packed_microbatches(a, rng)
+            else:
+                ids = torch.randint(0, a.vocab, (a.micro_batch_size, a.seq), generator=g)
+                mb = {"input_ids": ids, "labels": torch.cat([ids[:, 1:], ignore], dim=1)}
+            mbs.append({k: v.to(device) for k, v in mb.items()})
+        out.append(mbs)
+    return out
 
 
 def _peak(a, device: torch.device) -> float | None:
@@ -194,9 +246,7 @@ def main(argv=None) -> dict:
                          num_attention_heads=a.heads, num_key_value_heads=a.heads, vocab_size=a.vocab,
                          max_position_embeddings=a.seq, rms_norm_eps=1e-5, tie_word_embeddings=False)
     cfg = model_config_from_hf(hf_cfg)
-    g = torch.Generator().manual_seed(a.seed + 1)
-    batches = [[torch.randint(0, a.vocab, (a.micro_batch_size, a.seq), generator=g).to(device)
-                for _ in range(a.grad_accum)] for _ in range(a.warmup + a.steps)]
+    batches = make_batches(a, device)
 
     model = random_hf_model(hf_cfg, seed=a.seed, dtype=dtype, device=device)
     source = TensorSource.snapshot(model)  # on the CPU: not counted in either side's GPU memory
@@ -220,7 +270,8 @@ def main(argv=None) -> dict:
         hfmeg_mfu=rate["hfmeg"], hf_mfu=rate["hf"],
         hfmeg_peak_mem_bytes=ours.peak_mem_bytes, hf_peak_mem_bytes=hf.peak_mem_bytes,
         hfmeg_tokens=ours.tokens, hf_tokens=hf.tokens, hfmeg_losses=ours.losses, hf_losses=hf.losses,
-        peak_flops=peak, flops_per_token=flops_per_token,
+        peak_flops=peak, flops_per_token=flops_per_token, trainer_path=a.trainer_path,
+        documents_per_row=_documents_per_row(batches) if a.trainer_path else 1.0,
         shapes=dict(layers=a.layers, hidden=a.hidden, ffn=a.ffn, heads=a.heads, vocab=a.vocab, seq=a.seq,
                     micro_batch_size=a.micro_batch_size, grad_accum=a.grad_accum, steps=a.steps, warmup=a.warmup),
         hfmeg_settings=f"compile={'inductor' if a.compile else 'none'} recompute={a.recompute} chunked-CE "
@@ -233,6 +284,12 @@ def main(argv=None) -> dict:
     return result
 
 
+def _documents_per_row(batches) -> float:
+    """Mean documents per packed row (padding is not one)."""
+    rows = [seg for mbs in batches for mb in mbs for seg in mb["segment_ids"]]
+    return sum(len(set(seg.tolist()) - {0}) for seg in rows) / len(rows)
+
+
 def _print_table(r: dict) -> None:
     def gib(b):
         return f"{b / 2**30:.2f}" if b is not None else "-"
@@ -240,7 +297,8 @@ def _print_table(r: dict) -> None:
     def pct(x):
         return f"{100 * x:.1f}" if x is not None else "-"
 
-    print(f"{r['device']}, {r['dtype']}, shapes {r['shapes']}")
+    path = f"trainer path, {r['documents_per_row']:.1f} documents/row" if r["trainer_path"] else "unpacked rows"
+    print(f"{r['device']}, {r['dtype']}, {path}, shapes {r['shapes']}")
     print(f"{'side':<8}{'tokens/s':>14}{'MFU %':>8}{'peak GiB':>10}{'first loss':>12}")
     for side in ("hfmeg", "hf"):
         print(f"{side:<8}{r[f'{side}_tokens_per_s']:>14.1f}{pct(r[f'{side}_mfu']):>8}"
