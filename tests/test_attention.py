@@ -7,6 +7,7 @@ packed == unpacked losses are in tests/test_data_batches.py.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -111,3 +112,35 @@ def test_rope_frequencies_are_copied_to_a_device_once(tmp_path):
     first = chunk.rope._inv_freq_for(positions)
     assert first.device.type == "meta" and chunk.rope._inv_freq_for(positions) is first
 
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flex_attention backward)")
+
+
+@cuda
+def test_flex_attention_forward_and_backward_equal_dense_mask_on_cuda():
+    for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 3e-2)):
+        q, k, v = (t.to("cuda", dtype).requires_grad_() for t in _qkv())
+        seg = SEGMENTS.cuda()
+        flex = plan(seg, flex=True)
+        assert flex.block is not None
+        got = attend(q, k, v, flex, scale=0.25, gqa=True)
+        want = attend(q, k, v, DocumentMask(dense=document_causal_mask(seg)), scale=0.25, gqa=True)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        g = torch.randn_like(got)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@cuda
+def test_packed_rows_on_cuda_match_the_cpu_dense_path(tmp_path):
+    folder = save_tiny("llama3", tmp_path / "m")
+    ids = torch.randint(0, 300, (2, 200), generator=torch.Generator().manual_seed(3))
+    labels, pos = torch.roll(ids, -1, 1), torch.arange(200).expand(2, 200)
+    losses = []
+    for device in ("cpu", "cuda"):
+        chunk = build_chunk_from_hf(folder, ParallelState(ParallelConfig(), 0, 1, torch.device(device)))
+        with torch.no_grad():
+            losses.append(chunk(ids.to(device), labels=labels.to(device), position_ids=pos.to(device),
+                                segment_ids=SEGMENTS.to(device)).cpu())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-4)

@@ -7,6 +7,7 @@ fp32 path keeps its own tests (tests/test_tp_parity.py).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hfmeg.parallel.linear_cross_entropy import linear_cross_entropy
@@ -52,3 +53,16 @@ def test_bf16_weight_without_main_grad_gets_its_gradient_from_autograd():
     _, grad_w = _reference(x, w, target)
     assert w.grad.dtype == torch.bfloat16
     torch.testing.assert_close(w.grad, grad_w.bfloat16(), rtol=8e-3, atol=0)  # one bf16 step: double rounding
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 GEMMs with fp32 output)")
+def test_bf16_weight_gradient_in_fp32_main_grad_on_cuda():
+    ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cuda"))
+    x, w, target = _inputs()
+    x, target = x.detach().cuda().requires_grad_(), target.cuda()
+    w = torch.nn.Parameter(w.detach().cuda())
+    w.main_grad = torch.zeros(V, H, device="cuda")
+    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
+    _, grad_w = _reference(x, w, target)
+    assert not w.grad.any()
+    torch.testing.assert_close(w.main_grad.double(), grad_w, rtol=1e-4, atol=1e-5)
