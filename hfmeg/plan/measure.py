@@ -4,13 +4,16 @@
 (`launch.spawn`): each case builds its rank's chunks (random weights), the
 distributed optimizer, and runs `steps` training steps through the pipeline
 executor. Memory is the saved-tensor meter's peak over one step plus the
-optimizer's buffers and state, per rank; time is the median step after the first.
+optimizer's buffers and state, per rank, over a first step that also warms up;
+time is the median of the `steps` later ones (without the meter's hooks), the
+first of them dropped when there are several.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -62,24 +65,24 @@ def _run_case(case: Case, steps: int) -> dict:
     m = lay.microbatches(case.global_batch)
     mbs = _batches(cfg, m, lay.micro_batch, case.seq_len, seed=ps.dp_rank)
     tokens = case.global_batch * (case.seq_len - 1)
-    times, peak = [], 0
-    for step in range(steps):
-        meter = SavedTensorMeter(chunks)
+    meter = SavedTensorMeter(chunks)
+    times = []
+    for step in range(steps + 1):  # step 0 measures memory (the meter's hooks cost time), the rest time
         dist.barrier()
         t0 = time.perf_counter()
-        with meter.hooks():
+        with meter.hooks() if step == 0 else nullcontext():
             forward_backward(chunks, ps, mbs, schedule=lay.schedule, num_tokens=tokens, grad_sync=opt,
                              loss_scale=opt.loss_scale)
         opt.step()
         opt.wait_params()  # the next step's forward would wait for these: charge them to this step
         dist.barrier()
         times.append(time.perf_counter() - t0)
-        peak = max(peak, meter.peak)
+    peak = meter.peak
     buffers = sum(g.param_buffer.numel() * g.param_buffer.element_size()
                   + g.grad_buffer.numel() * g.grad_buffer.element_size() for g in opt.groups)
     return dict(rank=dist.get_rank(), pp_rank=ps.pp_rank, activations=peak, buffers=buffers,
                 optimizer_state=opt.state_bytes(), bytes=peak + buffers + opt.state_bytes(),
-                step_s=statistics.median(times[1:]) if steps > 1 else times[0])
+                step_s=statistics.median(times[2:] if steps > 1 else times[1:]))
 
 
 def _worker(cases: list[Case], steps: int) -> list[dict]:

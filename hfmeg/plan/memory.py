@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from types import SimpleNamespace
 
 import torch
@@ -84,8 +85,18 @@ def _count_chunk(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: bool
 
 
 def _in_flight_peak(lay: PlanLayout, pp_rank: int, microbatches: int, per_chunk: list[int]) -> int:
+    """Peak of the saved bytes over this rank's plan (forwards add a chunk's bytes, backwards free them)."""
+    if lay.schedule == "gpipe":
+        return microbatches * sum(per_chunk)
+    # 1F1B and interleaved reach their steady state within a few rounds of pp micro-batches and repeat
+    # it after, so a longer step has the same peak: simulate at most 4·pp micro-batches (a multiple of pp).
+    return _simulated_peak(lay.schedule, lay.pp, pp_rank, lay.vpp, min(microbatches, 4 * lay.pp), tuple(per_chunk))
+
+
+@lru_cache(maxsize=65536)
+def _simulated_peak(schedule: str, pp: int, pp_rank: int, vpp: int, microbatches: int, per_chunk: tuple) -> int:
     live = peak = 0
-    for step in plan(lay.schedule, lay.pp, pp_rank, lay.vpp, microbatches):
+    for step in plan(schedule, pp, pp_rank, vpp, microbatches):
         for a in step:
             live += per_chunk[a.chunk] if a.kind == "F" else -per_chunk[a.chunk]
             peak = max(peak, live)

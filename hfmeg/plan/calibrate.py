@@ -1,0 +1,124 @@
+"""`hfmeg plan calibrate`: measure a `Profile` on the machine at hand.
+
+- matmul efficiency vs size: square matmuls from 64 to `max_n`, median of repeats,
+  as a fraction of the reference peak (the GPU's datasheet peak; on a CPU, the
+  best rate measured, since a CPU has no single published peak);
+- attention: causal SDPA forward + backward, on the causal half of Megatron's FLOPs;
+- streaming bandwidth (a large copy), the fixed cost of one small kernel, and of
+  one decoder layer's forward + backward at a size where compute is negligible;
+- collectives on the CPU: all-reduce bus bandwidth and latency between two forked
+  gloo ranks. One GPU cannot measure NCCL, so GPU profiles keep the cluster's
+  links at the default efficiency.
+
+CPU ranks run one intra-op thread each (as `launch.spawn` workers do), so the CPU
+profile is per rank, and `cores` records how many ranks can compute at once.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..parallel.launch import spawn
+from .profile import Profile
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _matmul_rates(device, dtype, max_n: int, repeats: int) -> list[tuple[float, float]]:
+    out, n = [], 64
+    while n <= max_n:
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        flops = 2.0 * n ** 3
+        out.append((flops, flops / _timed(lambda: a @ b, device, repeats)))
+        n *= 2
+    return out
+
+
+def _attention_rate(device, dtype, seq: int, heads: int, repeats: int) -> float:
+    q, k, v = (torch.randn(1, heads, seq, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def step():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    causal_flops = 3 * 2.0 * seq * seq * heads * 64  # forward 2·s²·h·d (causal half), backward twice that
+    return causal_flops / _timed(step, device, repeats)
+
+
+def _bandwidth(device, repeats: int) -> tuple[float, float]:
+    big = torch.empty(16 * 2**20, dtype=torch.float32, device=device)
+    dst = torch.empty_like(big)
+    bw = 2 * big.numel() * 4 / _timed(lambda: dst.copy_(big), device, repeats)
+    tiny = torch.zeros(8, device=device)
+    return bw, _timed(lambda: tiny.add_(1.0), device, repeats * 10)
+
+
+def _layer_overhead(device, repeats: int) -> float:
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from ..config import model_config_from_hf
+    from ..models.decoder import ModelChunk
+
+    layers = 4
+    cfg = model_config_from_hf(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                           num_attention_heads=4, vocab_size=128, max_position_embeddings=16))
+    chunk = ModelChunk(cfg, SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False), range(layers),
+                       pre_process=False, post_process=False).to(device)
+    with torch.no_grad():
+        for p in chunk.parameters():
+            p.normal_(0.0, 0.02)
+    x = torch.randn(8, 1, 32, device=device, requires_grad=True)
+    return _timed(lambda: chunk(x, seq_len=8).sum().backward(), device, repeats) / layers
+
+
+def _gloo_link(nbytes: int, repeats: int) -> tuple[float, float]:
+    big, small = torch.ones(nbytes // 4), torch.ones(1)
+    dist.barrier()
+    latency = _timed(lambda: dist.all_reduce(small), torch.device("cpu"), repeats * 5) / 2
+    seconds = _timed(lambda: dist.all_reduce(big), torch.device("cpu"), repeats)
+    n = dist.get_world_size()
+    return 2 * (n - 1) / n * nbytes / max(seconds - 2 * (n - 1) * latency, 1e-9), latency
+
+
+def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int | None = None,
+              repeats: int = 5, name: str | None = None) -> Profile:
+    """Measure this machine (CPU with gloo, or one GPU) and return its profile."""
+    dev = torch.device(device)
+    cpu = dev.type == "cpu"
+    if cpu:
+        torch.set_num_threads(1)
+    dtype = torch.float32 if cpu else torch.bfloat16
+    rates = _matmul_rates(dev, dtype, max_n or (1024 if cpu else 16384), repeats)
+    peak = peak_flops or max(r for _, r in rates)
+    attention = _attention_rate(dev, dtype, 512 if cpu else 4096, 4 if cpu else 32, repeats)
+    bw, overhead = _bandwidth(dev, repeats)
+    layer_overhead = _layer_overhead(dev, repeats)
+    link_bw = link_lat = cores = None
+    if cpu:
+        link_bw, link_lat = spawn(_gloo_link, 2, 16 * 2**20, repeats)[0]
+        cores = len(os.sched_getaffinity(0))
+    label = name or (f"cpu x{cores}" if cpu else torch.cuda.get_device_name(dev))
+    return Profile(label, peak, tuple((f, r / peak) for f, r in rates), attention / peak, bw, overhead,
+                   layer_overhead, 1.0, link_bw, link_lat, cores, meta={"dtype": str(dtype), "torch": torch.__version__})

@@ -1,0 +1,166 @@
+"""`hfmeg plan` / `python -m hfmeg.plan`: rank layouts, explain one, evaluate one, calibrate, scale.
+
+    python -m hfmeg.plan                                  # the built-in seed-cluster example
+    python -m hfmeg.plan --model meta-llama/Llama-2-13b-hf --gpu h100 --gpus 64 --global-batch-size 512 --seq-len 4096
+    python -m hfmeg.plan ... --tp 4 --pp 2 --micro-batch-size 1 --recompute selective --json
+    python -m hfmeg.plan ... --explain tp4sp-pp2-dp8-mb1-selective-overlapped
+    python -m hfmeg.plan calibrate --out profile.json [--device cuda]
+    python -m hfmeg.plan scaling                          # overlapped vs distributed, LLaMA-2-13B, 32..512 GPUs
+
+Bad input (unknown GPU, impossible layout, a model that fits nowhere) prints one
+line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import HfmegError
+from .calibrate import calibrate
+from .hardware import ClusterSpec, gpu_spec
+from .layout import PlanLayout, parse_layout
+from .models import resolve_model
+from .profile import default_profile, load_profile
+from .search import Evaluation, Job, best_layout, evaluate, search
+
+GIB = 2**30
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+SEED = dict(model="gpt-3.6b", gpu="a100-40", gpus=128, gpus_per_node=8, inter_node_gbps=100.0,
+            global_batch_size=512, seq_len=1024)
+
+
+def _job_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", help="built-in name, HF folder, config.json or Hub id (default: the seed example)")
+    ap.add_argument("--gpu", help="a100-40, a100-80, h100, h200 or custom")
+    ap.add_argument("--gpus", type=int)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--inter-node-gbps", type=float, help="network per node, Gbit/s, all NICs (default 100)")
+    ap.add_argument("--global-batch-size", type=int)
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    ap.add_argument("--optimizer", choices=("overlapped", "distributed", "ddp"), default="overlapped")
+    ap.add_argument("--profile", help="calibration JSON (default: the GPU kind's assumed profile)")
+    for flag in ("--peak-tflops", "--memory-gb", "--hbm-gbps", "--nvlink-gbps"):
+        ap.add_argument(flag, type=float, help="GPU numbers (required for --gpu custom; override otherwise)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hfmeg plan", description=__doc__.split("\n")[0])
+    _job_args(ap)
+    ap.add_argument("--tp", type=int, help="evaluate this one layout (with --pp, --micro-batch-size ...)")
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert parallelism: MoE is not supported yet (1 only)")
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--recompute", default="none")
+    ap.add_argument("--no-sequence-parallel", action="store_true")
+    ap.add_argument("--explain", metavar="LAYOUT", help="breakdown of one layout, by the name the table prints")
+    ap.add_argument("--json", action="store_true", help="last line: one JSON object")
+    ap.add_argument("--top", type=int, default=10)
+    return ap
+
+
+def _job(a) -> tuple[Job, list[str]]:
+    """The job from the flags; flags left out come from the seed example and are listed."""
+    defaulted = []
+    for key, value in SEED.items():
+        if getattr(a, key, None) is None:
+            setattr(a, key, value)
+            defaulted.append(key)
+    spec = gpu_spec(a.gpu, peak_tflops=a.peak_tflops, memory_gb=a.memory_gb, hbm_gbps=a.hbm_gbps,
+                    nvlink_gbps=a.nvlink_gbps)
+    cluster = ClusterSpec(spec, a.gpus, a.gpus_per_node, inter_node_bytes_per_s=a.inter_node_gbps * 1e9 / 8)
+    prof = load_profile(a.profile) if a.profile else default_profile(a.gpu, spec.peak_flops, spec.hbm_bytes_per_s)
+    return Job(resolve_model(a.model), cluster, prof, a.global_batch_size, a.seq_len, DTYPE_BYTES[a.dtype]), defaulted
+
+
+def _row(i, ev: Evaluation) -> str:
+    t = ev.time
+    return (f"{i:>3} {ev.layout.name():<44} {ev.memory.total / GIB:>8.1f} {t.step_s:>8.3f} "
+            f"{t.tokens_per_s_per_gpu:>9.0f} {t.tflops_per_gpu:>7.1f} {t.mfu:>6.1%}")
+
+
+HEADER = f"{'#':>3} {'layout':<44} {'GiB/GPU':>8} {'step s':>8} {'tok/s/GPU':>9} {'TFLOP/s':>7} {'MFU':>6}"
+
+
+def _explain(ev: Evaluation) -> None:
+    m, t = ev.memory, ev.time
+    print(f"{ev.layout.name()}  (schedule {ev.layout.schedule}, stage {m.stage} is the fullest)")
+    for key in ("param_buffer", "grad_buffer", "optimizer_state", "activations", "transient", "total"):
+        print(f"  memory {key:<16} {getattr(m, key) / GIB:>9.2f} GiB")
+    for key in ("compute_s", "tp_comm_s", "p2p_s", "bubble_s", "dp_exposed_s", "optimizer_s", "step_s"):
+        print(f"  time   {key:<16} {getattr(t, key):>9.4f} s")
+    print(f"  {t.tokens_per_s_per_gpu:.0f} tokens/s/GPU, {t.tflops_per_gpu:.1f} TFLOP/s/GPU, MFU {t.mfu:.1%}")
+
+
+def _plan(a) -> int:
+    if a.ep != 1:
+        raise HfmegError("--ep: expert parallelism needs MoE models, which hfmeg does not support yet")
+    job, defaulted = _job(a)
+    if defaulted:
+        print(f"[plan] using the built-in seed example for --{', --'.join(d.replace('_', '-') for d in defaulted)}"
+              f" ({job.cluster.nodes} nodes x {job.cluster.gpus_per_node} {job.cluster.gpu.name}, "
+              f"{a.inter_node_gbps:g} Gbps between nodes); pass them to plan your own job", file=sys.stderr)
+    if a.explain or a.tp:
+        lay = parse_layout(a.explain) if a.explain else PlanLayout(
+            a.tp, a.pp, a.gpus // max(1, a.tp * a.pp), a.micro_batch_size, a.vpp, a.recompute,
+            not a.no_sequence_parallel, a.optimizer)
+        ev = evaluate(job, lay)
+        _explain(ev)
+        if a.json:
+            print(json.dumps(ev.to_dict()))
+        return 0
+    fits, reasons, examples = search(job, a.optimizer)
+    print(HEADER)
+    for i, ev in enumerate(fits[: a.top], 1):
+        print(_row(i, ev))
+    print(f"{len(fits)} layouts fit; {sum(reasons.values())} rejected:")
+    for reason, n in reasons.most_common():
+        print(f"  {n:>4} x {reason} (e.g. {examples[reason]})")
+    plain = PlanLayout(1, 1, job.cluster.gpus, 1, optimizer=a.optimizer)
+    try:
+        ev = evaluate(job, plain)
+        print(f"plain data parallelism, best micro-batch 1: {_row('DP', ev)}")
+    except HfmegError as e:
+        print(f"plain data parallelism ({plain.name()}): {e}")
+    if not fits:
+        best_layout(job, a.optimizer)  # raises the one-line "fits nowhere" error
+    if a.json:
+        print(json.dumps(fits[0].to_dict()))
+    return 0
+
+
+def _calibrate(argv) -> int:
+    ap = argparse.ArgumentParser(prog="hfmeg plan calibrate", description="measure this machine's profile")
+    ap.add_argument("--device", default="cpu", help="cpu (gloo links too) or cuda[:N]")
+    ap.add_argument("--peak-tflops", type=float, help="reference peak (GPU: its datasheet dense bf16 figure)")
+    ap.add_argument("--max-n", type=int, help="largest square matmul")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    prof = calibrate(a.device, a.peak_tflops and a.peak_tflops * 1e12, a.max_n, a.repeats)
+    prof.save(a.out)
+    print(json.dumps({"profile": a.out, "name": prof.name, "peak_flops": prof.peak_flops,
+                      "matmul": prof.matmul, "attention_efficiency": prof.attention_efficiency,
+                      "memory_bytes_per_s": prof.memory_bytes_per_s, "layer_overhead_s": prof.layer_overhead_s,
+                      "link_bytes_per_s": prof.link_bytes_per_s}))
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # the `hfmeg` console script: `hfmeg plan ...`
+        argv = argv[1:]
+    try:
+        if argv[:1] == ["calibrate"]:
+            return _calibrate(argv[1:])
+        if argv[:1] == ["scaling"]:
+            from .scaling import main as scaling_main
+
+            return scaling_main(argv[1:])
+        return _plan(_parser().parse_args(argv))
+    except HfmegError as e:
+        print(f"hfmeg plan: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,83 @@
+"""`Profile`: what a device really achieves, measured by `hfmeg plan calibrate` or assumed.
+
+The step-time model needs four numbers the datasheet does not give: the fraction
+of peak a matmul of a given size reaches (a curve, by FLOPs per matmul), the same
+for the attention core, the streaming memory bandwidth (elementwise kernels,
+the optimizer update) with fixed costs per kernel and per decoder layer (Python,
+autograd and launches, which dominate small models), and how much of a link's
+bandwidth collectives reach, with their latency.
+
+A calibrated profile is a JSON file (`Profile.save` / `load_profile`). The shipped
+GPU profiles are assumptions, not measurements (no GPU was lent to calibrate):
+cuBLAS bf16 GEMM efficiency curves of the usual shape, FlashAttention-2 at half of
+peak on the causal half of the attention FLOPs, NCCL at 80 % of link bandwidth.
+Running `hfmeg plan calibrate` on the GPU replaces them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import UnsupportedConfigError
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    peak_flops: float  # the reference the efficiencies are fractions of
+    matmul: tuple[tuple[float, float], ...]  # (FLOPs of one matmul, fraction of peak), ascending FLOPs
+    attention_efficiency: float  # fraction of peak on the causal attention FLOPs (half of Megatron's count)
+    memory_bytes_per_s: float
+    kernel_overhead_s: float  # fixed cost of one small kernel (launch / dispatch)
+    layer_overhead_s: float  # fixed cost of one decoder layer's forward + backward (Python, autograd, launches)
+    link_efficiency: float = 0.8  # fraction of the cluster's link bandwidth collectives reach
+    link_bytes_per_s: float | None = None  # measured (calibrate): replaces the cluster's links
+    link_latency_s: float | None = None
+    cores: int | None = None  # CPU profiles: ranks beyond this many share the cores
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def efficiency(self, flops: float) -> float:
+        """Fraction of peak at `flops` per matmul, log-linear between calibrated points."""
+        xs = [math.log(f) for f, _ in self.matmul]
+        x = math.log(max(flops, 1.0))
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return self.matmul[0][1] * flops / self.matmul[0][0]  # below the curve: a fixed cost dominates
+        if i == len(xs):
+            return self.matmul[-1][1]
+        (x0, y0), (x1, y1) = (xs[i - 1], self.matmul[i - 1][1]), (xs[i], self.matmul[i][1])
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+
+def load_profile(path: str | Path) -> Profile:
+    try:
+        raw = json.loads(Path(path).read_text())
+        raw["matmul"] = tuple(tuple(p) for p in raw["matmul"])
+        return Profile(**raw)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise UnsupportedConfigError(f"{path}: not a calibration profile ({type(e).__name__}: {e})") from e
+
+
+_A100_CURVE = ((1e8, 0.10), (1e9, 0.35), (1e10, 0.62), (1e11, 0.78), (1e12, 0.85))
+_HOPPER_CURVE = ((1e8, 0.05), (1e9, 0.18), (1e10, 0.45), (1e11, 0.66), (1e12, 0.75))
+
+ASSUMED: dict[str, Profile] = {
+    "a100-40": Profile("a100 (assumed)", 312e12, _A100_CURVE, 0.5, 1.3e12, 5e-6, 2e-4),
+    "a100-80": Profile("a100 (assumed)", 312e12, _A100_CURVE, 0.5, 1.7e12, 5e-6, 2e-4),
+    "h100": Profile("h100 (assumed)", 989e12, _HOPPER_CURVE, 0.45, 2.8e12, 4e-6, 2e-4),
+    "h200": Profile("h200 (assumed)", 989e12, _HOPPER_CURVE, 0.45, 4.0e12, 4e-6, 2e-4),
+}
+
+
+def default_profile(kind: str, peak_flops: float, hbm_bytes_per_s: float) -> Profile:
+    """The assumed profile of a shipped GPU kind; a custom GPU borrows the Hopper curve at its own peak."""
+    if kind in ASSUMED:
+        return ASSUMED[kind]
+    return Profile(f"{kind} (assumed)", peak_flops, _HOPPER_CURVE, 0.45, 0.83 * hbm_bytes_per_s, 4e-6, 2e-4)

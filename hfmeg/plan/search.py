@@ -1,0 +1,100 @@
+"""Every layout of a job, evaluated: the ones that fit ranked by step time, the others with a reason.
+
+Candidates: TP a power of two up to the node size (TP stays inside NVLink), PP any
+divisor of what is left up to the number of layers, VPP 1/2/4
+(interleaved needs layers divisible by PP·VPP, as Megatron asks), micro-batch
+1/2/4/8, recompute none/selective/full, SP whenever TP > 1. `best_layout` is the
+call a trainer's `--layout auto` makes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from ..errors import HfmegError, LayoutError
+from .hardware import ClusterSpec
+from .layout import PlanLayout, check_layout
+from .memory import Memory, memory
+from .profile import Profile
+from .step_time import StepTime, step_time
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    layout: PlanLayout
+    memory: Memory
+    time: StepTime
+
+    def to_dict(self) -> dict:
+        t = self.time
+        return dict(layout=self.layout.name(), memory_bytes_per_gpu=self.memory.total, step_s=t.step_s,
+                    tokens_per_s_per_gpu=t.tokens_per_s_per_gpu, tflops_per_gpu=t.tflops_per_gpu, mfu=t.mfu,
+                    memory=self.memory.to_dict(), time=t.to_dict())
+
+
+@dataclass(frozen=True)
+class Job:
+    cfg: ModelConfig
+    cluster: ClusterSpec
+    profile: Profile
+    global_batch: int
+    seq_len: int
+    dtype_bytes: int = 2
+
+
+def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
+    """Memory and step time of one layout; LayoutError when it cannot run or does not fit."""
+    check_layout(job.cfg, lay, job.cluster.gpus, job.global_batch, job.seq_len)
+    mem = memory(job.cfg, lay, job.global_batch, job.seq_len, job.dtype_bytes)
+    if mem.total > job.cluster.usable_memory:
+        raise LayoutError(f"out of memory: needs {mem.total / GIB:.1f} GiB per GPU, "
+                          f"{job.cluster.usable_memory / GIB:.1f} GiB usable")
+    return Evaluation(lay, mem, step_time(job.cfg, lay, job.cluster, job.profile, job.global_batch, job.seq_len,
+                                          job.dtype_bytes))
+
+
+def candidates(job: Job, optimizer: str = "overlapped") -> list[PlanLayout]:
+    gpus, node = job.cluster.gpus, min(job.cluster.gpus_per_node, job.cluster.gpus)
+    out = []
+    tp = 1
+    while tp <= node:
+        for pp in (p for p in range(1, gpus // tp + 1) if (gpus // tp) % p == 0 and p <= job.cfg.num_layers):
+            dp = gpus // (tp * pp)
+            for vpp in (1, 2, 4) if pp > 1 else (1,):
+                if vpp > 1 and job.cfg.num_layers % (pp * vpp):
+                    continue
+                for mb in (1, 2, 4, 8):
+                    for rec in ("none", "selective", "full"):
+                        out.append(PlanLayout(tp, pp, dp, mb, vpp, rec, True, optimizer))
+        tp *= 2
+    return out
+
+
+def search(job: Job, optimizer: str = "overlapped") -> tuple[list[Evaluation], Counter, dict[str, str]]:
+    """(fitting layouts, fastest first; rejection counts by reason; one example layout per reason)."""
+    fits, reasons, examples = [], Counter(), {}
+    for lay in candidates(job, optimizer):
+        try:
+            fits.append(evaluate(job, lay))
+        except HfmegError as e:
+            reason = re.sub(r"\d+", "N", str(e).split(":")[0])  # one reason per rule, whatever the numbers
+            reasons[reason] += 1
+            examples.setdefault(reason, f"{lay.name()}: {e}")
+    fits.sort(key=lambda ev: ev.time.step_s)
+    return fits, reasons, examples
+
+
+def best_layout(job: Job, optimizer: str = "overlapped") -> Evaluation:
+    """The fastest layout that fits; LayoutError (one line) when none does."""
+    fits, reasons, examples = search(job, optimizer)
+    if not fits:
+        oom = examples.get("out of memory", "")  # the key `search` gives every OOM
+        raise LayoutError(f"the model fits no layout on {job.cluster.gpus} x {job.cluster.gpu.name}"
+                          + (f" (e.g. {oom})" if oom else "")
+                          + f"; {sum(reasons.values())} layouts rejected")
+    return fits[0]
