@@ -1,0 +1,40 @@
+"""tools/bench_activations.py at small shapes: JSON contract and the per-layer figures' invariants."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_activations.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("bench_activations", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_small_run_orders_the_modes_and_full_keeps_only_the_layer_input(capsys):
+    rows = _tool().main(["--hidden", "64", "--ffn", "176", "--heads", "4", "--seq", "32", "--tp", "2", "--sp"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert lines == json.loads(json.dumps(rows))
+    by = {r["recompute"]: r for r in lines}
+    assert set(by) == {"none", "selective", "full"}
+    # Full recompute keeps one bf16 copy of the layer's (sequence-parallel) input: 2 bytes x s/tp x b x h.
+    assert by["full"]["bytes_per_layer"] == 2 * 16 * 1 * 64 and by["full"]["sbh_multiple"] == 1.0
+    assert by["full"]["bytes_per_layer"] < by["selective"]["bytes_per_layer"] < by["none"]["bytes_per_layer"]
+
+
+def test_bad_arguments_exit_2_with_one_message(capsys):
+    tool = _tool()
+    for argv, field in ((["--heads", "7"], "--heads"), (["--sp"], "--sp"), (["--seq", "0"], "--seq")):
+        with pytest.raises(SystemExit) as e:
+            tool.parse_args(argv)
+        assert e.value.code == 2
+        assert field in capsys.readouterr().err.strip().splitlines()[-1]
