@@ -8,7 +8,7 @@ training steps: `--grad-accum` micro-batches of `--micro-batch-size` sequences
 forward and backward, gradient clipping at 1.0, AdamW (lr 3e-4, betas 0.9/0.95,
 weight decay 0.1 except norms) and the update.
 
-- hfmeg: a world of one (TP = PP = DP = 1), one `ModelChunk` with SDPA attention,
+- hfmeg: a world of one (TP = PP = DP = 1), one `ModelChunk` with document-causal attention,
   RMSNorm/RoPE/SwiGLU compiled by Inductor (`--compile`, default on CUDA), the
   chunked LM-head + cross-entropy, bf16 parameters; `DistributedOptimizer` (mode
   `overlapped`, torch fused AdamW on the fp32 master shard, fp32 main grads); the
