@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from ..errors import HfmegError
+from ..errors import HfmegError, LayoutError
 from .calibrate import calibrate
 from .hardware import ClusterSpec, gpu_spec
 from .layout import PlanLayout, parse_layout
@@ -27,8 +27,7 @@ from .search import Evaluation, Job, best_layout, evaluate, search
 
 GIB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-SEED = dict(model="gpt-3.6b", gpu="a100-40", gpus=128, gpus_per_node=8, inter_node_gbps=100.0,
-            global_batch_size=512, seq_len=1024)
+SEED = dict(model="gpt-3.6b", gpu="a100-40", gpus=128, global_batch_size=512, seq_len=1024)
 
 
 def _job_args(ap: argparse.ArgumentParser) -> None:
@@ -36,7 +35,7 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gpu", help="a100-40, a100-80, h100, h200 or custom")
     ap.add_argument("--gpus", type=int)
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--inter-node-gbps", type=float, help="network per node, Gbit/s, all NICs (default 100)")
+    ap.add_argument("--inter-node-gbps", type=float, default=100.0, help="network per node, Gbit/s, all NICs")
     ap.add_argument("--global-batch-size", type=int)
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
@@ -103,6 +102,8 @@ def _plan(a) -> int:
         print(f"[plan] using the built-in seed example for --{', --'.join(d.replace('_', '-') for d in defaulted)}"
               f" ({job.cluster.nodes} nodes x {job.cluster.gpus_per_node} {job.cluster.gpu.name}, "
               f"{a.inter_node_gbps:g} Gbps between nodes); pass them to plan your own job", file=sys.stderr)
+    if a.tp and a.gpus % (a.tp * a.pp):
+        raise LayoutError(f"--tp {a.tp} x --pp {a.pp} does not divide --gpus {a.gpus}")
     if a.explain or a.tp:
         lay = parse_layout(a.explain) if a.explain else PlanLayout(
             a.tp, a.pp, a.gpus // max(1, a.tp * a.pp), a.micro_batch_size, a.vpp, a.recompute,

@@ -82,7 +82,7 @@ def _run_case(case: Case, steps: int) -> dict:
                   + g.grad_buffer.numel() * g.grad_buffer.element_size() for g in opt.groups)
     return dict(rank=dist.get_rank(), pp_rank=ps.pp_rank, activations=peak, buffers=buffers,
                 optimizer_state=opt.state_bytes(), bytes=peak + buffers + opt.state_bytes(),
-                step_s=statistics.median(times[2:] if steps > 1 else times[1:]))
+                step_s=statistics.median(times[2:] if steps > 1 else times[1:] or times))
 
 
 def _worker(cases: list[Case], steps: int) -> list[dict]:

@@ -63,10 +63,14 @@ class Memory:
 _ELEMENTS: dict[tuple, tuple[int, int]] = {}  # the search asks for the same chunks many times
 
 
+def _cfg_key(cfg: ModelConfig) -> str:
+    return repr(sorted(cfg.to_dict().items()))
+
+
 def _chunk_elements(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: bool,
                     pp: int, shards: int, bucket_size: int) -> tuple[int, int]:
     """(parameter elements, padded bucket elements) of one chunk on one rank."""
-    key = (repr(sorted(cfg.to_dict().items())), tp, len(layers), pre, post, pp, shards,
+    key = (_cfg_key(cfg), tp, len(layers), pre, post, pp, shards,
            bucket_size)
     if key not in _ELEMENTS:
         _ELEMENTS[key] = _count_chunk(cfg, tp, layers, pre, post, pp, shards, bucket_size)
@@ -126,8 +130,12 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
     return Memory(pp_rank, params, dtype_bytes * padded, 4 * padded, 12 * padded // shards, activations, transient)
 
 
+def stage_memories(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,
+                   opt: OptimizerConfig | None = None) -> list[Memory]:
+    return [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt) for r in range(lay.pp)]
+
+
 def memory(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,
            opt: OptimizerConfig | None = None) -> Memory:
     """The pipeline stage that needs the most memory."""
-    stages = [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt) for r in range(lay.pp)]
-    return max(stages, key=lambda m: m.total)
+    return max(stage_memories(cfg, lay, global_batch, seq_len, dtype_bytes, opt), key=lambda m: m.total)

@@ -17,7 +17,7 @@ from ..config import ModelConfig
 from ..errors import HfmegError, LayoutError
 from .hardware import ClusterSpec
 from .layout import PlanLayout, check_layout
-from .memory import Memory, memory
+from .memory import Memory, stage_memories
 from .profile import Profile
 from .step_time import StepTime, step_time
 
@@ -50,12 +50,13 @@ class Job:
 def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
     """Memory and step time of one layout; LayoutError when it cannot run or does not fit."""
     check_layout(job.cfg, lay, job.cluster.gpus, job.global_batch, job.seq_len)
-    mem = memory(job.cfg, lay, job.global_batch, job.seq_len, job.dtype_bytes)
+    stages = stage_memories(job.cfg, lay, job.global_batch, job.seq_len, job.dtype_bytes)
+    mem = max(stages, key=lambda m: m.total)
     if mem.total > job.cluster.usable_memory:
         raise LayoutError(f"out of memory: needs {mem.total / GIB:.1f} GiB per GPU, "
                           f"{job.cluster.usable_memory / GIB:.1f} GiB usable")
     return Evaluation(lay, mem, step_time(job.cfg, lay, job.cluster, job.profile, job.global_batch, job.seq_len,
-                                          job.dtype_bytes))
+                                          job.dtype_bytes, memories=stages))
 
 
 def candidates(job: Job, optimizer: str = "overlapped") -> list[PlanLayout]:

@@ -33,7 +33,7 @@ from ..train.flops import training_flops
 from .activations import Shape, layer_bytes
 from .hardware import ClusterSpec
 from .layout import PlanLayout
-from .memory import stage_memory
+from .memory import Memory, stage_memories
 from .profile import Profile
 
 ADAMW_BYTES_PER_ELEMENT = 36
@@ -123,8 +123,11 @@ class _Stage:
 
 
 def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Profile, global_batch: int,
-              seq_len: int, dtype_bytes: int = 2, opt: OptimizerConfig | None = None) -> StepTime:
+              seq_len: int, dtype_bytes: int = 2, opt: OptimizerConfig | None = None,
+              memories: list[Memory] | None = None) -> StepTime:
+    """`memories`: the stages' `Memory` when the caller has them already (for their bucket sizes)."""
     opt = opt or OptimizerConfig(mode=lay.optimizer)
+    memories = memories or stage_memories(cfg, lay, global_batch, seq_len, dtype_bytes, opt)
     shape = Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute)
     m = lay.microbatches(global_batch)
     slow = max(1.0, lay.gpus / prof.cores) if prof.cores else 1.0
@@ -144,8 +147,7 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
         fwd = n * fwd_l + (head_f if post else 0.0)
         bwd = n * bwd_l + (head_b if post else 0.0)
         p2p = p2p_msg * sum((not s.pre_process) + (not s.post_process) for s in mine)
-        mem = stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt)
-        stages.append((fwd, bwd, n * comm_l, p2p, mem.param_buffer // dtype_bytes))
+        stages.append((fwd, bwd, n * comm_l, p2p, memories[r].param_buffer // dtype_bytes))
     per_mb = [f + b + c + p for f, b, c, p, _ in stages]
     slowest = max(range(lay.pp), key=lambda r: per_mb[r])
     bubble = (lay.pp - 1) / lay.vpp * sum(per_mb) / lay.pp

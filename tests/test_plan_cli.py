@@ -1,0 +1,114 @@
+"""`hfmeg plan`: the ranked table, one layout as JSON, bad inputs as one line and exit 2, calibration."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from transformers import LlamaConfig
+
+from hfmeg.plan.cli import main
+from hfmeg.plan.hardware import ClusterSpec, gpu_spec
+from hfmeg.plan.layout import PlanLayout, parse_layout
+from hfmeg.plan.memory import memory
+from hfmeg.plan.models import resolve_model
+from hfmeg.plan.profile import default_profile, load_profile
+from hfmeg.plan.search import Job, best_layout, evaluate
+
+JOB = ["--gpu", "h100", "--gpus", "16", "--global-batch-size", "64", "--seq-len", "2048"]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A 1.3B-ish LLaMA as an HF folder (config.json only: planning needs no weights)."""
+    folder = tmp_path_factory.mktemp("llama")
+    LlamaConfig(hidden_size=2048, intermediate_size=5504, num_hidden_layers=16, num_attention_heads=16,
+                num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096).save_pretrained(folder)
+    return folder
+
+
+def _fail(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hfmeg plan: "), err
+    return err[0]
+
+
+def test_one_layout_as_json(small, capsys):
+    argv = ["plan", "--model", str(small), *JOB, "--tp", "2", "--pp", "2", "--micro-batch-size", "2",
+            "--recompute", "selective", "--optimizer", "distributed", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("memory_bytes_per_gpu", "step_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu"):
+        assert out[key] > 0, key
+    assert out["layout"] == "tp2sp-pp2-dp4-mb2-selective-distributed"
+    lay = parse_layout(out["layout"])
+    assert out["memory_bytes_per_gpu"] == memory(resolve_model(str(small)), lay, 64, 2048).total
+    assert out["tokens_per_s_per_gpu"] == pytest.approx(64 * 2048 / out["step_s"] / 16)
+    assert 0 < out["mfu"] < 1
+
+
+def test_ranked_table_from_a_bare_config_json(small, capsys):
+    assert main(["--model", str(small / "config.json"), *JOB, "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"^\s*\d+ tp", line)]
+    assert len(rows) == 3
+    steps = [float(r.split()[3]) for r in rows]
+    assert steps == sorted(steps)
+    assert "rejected" in out and "plain data parallelism" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpu", "b300"], "--gpu 'b300' is not known"),
+    (["--gpu", "custom", "--peak-tflops", "100"], "--gpu custom needs"),
+    (["--tp", "3"], "--tp 3 x --pp 1 does not divide --gpus 16"),
+    (["--tp", "2", "--pp", "32", "--gpus", "64"], "more than the model's 16 layers"),
+    (["--tp", "2", "--pp", "2", "--recompute", "sometimes"], "--recompute"),
+    (["--ep", "2"], "MoE"),
+])
+def test_bad_inputs_exit_2_with_one_line(small, capsys, argv, words):
+    assert words in _fail(capsys, ["--model", str(small), *JOB, *argv])
+
+
+def test_model_that_fits_nowhere_and_unknown_models(capsys, tmp_path, monkeypatch):
+    line = _fail(capsys, ["--model", "llama2-70b", "--gpu", "a100-40", "--gpus", "1", "--global-batch-size", "8",
+                          "--seq-len", "4096"])
+    assert "fits no layout" in line
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: the env var is too late
+    assert "fetching its config.json failed" in _fail(capsys, ["--model", "nobody/no-such-model-xyz", *JOB])
+    assert "no such folder or file" in _fail(capsys, ["--model", str(tmp_path / "missing.json"), *JOB])
+
+
+def test_seed_example_by_default_prefers_model_parallelism_over_plain_dp():
+    cfg = resolve_model("gpt-3.6b")
+    spec = gpu_spec("a100-40")
+    job = Job(cfg, ClusterSpec(spec, 128, 8), default_profile("a100-40", spec.peak_flops, spec.hbm_bytes_per_s),
+              512, 1024)
+    best = best_layout(job)
+    plain = evaluate(job, PlanLayout(1, 1, 128, 1))
+    # 100 Gbps shared by 8 GPUs: plain DP moves 16 B x 3.8B params per step over it; model parallelism moves 1/(TP·PP).
+    assert best.time.step_s < plain.time.step_s / 4
+    assert best.layout.tp * best.layout.pp > 1
+
+
+def test_overlap_hides_dp_communication_that_distributed_mode_exposes():
+    cfg = resolve_model("llama2-13b")
+    spec = gpu_spec("h100")
+    cluster = ClusterSpec(spec, 128, 8, inter_node_bytes_per_s=4 * 200e9 / 8)
+    job = Job(cfg, cluster, default_profile("h100", spec.peak_flops, spec.hbm_bytes_per_s), 512, 4096)
+    over = evaluate(job, PlanLayout(4, 1, 32, 1, recompute="selective"))
+    dist = evaluate(job, PlanLayout(4, 1, 32, 1, recompute="selective", optimizer="distributed"))
+    assert over.time.dp_exposed_s < dist.time.dp_exposed_s
+    assert over.time.compute_s == dist.time.compute_s
+
+
+def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    assert main(["plan", "calibrate", "--max-n", "128", "--repeats", "1", "--out", str(out)]) == 0
+    prof = load_profile(out)
+    assert prof.cores >= 1 and prof.link_bytes_per_s > 0 and prof.layer_overhead_s > 0
+    assert max(e for _, e in prof.matmul) == pytest.approx(1.0)  # CPU: efficiency relative to the best rate
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["profile"] == str(out)

@@ -1,0 +1,61 @@
+"""The planner's memory model against what the runtime allocates: the saved-tensor meter's peak plus
+the optimizer's buffers and state, on forked gloo ranks (tools/check_plan.py runs the 23-layout grid)."""
+
+from __future__ import annotations
+
+import random
+
+from transformers import GPT2Config, LlamaConfig
+
+from hfmeg.config import model_config_from_hf
+from hfmeg.optim.config import OptimizerConfig
+from hfmeg.plan.layout import PlanLayout
+from hfmeg.plan.measure import Case, measure_cases
+from hfmeg.plan.memory import _simulated_peak, stage_memory
+
+SEQ = 32
+
+
+def _llama(layers: int, kv: int):
+    return model_config_from_hf(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                                            num_attention_heads=8, num_key_value_heads=kv, vocab_size=300,
+                                            max_position_embeddings=128))
+
+
+def test_memory_model_matches_meter_and_optimizer_exactly():
+    gpt2 = model_config_from_hf(GPT2Config(n_embd=64, n_layer=4, n_head=8, vocab_size=300, n_positions=128))
+    cases = [  # (config, layout, micro-batches per DP rank): TP+SP, uneven PP with selective, DP ddp with full
+        Case(_llama(4, 4), PlanLayout(2, 1, 1, 2), 2 * 2, SEQ, 5000),
+        Case(_llama(5, 8), PlanLayout(1, 2, 1, 2, recompute="selective"), 2 * 4, SEQ, 5000),
+        Case(gpt2, PlanLayout(1, 1, 2, 1, recompute="full", optimizer="ddp"), 2 * 2, SEQ, 5000),
+    ]
+    for case, per_rank in zip(cases, measure_cases(cases, steps=0)):
+        opt = OptimizerConfig(mode=case.layout.optimizer, bucket_size=case.bucket_size)
+        for r in per_rank:
+            m = stage_memory(case.cfg, case.layout, r["pp_rank"], case.global_batch, SEQ, 4, opt)
+            assert m.activations == r["activations"], (case.layout.name(), r)
+            assert m.param_buffer + m.grad_buffer == r["buffers"], (case.layout.name(), r)
+            assert m.optimizer_state == r["optimizer_state"], (case.layout.name(), r)
+
+
+def test_in_flight_peak_is_the_schedules_and_a_short_plan_gives_the_same():
+    # 1F1B keeps pp - r micro-batches on stage r, whatever m >= pp.
+    assert [_simulated_peak("1f1b", 4, r, 1, 16, (10,)) for r in range(4)] == [40, 30, 20, 10]
+    rng = random.Random(0)
+    for _ in range(200):  # the model simulates at most 4·pp micro-batches; longer plans peak the same
+        pp, vpp = rng.choice([2, 3, 4]), rng.choice([1, 2, 4])
+        schedule = "interleaved" if vpp > 1 else "1f1b"
+        m = pp * rng.randint(4, 10)
+        sizes = tuple(rng.randint(1, 999) for _ in range(vpp))
+        r = rng.randrange(pp)
+        assert _simulated_peak(schedule, pp, r, vpp, m, sizes) == _simulated_peak(schedule, pp, r, vpp, 4 * pp, sizes)
+
+
+def test_gpipe_keeps_every_microbatch_and_dp_shards_optimizer_state():
+    cfg = _llama(4, 4)
+    one = stage_memory(cfg, PlanLayout(1, 2, 1, 1, schedule="gpipe"), 0, 8, SEQ, 4)
+    f1b = stage_memory(cfg, PlanLayout(1, 2, 1, 1), 0, 8, SEQ, 4)
+    assert one.activations == 8 * f1b.activations // 2  # 8 in flight vs pp - 0 = 2
+    dp1 = stage_memory(cfg, PlanLayout(1, 1, 1, 1), 0, 8, SEQ, 2)
+    dp4 = stage_memory(cfg, PlanLayout(1, 1, 4, 1), 0, 8, SEQ, 2)
+    assert dp4.optimizer_state * 4 == dp1.optimizer_state + 12 * (dp4.grad_buffer - dp1.grad_buffer) // 4
