@@ -112,3 +112,12 @@ def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
     assert prof.cores >= 1 and prof.link_bytes_per_s > 0 and prof.layer_overhead_s > 0
     assert max(e for _, e in prof.matmul) == pytest.approx(1.0)  # CPU: efficiency relative to the best rate
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["profile"] == str(out)
+
+
+def test_scaling_mode_reports_both_optimizers(capsys):
+    assert main(["plan", "scaling", "--gpus", "32,64", "--tp", "8"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["gpus"] for r in rows] == [32, 64]
+    for r in rows:
+        assert r["overlapped"]["dp_exposed_s"] < r["distributed"]["dp_exposed_s"]
+    assert rows[0]["overlapped"]["scaling_efficiency"] == 1.0
