@@ -121,3 +121,13 @@ def test_scaling_mode_reports_both_optimizers(capsys):
     for r in rows:
         assert r["overlapped"]["dp_exposed_s"] < r["distributed"]["dp_exposed_s"]
     assert rows[0]["overlapped"]["scaling_efficiency"] == 1.0
+
+
+def test_published_comparison_reports_every_row(capsys, monkeypatch):
+    from hfmeg.plan import published
+
+    monkeypatch.setattr(published, "MEGATRON_2021", published.MEGATRON_2021[:2])
+    assert main(["published"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["published_tflops"] for r in lines[:-1]] == [137, 138]
+    assert lines[-1]["rows"] == 2 and lines[-1]["median_abs_error"] >= 0

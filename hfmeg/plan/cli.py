@@ -6,6 +6,7 @@
     python -m hfmeg.plan ... --explain tp4sp-pp2-dp8-mb1-selective-overlapped
     python -m hfmeg.plan calibrate --out profile.json [--device cuda]
     python -m hfmeg.plan scaling                          # overlapped vs distributed, LLaMA-2-13B, 32..512 GPUs
+    python -m hfmeg.plan published                        # predicted vs Megatron-LM's published A100 table
 
 Bad input (unknown GPU, impossible layout, a model that fits nowhere) prints one
 line and exits 2.
@@ -18,6 +19,7 @@ import json
 import sys
 
 from ..errors import HfmegError, LayoutError
+from . import published, scaling
 from .calibrate import calibrate
 from .hardware import ClusterSpec, gpu_spec
 from .layout import PlanLayout, parse_layout
@@ -158,9 +160,9 @@ def main(argv=None) -> int:
         if argv[:1] == ["calibrate"]:
             return _calibrate(argv[1:])
         if argv[:1] == ["scaling"]:
-            from .scaling import main as scaling_main
-
-            return scaling_main(argv[1:])
+            return scaling.main(argv[1:])
+        if argv[:1] == ["published"]:
+            return published.main(argv[1:])
         return _plan(_parser().parse_args(argv))
     except HfmegError as e:
         print(f"hfmeg plan: {e}", file=sys.stderr)
