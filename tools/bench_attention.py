@@ -33,7 +33,6 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hfmeg.checkpoint.mp_layout import parse_dtype
 from hfmeg.models.document_attention import DocumentMask, attend, document_causal_mask, plan
