@@ -4,12 +4,17 @@
         --tp 2 --pp 2 --max-steps 30 --out OUT --set optim.weight_decay=0.01
 
 Launch with `accelerate launch` or `torchrun`; a plain `python` run is a world of one.
-Bad configs exit with code 2 and one line naming the field.
+Bad configs exit with code 2 and one line naming the field, printed by rank 0 only
+(every rank validates the same config and exits the same way). Under `torchrun` or
+`accelerate launch` the launcher itself then exits 1 with its ChildFailedError
+report: torch's elastic agent raises that for any failed worker, whatever its code.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -17,6 +22,7 @@ import torch
 
 from ..errors import HfmegError
 from .config import TrainConfig, load_config
+from .validate import check_hub_login
 
 # flag -> (dotted config key, type, help)
 FLAGS = {
@@ -42,6 +48,23 @@ FLAGS = {
     "--out": ("checkpoint.out", str, "output folder (metrics, checkpoints, hf/)"),
     "--push-to-hub": ("hub.push_to_hub", str, "Hub repo id to upload the exported model to"),
 }
+
+
+# argparse takes "-1e-3" for a flag (its negative-number rule misses exponents), so `--lr -1e-3`
+# would fail as "expected one argument" instead of reaching the validator's message.
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$")
+
+
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """`--lr -1e-3` -> `--lr=-1e-3` for the numeric flags, so the value is parsed as a value."""
+    numeric = {flag for flag, (_, typ, _) in FLAGS.items() if typ in (int, float)}
+    out: list[str] = []
+    for tok in argv:
+        if out and out[-1] in numeric and _NEGATIVE_NUMBER.match(tok):
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
 
 
 def parser(description: str, default_config: Path) -> argparse.ArgumentParser:
@@ -70,7 +93,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if not sep:
             raise HfmegError(f"--set {item!r}: expected KEY=VALUE")
         overrides[key] = value
-    return load_config(args.config, overrides)
+    cfg, warnings = load_config(args.config, overrides)
+    for line in warnings:
+        _say(line)
+    return cfg
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _say(line: str) -> None:
+    """Print once per job: every rank checks the config, rank 0 speaks."""
+    if _is_rank0():
+        print(line, flush=True)
 
 
 def fit_to_model(cfg: TrainConfig) -> None:
@@ -79,24 +115,32 @@ def fit_to_model(cfg: TrainConfig) -> None:
     from ..config import load_hf_config, model_config_from_hf
 
     if not torch.cuda.is_available() and cfg.model.compile:
-        print("model.compile: torch.compile kernels are for GPUs; running eagerly on CPU")
+        _say("model.compile: torch.compile kernels are for GPUs; running eagerly on CPU")
         cfg.model.compile = False
     try:
         max_pos = model_config_from_hf(load_hf_config(resolve_hf_source(cfg.model.path))).max_positions
     except HfmegError:
         return  # an MP checkpoint folder, or an error the trainer reports with full context
     if cfg.data.seq_len > max_pos:
-        print(f"data.seq_len {cfg.data.seq_len} > the model's max_position_embeddings {max_pos}: using {max_pos}")
+        _say(f"data.seq_len {cfg.data.seq_len} > the model's max_position_embeddings {max_pos}: using {max_pos}")
         cfg.data.seq_len = max_pos
 
 
 def main(description: str, default_config: Path, argv: list[str] | None = None) -> int:
     from .trainer import Trainer
 
-    args = parser(description, default_config).parse_args(argv)
+    args = parser(description, default_config).parse_args(_attach_negative_values(sys.argv[1:] if argv is None
+                                                                                   else argv))
     try:
         cfg = config_from_args(args)
+        if cfg.hub.push_to_hub and _is_rank0():  # rank 0 uploads, so only its view of the Hub matters
+            _say(check_hub_login(cfg.hub.push_to_hub))
         fit_to_model(cfg)
+    except HfmegError as e:
+        if _is_rank0():
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
         result = Trainer(cfg).run()
     except HfmegError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,6 +15,7 @@ from ..data.config import DataConfig
 from ..optim.config import OptimizerConfig
 from ..optim.lr_schedule import LRScheduleConfig
 from .dataclass_io import ConfigError, build, load_yaml, set_dotted, to_dict
+from .validate import validate
 
 
 @dataclass
@@ -78,18 +79,23 @@ class TrainConfig:
         return to_dict(self)
 
 
-def load_config(yaml_path: str | Path | None, overrides: dict[str, Any]) -> TrainConfig:
-    """The YAML file (if any) with dotted overrides (`{"optim.lr": 1e-4}`) applied on top."""
+def load_config(yaml_path: str | Path | None, overrides: dict[str, Any],
+                world_size: int | None = None) -> tuple[TrainConfig, list[str]]:
+    """The YAML file (if any) with dotted overrides (`{"optim.lr": 1e-4}`) applied on top, validated.
+
+    Returns the config and the validation's warnings; `world_size` defaults to `$WORLD_SIZE` (1)."""
     data = load_yaml(yaml_path) if yaml_path else {}
     for key, value in overrides.items():
         if value is not None:
             set_dotted(data, key, value)
     lr = data.setdefault("lr", {})
-    if isinstance(lr, dict) and "total_steps" not in lr:
-        lr["total_steps"] = data.get("train", {}).get("max_steps", LoopArgs.max_steps)
+    steps = data.get("train", {}).get("max_steps", LoopArgs.max_steps)
+    # A bad max_steps is left to `validate`, which names train.max_steps rather than lr.total_steps.
+    if isinstance(lr, dict) and "total_steps" not in lr and str(steps).isdigit() and int(steps) >= 1:
+        lr["total_steps"] = steps
     cfg = build(TrainConfig, data)
     if not cfg.model.path:
         raise ConfigError("model.path is required (--model)")
     if not cfg.data.sources:
         raise ConfigError("data.sources is empty (--data)")
-    return cfg
+    return cfg, validate(cfg, world_size)

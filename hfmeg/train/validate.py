@@ -1,0 +1,159 @@
+"""Start-up validation: everything about a run that can be known before any heavy work.
+
+`validate(cfg, world_size)` checks every numeric field's range, the batch and layout
+arithmetic, evaluation against eval data, `--resume` and `--push-to-hub`'s repo id and
+token; it raises `ConfigError` with one line naming the field at the first problem and
+returns the warnings (e.g. a warm-up as long as the run). It is pure and cheap, so
+`load_config` runs it on every rank: a bad config stops every rank the same way
+before they join a process group or download a model. `check_hub_login` is the one
+network check (whoami), with a short timeout: where the Hub cannot be reached the
+check is skipped, said so, and never hangs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .dataclass_io import ConfigError
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+WHOAMI_TIMEOUT_S = 10.0
+
+
+def _at_least(value: float, low: float, field: str) -> None:
+    if not value >= low:
+        raise ConfigError(f"{field}: must be >= {low:g}, got {value:g}")
+
+
+def _positive(value: float, field: str) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{field}: must be a finite number > 0, got {value:g}")
+
+
+def _ranges(cfg: TrainConfig) -> None:
+    m, p, o, lr, t, c = cfg.model, cfg.parallel, cfg.optim, cfg.lr, cfg.train, cfg.checkpoint
+    for value, field in ((m.vocab_multiple, "model.vocab_multiple"), (m.ce_chunk_tokens, "model.ce_chunk_tokens"),
+                         (p.tp, "parallel.tp"), (p.pp, "parallel.pp"), (p.vpp, "parallel.vpp"),
+                         (t.micro_batch_size, "train.micro_batch_size"),
+                         (t.global_batch_size, "train.global_batch_size"), (t.max_steps, "train.max_steps"),
+                         (t.eval_batches, "train.eval_batches"), (c.keep_last, "checkpoint.keep_last"),
+                         (o.bucket_size, "optim.bucket_size")):
+        _at_least(value, 1, field)
+    for value, field in ((t.eval_every, "train.eval_every"), (t.max_skipped_steps, "train.max_skipped_steps"),
+                         (c.save_every, "checkpoint.save_every"), (lr.warmup_steps, "lr.warmup_steps"),
+                         (o.weight_decay, "optim.weight_decay"), (o.grad_clip, "optim.grad_clip"),
+                         (lr.min_lr, "lr.min_lr"), (cfg.data.eval_holdout, "data.eval_holdout")):
+        _at_least(value, 0, field)
+    _at_least(cfg.data.seq_len, 2, "data.seq_len")
+    _positive(o.lr, "optim.lr")
+    _positive(o.eps, "optim.eps")
+    for value, field in ((o.beta1, "optim.beta1"), (o.beta2, "optim.beta2")):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{field}: must be in [0, 1), got {value:g}")
+    if lr.min_lr > o.lr:
+        raise ConfigError(f"lr.min_lr: {lr.min_lr:g} is above the peak optim.lr {o.lr:g}")
+    if p.pp_layers is not None:
+        if len(p.pp_layers) != p.pp * p.vpp or min(p.pp_layers) < 1:
+            raise ConfigError(f"parallel.pp_layers: expected {p.pp * p.vpp} layer counts >= 1 (pp x vpp), "
+                              f"got {p.pp_layers}")
+
+
+def _layout(cfg: TrainConfig, world_size: int) -> None:
+    p, t = cfg.parallel, cfg.train
+    if world_size % (p.tp * p.pp):
+        raise ConfigError(f"parallel.tp x parallel.pp = {p.tp * p.pp} does not divide the {world_size} processes "
+                          "launched")
+    dp = world_size // (p.tp * p.pp)
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not a multiple of "
+                          f"train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
+
+
+def _eval(cfg: TrainConfig) -> None:
+    t, d = cfg.train, cfg.data
+    if 0 < t.eval_every <= t.max_steps and not d.eval_sources and not d.eval_holdout:
+        raise ConfigError(f"train.eval_every: {t.eval_every} asks for evaluation but there is no eval data: set "
+                          "data.eval_holdout (records held out of training, e.g. 64) or data.eval_sources, or "
+                          "train.eval_every=0")
+
+
+def _resume(cfg: TrainConfig) -> None:
+    resume = cfg.checkpoint.resume
+    if resume not in ("none", "auto") and not Path(resume).is_dir():
+        raise ConfigError(f"checkpoint.resume: {resume!r} is neither none, auto nor an existing checkpoint folder")
+
+
+def _hub(cfg: TrainConfig) -> None:
+    from huggingface_hub import get_token
+    from huggingface_hub.constants import is_offline_mode
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    repo = cfg.hub.push_to_hub
+    if not repo:
+        return
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        raise ConfigError(f"hub.push_to_hub: {repo!r} is not a valid Hub repo id ({str(e).splitlines()[0]})") from None
+    if is_offline_mode():
+        raise ConfigError("hub.push_to_hub: HF_HUB_OFFLINE is set, so the upload at the end would fail")
+    if not get_token():
+        raise ConfigError("hub.push_to_hub: no Hugging Face token found; set HF_TOKEN or run `hf auth login` "
+                          "before training (the upload happens at the end of the run)")
+
+
+def validate(cfg: TrainConfig, world_size: int | None = None) -> list[str]:
+    """Raise `ConfigError` at the first invalid setting; return warnings (one line each)."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+    _ranges(cfg)
+    _layout(cfg, world)
+    _eval(cfg)
+    _resume(cfg)
+    _hub(cfg)
+    warnings = []
+    if cfg.lr.warmup_steps >= cfg.train.max_steps:
+        warnings.append(f"warning: lr.warmup_steps {cfg.lr.warmup_steps} >= train.max_steps {cfg.train.max_steps}: "
+                        f"the learning rate never reaches optim.lr {cfg.optim.lr:g}")
+    return warnings
+
+
+def check_hub_login(repo_id: str, timeout: float = WHOAMI_TIMEOUT_S) -> str:
+    """Ask the Hub whose token this is (rank 0, at start); returns one line to print.
+
+    A rejected token raises `ConfigError`; no answer within `timeout` (offline, firewalled)
+    skips the check. whoami runs in a daemon thread because a hung connection must not
+    hold up the start of training."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    answer: dict = {}
+
+    def ask() -> None:
+        try:
+            answer["user"] = HfApi().whoami()
+        except Exception as e:  # noqa: BLE001 - reported below, whatever the transport raised
+            answer["error"] = e
+
+    thread = threading.Thread(target=ask, daemon=True, name="hfmeg-whoami")
+    thread.start()
+    thread.join(timeout)
+    error = answer.get("error")
+    if isinstance(error, HfHubHTTPError) and error.response is not None and error.response.status_code in (401, 403):
+        raise ConfigError("hub.push_to_hub: the Hub rejected the Hugging Face token (invalid or expired); "
+                          "set a valid HF_TOKEN or run `hf auth login`")
+    if "user" in answer:
+        name = answer["user"].get("name", "?")
+        namespace = repo_id.split("/")[0] if "/" in repo_id else name
+        orgs = {o.get("name") for o in answer["user"].get("orgs", [])}
+        if namespace != name and namespace not in orgs:
+            raise ConfigError(f"hub.push_to_hub: the token belongs to {name!r}, which cannot create repos under "
+                              f"{namespace!r}")
+        return f"push to hub: {repo_id} as {name}"
+    reason = type(error).__name__ if error is not None else f"no answer in {timeout:g} s"
+    return f"push to hub: could not reach the Hub to check the token ({reason}); checked again at upload time"

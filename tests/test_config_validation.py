@@ -1,0 +1,131 @@
+"""Start-up validation (issue 18 #2, #6, #12): every bad setting is one line and exit 2 before any work.
+
+The recipe command line runs in-process through `hfmeg.train.cli.main` (the recipes'
+own entry point), except for the one torchrun test, which checks what the launcher
+does with the workers' exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hfmeg.train import cli
+from hfmeg.train.config import load_config
+from hfmeg.train.dataclass_io import ConfigError
+from hfmeg.train.validate import check_hub_login
+
+ROOT = Path(__file__).resolve().parents[1]
+SFT = ROOT / "recipes" / "configs" / "sft_llama13b.yaml"
+PRETRAIN = ROOT / "recipes" / "configs" / "pretrain_llama.yaml"
+BASE = ["--model", "no/model", "--data", "no-data.json", "--tp", "1", "--out", "never-written"]
+
+
+@pytest.fixture(autouse=True)
+def _one_process_no_token(monkeypatch, tmp_path):
+    for name in ("RANK", "WORLD_SIZE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no cached login either
+    monkeypatch.chdir(tmp_path)
+
+
+def _refused(capsys, argv: list[str], expect: str) -> None:
+    assert cli.main("test", SFT, BASE + argv) == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    assert lines == [f"error: {expect}"] or (len(lines) == 1 and expect in lines[0]), out + err
+    assert not Path("never-written").exists()
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--lr", "-1e-3"], "optim.lr: must be a finite number > 0, got -0.001"),  # was parsed as a flag
+    (["--lr=0"], "optim.lr: must be a finite number > 0, got 0"),
+    (["--keep-last", "0"], "checkpoint.keep_last: must be >= 1, got 0"),
+    (["--set", "model.vocab_multiple=0"], "model.vocab_multiple: must be >= 1, got 0"),  # was ZeroDivisionError
+    (["--max-steps", "-5"], "train.max_steps: must be >= 1, got -5"),
+    (["--seq-len", "1"], "data.seq_len must be >= 2, got 1"),
+    (["--save-every", "-1"], "checkpoint.save_every: must be >= 0, got -1"),
+    (["--warmup-steps", "-2"], "lr schedule fields warmup_steps >= 0"),  # checked by LRScheduleConfig itself
+    (["--set", "optim.beta2=1.0"], "optim.beta2: must be in [0, 1), got 1"),
+    (["--global-batch-size", "7", "--micro-batch-size", "2"],
+     "train.global_batch_size: 7 is not a multiple of train.micro_batch_size x data-parallel size = 2 x 1"),
+    (["--tp", "2"], "parallel.tp x parallel.pp = 2 does not divide the 1 processes launched"),
+    (["--resume", "no/such/checkpoint"], "checkpoint.resume: 'no/such/checkpoint' is neither none, auto nor"),
+    (["--set", "data.eval_holdout=0"], "train.eval_every: 100 asks for evaluation but there is no eval data"),
+    (["--push-to-hub", "bad//id"], "hub.push_to_hub: 'bad//id' is not a valid Hub repo id"),
+    (["--push-to-hub", "me/tiny"], "hub.push_to_hub: no Hugging Face token found"),
+])
+def test_bad_settings_are_one_line_and_exit_2(capsys, argv, expect):
+    _refused(capsys, argv, expect)
+
+
+def test_only_rank_0_prints_but_every_rank_exits_2(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert cli.main("test", SFT, BASE + ["--lr", "-1"]) == 2
+    out, err = capsys.readouterr()
+    assert out + err == ""
+
+
+def test_the_recipes_defaults_evaluate_on_held_out_data():
+    """The recipes evaluate every 100/200 steps: they must bring eval data (they crashed at that step)."""
+    for yaml, world in ((SFT, 8), (PRETRAIN, 8)):
+        cfg, warnings = load_config(yaml, {"model.path": "m", "data.sources": [{"path": "d.json"}]}, world_size=world)
+        assert 0 < cfg.train.eval_every <= cfg.train.max_steps and cfg.data.eval_holdout > 0
+        assert warnings == []
+
+
+def test_warm_up_as_long_as_the_run_is_a_warning():
+    cfg, warnings = load_config(SFT, {"model.path": "m", "data.sources": [{"path": "d.json"}], "train.max_steps": 30,
+                                      "parallel.tp": 1})
+    assert warnings == ["warning: lr.warmup_steps 30 >= train.max_steps 30: the learning rate never reaches "
+                        "optim.lr 2e-05"]
+
+
+def test_hub_login_check_rejects_a_bad_token_and_skips_when_unreachable(monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError
+
+    class Response:
+        status_code, headers, request = 401, {}, None
+
+    class Api:
+        def whoami(self):
+            raise HfHubHTTPError("401", response=Response())
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+    with pytest.raises(ConfigError, match="the Hub rejected the Hugging Face token"):
+        check_hub_login("me/tiny")
+    Api.whoami = lambda self: {"name": "me", "orgs": [{"name": "team"}]}
+    assert check_hub_login("team/tiny") == "push to hub: team/tiny as me"
+    with pytest.raises(ConfigError, match="belongs to 'me', which cannot create repos under 'other'"):
+        check_hub_login("other/tiny")
+
+    def hang(self):
+        import time
+        time.sleep(30)
+
+    Api.whoami = hang
+    line = check_hub_login("me/tiny", timeout=0.2)
+    assert "could not reach the Hub to check the token (no answer in 0.2 s)" in line
+
+
+def test_under_torchrun_a_config_error_is_one_line_and_workers_exit_2(tmp_path):
+    """torchrun's elastic agent turns any failed worker into its own exit 1 plus a ChildFailedError report;
+    what hfmeg controls is that the error is printed once and the workers exit 2."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this interpreter")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", str(ROOT / "recipes" / "sft_llama13b.py"), *BASE,
+                           "--lr", "-1e-3"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180)
+    text = proc.stdout + proc.stderr
+    assert [line for line in text.splitlines() if line.startswith("error:")] == [
+        "error: optim.lr: must be a finite number > 0, got -0.001"], text
+    # The root cause is a worker's exit 2 (the agent may SIGTERM the other worker before it exits on its own).
+    assert "exitcode  : 2" in text.split("Root Cause")[1], text
+    assert proc.returncode == 1  # torch.distributed.run: ChildFailedError, whatever the workers' code
