@@ -13,9 +13,11 @@ no s² term is kept).
 
 The CPU default is `--seq 512` (13B layers at seq 4096 take minutes per forward on
 two cores); activations are linear in s, so the multiple carries over. One JSON line
-per mode, then a table:
+per mode, then a table. `--compile` runs norm/RoPE/SwiGLU through Inductor as the
+GPU recipes do (`compile: true`); its partitioner keeps fewer intermediates than
+the eager kernels (e.g. no fp32 copy of each norm's input):
 
-    .venv/bin/python tools/bench_activations.py [--tp 2 --sp]
+    .venv/bin/python tools/bench_activations.py [--tp 2 --sp] [--compile]
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--compile", action="store_true",
+                   help="norm/RoPE/SwiGLU compiled by Inductor, as the GPU recipes run them (default: eager)")
     a = p.parse_args(argv)
     for k in ("hidden", "ffn", "heads", "seq", "micro_batch", "tp"):
         if getattr(a, k) < 1:
@@ -62,7 +66,7 @@ def _saved_bytes(a, ps: ParallelState, layers: int, recompute: str) -> int:
                      max_position_embeddings=a.seq)
     torch.manual_seed(0)
     chunk = ModelChunk(model_config_from_hf(hf), ps, range(layers), pre_process=False, post_process=False,
-                       recompute=recompute)
+                       recompute=recompute, compile_backend="inductor" if a.compile else None)
     with torch.no_grad():
         for p in chunk.parameters():
             p.normal_(0.0, 0.02)
@@ -98,12 +102,13 @@ def main(argv=None) -> list[dict]:
     for mode, (per_layer, shared) in measured.items():
         rows.append(dict(recompute=mode, bytes_per_layer=per_layer, shared_bytes=shared,
                          sbh_multiple=per_layer / sbh,
-                         dtype=a.dtype, tp=a.tp, sp=a.sp,
+                         dtype=a.dtype, tp=a.tp, sp=a.sp, compile=a.compile,
                          shapes=dict(hidden=a.hidden, ffn=a.ffn, heads=a.heads, seq=a.seq,
                                      micro_batch=a.micro_batch)))
     for r in rows:
         print(json.dumps(r))
-    print(f"activations per layer per TP rank, {a.dtype}, tp={a.tp} sp={a.sp}, {rows[0]['shapes']}")
+    kernels = "inductor" if a.compile else "eager"
+    print(f"activations per layer per TP rank, {a.dtype}, {kernels} kernels, tp={a.tp} sp={a.sp}, {rows[0]['shapes']}")
     print(f"{'recompute':<11}{'MiB/layer':>11}{'x s*b*h':>9}{'shared MiB':>12}")
     for r in rows:
         print(f"{r['recompute']:<11}{r['bytes_per_layer'] / 2**20:>11.1f}{r['sbh_multiple']:>9.2f}"
