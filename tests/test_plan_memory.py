@@ -24,9 +24,10 @@ def _llama(layers: int, kv: int):
 
 def test_memory_model_matches_meter_and_optimizer_exactly():
     gpt2 = model_config_from_hf(GPT2Config(n_embd=64, n_layer=4, n_head=8, vocab_size=300, n_positions=128))
-    cases = [  # (config, layout, micro-batches per DP rank): TP+SP, uneven PP with selective, DP ddp with full
-        Case(_llama(4, 4), PlanLayout(2, 1, 1, 2), 2 * 2, SEQ, 5000),
-        Case(_llama(5, 8), PlanLayout(1, 2, 1, 2, recompute="selective"), 2 * 4, SEQ, 5000),
+    cases = [  # TP+SP with GQA and selective recompute; MHA (Q a view of QKV) on an uneven 3+2 PP split;
+        # GPT-2 (tied embeddings, LayerNorm, no RoPE) on DP=2 with ddp and full recompute
+        Case(_llama(4, 4), PlanLayout(2, 1, 1, 2, recompute="selective"), 2 * 2, SEQ, 5000),
+        Case(_llama(5, 8), PlanLayout(1, 2, 1, 2), 2 * 4, SEQ, 5000),
         Case(gpt2, PlanLayout(1, 1, 2, 1, recompute="full", optimizer="ddp"), 2 * 2, SEQ, 5000),
     ]
     for case, per_rank in zip(cases, measure_cases(cases, steps=0)):
