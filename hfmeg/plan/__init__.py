@@ -2,6 +2,9 @@
 
 hardware.py (GPU kinds, clusters) -> activations.py + memory.py (bytes per GPU) ->
 profile.py + step_time.py (seconds per step, from a calibrated profile) ->
-search.py (every layout that fits, ranked) -> cli.py (`python -m hfmeg.plan`).
-measure.py and calibrate.py run real steps and kernels to check and feed the model.
+search.py (every layout that fits, ranked; `best_layout`) -> cli.py (`python -m hfmeg.plan`,
+`hfmeg plan`), with scaling.py (overlapped vs distributed optimizer at scale) and
+published.py (predicted vs Megatron-LM's published table). measure.py and
+calibrate.py run real steps and kernels to check and feed the model
+(tools/check_plan.py). MoE / expert parallelism is not modelled: hfmeg has no MoE yet.
 """

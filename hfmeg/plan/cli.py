@@ -125,7 +125,7 @@ def _plan(a) -> int:
     plain = PlanLayout(1, 1, job.cluster.gpus, 1, optimizer=a.optimizer)
     try:
         ev = evaluate(job, plain)
-        print(f"plain data parallelism, best micro-batch 1: {_row('DP', ev)}")
+        print(f"plain data parallelism (micro-batch 1):\n{_row('DP', ev)}")
     except HfmegError as e:
         print(f"plain data parallelism ({plain.name()}): {e}")
     if not fits:
