@@ -121,4 +121,5 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
         cores = len(os.sched_getaffinity(0))
     label = name or (f"cpu x{cores}" if cpu else torch.cuda.get_device_name(dev))
     return Profile(label, peak, tuple((f, r / peak) for f, r in rates), attention / peak, bw, overhead,
-                   layer_overhead, 1.0, link_bw, link_lat, cores, meta={"dtype": str(dtype), "torch": torch.__version__})
+                   layer_overhead, 1.0, link_bw, link_lat, cores,
+                   meta={"dtype": str(dtype), "torch": torch.__version__})
