@@ -161,8 +161,11 @@ def test_load_chunks_checks_the_layout(sources, tmp_path):
     ps = ParallelState(ParallelConfig(tp=1, pp=1, vpp=2), 0, 1, torch.device("cpu"))
     chunks = load_chunks_from_mp(tmp_path / "mp", ps)
     assert [c.layer_ids for c in chunks] == [[0, 1], [2, 3]]
-    with pytest.raises(LayoutError, match=r"saved with TP=1 PP=1 VPP=2, but this run uses TP=1 PP=1 VPP=1"):
+    with pytest.raises(LayoutError, match=r"saved with TP=1 PP=1 VPP=2, but this run uses TP=1 PP=1 VPP=1") as e:
         load_chunks_from_mp(tmp_path / "mp", ParallelState(ParallelConfig(), 0, 1, torch.device("cpu")))
+    # The hint is exact: resharding keeps the weights only, so it is a new run from them (issue 18 #7).
+    assert "--model NEW --resume none (optimizer state, step, LR schedule and data position start afresh)" in str(
+        e.value)
 
 
 

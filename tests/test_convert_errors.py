@@ -6,6 +6,7 @@ path as the shell, minus the interpreter start-up).
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import shutil
@@ -180,3 +181,93 @@ def test_bad_mp_inputs(capsys, tmp_path, stories):
     _fails(capsys, "reshard_mp", ["--mp", str(tmp_path / "mp"), "--out", str(tmp_path / "r"), "--tp", "1", "--pp", "1"],
            "mp_rank_01/model.safetensors: tensor embed.weight has shape [512, 64], the layout implies [256, 64]",
            [tmp_path / "mp"], tmp_path / "r")
+
+
+class _FullDiskFile:
+    """An open file on a full disk: writes fail, and so does the flush when it is closed."""
+
+    def __init__(self, path, mode):
+        self._real = open(path, mode)
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        self._real.close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_full_disk_whose_close_fails_too_is_one_line(capsys, monkeypatch, tmp_path, stories):
+    """The writer's abort closed the file, whose flush raised a second, raw OSError (issue 18 #6)."""
+    monkeypatch.setattr(st_stream, "open", _FullDiskFile, raising=False)
+    line = _to_mp(capsys, stories, tmp_path / "out", "No space left on device", "--tp", "2", "--pp", "1")
+    assert "mp_rank_" in line  # names the file
+
+
+def test_read_only_output_storage(capsys, monkeypatch, tmp_path, stories):
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self.name.startswith(".out.tmp"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    _to_mp(capsys, stories, tmp_path / "out", "cannot create the output folder (Read-only file system)")
+
+
+def test_an_oserror_no_layer_named_is_still_one_line(capsys, monkeypatch, tmp_path, stories):
+    """E.g. the HF side files' copy (shutil) on a full disk."""
+    import hfmeg.checkpoint.convert as convert
+
+    def copy(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", str(dst / "tokenizer.json"))
+
+    monkeypatch.setattr(convert, "copy_hf_side_files", copy)
+    line = _to_mp(capsys, stories, tmp_path / "out", "No space left on device; no output written")
+    assert "tokenizer.json" in line
+
+
+def test_ctrl_c_in_a_converter_writes_nothing(capsys, monkeypatch, tmp_path, stories):
+    mp = _mp(tmp_path, stories)
+    original, count = st_stream.StreamingSafetensorsWriter._write_bytes, [0]
+
+    def write(self, data):
+        count[0] += 1
+        if count[0] == 5:
+            raise KeyboardInterrupt
+        original(self, data)
+
+    monkeypatch.setattr(st_stream.StreamingSafetensorsWriter, "_write_bytes", write)
+    for tool, argv in (("convert_hf_to_mp", ["--hf", str(stories), "--tp", "2", "--pp", "1"]),
+                       ("reshard_mp", ["--mp", str(mp), "--tp", "1", "--pp", "1"]),
+                       ("convert_mp_to_hf", ["--mp", str(mp)])):
+        count[0] = 0
+        out = tmp_path / f"out-{tool}"
+        assert _tool(tool)(argv + ["--out", str(out)]) == 130
+        assert capsys.readouterr().err.strip() == "interrupted; no output written"
+        assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+def _mp(tmp_path: Path, stories: Path) -> Path:
+    mp = tmp_path / "mp"
+    if not mp.exists():
+        hf_to_mp(stories, mp, tp=2, pp=1)
+    return mp
+
+
+def test_converters_say_what_they_wrote(capsys, tmp_path, stories):
+    assert _tool("convert_hf_to_mp")(["--hf", str(stories), "--out", str(tmp_path / "mp"), "--tp", "2",
+                                      "--pp", "1"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'mp'}: 8 files (2 safetensors, 1.18 MB), " \
+        "1.20 MB in all"
+    (tmp_path / "mp" / "release" / "trainer_state.json").write_text('{"step": 7}')  # as a training checkpoint
+    assert _tool("reshard_mp")(["--mp", str(tmp_path / "mp"), "--out", str(tmp_path / "r"), "--tp", "1",
+                                "--pp", "1"]) == 0
+    note, wrote = capsys.readouterr().out.strip().splitlines()
+    assert note.startswith(f"note: {tmp_path / 'mp' / 'release'} is a training checkpoint (step 7); only its model "
+                           "weights were resharded. Not carried: optimizer state")
+    assert "--model <out> --resume none" in note and "TP=2 PP=1 VPP=1" in note
+    assert wrote.startswith(f"wrote {tmp_path / 'r'}: ")
+    assert _tool("convert_mp_to_hf")(["--mp", str(tmp_path / "r"), "--out", str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'hf'}: 5 files (1 safetensors, ")

@@ -1,6 +1,9 @@
 """Reshard an MP checkpoint to another TP x PP (x VPP) layout, directly and streaming.
 
     python tools/reshard_mp.py --mp ckpt/llama7b-tp2pp2 --out ckpt/llama7b-tp4pp1 --tp 4 --pp 1
+
+Model weights only: on a training checkpoint it says what is not carried (optimizer,
+step, data position) and how to train from the result.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ import argparse
 import sys
 
 from hfmeg.checkpoint.cli import add_layout_args, add_output_args, run_cli
-from hfmeg.checkpoint.reshard import reshard_mp
+from hfmeg.checkpoint.reshard import reshard_mp, training_state_note
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,9 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     add_layout_args(ap)
     ap.add_argument("--iteration", type=int, default=None, help="iteration to read (default: the latest)")
     args = ap.parse_args(argv)
-    return run_cli(lambda: reshard_mp(args.mp, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
-                                      pp_layers=args.pp_layers, dtype=args.dtype, overwrite=args.overwrite,
-                                      iteration=args.iteration))
+
+    def run():
+        out = reshard_mp(args.mp, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, pp_layers=args.pp_layers,
+                         dtype=args.dtype, overwrite=args.overwrite, iteration=args.iteration)
+        note = training_state_note(args.mp, args.iteration)
+        if note:
+            print(note)
+        return out
+
+    return run_cli(run)
 
 
 if __name__ == "__main__":

@@ -94,8 +94,13 @@ class StreamingSafetensorsWriter:
             raise CheckpointError(f"{self.path}: write failed ({e.strerror or e})") from e
 
     def _abort(self) -> None:
+        # Closing flushes what is still buffered, which on a full disk fails again; that second
+        # error would replace the first (the one that names the file) with a raw traceback.
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                pass
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
         return self
