@@ -4,8 +4,9 @@
   as a fraction of the reference peak (the GPU's datasheet peak; on a CPU, the
   best rate measured, since a CPU has no single published peak);
 - attention: causal SDPA forward + backward, on the causal half of Megatron's FLOPs;
-- streaming bandwidth (a large copy), the fixed cost of one small kernel, and of
-  one decoder layer's forward + backward at a size where compute is negligible;
+- streaming bandwidth (a large copy), and the fixed costs of one decoder layer's
+  forward + backward and of one gradient bucket in the optimizer step, at sizes
+  where compute is negligible;
 - collectives on the CPU: all-reduce bus bandwidth and latency between two forked
   gloo ranks. One GPU cannot measure NCCL, so GPU profiles keep the cluster's
   links at the default efficiency.
@@ -20,11 +21,18 @@ import os
 import statistics
 import time
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import LlamaConfig
 
+from ..config import model_config_from_hf
+from ..models.decoder import ModelChunk
+from ..optim import DistributedOptimizer, OptimizerConfig
 from ..parallel.launch import spawn
+from ..parallel.state import ParallelConfig, ParallelState
 from .profile import Profile
 
 
@@ -65,32 +73,43 @@ def _attention_rate(device, dtype, seq: int, heads: int, repeats: int) -> float:
     return causal_flops / _timed(step, device, repeats)
 
 
-def _bandwidth(device, repeats: int) -> tuple[float, float]:
+def _bandwidth(device, repeats: int) -> float:
     big = torch.empty(16 * 2**20, dtype=torch.float32, device=device)
     dst = torch.empty_like(big)
-    bw = 2 * big.numel() * 4 / _timed(lambda: dst.copy_(big), device, repeats)
-    tiny = torch.zeros(8, device=device)
-    return bw, _timed(lambda: tiny.add_(1.0), device, repeats * 10)
+    return 2 * big.numel() * 4 / _timed(lambda: dst.copy_(big), device, repeats)
 
 
-def _layer_overhead(device, repeats: int) -> float:
-    from types import SimpleNamespace
+LAYERS = 4
 
-    from transformers import LlamaConfig
 
-    from ..config import model_config_from_hf
-    from ..models.decoder import ModelChunk
-
-    layers = 4
-    cfg = model_config_from_hf(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+def _tiny_chunk(ps, device) -> ModelChunk:
+    """Four decoder layers so small that their compute is negligible: what is left is fixed cost."""
+    cfg = model_config_from_hf(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
                                            num_attention_heads=4, vocab_size=128, max_position_embeddings=16))
-    chunk = ModelChunk(cfg, SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False), range(layers),
-                       pre_process=False, post_process=False).to(device)
+    chunk = ModelChunk(cfg, ps, range(LAYERS), pre_process=False, post_process=False).to(device)
     with torch.no_grad():
         for p in chunk.parameters():
             p.normal_(0.0, 0.02)
+    return chunk
+
+
+def _layer_overhead(device, repeats: int) -> float:
+    chunk = _tiny_chunk(SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False), device)
     x = torch.randn(8, 1, 32, device=device, requires_grad=True)
-    return _timed(lambda: chunk(x, seq_len=8).sum().backward(), device, repeats) / layers
+    return _timed(lambda: chunk(x, seq_len=8).sum().backward(), device, repeats) / LAYERS
+
+
+def _bucket_overhead(device_type: str, repeats: int) -> float:
+    """Optimizer step time per bucket: the same chunk cut into many small buckets vs one bucket."""
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    ps = ParallelState(ParallelConfig(), 0, 1, device)
+    per = []
+    for bucket_size in (10**9, 300):
+        chunk = _tiny_chunk(ps, device)
+        opt = DistributedOptimizer([chunk], ps, OptimizerConfig(bucket_size=bucket_size))
+        per.append((len(opt.buckets), _timed(opt.step, device, repeats)))
+    (n1, t1), (n2, t2) = per
+    return max(t2 - t1, 0.0) / (n2 - n1)
 
 
 def _gloo_link(nbytes: int, repeats: int) -> tuple[float, float]:
@@ -100,6 +119,15 @@ def _gloo_link(nbytes: int, repeats: int) -> tuple[float, float]:
     seconds = _timed(lambda: dist.all_reduce(big), torch.device("cpu"), repeats)
     n = dist.get_world_size()
     return 2 * (n - 1) / n * nbytes / max(seconds - 2 * (n - 1) * latency, 1e-9), latency
+
+
+def _single_rank(fn, *args):
+    """`fn` in a one-rank world: the optimizer wants a process group, and with one rank it never communicates."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return fn(*args)
+    finally:
+        dist.destroy_process_group()
 
 
 def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int | None = None,
@@ -113,13 +141,14 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     rates = _matmul_rates(dev, dtype, max_n or (1024 if cpu else 16384), repeats)
     peak = peak_flops or max(r for _, r in rates)
     attention = _attention_rate(dev, dtype, 512 if cpu else 4096, 4 if cpu else 32, repeats)
-    bw, overhead = _bandwidth(dev, repeats)
+    bw = _bandwidth(dev, repeats)
     layer_overhead = _layer_overhead(dev, repeats)
+    bucket_overhead = _single_rank(_bucket_overhead, dev.type, repeats)
     link_bw = link_lat = cores = None
     if cpu:
         link_bw, link_lat = spawn(_gloo_link, 2, 16 * 2**20, repeats)[0]
         cores = len(os.sched_getaffinity(0))
     label = name or (f"cpu x{cores}" if cpu else torch.cuda.get_device_name(dev))
-    return Profile(label, peak, tuple((f, r / peak) for f, r in rates), attention / peak, bw, overhead,
-                   layer_overhead, 1.0, link_bw, link_lat, cores,
+    return Profile(label, peak, tuple((f, r / peak) for f, r in rates), attention / peak, bw,
+                   layer_overhead, bucket_overhead, 1.0, link_bw, link_lat, cores,
                    meta={"dtype": str(dtype), "torch": torch.__version__})

@@ -46,6 +46,7 @@ class Memory:
     optimizer_state: int
     activations: int  # peak saved for backward over the schedule
     transient: int
+    buckets: int = 1  # gradient buckets on this rank (each costs a collective and an AdamW call per step)
 
     @property
     def measurable(self) -> int:
@@ -60,7 +61,7 @@ class Memory:
         return {**asdict(self), "total": self.total}
 
 
-_ELEMENTS: dict[tuple, tuple[int, int]] = {}  # the search asks for the same chunks many times
+_ELEMENTS: dict[tuple, tuple[int, int, int]] = {}  # the search asks for the same chunks many times
 
 
 def _cfg_key(cfg: ModelConfig) -> str:
@@ -68,8 +69,8 @@ def _cfg_key(cfg: ModelConfig) -> str:
 
 
 def _chunk_elements(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: bool,
-                    pp: int, shards: int, bucket_size: int) -> tuple[int, int]:
-    """(parameter elements, padded bucket elements) of one chunk on one rank."""
+                    pp: int, shards: int, bucket_size: int) -> tuple[int, int, int]:
+    """(parameter elements, padded bucket elements, buckets) of one chunk on one rank."""
     key = (_cfg_key(cfg), tp, len(layers), pre, post, pp, shards,
            bucket_size)
     if key not in _ELEMENTS:
@@ -78,14 +79,14 @@ def _chunk_elements(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: b
 
 
 def _count_chunk(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: bool,
-                 pp: int, shards: int, bucket_size: int) -> tuple[int, int]:
+                 pp: int, shards: int, bucket_size: int) -> tuple[int, int, int]:
     ps = SimpleNamespace(tp=tp, tp_rank=0, sequence_parallel=False)  # construction reads only these
     with torch.device("meta"):
         chunk = ModelChunk(cfg, ps, layers, pre_process=pre, post_process=post)
     named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad][::-1]
     isolated = {n for n, p in named if _is_isolated(n, p, chunk, pp)}
     buckets = plan_buckets(named, isolated, bucket_size, shards, 0, 0)
-    return sum(p.numel() for _, p in named), sum(b.size for b in buckets)
+    return sum(p.numel() for _, p in named), sum(b.size for b in buckets), len(buckets)
 
 
 def _in_flight_peak(lay: PlanLayout, pp_rank: int, microbatches: int, per_chunk: list[int]) -> int:
@@ -113,12 +114,12 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
     shards = lay.dp if lay.optimizer != "ddp" else 1
     shape = Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute)
     specs = rank_chunks(split_layers(cfg.num_layers, lay.pp, lay.vpp), pp_rank)
-    params = padded = 0
+    params = padded = buckets = 0
     per_chunk = []
     for s in specs:
-        n, padded_n = _chunk_elements(cfg, lay.tp, s.layers, s.pre_process, s.post_process, lay.pp, shards,
+        n, padded_n, buckets_n = _chunk_elements(cfg, lay.tp, s.layers, s.pre_process, s.post_process, lay.pp, shards,
                                       opt.bucket_size)
-        params, padded = params + n, padded + padded_n
+        params, padded, buckets = params + n, padded + padded_n, buckets + buckets_n
         held = chunk_bytes(cfg, shape, len(s.layers), s.pre_process, s.post_process)
         per_chunk.append(held + (0 if s.pre_process else received_input_bytes(cfg, shape)))
     activations = _in_flight_peak(lay, pp_rank, lay.microbatches(global_batch), per_chunk)
@@ -127,7 +128,8 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
         vocab = cfg.padded_vocab(lay.tp) // lay.tp
         ce = 2 * min(CE_CHUNK_TOKENS, lay.micro_batch * seq_len) * vocab * 4 + vocab * cfg.hidden_size * 4
         transient = max(transient, ce)
-    return Memory(pp_rank, params, dtype_bytes * padded, 4 * padded, 12 * padded // shards, activations, transient)
+    return Memory(pp_rank, params, dtype_bytes * padded, 4 * padded, 12 * padded // shards, activations, transient,
+                  buckets)
 
 
 def stage_memories(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,

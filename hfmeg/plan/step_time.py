@@ -18,7 +18,8 @@ reduce-scatter, parameter all-gather; `ddp`: a gradient all-reduce): `overlapped
 hides them behind the last micro-batch's backward and the first one's forward,
 except one bucket's worth each; `distributed` runs both in series; `ddp` hides its
 all-reduce behind the backward. Last, the AdamW update streams 36 bytes per owned
-element (master, grad, two moments read and written, the parameter written).
+element (master, grad, two moments read and written, the parameter written), plus
+the profile's fixed cost per bucket (its hooks, AdamW call and collectives' launch).
 """
 
 from __future__ import annotations
@@ -147,17 +148,17 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
         fwd = n * fwd_l + (head_f if post else 0.0)
         bwd = n * bwd_l + (head_b if post else 0.0)
         p2p = p2p_msg * sum((not s.pre_process) + (not s.post_process) for s in mine)
-        stages.append((fwd, bwd, n * comm_l, p2p, memories[r].param_buffer // dtype_bytes))
+        stages.append((fwd, bwd, n * comm_l, p2p, memories[r]))
     per_mb = [f + b + c + p for f, b, c, p, _ in stages]
     slowest = max(range(lay.pp), key=lambda r: per_mb[r])
     bubble = (lay.pp - 1) / lay.vpp * sum(per_mb) / lay.pp
     f, b, c, p, _ = stages[slowest]
 
-    def dp_and_update(fwd: float, bwd: float, padded: int) -> tuple[float, float]:
-        buckets = max(1, math.ceil(padded / opt.bucket_size))
+    def dp_and_update(fwd: float, bwd: float, mem: Memory) -> tuple[float, float]:
+        padded, buckets = mem.param_buffer // dtype_bytes, mem.buckets
         shards = 1 if lay.optimizer == "ddp" else lay.dp
         update = (padded / shards * ADAMW_BYTES_PER_ELEMENT / prof.memory_bytes_per_s
-                  + 2 * buckets * prof.kernel_overhead_s) * slow
+                  + buckets * prof.bucket_overhead_s) * slow
         if lay.optimizer == "ddp":
             ar = _ring(4 * padded, lay.dp, dp_link, passes=2)
             return max(ar - bwd, ar / buckets), update
@@ -166,7 +167,7 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
             return rs + ag, update
         return max(rs - bwd, rs / buckets) + max(ag - fwd, ag / buckets), update
 
-    tails = [dp_and_update(sf, sb, padded) for sf, sb, _, _, padded in stages]
+    tails = [dp_and_update(sf, sb, mem) for sf, sb, _, _, mem in stages]
     dp_exposed, update = max(tails, key=lambda t: t[0] + t[1])
     norm_latency = _link(cluster, prof, lay.gpus, 1)[1] * math.log2(max(lay.gpus, 2))
     total = m * per_mb[slowest] + bubble + dp_exposed + update + norm_latency
