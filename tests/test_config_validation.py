@@ -129,3 +129,29 @@ def test_under_torchrun_a_config_error_is_one_line_and_workers_exit_2(tmp_path):
     # The root cause is a worker's exit 2 (the agent may SIGTERM the other worker before it exits on its own).
     assert "exitcode  : 2" in text.split("Root Cause")[1], text
     assert proc.returncode == 1  # torch.distributed.run: ChildFailedError, whatever the workers' code
+
+
+def test_read_only_out_is_refused_at_start(capsys, monkeypatch, tmp_path):
+    import hfmeg.train.validate as validate
+
+    monkeypatch.setattr(validate.os, "access", lambda path, mode: Path(path) != tmp_path)
+    _refused(capsys, ["--out", str(tmp_path / "run")],
+             f"checkpoint.out: {tmp_path} is not writable (read-only storage or no permission)")
+
+
+def test_a_full_disk_during_training_is_one_line(capsys, monkeypatch):
+    """A write no deeper layer turned into a CheckpointError (e.g. a side file of a checkpoint)."""
+    import errno
+
+    import hfmeg.train.trainer as trainer
+
+    class FullDisk:
+        def __init__(self, cfg):
+            raise OSError(errno.ENOSPC, "No space left on device", "run/checkpoints/.iter_0000010.tmp/rng/r.json")
+
+    monkeypatch.setattr(cli, "fit_to_model", lambda cfg: None)
+    monkeypatch.setattr(trainer, "Trainer", FullDisk)
+    assert cli.main("test", SFT, BASE) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1] == ("error: run/checkpoints/.iter_0000010.tmp/rng/r.json: "
+                                            "No space left on device")

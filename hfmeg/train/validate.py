@@ -1,9 +1,10 @@
 """Start-up validation: everything about a run that can be known before any heavy work.
 
 `validate(cfg, world_size)` checks every numeric field's range, the batch and layout
-arithmetic, evaluation against eval data, `--resume` and `--push-to-hub`'s repo id and
-token; it raises `ConfigError` with one line naming the field at the first problem and
-returns the warnings (e.g. a warm-up as long as the run). It is pure and cheap, so
+arithmetic, evaluation against eval data, `--resume`, a writable `--out`, and
+`--push-to-hub`'s repo id and token; it raises `ConfigError` with one line naming the
+field at the first problem and returns the warnings (e.g. a warm-up as long as the
+run). It reads no model or data and makes no network call, so
 `load_config` runs it on every rank: a bad config stops every rank the same way
 before they join a process group or download a model. `check_hub_login` is the one
 network check (whoami), with a short timeout: where the Hub cannot be reached the
@@ -89,6 +90,17 @@ def _resume(cfg: TrainConfig) -> None:
         raise ConfigError(f"checkpoint.resume: {resume!r} is neither none, auto nor an existing checkpoint folder")
 
 
+def _out(cfg: TrainConfig) -> None:
+    # The nearest existing folder is where `out` will be created; access() also reports a
+    # read-only file system (EROFS) to root, whom permission bits would not stop.
+    out = Path(cfg.checkpoint.out).absolute()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"checkpoint.out: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"checkpoint.out: {existing} is not writable (read-only storage or no permission)")
+
+
 def _hub(cfg: TrainConfig) -> None:
     from huggingface_hub import get_token
     from huggingface_hub.constants import is_offline_mode
@@ -115,6 +127,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> list[str]:
     _layout(cfg, world)
     _eval(cfg)
     _resume(cfg)
+    _out(cfg)
     _hub(cfg)
     warnings = []
     if cfg.lr.warmup_steps >= cfg.train.max_steps:
