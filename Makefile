@@ -10,6 +10,8 @@ STAMP       := $(VENV)/.hfmeg-installed
 .PHONY: demo test bench clean
 
 $(STAMP): pyproject.toml
+	@echo "first run: creating $(VENV) and installing $(TORCH_SPEC), then hfmeg and its dependencies;"
+	@echo "this downloads several hundred MB and can take 5 minutes (later runs skip it)"
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev,plot]"
@@ -17,6 +19,8 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) tools/demo.py
+	@echo "hfmeg and its commands (accelerate, torchrun) live in $(VENV): run '. $(VENV)/bin/activate' first,"
+	@echo "or call them as $(VENV)/bin/accelerate, $(VENV)/bin/torchrun, $(VENV)/bin/python"
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
