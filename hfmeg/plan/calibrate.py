@@ -5,8 +5,8 @@
   best rate measured, since a CPU has no single published peak);
 - attention: causal SDPA forward + backward, on the causal half of Megatron's FLOPs;
 - streaming bandwidth (a large copy), and the fixed costs of one decoder layer's
-  forward + backward and of one gradient bucket in the optimizer step, at sizes
-  where compute is negligible;
+  forward + backward, of the embedding + LM head + loss, and of one gradient
+  bucket in the optimizer step, at sizes where compute is negligible;
 - collectives on the CPU: all-reduce bus bandwidth and latency between two forked
   gloo ranks. One GPU cannot measure NCCL, so GPU profiles keep the cluster's
   links at the default efficiency.
@@ -82,21 +82,27 @@ def _bandwidth(device, repeats: int) -> float:
 LAYERS = 4
 
 
-def _tiny_chunk(ps, device) -> ModelChunk:
-    """Four decoder layers so small that their compute is negligible: what is left is fixed cost."""
+def _tiny_chunk(ps, device, ends: bool = False) -> ModelChunk:
+    """Four decoder layers (and with `ends` the embedding and LM head + loss) so small that their compute
+    is negligible: what is left is fixed cost."""
     cfg = model_config_from_hf(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
                                            num_attention_heads=4, vocab_size=128, max_position_embeddings=16))
-    chunk = ModelChunk(cfg, ps, range(LAYERS), pre_process=False, post_process=False).to(device)
+    chunk = ModelChunk(cfg, ps, range(LAYERS), pre_process=ends, post_process=ends).to(device)
     with torch.no_grad():
         for p in chunk.parameters():
             p.normal_(0.0, 0.02)
     return chunk
 
 
-def _layer_overhead(device, repeats: int) -> float:
-    chunk = _tiny_chunk(SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False), device)
+def _layer_and_ends_overhead(device, repeats: int) -> tuple[float, float]:
+    """(one layer's forward + backward, the embedding's and the head + loss's together)."""
+    ps = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False)
+    chunk, whole = _tiny_chunk(ps, device), _tiny_chunk(ps, device, ends=True)
     x = torch.randn(8, 1, 32, device=device, requires_grad=True)
-    return _timed(lambda: chunk(x, seq_len=8).sum().backward(), device, repeats) / LAYERS
+    ids = torch.randint(0, 128, (1, 8), device=device)
+    layers = _timed(lambda: chunk(x, seq_len=8).sum().backward(), device, repeats)
+    with_ends = _timed(lambda: whole(ids, labels=ids).sum().backward(), device, repeats)
+    return layers / LAYERS, max(with_ends - layers, 0.0)
 
 
 def _bucket_overhead(device_type: str, repeats: int) -> float:
@@ -142,7 +148,7 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     peak = peak_flops or max(r for _, r in rates)
     attention = _attention_rate(dev, dtype, 512 if cpu else 4096, 4 if cpu else 32, repeats)
     bw = _bandwidth(dev, repeats)
-    layer_overhead = _layer_overhead(dev, repeats)
+    layer_overhead, ends_overhead = _layer_and_ends_overhead(dev, repeats)
     bucket_overhead = _single_rank(_bucket_overhead, dev.type, repeats)
     link_bw = link_lat = cores = None
     if cpu:
@@ -150,5 +156,5 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
         cores = len(os.sched_getaffinity(0))
     label = name or (f"cpu x{cores}" if cpu else torch.cuda.get_device_name(dev))
     return Profile(label, peak, tuple((f, r / peak) for f, r in rates), attention / peak, bw,
-                   layer_overhead, bucket_overhead, 1.0, link_bw, link_lat, cores,
+                   layer_overhead, ends_overhead, bucket_overhead, 1.0, link_bw, link_lat, cores,
                    meta={"dtype": str(dtype), "torch": torch.__version__})

@@ -3,7 +3,7 @@
 The step-time model needs four numbers the datasheet does not give: the fraction
 of peak a matmul of a given size reaches (a curve, by FLOPs per matmul), the same
 for the attention core, the streaming memory bandwidth (elementwise kernels,
-the optimizer update), fixed costs per decoder layer and per gradient bucket
+the optimizer update), fixed costs per decoder layer, for the model's two ends and per gradient bucket
 (Python, autograd and launches, which dominate small models), and how much of a
 link's bandwidth collectives reach, with their latency.
 
@@ -33,6 +33,7 @@ class Profile:
     attention_efficiency: float  # fraction of peak on the causal attention FLOPs (half of Megatron's count)
     memory_bytes_per_s: float
     layer_overhead_s: float  # fixed cost of one decoder layer's forward + backward (Python, autograd, launches)
+    ends_overhead_s: float  # fixed cost of the embedding + LM head + loss of one micro-batch, forward + backward
     bucket_overhead_s: float  # fixed cost of one gradient bucket per step (hooks, AdamW call, collective launches)
     link_efficiency: float = 0.8  # fraction of the cluster's link bandwidth collectives reach
     link_bytes_per_s: float | None = None  # measured (calibrate): replaces the cluster's links
@@ -69,10 +70,10 @@ _A100_CURVE = ((1e8, 0.10), (1e9, 0.35), (1e10, 0.62), (1e11, 0.78), (1e12, 0.85
 _HOPPER_CURVE = ((1e8, 0.05), (1e9, 0.18), (1e10, 0.45), (1e11, 0.66), (1e12, 0.75))
 
 ASSUMED: dict[str, Profile] = {
-    "a100-40": Profile("a100 (assumed)", 312e12, _A100_CURVE, 0.5, 1.3e12, 2e-4, 1e-4),
-    "a100-80": Profile("a100 (assumed)", 312e12, _A100_CURVE, 0.5, 1.7e12, 2e-4, 1e-4),
-    "h100": Profile("h100 (assumed)", 989e12, _HOPPER_CURVE, 0.45, 2.8e12, 2e-4, 1e-4),
-    "h200": Profile("h200 (assumed)", 989e12, _HOPPER_CURVE, 0.45, 4.0e12, 2e-4, 1e-4),
+    "a100-40": Profile("a100 (assumed)", 312e12, _A100_CURVE, 0.5, 1.3e12, 2e-4, 1e-4, 1e-4),
+    "a100-80": Profile("a100 (assumed)", 312e12, _A100_CURVE, 0.5, 1.7e12, 2e-4, 1e-4, 1e-4),
+    "h100": Profile("h100 (assumed)", 989e12, _HOPPER_CURVE, 0.45, 2.8e12, 2e-4, 1e-4, 1e-4),
+    "h200": Profile("h200 (assumed)", 989e12, _HOPPER_CURVE, 0.45, 4.0e12, 2e-4, 1e-4, 1e-4),
 }
 
 
@@ -80,4 +81,4 @@ def default_profile(kind: str, peak_flops: float, hbm_bytes_per_s: float) -> Pro
     """The assumed profile of a shipped GPU kind; a custom GPU borrows the Hopper curve at its own peak."""
     if kind in ASSUMED:
         return ASSUMED[kind]
-    return Profile(f"{kind} (assumed)", peak_flops, _HOPPER_CURVE, 0.45, 0.83 * hbm_bytes_per_s, 2e-4, 1e-4)
+    return Profile(f"{kind} (assumed)", peak_flops, _HOPPER_CURVE, 0.45, 0.83 * hbm_bytes_per_s, 2e-4, 1e-4, 1e-4)

@@ -7,7 +7,8 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
 - attention core: the causal half of Megatron's 4·b·s²·h FLOPs forward, twice that
   backward, at the profile's attention efficiency;
 - elementwise kernels (norms, RoPE, SwiGLU, residuals): three passes over the
-  saved activations at streaming bandwidth, plus the profile's fixed cost per layer;
+  saved activations at streaming bandwidth, plus the profile's fixed cost per layer
+  (and for the embedding and the head + loss);
 - recompute: `full` runs each layer's forward again, `selective` the attention core;
 - TP collectives: per layer two all-reduces forward and two backward (with SP the
   same bytes as all-gather + reduce-scatter pairs), ring cost on the TP link;
@@ -145,8 +146,9 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
         mine = rank_chunks(specs, r)
         n = sum(len(s.layers) for s in mine)
         post = any(s.post_process for s in mine)
-        fwd = n * fwd_l + (head_f if post else 0.0)
-        bwd = n * bwd_l + (head_b if post else 0.0)
+        ends = prof.ends_overhead_s / 2 * sum(s.pre_process + s.post_process for s in mine) * slow
+        fwd = n * fwd_l + (head_f if post else 0.0) + ends / 3
+        bwd = n * bwd_l + (head_b if post else 0.0) + 2 * ends / 3
         p2p = p2p_msg * sum((not s.pre_process) + (not s.post_process) for s in mine)
         stages.append((fwd, bwd, n * comm_l, p2p, memories[r]))
     per_mb = [f + b + c + p for f, b, c, p, _ in stages]
