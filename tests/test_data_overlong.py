@@ -7,6 +7,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 from hfmeg.data import DataConfig, SourceConfig, build_data
+from hfmeg.data import formats
 from hfmeg.data.formats import Formatter
 from test_data import DATA, char_tokenizer, llama2_or_skip, write_jsonl
 
@@ -29,7 +30,7 @@ def hard_texts(prose: str) -> list[str]:
 
 
 @pytest.mark.parametrize("kind", ["llama2", "byte_level_bpe"])
-def test_cut_tokens_equal_full_tokenisation_then_truncation(kind):
+def test_cut_tokens_equal_full_tokenisation_then_truncation(kind, monkeypatch):
     if not (DATA / "wiki_demo.txt").is_file():
         pytest.skip(f"{DATA} is absent (../shared/assets not checked out beside the repo)")
     prose = (DATA / "wiki_demo.txt").read_text()
@@ -41,12 +42,16 @@ def test_cut_tokens_equal_full_tokenisation_then_truncation(kind):
     records += [({"text": t}, "text", {"text": "text"}) for t in hard_texts(prose)]
     full = f.tokenize([f.render(*r) for r in records])
     cuts = 0
-    for limit in list(range(8, 1200, 37)) + [2048]:  # each limit cuts every text at another character
-        for whole, cut in zip(full, f.tokenize([f.render(*r, limit) for r in records], limit)):
-            assert len(cut.ids) == len(cut.target) and len(cut.ids) > limit
-            assert (cut.ids[:limit] == whole.ids[:limit]).all() and (cut.target[:limit] == whole.target[:limit]).all()
-            cuts += cut.cut
-    assert cuts > 300  # most cases really were cut
+    # 3 characters a token: prefixes end just past the guard tokens, where a cut could change tokens
+    for chars_per_token in (3, formats.CHARS_PER_TOKEN):
+        monkeypatch.setattr(formats, "CHARS_PER_TOKEN", chars_per_token)
+        for limit in list(range(8, 1200, 53)) + [2048]:  # each limit cuts every text at another character
+            for whole, cut in zip(full, f.tokenize([f.render(*r, limit) for r in records], limit)):
+                assert len(cut.ids) == len(cut.target) and len(cut.ids) > limit
+                assert (cut.ids[:limit] == whole.ids[:limit]).all()
+                assert (cut.target[:limit] == whole.target[:limit]).all()
+                cuts += cut.cut
+    assert cuts > 400  # most cases really were cut
 
 
 class CountingBackend:
