@@ -141,13 +141,11 @@ def main(description: str, default_config: Path, argv: list[str] | None = None) 
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     try:
-        result = Trainer(cfg).run()
+        Trainer(cfg).run()  # rank 0 prints the run's summary, the exported folder included
     except HfmegError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. a full disk under a write no deeper layer named; the traceback adds nothing
         print(f"error: {e.filename or cfg.checkpoint.out}: {e.strerror or e}", file=sys.stderr)
         return 2
-    if result.hf_folder is not None and result.is_logger:
-        print(f"exported: {result.hf_folder}")
     return 0
