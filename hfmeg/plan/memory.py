@@ -12,7 +12,9 @@
   interleaved warm-up are exact by construction, uneven layer splits included.
 - Transients the saved-tensor meter cannot see: one layer recomputed in backward,
   and the chunked cross-entropy's fp32 logits (forward and backward hold two
-  `chunk_tokens x V/tp` buffers) plus its fp32 weight-gradient accumulator.
+  `chunk_tokens x V/tp` buffers) plus a head-weight-sized gradient in the model
+  dtype (fp32: its accumulator; 16-bit: the zero gradient autograd gets while the
+  products go straight into the fp32 main gradient).
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
     transient = recompute_transient_bytes(cfg, shape)
     if any(s.post_process for s in specs):
         vocab = cfg.padded_vocab(lay.tp) // lay.tp
-        ce = 2 * min(CE_CHUNK_TOKENS, lay.micro_batch * seq_len) * vocab * 4 + vocab * cfg.hidden_size * 4
+        ce = 2 * min(CE_CHUNK_TOKENS, lay.micro_batch * seq_len) * vocab * 4 + vocab * cfg.hidden_size * dtype_bytes
         transient = max(transient, ce)
     return Memory(pp_rank, params, dtype_bytes * padded, 4 * padded, 12 * padded // shards, activations, transient,
                   buckets)
