@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
@@ -65,8 +65,12 @@ def save_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> Path 
     tensors = {"master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}
     path = folder / f"optim_pp{ps.pp_rank:03d}_tp{ps.tp_rank:02d}_dp{ps.dp_rank:03d}.safetensors"
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
-              metadata={"hfmeg_optimizer": json.dumps(meta)})
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+                  metadata={"hfmeg_optimizer": json.dumps(meta)})
+    except (OSError, SafetensorError) as e:  # e.g. a full disk
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"{path}: cannot write the optimizer shard ({e})") from e
     os.replace(tmp, path)
     return path
 
@@ -76,8 +80,8 @@ def read_meta(path: Path) -> dict:
     try:
         with safe_open(str(path), "pt") as f:
             meta = json.loads((f.metadata() or {})["hfmeg_optimizer"])
-    except (KeyError, OSError, ValueError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not an hfmeg optimizer shard ({e})") from e
+    except (KeyError, OSError, ValueError, SafetensorError) as e:  # SafetensorError: e.g. a truncated file
+        raise CheckpointError(f"{path}: not an hfmeg optimizer shard, or truncated ({e})") from e
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: field format is {meta.get('format')!r}, expected {FORMAT}")
     return meta

@@ -128,7 +128,10 @@ def load_trainer_state(folder: Path, opt) -> dict[str, Any]:
     path = folder / STATE_FILE
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {STATE_FILE}; the checkpoint is incomplete")
-    state = json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e}); resume from an earlier checkpoint with --resume PATH") from e
     load_optimizer_state(opt, folder / "optim")
     rng = folder / "rng" / f"rank_{dist.get_rank():05d}.json"
     if rng.is_file():  # absent when resuming with a different world size: seeds then differ per rank
