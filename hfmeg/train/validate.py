@@ -49,7 +49,8 @@ def _ranges(cfg: TrainConfig) -> None:
     for value, field in ((t.eval_every, "train.eval_every"), (t.max_skipped_steps, "train.max_skipped_steps"),
                          (c.save_every, "checkpoint.save_every"), (lr.warmup_steps, "lr.warmup_steps"),
                          (o.weight_decay, "optim.weight_decay"), (o.grad_clip, "optim.grad_clip"),
-                         (lr.min_lr, "lr.min_lr"), (cfg.data.eval_holdout, "data.eval_holdout")):
+                         (lr.min_lr, "lr.min_lr"), (cfg.data.eval_holdout, "data.eval_holdout"),
+                         (t.seed, "train.seed"), (cfg.data.seed, "data.seed")):  # numpy refuses negative seeds
         _at_least(value, 0, field)
     _at_least(cfg.data.seq_len, 2, "data.seq_len")
     _positive(o.lr, "optim.lr")
