@@ -1,7 +1,8 @@
 """`TrainConfig`: every setting of a run, typed, in one tree.
 
-Filled from a YAML file plus command-line overrides (`load_config`), printed at
-start and saved as `train_config.json` with every checkpoint. The optimizer and
+Filled from a YAML file plus command-line overrides (`load_config`), checked as a
+whole before any work (`validate.py`), printed at start and saved as
+`train_config.json` with every checkpoint. The optimizer and
 data sections are those packages' own configs, so there is one source of truth.
 """
 
@@ -89,7 +90,8 @@ def load_config(yaml_path: str | Path | None, overrides: dict[str, Any],
         if value is not None:
             set_dotted(data, key, value)
     lr = data.setdefault("lr", {})
-    steps = data.get("train", {}).get("max_steps", LoopArgs.max_steps)
+    train = data.get("train")
+    steps = train.get("max_steps", LoopArgs.max_steps) if isinstance(train, dict) else LoopArgs.max_steps
     # A bad max_steps is left to `validate`, which names train.max_steps rather than lr.total_steps.
     if isinstance(lr, dict) and "total_steps" not in lr and str(steps).isdigit() and int(steps) >= 1:
         lr["total_steps"] = steps
