@@ -163,9 +163,8 @@ def test_load_chunks_checks_the_layout(sources, tmp_path):
     assert [c.layer_ids for c in chunks] == [[0, 1], [2, 3]]
     with pytest.raises(LayoutError, match=r"saved with TP=1 PP=1 VPP=2, but this run uses TP=1 PP=1 VPP=1") as e:
         load_chunks_from_mp(tmp_path / "mp", ParallelState(ParallelConfig(), 0, 1, torch.device("cpu")))
-    # The hint is exact: resharding keeps the weights only, so it is a new run from them (issue 18 #7).
-    assert "--model NEW --resume none (optimizer state, step, LR schedule and data position start afresh)" in str(
-        e.value)
+    assert f"reshard it with tools/reshard_mp.py --mp {tmp_path / 'mp' / 'release'} --out NEW --tp 1 --pp 1 " \
+        "--vpp 1" in str(e.value)
 
 
 

@@ -2,17 +2,23 @@
 
     python tools/reshard_mp.py --mp ckpt/llama7b-tp2pp2 --out ckpt/llama7b-tp4pp1 --tp 4 --pp 1
 
-Model weights only: on a training checkpoint it says what is not carried (optimizer,
-step, data position) and how to train from the result.
+A training checkpoint (one with trainer_state.json) is resharded whole: model,
+optimizer state, step and data position, so `--resume` continues the run at the new
+layout (hfmeg/train/reshard_checkpoint.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from hfmeg.checkpoint.cli import add_layout_args, add_output_args, run_cli
-from hfmeg.checkpoint.reshard import reshard_mp, training_state_note
+from hfmeg.checkpoint.mp_reader import MPCheckpoint
+from hfmeg.checkpoint.reshard import reshard_mp
+from hfmeg.train.checkpointing import STATE_FILE
+from hfmeg.train.reshard_checkpoint import reshard_training_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,11 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     def run():
-        out = reshard_mp(args.mp, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, pp_layers=args.pp_layers,
-                         dtype=args.dtype, overwrite=args.overwrite, iteration=args.iteration)
-        note = training_state_note(args.mp, args.iteration)
-        if note:
-            print(note)
+        source = MPCheckpoint(args.mp, args.iteration)
+        if not (source.folder / STATE_FILE).is_file():
+            return reshard_mp(args.mp, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, pp_layers=args.pp_layers,
+                              dtype=args.dtype, overwrite=args.overwrite, iteration=args.iteration)
+        out = reshard_training_checkpoint(args.mp, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
+                                          pp_layers=args.pp_layers, dtype=args.dtype, overwrite=args.overwrite,
+                                          iteration=args.iteration)
+        step = json.loads((source.folder / STATE_FILE).read_text()).get("step")
+        print(f"training checkpoint (step {step}): model, optimizer state, step and data position resharded; "
+              f"continue with --tp {args.tp} --pp {args.pp} --vpp {args.vpp} "
+              f"--resume {Path(args.out) / source.folder.name}")
         return out
 
     return run_cli(run)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -33,7 +34,8 @@ from .atomic import atomic_output_dir
 from .hf_reader import HFCheckpoint
 from .hf_writer import parse_size, write_hf_folder
 from .hub_source import resolve_hf_source
-from .mp_layout import HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, parse_dtype, write_latest
+from .mp_layout import (HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, iteration_dir_name, parse_dtype,
+                        write_latest)
 from .mp_reader import MPCheckpoint, local_shape, rank_rules
 from .rules import expected_hf_shape, to_local
 from .st_stream import StreamingSafetensorsWriter, WriteBehind
@@ -108,16 +110,22 @@ def write_mp_shards(source, cfg: ModelConfig, layout: MPLayout, iter_dir: Path, 
 
 
 def write_mp_checkpoint(source, cfg: ModelConfig, layout: MPLayout, hf_side_dir: Path, out: str | Path, *,
-                        dtype: torch.dtype | None, overwrite: bool, inputs: tuple[Path, ...]) -> Path:
-    """Check `source` against `layout`, then write a complete release checkpoint to `out`, atomically."""
+                        dtype: torch.dtype | None, overwrite: bool, inputs: tuple[Path, ...],
+                        extra: Callable[[Path], None] | None = None) -> Path:
+    """Check `source` against `layout`, then write a complete checkpoint to `out`, atomically.
+
+    It is a release unless `layout.iteration` is set; `extra(iteration_folder)` adds files
+    (a training checkpoint's optimizer and trainer state) inside the same atomic write."""
     check_source(source, cfg, layout)
     with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
-        iter_dir = tmp / "release"
+        iter_dir = tmp / iteration_dir_name(layout.iteration)
         iter_dir.mkdir()
         layout.dtype = write_mp_shards(source, cfg, layout, iter_dir, dtype)
         layout.write(iter_dir)
         copy_hf_side_files(hf_side_dir, iter_dir / HF_DIR)
-        write_latest(tmp, None)
+        if extra is not None:
+            extra(iter_dir)
+        write_latest(tmp, layout.iteration)
     return Path(out)
 
 

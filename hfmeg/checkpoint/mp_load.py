@@ -26,10 +26,9 @@ def check_layout(layout: MPLayout, ps: ParallelState, where: Path) -> None:
     if saved != run:
         raise LayoutError(
             f"{where}: saved with TP={saved[0]} PP={saved[1]} VPP={saved[2]}, but this run uses "
-            f"TP={run[0]} PP={run[1]} VPP={run[2]}; to continue it exactly, run at the saved layout; to train at "
-            f"this one, reshard the weights (tools/reshard_mp.py --mp {where} --out NEW --tp {run[0]} --pp {run[1]} "
-            f"--vpp {run[2]}) and start a new run with --model NEW --resume none (optimizer state, step, LR schedule "
-            "and data position start afresh)"
+            f"TP={run[0]} PP={run[1]} VPP={run[2]}; reshard it with tools/reshard_mp.py --mp {where} --out NEW "
+            f"--tp {run[0]} --pp {run[1]} --vpp {run[2]} (a training checkpoint keeps its optimizer, step and data "
+            "position: then resume from NEW's iteration folder)"
         )
 
 

@@ -1,0 +1,130 @@
+"""Reshard a training checkpoint whole, so `--resume` continues the run at another TP/PP/VPP.
+
+`tools/reshard_mp.py` calls this for a folder with `trainer_state.json`:
+- the model weights are resharded as `checkpoint/reshard.py` does;
+- the optimizer's fp32 master weights and Adam moments are each a tensor shaped like
+  its parameter, so they go through the same key table: `OptimizerStateView` serves
+  one of them as if it were the model (the old ranks' DP pieces joined by parameter
+  name), `write_mp_shards` cuts it into the new layout, and each new rank's three
+  tensors are packed into one optimizer shard with DP=1 (the loader re-partitions by
+  name over any DP size, `optim/state_io.py`); step, skipped steps and loss scale are
+  carried in its metadata;
+- `trainer_state.json` (step, data position, config) is copied verbatim: which rows
+  form global batch k does not depend on the layout.
+Per-rank RNG states are not carried (the ranks are not the same ones); the resumed
+ranks keep their seeded state, which a run without dropout does not use.
+Memory: one old pipeline stage's state of one kind, plus one new rank's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..checkpoint.convert import config_errors_name, write_mp_checkpoint, write_mp_shards
+from ..checkpoint.mp_layout import RANK_FILE, MPLayout, parse_dtype
+from ..checkpoint.mp_reader import MPCheckpoint, rank_rules
+from ..checkpoint.st_stream import read_tensor
+from ..errors import CheckpointError
+from ..optim.state_io import STATE, read_meta
+from .checkpointing import STATE_FILE
+
+OPTIM_DIR = "optim"
+
+
+def _stage_state(folder: Path, pp_rank: int, tp: int, state: str) -> list[dict[str, torch.Tensor]]:
+    """For each TP rank of pipeline stage `pp_rank`: parameter name -> its flat `state`, DP pieces joined."""
+    out = []
+    for t in range(tp):
+        files = sorted(folder.glob(f"optim_pp{pp_rank:03d}_tp{t:02d}_dp*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{folder}: no optimizer shards for pp rank {pp_rank}, tp rank {t}")
+        pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+        for path in files:
+            meta = read_meta(path)
+            with safe_open(str(path), "pt") as f:
+                flat = f.get_tensor(state)
+            for name, lo, hi, off in meta["pieces"]:
+                pieces.setdefault(name, []).append((lo, hi, flat[off: off + hi - lo]))
+        joined = {}
+        for name, parts in pieces.items():
+            buf = torch.empty(max(hi for _, hi, _ in parts), dtype=torch.float32)
+            for lo, hi, values in parts:
+                buf[lo:hi] = values
+            if sum(hi - lo for lo, hi, _ in parts) != buf.numel():
+                raise CheckpointError(f"{folder}: optimizer shards of pp rank {pp_rank}, tp rank {t} do not cover "
+                                      f"{name}")
+            joined[name] = buf
+        out.append(joined)
+    return out
+
+
+class OptimizerStateView(MPCheckpoint):
+    """A training checkpoint seen as a model checkpoint whose tensors are one optimizer state."""
+
+    def __init__(self, mp: str | Path, iteration: int | None, state: str):
+        super().__init__(mp, iteration)
+        self.state = state
+        self._stage: tuple[int, list[dict[str, torch.Tensor]]] | None = None
+
+    def local(self, tp_rank: int, pp_rank: int, name: str) -> torch.Tensor:
+        if self._stage is None or self._stage[0] != pp_rank:  # rules come in model order: stage by stage
+            self._stage = (pp_rank, _stage_state(self.folder / OPTIM_DIR, pp_rank, self.layout.tp, self.state))
+        flat = self._stage[1][tp_rank].get(name)
+        if flat is None:
+            raise CheckpointError(f"{self.folder / OPTIM_DIR}: no optimizer state for {name} (pp rank {pp_rank}, "
+                                  f"tp rank {tp_rank})")
+        return flat.view(self._handle(tp_rank, pp_rank).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.float32
+
+
+def _write_optimizer(source: MPCheckpoint, layout: MPLayout, iter_dir: Path) -> None:
+    """The new layout's optimizer shards (DP=1) in `iter_dir/optim/`."""
+    old_meta = read_meta(next((source.folder / OPTIM_DIR).glob("optim_*.safetensors")))
+    work = iter_dir / ".optim_work"
+    for state in STATE:
+        (work / state).mkdir(parents=True)
+        write_mp_shards(OptimizerStateView(source.folder, None, state), source.cfg, layout, work / state,
+                        torch.float32)
+    (iter_dir / OPTIM_DIR).mkdir()
+    for p in range(layout.pp):
+        names = [rule.local for rule in rank_rules(source.cfg, layout, p)]
+        for t in range(layout.tp):
+            files = {s: work / s / layout.rank_dir(t, p) / RANK_FILE for s in STATE}
+            flats = {s: torch.cat([read_tensor(files[s], n).reshape(-1) for n in names]) for s in STATE}
+            pieces, off = [], 0
+            for n in names:
+                numel = read_tensor(files["master"], n).numel()
+                pieces.append([n, 0, numel, off])
+                off += numel
+            meta = {**old_meta, "dp": 1, "tp": layout.tp, "pp": layout.pp, "pieces": pieces}
+            save_file(flats, str(iter_dir / OPTIM_DIR / f"optim_pp{p:03d}_tp{t:02d}_dp000.safetensors"),
+                      metadata={"hfmeg_optimizer": json.dumps(meta)})
+    shutil.rmtree(work)
+
+
+def reshard_training_checkpoint(mp: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1,
+                                pp_layers: list[int] | None = None, dtype: str = "auto", overwrite: bool = False,
+                                iteration: int | None = None) -> Path:
+    """Write the training checkpoint `mp` at layout TP x PP (x VPP) to `out` (same iteration number)."""
+    source = MPCheckpoint(mp, iteration)
+    state_file = source.folder / STATE_FILE
+    if not state_file.is_file():
+        raise CheckpointError(f"{source.folder}: not a training checkpoint (no {STATE_FILE})")
+    with config_errors_name(source.hf_dir):
+        layout = MPLayout.build(source.cfg, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers,
+                                vocab_multiple=source.layout.vocab_multiple, iteration=source.layout.iteration)
+
+    def extra(iter_dir: Path) -> None:
+        _write_optimizer(source, layout, iter_dir)
+        shutil.copy2(state_file, iter_dir / STATE_FILE)
+
+    return write_mp_checkpoint(source, source.cfg, layout, source.hf_dir, out, dtype=parse_dtype(dtype),
+                               overwrite=overwrite, inputs=(Path(mp),), extra=extra)
