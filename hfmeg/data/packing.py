@@ -13,7 +13,7 @@ A row of documents d_1..d_n (lengths L_i, sum <= seq_len) becomes
   on masked (prompt) targets and on padding;
 - `position_ids`: 0..L_i-1 restarting for each document (padding: 0..);
 - `segment_ids`: i for document i, 0 for padding, so `ModelChunk`'s
-  block-diagonal causal mask (`models.attention.document_causal_mask`) keeps
+  block-diagonal causal mask (`models.document_attention`) keeps
   attention inside each document; padding attends only to padding, so no
   attention row is empty.
 Hence the loss of a packed row is exactly the sum of its documents' unpacked losses.
