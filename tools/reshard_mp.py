@@ -38,12 +38,16 @@ def main(argv: list[str] | None = None) -> int:
                                           pp_layers=args.pp_layers, dtype=args.dtype, overwrite=args.overwrite,
                                           iteration=args.iteration)
         step = json.loads((source.folder / STATE_FILE).read_text()).get("step")
-        print(f"training checkpoint (step {step}): model, optimizer state, step and data position resharded; "
-              f"continue with --tp {args.tp} --pp {args.pp} --vpp {args.vpp} "
-              f"--resume {Path(args.out) / source.folder.name}")
+        after.append(f"training checkpoint (step {step}): model, optimizer state, step and data position "
+                     f"resharded; continue with --tp {args.tp} --pp {args.pp} --vpp {args.vpp} "
+                     f"--resume {Path(args.out) / source.folder.name}")
         return out
 
-    return run_cli(run)
+    after: list[str] = []  # said after run_cli's "wrote ..." line
+    rc = run_cli(run)
+    for line in after:
+        print(line)
+    return rc
 
 
 if __name__ == "__main__":
