@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from tool_loader import load_tool
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_activations.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("bench_activations", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_activations")
 
 
 def test_small_run_orders_the_modes_and_full_keeps_only_the_layer_input(capsys):

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from tool_loader import load_tool
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_attention.py"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("bench_attention", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_attention")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke defaults apply only without a GPU")

@@ -9,7 +9,6 @@ steps after optimizer updates. No timing is asserted.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -23,6 +22,7 @@ from transformers import LlamaConfig
 
 from hfmeg.config import model_config_from_hf
 from hfmeg.train.flops import training_flops
+from tool_loader import load_tool
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_mfu.py"
 KEYS = {"device": str, "hfmeg_tokens_per_s": float, "hf_tokens_per_s": float, "speedup": float,
@@ -30,11 +30,7 @@ KEYS = {"device": str, "hfmeg_tokens_per_s": float, "hf_tokens_per_s": float, "s
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("bench_mfu", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_mfu")
 
 
 def test_tiny_run_reports_both_sides_with_equal_losses():

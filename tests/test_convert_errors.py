@@ -7,7 +7,6 @@ path as the shell, minus the interpreter start-up).
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -19,15 +18,12 @@ from convert_helpers import snapshot
 from hfmeg.checkpoint import st_stream
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from tiny_models import save_tiny
+from tool_loader import load_tool
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_tool(name).main
 
 
 @pytest.fixture(scope="module")

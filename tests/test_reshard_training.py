@@ -3,18 +3,15 @@ resharded to TP=1 x PP=2, resumes and continues as the TP=2 run did (model, opti
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 from hfmeg.parallel.launch import spawn
-from test_train import ROOT, _assets, _config, _losses, _run
+from test_train import _assets, _config, _losses, _run
+from tool_loader import load_tool
 
 
 def _reshard_tool():
-    spec = importlib.util.spec_from_file_location("reshard_mp", ROOT / "tools" / "reshard_mp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_tool("reshard_mp").main
 
 
 def test_a_resharded_training_checkpoint_resumes_the_run(tmp_path, capsys):
