@@ -80,7 +80,8 @@ def test_finetune_exports_a_working_model(tp, pp, world, tmp_path):
     assert (out / "loss.png").is_file() and (out / "train_config.json").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(hf)
     AutoTokenizer.from_pretrained(hf)
-    assert "Final metrics" in (Path(hf) / "README.md").read_text()
+    card = (Path(hf) / "README.md").read_text()
+    assert "## Metrics at the last step\n" in card and "| loss |" in card, card
     # The exported weights are the trained ones, not the base model's.
     base = AutoModelForCausalLM.from_pretrained(model)
     assert not torch.equal(loaded.model.norm.weight, base.model.norm.weight)
