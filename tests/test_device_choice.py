@@ -88,3 +88,20 @@ def test_spawned_worlds_are_cpu_worlds_on_a_gpu_machine(gpus, monkeypatch):
     gpus(8)  # inherited by the forked ranks
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert spawn(_device_in_child, 2) == [("cpu", False), ("cpu", False)]
+
+
+def test_rng_state_of_a_cpu_run_never_touches_cuda_on_a_gpu_machine(gpus, monkeypatch):
+    """A gloo run on a GPU machine saves and restores only CPU generators (no CUDA context on GPU 0)."""
+    from hfmeg.train.rng import rng_state, set_rng_state
+
+    gpus(8)
+
+    def no_cuda(*_a, **_k):
+        raise AssertionError("a CPU run touched the CUDA generator")
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", no_cuda)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", no_cuda)
+    state = rng_state(torch.device("cpu"))
+    assert "cuda" not in state
+    set_rng_state({**state, "cuda": [0]}, torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), torch.tensor(state["torch"], dtype=torch.uint8))

@@ -86,7 +86,7 @@ class RunCheckpoints:
             iter_tmp = rank_dir.parent
             save_optimizer_state(opt, iter_tmp / "optim")
             (iter_tmp / "rng").mkdir(exist_ok=True)
-            (iter_tmp / "rng" / f"rank_{dist.get_rank():05d}.json").write_text(json.dumps(rng_state()))
+            (iter_tmp / "rng" / f"rank_{dist.get_rank():05d}.json").write_text(json.dumps(rng_state(ps.device)))
             if dist.get_rank() == 0:
                 (iter_tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
 
@@ -135,5 +135,5 @@ def load_trainer_state(folder: Path, opt) -> dict[str, Any]:
     load_optimizer_state(opt, folder / "optim")
     rng = folder / "rng" / f"rank_{dist.get_rank():05d}.json"
     if rng.is_file():  # absent when resuming with a different world size: seeds then differ per rank
-        set_rng_state(json.loads(rng.read_text()))
+        set_rng_state(json.loads(rng.read_text()), opt.ps.device)
     return state

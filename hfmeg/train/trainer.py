@@ -107,7 +107,7 @@ class Trainer:
                 print("TensorBoard not installed: logs skipped")
         self.schedule = "interleaved" if p.vpp > 1 else p.schedule
         seed_all(cfg.train.seed)
-        self.dtype = parse_dtype(cfg.model.dtype) or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+        self.dtype = parse_dtype(cfg.model.dtype) or (torch.bfloat16 if self.ps.device.type == "cuda" else torch.float32)
         self.resume_dir = self.checkpoints.resume_dir
         self.chunks, hf_side_dir = self._load_model()
         if self.is_logger:
