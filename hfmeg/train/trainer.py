@@ -220,6 +220,7 @@ class Trainer:
                     break
         finally:
             stop.restore()
+            self.data.close()  # stops the prefetch thread, also when the loop raised
             if metrics is not None:
                 metrics.close()
         summary.seconds = time.perf_counter() - started
