@@ -21,11 +21,11 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hfmeg.train.trainer as trainer_module
-from hfmeg.parallel.launch import WorkerError, spawn
+from hfmeg.parallel.launch import spawn
 from hfmeg.train.checkpointing import RunCheckpoints
 from hfmeg.train.dataclass_io import ConfigError
 from hfmeg.train.metrics import read_metrics, tensorboard_available
-from hfmeg.train.run_lock import LOCK_FILE, RunLock
+from hfmeg.train.run_lock import LOCK_FILE, RunLock, RunLockedError
 from hfmeg.train.stop import LauncherGone, LauncherWatch
 from hfmeg.train.trainer import Trainer
 from test_train import ALPACA, ROOT, _assets, _config, _losses
@@ -35,6 +35,13 @@ RECIPE = ROOT / "recipes" / "sft_llama13b.py"
 
 def _run(cfg):
     return Trainer(cfg).run()
+
+
+def _refusal(cfg) -> str:
+    """The RunLockedError this rank stops with (spawn would report only the first rank's)."""
+    with pytest.raises(RunLockedError) as e:
+        Trainer(cfg)
+    return str(e.value)
 
 
 def _iters(out: Path) -> list[int]:
@@ -113,9 +120,9 @@ def test_a_locked_out_is_refused_on_every_rank(tmp_path):
     holder = RunLock(out)
     assert holder.acquire() is None
     try:
-        with pytest.raises(WorkerError) as e:
-            spawn(_run, 2, _config(out, model, tp=2, steps=1))
-        assert f"already in use by another run (host {socket.gethostname()}, pid {os.getpid()})" in str(e.value)
+        errors = spawn(_refusal, 2, _config(out, model, tp=2, steps=1))
+        assert f"already in use by another run (host {socket.gethostname()}, pid {os.getpid()})" in errors[0]
+        assert "rank 0 could not take the run's lock" in errors[1]
         assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
     finally:
         holder.release()
