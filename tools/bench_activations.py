@@ -35,24 +35,22 @@ from hfmeg.models.decoder import RECOMPUTE_MODES, ModelChunk
 from hfmeg.parallel.activation_meter import SavedTensorMeter
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.state import ParallelConfig, ParallelState
+from bench_args import at_least
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hidden", type=int, default=5120)
-    p.add_argument("--ffn", type=int, default=13824)
-    p.add_argument("--heads", type=int, default=40)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--hidden", type=at_least(1), default=5120)
+    p.add_argument("--ffn", type=at_least(1), default=13824)
+    p.add_argument("--heads", type=at_least(1), default=40)
+    p.add_argument("--seq", type=at_least(1), default=512)
+    p.add_argument("--micro-batch", type=at_least(1), default=1)
+    p.add_argument("--tp", type=at_least(1), default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--compile", action="store_true",
                    help="norm/RoPE/SwiGLU compiled by Inductor, as the GPU recipes run them (default: eager)")
     a = p.parse_args(argv)
-    for k in ("hidden", "ffn", "heads", "seq", "micro_batch", "tp"):
-        if getattr(a, k) < 1:
-            p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
     if a.hidden % a.heads or a.heads % a.tp or a.ffn % a.tp:
         p.error(f"--heads {a.heads} must divide --hidden {a.hidden}, and --tp {a.tp} --heads and --ffn")
     if a.sp and (a.tp < 2 or a.seq % a.tp):

@@ -36,6 +36,7 @@ import torch
 
 from hfmeg.checkpoint.mp_layout import parse_dtype
 from hfmeg.models.document_attention import DocumentMask, attend, document_causal_mask, plan
+from bench_args import at_least
 
 GPU = dict(seq=4096, batch=1, heads=32, kv_heads=8, head_dim=128, steps=20, warmup=5, dtype="bf16")
 CPU = dict(seq=512, batch=1, heads=4, kv_heads=2, head_dim=32, steps=3, warmup=1, dtype="fp32")
@@ -46,7 +47,7 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available() if cuda is None else cuda
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name in ("seq", "batch", "heads", "kv-heads", "head-dim", "steps", "warmup"):
-        p.add_argument(f"--{name}", type=int, default=None)
+        p.add_argument(f"--{name}", type=at_least(0 if name == "warmup" else 1), default=None)
     p.add_argument("--docs", default="1,14", help="documents per row, comma-separated (default 1,14)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -59,11 +60,6 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
         a.docs = [int(x) for x in a.docs.split(",")]
     except ValueError:
         p.error(f"--docs must be comma-separated integers, got {a.docs!r}")
-    for k in ("seq", "batch", "heads", "kv_heads", "head_dim", "steps"):
-        if getattr(a, k) < 1:
-            p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
-    if a.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.heads % a.kv_heads:
         p.error(f"--heads {a.heads} is not divisible by --kv-heads {a.kv_heads}")
     if any(not 1 <= n <= a.seq for n in a.docs):

@@ -69,6 +69,7 @@ from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 from hfmeg.train.flops import mfu, peak_flops, training_flops
+from bench_args import at_least
 
 SEVEN_B = dict(hidden=4096, ffn=11008, heads=32, vocab=32000, seq=4096, layers=16, micro_batch_size=1,
                grad_accum=4, steps=5, warmup=3)
@@ -87,7 +88,7 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
                    help="packed SFT rows with position_ids/segment_ids, as the recipe feeds the trainer")
     for name in ("layers", "hidden", "ffn", "heads", "vocab", "seq", "micro-batch-size", "grad-accum", "steps",
                  "warmup"):
-        p.add_argument(f"--{name}", type=int, default=None)
+        p.add_argument(f"--{name}", type=at_least(0 if name == "warmup" else 1), default=None)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="Inductor for hfmeg's norm/RoPE/SwiGLU (default: on with CUDA)")
@@ -103,11 +104,6 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
     for k, v in (TINY if a.tiny else SEVEN_B).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    for k in ("layers", "hidden", "ffn", "heads", "vocab", "seq", "micro_batch_size", "grad_accum", "steps"):
-        if getattr(a, k) < 1:
-            p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}")
-    if a.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.hidden % a.heads:
         p.error(f"--hidden {a.hidden} is not divisible by --heads {a.heads}")
     return a
