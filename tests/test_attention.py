@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hfmeg.models import build_chunk_from_hf
-from hfmeg.models.document_attention import DocumentMask, attend, document_causal_mask, plan
+from hfmeg.models.document_attention import DocumentMask, attend, document_causal_mask, flex_applies, plan
 from hfmeg.parallel.activation_meter import SavedTensorMeter
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 from tiny_models import save_tiny
@@ -117,6 +117,7 @@ def test_rope_frequencies_are_copied_to_a_device_once(tmp_path):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flex_attention backward)")
 
 
+@pytest.mark.gpu
 @cuda
 def test_flex_attention_forward_and_backward_equal_dense_mask_on_cuda():
     for dtype, tol in ((torch.float32, 2e-4), (torch.bfloat16, 3e-2)):
@@ -132,9 +133,17 @@ def test_flex_attention_forward_and_backward_equal_dense_mask_on_cuda():
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
+def test_flex_only_where_it_has_a_kernel():
+    assert flex_applies(torch.device("cuda", 0), 16) and flex_applies(torch.device("cuda", 0), 128)
+    assert not flex_applies(torch.device("cuda", 0), 8)  # Triton's flex kernels refuse heads under 16
+    assert not flex_applies(torch.device("cpu"), 128)  # no backward on CPU
+
+
+@pytest.mark.gpu
 @cuda
-def test_packed_rows_on_cuda_match_the_cpu_dense_path(tmp_path):
-    folder = save_tiny("llama3", tmp_path / "m")
+@pytest.mark.parametrize("heads", [4, 8])  # head_dim 16 takes flex_attention, 8 the dense mask
+def test_packed_rows_on_cuda_match_the_cpu_dense_path(tmp_path, heads):
+    folder = save_tiny("llama3", tmp_path / "m", num_attention_heads=heads, num_key_value_heads=2)
     ids = torch.randint(0, 300, (2, 200), generator=torch.Generator().manual_seed(3))
     labels, pos = torch.roll(ids, -1, 1), torch.arange(200).expand(2, 200)
     losses = []

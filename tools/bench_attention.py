@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from hfmeg.checkpoint.mp_layout import parse_dtype
-from hfmeg.models.document_attention import DocumentMask, attend, document_causal_mask, plan
+from hfmeg.models.document_attention import DocumentMask, attend, document_causal_mask, flex_applies, plan
 from bench_args import at_least
 
 GPU = dict(seq=4096, batch=1, heads=32, kv_heads=8, head_dim=128, steps=20, warmup=5, dtype="bf16")
@@ -107,7 +107,7 @@ def run(a, device: torch.device, dtype: torch.dtype) -> list[dict]:
         seg = segment_ids(n, a.seq, a.batch, rng).to(device)
         masks = {"sdpa_causal": lambda: None,
                  "dense_mask": lambda: DocumentMask(dense=document_causal_mask(seg)),
-                 "document_causal": lambda: plan(seg, flex=device.type == "cuda")}
+                 "document_causal": lambda: plan(seg, flex=flex_applies(device, a.head_dim))}
         timings = {}
         for path in PATHS:
             docs = masks[path]()
@@ -124,7 +124,7 @@ def run(a, device: torch.device, dtype: torch.dtype) -> list[dict]:
             if path == "document_causal":
                 row["speedup_vs_dense"] = timings["dense_mask"][0] / ms
                 row["kernel"] = ("sdpa causal" if plan(seg, flex=False) is None
-                                 else "flex_attention" if device.type == "cuda" else "sdpa dense mask (CPU)")
+                                 else "flex_attention" if flex_applies(device, a.head_dim) else "sdpa dense mask")
             rows.append(row)
     return rows
 

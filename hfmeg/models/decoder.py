@@ -28,7 +28,7 @@ from ..parallel.layers import VocabParallelEmbedding
 from ..parallel.linear_cross_entropy import linear_cross_entropy
 from ..parallel.state import ParallelState
 from .attention import ParallelAttention
-from .document_attention import plan as plan_document_mask
+from .document_attention import flex_applies, plan as plan_document_mask
 from .kernels import Kernels
 from .mlp import ParallelMLP
 from .norm import make_norm
@@ -123,7 +123,7 @@ class ModelChunk(nn.Module):
             x = self._embed(x, position_ids)
         dtype = self._compute_dtype()
         rope = self.rope(position_ids, dtype) if self.rope is not None else None
-        docs = plan_document_mask(segment_ids, flex=x.is_cuda)
+        docs = plan_document_mask(segment_ids, flex=flex_applies(x.device, self.cfg.head_dim))
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, docs, use_reentrant=False)

@@ -10,13 +10,15 @@ it compute every block, although most blocks of a packed causal row are empty.
   flash on GPUs, blocks above the diagonal skipped). Deciding it reads one bool from
   the device, a host sync per micro-batch; a data pipeline that already knows its
   rows are single documents avoids it by passing `segment_ids=None`;
-- packed rows on CUDA: `flex_attention` with a `BlockMask` built from `segment_ids`:
+- packed rows on CUDA with heads of at least 16 dimensions (`flex_applies`):
+  `flex_attention` with a `BlockMask` built from `segment_ids`:
   blocks outside every document are skipped, blocks wholly inside one are computed
   without evaluating the mask, and GQA K/V heads are shared (`enable_gqa`), not
   repeated;
-- packed rows elsewhere: SDPA with the dense mask. On CPU, flex_attention has no
-  backward (torch 2.13) and its eager form materialises the scores anyway; its
-  forward is tested there against the dense mask (tests/test_attention.py).
+- packed rows elsewhere: SDPA with the dense mask. flex_attention's Triton kernels
+  refuse heads under 16 dimensions (tiny models such as stories260K have 8); on CPU
+  it has no backward (torch 2.13) and its eager form materialises the scores anyway;
+  its forward is tested there against the dense mask (tests/test_attention.py).
 
 All three compute the same function: on a row of one document the dense mask is
 exactly the causal one.
@@ -55,7 +57,17 @@ def document_block_mask(segment_ids: torch.Tensor) -> BlockMask:
     def same_document_causal(batch, head, q, kv):
         return (segment_ids[batch, q] == segment_ids[batch, kv]) & (q >= kv)
 
-    return create_block_mask(same_document_causal, b, None, s, s, device=segment_ids.device)
+    # Compiled on CUDA: eager, it evaluates the mask function on every element of every block.
+    return create_block_mask(same_document_causal, b, None, s, s, device=segment_ids.device,
+                             _compile=segment_ids.is_cuda)
+
+
+FLEX_MIN_HEAD_DIM = 16
+
+
+def flex_applies(device: torch.device, head_dim: int) -> bool:
+    """Whether packed rows get flex_attention: a fused kernel with a backward only on CUDA, for heads >= 16."""
+    return device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
 
 
 def plan(segment_ids: torch.Tensor | None, flex: bool) -> DocumentMask | None:
