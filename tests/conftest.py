@@ -14,6 +14,12 @@ from tiny_models import STORIES, rewrite_config_v4, save_tiny  # noqa: E402
 # the torchrun / recipe subprocesses the tests start joins gloo; GPU tests ask for nccl themselves.
 os.environ.setdefault(BACKEND_ENV, "gloo")
 
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `gpu` run after all others: once autograd has run on CUDA in this process it
+    keeps a device thread, and ranks forked after that (`launch.spawn`) cannot run backward."""
+    items.sort(key=lambda item: item.get_closest_marker("gpu") is not None)  # stable: order kept otherwise
+
 RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2")
 
 

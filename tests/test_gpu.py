@@ -24,7 +24,7 @@ from hfmeg.models.random_init import TensorSource, chunk_from_source, random_hf_
 from hfmeg.parallel.state import BACKEND_ENV, ParallelConfig, ParallelState
 from tiny_models import tiny_config
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_mfu.py"
 SHAPES = dict(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=4,
               num_hidden_layers=2, vocab_size=1000, max_position_embeddings=256)

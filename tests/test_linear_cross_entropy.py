@@ -55,6 +55,7 @@ def test_bf16_weight_without_main_grad_gets_its_gradient_from_autograd():
     torch.testing.assert_close(w.grad, grad_w.bfloat16(), rtol=8e-3, atol=0)  # one bf16 step: double rounding
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 GEMMs with fp32 output)")
 def test_bf16_weight_gradient_in_fp32_main_grad_on_cuda():
     ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cuda"))

@@ -83,7 +83,7 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available() if cuda is None else cuda
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true",
-                   help="CPU smoke-test shapes (the default without a GPU; defaults below become tiny)")
+                   help="CPU smoke test: tiny shapes on the CPU, also on a GPU machine (the default without a GPU)")
     p.add_argument("--trainer-path", action="store_true",
                    help="packed SFT rows with position_ids/segment_ids, as the recipe feeds the trainer")
     for name in ("layers", "hidden", "ffn", "heads", "vocab", "seq", "micro-batch-size", "grad-accum", "steps",
@@ -235,7 +235,8 @@ def _peak(a, device: torch.device) -> float | None:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available() and not a.tiny  # --tiny is the CPU smoke test, on a GPU machine too
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = parse_dtype(a.dtype or ("bf16" if device.type == "cuda" else "fp32"))
     a.compile = device.type == "cuda" if a.compile is None else a.compile
     hf_cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
@@ -266,7 +267,7 @@ def main(argv=None) -> dict:
         hfmeg_mfu=rate["hfmeg"], hf_mfu=rate["hf"],
         hfmeg_peak_mem_bytes=ours.peak_mem_bytes, hf_peak_mem_bytes=hf.peak_mem_bytes,
         hfmeg_tokens=ours.tokens, hf_tokens=hf.tokens, hfmeg_losses=ours.losses, hf_losses=hf.losses,
-        peak_flops=peak, flops_per_token=flops_per_token, trainer_path=a.trainer_path,
+        peak_flops=peak, flops_per_token=flops_per_token, trainer_path=a.trainer_path, recompute=a.recompute,
         documents_per_row=_documents_per_row(batches) if a.trainer_path else 1.0,
         shapes=dict(layers=a.layers, hidden=a.hidden, ffn=a.ffn, heads=a.heads, vocab=a.vocab, seq=a.seq,
                     micro_batch_size=a.micro_batch_size, grad_accum=a.grad_accum, steps=a.steps, warmup=a.warmup),

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU checklist (../shared/gpu-checklist.md) in two parts of under ten minutes each, for a
+# lent single-GPU machine that already has a CUDA build of torch:
+#
+#   bash tools/gpu_checklist.sh 1   # suite on CUDA (+ the CPU suite beside it), attention, calibration,
+#                                   # the trainer end to end on NCCL (bf16, resume, fp16, export)
+#   bash tools/gpu_checklist.sh 2   # MFU: plain, on the trainer path, vs a compiled transformers,
+#                                   # and 13B layer shapes under each recompute mode
+#
+# Logs and JSON go to $OUT (default out/gpu). Wheels in .whl/ (missing packages, carried to the
+# machine) are installed into /tmp/site first; the assets are looked for in .gpu/assets when
+# ../shared/assets is absent. Every step has its own time limit so that a hang costs one step,
+# not the part. LAYERS (default 16) sets the 7B-shape layers of the MFU runs.
+set -u
+part=${1:?usage: gpu_checklist.sh 1|2}
+OUT=${OUT:-out/gpu}
+PY=${PY:-python3}
+LAYERS=${LAYERS:-16}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ ! -d ../shared/assets ] && [ -d .gpu/assets ]; then
+  mkdir -p ../shared && ln -sfn "$PWD/.gpu/assets" ../shared/assets
+fi
+STORIES=../shared/assets/models/stories260K
+ALPACA=../shared/assets/data/alpaca_en_demo.json
+
+step() {  # step NAME SECONDS CMD...: one logged, time-limited step
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T), limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@"
+  echo "=== $name: exit $? after $((SECONDS - t0))s"
+}
+
+part1() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  "$PY" -c "import torch, transformers, datasets, pyarrow; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'transformers', transformers.__version__, 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
+  step "suite: test_gpu" 180 "$PY" -m pytest -q -rs tests/test_gpu.py
+  # The CPU suite beside the GPU steps (16 cores): it must stay on CPU/gloo on a GPU machine.
+  (timeout 420 "$PY" -m pytest -q --ignore=tests/test_gpu.py tests >"$OUT/pytest_cpu.log" 2>&1;
+   echo "exit $?" >>"$OUT/pytest_cpu.log") &
+  local suite=$!
+  step "attention bench" 120 "$PY" tools/bench_attention.py
+  step "planner calibration" 150 "$PY" -m hfmeg.plan calibrate --device cuda --out "$OUT/gpu_profile.json"
+  trainer
+  wait "$suite"
+  tail -5 "$OUT/pytest_cpu.log"
+}
+
+trainer() {
+  local run="torchrun --standalone --nproc_per_node 1 recipes/sft_llama13b.py --model $STORIES --data $ALPACA
+    --tp 1 --seq-len 512 --global-batch-size 16 --lr 3e-3 --warmup-steps 5 --eval-every 0"
+  rm -rf out/gpu-r1 out/gpu-fp16
+  step "trainer bf16 20 steps" 120 $run --max-steps 20 --save-every 10 --out out/gpu-r1
+  step "trainer resume to 30" 120 $run --max-steps 30 --save-every 10 --out out/gpu-r1 --resume auto
+  step "trainer fp16 10 steps" 120 $run --max-steps 10 --dtype fp16 --out out/gpu-fp16
+  cp out/gpu-r1/metrics.jsonl "$OUT/trainer_metrics.jsonl" 2>/dev/null
+  step "export loads and generates" 60 "$PY" - <<'EOF'
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+for run in ("out/gpu-r1/hf", "out/gpu-fp16/hf"):
+    tok = AutoTokenizer.from_pretrained(run)
+    model = AutoModelForCausalLM.from_pretrained(run).to("cuda")
+    ids = tok("Once upon a time", return_tensors="pt").to("cuda")
+    out = model.generate(**ids, max_new_tokens=24, do_sample=False)
+    print(run, model.dtype, repr(tok.decode(out[0], skip_special_tokens=True)))
+EOF
+}
+
+part2() {
+  step "MFU, $LAYERS 7B layers" 200 "$PY" tools/bench_mfu.py --layers "$LAYERS"
+  step "MFU, $LAYERS 7B layers, trainer path" 200 "$PY" tools/bench_mfu.py --layers "$LAYERS" --trainer-path
+  step "MFU, $LAYERS 7B layers, vs compiled transformers" 240 "$PY" tools/bench_mfu.py --layers "$LAYERS" --hf-compile
+  for r in none selective full; do
+    step "13B layer shapes, 4 layers, recompute $r" 100 "$PY" tools/bench_mfu.py --layers 4 --hidden 5120 \
+      --ffn 13824 --heads 40 --recompute "$r" --steps 3 --warmup 2
+  done
+}
+
+"part$part" 2>&1 | tee "$OUT/part$part.log"
