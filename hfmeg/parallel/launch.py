@@ -1,10 +1,17 @@
 """Run a function on N local processes joined in one gloo world, on the CPU.
 
 Used by the test-suite and by tools that launch their own CPU workers
-(`tools/verify_parity.py`). Processes are forked so the function and its arguments
-need not be importable or picklable; results must be picklable. A failure on any
-rank is re-raised in the parent with that rank's traceback, and a hang is killed
-after `timeout_s`.
+(`tools/verify_parity.py`). The function and its arguments must be picklable (a
+module-level function, plain data), and so must the results. A failure on any rank is
+re-raised in the parent with that rank's traceback, and a hang is killed after
+`timeout_s`.
+
+How ranks start (`start_method`): forked from the caller where no GPU is present
+(fast: nothing is imported again). On a machine with a GPU, once autograd has run in a
+process (any backward, on CPU tensors too) its engine keeps per-device threads, and a
+child forked after that refuses to run backward; there ranks are started afresh
+(`spawn`: a new interpreter that imports the function's module; it inherits the
+caller's stdout and stderr, as a forked rank does).
 """
 
 from __future__ import annotations
@@ -69,9 +76,13 @@ def _worker(fn, rank, world_size, port, args, results):
             dist.destroy_process_group()
 
 
+def start_method() -> str:
+    return "spawn" if torch.cuda.is_available() else "fork"
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
     """Run `fn(*args)` on `world_size` gloo ranks; return the per-rank results in rank order."""
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method())
     results = ctx.Queue()
     port = free_port()
     procs = [
