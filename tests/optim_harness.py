@@ -16,6 +16,7 @@ from hfmeg.checkpoint.rules import chunk_rules, to_hf, to_local
 from hfmeg.models import build_chunk_from_hf
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig, no_weight_decay
 from hfmeg.parallel.layout import rank_chunks, split_layers
+from hfmeg.parallel.roles import named_roles
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 
 ROWS, SEQ, VOCAB = 4, 16, 300  # rows per micro-batch of the global batch
@@ -53,8 +54,9 @@ def reference(folder, cfg: OptimizerConfig, ga: int, steps: int, ps1: ParallelSt
     """Single-process AdamW: returns (per-step losses, final {name: param})."""
     model = build_chunk_from_hf(folder, ps1)
     named = list(model.named_parameters())
-    groups = [{"params": [p for n, p in named if not no_weight_decay(n, cfg)]},
-              {"params": [p for n, p in named if no_weight_decay(n, cfg)], "weight_decay": 0.0}]
+    roles = named_roles(model)
+    groups = [{"params": [p for _, p, r in roles if not no_weight_decay(r, cfg)]},
+              {"params": [p for _, p, r in roles if no_weight_decay(r, cfg)], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                             weight_decay=cfg.weight_decay)
     losses = []

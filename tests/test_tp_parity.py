@@ -57,7 +57,7 @@ def _check_layouts(folder, ids):
         per_token = chunk(ids, labels=labels)
         loss = per_token.sum() / (labels != -100).sum()
         loss.backward()
-        sync_sequence_parallel_grads(chunk.parameters(), ps)
+        sync_sequence_parallel_grads([chunk], ps)
         params = dict(chunk.named_parameters())
         worst = 0.0
         seen = set()

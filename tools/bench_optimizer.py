@@ -52,6 +52,7 @@ import torch.distributed as dist
 from hfmeg.models import build_chunk_from_hf
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig, no_weight_decay
 from hfmeg.parallel.launch import spawn
+from hfmeg.parallel.roles import named_roles
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 
 IMPLS = ("compute", "ddp", "distributed", "overlapped")
@@ -69,10 +70,11 @@ def make_model(folder: Path, a) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _adamw(named, opt_cfg):
+def _adamw(chunk, opt_cfg):
     """The anchors' replicated torch AdamW, the same implementation the sharded modes use."""
-    groups = [{"params": [p for n, p in named if not no_weight_decay(n, opt_cfg)]},
-              {"params": [p for n, p in named if no_weight_decay(n, opt_cfg)], "weight_decay": 0.0}]
+    roles = named_roles(chunk)
+    groups = [{"params": [p for _, p, r in roles if not no_weight_decay(r, opt_cfg)]},
+              {"params": [p for _, p, r in roles if no_weight_decay(r, opt_cfg)], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay,
                              fused=opt_cfg.impl == "fused", foreach=opt_cfg.impl == "foreach")
 
@@ -100,7 +102,7 @@ def _run(impl, folder, a, ga, ps):
         if impl == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(chunk, bucket_cap_mb=a.bucket_size * 4 / 2**20,
                                                               gradient_as_bucket_view=True)
-        adamw = _adamw(list(chunk.named_parameters()), opt_cfg)
+        adamw = _adamw(chunk, opt_cfg)
         state_bytes = 3 * 4 * sum(p.numel() for p in chunk.parameters())  # master (the params) + m + v
     # Steps run back to back (no barrier between them, which could absorb in-flight all-gathers
     # outside the timed region); each step's time runs from the previous step's end, and after

@@ -26,6 +26,7 @@ from ..config import ModelConfig, check_tp
 from ..parallel.comm import copy_to_tp, gather_from_sequence, scatter_to_sequence
 from ..parallel.layers import VocabParallelEmbedding
 from ..parallel.linear_cross_entropy import linear_cross_entropy
+from ..parallel.roles import ParamRole, set_role
 from ..parallel.state import ParallelState
 from .attention import ParallelAttention
 from .document_attention import flex_applies, plan as plan_document_mask
@@ -78,9 +79,11 @@ class ModelChunk(nn.Module):
         self.padded_vocab = cfg.padded_vocab(ps.tp, vocab_multiple)
         self.layer_ids = list(layers)
         if pre_process:
-            self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps)
+            self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps, tied=cfg.tie_embeddings)
             if cfg.positions == "learned":
                 self.pos_embed = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+                # Replicated; not sequence-parallel: `_embed` scatters its output, so each rank's gradient is full.
+                set_role(self.pos_embed, "weight", ParamRole("embedding"))
         self.rope = RotaryEmbedding(cfg) if cfg.positions == "rope" else None
         kernels = Kernels(compile_backend)  # norm/RoPE/SwiGLU: eager, or fused by torch.compile
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, ps, i, kernels) for i in self.layer_ids})
@@ -88,8 +91,10 @@ class ModelChunk(nn.Module):
             self.final_norm = make_norm(cfg, ps.sequence_parallel, kernels)
             if not (cfg.tie_embeddings and pre_process):
                 self.lm_head = nn.Linear(cfg.hidden_size, self.padded_vocab // ps.tp, bias=False)
-                if cfg.tie_embeddings:
-                    self.lm_head.weight.shared_embedding = True  # summed with the first stage's copy
+                # With tied embeddings: the last stage's copy of the first stage's `embed.weight`.
+                tied = cfg.tie_embeddings
+                set_role(self.lm_head, "weight",
+                         ParamRole("embedding", tp_dim=0, tied="embedding" if tied else None, tied_copy=tied))
 
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if (self.cfg.tie_embeddings and self.pre_process) else self.lm_head.weight

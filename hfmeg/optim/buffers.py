@@ -14,10 +14,10 @@ group computes the same layout):
 2. Walking that order, parameters are appended to the open bucket; the bucket is
    closed once it holds at least `bucket_size` elements. A parameter is never split
    between buckets.
-3. A tied-embedding copy (`embed.weight` on the first stage / `lm_head.weight` with
-   `shared_embedding` on the last, only when PP > 1) gets a bucket of its own, so its
-   DP shard boundaries are identical on both stages and the shard can be summed over
-   the embedding group directly.
+3. A tied-embedding copy (a parameter whose role has a `tied` group: `embed.weight`
+   on the first stage, `lm_head.weight` on the last; only when PP > 1) gets a bucket
+   of its own, so its DP shard boundaries are identical on both stages and the shard
+   can be summed over the embedding group directly.
 4. Each bucket is padded with zeros to a multiple of `shards` (the DP size for the
    sharded modes) so that it splits into `shards` equal, contiguous shards. Shard
    `r` belongs to DP rank `r`; a parameter may straddle a shard boundary.
@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..parallel.roles import ParamRole, named_roles
+
 
 @dataclass
 class Slot:
@@ -39,6 +41,7 @@ class Slot:
 
     name: str
     param: nn.Parameter
+    role: ParamRole
     offset: int  # element offset inside the bucket
     numel: int
 
@@ -83,20 +86,13 @@ class BufferGroup:
     buckets: list[Bucket]
 
 
-def _is_isolated(name: str, param: nn.Parameter, chunk: nn.Module, pp: int) -> bool:
-    if pp == 1:
-        return False
-    if getattr(param, "shared_embedding", False):
-        return True
-    cfg = getattr(chunk, "cfg", None)
-    return name == "embed.weight" and cfg is not None and cfg.tie_embeddings and not chunk.post_process
+Named = list[tuple[str, nn.Parameter, ParamRole]]
 
 
-def plan_buckets(named: list[tuple[str, nn.Parameter]], isolated: set[str], bucket_size: int,
-                 shards: int, first_index: int, chunk: int) -> list[Bucket]:
+def plan_buckets(named: Named, pp: int, bucket_size: int, shards: int, first_index: int, chunk: int) -> list[Bucket]:
     """Cut `named` (already in gradient-ready order) into padded buckets; see the module docstring."""
     buckets: list[Bucket] = []
-    open_slots: list[tuple[str, nn.Parameter]] = []
+    open_slots: Named = []
     open_numel = cursor = 0
 
     def close(slots, alone=False):
@@ -105,20 +101,20 @@ def plan_buckets(named: list[tuple[str, nn.Parameter]], isolated: set[str], buck
             return
         b = Bucket(first_index + len(buckets), chunk, cursor, 0, shards, isolated=alone)
         offset = 0
-        for name, p in slots:
-            b.slots.append(Slot(name, p, offset, p.numel()))
+        for name, p, role in slots:
+            b.slots.append(Slot(name, p, role, offset, p.numel()))
             offset += p.numel()
         b.size = -(-offset // shards) * shards
         cursor += b.size
         buckets.append(b)
 
-    for name, p in named:
-        if name in isolated:
+    for name, p, role in named:
+        if pp > 1 and role.tied is not None:  # a tied copy summed across pipeline stages
             close(open_slots)
             open_slots, open_numel = [], 0
-            close([(name, p)], alone=True)
+            close([(name, p, role)], alone=True)
             continue
-        open_slots.append((name, p))
+        open_slots.append((name, p, role))
         open_numel += p.numel()
         if open_numel >= bucket_size:
             close(open_slots)
@@ -133,11 +129,10 @@ def build_groups(chunks: list[nn.Module], pp: int, bucket_size: int, shards: int
     groups: list[BufferGroup] = []
     index = 0
     for c, chunk in enumerate(chunks):
-        named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad][::-1]
-        for dtype in sorted({p.dtype for _, p in named}, key=str):
-            mine = [(n, p) for n, p in named if p.dtype == dtype]
-            isolated = {n for n, p in mine if _is_isolated(n, p, chunk, pp)}
-            buckets = plan_buckets(mine, isolated, bucket_size, shards, index, c)
+        named = [(n, p, r) for n, p, r in named_roles(chunk) if p.requires_grad][::-1]
+        for dtype in sorted({p.dtype for _, p, _ in named}, key=str):
+            mine = [(n, p, r) for n, p, r in named if p.dtype == dtype]
+            buckets = plan_buckets(mine, pp, bucket_size, shards, index, c)
             index += len(buckets)
             total = sum(b.size for b in buckets)
             device = mine[0][1].device

@@ -6,10 +6,10 @@ the unsharded model count exactly once:
 
 - sharded modes: DP rank r owns shard r of every bucket (padding is zero);
   `ddp`: every DP replica holds everything, so only the model-parallel group sums;
-- TP-replicated parameters (norms, row-parallel biases, learned positions: split
-  kind `replicated` in `checkpoint.rules`) count on TP rank 0 only;
-- a tied embedding copy on the last stage (`shared_embedding`) does not count; the
-  first stage's `embed.weight` does.
+- TP-replicated parameters (role `tp_dim` None: norms, row-parallel biases, learned
+  positions) count on TP rank 0 only;
+- a tied embedding copy on the last stage (role `tied_copy`) does not count; the
+  first stage's `embed.weight` does (`ParamRole.counted_on`).
 
 Clipping then matches `torch.nn.utils.clip_grad_norm_`: grads are multiplied by
 min(1, max_norm / (norm + 1e-6)).

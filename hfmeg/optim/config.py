@@ -1,8 +1,8 @@
 """`OptimizerConfig`: the one source of truth for the optimizer and gradient sync.
 
-Which parameters are excluded from weight decay is decided here, by name, so the
-distributed optimizer and any single-process reference (tests, tools) use the same
-rule: `no_weight_decay(name, cfg)`.
+Which parameters are excluded from weight decay is decided here, from each
+parameter's role (`hfmeg.parallel.roles`), so the distributed optimizer and any
+single-process reference (tests, tools) use the same rule: `no_weight_decay(role, cfg)`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import UnsupportedConfigError
+from ..parallel.roles import ParamRole
 
 MODES = ("ddp", "distributed", "overlapped")
 
@@ -36,7 +37,7 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     no_decay_norms: bool = True
     no_decay_biases: bool = True
-    no_decay_embeddings: bool = False  # embed.weight, pos_embed.weight, lm_head.weight
+    no_decay_embeddings: bool = False  # embed.weight, pos_embed.weight, lm_head.weight (role kind `embedding`)
     bucket_size: int = 40_000_000  # elements per gradient bucket (before DP padding)
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still computed)
     impl: Literal["foreach", "fused"] = "fused"  # torch.optim.AdamW implementation (fused: one pass, 4x foreach on CPU)
@@ -62,14 +63,9 @@ class OptimizerConfig:
         return self.mode != "ddp"
 
 
-EMBEDDING_NAMES = ("embed.weight", "pos_embed.weight", "lm_head.weight")
-
-
-def no_weight_decay(name: str, cfg: OptimizerConfig) -> bool:
-    """True when parameter `name` (hfmeg naming) is excluded from weight decay."""
-    leaf = name.rsplit(".", 2)
-    if cfg.no_decay_norms and len(leaf) >= 2 and leaf[-2].endswith("norm"):
-        return True
-    if cfg.no_decay_biases and name.endswith(".bias"):
-        return True
-    return cfg.no_decay_embeddings and name in EMBEDDING_NAMES
+def no_weight_decay(role: ParamRole, cfg: OptimizerConfig) -> bool:
+    """True when a parameter with `role` is excluded from weight decay (a norm's bias is both a norm and a bias)."""
+    kind = role.kind
+    return (cfg.no_decay_norms and kind in ("norm", "norm_bias")) \
+        or (cfg.no_decay_biases and kind in ("bias", "norm_bias")) \
+        or (cfg.no_decay_embeddings and kind == "embedding")

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.rules import chunk_rules
+from ..parallel.comm import all_reduce_coalesced
 from ..parallel.params_ready import set_params_barrier
 from ..parallel.state import ParallelState
 from .bucket_comm import all_gather_async
@@ -60,15 +60,6 @@ class StepResult:
     grad_norm: float  # before clipping, after unscaling; inf/nan when the step was skipped
     skipped: bool
     loss_scale: float
-
-
-def _replicated_names(chunk: nn.Module) -> set[str]:
-    """Parameters that every TP rank holds whole (their norm counts on TP rank 0 only)."""
-    cfg = getattr(chunk, "cfg", None)
-    if cfg is None:
-        return set()
-    rules = chunk_rules(cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process)
-    return {r.local for r in rules if r.kind == "replicated"}
 
 
 def _runs(bucket: Bucket, rank: int, key) -> list[tuple[int, int, object]]:
@@ -106,20 +97,17 @@ class DistributedOptimizer:
         for b in self.buckets:
             self._master_shard(b).copy_(self._own(b, b.param_buf))
 
-        replicated = set().union(*(_replicated_names(c) for c in self.chunks))
-        counted = lambda s: not getattr(s.param, "shared_embedding", False) and \
-            (ps.tp_rank == 0 or s.name not in replicated)  # noqa: E731
         self._norm_grads, self._sp_grads = [], []
         # Forward order: chunk by chunk, and inside a chunk the reverse of gradient-ready order.
         self._forward_order = sorted(self.buckets, key=lambda b: (b.chunk, -b.index))
         self.optimizers: dict[int, torch.optim.AdamW] = {}  # bucket index -> AdamW over its owned shard
         for b in self._forward_order:
             grad = self._own(b, b.grad_buf)
-            for lo, hi, ok in _runs(b, self.rank, counted):
+            for lo, hi, ok in _runs(b, self.rank, lambda s: s.role.counted_on(ps.tp_rank)):
                 if ok:
                     self._norm_grads.append(grad[lo:hi])
             if ps.sequence_parallel:
-                for lo, hi, sp in _runs(b, self.rank, lambda s: getattr(s.param, "sequence_parallel", False)):
+                for lo, hi, sp in _runs(b, self.rank, lambda s: s.role.sequence_parallel):
                     if sp:
                         self._sp_grads.append(grad[lo:hi])
             adamw = self._bucket_adamw(b, grad)
@@ -141,7 +129,7 @@ class DistributedOptimizer:
         """torch AdamW over the owned shard of `b` (None when the shard is all padding)."""
         cfg, off = self.cfg, self.offsets[b.index]
         decay, no_decay = [], []
-        for lo, hi, nd in _runs(b, self.rank, lambda s: no_weight_decay(s.name, cfg)):
+        for lo, hi, nd in _runs(b, self.rank, lambda s: no_weight_decay(s.role, cfg)):
             p = self.master[off + lo : off + hi]
             p.grad = grad[lo:hi]
             (no_decay if nd else decay).append((p, off + lo, off + hi))
@@ -234,9 +222,7 @@ class DistributedOptimizer:
         """Sum sequence-parallel grads over TP and tied-embedding grads over the embedding group."""
         ps = self.ps
         if self._sp_grads and ps.tp > 1:
-            flat = torch.cat(self._sp_grads)
-            dist.all_reduce(flat, group=ps.tp_group)
-            torch._foreach_copy_(self._sp_grads, list(flat.split([g.numel() for g in self._sp_grads])))
+            all_reduce_coalesced(self._sp_grads, ps.tp_group)
         for b in self.buckets:
             if b.isolated:  # only exists when PP > 1 and embeddings are tied (buffers.py)
                 dist.all_reduce(self._own(b, b.grad_buf), group=ps.embedding_group)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .roles import named_roles
 from .state import ParallelState
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -98,18 +99,18 @@ reduce_scatter_to_sequence = _conjugate_pair("ReduceScatterToSequence", _reduce_
 gather_last_dim = _conjugate_pair("GatherLastDim", _gather_last, _split_last)
 
 
-def sync_sequence_parallel_grads(params, ps: ParallelState) -> None:
+def sync_sequence_parallel_grads(modules, ps: ParallelState) -> None:
     """All-reduce over TP the gradients of replicated parameters used on sequence shards.
 
-    Under sequence parallelism, norms (and GPT-2's position embedding and row-parallel
-    biases) see only this rank's slice of the sequence, so each TP rank holds a partial
-    gradient. Summing over TP once per step (not per micro-batch) restores the full one.
-    Parameters opt in with the attribute `sequence_parallel = True`.
+    Under sequence parallelism, norms and row-parallel biases see only this rank's slice
+    of the sequence, so each TP rank holds a partial gradient. Summing over TP once per
+    step (not per micro-batch) restores the full one. Which parameters of `modules`:
+    those whose role says `sequence_parallel`.
     """
     if not ps.sequence_parallel or ps.tp == 1:
         return
-    all_reduce_coalesced([p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None],
-                         ps.tp_group)
+    all_reduce_coalesced([p.grad for m in modules for _, p, role in named_roles(m)
+                          if role.sequence_parallel and p.grad is not None], ps.tp_group)
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:

@@ -6,9 +6,9 @@ global-batch-mean gradient. Three sums make it the full gradient everywhere:
 1. Sequence parallelism: norm weights (and row-parallel biases) saw only this
    TP rank's slice of the sequence, so their gradients are summed over TP.
 2. Tied embeddings across stages: the first stage's `embed.weight` and the last
-   stage's `lm_head.weight` (a copy marked `shared_embedding`) are one tensor of
-   the model, so their gradients are summed over the embedding group and both
-   copies keep taking identical optimizer steps.
+   stage's `lm_head.weight` (roles with `tied="embedding"`) are one tensor of the
+   model, so their gradients are summed over the embedding group and both copies
+   keep taking identical optimizer steps.
 3. Data parallelism: every replica saw different micro-batches of the same
    global batch; losses are already divided by the global token count, so the
    replicas' gradients are summed (not averaged) over DP.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .comm import all_reduce_coalesced, sync_sequence_parallel_grads
+from .roles import named_roles
 from .state import ParallelState
 
 
@@ -26,14 +27,7 @@ def embedding_grads(chunks, ps: ParallelState) -> list[torch.Tensor]:
     """The tied-embedding copies on this rank whose gradients are summed over `ps.embedding_group`."""
     if ps.pp == 1:
         return []
-    out = []
-    first, last = chunks[0], chunks[-1]
-    if ps.is_first_stage and first.pre_process and first.cfg.tie_embeddings:
-        out.append(first.embed.weight)
-    head = getattr(last, "lm_head", None) if ps.is_last_stage else None
-    if head is not None and getattr(head.weight, "shared_embedding", False):
-        out.append(head.weight)
-    return out
+    return [p for c in chunks for _, p, role in named_roles(c) if role.tied == "embedding"]
 
 
 def finalize_grads(chunks, ps: ParallelState) -> None:
@@ -42,7 +36,7 @@ def finalize_grads(chunks, ps: ParallelState) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    sync_sequence_parallel_grads(params, ps)
+    sync_sequence_parallel_grads(chunks, ps)
     tied = embedding_grads(chunks, ps)
     if tied:
         all_reduce_coalesced([p.grad for p in tied], ps.embedding_group)

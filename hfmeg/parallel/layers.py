@@ -1,7 +1,9 @@
 """Tensor-parallel layers (the vocab-parallel loss is in `linear_cross_entropy.py`).
 
 Weights hold only this rank's slice and are loaded from checkpoints (see
-`hfmeg.checkpoint.rules`); the layers never initialise values themselves.
+`hfmeg.checkpoint.rules`); the layers never initialise values themselves. Each
+layer declares its parameters' roles (`roles.py`): which dim is split over TP, and
+which replicated ones see only a sequence shard under SP.
 
 Sequence parallelism changes only where the TP collectives sit: a column-parallel
 layer all-gathers its input along the sequence instead of copying it, and a
@@ -21,14 +23,8 @@ from .comm import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
+from .roles import ParamRole, add_param
 from .state import ParallelState
-
-
-def _param(*shape: int, sequence_parallel: bool = False) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(*shape))
-    if sequence_parallel:
-        p.sequence_parallel = True  # partial gradient per TP rank: see sync_sequence_parallel_grads
-    return p
 
 
 class ColumnParallelLinear(nn.Module):
@@ -43,8 +39,11 @@ class ColumnParallelLinear(nn.Module):
         if out_features % ps.tp:
             raise ValueError(f"output features {out_features} not divisible by TP={ps.tp}")
         self.ps = ps
-        self.weight = _param(out_features // ps.tp, in_features)
-        self.bias = _param(out_features // ps.tp) if bias else None
+        add_param(self, "weight", out_features // ps.tp, in_features, role=ParamRole("weight", tp_dim=0))
+        if bias:
+            add_param(self, "bias", out_features // ps.tp, role=ParamRole("bias", tp_dim=0))
+        else:
+            self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sequence(x, self.ps) if self.ps.sequence_parallel else copy_to_tp(x, self.ps)
@@ -64,8 +63,11 @@ class RowParallelLinear(nn.Module):
         if in_features % ps.tp:
             raise ValueError(f"input features {in_features} not divisible by TP={ps.tp}")
         self.ps = ps
-        self.weight = _param(out_features, in_features // ps.tp)
-        self.bias = _param(out_features, sequence_parallel=ps.sequence_parallel) if bias else None
+        add_param(self, "weight", out_features, in_features // ps.tp, role=ParamRole("weight", tp_dim=1))
+        if bias:  # added after the reduction: replicated, and under SP applied to sequence shards
+            add_param(self, "bias", out_features, role=ParamRole("bias", sequence_parallel=ps.sequence_parallel))
+        else:
+            self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -80,12 +82,14 @@ class VocabParallelEmbedding(nn.Module):
     rank looks up the ids in its range, zeros the rest, and the TP sum fills in all.
     """
 
-    def __init__(self, padded_vocab: int, hidden: int, ps: ParallelState):
+    def __init__(self, padded_vocab: int, hidden: int, ps: ParallelState, tied: bool = False):
         super().__init__()
         self.ps = ps
         self.per_rank = padded_vocab // ps.tp
         self.start = ps.tp_rank * self.per_rank
-        self.weight = _param(self.per_rank, hidden)
+        # `tied`: the LM head of the last stage is a copy of this weight (summed over the embedding group).
+        add_param(self, "weight", self.per_rank, hidden,
+                  role=ParamRole("embedding", tp_dim=0, tied="embedding" if tied else None))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.t()  # [s, b]: sequence-first layout

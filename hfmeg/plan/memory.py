@@ -27,9 +27,10 @@ import torch
 
 from ..config import ModelConfig
 from ..models.decoder import ModelChunk
-from ..optim.buffers import _is_isolated, plan_buckets
+from ..optim.buffers import plan_buckets
 from ..optim.config import OptimizerConfig
 from ..parallel.layout import rank_chunks, split_layers
+from ..parallel.roles import named_roles
 from ..parallel.schedules import plan
 from .activations import Shape, chunk_bytes, received_input_bytes, recompute_transient_bytes
 from .layout import PlanLayout
@@ -85,10 +86,9 @@ def _count_chunk(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: bool
     ps = SimpleNamespace(tp=tp, tp_rank=0, sequence_parallel=False)  # construction reads only these
     with torch.device("meta"):
         chunk = ModelChunk(cfg, ps, layers, pre_process=pre, post_process=post)
-    named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad][::-1]
-    isolated = {n for n, p in named if _is_isolated(n, p, chunk, pp)}
-    buckets = plan_buckets(named, isolated, bucket_size, shards, 0, 0)
-    return sum(p.numel() for _, p in named), sum(b.size for b in buckets), len(buckets)
+    named = [(n, p, r) for n, p, r in named_roles(chunk) if p.requires_grad][::-1]
+    buckets = plan_buckets(named, pp, bucket_size, shards, 0, 0)
+    return sum(p.numel() for _, p, _ in named), sum(b.size for b in buckets), len(buckets)
 
 
 def _in_flight_peak(lay: PlanLayout, pp_rank: int, microbatches: int, per_chunk: list[int]) -> int:

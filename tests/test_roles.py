@@ -1,0 +1,94 @@
+"""Every parameter of every model family declares a role, and the roles agree with the key table.
+
+`checkpoint.rules` says how each tensor is split over TP (its split kind); the role the
+layer declared must say the same: column/row/vocab splits shard one dim, `replicated`
+shards none. Chunks are built on the meta device (construction reads only the TP size,
+rank and the SP flag), as TP=2 with SP, and as the two ends of a PP=2 tied model.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hfmeg.checkpoint.rules import chunk_rules
+from hfmeg.config import model_config_from_hf
+from hfmeg.models.decoder import ModelChunk
+from hfmeg.optim import OptimizerConfig, no_weight_decay
+from hfmeg.parallel.roles import ParamRole, named_roles, role_of
+from tests.tiny_models import tiny_config
+
+FAMILIES = ["llama3", "llama_tied", "mistral", "qwen2", "gpt2"]
+SPLIT_DIM = {"replicated": None, "rows": 0, "qkv": 0, "gate_up": 0, "vocab": 0, "cols": 1}
+
+
+def _chunk(kind: str, pre: bool, post: bool, sp: bool = True) -> ModelChunk:
+    cfg = model_config_from_hf(tiny_config(kind))
+    ps = SimpleNamespace(tp=2, tp_rank=1, sequence_parallel=sp)
+    with torch.device("meta"):
+        return ModelChunk(cfg, ps, range(cfg.num_layers), pre_process=pre, post_process=post)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("ends", [(True, True), (True, False), (False, True)], ids=["whole", "first", "last"])
+def test_roles_match_split_kinds(kind, ends):
+    chunk = _chunk(kind, *ends)
+    rules = {r.local: r for r in chunk_rules(chunk.cfg, chunk.layer_ids, *ends)}
+    roles = {name: role for name, _, role in named_roles(chunk)}
+    assert list(roles) == [n for n, _ in chunk.named_parameters()]
+    assert set(roles) == set(rules)
+    for name, role in roles.items():
+        rule = rules[name]
+        assert role.tp_dim == SPLIT_DIM[rule.kind], name
+        # Replicated parameters that see sequence shards are exactly the norms and row-parallel biases.
+        sp = rule.kind == "replicated" and name != "pos_embed.weight"
+        assert role.sequence_parallel == sp, name
+        assert role.tied_copy == rule.tied, name
+        assert (role.tied is not None) == (chunk.cfg.tie_embeddings and name in ("embed.weight", "lm_head.weight"))
+
+
+def test_sequence_parallel_off_without_sp():
+    chunk = _chunk("gpt2", True, True, sp=False)
+    assert not any(role.sequence_parallel for _, _, role in named_roles(chunk))
+
+
+def test_norm_counting_each_element_once():
+    """Across the two TP ranks and both tied ends, each model tensor is counted by exactly one rank."""
+    first, last = _chunk("llama_tied", True, False), _chunk("llama_tied", False, True)
+    for name, _, role in [*named_roles(first), *named_roles(last)]:
+        counted = [role.counted_on(r) for r in range(2)]
+        if name == "lm_head.weight":
+            assert counted == [False, False]
+        elif role.tp_replicated:
+            assert counted == [True, False], name
+        else:
+            assert counted == [True, True], name
+
+
+def test_weight_decay_exclusion_by_kind():
+    chunk = _chunk("gpt2", True, True)
+    params = {name: role for name, _, role in named_roles(chunk)}
+    default = {n for n, r in params.items() if no_weight_decay(r, OptimizerConfig())}
+    assert default == {n for n in params if "norm" in n or n.endswith(".bias")}
+    only_biases = OptimizerConfig(no_decay_norms=False)
+    assert no_weight_decay(params["final_norm.bias"], only_biases)
+    assert not no_weight_decay(params["final_norm.weight"], only_biases)
+    embeddings = OptimizerConfig(no_decay_norms=False, no_decay_biases=False, no_decay_embeddings=True)
+    assert {n for n, r in params.items() if no_weight_decay(r, embeddings)} == \
+        {"embed.weight", "pos_embed.weight"}  # GPT-2 ties its head to embed.weight
+
+
+def test_missing_role_is_a_clear_error():
+    with pytest.raises(TypeError, match="has no role"):
+        named_roles(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError):
+        ParamRole("norm", tp_dim=0, sequence_parallel=True)
+
+
+
+def test_roles_survive_materialising_and_casting():
+    chunk = _chunk("qwen2", True, True).to_empty(device="cpu").to(torch.float64)
+    assert role_of(chunk.layers["0"].attn.qkv, "bias") == ParamRole("bias", tp_dim=0)
+    assert len(named_roles(chunk)) == len(list(chunk.parameters()))
