@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from hfmeg.checkpoint.convert import load_model_config, mp_to_hf
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
-from hfmeg.optim import distributed_optimizer
 from hfmeg.optim.state_io import read_meta
+from hfmeg.parallel import data_parallel
 from hfmeg.parallel.launch import spawn
 from hfmeg.train.checkpointing import RunCheckpoints
 from optim_harness import CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, make_ps, train
@@ -42,8 +42,8 @@ class _LateAllGather:
 
 
 def _train_and_save(folder: str, out: str) -> None:
-    start = distributed_optimizer.all_gather_async  # patched in this forked rank only
-    distributed_optimizer.all_gather_async = lambda *a, **k: _LateAllGather(start, a, k)
+    start = data_parallel.all_gather_async  # patched in this forked rank only
+    data_parallel.all_gather_async = lambda *a, **k: _LateAllGather(start, a, k)
     ps = make_ps()
     chunk = build_rank_chunk(folder, ps)
     opt = DistributedOptimizer([chunk], ps, OptimizerConfig(mode="overlapped", **CFG))

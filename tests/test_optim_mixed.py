@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import hfmeg.optim.distributed_optimizer as dopt
+import hfmeg.parallel.data_parallel as dopt
 from hfmeg.errors import UnsupportedConfigError
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig, lr_at

@@ -64,7 +64,7 @@ def _pipeline(folder):
         loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         out.append(dict(case=(schedule, vpp, mode), rel=rel, loss_rel=loss_rel, chunks=len(chunks),
                         chunk_of_bucket=sorted({b.chunk for b in opt.buckets})))
-        opt.grad_sync.remove_hooks()
+        opt.data_parallel.grad_sync.remove_hooks()
     return out
 
 
@@ -85,7 +85,7 @@ def _launch_order(folder):
         chunk = build_rank_chunk(folder, ps)
         opt = DistributedOptimizer([chunk], ps, OptimizerConfig(mode=mode, **CFG))
         events: list[tuple] = []
-        sync = opt.grad_sync
+        sync = opt.data_parallel.grad_sync
         launch = sync._launch
         sync._launch = lambda b: (events.append(("launch", b.index)), launch(b))[1]
         # Registered after the optimizer's hooks, so it runs once layer 0's gradient has been accumulated.

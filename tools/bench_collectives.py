@@ -4,7 +4,7 @@ On one gloo world of `--dp` ranks, for one flat fp32 buffer of `--numel` element
 
 - communication: the native `all_reduce` (DDP's collective, the anchor), the native
   reduce-scatter and all-gather, and hfmeg's `reduce_scatter_async` /
-  `all_gather_async` (hfmeg/optim/bucket_comm.py: all-to-all + local sum, and one
+  `all_gather_async` (hfmeg/parallel/bucket_comm.py: all-to-all + local sum, and one
   isend/irecv per peer, on gloo). Median of `--reps` over the slowest rank;
 - the update: torch AdamW, foreach vs fused, on one rank's shard (`numel / dp`
   elements), one thread, as each rank runs it.
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from bench_optimizer import parse_throttled, timed
-from hfmeg.optim.bucket_comm import ScratchPool, all_gather_async, reduce_scatter_async
+from hfmeg.parallel.bucket_comm import ScratchPool, all_gather_async, reduce_scatter_async
 from hfmeg.parallel.comm import all_gather_flat, reduce_scatter_flat
 from hfmeg.parallel.launch import spawn
 

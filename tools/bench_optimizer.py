@@ -151,7 +151,7 @@ def _comm_only(folder, a, ps) -> dict[str, float]:
     """Seconds for one step's communication with no compute: DDP all-reduce vs sharded RS + AG."""
     opt = DistributedOptimizer([build_chunk_from_hf(folder, ps)], ps,
                                OptimizerConfig(mode="distributed", bucket_size=a.bucket_size))
-    sync = opt.grad_sync
+    sync = opt.data_parallel.grad_sync
 
     def allreduce():
         for h in [dist.all_reduce(b.grad_buf, async_op=True) for b in opt.buckets]:

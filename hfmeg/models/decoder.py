@@ -23,9 +23,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig, check_tp
-from ..parallel.comm import copy_to_tp, gather_from_sequence, scatter_to_sequence
-from ..parallel.layers import VocabParallelEmbedding
-from ..parallel.linear_cross_entropy import linear_cross_entropy
+from ..parallel.comm import scatter_to_sequence
+from ..parallel.layers import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_head
 from ..parallel.roles import ParamRole, set_role
 from ..parallel.state import ParallelState
 from .attention import ParallelAttention
@@ -90,14 +89,9 @@ class ModelChunk(nn.Module):
         if post_process:
             self.final_norm = make_norm(cfg, ps.sequence_parallel, kernels)
             if not (cfg.tie_embeddings and pre_process):
-                self.lm_head = nn.Linear(cfg.hidden_size, self.padded_vocab // ps.tp, bias=False)
                 # With tied embeddings: the last stage's copy of the first stage's `embed.weight`.
-                tied = cfg.tie_embeddings
-                set_role(self.lm_head, "weight",
-                         ParamRole("embedding", tp_dim=0, tied="embedding" if tied else None, tied_copy=tied))
-
-    def head_weight(self) -> torch.Tensor:
-        return self.embed.weight if (self.cfg.tie_embeddings and self.pre_process) else self.lm_head.weight
+                self.lm_head = VocabParallelHead(cfg.hidden_size, self.padded_vocab, cfg.vocab_size, ps,
+                                                 tied_copy=cfg.tie_embeddings)
 
     def forward(
         self,
@@ -151,10 +145,7 @@ class ModelChunk(nn.Module):
 
     def _head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         x = self.final_norm(x)
-        x = gather_from_sequence(x, self.ps) if self.ps.sequence_parallel else copy_to_tp(x, self.ps)
-        if labels is None:
-            return torch.nn.functional.linear(x, self.head_weight()).transpose(0, 1)  # [b, s, v/tp]
-        # Training never materialises the full logits: see parallel/linear_cross_entropy.py.
-        loss = linear_cross_entropy(x, self.head_weight(), labels.t(), self.ps, self.cfg.vocab_size,
-                                    self.ce_chunk_tokens)
-        return loss.t()
+        if hasattr(self, "lm_head"):
+            return self.lm_head(x, labels, self.ce_chunk_tokens)
+        # Tied embeddings with both ends here: the embedding's weight is the head.
+        return vocab_parallel_head(x, self.embed.weight, labels, self.ps, self.cfg.vocab_size, self.ce_chunk_tokens)

@@ -1,4 +1,6 @@
-"""Tensor-parallel layers (the vocab-parallel loss is in `linear_cross_entropy.py`).
+"""Tensor-parallel layers: column/row-parallel linears, the vocab-parallel embedding and LM head.
+
+The LM head's vocab-parallel loss is in `linear_cross_entropy.py`.
 
 Weights hold only this rank's slice and are loaded from checkpoints (see
 `hfmeg.checkpoint.rules`); the layers never initialise values themselves. Each
@@ -23,6 +25,7 @@ from .comm import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
+from .linear_cross_entropy import linear_cross_entropy
 from .roles import ParamRole, add_param
 from .state import ParallelState
 
@@ -102,3 +105,36 @@ class VocabParallelEmbedding(nn.Module):
         if self.ps.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.ps)
         return reduce_from_tp(out, self.ps)
+
+
+def vocab_parallel_head(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None, ps: ParallelState,
+                        vocab_size: int, chunk_tokens: int) -> torch.Tensor:
+    """Project `x` `[s, b, h]` (`[s/tp, b, h]` under SP) on this rank's vocab rows `weight` `[V/tp, h]`.
+
+    Without labels: this rank's logits `[b, s, V/tp]`. With labels `[b, s]`: the
+    per-token loss `[b, s]`, from the chunked vocab-parallel cross-entropy that never
+    materialises the full logits (linear_cross_entropy.py).
+    """
+    x = gather_from_sequence(x, ps) if ps.sequence_parallel else copy_to_tp(x, ps)
+    if labels is None:
+        return F.linear(x, weight).transpose(0, 1)
+    return linear_cross_entropy(x, weight, labels.t(), ps, vocab_size, chunk_tokens).t()
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head, its vocabulary rows split over TP like `VocabParallelEmbedding`'s.
+
+    `tied_copy`: this is the last stage's copy of the first stage's tied embedding
+    (its gradient is summed with the embedding's, see roles.py). A model whose one
+    stage holds both ends of a tied model has no head module: it calls
+    `vocab_parallel_head` with the embedding's weight.
+    """
+
+    def __init__(self, hidden: int, padded_vocab: int, vocab_size: int, ps: ParallelState, tied_copy: bool):
+        super().__init__()
+        self.ps, self.vocab_size = ps, vocab_size
+        add_param(self, "weight", padded_vocab // ps.tp, hidden, role=ParamRole(
+            "embedding", tp_dim=0, tied="embedding" if tied_copy else None, tied_copy=tied_copy))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 4096) -> torch.Tensor:
+        return vocab_parallel_head(x, self.weight, labels, self.ps, self.vocab_size, chunk_tokens)

@@ -1,14 +1,14 @@
 """A "parameters ready" barrier for code that reads model parameters outside a forward.
 
 The overlapped distributed optimizer ends `step()` with each bucket's parameter
-all-gather still in flight: DP rank r holds its freshly updated shard, and the other
+all-gather (launched by the data-parallel wrapper, data_parallel.py) still in flight: DP rank r holds its freshly updated shard, and the other
 shards of its parameter buffers are filled by the network in the background. The next
 forward waits for them bucket by bucket in pre-forward hooks, so forward passes
 (training, evaluation, generation) always see finished weights. Everything else that
 reads parameters — saving a checkpoint, from which export and parity checks read —
 must wait first, or it mixes this step's shards with the previous step's.
 
-So whatever writes parameters asynchronously registers a barrier on each model chunk,
+So whatever writes parameters asynchronously (the wrapper) registers a barrier on each model chunk,
 and every such reader calls `wait_params_ready(chunks)`. The barrier waits on the
 collective's work handle: on CUDA that orders the current stream after NCCL's, so a
 device-to-host copy issued afterwards reads the gathered values.

@@ -2,7 +2,7 @@
 
 - Parameters: the rank's chunks are built on the `meta` device with the real
   `ModelChunk` (so TP splits, vocabulary padding, tied embeddings and biases are
-  the model's own), and cut into buckets by the optimizer's own `plan_buckets`
+  the model's own), and cut into buckets by the data-parallel wrapper's own `plan_buckets`
   (so DP padding is exact). The distributed optimizer then holds, per padded
   element: the parameter buffer (model dtype), the fp32 main-gradient buffer, and
   fp32 master + exp_avg + exp_avg_sq over its 1/DP shard (all of it for `ddp`).
@@ -27,8 +27,8 @@ import torch
 
 from ..config import ModelConfig
 from ..models.decoder import ModelChunk
-from ..optim.buffers import plan_buckets
 from ..optim.config import OptimizerConfig
+from ..parallel.buffers import plan_buckets
 from ..parallel.layout import rank_chunks, split_layers
 from ..parallel.roles import named_roles
 from ..parallel.schedules import plan

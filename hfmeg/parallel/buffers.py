@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..parallel.roles import ParamRole, named_roles
+from .roles import ParamRole, named_roles
 
 
 @dataclass
@@ -65,6 +65,18 @@ class Bucket:
     def shard(self, buf: torch.Tensor, rank: int) -> torch.Tensor:
         n = self.shard_size
         return buf[rank * n : (rank + 1) * n]
+
+    def runs(self, rank: int, key) -> list[tuple[int, int, object]]:
+        """Ranges [lo, hi) of shard `rank` (shard-relative) of consecutive parameters with equal `key(slot)`."""
+        base = rank * self.shard_size
+        runs: list[list] = []
+        for slot, lo, hi in self.segments(rank):
+            a, b, k = slot.offset + lo - base, slot.offset + hi - base, key(slot)
+            if runs and runs[-1][2] == k and runs[-1][1] == a:
+                runs[-1][1] = b
+            else:
+                runs.append([a, b, k])
+        return [tuple(r) for r in runs]
 
     def segments(self, rank: int) -> list[tuple[Slot, int, int]]:
         """(slot, lo, hi): the part [lo, hi) of each parameter's flat range inside shard `rank`."""

@@ -1,4 +1,4 @@
-"""The two data-parallel collectives of the sharded optimizer, one bucket at a time.
+"""The two data-parallel collectives of the sharded buffers, one bucket at a time.
 
 - `reduce_scatter_async(out, full, ...)`: sum `full` (a bucket of main grads) over
   DP and leave this rank's shard of the sum in `out`;
@@ -12,24 +12,15 @@ but gloo) uses its native `reduce_scatter_tensor` / `all_gather_into_tensor`; wi
 the launch.
 
 gloo's native versions move more bytes or take longer than the optimum of
-(DP-1)/DP of the bucket in and out of each rank. `tools/bench_collectives.py`,
-two ranks, 57.7M fp32 elements in one call, loopback rate-limited with `tc`:
-
-| link     | all_reduce | native RS | native AG | hfmeg RS | hfmeg AG |
-|----------|------------|-----------|-----------|----------|----------|
-| 8 Gbit/s | 0.466 s    | 0.595 s   | 0.382 s   | 0.296 s  | 0.256 s  |
-| 4 Gbit/s | 0.926 s    | 1.085 s   | 0.644 s   | 0.534 s  | 0.483 s  |
-| none     | 0.193 s    | 0.347 s   | 0.306 s   | 0.177 s  | 0.109 s  |
-
-(the native reduce-scatter costs more than a whole all-reduce; the native all-gather
-1.3-2.8x the point-to-point version). On gloo, therefore:
+(DP-1)/DP of the bucket in and out of each rank (the native reduce-scatter costs
+more than a whole all-reduce; `tools/bench_collectives.py` measures both, and the
+README records the figures). On gloo, therefore:
 
 - reduce-scatter is an async `all_to_all_single`: rank r receives every rank's copy
   of shard r into a receive buffer, and `wait()` sums the DP copies, in rank order,
   into `out`. Receive buffers come from a `ScratchPool` of largest-bucket-sized
-  tensors that lives as long as the optimizer: a fresh multi-MB tensor per bucket
-  per step is fresh pages for the kernel to fault in and zero, which measured
-  0.6-0.9 s of CPU per rank per step for 240 MB of gradients (vs 0.1 s reused),
+  tensors that lives as long as the data-parallel wrapper: a fresh multi-MB tensor
+  per bucket per step is fresh pages for the kernel to fault in and zero, CPU time
   stolen from the backward the reduction should hide behind;
 - all-gather is one `isend` of the own shard to each peer and one `irecv` from each
   peer straight into its slot of `out` (no staging copy). Messages carry the
@@ -42,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..parallel.comm import all_gather_flat, reduce_scatter_flat
+from .comm import all_gather_flat, reduce_scatter_flat
 
 
 def is_gloo(group) -> bool:

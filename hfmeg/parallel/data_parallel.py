@@ -1,0 +1,109 @@
+"""The model-side data-parallel wrapper: flat buffers, overlapped gradient and parameter sync.
+
+`DataParallel(chunks, ps, mode, bucket_size)` takes over the parameters of a rank's
+model chunks (the idea of Megatron's DDP wrapper and of torchtitan's `fully_shard`):
+
+- Buffers (buffers.py): each parameter becomes a view into a flat parameter buffer,
+  and gets `main_grad`, a view into a flat fp32 gradient buffer with the same layout,
+  cut into buckets in gradient-ready order. In the sharded modes (`distributed`,
+  `overlapped`) each bucket splits into DP shards; DP rank r owns shard r.
+- Backward (grad_sync.py): per-parameter hooks accumulate into `main_grad`; on a
+  step's last micro-batch, a bucket's reduce-scatter (all-reduce in `ddp`) starts as
+  soon as its last gradient lands, while autograd computes earlier layers.
+- `finish_grad_sync()`, once per step: waits for (or, in `distributed`, runs) the DP
+  reductions, then finishes the owned shard from the parameters' roles (roles.py):
+  sequence-parallel parameters summed over TP, tied-embedding copies summed over the
+  embedding group (each has a bucket of its own, so both stages' shards line up).
+- After the update, the optimizer writes each bucket's new owned shard into the
+  parameter buffer and calls `start_param_gather(bucket)`: an async all-gather over
+  DP (bucket_comm.py). Forward pre-hooks on every module that owns parameters wait
+  for that module's buckets, so the next forward blocks only on weights still in
+  flight; readers outside a forward (checkpoint saving) wait through the chunk's
+  "parameters ready" barrier (params_ready.py).
+
+The model calls every parameterised module (the LM head included), so the hooks need
+no knowledge of names. The wrapper answers the pipeline schedules'
+`set_last_microbatch(chunk, is_last)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .bucket_comm import all_gather_async
+from .buffers import Bucket, build_groups
+from .comm import all_reduce_coalesced
+from .grad_sync import GradSync
+from .params_ready import set_params_barrier
+from .state import ParallelState
+
+MODES = ("ddp", "distributed", "overlapped")
+
+
+class DataParallel:
+    def __init__(self, chunks: list[nn.Module], ps: ParallelState, mode: str, bucket_size: int):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.chunks, self.ps, self.mode = list(chunks), ps, mode
+        self.shards = ps.dp if mode != "ddp" else 1
+        self.rank = ps.dp_rank if mode != "ddp" else 0
+        self.groups = build_groups(self.chunks, ps.pp, bucket_size, self.shards)
+        self.buckets = [b for g in self.groups for b in g.buckets]
+        self.grad_sync = GradSync(self.groups, len(self.chunks), mode, ps.dp_group, ps.dp, ps.dp_rank)
+        # Forward order: chunk by chunk, and inside a chunk the reverse of gradient-ready order.
+        self.forward_order = sorted(self.buckets, key=lambda b: (b.chunk, -b.index))
+        self._sp_grads = [self.owned(b, b.grad_buf)[lo:hi] for b in self.buckets
+                          for lo, hi, sp in b.runs(self.rank, lambda s: s.role.sequence_parallel) if sp] \
+            if ps.sequence_parallel and ps.tp > 1 else []
+        self._tied = [b for b in self.buckets if b.isolated]  # only when PP > 1 and embeddings are tied
+        self._pending: dict[int, object] = {}  # bucket index -> in-flight parameter all-gather
+        self._register_forward_hooks()
+        for c, chunk in enumerate(self.chunks):
+            mine = [b.index for b in self.forward_order if b.chunk == c]
+            set_params_barrier(chunk, lambda mine=mine: self.wait_params(mine))
+
+    def owned(self, b: Bucket, buf: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of bucket `b` of `buf` (a bucket's `param_buf` or `grad_buf`)."""
+        return b.shard(buf, self.rank)
+
+    # -- gradients -----------------------------------------------------------------------
+    def set_last_microbatch(self, chunk_index: int, is_last: bool) -> None:
+        self.grad_sync.set_last_microbatch(chunk_index, is_last)
+
+    def finish_grad_sync(self) -> None:
+        """Make the owned shard of every bucket the full gradient: DP, then SP and tied-embedding sums."""
+        self.grad_sync.finish()
+        if self._sp_grads:
+            all_reduce_coalesced(self._sp_grads, self.ps.tp_group)
+        for b in self._tied:
+            dist.all_reduce(self.owned(b, b.grad_buf), group=self.ps.embedding_group)
+
+    def zero_grad(self) -> None:
+        """Let every reduction of this step finish, then zero the gradient buffers for the next one."""
+        self.grad_sync.finish()
+        self.grad_sync.reset()
+
+    # -- parameters ----------------------------------------------------------------------
+    def start_param_gather(self, b: Bucket) -> None:
+        """Launch the async all-gather of `b`'s parameter buffer (its owned shard is already updated)."""
+        if self.shards > 1:
+            self._pending[b.index] = all_gather_async(b.param_buf, self.owned(b, b.param_buf), self.ps.dp_group,
+                                                      tag=b.index)
+
+    def wait_params(self, buckets: list[int] | None = None) -> None:
+        """Wait for the parameter all-gathers of `buckets` (default: all still in flight)."""
+        for i in (sorted(self._pending, key=lambda i: (self.buckets[i].chunk, -i)) if buckets is None else buckets):
+            h = self._pending.pop(i, None)
+            if h is not None:
+                h.wait()
+
+    def _register_forward_hooks(self) -> None:
+        bucket_of = {id(s.param): b.index for b in self.buckets for s in b.slots}
+        for chunk in self.chunks:
+            for module in chunk.modules():
+                wanted = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of},
+                                reverse=True)
+                if wanted:
+                    module.register_forward_pre_hook(lambda _m, _a, wanted=wanted: self.wait_params(wanted))
