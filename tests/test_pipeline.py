@@ -4,7 +4,8 @@ Each gloo world runs many (layout, schedule, recompute) cases back to back. Ever
 rank builds the same HF checkpoint as one unsharded `ModelChunk` (a world-1
 ParallelState), runs the whole global batch through it as the reference, then runs
 its own stage under the pipeline schedule on its DP share of the micro-batches,
-finalises gradients (SP, tied embedding, DP sums), rebuilds full-shape HF gradients
+with the data-parallel wrapper in `ddp` mode finishing the gradients (SP, tied
+embedding, DP sums), rebuilds full-shape HF gradients
 from the TP shards with `checkpoint.rules.to_hf`, and compares. The parent checks
 that the ranks together covered every reference gradient.
 """
@@ -20,8 +21,8 @@ import torch.distributed as dist
 from conftest import STORIES
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.models import build_chunk_from_hf
-from hfmeg.parallel.grads import finalize_grads
 from hfmeg.parallel.activation_meter import SavedTensorMeter
+from hfmeg.parallel.data_parallel import DataParallel
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from hfmeg.parallel.pipeline import forward_backward
@@ -89,13 +90,15 @@ def _reference(folder: str, mbs: list[dict], num_tokens: int):
 
 
 class _Recorder:
-    """Stands in for the optimizer's grad_sync: records the schedule's hook calls."""
+    """Stands between the schedule and the data-parallel wrapper: records the schedule's hook calls."""
 
-    def __init__(self):
+    def __init__(self, wrapper: DataParallel):
+        self.wrapper = wrapper
         self.calls: list[tuple[int, bool]] = []
 
     def set_last_microbatch(self, chunk: int, is_last: bool) -> None:
         self.calls.append((chunk, is_last))
+        self.wrapper.set_last_microbatch(chunk, is_last)
 
 
 def _run_cases(folders: dict, cases: list[Case]) -> list[dict]:
@@ -113,10 +116,11 @@ def _run_cases(folders: dict, cases: list[Case]) -> list[dict]:
             refs[(folder, n_total)] = _reference(folder, everything, num_tokens)
         ref_loss, ref_grads = refs[(folder, n_total)]
         mine = everything[ps.dp_rank * case.microbatches : (ps.dp_rank + 1) * case.microbatches]
-        recorder = _Recorder()
+        wrapper = DataParallel(chunks, ps, "ddp", bucket_size=40_000_000)
+        recorder = _Recorder(wrapper)
         loss = forward_backward(chunks, ps, mine, schedule=case.schedule, num_tokens=num_tokens,
                                 grad_sync=recorder)
-        finalize_grads(chunks, ps)
+        wrapper.finish_grad_sync()
         row = dict(case=case, loss_rel=None, grad_rel=0.0, names=set(), hook_ok=_hooks_ok(recorder, case))
         if loss is not None:
             total = torch.tensor(loss, dtype=torch.float64)

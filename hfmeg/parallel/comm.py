@@ -105,7 +105,9 @@ def sync_sequence_parallel_grads(modules, ps: ParallelState) -> None:
     Under sequence parallelism, norms and row-parallel biases see only this rank's slice
     of the sequence, so each TP rank holds a partial gradient. Summing over TP once per
     step (not per micro-batch) restores the full one. Which parameters of `modules`:
-    those whose role says `sequence_parallel`.
+    those whose role says `sequence_parallel`. This is the plain `.grad` path; under the
+    data-parallel wrapper, `DataParallel.finish_grad_sync` sums the same parameters'
+    owned shards.
     """
     if not ps.sequence_parallel or ps.tp == 1:
         return

@@ -189,9 +189,9 @@ def forward_backward(
     `position_ids`, `segment_ids`), the same list on every stage of a pipeline:
     every stage reads the shape of `input_ids` and the positions / document ids
     (RoPE and the packed-document mask are applied in every layer).
-    Gradients accumulate into `.grad` (call `grads.finalize_grads` afterwards, or
-    let the optimizer's `grad_sync` reduce them: before each backward of chunk v
-    it is told whether that is the chunk's last micro-batch of the step).
+    Gradients accumulate into `.grad`; `grad_sync` (the data-parallel wrapper, or the
+    optimizer that holds one) reduces them: before each backward of chunk v it is
+    told whether that is the chunk's last micro-batch of the step.
     `loss_scale` multiplies the loss before backward (fp16 dynamic loss scaling;
     the optimizer divides it out of the gradients).
 
