@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import UnsupportedConfigError
+from ..parallel.data_parallel import MODES
 from ..parallel.roles import ParamRole
-
-MODES = ("ddp", "distributed", "overlapped")
 
 
 @dataclass
