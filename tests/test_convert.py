@@ -18,8 +18,9 @@ from conftest import stories_or_skip
 from convert_helpers import LAYOUTS, assert_same_tensors, make_sources
 from hfmeg.checkpoint import hub_source
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
+from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.mp_layout import LATEST_FILE, MPLayout
-from hfmeg.checkpoint.mp_load import load_chunks_from_mp
+from hfmeg.checkpoint.mp_reader import MPCheckpoint
 from hfmeg.checkpoint.reshard import reshard_mp
 from hfmeg.errors import CheckpointError, LayoutError
 from hfmeg.parallel.state import ParallelConfig, ParallelState
@@ -159,10 +160,10 @@ def test_load_chunks_checks_the_layout(sources, tmp_path):
     hf_to_mp(sources["qwen2"], tmp_path / "mp", tp=1, pp=1, vpp=2)
     assert (tmp_path / "mp" / LATEST_FILE).read_text().strip() == "release"
     ps = ParallelState(ParallelConfig(tp=1, pp=1, vpp=2), 0, 1, torch.device("cpu"))
-    chunks = load_chunks_from_mp(tmp_path / "mp", ps)
+    chunks = load_chunks(MPCheckpoint(tmp_path / "mp"), ps)
     assert [c.layer_ids for c in chunks] == [[0, 1], [2, 3]]
     with pytest.raises(LayoutError, match=r"saved with TP=1 PP=1 VPP=2, but this run uses TP=1 PP=1 VPP=1") as e:
-        load_chunks_from_mp(tmp_path / "mp", ParallelState(ParallelConfig(), 0, 1, torch.device("cpu")))
+        load_chunks(MPCheckpoint(tmp_path / "mp"), ParallelState(ParallelConfig(), 0, 1, torch.device("cpu")))
     assert f"reshard it with tools/reshard_mp.py --mp {tmp_path / 'mp' / 'release'} --out NEW --tp 1 --pp 1 " \
         "--vpp 1" in str(e.value)
 
@@ -172,13 +173,16 @@ def _save_live_chunks(mp22, mp21, out):
     """Save TP2 x PP2 chunks as iteration 7, then TP2 x DP2 chunks as iteration 8, from live models."""
     import torch.distributed as dist
 
-    from hfmeg.checkpoint.mp_save import save_chunks_to_mp
+    from hfmeg.checkpoint.mp_save import chunks_layout, staged_save, write_model_shard
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    mark = lambda d: (d / f"extra_{rank}.txt").write_text("optimizer shard")  # noqa: E731
     for mp, pp, it in ((mp22, 2, 7), (mp21, 1, 8)):
         ps = ParallelState(ParallelConfig(tp=2, pp=pp), rank, world, torch.device("cpu"))
-        save_chunks_to_mp(load_chunks_from_mp(mp, ps), ps, out, it, f"{mp}/release/hf", on_rank_dir=mark)
+        chunks = load_chunks(MPCheckpoint(mp), ps)
+        layout = chunks_layout(chunks, ps, it)
+        with staged_save(layout, ps, out, f"{mp}/release/hf") as folder:
+            rank_dir = write_model_shard(chunks, ps, layout, folder)
+            (rank_dir / f"extra_{rank}.txt").write_text("optimizer shard")
 
 
 def test_save_live_chunks_then_export_bit_exact(sources, tmp_path):

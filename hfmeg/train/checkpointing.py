@@ -1,7 +1,9 @@
-"""Training checkpoints: model shards, optimizer shards, data, LR and RNG state.
+"""Training checkpoints: the one owner of their layout (model shards, optimizer, data, RNG, step).
 
-A checkpoint is an MP shard folder (`hfmeg.checkpoint.mp_save`), so the converters
-and `verify_parity.py` read it directly:
+A checkpoint is an MP shard folder, so the converters and `verify_parity.py` read it
+directly. This module asks each stateful part for its state and decides where it
+goes; `hfmeg.checkpoint.mp_save` only stages the folder atomically and writes the
+model tensors into it:
 
     <out>/checkpoints/latest_checkpointed_iteration.txt     written last
     <out>/checkpoints/iter_0000020/
@@ -37,14 +39,16 @@ from typing import Any
 import torch.distributed as dist
 
 from ..checkpoint.atomic import replace_dir
-from ..checkpoint.mp_layout import LATEST_FILE, copy_hf_side_files, resolve_iteration_dir
-from ..checkpoint.mp_save import save_chunks_to_mp
+from ..checkpoint.mp_layout import LATEST_FILE, copy_hf_side_files, iteration_dir_name, resolve_iteration_dir
+from ..checkpoint.mp_save import chunks_layout, staged_save, write_model_shard
 from ..errors import CheckpointError
 from ..optim.state_io import load_optimizer_state, save_optimizer_state
 from .dataclass_io import ConfigError
 from .rng import rng_state, set_rng_state
 
 STATE_FILE = "trainer_state.json"
+OPTIM_DIR = "optim"
+RNG_DIR = "rng"
 HF_SOURCE_DIR = "hf_source"
 
 
@@ -81,20 +85,17 @@ class RunCheckpoints:
         if not (self.hf_source / "config.json").is_file():
             raise CheckpointError(f"{self.hf_source}: no config.json; it was copied at the start of the run and "
                                   "must stay while the run lasts")
-
-        def extras(rank_dir: Path) -> None:
-            iter_tmp = rank_dir.parent
-            save_optimizer_state(opt, iter_tmp / "optim")
-            (iter_tmp / "rng").mkdir(exist_ok=True)
-            (iter_tmp / "rng" / f"rank_{dist.get_rank():05d}.json").write_text(json.dumps(rng_state(ps.device)))
-            if dist.get_rank() == 0:
-                (iter_tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
-
-        folder = save_chunks_to_mp(chunks, ps, self.root, step, self.hf_source, pp_layers=pp_layers,
-                                   vocab_multiple=vocab_multiple, on_rank_dir=extras)
+        layout = chunks_layout(chunks, ps, step, pp_layers=pp_layers, vocab_multiple=vocab_multiple)
+        with staged_save(layout, ps, self.root, self.hf_source) as folder:
+            write_model_shard(chunks, ps, layout, folder)
+            save_optimizer_state(opt, folder / OPTIM_DIR)
+            (folder / RNG_DIR).mkdir(exist_ok=True)
+            _rng_file(folder).write_text(json.dumps(rng_state(ps.device)))
+            if ps.rank == 0:
+                (folder / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
         if ps.rank == 0:
             self.prune(step)
-        return folder
+        return self.root / iteration_dir_name(step)
 
     def prune(self, current: int) -> list[Path]:
         """Remove what `keep_last` does not keep (see the module docstring); returns the removed folders."""
@@ -109,6 +110,10 @@ class RunCheckpoints:
                 shutil.rmtree(iters[n], ignore_errors=True)
                 removed.append(iters[n])
         return removed
+
+
+def _rng_file(folder: Path) -> Path:
+    return folder / RNG_DIR / f"rank_{dist.get_rank():05d}.json"
 
 
 def find_resume(root: Path, resume: str) -> Path | None:
@@ -132,8 +137,8 @@ def load_trainer_state(folder: Path, opt) -> dict[str, Any]:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); resume from an earlier checkpoint with --resume PATH") from e
-    load_optimizer_state(opt, folder / "optim")
-    rng = folder / "rng" / f"rank_{dist.get_rank():05d}.json"
+    load_optimizer_state(opt, folder / OPTIM_DIR)
+    rng = _rng_file(folder)
     if rng.is_file():  # absent when resuming with a different world size: seeds then differ per rank
         set_rng_state(json.loads(rng.read_text()), opt.ps.device)
     return state

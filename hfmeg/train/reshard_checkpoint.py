@@ -32,9 +32,7 @@ from ..checkpoint.mp_reader import MPCheckpoint, rank_rules
 from ..checkpoint.st_stream import read_tensor
 from ..errors import CheckpointError
 from ..optim.state_io import STATE, read_meta
-from .checkpointing import STATE_FILE
-
-OPTIM_DIR = "optim"
+from .checkpointing import OPTIM_DIR, STATE_FILE
 
 
 def _stage_state(folder: Path, pp_rank: int, tp: int, state: str) -> list[dict[str, torch.Tensor]]:
