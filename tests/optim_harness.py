@@ -12,10 +12,10 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf, to_local
-from hfmeg.models import build_chunk_from_hf
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig, no_weight_decay
-from hfmeg.parallel.layout import rank_chunks, split_layers
 from hfmeg.parallel.roles import named_roles
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 
@@ -52,7 +52,7 @@ def make_ps(tp=1, pp=1, sp=False) -> ParallelState:
 
 def reference(folder, cfg: OptimizerConfig, ga: int, steps: int, ps1: ParallelState):
     """Single-process AdamW: returns (per-step losses, final {name: param})."""
-    model = build_chunk_from_hf(folder, ps1)
+    model = load_chunks(HFCheckpoint(folder), ps1)[0]
     named = list(model.named_parameters())
     roles = named_roles(model)
     groups = [{"params": [p for _, p, r in roles if not no_weight_decay(r, cfg)]},
@@ -77,14 +77,7 @@ def reference(folder, cfg: OptimizerConfig, ga: int, steps: int, ps1: ParallelSt
 
 
 def build_rank_chunk(folder, ps: ParallelState, dtype=torch.float32):
-    if ps.pp == 1:
-        return build_chunk_from_hf(folder, ps, dtype=dtype)
-    from hfmeg.config import load_hf_config, model_config_from_hf
-
-    cfg = model_config_from_hf(load_hf_config(folder))
-    spec = rank_chunks(split_layers(cfg.num_layers, ps.pp), ps.pp_rank)[0]
-    return build_chunk_from_hf(folder, ps, spec.layers, pre_process=spec.pre_process,
-                               post_process=spec.post_process, dtype=dtype)
+    return load_chunks(HFCheckpoint(folder), ps, dtype=dtype)[0]
 
 
 def micro_step(chunk, opt, ps: ParallelState, step: int, micro: int, ntok: int, is_last: bool) -> float:

@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
 from hfmeg.config import load_hf_config, model_config_from_hf
 from hfmeg.errors import CheckpointError, LayoutError, UnsupportedConfigError
-from hfmeg.models import build_chunk_from_hf
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 from tiny_models import save_tiny
@@ -59,7 +60,7 @@ def test_unsupported_config_rejected(kind, overrides, match):
 
 def _build(folder, tp):
     ps = ParallelState(ParallelConfig(tp=tp), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
-    build_chunk_from_hf(folder, ps)
+    load_chunks(HFCheckpoint(folder), ps)[0]
 
 
 def test_heads_not_divisible_by_tp(tmp_path):
@@ -78,7 +79,7 @@ def test_shape_mismatch_names_tensor(tmp_path):
 
 def _build_single(folder):
     ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cpu"))
-    return build_chunk_from_hf(folder, ps)
+    return load_chunks(HFCheckpoint(folder), ps)[0]
 
 
 def test_mistral_sliding_window_refuses_longer_sequences(tmp_path):

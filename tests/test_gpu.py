@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
-from hfmeg.config import model_config_from_hf
+from hfmeg.checkpoint.tensor_source import TensorSource
 from hfmeg.models.kernels import Kernels
-from hfmeg.models.random_init import TensorSource, chunk_from_source, random_hf_model
+from hfmeg.models.random_init import random_hf_model
 from hfmeg.parallel.state import BACKEND_ENV, ParallelConfig, ParallelState
 from tiny_models import tiny_config
 
@@ -57,8 +58,7 @@ def check_bf16_parity(device: torch.device, compile_backend: str | None) -> None
     ref = random_hf_model(hf_cfg, seed=0, dtype=torch.float32, device=device)
     hf16 = copy.deepcopy(ref).to(torch.bfloat16)
     ps = ParallelState(ParallelConfig(), 0, 1, device)
-    ours = chunk_from_source(model_config_from_hf(hf_cfg), TensorSource.snapshot(ref), ps, dtype=torch.bfloat16,
-                             compile_backend=compile_backend)
+    ours = load_chunks(TensorSource.snapshot(ref), ps, dtype=torch.bfloat16, compile_backend=compile_backend)[0]
     ids = torch.randint(0, SHAPES["vocab_size"], (2, 128), generator=torch.Generator().manual_seed(0)).to(device)
     loss32, grads32 = _hf_run(ref, ids)
     loss_hf, grads_hf = _hf_run(hf16, ids)

@@ -18,10 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
-from hfmeg.parallel.stage import build_stage_from_hf
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 from optim_harness import (CFG, ROWS, batch, build_rank_chunk, global_tokens, make_ps, max_rel_diff, micro_step,
                            reference)
@@ -49,7 +50,7 @@ def _pipeline(folder):
     out = []
     for schedule, vpp, mode in CASES:
         ps = ParallelState(ParallelConfig(pp=2, vpp=vpp), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
-        chunks = build_stage_from_hf(folder, ps)
+        chunks = load_chunks(HFCheckpoint(folder), ps)
         opt = DistributedOptimizer(chunks, ps, OptimizerConfig(mode=mode, **CFG))
         losses = []
         for step in range(STEPS):

@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 from conftest import STORIES
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
-from hfmeg.models import build_chunk_from_hf
 from hfmeg.parallel.activation_meter import SavedTensorMeter
 from hfmeg.parallel.data_parallel import DataParallel
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from hfmeg.parallel.pipeline import forward_backward
-from hfmeg.parallel.stage import build_stage_from_hf
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 from test_tp_parity import _gather_tp
 from tiny_models import save_tiny
@@ -81,7 +81,7 @@ def _hf_grads(chunk, shards_of) -> dict[str, torch.Tensor]:
 
 
 def _reference(folder: str, mbs: list[dict], num_tokens: int):
-    chunk = build_chunk_from_hf(folder, ParallelState(ParallelConfig(), 0, 1, CPU))
+    chunk = load_chunks(HFCheckpoint(folder), ParallelState(ParallelConfig(), 0, 1, CPU))[0]
     ids = torch.cat([m["input_ids"] for m in mbs])
     labels = torch.cat([m["labels"] for m in mbs])
     loss = chunk(ids, labels=labels).sum() / num_tokens
@@ -108,7 +108,7 @@ def _run_cases(folders: dict, cases: list[Case]) -> list[dict]:
         ps = ParallelState(ParallelConfig(tp=case.tp, pp=case.pp, vpp=case.vpp, sequence_parallel=case.sp),
                            dist.get_rank(), dist.get_world_size(), CPU)
         folder = folders[case.model]
-        chunks = build_stage_from_hf(folder, ps, recompute=case.recompute)
+        chunks = load_chunks(HFCheckpoint(folder), ps, recompute=case.recompute)
         n_total = case.microbatches * ps.dp
         everything = _global_batch(chunks[0].cfg.vocab_size, n_total)
         num_tokens = sum(int((m["labels"] != -100).sum()) for m in everything)
@@ -192,7 +192,7 @@ def _p2p_out_of_order() -> list[torch.Tensor]:
 def _peak_saved_bytes(folder: str, m: int) -> dict[str, int]:
     """This stage's peak bytes saved for backward under GPipe and 1F1B (PP=2)."""
     ps = ParallelState(ParallelConfig(pp=2), dist.get_rank(), dist.get_world_size(), CPU)
-    chunks = build_stage_from_hf(folder, ps)
+    chunks = load_chunks(HFCheckpoint(folder), ps)
     mbs = _global_batch(chunks[0].cfg.vocab_size, m)
     peaks = {}
     for schedule in ("gpipe", "1f1b"):

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import RANDOM_KINDS, stories_or_skip
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
-from hfmeg.models import build_chunk_from_hf
 from hfmeg.models.generate import greedy_generate
 from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.launch import spawn
@@ -51,7 +52,7 @@ def _check_layouts(folder, ids):
     for tp, sp in LAYOUTS:
         ps = ParallelState(ParallelConfig(tp=tp, sequence_parallel=sp), dist.get_rank(), dist.get_world_size(),
                            torch.device("cpu"))
-        chunk = build_chunk_from_hf(folder, ps)
+        chunk = load_chunks(HFCheckpoint(folder), ps)[0]
         logits = torch.cat(_gather_tp(chunk(ids), ps), dim=-1)[..., : chunk.cfg.vocab_size]
         logit_diff = (logits - ref_logits).abs().max().item()
         per_token = chunk(ids, labels=labels)
@@ -98,7 +99,7 @@ def test_tp_sp_parity_stories260k():
 
 def _generate_tp2(folder, prompt_ids, n):
     ps = ParallelState(ParallelConfig(tp=2), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
-    chunk = build_chunk_from_hf(folder, ps)
+    chunk = load_chunks(HFCheckpoint(folder), ps)[0]
     return greedy_generate([chunk], ps, prompt_ids, n)
 
 
@@ -118,7 +119,7 @@ def _chunked_ce(folder, ids):
     labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
     out = []
     for chunk_tokens in (5, 4096):  # 5 does not divide the 32 tokens: a ragged last chunk
-        chunk = build_chunk_from_hf(folder, ps)
+        chunk = load_chunks(HFCheckpoint(folder), ps)[0]
         chunk.ce_chunk_tokens = chunk_tokens
         loss = chunk(ids, labels=labels)
         loss.sum().backward()
@@ -147,7 +148,7 @@ def test_compiled_kernels_match_eager(tiny_checkpoints):
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(2))
     results = []
     for backend in (None, "aot_eager"):
-        chunk = build_chunk_from_hf(folder, ps, compile_backend=backend)
+        chunk = load_chunks(HFCheckpoint(folder), ps, compile_backend=backend)[0]
         loss = chunk(ids, labels=ids).sum()
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in chunk.named_parameters()}))

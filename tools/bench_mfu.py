@@ -3,7 +3,7 @@
 Model: LLaMA-2-7B layer shapes (hidden 4096, FFN 11008, 32 heads, vocabulary 32000,
 sequence 4096) with `--layers` layers, randomly initialised once by transformers;
 both sides start from those same weights (hfmeg reads them from memory through
-`hfmeg.models.random_init.TensorSource`), see the same token ids, and run full
+`hfmeg.checkpoint.tensor_source.TensorSource`), see the same token ids, and run full
 training steps: `--grad-accum` micro-batches of `--micro-batch-size` sequences
 forward and backward, gradient clipping at 1.0, AdamW (lr 3e-4, betas 0.9/0.95,
 weight decay 0.1 except norms) and the update.
@@ -60,11 +60,13 @@ import numpy as np
 import torch
 from transformers import LlamaConfig
 
+from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.mp_layout import parse_dtype
+from hfmeg.checkpoint.tensor_source import TensorSource
 from hfmeg.config import model_config_from_hf
 from hfmeg.data.formats import Doc
 from hfmeg.data.packing import IGNORE, Packer, build_row
-from hfmeg.models.random_init import TensorSource, chunk_from_source, random_hf_model
+from hfmeg.models.random_init import random_hf_model
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.state import ParallelConfig, ParallelState
@@ -179,11 +181,11 @@ def run_hf(model, batches, a, device) -> SideResult:
     return _measure(step, a, device)
 
 
-def run_hfmeg(cfg, source, batches, a, device, dtype) -> SideResult:
+def run_hfmeg(source, batches, a, device, dtype) -> SideResult:
     """hfmeg as the trainer runs it, in a world of one: forward_backward + the overlapped optimizer."""
     ps = ParallelState(ParallelConfig(), 0, 1, device)
-    chunk = chunk_from_source(cfg, source, ps, dtype=dtype, recompute=a.recompute,
-                              compile_backend="inductor" if a.compile else None)
+    chunk = load_chunks(source, ps, dtype=dtype, recompute=a.recompute,
+                        compile_backend="inductor" if a.compile else None)[0]
     opt = DistributedOptimizer([chunk], ps, OPTIM)
     # The global batch's loss-token counts, read once here as the data pipeline hands them over.
     num_tokens = [sum(int((mb["labels"] != IGNORE).sum()) for mb in mbs) for mbs in batches]
@@ -250,7 +252,7 @@ def main(argv=None) -> dict:
     hf = run_hf(model, batches, a, device)
     del model
     _free(device)
-    ours = run_hfmeg(cfg, source, batches, a, device, dtype)
+    ours = run_hfmeg(source, batches, a, device, dtype)
     del source
     _free(device)
 

@@ -49,7 +49,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hfmeg.models import build_chunk_from_hf
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig, no_weight_decay
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.roles import named_roles
@@ -88,7 +89,7 @@ def _cpu_s() -> float:
 def _run(impl, folder, a, ga, ps):
     """Median and mean seconds per step for `impl`, CPU seconds per step (the busiest rank), and
     the optimizer-state bytes of this rank."""
-    chunk = build_chunk_from_hf(folder, ps)
+    chunk = load_chunks(HFCheckpoint(folder), ps)[0]
     opt_cfg = OptimizerConfig(mode=impl if impl in ("distributed", "overlapped") else "ddp",
                               bucket_size=a.bucket_size, impl=a.adamw)
     g = torch.Generator().manual_seed(ps.rank)
@@ -149,7 +150,7 @@ def timed(fn, reps: int) -> float:
 
 def _comm_only(folder, a, ps) -> dict[str, float]:
     """Seconds for one step's communication with no compute: DDP all-reduce vs sharded RS + AG."""
-    opt = DistributedOptimizer([build_chunk_from_hf(folder, ps)], ps,
+    opt = DistributedOptimizer([load_chunks(HFCheckpoint(folder), ps)[0]], ps,
                                OptimizerConfig(mode="distributed", bucket_size=a.bucket_size))
     sync = opt.data_parallel.grad_sync
 

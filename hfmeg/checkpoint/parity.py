@@ -1,7 +1,7 @@
 """Does a converted MP checkpoint compute what transformers computes? (tools/verify_parity.py)
 
 `sharded_outputs` runs inside a world of TP x PP (x any DP) processes: every rank
-loads its chunks with `load_chunks_from_mp`, the prompt goes through the pipeline
+loads its chunks with `load.load_chunks`, the prompt goes through the pipeline
 (`models.generate.full_logits`), the last stage's logits are broadcast so every
 rank returns them, and a greedy continuation is generated the same way.
 `reference_outputs` runs `transformers` on the same token ids, in fp32.
@@ -18,7 +18,8 @@ import torch.distributed as dist
 from ..models.generate import full_logits, greedy_generate
 from ..parallel.state import ParallelConfig, ParallelState
 from .mp_layout import HF_DIR, MPLayout, resolve_iteration_dir
-from .mp_load import load_chunks_from_mp
+from .mp_reader import MPCheckpoint
+from .load import load_chunks
 
 FIXED_IDS = [1, 17, 42, 7, 99, 5, 12, 3]  # when the checkpoint carries no tokenizer
 
@@ -62,7 +63,7 @@ def sharded_outputs(mp_dir: str | Path, ids: torch.Tensor, max_new_tokens: int, 
         config = ParallelConfig(tp=layout.tp, pp=layout.pp, vpp=layout.vpp)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         ps = ParallelState(config, rank, world, torch.device("cpu"))
-    chunks = load_chunks_from_mp(mp_dir, ps, dtype=torch.float32)
+    chunks = load_chunks(MPCheckpoint(mp_dir), ps, dtype=torch.float32)
     logits = full_logits(chunks, ps, ids)
     if ps.world_size > 1:
         box = [logits]

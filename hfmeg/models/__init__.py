@@ -1,6 +1,5 @@
-"""The decoder model: TP/SP layers assembled into pipeline-stage chunks."""
+"""The decoder model: TP/SP layers assembled into pipeline-stage chunks (weights are filled by `checkpoint.load`)."""
 
-from .build import build_chunk, build_chunk_from_hf, load_chunk_from_hf
 from .decoder import ModelChunk
 
-__all__ = ["ModelChunk", "build_chunk", "build_chunk_from_hf", "load_chunk_from_hf"]
+__all__ = ["ModelChunk"]

@@ -1,9 +1,10 @@
 """Inference over any TP/PP/VPP layout: full logits and greedy generation.
 
 This is the simple, unpipelined path used for parity checks and demos: one batch
-goes through the model chunks in model order, hidden states hop between stages by
-point-to-point, and the last stage gathers the vocab-parallel logits. Training uses
-the schedules in `hfmeg.parallel.pipeline` instead.
+goes through the model chunks in model order, hidden states hop between stages
+through the pipeline's own point-to-point transfers (`parallel.p2p`), and the last
+stage gathers the vocab-parallel logits. Training uses the schedules in
+`hfmeg.parallel.pipeline` instead.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.comm import gather_last_dim
+from ..parallel.p2p import ACTIVATION, P2P, Transfer
 from ..parallel.state import ParallelState
 from .decoder import ModelChunk
 
@@ -22,30 +24,32 @@ def full_logits(chunks: list[ModelChunk], ps: ParallelState, input_ids: torch.Te
 
     `chunks` are this rank's model chunks in virtual-stage order; model chunk
     `v * pp + pp_rank` is `chunks[v]`. Every rank must pass the same `input_ids`.
+    The batch is one micro-batch (index 0) of the pipeline's activation traffic.
     """
     b, s = input_ids.shape
     cfg = chunks[0].cfg
     dtype = next(chunks[0].parameters()).dtype
     local_s = s // ps.tp if ps.sequence_parallel else s
     n = ps.pp * len(chunks)
-    x = None
+    p2p = P2P(n)
+    in_flight = []  # sends, kept alive until they complete
+    logits, x = None, input_ids
     for idx in range(n):
         owner, v = idx % ps.pp, idx // ps.pp
         if owner != ps.pp_rank:
             continue
-        chunk = chunks[v]
-        if idx == 0:
-            x = input_ids
-        elif ps.pp > 1:
+        if idx > 0 and ps.pp > 1:
             x = torch.empty(local_s, b, cfg.hidden_size, dtype=dtype, device=ps.device)
-            dist.recv(x, src=ps.stage_rank((idx - 1) % ps.pp))
-        out = chunk(x, seq_len=s)
+            p2p.exchange([Transfer(x, ps.stage_rank((idx - 1) % ps.pp), ACTIVATION, idx - 1, 0, is_send=False)])
+        x = chunks[v](x, seq_len=s)
         if idx == n - 1:
-            return gather_last_dim(out, ps)[..., : cfg.vocab_size].float()
-        if ps.pp > 1:
-            dist.send(out.contiguous(), dst=ps.stage_rank((idx + 1) % ps.pp))
-        x = out
-    return None
+            logits = gather_last_dim(x, ps)[..., : cfg.vocab_size].float()
+        elif ps.pp > 1:
+            send = Transfer(x.contiguous(), ps.stage_rank((idx + 1) % ps.pp), ACTIVATION, idx, 0, is_send=True)
+            in_flight += p2p.exchange([send])
+    for _, work in in_flight:
+        work.wait()
+    return logits
 
 
 @torch.no_grad()

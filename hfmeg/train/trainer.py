@@ -31,16 +31,17 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from ..checkpoint.convert import mp_to_hf
+from ..checkpoint.hf_reader import HFCheckpoint
 from ..checkpoint.hub_source import resolve_hf_source
+from ..checkpoint.load import load_chunks
 from ..checkpoint.mp_layout import HF_DIR, LAYOUT_FILE, LATEST_FILE, parse_dtype, resolve_iteration_dir
-from ..checkpoint.mp_load import load_chunks_from_mp
+from ..checkpoint.mp_reader import MPCheckpoint
 from ..data import build_data, build_eval_data
 from ..errors import HfmegError
 from ..hub import push_to_hub, write_model_card
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.pipeline import forward_backward
-from ..parallel.stage import build_stage_from_hf
 from ..parallel.state import ParallelConfig, ParallelState
 from .checkpointing import RunCheckpoints, load_trainer_state
 from .config import TrainConfig
@@ -140,11 +141,11 @@ class Trainer:
             source = local if local.is_dir() and _is_mp(local) else None
         if source is not None:
             iter_dir = resolve_iteration_dir(source)
-            chunks = load_chunks_from_mp(iter_dir, ps, dtype=self.dtype, **options)
+            chunks = load_chunks(MPCheckpoint(iter_dir), ps, dtype=self.dtype, **options)
             return chunks, iter_dir / HF_DIR
         folder = resolve_hf_source(m.path)
-        chunks = build_stage_from_hf(folder, ps, pp_layers=self.cfg.parallel.pp_layers, dtype=self.dtype,
-                                     vocab_multiple=m.vocab_multiple, **options)
+        chunks = load_chunks(HFCheckpoint(folder), ps, pp_layers=self.cfg.parallel.pp_layers, dtype=self.dtype,
+                             vocab_multiple=m.vocab_multiple, **options)
         return chunks, folder
 
     # -- the loop --------------------------------------------------------------------------

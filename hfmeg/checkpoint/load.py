@@ -1,0 +1,123 @@
+"""The one way to build a rank's model: its (virtual) chunks, filled from a weight source.
+
+A source is an HF checkpoint folder (`HFCheckpoint`), HF-named tensors in memory
+(`TensorSource`), or an MP checkpoint (`MPCheckpoint`). Whatever the source, the
+rank builds the `ModelChunk`s its pipeline rank holds, one per virtual stage in
+virtual order (chunk v is model chunk v * pp + pp_rank), and fills every parameter
+through the conversion rules (`checkpoint.rules`):
+
+- HF-named sources are read one tensor at a time and sliced to this TP rank
+  (`rules.to_local`). Shapes are checked against the config first, so a mismatched
+  checkpoint fails with the tensor name instead of a reshape error deep inside torch.
+  With tied embeddings the last stage's `lm_head` is filled from the embedding tensor
+  by the rules, so both copies start equal.
+- An MP checkpoint already holds each rank's slices under the chunks' own parameter
+  names: the rank opens only its own rank file and copies. Its layout (TP/PP/VPP and
+  the layer split) must be the run's; another one is refused with a LayoutError that
+  says how to reshard.
+
+Chunks are created directly on `ps.device` and then cast to `dtype`: at 7B-layer sizes,
+initialising billions of parameters on the CPU (only to overwrite them) takes minutes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig, load_hf_config, model_config_from_hf
+from ..errors import CheckpointError, LayoutError
+from ..models.decoder import ModelChunk
+from ..parallel.layout import ChunkSpec, rank_chunks, split_layers
+from ..parallel.state import ParallelState
+from .hf_reader import HFCheckpoint
+from .mp_layout import DTYPES, MPLayout
+from .mp_reader import MPCheckpoint
+from .rules import TensorRule, chunk_rules, expected_hf_shape, to_local
+from .tensor_source import TensorSource
+
+WeightSource = HFCheckpoint | TensorSource | MPCheckpoint
+
+
+def load_chunks(
+    source: WeightSource,
+    ps: ParallelState,
+    *,
+    pp_layers: list[int] | None = None,
+    dtype: torch.dtype | None = None,
+    vocab_multiple: int = 128,
+    **options,
+) -> list[ModelChunk]:
+    """This rank's chunks of `source` for the layout `ps`, on `ps.device` in `dtype`.
+
+    For HF-named sources `pp_layers` (layers per model chunk) and `vocab_multiple` set
+    the split and the vocabulary padding, and `dtype` defaults to float32; an MP
+    checkpoint brings its own split and padding, and its own dtype (float32 when mixed).
+    `options` go to `ModelChunk` (recompute, ce_chunk_tokens, compile_backend).
+    """
+    if isinstance(source, MPCheckpoint):
+        layout = source.layout
+        check_layout(layout, ps, source.folder)
+        cfg, specs, vocab_multiple = source.cfg, layout.rank_chunks(ps.pp_rank), layout.vocab_multiple
+        dtype = dtype or saved_dtype(layout)
+    else:
+        cfg = source_config(source)
+        specs = rank_chunks(split_layers(cfg.num_layers, ps.pp, ps.vpp, pp_layers), ps.pp_rank)
+        dtype = dtype or torch.float32
+    return [_load_chunk(source, cfg, spec, ps, dtype, vocab_multiple, options) for spec in specs]
+
+
+def source_config(source: HFCheckpoint | TensorSource) -> ModelConfig:
+    """The model config of an HF-named source (a folder's `config.json`)."""
+    if isinstance(source, HFCheckpoint):
+        return model_config_from_hf(load_hf_config(source.folder))
+    return source.cfg
+
+
+def check_layout(layout: MPLayout, ps: ParallelState, where: Path) -> None:
+    saved, run = (layout.tp, layout.pp, layout.vpp), (ps.tp, ps.pp, ps.vpp)
+    if saved != run:
+        raise LayoutError(
+            f"{where}: saved with TP={saved[0]} PP={saved[1]} VPP={saved[2]}, but this run uses "
+            f"TP={run[0]} PP={run[1]} VPP={run[2]}; reshard it with tools/reshard_mp.py --mp {where} --out NEW "
+            f"--tp {run[0]} --pp {run[1]} --vpp {run[2]} (a training checkpoint keeps its optimizer, step and data "
+            "position: then resume from NEW's iteration folder)"
+        )
+
+
+def saved_dtype(layout: MPLayout) -> torch.dtype:
+    by_name = {str(d).removeprefix("torch."): d for d in DTYPES.values()}
+    return by_name.get(layout.dtype, torch.float32)
+
+
+def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: ParallelState, dtype: torch.dtype,
+                vocab_multiple: int, options: dict) -> ModelChunk:
+    with torch.device(ps.device):
+        chunk = ModelChunk(cfg, ps, spec.layers, pre_process=spec.pre_process, post_process=spec.post_process,
+                           vocab_multiple=vocab_multiple, **options)
+    params = dict(chunk.named_parameters())
+    rules = chunk_rules(cfg, spec.layers, spec.pre_process, spec.post_process)
+    unmatched = set(params) ^ {r.local for r in rules}
+    if unmatched:
+        raise CheckpointError(f"{source.folder}: no conversion rule matches {sorted(unmatched)}")
+    with torch.no_grad():
+        for rule in rules:
+            params[rule.local].copy_(_local_tensor(source, rule, cfg, ps, vocab_multiple))
+    return chunk.to(dtype=dtype)
+
+
+def _local_tensor(source: WeightSource, rule: TensorRule, cfg: ModelConfig, ps: ParallelState,
+                  vocab_multiple: int) -> torch.Tensor:
+    """This TP rank's slice of parameter `rule.local`, read from `source`."""
+    if isinstance(source, MPCheckpoint):
+        return source.local(ps.tp_rank, ps.pp_rank, rule.local)
+    tensors = []
+    for j, name in enumerate(rule.hf):
+        want, got = expected_hf_shape(rule, j, cfg), tuple(source.shape(name))
+        if got != want:
+            raise CheckpointError(
+                f"{source.folder}: tensor {name} has shape {list(got)}, config.json implies {list(want)}"
+            )
+        tensors.append(source.get(name))
+    return to_local(rule, tensors, cfg, ps.tp, ps.tp_rank, vocab_multiple)

@@ -1,0 +1,60 @@
+"""Package layering: a module imports only packages at or below its own level.
+
+The levels, lowest first: `errors` and `config`, then `data`, `parallel`, `models`,
+`checkpoint`, `optim`, `hub`, `train`, `plan`. Every module of every package is parsed
+(not imported), and every import counts, including those inside functions, so a
+lazy import cannot hide a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hfmeg
+
+LEVELS = {"errors": 0, "config": 0, "data": 1, "parallel": 2, "models": 3, "checkpoint": 4, "optim": 5,
+          "hub": 6, "train": 7, "plan": 8}
+ROOT = Path(hfmeg.__file__).parent
+
+
+def _package(path: Path) -> str:
+    """The layered unit a module belongs to: its subpackage, or itself for a top-level module."""
+    rel = path.relative_to(ROOT)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imported_packages(path: Path) -> set[str]:
+    """The hfmeg packages `path` imports, resolved from absolute and relative imports."""
+    own = ["hfmeg", *path.relative_to(ROOT).with_suffix("").parts[:-1]]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name.split(".") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = own[: len(own) - node.level + 1] if node.level else []
+            module = base + (node.module.split(".") if node.module else [])
+            targets = [module] if node.module else [module + [alias.name] for alias in node.names]
+        else:
+            continue
+        for parts in targets:
+            if parts[:1] == ["hfmeg"] and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def test_no_module_imports_a_package_above_its_own():
+    violations = []
+    for path in sorted(ROOT.rglob("*.py")):
+        package = _package(path)
+        if package not in LEVELS:
+            continue
+        for target in _imported_packages(path) - {package}:
+            if LEVELS.get(target, -1) > LEVELS[package]:
+                violations.append(f"{path.relative_to(ROOT)} ({package}) imports {target}")
+    assert not violations, "\n".join(violations)
+
+
+def test_every_package_has_a_level():
+    packages = {_package(p) for p in ROOT.rglob("*.py")} - {"__init__"}
+    assert packages <= set(LEVELS), sorted(packages - set(LEVELS))
