@@ -1,5 +1,5 @@
 """Runtime save of live model chunks in the MP layout, atomically (the offline converters are
-`convert.py` / `reshard.py`; this module and `mp_load.py` are the runtime side).
+`convert.py` / `reshard.py`; this module and `load.py` are the runtime side).
 
 Collective over the default process group; every rank calls it. Protocol of `staged_save`:
 
