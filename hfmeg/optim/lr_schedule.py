@@ -19,14 +19,14 @@ from ..errors import UnsupportedConfigError
 @dataclass
 class LRScheduleConfig:
     warmup_steps: int = 0
-    total_steps: int = 1000  # warm-up included
+    total_steps: int | None = None  # warm-up included; None: the run's length (hfmeg.train.config fills it in)
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr: float = 0.0
 
     def __post_init__(self) -> None:
         if self.decay not in ("cosine", "linear", "constant"):
             raise UnsupportedConfigError(f"lr schedule field decay: {self.decay!r} is not cosine|linear|constant")
-        if self.warmup_steps < 0 or self.total_steps < 1:
+        if self.warmup_steps < 0 or (self.total_steps is not None and self.total_steps < 1):
             raise UnsupportedConfigError("lr schedule fields warmup_steps >= 0 and total_steps >= 1 are required")
 
 

@@ -2,19 +2,23 @@
 
 Filled from a YAML file plus command-line overrides (`load_config`), checked as a
 whole before any work (`validate.py`), printed at start and saved as
-`train_config.json` with every checkpoint. The optimizer and
-data sections are those packages' own configs, so there is one source of truth.
+`train_config.json` with every checkpoint. The optimizer, LR and data sections are
+those packages' own configs, and the parallel section is a `ParallelConfig` (with
+the schedule and layer split added), so there is one source of truth. Defaults that
+depend on other fields are derived here, once, from the typed config: the schedule
+a run uses (`ParallelArgs.run_schedule`) and `lr.total_steps` (`train.max_steps`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from ..data.config import DataConfig
 from ..optim.config import OptimizerConfig
 from ..optim.lr_schedule import LRScheduleConfig
+from ..parallel.state import ParallelConfig
 from .dataclass_io import ConfigError, build, load_yaml, set_dotted, to_dict
 from .validate import validate
 
@@ -29,14 +33,17 @@ class ModelArgs:
     ce_chunk_tokens: int = 4096
 
 
-@dataclass
-class ParallelArgs:
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    sequence_parallel: bool = False
+@dataclass(frozen=True)
+class ParallelArgs(ParallelConfig):
+    """The run's layout (tp, pp, vpp, sequence_parallel) plus how the pipeline runs it."""
+
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"  # vpp > 1 implies interleaved
     pp_layers: list[int] | None = None  # layers per pipeline chunk; default even
+
+    @property
+    def run_schedule(self) -> str:
+        """The schedule the run uses: virtual chunks (vpp > 1) can only run interleaved."""
+        return "interleaved" if self.vpp > 1 else self.schedule
 
 
 @dataclass
@@ -76,6 +83,11 @@ class TrainConfig:
     hub: HubArgs = field(default_factory=HubArgs)
     tensorboard: bool = True
 
+    def __post_init__(self) -> None:
+        # A bad max_steps is left to `validate`, which names train.max_steps rather than lr.total_steps.
+        if self.lr.total_steps is None and isinstance(self.train.max_steps, int) and self.train.max_steps >= 1:
+            self.lr = replace(self.lr, total_steps=self.train.max_steps)
+
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
 
@@ -89,12 +101,6 @@ def load_config(yaml_path: str | Path | None, overrides: dict[str, Any],
     for key, value in overrides.items():
         if value is not None:
             set_dotted(data, key, value)
-    lr = data.setdefault("lr", {})
-    train = data.get("train")
-    steps = train.get("max_steps", LoopArgs.max_steps) if isinstance(train, dict) else LoopArgs.max_steps
-    # A bad max_steps is left to `validate`, which names train.max_steps rather than lr.total_steps.
-    if isinstance(lr, dict) and "total_steps" not in lr and str(steps).isdigit() and int(steps) >= 1:
-        lr["total_steps"] = steps
     cfg = build(TrainConfig, data)
     if not cfg.model.path:
         raise ConfigError("model.path is required (--model)")

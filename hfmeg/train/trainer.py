@@ -42,7 +42,7 @@ from ..hub import push_to_hub, write_model_card
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.pipeline import forward_backward
-from ..parallel.state import ParallelConfig, ParallelState
+from ..parallel.state import ParallelState
 from .checkpointing import RunCheckpoints, load_trainer_state
 from .config import TrainConfig
 from .flops import mfu, peak_flops
@@ -86,8 +86,7 @@ def _sum_over_world(value: float | torch.Tensor | None, contributes: bool, devic
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        p = cfg.parallel
-        self.ps = ParallelState.from_env(ParallelConfig(tp=p.tp, pp=p.pp, vpp=p.vpp, sequence_parallel=p.sequence_parallel))
+        self.ps = ParallelState.from_env(cfg.parallel)
         self.launcher = LauncherWatch.start()
         self.is_logger = self.ps.rank == 0
         self.out = Path(cfg.checkpoint.out)
@@ -101,12 +100,12 @@ class Trainer:
             raise
 
     def _setup(self) -> None:
-        cfg, p = self.cfg, self.cfg.parallel
+        cfg = self.cfg
         if cfg.tensorboard and not tensorboard_available():
             cfg.tensorboard = False  # so that the printed and saved config says what the run does
             if self.is_logger:
                 print("TensorBoard not installed: logs skipped")
-        self.schedule = "interleaved" if p.vpp > 1 else p.schedule
+        self.schedule = cfg.parallel.run_schedule
         seed_all(cfg.train.seed)
         self.dtype = parse_dtype(cfg.model.dtype) or (torch.bfloat16 if self.ps.device.type == "cuda" else torch.float32)
         self.resume_dir = self.checkpoints.resume_dir
