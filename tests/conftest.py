@@ -8,7 +8,7 @@ from hfmeg.parallel.state import BACKEND_ENV
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import STORIES, rewrite_config_v4, save_tiny  # noqa: E402
+from tiny_models import RANDOM_KINDS, rewrite_config_v4, save_tiny  # noqa: E402
 
 # CPU tests stay CPU on a GPU machine too: every ParallelState.from_env in this process and in
 # the torchrun / recipe subprocesses the tests start joins gloo; GPU tests ask for nccl themselves.
@@ -20,19 +20,11 @@ def pytest_collection_modifyitems(items):
     keeps a device thread, and ranks forked after that (`launch.spawn`) cannot run backward."""
     items.sort(key=lambda item: item.get_closest_marker("gpu") is not None)  # stable: order kept otherwise
 
-RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2")
-
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Random tiny checkpoints of every family, plus stories260K when the assets exist."""
     root = tmp_path_factory.mktemp("tiny")
-    out = {kind: save_tiny(kind, root / kind) for kind in RANDOM_KINDS + ("llama_tied",)}
+    out = {kind: save_tiny(kind, root / kind) for kind in RANDOM_KINDS}
     rewrite_config_v4(out["llama3"])  # v4 keys for one model; the others keep v5 keys
     return out
-
-
-def stories_or_skip() -> Path:
-    if not (STORIES / "config.json").is_file():
-        pytest.skip(f"{STORIES} is absent (../shared/assets not checked out beside the repo)")
-    return STORIES

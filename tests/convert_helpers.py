@@ -8,9 +8,8 @@ from pathlib import Path
 import torch
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
-from tiny_models import STORIES, rewrite_config_v4, save_tiny
+from tiny_models import RANDOM_KINDS, STORIES, rewrite_config_v4, save_tiny
 
-RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied")
 LAYOUTS = [(tp, pp) for tp in (1, 2, 4) for pp in (1, 2, 3)]
 
 

@@ -17,7 +17,7 @@ from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf, to_local
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig, no_weight_decay
 from hfmeg.parallel.roles import named_roles
-from hfmeg.parallel.state import ParallelConfig, ParallelState
+from hfmeg.parallel.state import ParallelState
 
 ROWS, SEQ, VOCAB = 4, 16, 300  # rows per micro-batch of the global batch
 
@@ -43,11 +43,6 @@ def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def global_tokens(step: int, ga: int) -> int:
     return sum(int((batch(step, m)[1] != -100).sum()) for m in range(ga))
-
-
-def make_ps(tp=1, pp=1, sp=False) -> ParallelState:
-    return ParallelState(ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp), dist.get_rank(),
-                         dist.get_world_size(), torch.device("cpu"))
 
 
 def reference(folder, cfg: OptimizerConfig, ga: int, steps: int, ps1: ParallelState):
@@ -137,5 +132,5 @@ def max_rel_diff(chunk, ps: ParallelState, ref: dict[str, torch.Tensor]) -> tupl
     return worst, worst_max, n
 
 
-__all__ = ["CFG", "DistributedOptimizer", "OptimizerConfig", "build_rank_chunk", "make_ps", "max_rel_diff",
+__all__ = ["CFG", "DistributedOptimizer", "OptimizerConfig", "build_rank_chunk", "max_rel_diff",
            "reference", "train"]

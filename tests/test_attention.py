@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.models.document_attention import DocumentMask, attend, document_causal_mask, flex_applies, plan
 from hfmeg.parallel.activation_meter import SavedTensorMeter
-from hfmeg.parallel.state import ParallelConfig, ParallelState
 from tiny_models import save_tiny
 
 # Row 0: three documents, the second crossing the 128-token block boundary, then padding (0);
@@ -55,7 +55,7 @@ def test_single_document_rows_use_plain_causal_attention_with_the_same_result():
 
 def test_one_document_rows_with_segment_ids_match_transformers(tmp_path):
     folder = save_tiny("llama3", tmp_path / "m")
-    ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cpu"))
+    ps = make_ps(world=1)
     chunk = load_chunks(HFCheckpoint(folder), ps)[0]
     ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
@@ -90,7 +90,7 @@ def _layer_calls(chunk, ids, labels):
 
 def test_selective_recompute_reruns_only_rope_and_attention(tmp_path):
     folder = save_tiny("llama3", tmp_path / "m")
-    ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cpu"))
+    ps = make_ps(world=1)
     ids = torch.randint(0, 300, (2, 200), generator=torch.Generator().manual_seed(2))
     labels = torch.roll(ids, -1, 1)
     runs = {mode: _layer_calls(load_chunks(HFCheckpoint(folder), ps, recompute=mode)[0], ids, labels)
@@ -107,8 +107,7 @@ def test_selective_recompute_reruns_only_rope_and_attention(tmp_path):
 
 
 def test_rope_frequencies_are_copied_to_a_device_once(tmp_path):
-    chunk = load_chunks(HFCheckpoint(save_tiny("qwen2", tmp_path / "m")), ParallelState(ParallelConfig(), 0, 1,
-                                                                                 torch.device("cpu")))[0]
+    chunk = load_chunks(HFCheckpoint(save_tiny("qwen2", tmp_path / "m")), make_ps(world=1))[0]
     positions = torch.arange(8, device="meta")[None]
     first = chunk.rope._inv_freq_for(positions)
     assert first.device.type == "meta" and chunk.rope._inv_freq_for(positions) is first
@@ -149,7 +148,7 @@ def test_packed_rows_on_cuda_match_the_cpu_dense_path(tmp_path, heads):
     labels, pos = torch.roll(ids, -1, 1), torch.arange(200).expand(2, 200)
     losses = []
     for device in ("cpu", "cuda"):
-        chunk = load_chunks(HFCheckpoint(folder), ParallelState(ParallelConfig(), 0, 1, torch.device(device)))[0]
+        chunk = load_chunks(HFCheckpoint(folder), make_ps(world=1, device=device))[0]
         with torch.no_grad():
             losses.append(chunk(ids.to(device), labels=labels.to(device), position_ids=pos.to(device),
                                 segment_ids=SEGMENTS.to(device)).cpu())

@@ -16,13 +16,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from helpers import make_ps
 from hfmeg.checkpoint.convert import load_model_config, mp_to_hf
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.optim.state_io import read_meta
 from hfmeg.parallel import data_parallel
 from hfmeg.parallel.launch import spawn
 from hfmeg.train.checkpointing import RunCheckpoints
-from optim_harness import CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, make_ps, train
+from optim_harness import CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, train
 from tiny_models import save_tiny
 
 STEPS = 3

@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import stories_or_skip
 from convert_helpers import LAYOUTS, assert_same_tensors, make_sources
+from helpers import make_ps, stories_or_skip
 from hfmeg.checkpoint import hub_source
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.load import load_chunks
@@ -23,7 +23,6 @@ from hfmeg.checkpoint.mp_layout import LATEST_FILE, MPLayout
 from hfmeg.checkpoint.mp_reader import MPCheckpoint
 from hfmeg.checkpoint.reshard import reshard_mp
 from hfmeg.errors import CheckpointError, LayoutError
-from hfmeg.parallel.state import ParallelConfig, ParallelState
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +158,11 @@ def test_hub_offline_without_cache_is_one_clear_error(monkeypatch, tmp_path):
 def test_load_chunks_checks_the_layout(sources, tmp_path):
     hf_to_mp(sources["qwen2"], tmp_path / "mp", tp=1, pp=1, vpp=2)
     assert (tmp_path / "mp" / LATEST_FILE).read_text().strip() == "release"
-    ps = ParallelState(ParallelConfig(tp=1, pp=1, vpp=2), 0, 1, torch.device("cpu"))
+    ps = make_ps(tp=1, pp=1, vpp=2, world=1)
     chunks = load_chunks(MPCheckpoint(tmp_path / "mp"), ps)
     assert [c.layer_ids for c in chunks] == [[0, 1], [2, 3]]
     with pytest.raises(LayoutError, match=r"saved with TP=1 PP=1 VPP=2, but this run uses TP=1 PP=1 VPP=1") as e:
-        load_chunks(MPCheckpoint(tmp_path / "mp"), ParallelState(ParallelConfig(), 0, 1, torch.device("cpu")))
+        load_chunks(MPCheckpoint(tmp_path / "mp"), make_ps(world=1))
     assert f"reshard it with tools/reshard_mp.py --mp {tmp_path / 'mp' / 'release'} --out NEW --tp 1 --pp 1 " \
         "--vpp 1" in str(e.value)
 
@@ -175,9 +174,9 @@ def _save_live_chunks(mp22, mp21, out):
 
     from hfmeg.checkpoint.mp_save import chunks_layout, staged_save, write_model_shard
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     for mp, pp, it in ((mp22, 2, 7), (mp21, 1, 8)):
-        ps = ParallelState(ParallelConfig(tp=2, pp=pp), rank, world, torch.device("cpu"))
+        ps = make_ps(tp=2, pp=pp)
         chunks = load_chunks(MPCheckpoint(mp), ps)
         layout = chunks_layout(chunks, ps, it)
         with staged_save(layout, ps, out, f"{mp}/release/hf") as folder:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import stories_or_skip
 from convert_helpers import snapshot
+from helpers import stories_or_skip
 from hfmeg.checkpoint import st_stream
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from tiny_models import save_tiny

@@ -271,7 +271,7 @@ def test_bad_chats_and_unusable_sources(tmp_path):
 
 
 def test_text_with_the_stories260k_tokenizer():
-    from conftest import stories_or_skip
+    from helpers import stories_or_skip
 
     tok = AutoTokenizer.from_pretrained(stories_or_skip())
     own = Path(__file__).resolve().parents[1] / "data" / "text_sample.txt"

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.data import DataConfig, SourceConfig, build_data, build_eval_data
 from hfmeg.errors import DataError
-from hfmeg.parallel.state import ParallelConfig, ParallelState
 from test_data import RECORDS, bad_file, char_tokenizer, llama2_or_skip, write_jsonl
 from tiny_models import save_tiny
 
@@ -59,8 +59,7 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("kind", ["llama3", "gpt2"])
 def test_packed_loss_equals_unpacked_document_losses(tmp_path, kind):
-    model = load_chunks(HFCheckpoint(save_tiny(kind, tmp_path / kind)), ParallelState(ParallelConfig(), 0, 1,
-                                                                               torch.device("cpu")))[0]
+    model = load_chunks(HFCheckpoint(save_tiny(kind, tmp_path / kind)), make_ps(world=1))[0]
     texts = tmp_path / "t.txt"
     texts.write_text("".join(f"story {i}: " + "ab " * i + "\n" for i in range(9)))
     cfg = DataConfig(sources=[SourceConfig(str(write_jsonl(tmp_path / "r.jsonl", RECORDS))),

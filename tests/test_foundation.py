@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.config import load_hf_config, model_config_from_hf
 from hfmeg.errors import CheckpointError, LayoutError, UnsupportedConfigError
 from hfmeg.parallel.launch import spawn
-from hfmeg.parallel.state import ParallelConfig, ParallelState
 from tiny_models import save_tiny
 
 
 def _grid():
-    ps = ParallelState(ParallelConfig(tp=2, pp=2), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    ps = make_ps(tp=2, pp=2)
     return dict(tp=ps.tp_ranks, dp=ps.dp_ranks, pp=ps.pp_ranks, emb=ps.embedding_ranks,
                 coords=(ps.tp_rank, ps.dp_rank, ps.pp_rank), next=ps.next_rank, prev=ps.prev_rank)
 
@@ -35,7 +34,7 @@ def test_rank_grid_tp_fastest_then_dp_then_pp():
 
 def test_world_not_multiple_of_tp_pp():
     with pytest.raises(LayoutError, match="world size 6 is not a multiple of TP x PP = 4 x 1"):
-        ParallelState(ParallelConfig(tp=4), 0, 6, torch.device("cpu"))
+        make_ps(tp=4, world=6)
 
 
 @pytest.mark.parametrize(
@@ -59,7 +58,7 @@ def test_unsupported_config_rejected(kind, overrides, match):
 
 
 def _build(folder, tp):
-    ps = ParallelState(ParallelConfig(tp=tp), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    ps = make_ps(tp=tp)
     load_chunks(HFCheckpoint(folder), ps)[0]
 
 
@@ -78,7 +77,7 @@ def test_shape_mismatch_names_tensor(tmp_path):
 
 
 def _build_single(folder):
-    ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cpu"))
+    ps = make_ps(world=1)
     return load_chunks(HFCheckpoint(folder), ps)[0]
 
 

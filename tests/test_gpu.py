@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import make_ps
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.checkpoint.tensor_source import TensorSource
 from hfmeg.models.kernels import Kernels
 from hfmeg.models.random_init import random_hf_model
-from hfmeg.parallel.state import BACKEND_ENV, ParallelConfig, ParallelState
+from hfmeg.parallel.state import BACKEND_ENV
 from tiny_models import tiny_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -57,7 +58,7 @@ def check_bf16_parity(device: torch.device, compile_backend: str | None) -> None
     hf_cfg = tiny_config("llama3", **SHAPES)
     ref = random_hf_model(hf_cfg, seed=0, dtype=torch.float32, device=device)
     hf16 = copy.deepcopy(ref).to(torch.bfloat16)
-    ps = ParallelState(ParallelConfig(), 0, 1, device)
+    ps = make_ps(world=1, device=device)
     ours = load_chunks(TensorSource.snapshot(ref), ps, dtype=torch.bfloat16, compile_backend=compile_backend)[0]
     ids = torch.randint(0, SHAPES["vocab_size"], (2, 128), generator=torch.Generator().manual_seed(0)).to(device)
     loss32, grads32 = _hf_run(ref, ids)

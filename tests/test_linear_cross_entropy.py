@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import make_ps
 from hfmeg.parallel.linear_cross_entropy import linear_cross_entropy
-from hfmeg.parallel.state import ParallelConfig, ParallelState
 
 V, H, T = 96, 32, 24
 
@@ -35,7 +35,7 @@ def _reference(x, w, target):
 
 
 def test_bf16_weight_gradient_lands_unrounded_in_fp32_main_grad():
-    ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cpu"))
+    ps = make_ps(world=1)
     x, w, target = _inputs()
     w.main_grad = torch.full((V, H), 0.5)  # what earlier micro-batches left there
     linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
@@ -47,7 +47,7 @@ def test_bf16_weight_gradient_lands_unrounded_in_fp32_main_grad():
 
 
 def test_bf16_weight_without_main_grad_gets_its_gradient_from_autograd():
-    ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cpu"))
+    ps = make_ps(world=1)
     x, w, target = _inputs()
     linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
     _, grad_w = _reference(x, w, target)
@@ -58,7 +58,7 @@ def test_bf16_weight_without_main_grad_gets_its_gradient_from_autograd():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 GEMMs with fp32 output)")
 def test_bf16_weight_gradient_in_fp32_main_grad_on_cuda():
-    ps = ParallelState(ParallelConfig(), 0, 1, torch.device("cuda"))
+    ps = make_ps(world=1, device="cuda")
     x, w, target = _inputs()
     x, target = x.detach().cuda().requires_grad_(), target.cuda()
     w = torch.nn.Parameter(w.detach().cuda())

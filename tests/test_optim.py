@@ -16,9 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import make_ps
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.launch import spawn
-from optim_harness import CFG, build_rank_chunk, make_ps, max_rel_diff, reference, train
+from optim_harness import CFG, build_rank_chunk, max_rel_diff, reference, train
 from tiny_models import save_tiny
 
 STEPS = 10

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import hfmeg.parallel.data_parallel as dopt
+from helpers import make_ps
 from hfmeg.errors import UnsupportedConfigError
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig, lr_at
 from hfmeg.parallel.launch import spawn
-from optim_harness import CFG, batch, build_rank_chunk, make_ps, micro_step, reference, train
+from optim_harness import CFG, batch, build_rank_chunk, micro_step, reference, train
 from tiny_models import save_tiny
 
 

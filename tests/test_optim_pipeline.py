@@ -18,13 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
-from hfmeg.parallel.state import ParallelConfig, ParallelState
-from optim_harness import (CFG, ROWS, batch, build_rank_chunk, global_tokens, make_ps, max_rel_diff, micro_step,
+from hfmeg.parallel.state import ParallelState
+from optim_harness import (CFG, ROWS, batch, build_rank_chunk, global_tokens, max_rel_diff, micro_step,
                            reference)
 from tiny_models import save_tiny
 
@@ -49,7 +50,7 @@ def _pipeline(folder):
     ref_losses, ref_params = reference(folder, OptimizerConfig(**CFG), MICRO, STEPS, make_ps())
     out = []
     for schedule, vpp, mode in CASES:
-        ps = ParallelState(ParallelConfig(pp=2, vpp=vpp), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+        ps = make_ps(pp=2, vpp=vpp)
         chunks = load_chunks(HFCheckpoint(folder), ps)
         opt = DistributedOptimizer(chunks, ps, OptimizerConfig(mode=mode, **CFG))
         losses = []

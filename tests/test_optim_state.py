@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch.distributed as dist
 
+from helpers import make_ps
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.optim.state_io import load_optimizer_state, save_optimizer_state
 from hfmeg.parallel.launch import spawn
-from optim_harness import CFG, build_rank_chunk, make_ps, train
+from optim_harness import CFG, build_rank_chunk, train
 from tiny_models import save_tiny
 
 GA, FIRST, MORE = 2, 4, 4

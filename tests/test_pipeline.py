@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import STORIES
+from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
@@ -27,9 +27,8 @@ from hfmeg.parallel.data_parallel import DataParallel
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from hfmeg.parallel.pipeline import forward_backward
-from hfmeg.parallel.state import ParallelConfig, ParallelState
 from test_tp_parity import _gather_tp
-from tiny_models import save_tiny
+from tiny_models import STORIES, save_tiny
 
 TOL = 1e-5
 CPU = torch.device("cpu")
@@ -81,7 +80,7 @@ def _hf_grads(chunk, shards_of) -> dict[str, torch.Tensor]:
 
 
 def _reference(folder: str, mbs: list[dict], num_tokens: int):
-    chunk = load_chunks(HFCheckpoint(folder), ParallelState(ParallelConfig(), 0, 1, CPU))[0]
+    chunk = load_chunks(HFCheckpoint(folder), make_ps(world=1))[0]
     ids = torch.cat([m["input_ids"] for m in mbs])
     labels = torch.cat([m["labels"] for m in mbs])
     loss = chunk(ids, labels=labels).sum() / num_tokens
@@ -105,8 +104,7 @@ def _run_cases(folders: dict, cases: list[Case]) -> list[dict]:
     refs: dict = {}
     results = []
     for case in cases:
-        ps = ParallelState(ParallelConfig(tp=case.tp, pp=case.pp, vpp=case.vpp, sequence_parallel=case.sp),
-                           dist.get_rank(), dist.get_world_size(), CPU)
+        ps = make_ps(tp=case.tp, pp=case.pp, vpp=case.vpp, sp=case.sp)
         folder = folders[case.model]
         chunks = load_chunks(HFCheckpoint(folder), ps, recompute=case.recompute)
         n_total = case.microbatches * ps.dp
@@ -191,7 +189,7 @@ def _p2p_out_of_order() -> list[torch.Tensor]:
 
 def _peak_saved_bytes(folder: str, m: int) -> dict[str, int]:
     """This stage's peak bytes saved for backward under GPipe and 1F1B (PP=2)."""
-    ps = ParallelState(ParallelConfig(pp=2), dist.get_rank(), dist.get_world_size(), CPU)
+    ps = make_ps(pp=2)
     chunks = load_chunks(HFCheckpoint(folder), ps)
     mbs = _global_batch(chunks[0].cfg.vocab_size, m)
     peaks = {}

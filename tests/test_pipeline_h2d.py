@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.data import DataConfig, SourceConfig, build_data
 from hfmeg.parallel.pipeline import forward_backward
-from hfmeg.parallel.state import ParallelConfig, ParallelState
 from test_data import char_tokenizer
 from test_data_batches import OWN
 from tiny_models import save_tiny
@@ -17,7 +17,7 @@ from tiny_models import save_tiny
 
 def _step_loss(device: torch.device, tmp_path, monkeypatch) -> tuple[float, torch.Tensor, int]:
     """(synced loss, device loss, pin_memory calls) of one packed batch on `device`."""
-    ps = ParallelState(ParallelConfig(), 0, 1, device)
+    ps = make_ps(world=1, device=device)
     chunk = load_chunks(HFCheckpoint(save_tiny("llama3", tmp_path / "m")), ps)[0]
     cfg = DataConfig(sources=[SourceConfig(str(OWN / "sft_sample.jsonl"))], seq_len=128, prefetch=0)
     batch = next(build_data(cfg, char_tokenizer(), dp_rank=0, dp_size=1, micro_batch_size=2, global_batch_size=4))

@@ -7,12 +7,13 @@ import errno
 import pytest
 from safetensors import SafetensorError
 
+from helpers import make_ps
 from hfmeg.errors import CheckpointError
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.optim import state_io
 from hfmeg.parallel.launch import spawn
 from hfmeg.train.checkpointing import STATE_FILE, load_trainer_state
-from optim_harness import CFG, build_rank_chunk, make_ps
+from optim_harness import CFG, build_rank_chunk
 from tiny_models import save_tiny
 
 

@@ -14,15 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from convert_helpers import LAYOUTS, make_sources
+from helpers import make_ps
 from hfmeg.checkpoint.convert import hf_to_mp
 from hfmeg.checkpoint.parity import compare, prompt_ids, reference_outputs, sharded_outputs
 from hfmeg.parallel.launch import free_port, spawn
-from hfmeg.parallel.state import ParallelConfig, ParallelState
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = {"stories260K": 16}  # random models: 3
@@ -51,8 +50,7 @@ def _run_layouts(jobs):
     """jobs: [((tp, pp, vpp), [(kind, mp folder, ids, new tokens)])] -> {(kind, layout): (logits, ids)} on rank 0."""
     results = {}
     for (tp, pp, vpp), items in jobs:
-        ps = ParallelState(ParallelConfig(tp=tp, pp=pp, vpp=vpp), dist.get_rank(), dist.get_world_size(),
-                           torch.device("cpu"))
+        ps = make_ps(tp=tp, pp=pp, vpp=vpp)
         for kind, mp, ids, n in items:
             results[(kind, (tp, pp, vpp))] = sharded_outputs(mp, ids, n, ps)
     return results if dist.get_rank() == 0 else None

@@ -11,6 +11,10 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralC
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES = ASSETS / "models" / "stories260K"
 
+# Every family `tiny_config` builds; llama_tied has tied embeddings and a vocabulary (32001)
+# that needs padding under every TP size.
+RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied")
+
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
 

@@ -1,0 +1,33 @@
+"""Helpers every kind of test shares: a rank's `ParallelState` and the stories260K asset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from tiny_models import STORIES
+
+from hfmeg.parallel.state import ParallelConfig, ParallelState
+
+
+def make_ps(tp: int = 1, pp: int = 1, vpp: int = 1, sp: bool = False, *, world: int | None = None,
+            device: str | torch.device = "cpu") -> ParallelState:
+    """This rank's groups for a TP x PP (x VPP) layout.
+
+    `world=None`: the rank and size of the default group (a spawned gloo world), or a world of one
+    where none is initialised. `world=N`: rank 0 of N (a single-process reference inside a spawned
+    rank, or a layout checked without processes)."""
+    if world is None:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    else:
+        rank = 0
+    return ParallelState(ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp), rank, world,
+                         torch.device(device))
+
+
+def stories_or_skip() -> Path:
+    if not (STORIES / "config.json").is_file():
+        pytest.skip(f"{STORIES} is absent (../shared/assets not checked out beside the repo)")
+    return STORIES
