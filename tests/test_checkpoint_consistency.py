@@ -53,7 +53,7 @@ def _train_and_save(folder: str, out: str) -> None:
         checkpoints.pin_hf_source(Path(folder))
     for step in range(STEPS):
         train(chunk, opt, ps, 1, 1, first_step=step)
-        checkpoints.save(step + 1, [chunk], ps, opt, {}, pp_layers=None, vocab_multiple=128)
+        checkpoints.save(step + 1, [chunk], ps, opt, {}, pp_layers=None)
 
 
 def _master_model(iter_dir: Path, model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

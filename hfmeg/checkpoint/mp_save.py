@@ -42,18 +42,15 @@ def _barrier() -> None:
 
 
 def chunks_layout(chunks: list[ModelChunk], ps: ParallelState, iteration: int | None, *,
-                  pp_layers: list[int] | None = None, vocab_multiple: int = 128) -> MPLayout:
+                  pp_layers: list[int] | None = None) -> MPLayout:
     """The layout these chunks are saved under, checked against what the chunks hold.
 
-    `pp_layers` is the run's uneven split, if any; `vocab_multiple` the one the chunks were built with."""
-    cfg = chunks[0].cfg
+    `pp_layers` is the run's uneven split, if any (a rank sees only its own chunks' layers);
+    the vocabulary padding is the one the chunks were built with."""
     dtype = next(chunks[0].parameters()).dtype
-    layout = MPLayout.build(cfg, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, pp_layers=pp_layers,
-                            vocab_multiple=vocab_multiple, dtype=dtype_name(dtype), iteration=iteration)
+    layout = MPLayout.build(chunks[0].cfg, tp=ps.tp, pp=ps.pp, vpp=ps.vpp, pp_layers=pp_layers,
+                            vocab_multiple=chunks[0].vocab_multiple, dtype=dtype_name(dtype), iteration=iteration)
     mine = layout.rank_chunks(ps.pp_rank)
-    if chunks[0].padded_vocab != layout.padded_vocab:
-        raise LayoutError(f"chunks have a padded vocabulary of {chunks[0].padded_vocab}, "
-                          f"vocab_multiple={vocab_multiple} implies {layout.padded_vocab}")
     if [list(s.layers) for s in mine] != [c.layer_ids for c in chunks]:
         raise LayoutError(f"this rank's chunks hold layers {[c.layer_ids for c in chunks]}, "
                           f"the layout implies {[list(s.layers) for s in mine]} (pass the run's pp_layers)")

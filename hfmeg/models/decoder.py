@@ -75,6 +75,7 @@ class ModelChunk(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.recompute = recompute
         self.ce_chunk_tokens = ce_chunk_tokens
+        self.vocab_multiple = vocab_multiple  # read back when the chunk is saved (checkpoint/mp_save.py)
         self.padded_vocab = cfg.padded_vocab(ps.tp, vocab_multiple)
         self.layer_ids = list(layers)
         if pre_process:

@@ -78,14 +78,14 @@ class RunCheckpoints:
         copy_hf_side_files(src, tmp)
         replace_dir(tmp, self.hf_source)
 
-    def save(self, step: int, chunks, ps, opt, trainer_state: dict[str, Any], *, pp_layers: list[int] | None,
-             vocab_multiple: int) -> Path:
+    def save(self, step: int, chunks, ps, opt, trainer_state: dict[str, Any], *,
+             pp_layers: list[int] | None) -> Path:
         """Collective: every rank calls it. Returns the checkpoint's iteration folder."""
         # Checked on every rank (the folder is shared), so that all stop here rather than some in a barrier.
         if not (self.hf_source / "config.json").is_file():
             raise CheckpointError(f"{self.hf_source}: no config.json; it was copied at the start of the run and "
                                   "must stay while the run lasts")
-        layout = chunks_layout(chunks, ps, step, pp_layers=pp_layers, vocab_multiple=vocab_multiple)
+        layout = chunks_layout(chunks, ps, step, pp_layers=pp_layers)
         with staged_save(layout, ps, self.root, self.hf_source) as folder:
             write_model_shard(chunks, ps, layout, folder)
             save_optimizer_state(opt, folder / OPTIM_DIR)

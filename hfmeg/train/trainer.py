@@ -244,8 +244,7 @@ class Trainer:
     def save(self) -> Path:
         state = {"data": self.data.state_dict(), "config": self.cfg.to_dict()}
         return self.checkpoints.save(self.step, self.chunks, self.ps, self.opt, state,
-                                     pp_layers=self.cfg.parallel.pp_layers,
-                                     vocab_multiple=self.cfg.model.vocab_multiple)
+                                     pp_layers=self.cfg.parallel.pp_layers)
 
     def export(self, checkpoint: Path | None) -> Path | None:
         """Rank 0 alone: convert the final checkpoint to `<out>/hf`, write the model card, push if asked.
