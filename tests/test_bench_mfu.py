@@ -21,7 +21,7 @@ import pytest
 from transformers import LlamaConfig
 
 from hfmeg.config import model_config_from_hf
-from hfmeg.train.flops import training_flops
+from hfmeg.plan.flops import training_flops
 from tool_loader import load_tool
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_mfu.py"

@@ -1,7 +1,7 @@
 """The FLOPs formula reduces to the Megatron-LM paper's closed form for a GPT."""
 
 from hfmeg.config import ModelConfig
-from hfmeg.train.flops import mfu, training_flops
+from hfmeg.plan.flops import mfu, training_flops
 
 
 def _gpt(h=4096, layers=32, vocab=51200):

@@ -32,7 +32,7 @@ Timing: `--warmup` untimed steps (compilation, allocator warm-up), then `--steps
 steps between two `torch.cuda.synchronize()` + `perf_counter()`. Peak memory is
 `torch.cuda.max_memory_allocated` since the side's model and optimizer were built
 (reset then, and everything of the other side freed before). MFU uses the Megatron-LM
-formula (`hfmeg.train.flops.training_flops`) against the dense bf16 peak of the GPU
+formula (`hfmeg.plan.flops.training_flops`) against the dense bf16 peak of the GPU
 (989 TFLOP/s for H100/H200 SXM; `--peak-tflops` overrides); null when unknown.
 
 Memory per parameter: hfmeg 18 bytes (bf16 weight, fp32 main grad, fp32 master and
@@ -70,7 +70,7 @@ from hfmeg.models.random_init import random_hf_model
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.state import ParallelConfig, ParallelState
-from hfmeg.train.flops import mfu, peak_flops, training_flops
+from hfmeg.plan.flops import mfu, peak_flops, training_flops
 from bench_args import at_least
 
 SEVEN_B = dict(hidden=4096, ffn=11008, heads=32, vocab=32000, seq=4096, layers=16, micro_batch_size=1,

@@ -1,7 +1,8 @@
 """`hfmeg plan`: a memory and step-time model of one training step, checked against measurements.
 
 hardware.py (GPU kinds, clusters) -> activations.py + memory.py (bytes per GPU) ->
-profile.py + step_time.py (seconds per step, from a calibrated profile) ->
+profile.py + step_time.py (seconds per step, from a calibrated profile; flops.py counts the
+model FLOPs, with the MFU the trainer logs) ->
 search.py (every layout that fits, ranked; `best_layout`) -> cli.py (`python -m hfmeg.plan`,
 `hfmeg plan`), with scaling.py (overlapped vs distributed optimizer at scale) and
 published.py (predicted vs Megatron-LM's published table). measure.py and

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from ..config import ModelConfig
 from ..optim.config import OptimizerConfig
 from ..parallel.layout import rank_chunks, split_layers
-from ..train.flops import training_flops
+from .flops import training_flops
 from .activations import Shape, layer_bytes
 from .hardware import ClusterSpec
 from .layout import PlanLayout

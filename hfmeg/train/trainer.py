@@ -45,7 +45,7 @@ from ..parallel.pipeline import forward_backward
 from ..parallel.state import ParallelState
 from .checkpointing import RunCheckpoints, load_trainer_state
 from .config import TrainConfig
-from .flops import mfu, peak_flops
+from ..plan.flops import mfu, peak_flops
 from .metrics import MetricsLog, read_metrics, tensorboard_available
 from .rng import seed_all
 from .run_lock import lock_run
