@@ -16,6 +16,7 @@ import argparse
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ import torch
 from ..errors import HfmegError
 from .config import TrainConfig, load_config
 from .validate import check_hub_login
+
+QUIET_RANK_EXIT_DELAY_S = 3.0  # how long ranks other than 0 wait before exiting on a config error
 
 # flag -> (dotted config key, type, help)
 FLAGS = {
@@ -139,6 +142,10 @@ def main(description: str, default_config: Path, argv: list[str] | None = None) 
     except HfmegError as e:
         if _is_rank0():
             print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            # Every rank finds the same error, but only rank 0 says it. A launcher kills the other workers as soon
+            # as one exits, so a silent rank that exited first could take rank 0's line with it.
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return 2
     try:
         Trainer(cfg).run()  # rank 0 prints the run's summary, the exported folder included
