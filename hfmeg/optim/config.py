@@ -7,6 +7,7 @@ single-process reference (tests, tools) use the same rule: `no_weight_decay(role
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +27,12 @@ class OptimizerConfig:
         DistributedOptimizer; the in-house anchor);
       - `overlapped`: state sharded, reduce-scatter started bucket by bucket during the
         last micro-batch's backward, all-gather waited bucket by bucket in the next forward.
+
+    compression `powersgd` (any mode; hfmeg.parallel.powersgd): from step
+    `compression_start_step` on (counted from 0), DP gradient sums of matrices are sent as
+    rank-`powersgd_rank` factors with error feedback. The steps before take the exact
+    path: Adam's second moment needs exact gradients first. None: 10 % of
+    train.max_steps, filled in by TrainConfig; a bare OptimizerConfig must set it.
     """
 
     mode: Literal["ddp", "distributed", "overlapped"] = "overlapped"
@@ -44,6 +51,10 @@ class OptimizerConfig:
     initial_loss_scale: float = 2.0**16
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000  # overflow-free steps before the scale doubles
+    compression: Literal["none", "powersgd"] = "none"
+    powersgd_rank: int = 4
+    compression_start_step: int | None = None
+    min_compression_rate: float = 2.0  # compress an m x n gradient only if m*n / (rank*(m+n)) >= this
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -56,6 +67,17 @@ class OptimizerConfig:
             raise UnsupportedConfigError(f"optimizer field grad_clip: must be >= 0, got {self.grad_clip}")
         if not (0 < self.min_loss_scale <= self.initial_loss_scale):
             raise UnsupportedConfigError("optimizer field min_loss_scale: must be in (0, initial_loss_scale]")
+        if self.compression not in ("none", "powersgd"):
+            raise UnsupportedConfigError(f"optimizer field compression: {self.compression!r} is not 'none' or "
+                                         "'powersgd'")
+        if self.powersgd_rank < 1:
+            raise UnsupportedConfigError(f"optimizer field powersgd_rank: must be >= 1, got {self.powersgd_rank}")
+        if self.compression_start_step is not None and self.compression_start_step < 0:
+            raise UnsupportedConfigError("optimizer field compression_start_step: must be >= 0, got "
+                                         f"{self.compression_start_step}")
+        if not (math.isfinite(self.min_compression_rate) and self.min_compression_rate >= 0):
+            raise UnsupportedConfigError("optimizer field min_compression_rate: must be a finite number >= 0, got "
+                                         f"{self.min_compression_rate}")
 
     @property
     def sharded(self) -> bool:

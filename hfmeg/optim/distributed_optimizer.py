@@ -28,6 +28,9 @@ parameter and gradient buffers and every collective. Life of one step (mode
    communication overlaps any compute.
 
 The object also answers the pipeline schedules' `set_last_microbatch(chunk, is_last)`.
+It counts its steps (`iteration`, skipped ones included, saved with its state) and,
+with `compression: powersgd`, switches the wrapper's compression on from
+`compression_start_step`; a skipped step restarts the compression state.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import UnsupportedConfigError
 from ..parallel.buffers import Bucket
 from ..parallel.data_parallel import DataParallel
 from ..parallel.state import ParallelState
@@ -59,7 +63,12 @@ class StepResult:
 class DistributedOptimizer:
     def __init__(self, chunks: list[nn.Module], ps: ParallelState, cfg: OptimizerConfig):
         self.chunks, self.ps, self.cfg = list(chunks), ps, cfg
-        self.data_parallel = dp = DataParallel(self.chunks, ps, cfg.mode, cfg.bucket_size)
+        powersgd = cfg.compression == "powersgd"
+        if powersgd and cfg.compression_start_step is None:
+            raise UnsupportedConfigError("optimizer field compression_start_step: must be set with compression "
+                                         "powersgd (TrainConfig derives it from train.max_steps)")
+        self.data_parallel = dp = DataParallel(self.chunks, ps, cfg.mode, cfg.bucket_size,
+                                               cfg.powersgd_rank if powersgd else None, cfg.min_compression_rate)
         self.shards, self.rank, self.groups, self.buckets = dp.shards, dp.rank, dp.groups, dp.buckets
         device = self.groups[0].param_buffer.device
 
@@ -88,9 +97,13 @@ class DistributedOptimizer:
         self._shard_grads = [self._own(b, b.grad_buf) for b in self.buckets]
 
         fp16 = any(g.dtype == torch.float16 for g in self.groups)
+        if powersgd and fp16:
+            raise UnsupportedConfigError("optimizer field compression: powersgd does not support fp16 parameters "
+                                         "(residuals would keep a stale loss scale); use bf16 or fp32")
         self.scaler = DynamicLossScaler(cfg.initial_loss_scale, cfg.min_loss_scale, cfg.loss_scale_window) \
             if fp16 else None
         self.skipped_steps = 0
+        self.set_iteration(0)
 
     def _bucket_adamw(self, b: Bucket, grad: torch.Tensor) -> torch.optim.AdamW | None:
         """torch AdamW over the owned shard of `b` (None when the shard is all padding)."""
@@ -129,6 +142,12 @@ class DistributedOptimizer:
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (fp32 master + both Adam moments)."""
         return sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq))
+
+    def set_iteration(self, iteration: int) -> None:
+        """Steps taken so far (a resumed run's count); decides whether the next one is compressed."""
+        self.iteration = iteration
+        start = self.cfg.compression_start_step
+        self.data_parallel.set_compression(self.cfg.compression == "powersgd" and iteration >= start)
 
     # -- the trainer / schedule interface ----------------------------------------------
     def set_last_microbatch(self, chunk_index: int, is_last: bool) -> None:
@@ -180,6 +199,9 @@ class DistributedOptimizer:
             if serial:  # Megatron's order: the whole update, then the all-gathers, waited here
                 self.publish_params()
         self.data_parallel.zero_grad()
+        if skipped:
+            self.data_parallel.drop_compression_state()
+        self.set_iteration(self.iteration + 1)
         return StepResult(norm, skipped, scale)
 
     # -- parameters ----------------------------------------------------------------------

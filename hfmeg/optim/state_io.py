@@ -6,7 +6,14 @@ Each rank that owns state writes one safetensors file
 document: the AdamW step, loss-scaler state, skip count, the DP size and, for every
 owned piece of a parameter, `[name, lo, hi, offset]` (elements [lo, hi) of the
 flattened parameter live at [offset, offset + hi - lo) of the flat tensors).
-In `ddp` mode every DP rank holds everything, so only DP rank 0 writes.
+In `ddp` mode every DP rank holds everything, so only DP rank 0 writes. The metadata
+also holds `iteration`, the steps taken, which decides when compression starts.
+
+With PowerSGD configured, every rank also writes `powersgd_pp{PP}_tp{TP}_dp{DP}.safetensors`:
+Q and the residual of each compressed matrix (`PowerSGD.state_dict`), during the
+warm-up too, so a resume on either side of the switch is exact. Residuals are a
+rank's own, so they are restored only at the same DP size (and PowerSGD rank); any
+other resume starts the compression state afresh, with a warning.
 
 Loading re-partitions by name: each rank reads the files of its own (PP, TP)
 coordinates, whatever DP size wrote them, and copies the overlap of every saved
@@ -19,6 +26,7 @@ renamed; nothing is ever unpickled.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -29,6 +37,8 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from .distributed_optimizer import DistributedOptimizer
+
+log = logging.getLogger("hfmeg.optim")
 
 FORMAT = 1
 STATE = ("master", "exp_avg", "exp_avg_sq")
@@ -50,20 +60,34 @@ def _step_tensor(opt: DistributedOptimizer) -> torch.Tensor | None:
 def save_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> Path | None:
     """Write this rank's shard into `folder` (created if needed); returns the file written, if any."""
     ps = opt.ps
-    if not opt.cfg.sharded and ps.dp_rank != 0:
-        return None
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    compressor = opt.data_parallel.compressor
+    if compressor is not None:
+        _write(_file(folder, "powersgd", ps, ps.dp_rank), compressor.state_dict(),
+               {"format": FORMAT, "dp": ps.dp, "powersgd_rank": opt.cfg.powersgd_rank})
+    if not opt.cfg.sharded and ps.dp_rank != 0:
+        return None
     opt.wait_params()
     step = _step_tensor(opt)
     meta = {
         "format": FORMAT, "dp": opt.shards, "mode": opt.cfg.mode, "tp": ps.tp, "pp": ps.pp,
         "step": float(step.item()) if step is not None else 0.0, "skipped_steps": opt.skipped_steps,
+        "iteration": opt.iteration,
         "loss_scale": opt.loss_scale, "good_steps": opt.scaler.good_steps if opt.scaler else 0,
         "pieces": _pieces(opt),
     }
-    tensors = {"master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}
-    path = folder / f"optim_pp{ps.pp_rank:03d}_tp{ps.tp_rank:02d}_dp{ps.dp_rank:03d}.safetensors"
+    path = _file(folder, "optim", ps, ps.dp_rank)
+    _write(path, {"master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}, meta)
+    return path
+
+
+def _file(folder: Path, kind: str, ps, dp_rank: int) -> Path:
+    return folder / f"{kind}_pp{ps.pp_rank:03d}_tp{ps.tp_rank:02d}_dp{dp_rank:03d}.safetensors"
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Write `tensors` with `meta` as the hfmeg_optimizer metadata, through a temporary sibling."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
@@ -72,7 +96,6 @@ def save_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> Path 
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"{path}: cannot write the optimizer shard ({e})") from e
     os.replace(tmp, path)
-    return path
 
 
 def read_meta(path: Path) -> dict:
@@ -119,9 +142,35 @@ def load_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> None:
     for s in opt.adam_states():
         s["step"].fill_(meta["step"])
     opt.skipped_steps = meta["skipped_steps"]
+    # Files from before steps were counted: a step either updated (AdamW's step) or was skipped.
+    opt.set_iteration(meta.get("iteration", int(meta["step"]) + meta["skipped_steps"]))
+    if opt.data_parallel.compressor is not None:
+        _load_compression(opt, folder)
     if opt.scaler is not None:
         opt.scaler.scale, opt.scaler.good_steps = meta["loss_scale"], meta["good_steps"]
     opt.publish_params()
     opt.wait_params()
     if dist.is_initialized() and ps.world_size > 1:
         dist.barrier()
+
+
+def _load_compression(opt: DistributedOptimizer, folder: Path) -> None:
+    """Restore Q and the residuals from this rank's file, or leave them fresh (see the module docstring)."""
+    ps, state = opt.ps, opt.data_parallel.compressor.state_dict()
+    path = _file(folder, "powersgd", ps, ps.dp_rank)
+    why = None
+    if not path.is_file():
+        why = f"no {path.name}"
+    else:
+        meta = read_meta(path)
+        with safe_open(str(path), "pt") as f:
+            saved = {k: f.get_tensor(k) for k in f.keys()}
+        if meta["dp"] != ps.dp:
+            why = f"written at DP size {meta['dp']}, this run has {ps.dp}"
+        elif not all(k in saved and saved[k].shape == t.shape for k, t in state.items()):
+            why = "written for other matrices or another powersgd_rank"
+    if why is None:
+        for k, t in state.items():
+            t.copy_(saved[k])
+    elif opt.iteration > opt.cfg.compression_start_step:  # a compressed step has run: its residuals are lost
+        log.warning("%s: PowerSGD state starts afresh (%s)", folder, why)

@@ -10,6 +10,9 @@ model chunks (the idea of Megatron's DDP wrapper and of torchtitan's `fully_shar
 - Backward (grad_sync.py): per-parameter hooks accumulate into `main_grad`; on a
   step's last micro-batch, a bucket's reduce-scatter (all-reduce in `ddp`) starts as
   soon as its last gradient lands, while autograd computes earlier layers.
+- PowerSGD (powersgd.py), when configured and switched on for a step
+  (`set_compression`): buckets holding matrices worth compressing are summed as
+  low-rank factors instead, with error feedback; each rank still gets its shard.
 - `finish_grad_sync()`, once per step: waits for (or, in `distributed`, runs) the DP
   reductions, then finishes the owned shard from the parameters' roles (roles.py):
   sequence-parallel parameters summed over TP, tied-embedding copies summed over the
@@ -37,13 +40,18 @@ from .buffers import Bucket, build_groups
 from .comm import all_reduce_coalesced
 from .grad_sync import GradSync
 from .params_ready import set_params_barrier
+from .powersgd import PowerSGD
 from .state import ParallelState
 
 MODES = ("ddp", "distributed", "overlapped")
 
 
 class DataParallel:
-    def __init__(self, chunks: list[nn.Module], ps: ParallelState, mode: str, bucket_size: int):
+    """`powersgd_rank`: compress DP sums at this rank once `set_compression(True)` (None: never).
+    With one DP rank there is nothing to sum, so no compressor is built."""
+
+    def __init__(self, chunks: list[nn.Module], ps: ParallelState, mode: str, bucket_size: int,
+                 powersgd_rank: int | None = None, min_compression_rate: float = 2.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.chunks, self.ps, self.mode = list(chunks), ps, mode
@@ -51,7 +59,10 @@ class DataParallel:
         self.rank = ps.dp_rank if mode != "ddp" else 0
         self.groups = build_groups(self.chunks, ps.pp, bucket_size, self.shards)
         self.buckets = [b for g in self.groups for b in g.buckets]
-        self.grad_sync = GradSync(self.groups, len(self.chunks), mode, ps.dp_group, ps.dp, ps.dp_rank)
+        self.compressor = PowerSGD(self.buckets, ps.dp_group, self.rank, powersgd_rank, min_compression_rate) \
+            if powersgd_rank is not None and ps.dp > 1 else None
+        self.grad_sync = GradSync(self.groups, len(self.chunks), mode, ps.dp_group, ps.dp, ps.dp_rank,
+                                  self.compressor)
         # Forward order: chunk by chunk, and inside a chunk the reverse of gradient-ready order.
         self.forward_order = sorted(self.buckets, key=lambda b: (b.chunk, -b.index))
         self._sp_grads = [self.owned(b, b.grad_buf)[lo:hi] for b in self.buckets
@@ -71,6 +82,15 @@ class DataParallel:
     # -- gradients -----------------------------------------------------------------------
     def set_last_microbatch(self, chunk_index: int, is_last: bool) -> None:
         self.grad_sync.set_last_microbatch(chunk_index, is_last)
+
+    def set_compression(self, on: bool) -> None:
+        """Whether the next step's DP sums are compressed (call between steps; no-op without a compressor)."""
+        self.grad_sync.compress = on and self.compressor is not None
+
+    def drop_compression_state(self) -> None:
+        """After a skipped step: residuals and Q may hold inf/nan, so restart them (no-op while not compressing)."""
+        if self.grad_sync.compress:
+            self.compressor.reset()
 
     def finish_grad_sync(self) -> None:
         """Make the owned shard of every bucket the full gradient: DP, then SP and tied-embedding sums."""

@@ -21,6 +21,11 @@ each launch first retires the reductions that have already completed (sum, recei
 buffer back to the pool), so the pool holds about as many buffers as the network
 has buckets in flight.
 
+With PowerSGD on (`compress`, set per step by the optimizer), a bucket holding a
+matrix worth compressing is launched through the compressor instead (powersgd.py:
+two rounds of small all-reduces, the second started at the next launch); after the
+update its compressed gradients are set to their residuals rather than zeroed.
+
 In the `distributed` mode nothing is launched by hooks: `finish()` runs all
 reductions after backward, which is Megatron's non-overlapped behaviour. `finish()`
 also launches buckets that never became ready (parameters without gradients this
@@ -33,11 +38,15 @@ import torch.distributed as dist
 
 from .bucket_comm import ScratchPool, is_gloo, reduce_scatter_async
 from .buffers import Bucket, BufferGroup
+from .powersgd import PowerSGD
 
 
 class GradSync:
-    def __init__(self, groups: list[BufferGroup], num_chunks: int, mode: str, dp_group, dp: int, dp_rank: int):
+    def __init__(self, groups: list[BufferGroup], num_chunks: int, mode: str, dp_group, dp: int, dp_rank: int,
+                 compressor: PowerSGD | None = None):
         self.groups, self.mode, self.dp_group, self.dp, self.dp_rank = groups, mode, dp_group, dp, dp_rank
+        self.compressor = compressor
+        self.compress = False  # this step's DP sums go through `compressor`
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
         self.is_last = [True] * num_chunks  # a step with a single backward needs no announcement
         self._ready = [0] * len(self.buckets)
@@ -78,9 +87,13 @@ class GradSync:
             for h in self._handles.values():  # retire finished reductions, freeing their buffers
                 if h is not None and h.is_completed():
                     h.wait()
+        if self.compress:
+            self.compressor.advance()
         self._handles[bucket.index] = self._collective(bucket) if self.dp > 1 else None
 
     def _collective(self, bucket: Bucket):
+        if self.compress and self.compressor.compresses(bucket):
+            return self.compressor.launch(bucket)
         if self.mode == "ddp":
             return dist.all_reduce(bucket.grad_buf, group=self.dp_group, async_op=True)
         return reduce_scatter_async(bucket.shard(bucket.grad_buf, self.dp_rank), bucket.grad_buf, self.dp_group,
@@ -96,9 +109,16 @@ class GradSync:
                 h.wait()
 
     def reset(self) -> None:
-        """Zero the main grads and forget this step's launches (after the update)."""
-        for g in self.groups:
-            g.grad_buffer.zero_()
+        """Zero the main grads (compressed ones: their residuals) and forget this step's launches (after the update)."""
+        if self.compress:
+            for b in self.buckets:
+                if self.compressor.compresses(b):
+                    self.compressor.keep_residuals(b)
+                else:
+                    b.grad_buf.zero_()
+        else:
+            for g in self.groups:
+                g.grad_buffer.zero_()
         self._handles.clear()
         self._ready = [0] * len(self.buckets)
         self.is_last = [True] * len(self.is_last)

@@ -6,7 +6,8 @@ whole before any work (`validate.py`), printed at start and saved as
 those packages' own configs, and the parallel section is a `ParallelConfig` (with
 the schedule and layer split added), so there is one source of truth. Defaults that
 depend on other fields are derived here, once, from the typed config: the schedule
-a run uses (`ParallelArgs.run_schedule`) and `lr.total_steps` (`train.max_steps`).
+a run uses (`ParallelArgs.run_schedule`), `lr.total_steps` (`train.max_steps`) and
+`optim.compression_start_step` (10 % of `train.max_steps`).
 """
 
 from __future__ import annotations
@@ -84,9 +85,14 @@ class TrainConfig:
     tensorboard: bool = True
 
     def __post_init__(self) -> None:
-        # A bad max_steps is left to `validate`, which names train.max_steps rather than lr.total_steps.
-        if self.lr.total_steps is None and isinstance(self.train.max_steps, int) and self.train.max_steps >= 1:
-            self.lr = replace(self.lr, total_steps=self.train.max_steps)
+        # A bad max_steps is left to `validate`, which names train.max_steps rather than the derived fields.
+        steps = self.train.max_steps
+        if not (isinstance(steps, int) and steps >= 1):
+            return
+        if self.lr.total_steps is None:
+            self.lr = replace(self.lr, total_steps=steps)
+        if self.optim.compression_start_step is None:
+            self.optim = replace(self.optim, compression_start_step=steps // 10)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

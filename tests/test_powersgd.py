@@ -1,0 +1,206 @@
+"""PowerSGD on the data-parallel gradient path (hfmeg/parallel/powersgd.py), gloo ranks on CPU.
+
+- Compression configured but starting after the run: bit-identical to no compression.
+- Rank = full (every matrix compressed at min(m, n)): the sum is exact up to rounding, so
+  10 steps (compressed from step 3) match the uncompressed run within 1e-6, at DP=4 and at
+  TP=2 x DP=2 with sequence parallelism, in the three modes, with gradient accumulation.
+- Error feedback: the owned shards of the sums and the residuals follow a float64
+  simulation of every rank, and nothing is lost: the sums sent plus the residuals left
+  add up to every gradient of every rank.
+- Resume from checkpoints written before and after the switch reproduces the
+  uninterrupted run bit for bit.
+- Bad settings are refused naming the field; the start step defaults to 10 % of the run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import make_ps
+from hfmeg.errors import UnsupportedConfigError
+from hfmeg.optim.state_io import load_optimizer_state, save_optimizer_state
+from hfmeg.parallel.data_parallel import DataParallel
+from hfmeg.parallel.launch import spawn
+from hfmeg.train.config import LoopArgs, TrainConfig
+from optim_harness import CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, train
+from tiny_models import save_tiny
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(save_tiny("llama3", tmp_path_factory.mktemp("powersgd") / "model"))
+
+
+def _run(folder, ps, cfg: OptimizerConfig, ga: int, steps: int = STEPS):
+    chunk = build_rank_chunk(folder, ps)
+    opt = DistributedOptimizer([chunk], ps, cfg)
+    losses = train(chunk, opt, ps, ga, steps)
+    opt.wait_params()
+    return chunk, opt, losses
+
+
+def _late_start_is_bit_identical(folder):
+    ps = make_ps()
+    plain, _, plain_losses = _run(folder, ps, OptimizerConfig(**CFG), ga=2)
+    late = OptimizerConfig(**CFG, compression="powersgd", powersgd_rank=1, compression_start_step=STEPS)
+    chunk, opt, losses = _run(folder, ps, late, ga=2)
+    assert opt.data_parallel.compressor.plans  # configured, with matrices to compress
+    same = all(torch.equal(a, b) for a, b in zip(chunk.parameters(), plain.parameters()))
+    return same and losses == plain_losses
+
+
+def test_compression_starting_after_the_run_is_bit_identical(model):
+    assert all(spawn(_late_start_is_bit_identical, 2, model))
+
+
+def _rel(chunk, ref) -> float:
+    """Worst per-tensor ||ours - ref|| / ||ref|| between two chunks of the same layout."""
+    return max(((a - b).norm() / b.norm()).item() for a, b in zip(chunk.parameters(), ref.parameters()))
+
+
+def _full_rank(folder):
+    out = []
+    for layout in (dict(tp=1), dict(tp=2, sp=True)):
+        ps = make_ps(**layout)
+        plain, _, plain_losses = _run(folder, ps, OptimizerConfig(**CFG), ga=2)
+        for mode in ("overlapped", "ddp", "distributed"):
+            cfg = OptimizerConfig(**{**CFG, "mode": mode}, compression="powersgd", powersgd_rank=10**6,
+                                  compression_start_step=3, min_compression_rate=0.0)
+            chunk, opt, losses = _run(folder, ps, cfg, ga=2)
+            out.append(dict(layout=layout, mode=mode, rel=_rel(chunk, plain),
+                            loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, plain_losses)),
+                            compressed=len(opt.data_parallel.compressor.matrices())))
+    return out
+
+
+def test_full_rank_matches_uncompressed(model):
+    rows = [r for rank in spawn(_full_rank, 4, model) for r in rank]
+    assert len(rows) == 4 * 2 * 3
+    for r in rows:
+        assert r["compressed"] > 0, r
+        assert r["rel"] <= 1e-6, r
+        assert r["loss_rel"] <= 1e-6, r
+
+
+def _grads(step: int, dp: int, slots) -> dict[str, torch.Tensor]:
+    """Every DP rank's gradient of every slot at `step` (float64, [dp, *shape]), the same on every rank."""
+    out = {}
+    for i, s in enumerate(slots):
+        g = torch.Generator().manual_seed(10_000 * step + 100 * i)
+        out[s.name] = torch.randn(dp, *s.param.shape, generator=g, dtype=torch.float64)
+    return out
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return (got.double() - want).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1.0)
+
+
+def _error_feedback(folder):
+    """Three compressed steps at rank 2 with known gradients, through the data-parallel wrapper."""
+    ps = make_ps()
+    dp = DataParallel([build_rank_chunk(folder, ps)], ps, "overlapped", 5000, powersgd_rank=2)
+    dp.set_compression(True)
+    slots = [s for b in dp.buckets for s in b.slots]
+    mats = {mat.slot.name: mat for _, mat in dp.compressor.matrices()}
+    mixed = [b for b in dp.buckets if dp.compressor.compresses(b) and len(dp.compressor.plans[b.index].exact)]
+    q = {n: mat.q.double().clone() for n, mat in mats.items()}  # the seeded start, identical on every rank
+    resid = {s.name: torch.zeros(ps.dp, *s.param.shape, dtype=torch.float64) for s in slots}  # every rank's E_j
+    sent = [torch.zeros(b.shard_size, dtype=torch.float64) for b in dp.buckets]  # owned shards of the sums
+    total = [torch.zeros(b.size, dtype=torch.float64) for b in dp.buckets]  # every gradient of every rank
+    ok = []
+    for step in range(3):
+        g = _grads(step, ps.dp, slots)
+        for s in slots:
+            s.param.main_grad.add_(g[s.name][ps.dp_rank].float())  # as a backward would
+        dp.finish_grad_sync()
+        want = {}
+        for s in slots:  # the float64 simulation of every rank
+            m = g[s.name] + resid[s.name]
+            if s.name in mats:
+                p = torch.linalg.qr((m @ torch.linalg.qr(q[s.name]).Q).sum(0)).Q
+                q[s.name] = (m.transpose(1, 2) @ p).sum(0)
+                want[s.name] = p @ q[s.name].T
+                resid[s.name] = m - p @ (p.T @ m)
+            else:
+                want[s.name] = m.sum(0)
+        for i, b in enumerate(dp.buckets):
+            flat = torch.zeros(b.size, dtype=torch.float64)
+            for s in b.slots:
+                flat[s.offset : s.offset + s.numel] = want[s.name].view(-1)
+                total[i][s.offset : s.offset + s.numel] += g[s.name].sum(0).view(-1)
+            ok.append(_close(dp.owned(b, b.grad_buf), dp.owned(b, flat)))
+            sent[i] += dp.owned(b, b.grad_buf).double()
+        dp.zero_grad()
+        ok += [_close(mat.grad, resid[n][ps.dp_rank]) for n, mat in mats.items()]  # residual kept in main grad
+    for i, b in enumerate(dp.buckets):  # nothing lost: the sums sent + every rank's residual = every gradient
+        left = b.grad_buf.clone()
+        dist.all_reduce(left)
+        ok.append(_close(sent[i] + dp.owned(b, left).double(), dp.owned(b, total[i])))
+    return all(ok), len(mats), len(mixed)
+
+
+def test_error_feedback_carries_the_residual_over(model):
+    for passed, compressed, mixed in spawn(_error_feedback, 2, model):
+        assert passed
+        assert compressed > 0 and mixed > 0  # matrices, and buckets that also sum vectors exactly
+
+
+def _resume(folder, ckpt):
+    """Save before (step 2) and after (step 4) the switch at step 3; resumed runs must match bit for bit."""
+    ps = make_ps()
+    out = []
+    for mode in ("overlapped", "ddp"):
+        cfg = OptimizerConfig(**{**CFG, "mode": mode}, compression="powersgd", powersgd_rank=2,
+                              compression_start_step=3)
+        chunk = build_rank_chunk(folder, ps)
+        opt = DistributedOptimizer([chunk], ps, cfg)
+        losses = train(chunk, opt, ps, 2, 2)
+        save_optimizer_state(opt, f"{ckpt}/{mode}/2")
+        losses += train(chunk, opt, ps, 2, 2, first_step=2)
+        save_optimizer_state(opt, f"{ckpt}/{mode}/4")
+        losses += train(chunk, opt, ps, 2, 2, first_step=4)
+        opt.wait_params()
+        for first in (2, 4):
+            resumed = build_rank_chunk(folder, ps)  # initial weights: loading brings the trained ones back
+            opt2 = DistributedOptimizer([resumed], ps, cfg)
+            load_optimizer_state(opt2, f"{ckpt}/{mode}/{first}")
+            more = train(resumed, opt2, ps, 2, 6 - first, first_step=first)
+            opt2.wait_params()
+            out.append(more == losses[first:]
+                       and all(torch.equal(a, b) for a, b in zip(resumed.parameters(), chunk.parameters())))
+    return out
+
+
+def test_resume_across_the_switch_is_exact(model, tmp_path):
+    for rank in spawn(_resume, 2, model, str(tmp_path)):
+        assert rank == [True] * 4
+
+
+@pytest.mark.parametrize("field, value, expect", [
+    ("compression", "topk", "optimizer field compression: 'topk'"),
+    ("powersgd_rank", 0, "optimizer field powersgd_rank: must be >= 1"),
+    ("compression_start_step", -1, "optimizer field compression_start_step: must be >= 0"),
+    ("min_compression_rate", float("nan"), "optimizer field min_compression_rate"),
+])
+def test_bad_settings_name_the_field(field, value, expect):
+    with pytest.raises(UnsupportedConfigError, match=expect):
+        OptimizerConfig(**{field: value})
+
+
+def test_start_step_must_be_set_and_fp16_is_refused(model):
+    chunk = build_rank_chunk(model, make_ps())
+    with pytest.raises(UnsupportedConfigError, match="optimizer field compression_start_step: must be set"):
+        DistributedOptimizer([chunk], make_ps(), OptimizerConfig(compression="powersgd"))
+    chunk = build_rank_chunk(model, make_ps(), dtype=torch.float16)
+    with pytest.raises(UnsupportedConfigError, match="optimizer field compression: powersgd does not support fp16"):
+        DistributedOptimizer([chunk], make_ps(), OptimizerConfig(compression="powersgd", compression_start_step=0))
+
+
+def test_start_step_defaults_to_a_tenth_of_the_run():
+    assert TrainConfig(train=LoopArgs(max_steps=250)).optim.compression_start_step == 25
+    cfg = TrainConfig(optim=OptimizerConfig(compression_start_step=7), train=LoopArgs(max_steps=250))
+    assert cfg.optim.compression_start_step == 7
