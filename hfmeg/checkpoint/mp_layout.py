@@ -72,6 +72,11 @@ def iteration_dir_name(iteration: int | None) -> str:
     return "release" if iteration is None else f"iter_{iteration:07d}"
 
 
+def is_mp_folder(path: Path) -> bool:
+    """An hfmeg shard folder: a checkpoint root (with its `latest` pointer) or one iteration folder."""
+    return path.is_dir() and ((path / LATEST_FILE).is_file() or (path / LAYOUT_FILE).is_file())
+
+
 def hf_side_files(folder: Path) -> list[Path]:
     """The non-weight HF files of `folder` that travel verbatim with the shards."""
     found = {p for pattern in HF_SIDE_PATTERNS for p in folder.glob(pattern) if p.is_file()}

@@ -122,28 +122,8 @@ class ParallelState:
     @classmethod
     def from_env(cls, config: ParallelConfig, *, backend: str | None = None,
                  timeout_s: float = 600.0) -> "ParallelState":
-        """Join the job that `torchrun` / `accelerate launch` describe in the environment.
-
-        The backend is `backend`, else `$HFMEG_BACKEND`, else nccl when CUDA is available
-        and gloo otherwise (`choose_backend`); an already initialised default group (e.g.
-        `launch.spawn`'s gloo world) keeps its own. The CUDA device is bound before the
-        group is created, so NCCL's communicator is built on it. A single process without
-        launcher variables runs as a world of one.
-        """
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if dist.is_initialized():  # a mixed "cpu:gloo,cuda:nccl" group (torch's default with CUDA) computes on CUDA
-            backend, device = choose_backend("nccl" if "nccl" in dist.get_backend() else "gloo", local)
-        else:
-            backend, device = choose_backend(backend or os.environ.get(BACKEND_ENV), local)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            kwargs = dict(backend=backend, timeout=timedelta(seconds=timeout_s),
-                          device_id=device if device.type == "cuda" else None)
-            if "RANK" in os.environ:
-                dist.init_process_group(**kwargs)
-            else:  # a plain `python` run: an in-process store, so no port can clash with another job
-                dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        """Join the job the environment describes (`join_world`) and build this rank's groups."""
+        device = join_world(backend=backend, timeout_s=timeout_s)
         return cls(config, dist.get_rank(), dist.get_world_size(), device)
 
     # -- pipeline helpers -------------------------------------------------------
@@ -172,3 +152,31 @@ class ParallelState:
             f"ParallelState(rank={self.rank}, tp={self.tp_rank}/{self.tp}, dp={self.dp_rank}/{self.dp}, "
             f"pp={self.pp_rank}/{self.pp}, vpp={self.vpp}, sp={self.sequence_parallel})"
         )
+
+
+def join_world(*, backend: str | None = None, timeout_s: float = 600.0) -> torch.device:
+    """Join the job that `torchrun` / `accelerate launch` describe in the environment; the rank's device.
+
+    The backend is `backend`, else `$HFMEG_BACKEND`, else nccl when CUDA is available
+    and gloo otherwise (`choose_backend`); an already initialised default group (e.g.
+    `launch.spawn`'s gloo world) keeps its own. The CUDA device is bound before the
+    group is created, so NCCL's communicator is built on it. A single process without
+    launcher variables runs as a world of one. Separate from `ParallelState` because a
+    run may need the world before it knows its layout (the trainer's `--layout auto`
+    chooses on rank 0 and broadcasts the choice).
+    """
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if dist.is_initialized():  # a mixed "cpu:gloo,cuda:nccl" group (torch's default with CUDA) computes on CUDA
+        backend, device = choose_backend("nccl" if "nccl" in dist.get_backend() else "gloo", local)
+    else:
+        backend, device = choose_backend(backend or os.environ.get(BACKEND_ENV), local)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        kwargs = dict(backend=backend, timeout=timedelta(seconds=timeout_s),
+                      device_id=device if device.type == "cuda" else None)
+        if "RANK" in os.environ:
+            dist.init_process_group(**kwargs)
+        else:  # a plain `python` run: an in-process store, so no port can clash with another job
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    return device

@@ -5,7 +5,8 @@ profile.py + step_time.py (seconds per step, from a calibrated profile; flops.py
 model FLOPs, with the MFU the trainer logs) ->
 search.py (every layout that fits, ranked; `best_layout`) -> cli.py (`python -m hfmeg.plan`,
 `hfmeg plan`), with scaling.py (overlapped vs distributed optimizer at scale) and
-published.py (predicted vs Megatron-LM's published table). measure.py and
+published.py (predicted vs Megatron-LM's published table), and auto.py (the hardware a
+training job runs on and the lines it prints for the trainer's `--layout auto`). measure.py and
 calibrate.py run real steps and kernels to check and feed the model
 (tools/check_plan.py). MoE / expert parallelism is not modelled: hfmeg has no MoE yet.
 """

@@ -12,7 +12,8 @@
   links at the default efficiency.
 
 CPU ranks run one intra-op thread each (as `launch.spawn` workers do), so the CPU
-profile is per rank, and `cores` records how many ranks can compute at once.
+profile is per rank, and `cores` records how many ranks can compute at once. A
+trainer's `--layout auto` on CPU ranks measures a quick in-job subset (`in_job`).
 """
 
 from __future__ import annotations
@@ -137,11 +138,17 @@ def _single_rank(fn, *args):
 
 
 def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int | None = None,
-              repeats: int = 5, name: str | None = None) -> Profile:
-    """Measure this machine (CPU with gloo, or one GPU) and return its profile."""
+              repeats: int = 5, name: str | None = None, *, in_job: bool = False) -> Profile:
+    """Measure this machine (CPU with gloo, or one GPU) and return its profile.
+
+    `in_job`: a training rank measures its own device before choosing a layout
+    (`--layout auto` on CPU ranks). It keeps the thread count it will train with, and
+    skips what needs a process group of its own, which it cannot create inside its job:
+    the per-bucket optimizer cost (0 here) and the gloo link between two spawned ranks
+    (the cluster's link figures stand in)."""
     dev = torch.device(device)
     cpu = dev.type == "cpu"
-    if cpu:
+    if cpu and not in_job:
         torch.set_num_threads(1)
     dtype = torch.float32 if cpu else torch.bfloat16
     rates = _matmul_rates(dev, dtype, max_n or (1024 if cpu else 16384), repeats)
@@ -149,11 +156,12 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     attention = _attention_rate(dev, dtype, 512 if cpu else 4096, 4 if cpu else 32, repeats)
     bw = _bandwidth(dev, repeats)
     layer_overhead, ends_overhead = _layer_and_ends_overhead(dev, repeats)
-    bucket_overhead = _single_rank(_bucket_overhead, dev.type, repeats)
+    bucket_overhead = 0.0 if in_job else _single_rank(_bucket_overhead, dev.type, repeats)
     link_bw = link_lat = cores = None
     if cpu:
+        cores = max(1, len(os.sched_getaffinity(0)) // torch.get_num_threads())  # ranks that compute at once
+    if cpu and not in_job:
         link_bw, link_lat = spawn(_gloo_link, 2, 16 * 2**20, repeats)[0]
-        cores = len(os.sched_getaffinity(0))
     label = name or (f"cpu x{cores}" if cpu else torch.cuda.get_device_name(dev))
     return Profile(label, peak, tuple((f, r / peak) for f, r in rates), attention / peak, bw,
                    layer_overhead, ends_overhead, bucket_overhead, 1.0, link_bw, link_lat, cores,

@@ -34,6 +34,8 @@ FLAGS = {
     "--pp": ("parallel.pp", int, "pipeline-parallel size"),
     "--vpp": ("parallel.vpp", int, "virtual pipeline chunks per rank (interleaved 1F1B when > 1)"),
     "--schedule": ("parallel.schedule", str, "gpipe | 1f1b | interleaved"),
+    "--layout": ("parallel.layout", str, "manual | auto (the planner picks tp, pp, vpp, SP, schedule, micro-batch, "
+                 "recompute)"),
     "--seq-len": ("data.seq_len", int, "tokens per packed row"),
     "--micro-batch-size": ("train.micro_batch_size", int, "rows per micro-batch"),
     "--global-batch-size": ("train.global_batch_size", int, "rows per optimizer step, all DP ranks"),

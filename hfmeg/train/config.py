@@ -16,6 +16,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
+from ..checkpoint.mp_layout import parse_dtype
 from ..data.config import DataConfig
 from ..optim.config import OptimizerConfig
 from ..optim.lr_schedule import LRScheduleConfig
@@ -33,11 +36,20 @@ class ModelArgs:
     vocab_multiple: int = 128
     ce_chunk_tokens: int = 4096
 
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the run computes in on `device`: `auto` is bf16 on GPUs, fp32 on CPU."""
+        return parse_dtype(self.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
 
 @dataclass(frozen=True)
 class ParallelArgs(ParallelConfig):
-    """The run's layout (tp, pp, vpp, sequence_parallel) plus how the pipeline runs it."""
+    """The run's layout (tp, pp, vpp, sequence_parallel) plus how the pipeline runs it.
 
+    `layout: auto` lets the planner choose tp, pp, vpp, sequence_parallel, schedule,
+    train.micro_batch_size and model.recompute at start (`auto_layout.py`); `manual`
+    runs the values given here."""
+
+    layout: Literal["manual", "auto"] = "manual"
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"  # vpp > 1 implies interleaved
     pp_layers: list[int] | None = None  # layers per pipeline chunk; default even
 
@@ -102,7 +114,8 @@ def load_config(yaml_path: str | Path | None, overrides: dict[str, Any],
                 world_size: int | None = None) -> tuple[TrainConfig, list[str]]:
     """The YAML file (if any) with dotted overrides (`{"optim.lr": 1e-4}`) applied on top, validated.
 
-    Returns the config and the validation's warnings; `world_size` defaults to `$WORLD_SIZE` (1)."""
+    Returns the config and the validation's warnings; `world_size` defaults to `$WORLD_SIZE` (1). The
+    overrides are the command line: validation tells them from the YAML's defaults."""
     data = load_yaml(yaml_path) if yaml_path else {}
     for key, value in overrides.items():
         if value is not None:
@@ -112,4 +125,4 @@ def load_config(yaml_path: str | Path | None, overrides: dict[str, Any],
         raise ConfigError("model.path is required (--model)")
     if not cfg.data.sources:
         raise ConfigError("data.sources is empty (--data)")
-    return cfg, validate(cfg, world_size)
+    return cfg, validate(cfg, world_size, {k for k, v in overrides.items() if v is not None})

@@ -17,6 +17,8 @@ checkpoint and abort with `TrainingDiverged`. After the final checkpoint, the la
 collective of the run, rank 0 alone exports (and uploads) while the other ranks
 return: a rank waiting in a barrier through an upload of many GB would be killed by
 the NCCL watchdog's timeout. Rank 0 then prints the run's summary (`summary.py`).
+With `parallel.layout: auto` the planner chooses the layout before anything is built,
+and its prediction is checked against the first timed steps (`auto_layout.py`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..checkpoint.convert import mp_to_hf
 from ..checkpoint.hf_reader import HFCheckpoint
 from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.load import load_chunks
-from ..checkpoint.mp_layout import HF_DIR, LAYOUT_FILE, LATEST_FILE, parse_dtype, resolve_iteration_dir
+from ..checkpoint.mp_layout import HF_DIR, is_mp_folder, resolve_iteration_dir
 from ..checkpoint.mp_reader import MPCheckpoint
 from ..data import build_data, build_eval_data
 from ..errors import HfmegError
@@ -42,7 +44,8 @@ from ..hub import push_to_hub, write_model_card
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.pipeline import forward_backward
-from ..parallel.state import ParallelState
+from ..parallel.state import ParallelState, join_world
+from .auto_layout import LayoutReport, resolve_layout
 from .checkpointing import RunCheckpoints, load_trainer_state
 from .config import TrainConfig
 from ..plan.flops import mfu, peak_flops
@@ -69,10 +72,6 @@ class RunResult:
     summary: RunSummary
 
 
-def _is_mp(path: Path) -> bool:
-    return (path / LATEST_FILE).is_file() or (path / LAYOUT_FILE).is_file()
-
-
 def _sum_over_world(value: float | torch.Tensor | None, contributes: bool, device) -> float:
     """The sum over ranks, read in one host sync (a device tensor `value` is not read before)."""
     t = torch.zeros(1, dtype=torch.float64, device=device)
@@ -85,8 +84,10 @@ def _sum_over_world(value: float | torch.Tensor | None, contributes: bool, devic
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
+        device = join_world()
+        cfg, self.prediction = resolve_layout(cfg, device)  # the planner's layout with parallel.layout auto
         self.cfg = cfg
-        self.ps = ParallelState.from_env(cfg.parallel)
+        self.ps = ParallelState(cfg.parallel, dist.get_rank(), dist.get_world_size(), device)
         self.launcher = LauncherWatch.start()
         self.is_logger = self.ps.rank == 0
         self.out = Path(cfg.checkpoint.out)
@@ -107,7 +108,7 @@ class Trainer:
                 print("TensorBoard not installed: logs skipped")
         self.schedule = cfg.parallel.run_schedule
         seed_all(cfg.train.seed)
-        self.dtype = parse_dtype(cfg.model.dtype) or (torch.bfloat16 if self.ps.device.type == "cuda" else torch.float32)
+        self.dtype = cfg.model.torch_dtype(self.ps.device)
         self.resume_dir = self.checkpoints.resume_dir
         self.chunks, hf_side_dir = self._load_model()
         if self.is_logger:
@@ -137,7 +138,7 @@ class Trainer:
         source = self.resume_dir
         if source is None:
             local = Path(m.path)
-            source = local if local.is_dir() and _is_mp(local) else None
+            source = local if is_mp_folder(local) else None
         if source is not None:
             iter_dir = resolve_iteration_dir(source)
             chunks = load_chunks(MPCheckpoint(iter_dir), ps, dtype=self.dtype, **options)
@@ -168,6 +169,8 @@ class Trainer:
             print(json.dumps(cfg.to_dict(), indent=2, default=str))
         summary = RunSummary(self.out, self.step, self.step, cfg.train.max_steps)
         metrics = MetricsLog(self.out, cfg.train.max_steps, self.step, cfg.tensorboard) if self.is_logger else None
+        check = None if self.prediction is None else LayoutReport(self.prediction, self.step, cfg.train.max_steps,
+                                                                  ps.device)
         stop = GracefulStop()
         skipped_in_a_row, stopped = 0, False
         seq_len = cfg.data.seq_len
@@ -198,6 +201,9 @@ class Trainer:
                         tokens_per_s=tps, skipped=result.skipped,
                         mfu=mfu(self.model_cfg, tps, seq_len, self.peak, ps.world_size) if self.peak else None,
                     ))
+                line = check.after_step(self.step, dt) if check is not None else None  # every rank: a collective
+                if line and metrics is not None:
+                    metrics.bar.write(line)
                 if 0 < cfg.train.max_skipped_steps <= skipped_in_a_row:
                     saved = self.save()
                     raise TrainingDiverged(

@@ -1,7 +1,8 @@
 """Start-up validation: everything about a run that can be known before any heavy work.
 
 `validate(cfg, world_size)` checks every numeric field's range, the batch and layout
-arithmetic, evaluation against eval data, `--resume`, a writable `--out`, and
+arithmetic (or, with `parallel.layout: auto`, what contradicts the planner's choice),
+evaluation against eval data, `--resume`, a writable `--out`, and
 `--push-to-hub`'s repo id and token; it raises `ConfigError` with one line naming the
 field at the first problem and returns the warnings (e.g. a warm-up as long as the
 run). It reads no model or data and makes no network call, so
@@ -16,9 +17,12 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..checkpoint.mp_layout import is_mp_folder
+from .auto_layout import AUTO_FIELDS
 from .dataclass_io import ConfigError
 
 if TYPE_CHECKING:
@@ -60,10 +64,6 @@ def _ranges(cfg: TrainConfig) -> None:
             raise ConfigError(f"{field}: must be in [0, 1), got {value:g}")
     if lr.min_lr > o.lr:
         raise ConfigError(f"lr.min_lr: {lr.min_lr:g} is above the peak optim.lr {o.lr:g}")
-    if p.pp_layers is not None:
-        if len(p.pp_layers) != p.pp * p.vpp or min(p.pp_layers) < 1:
-            raise ConfigError(f"parallel.pp_layers: expected {p.pp * p.vpp} layer counts >= 1 (pp x vpp), "
-                              f"got {p.pp_layers}")
 
 
 def _layout(cfg: TrainConfig, world_size: int) -> None:
@@ -71,10 +71,34 @@ def _layout(cfg: TrainConfig, world_size: int) -> None:
     if world_size % (p.tp * p.pp):
         raise ConfigError(f"parallel.tp x parallel.pp = {p.tp * p.pp} does not divide the {world_size} processes "
                           "launched")
+    if p.pp_layers is not None:
+        if len(p.pp_layers) != p.pp * p.vpp or min(p.pp_layers) < 1:
+            raise ConfigError(f"parallel.pp_layers: expected {p.pp * p.vpp} layer counts >= 1 (pp x vpp), "
+                              f"got {p.pp_layers}")
     dp = world_size // (p.tp * p.pp)
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not a multiple of "
                           f"train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
+
+
+def _auto_layout(cfg: TrainConfig, overridden: Collection[str]) -> None:
+    """What `parallel.layout: auto` cannot honour: it replaces every field in AUTO_FIELDS.
+
+    A command-line value for one of them is refused, not ignored and not kept: the planner
+    ranks whole layouts (a fixed tp with the rest searched is a search it does not offer),
+    and silently dropping a flag the user typed would run something else than asked. A
+    YAML's values are the recipe's defaults and are replaced. The batch arithmetic of
+    `_layout` is the planner's to satisfy (it only proposes layouts that divide)."""
+    if cfg.parallel.pp_layers is not None:
+        raise ConfigError("parallel.pp_layers: a layer split fits one pp x vpp, and parallel.layout auto chooses "
+                          "those (splitting evenly); drop it or use --layout manual")
+    if is_mp_folder(Path(cfg.model.path)):
+        raise ConfigError(f"model.path: {cfg.model.path} is an hfmeg shard folder, cut for one layout, and "
+                          "parallel.layout auto chooses the layout; start from the HF model or use --layout manual")
+    for key in AUTO_FIELDS:
+        if key in overridden:
+            raise ConfigError(f"{key}: set on the command line, but parallel.layout auto chooses it; drop it or use "
+                              "--layout manual")
 
 
 def _eval(cfg: TrainConfig) -> None:
@@ -121,11 +145,16 @@ def _hub(cfg: TrainConfig) -> None:
                           "before training (the upload happens at the end of the run)")
 
 
-def validate(cfg: TrainConfig, world_size: int | None = None) -> list[str]:
-    """Raise `ConfigError` at the first invalid setting; return warnings (one line each)."""
+def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collection[str] = ()) -> list[str]:
+    """Raise `ConfigError` at the first invalid setting; return warnings (one line each).
+
+    `overridden`: the dotted keys the command line set (`load_config`'s overrides)."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     _ranges(cfg)
-    _layout(cfg, world)
+    if cfg.parallel.layout == "auto":
+        _auto_layout(cfg, overridden)
+    else:
+        _layout(cfg, world)
     _eval(cfg)
     _resume(cfg)
     _out(cfg)
