@@ -59,6 +59,11 @@ def _refused(capsys, argv: list[str], expect: str) -> None:
     (["--set", "data.eval_holdout=0"], "train.eval_every: 100 asks for evaluation but there is no eval data"),
     (["--push-to-hub", "bad//id"], "hub.push_to_hub: 'bad//id' is not a valid Hub repo id"),
     (["--push-to-hub", "me/tiny"], "hub.push_to_hub: no Hugging Face token found"),
+    (["--layout", "sideways"], "parallel.layout: 'sideways' is not one of ['manual', 'auto']"),
+    (["--layout", "auto"],  # BASE's --tp 1: the planner chooses tp, so a typed one contradicts it
+     "parallel.tp: set on the command line, but parallel.layout auto chooses it; drop it or use --layout manual"),
+    (["--layout", "auto", "--set", "parallel.pp_layers=1,1"],
+     "parallel.pp_layers: a layer split fits one pp x vpp, and parallel.layout auto chooses those"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(capsys, argv, expect):
     _refused(capsys, argv, expect)
@@ -78,6 +83,17 @@ def test_the_recipes_defaults_evaluate_on_held_out_data():
         cfg, warnings = load_config(yaml, {"model.path": "m", "data.sources": [{"path": "d.json"}]}, world_size=world)
         assert 0 < cfg.train.eval_every <= cfg.train.max_steps and cfg.data.eval_holdout > 0
         assert warnings == []
+
+
+def test_layout_auto_replaces_the_yamls_layout_but_refuses_a_shard_folder(capsys):
+    """The recipe's tp 4 on one process is no error with auto (the trainer replaces it); shards fix their layout."""
+    cfg, _ = load_config(SFT, {"model.path": "m", "data.sources": [{"path": "d.json"}], "parallel.layout": "auto"},
+                         world_size=1)
+    assert (cfg.parallel.layout, cfg.parallel.tp) == ("auto", 4)
+    Path("shards").mkdir()
+    Path("shards/hfmeg_layout.json").write_text("{}")
+    _refused(capsys, ["--layout", "auto", "--model", "shards"],
+             "model.path: shards is an hfmeg shard folder, cut for one layout, and parallel.layout auto chooses")
 
 
 def test_warm_up_as_long_as_the_run_is_a_warning():
