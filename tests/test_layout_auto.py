@@ -19,7 +19,8 @@ from helpers import stories_or_skip
 from hfmeg.config import model_config_from_hf
 from hfmeg.errors import CheckpointError
 from hfmeg.parallel.launch import spawn
-from hfmeg.plan.auto import choice_line, detect_cluster, gpu_kind, report
+from hfmeg.plan.auto import choice_line, detect_cluster, report
+from hfmeg.plan.hardware import gpu_kind
 from hfmeg.plan.hardware import GIB, ClusterSpec, GpuSpec
 from hfmeg.plan.layout import parse_layout
 from hfmeg.plan.profile import ASSUMED
@@ -46,6 +47,9 @@ def test_gpu_names_map_to_the_shipped_kinds():
     assert gpu_kind("NVIDIA H200", 141 * GIB) == "h200"
     assert gpu_kind("NVIDIA A100-SXM4-40GB", 40 * GIB) == "a100-40"
     assert gpu_kind("NVIDIA A100 80GB PCIe", 80 * GIB) == "a100-80"
+    assert gpu_kind("NVIDIA L40S", 48 * GIB) == "l40s"
+    assert gpu_kind("NVIDIA A10", 24 * GIB) == "a10"
+    assert gpu_kind("NVIDIA A10G", 24 * GIB) is None  # another chip (AWS), not the A10's peak
     assert gpu_kind("NVIDIA GeForce RTX 4090", 24 * GIB) is None
 
 

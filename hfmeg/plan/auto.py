@@ -4,7 +4,7 @@ The trainer knows the model, the world (ranks, ranks per node), the global batch
 the sequence length; what it lacks is a description of the hardware. `detect_cluster`
 reads it off the device:
 
-- CUDA: the GPU kind from the device name (A100 40/80 GB, H100, H200, with their
+- CUDA: the GPU kind from the device name (`hardware.gpu_kind`), with its
   datasheet figures and the assumed profile of `profile.ASSUMED`), its memory from the
   device itself; one node per `LOCAL_WORLD_SIZE` ranks. An unknown GPU is refused with
   the line that says what to do instead. Deterministic: every rank would answer the same.
@@ -30,26 +30,14 @@ import torch
 
 from ..errors import UnsupportedConfigError
 from .calibrate import calibrate
-from .hardware import GIB, GPUS, ClusterSpec, GpuSpec
-from .profile import ASSUMED, Profile
+from .hardware import GIB, GPUS, ClusterSpec, GpuSpec, gpu_kind
+from .profile import Profile, default_profile
 from .search import Evaluation
 
 # gloo all-reduce between two ranks over loopback, as `hfmeg plan calibrate` measured it on
 # a 2-core VM (0.76 GB/s, 140 us), rounded: CPU ranks of one host talk through these.
 GLOO_BYTES_PER_S = 1e9
 GLOO_LATENCY_S = 1e-4
-
-
-def gpu_kind(name: str, memory_bytes: float) -> str | None:
-    """The shipped GPU kind a CUDA device name stands for, or None."""
-    n = name.upper()
-    if "H200" in n:
-        return "h200"
-    if "H100" in n:
-        return "h100"
-    if "A100" in n:
-        return "a100-80" if memory_bytes > 48 * GIB else "a100-40"
-    return None
 
 
 def detect_cluster(world_size: int, local_world_size: int, device: torch.device) -> tuple[ClusterSpec, Profile]:
@@ -59,10 +47,11 @@ def detect_cluster(world_size: int, local_world_size: int, device: torch.device)
         kind = gpu_kind(props.name, props.total_memory)
         if kind is None:
             raise UnsupportedConfigError(
-                f"parallel.layout: auto knows A100, H100 and H200 GPUs, not {props.name!r}; use --layout manual "
+                f"parallel.layout: auto knows {', '.join(GPUS)} GPUs, not {props.name!r}; use --layout manual "
                 "with a layout from `hfmeg plan --gpu custom ...`")
         spec = replace(GPUS[kind], memory_bytes=float(props.total_memory))
-        return ClusterSpec(spec, world_size, local_world_size), ASSUMED[kind]
+        return ClusterSpec(spec, world_size, local_world_size), default_profile(kind, spec.peak_flops,
+                                                                                spec.hbm_bytes_per_s)
     profile = calibrate("cpu", max_n=512, repeats=3, name="cpu (measured at start)", in_job=True)
     host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     spec = GpuSpec("cpu", profile.peak_flops, host / local_world_size, profile.memory_bytes_per_s, GLOO_BYTES_PER_S)

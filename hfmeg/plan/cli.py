@@ -21,7 +21,7 @@ import sys
 from ..errors import HfmegError, LayoutError
 from . import published, scaling
 from .calibrate import calibrate
-from .hardware import ClusterSpec, gpu_spec
+from .hardware import GPUS, ClusterSpec, gpu_spec
 from .layout import PlanLayout, parse_layout
 from .models import resolve_model
 from .profile import default_profile, load_profile
@@ -34,7 +34,7 @@ SEED = dict(model="gpt-3.6b", gpu="a100-40", gpus=128, global_batch_size=512, se
 
 def _job_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", help="built-in name, HF folder, config.json or Hub id (default: the seed example)")
-    ap.add_argument("--gpu", help="a100-40, a100-80, h100, h200 or custom")
+    ap.add_argument("--gpu", help=f"{', '.join(GPUS)} or custom")
     ap.add_argument("--gpus", type=int)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--inter-node-gbps", type=float, default=100.0, help="network per node, Gbit/s, all NICs")

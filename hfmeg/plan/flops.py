@@ -19,16 +19,15 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-
-# Dense bf16 peak FLOP/s by device-name substring; unknown devices (and CPUs) have none.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-
+from .hardware import GPUS, gpu_kind
 
 def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of a known GPU kind (hardware.GPUS); None for other devices and CPUs."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    props = torch.cuda.get_device_properties(device)
+    kind = gpu_kind(props.name, props.total_memory)
+    return GPUS[kind].peak_flops if kind else None
 
 
 def layer_matmul_params(cfg: ModelConfig) -> int:

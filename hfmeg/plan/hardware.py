@@ -10,6 +10,7 @@ by all GPUs of the node).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from ..errors import UnsupportedConfigError
@@ -27,13 +28,29 @@ class GpuSpec:
     intra_node_bytes_per_s: float  # per GPU, one direction (NVLink)
 
 
-# Datasheet figures (NVIDIA A100 / H100 / H200 datasheets, SXM parts, dense bf16).
+# Datasheet figures (NVIDIA A100 / H100 / H200 datasheets, SXM parts, dense bf16; L40S and A10 are PCIe cards
+# without NVLink, so GPUs of a node talk over PCIe Gen4 x16).
 GPUS: dict[str, GpuSpec] = {
     "a100-40": GpuSpec("A100-SXM4-40GB", 312e12, 40 * GIB, 1.555e12, 300 * GB),
     "a100-80": GpuSpec("A100-SXM4-80GB", 312e12, 80 * GIB, 2.039e12, 300 * GB),
     "h100": GpuSpec("H100-SXM5-80GB", 989e12, 80 * GIB, 3.35e12, 450 * GB),
     "h200": GpuSpec("H200-SXM-141GB", 989e12, 141 * GB, 4.8e12, 450 * GB),
+    "l40s": GpuSpec("L40S-48GB", 362e12, 48 * GB, 0.864e12, 32 * GB),
+    "a10": GpuSpec("A10-24GB", 125e12, 24 * GB, 0.6e12, 32 * GB),
 }
+
+
+def gpu_kind(device_name: str, memory_bytes: float) -> str | None:
+    """The shipped kind (a key of GPUS) a CUDA device name stands for, or None (e.g. an A10G, a consumer card)."""
+    n = device_name.upper()
+    for mark, kind in (("H200", "h200"), ("H100", "h100"), ("L40S", "l40s")):
+        if mark in n:
+            return kind
+    if "A100" in n:
+        return "a100-80" if memory_bytes > 48 * GIB else "a100-40"
+    return "a10" if re.search(r"\bA10\b", n) else None
+
+
 # Memory the allocator cannot use: CUDA context, NCCL and cuBLAS workspaces, fragmentation.
 RESERVED_BYTES = 3 * GIB
 
