@@ -55,6 +55,7 @@ def _refused(capsys, argv: list[str], expect: str) -> None:
     (["--global-batch-size", "7", "--micro-batch-size", "2"],
      "train.global_batch_size: 7 is not a multiple of train.micro_batch_size x data-parallel size = 2 x 1"),
     (["--tp", "2"], "parallel.tp x parallel.pp = 2 does not divide the 1 processes launched"),
+    (["--set", "parallel.ep=2"], "parallel.ep: 2: training with expert parallelism is not supported yet; use ep 1"),
     (["--resume", "no/such/checkpoint"], "checkpoint.resume: 'no/such/checkpoint' is neither none, auto nor"),
     (["--set", "data.eval_holdout=0"], "train.eval_every: 100 asks for evaluation but there is no eval data"),
     (["--push-to-hub", "bad//id"], "hub.push_to_hub: 'bad//id' is not a valid Hub repo id"),

@@ -6,8 +6,14 @@ are `tp * dp` ranks apart:
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 
-Context (CP) and expert (EP) parallelism are not implemented; `cp` is kept in the
-grid arithmetic at size 1 so that adding it later changes no existing group.
+Expert parallelism (EP) splits the DP dimension for expert layers only (Megatron's
+convention): the DP index is `dp_rank = ep_rank + ep * edp_rank`, so the EP ranks
+that exchange tokens are DP neighbours. Each EP rank holds `experts / ep` experts;
+the expert-data-parallel group (same TP, PP and EP coordinates, `dp / ep` ranks)
+holds identical experts and sums their gradients, as the DP group does for every
+other parameter. With `ep == 1` the expert-data-parallel group is the DP group.
+
+Context parallelism (CP) is not implemented.
 
 `ParallelState` is passed explicitly to everything that communicates. The only
 global is `torch.distributed`'s default group, which the launcher sets up.
@@ -16,7 +22,7 @@ global is `torch.distributed`'s default group, which the launcher sets up.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -56,6 +62,7 @@ class ParallelConfig:
     pp: int = 1
     vpp: int = 1  # virtual pipeline chunks per rank (interleaved 1F1B when > 1)
     sequence_parallel: bool = False
+    ep: int = 1  # expert-parallel ranks (a divisor of DP): MoE experts split over them, tokens exchanged all-to-all
 
 
 class ParallelState:
@@ -73,8 +80,12 @@ class ParallelState:
             )
         if config.vpp < 1:
             raise LayoutError(f"vpp must be >= 1, got {config.vpp}")
+        dp = world_size // (tp * pp)
+        if config.ep < 1 or dp % config.ep:
+            raise LayoutError(f"ep={config.ep} must divide the data-parallel size {dp} "
+                              f"(world {world_size} / (TP {tp} x PP {pp}))")
         if config.sequence_parallel and tp == 1:
-            config = ParallelConfig(tp=tp, pp=pp, vpp=config.vpp, sequence_parallel=False)
+            config = replace(config, sequence_parallel=False)
         self.config = config
         self.rank, self.world_size, self.device = rank, world_size, device
         self.tp, self.pp = tp, pp
@@ -84,6 +95,9 @@ class ParallelState:
         self.tp_rank = rank % tp
         self.dp_rank = (rank // tp) % self.dp
         self.pp_rank = rank // (tp * self.dp)
+        self.ep = config.ep
+        self.ep_rank, self.edp_rank = self.dp_rank % self.ep, self.dp_rank // self.ep
+        self.edp = self.dp // self.ep
 
         self.tp_group = self._build(lambda r: (r // tp), "tp")
         self.dp_group = self._build(lambda r: (r % tp, r // (tp * self.dp)), "dp")
@@ -92,6 +106,14 @@ class ParallelState:
         self.mp_group = self._build(lambda r: (r // tp) % self.dp, "mp")
         # First and last stage of each pipeline: tied-embedding gradients are summed here.
         self.embedding_group = self._build_embedding_group()
+        # Expert layers: tokens travel over the EP group, expert gradients are summed over the expert-DP group.
+        # Built only for EP > 1, so dense runs create no extra groups; `ep_group` is None at EP = 1.
+        self.ep_group, self.expert_dp_group = None, self.dp_group
+        if self.ep > 1:
+            dp_of = lambda r: (r // tp) % self.dp  # noqa: E731
+            self.ep_group = self._build(lambda r: (r % tp, r // (tp * self.dp), dp_of(r) // self.ep), "ep")
+            self.expert_dp_group = self._build(lambda r: (r % tp, r // (tp * self.dp), dp_of(r) % self.ep),
+                                               "expert_dp")
 
     # -- construction ---------------------------------------------------------
     def _build(self, key, name: str):

@@ -76,6 +76,10 @@ def _layout(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"parallel.pp_layers: expected {p.pp * p.vpp} layer counts >= 1 (pp x vpp), "
                               f"got {p.pp_layers}")
     dp = world_size // (p.tp * p.pp)
+    if p.ep != 1:
+        # The rank grid has EP groups and parallel/expert_dispatch.py exchanges tokens, but the trainer's MoE layer
+        # and the expert-data-parallel optimizer groups do not use them yet (issue 15).
+        raise ConfigError(f"parallel.ep: {p.ep}: training with expert parallelism is not supported yet; use ep 1")
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not a multiple of "
                           f"train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
