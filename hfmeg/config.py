@@ -13,7 +13,7 @@ scaling type, so we call them rather than re-deriving the formulas.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +22,37 @@ from transformers import AutoConfig, PretrainedConfig
 from .errors import UnsupportedConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+LLAMA_LIKE = ("llama", "mistral", "qwen2") + MOE_TYPES  # LLaMA weight names and block structure
 GELU_ACTS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+@dataclass
+class MoEConfig:
+    """The mixture-of-experts part of a model (see `hfmeg/models/moe.py` for the algorithm).
+
+    `sparse_layers` lists the layers whose MLP is the MoE block (Qwen's `decoder_sparse_step`
+    and `mlp_only_layers` resolved once, here); the others keep a dense MLP of
+    `ModelConfig.ffn_size`. `combine_fp32`: Mixtral weighs expert outputs with the fp32
+    routing weights, Qwen casts them to the compute dtype first (matters only below fp32).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_ffn_size: int
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    sparse_layers: list[int]
+    combine_fp32: bool
+    shared_expert_ffn_size: int = 0  # Qwen2-MoE's always-on expert, gated by sigmoid(shared_expert_gate(x)); 0: none
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False  # add router_aux_loss_coef x the load-balancing loss to the training loss
 
 
 @dataclass
 class ModelConfig:
     """Architecture of a decoder-only model, independent of any parallel layout."""
 
-    model_type: str  # HF model_type: llama | mistral | qwen2 | gpt2
+    model_type: str  # HF model_type: llama | mistral | qwen2 | gpt2 | mixtral | qwen2_moe | qwen3_moe
     hidden_size: int
     ffn_size: int
     num_layers: int
@@ -52,6 +74,8 @@ class ModelConfig:
     attn_scale_weights: bool = True  # GPT-2 `scale_attn_weights`
     sliding_window: int | None = None  # Mistral: sequences longer than this are refused
     bos_token_id: int | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (before RoPE)
+    moe: MoEConfig | None = None
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -68,20 +92,36 @@ class ModelConfig:
         scale = 1.0 / math.sqrt(self.head_dim) if self.attn_scale_weights else 1.0
         return scale / (layer + 1) if self.attn_scale_inverse_layer else scale
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture-of-experts block."""
+        return self.moe is not None and layer in self.moe.sparse_layers
+
     def num_params(self) -> int:
-        """Parameter count of the unpadded model (for MFU and reports)."""
-        h, f, v = self.hidden_size, self.ffn_size, self.vocab_size
+        """Parameter count of the unpadded model, every expert included (for MFU and reports; biases left out)."""
+        h, v = self.hidden_size, self.vocab_size
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        attn = qkv + self.num_heads * self.head_dim * h
-        mlp = (3 if self.gated_mlp else 2) * h * f
+        attn = qkv + self.num_heads * self.head_dim * h + (2 * self.head_dim if self.qk_norm else 0)
+        dense = (3 if self.gated_mlp else 2) * h * self.ffn_size
         norms = 2 * h * (2 if self.norm == "layer" else 1)
-        per_layer = attn + mlp + norms
+        n_sparse = len(self.moe.sparse_layers) if self.moe else 0
+        total = self.num_layers * (attn + norms) + (self.num_layers - n_sparse) * dense
+        if self.moe:
+            m = self.moe
+            shared = 3 * h * m.shared_expert_ffn_size + h if m.shared_expert_ffn_size else 0
+            total += n_sparse * (m.num_experts * h + m.num_experts * 3 * h * m.expert_ffn_size + shared)
         emb = v * h * (1 if self.tie_embeddings else 2)
         pos = self.max_positions * h if self.positions == "learned" else 0
-        return self.num_layers * per_layer + emb + pos + h
+        return total + emb + pos + h
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "hf_config"}
+        # Fields added after format version 1 appear only when set, so a dense model's
+        # layout JSON (and the comparison with checkpoints written before them) is unchanged.
+        out = {k: v for k, v in self.__dict__.items() if k not in ("hf_config", "qk_norm", "moe")}
+        if self.qk_norm:
+            out["qk_norm"] = True
+        if self.moe is not None:
+            out["moe"] = asdict(self.moe)
+        return out
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:
@@ -127,16 +167,17 @@ def _from_llama_like(hf: PretrainedConfig) -> ModelConfig:
     _require(heads % kv == 0, "num_key_value_heads", f"{kv} does not divide num_attention_heads={heads}")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     sliding = None
-    if t == "mistral":
+    if t in ("mistral", "mixtral"):
         sliding = getattr(hf, "sliding_window", None)
-    if t == "qwen2":
+    if t in ("qwen2", "qwen2_moe", "qwen3_moe"):
         _require(
             not getattr(hf, "use_sliding_window", False),
             "use_sliding_window",
-            "Qwen2 sliding-window attention changes results and is not supported",
+            f"{t} sliding-window attention changes results and is not supported",
         )
-    qkv_bias = True if t == "qwen2" else bool(getattr(hf, "attention_bias", False))
-    out_bias = False if t == "qwen2" else bool(getattr(hf, "attention_bias", False))
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    qkv_bias = {"qwen2": True, "qwen2_moe": bool(getattr(hf, "qkv_bias", True))}.get(t, attention_bias)
+    out_bias = False if t in ("qwen2", "qwen2_moe") else attention_bias
     return ModelConfig(
         model_type=t,
         hidden_size=hf.hidden_size,
@@ -158,8 +199,37 @@ def _from_llama_like(hf: PretrainedConfig) -> ModelConfig:
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         sliding_window=sliding,
         bos_token_id=getattr(hf, "bos_token_id", None),
+        qk_norm=t == "qwen3_moe",
+        moe=_moe_config(hf) if t in MOE_TYPES else None,
         hf_config=hf,
     )
+
+
+def _moe_config(hf: PretrainedConfig) -> MoEConfig:
+    """The MoE fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config, as their HF modeling code reads them."""
+    t = hf.model_type
+    mixtral = t == "mixtral"
+    experts_field = "num_local_experts" if mixtral else "num_experts"
+    experts, top_k = getattr(hf, experts_field), hf.num_experts_per_tok
+    _require(experts >= 1, experts_field, f"{experts}: a model without experts is not an MoE model")
+    _require(1 <= top_k <= experts, "num_experts_per_tok", f"{top_k} must be between 1 and {experts_field}={experts}")
+    if mixtral:
+        jitter = getattr(hf, "router_jitter_noise", 0.0) or 0.0
+        _require(jitter == 0, "router_jitter_noise", f"{jitter}: router jitter (random input noise) is not supported")
+        sparse = list(range(hf.num_hidden_layers))
+        return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=hf.intermediate_size,
+                         norm_topk_prob=True, sparse_layers=sparse, combine_fp32=True,
+                         router_aux_loss_coef=float(hf.router_aux_loss_coef),
+                         output_router_logits=bool(hf.output_router_logits))
+    step = hf.decoder_sparse_step
+    _require(step >= 1, "decoder_sparse_step", f"{step} must be at least 1")
+    dense = set(getattr(hf, "mlp_only_layers", None) or [])
+    sparse = [i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
+    shared = getattr(hf, "shared_expert_intermediate_size", 0) if t == "qwen2_moe" else 0
+    return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=hf.moe_intermediate_size,
+                     norm_topk_prob=bool(hf.norm_topk_prob), sparse_layers=sparse, combine_fp32=False,
+                     shared_expert_ffn_size=shared, router_aux_loss_coef=float(hf.router_aux_loss_coef),
+                     output_router_logits=bool(hf.output_router_logits))
 
 
 def _from_gpt2(hf: PretrainedConfig) -> ModelConfig:
@@ -209,4 +279,5 @@ def check_tp(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> N
     """Raise if `cfg` cannot be split `tp` ways (heads, KV heads, FFN)."""
     _require(cfg.num_heads % tp == 0, "num_attention_heads", f"{cfg.num_heads} is not divisible by TP={tp}")
     _require(cfg.num_kv_heads % tp == 0, "num_key_value_heads", f"{cfg.num_kv_heads} is not divisible by TP={tp}")
-    _require(cfg.ffn_size % tp == 0, "intermediate_size", f"{cfg.ffn_size} is not divisible by TP={tp}")
+    if any(not cfg.is_sparse(i) for i in range(cfg.num_layers)):  # experts are not TP-split (models/moe.py)
+        _require(cfg.ffn_size % tp == 0, "intermediate_size", f"{cfg.ffn_size} is not divisible by TP={tp}")

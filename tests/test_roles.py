@@ -18,14 +18,16 @@ from hfmeg.config import model_config_from_hf
 from hfmeg.models.decoder import ModelChunk
 from hfmeg.optim import OptimizerConfig, no_weight_decay
 from hfmeg.parallel.roles import ParamRole, named_roles, role_of
-from tests.tiny_models import tiny_config
+from tests.tiny_models import MOE_KINDS, tiny_config
 
-FAMILIES = ["llama3", "llama_tied", "mistral", "qwen2", "gpt2"]
-SPLIT_DIM = {"replicated": None, "rows": 0, "qkv": 0, "gate_up": 0, "vocab": 0, "cols": 1}
+FAMILIES = ["llama3", "llama_tied", "mistral", "qwen2", "gpt2", *MOE_KINDS]
+SPLIT_DIM = {"replicated": None, "fused": None, "rows": 0, "qkv": 0, "gate_up": 0, "vocab": 0, "cols": 1}
 
 
 def _chunk(kind: str, pre: bool, post: bool, sp: bool = True) -> ModelChunk:
-    cfg = model_config_from_hf(tiny_config(kind))
+    # A pipeline stage of an MoE model cannot add the load-balancing loss (README, MoE).
+    extra = {"output_router_logits": False} if kind in MOE_KINDS and not (pre and post) else {}
+    cfg = model_config_from_hf(tiny_config(kind, **extra))
     ps = SimpleNamespace(tp=2, tp_rank=1, sequence_parallel=sp)
     with torch.device("meta"):
         return ModelChunk(cfg, ps, range(cfg.num_layers), pre_process=pre, post_process=post)
@@ -42,9 +44,10 @@ def test_roles_match_split_kinds(kind, ends):
     for name, role in roles.items():
         rule = rules[name]
         assert role.tp_dim == SPLIT_DIM[rule.kind], name
-        # Replicated parameters that see sequence shards are exactly the norms and row-parallel biases.
-        sp = rule.kind == "replicated" and name != "pos_embed.weight"
+        # Replicated parameters with partial gradients: norms and row-parallel biases (SP), q/k norms, MoE.
+        sp = rule.kind in ("replicated", "fused") and name != "pos_embed.weight"
         assert role.sequence_parallel == sp, name
+        assert role.expert == (".experts." in name), name
         assert role.tied_copy == rule.tied, name
         assert (role.tied is not None) == (chunk.cfg.tie_embeddings and name in ("embed.weight", "lm_head.weight"))
 
@@ -52,6 +55,14 @@ def test_roles_match_split_kinds(kind, ends):
 def test_sequence_parallel_off_without_sp():
     chunk = _chunk("gpt2", True, True, sp=False)
     assert not any(role.sequence_parallel for _, _, role in named_roles(chunk))
+
+
+def test_moe_and_qk_norm_gradients_are_partial_without_sp_too():
+    """Each TP rank routes its own tokens and normalises its own heads, SP or not (models/moe.py)."""
+    chunk = _chunk("qwen3_moe", True, True, sp=False)
+    partial = {name for name, _, role in named_roles(chunk) if role.sequence_parallel}
+    assert partial == {name for name, _ in chunk.named_parameters() if ".mlp." in name and "layers.1." in name
+                       or "_norm" in name and ".attn." in name}
 
 
 def test_norm_counting_each_element_once():

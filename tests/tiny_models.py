@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
+                          Qwen2MoeConfig, Qwen3MoeConfig)
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES = ASSETS / "models" / "stories260K"
@@ -17,6 +18,15 @@ RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied")
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
+
+# MoE families (not in RANDOM_KINDS: their tests are tests/test_moe*.py): 4 experts, top-2, the
+# load-balancing loss on with a coefficient large enough to show in every router gradient.
+# qwen2_moe: layer 0 dense (decoder_sparse_step 2), a shared expert; qwen3_moe: q/k norms,
+# norm_topk_prob, layer 0 dense through mlp_only_layers.
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
+_MOE = dict(_COMMON, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+            num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+_QWEN_MOE = dict(_MOE, num_experts=4, moe_intermediate_size=16)
 
 
 def tiny_config(kind: str, **overrides):
@@ -32,6 +42,12 @@ def tiny_config(kind: str, **overrides):
         cfg = Qwen2Config(**_COMMON)
     elif kind == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=300, n_positions=128)
+    elif kind == "mixtral":
+        cfg = MixtralConfig(**_MOE, num_local_experts=4)
+    elif kind == "qwen2_moe":
+        cfg = Qwen2MoeConfig(**_QWEN_MOE, decoder_sparse_step=2, shared_expert_intermediate_size=24)
+    elif kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**_QWEN_MOE, norm_topk_prob=True, mlp_only_layers=[0])
     else:
         raise ValueError(kind)
     for k, v in overrides.items():
@@ -48,6 +64,9 @@ def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith(("gate.weight", "shared_expert_gate.weight")):
+                # Routers 10x HF's init: clear top-k choices, so fp32 rounding differences cannot flip them.
+                p.mul_(10.0)
     model.save_pretrained(folder)
     return folder
 

@@ -40,7 +40,8 @@ from .mp_reader import MPCheckpoint, local_shape, rank_rules
 from .rules import expected_hf_shape, to_local
 from .st_stream import StreamingSafetensorsWriter, WriteBehind
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel",
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def load_model_config(folder: Path) -> ModelConfig:

@@ -14,6 +14,13 @@ Split kinds:
   then split dim 0 so each rank owns whole groups (and GQA needs no communication).
 - `gate_up`: gate and up each split dim 0, then `[gate_r; up_r]` on rank r.
 - `vocab`: rows padded with zeros to the padded vocabulary, then split dim 0.
+- `fused`: several HF tensors concatenated along dim 0, whole on every TP rank (an
+  MoE expert's `[gate; up]`: experts are not TP-split, see `models/moe.py`).
+
+MoE layers (Mixtral `block_sparse_moe.*`, Qwen `mlp.*`) map the router (`gate`) and
+every expert's tensors one to one, by expert index, so each tensor travels alone
+(streaming) and the names carry the global expert index. Their rules state the HF
+shapes (`shapes`), which the split kind alone does not imply.
 
 GPT-2 stores its linear weights as `Conv1D` (`[in, out]`); `transpose=True` turns
 them into `[out, in]` on the way in and back on the way out.
@@ -36,6 +43,7 @@ class TensorRule:
     kind: str
     transpose: bool = False
     tied: bool = False  # a stage-local copy of the tied embedding: nothing to write back
+    shapes: tuple[tuple[int, ...], ...] | None = None  # HF shapes, where the kind does not imply them
 
 
 def _llama_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
@@ -46,9 +54,16 @@ def _llama_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
         TensorRule(L + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"),
         TensorRule(L + "attn.out.weight", (a + "o_proj.weight",), "cols"),
         TensorRule(L + "post_attn_norm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
-        TensorRule(L + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up"),
-        TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols"),
     ]
+    if cfg.qk_norm:
+        d = (cfg.head_dim,)
+        rules += [TensorRule(L + "attn.q_norm.weight", (a + "q_norm.weight",), "replicated", shapes=(d,)),
+                  TensorRule(L + "attn.k_norm.weight", (a + "k_norm.weight",), "replicated", shapes=(d,))]
+    if not cfg.is_sparse(i):
+        rules += [
+            TensorRule(L + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up"),
+            TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols"),
+        ]
     if cfg.qkv_bias:
         rules.append(TensorRule(L + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv"))
     if cfg.out_bias:
@@ -56,6 +71,30 @@ def _llama_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
     if cfg.mlp_bias:
         rules.append(TensorRule(L + "mlp.fc1.bias", (m + "gate_proj.bias", m + "up_proj.bias"), "gate_up"))
         rules.append(TensorRule(L + "mlp.fc2.bias", (m + "down_proj.bias",), "replicated"))
+    return rules + (_moe_rules(cfg, i) if cfg.is_sparse(i) else [])
+
+
+def _expert_rules(local: str, hf: str, names: tuple[str, str, str], hidden: int, ffn: int) -> list[TensorRule]:
+    """One SwiGLU expert: `local.fc1` = [gate; up] from HF `hf + names[0|1]`, `local.fc2` = `hf + names[2]`."""
+    gate, up, down = (f"{hf}{n}.weight" for n in names)
+    return [TensorRule(local + "fc1.weight", (gate, up), "fused", shapes=((ffn, hidden), (ffn, hidden))),
+            TensorRule(local + "fc2.weight", (down,), "replicated", shapes=((hidden, ffn),))]
+
+
+def _moe_rules(cfg: ModelConfig, i: int) -> list[TensorRule]:
+    m, h = cfg.moe, cfg.hidden_size
+    L = f"layers.{i}.mlp."
+    if cfg.model_type == "mixtral":
+        p, names = f"model.layers.{i}.block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        p, names = f"model.layers.{i}.mlp.", ("gate_proj", "up_proj", "down_proj")
+    rules = [TensorRule(L + "router.weight", (p + "gate.weight",), "replicated", shapes=((m.num_experts, h),))]
+    for e in range(m.num_experts):
+        rules += _expert_rules(f"{L}experts.{e}.", f"{p}experts.{e}.", names, h, m.expert_ffn_size)
+    if m.shared_expert_ffn_size:
+        rules += _expert_rules(L + "shared.", p + "shared_expert.", names, h, m.shared_expert_ffn_size)
+        rules.append(TensorRule(L + "shared_gate.weight", (p + "shared_expert_gate.weight",), "replicated",
+                                shapes=((1, h),)))
     return rules
 
 
@@ -144,6 +183,8 @@ def to_local(
     elif kind == "gate_up":
         gate, up = hf
         out = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
+    elif kind == "fused":
+        out = torch.cat(hf, dim=0)
     elif kind == "vocab":
         full = hf[0]
         padded = cfg.padded_vocab(tp, vocab_multiple)
@@ -177,6 +218,8 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
         outs = [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
     elif kind == "vocab":
         outs = [torch.cat(shards, dim=0)[: cfg.vocab_size]]
+    elif kind == "fused":
+        outs = list(shards[0].chunk(len(rule.hf), dim=0))
     else:
         raise ValueError(f"unknown split kind {kind!r} for {rule.local}")
     if rule.transpose:
@@ -186,6 +229,8 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
 
 def expected_hf_shape(rule: TensorRule, index: int, cfg: ModelConfig) -> tuple[int, ...]:
     """The shape `config.json` implies for HF tensor `rule.hf[index]` (for input validation)."""
+    if rule.shapes is not None:
+        return rule.shapes[index]
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv, f, v = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.ffn_size, cfg.vocab_size
     is_bias = rule.local.endswith(".bias")

@@ -4,6 +4,11 @@ The fused QKV weight is laid out per KV group, `[q heads of group g; k_g; v_g]`,
 split by whole groups across TP ranks, so each rank computes its heads with no
 communication between the QKV projection and the output projection.
 
+Qwen3's q/k norms (`cfg.qk_norm`) are RMSNorms over the head dim, applied to every
+query and key head before RoPE. One weight serves all heads, so it is TP-replicated;
+each rank's gradient comes from its own heads only, so its role says
+`sequence_parallel` (summed over TP), with or without SP.
+
 Selective recompute checkpoints only the core (`_core`: RoPE + attention), as
 Megatron does: the QKV and output projections, and their TP/SP collectives, run
 once; backward keeps the fused QKV output and the core's output and recomputes the
@@ -22,6 +27,7 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.state import ParallelState
 from .document_attention import DocumentMask, attend
 from .kernels import Kernels
+from .norm import RMSNorm
 
 
 class ParallelAttention(nn.Module):
@@ -35,6 +41,9 @@ class ParallelAttention(nn.Module):
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias)
         self.out = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, ps, bias=cfg.out_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.norm_eps, True, kernels)
+            self.k_norm = RMSNorm(d, cfg.norm_eps, True, kernels)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, docs: DocumentMask | None,
                 recompute_core: bool = False):
@@ -58,6 +67,8 @@ class ParallelAttention(nn.Module):
         q = qkv[:, :, : self.rep].reshape(b, self.groups * self.rep, s, d)
         k = qkv[:, :, self.rep]
         v = qkv[:, :, self.rep + 1]
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = self.kernels.rope(q, *rope), self.kernels.rope(k, *rope)
         o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1)

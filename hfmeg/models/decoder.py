@@ -12,6 +12,14 @@ losses `[b, s]` when given labels, otherwise its vocab shard of the logits
 
 Labels are already aligned with inputs: `labels[:, t]` is the target for position
 t (the data pipeline does the shift), and -100 marks tokens without loss.
+
+MoE models (`models/moe.py`) have the MoE block as the MLP of their sparse layers.
+When the config asks for the router's load-balancing loss (`output_router_logits`), a
+forward with labels also leaves `router_aux_loss_coef` times HF's loss over all the
+chunk's MoE layers for the pipeline to add (`take_aux_loss`). That loss is a product
+of means over every MoE layer of the model, so it needs all layers in one chunk: a
+chunk without both ends (any PP > 1 layout) of such a config is refused when it is
+built, on every rank before any communication, naming the field.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig, check_tp
+from ..errors import UnsupportedConfigError
 from ..parallel.comm import scatter_to_sequence
 from ..parallel.layers import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_head
 from ..parallel.roles import ParamRole, set_role
@@ -31,6 +40,7 @@ from .attention import ParallelAttention
 from .document_attention import flex_applies, plan as plan_document_mask
 from .kernels import Kernels
 from .mlp import ParallelMLP
+from .moe import MoELayer, load_balancing_loss
 from .norm import make_norm
 from .rope import RotaryEmbedding
 
@@ -44,7 +54,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = make_norm(cfg, sp, kernels)
         self.attn = ParallelAttention(cfg, ps, layer, kernels)
         self.post_attn_norm = make_norm(cfg, sp, kernels)
-        self.mlp = ParallelMLP(cfg, ps, kernels)
+        self.mlp = MoELayer(cfg, ps, kernels) if cfg.is_sparse(layer) else ParallelMLP(cfg, ps, kernels)
 
     def forward(self, x, rope, docs, selective: bool = False):
         x = x + self.attn(self.input_norm(x), rope, docs, recompute_core=selective)
@@ -69,6 +79,10 @@ class ModelChunk(nn.Module):
     ):
         super().__init__()
         check_tp(cfg, ps.tp)
+        if cfg.moe is not None and cfg.moe.output_router_logits and not (pre_process and post_process):
+            raise UnsupportedConfigError(
+                "config.json field output_router_logits: the load-balancing loss spans every MoE layer of the "
+                "model, which a pipeline (PP > 1) splits over stages; set it to false or use PP=1")
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.cfg, self.ps = cfg, ps
@@ -87,6 +101,7 @@ class ModelChunk(nn.Module):
         self.rope = RotaryEmbedding(cfg) if cfg.positions == "rope" else None
         kernels = Kernels(compile_backend)  # norm/RoPE/SwiGLU: eager, or fused by torch.compile
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, ps, i, kernels) for i in self.layer_ids})
+        self.aux_loss: torch.Tensor | None = None  # see take_aux_loss
         if post_process:
             self.final_norm = make_norm(cfg, ps.sequence_parallel, kernels)
             if not (cfg.tie_embeddings and pre_process):
@@ -131,7 +146,20 @@ class ModelChunk(nn.Module):
                 x = layer(x, rope, docs, selective=self.recompute == "selective" and torch.is_grad_enabled())
         if not self.post_process:
             return x
+        if labels is not None and self.cfg.moe is not None and self.cfg.moe.output_router_logits:
+            self.aux_loss = self._router_aux_loss()
         return self._head(x, labels)
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """`router_aux_loss_coef` x the load-balancing loss of the last forward with labels (then
+        forgotten), or None when the model adds none. The same value on every TP rank, like the loss."""
+        aux, self.aux_loss = self.aux_loss, None
+        return aux
+
+    def _router_aux_loss(self) -> torch.Tensor:
+        moe = self.cfg.moe
+        stats = [layer.mlp.stats for layer in self.layers.values() if isinstance(layer.mlp, MoELayer)]
+        return moe.router_aux_loss_coef * load_balancing_loss(stats, moe.num_experts, self.ps)
 
     def _compute_dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype

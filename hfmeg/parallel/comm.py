@@ -13,6 +13,15 @@ dim 0, which is what the flat all-gather / reduce-scatter collectives produce.
 | gather_from_sequence      | all-gather along seq        | reduce-scatter along seq    |
 | reduce_scatter_to_sequence| reduce-scatter along seq    | all-gather along seq        |
 | gather_last_dim           | all-gather along last dim   | keep own slice              |
+| split_tokens              | keep own block of rows      | all-gather the blocks       |
+| gather_tokens             | all-gather the blocks       | keep own block of rows      |
+
+`split_tokens` / `gather_tokens` cut a replicated `[n, ...]` tensor into TP blocks of
+ceil(n/tp) rows (the last ones shorter or empty), so any n works: the MoE layer uses
+them to route each rank's share of the tokens when activations are not sequence-parallel.
+Unlike `gather_from_sequence`, `gather_tokens`'s backward keeps its own block instead of
+reduce-scattering, because its output feeds replicated computation whose gradient is
+already whole on every rank.
 """
 
 from __future__ import annotations
@@ -99,17 +108,67 @@ reduce_scatter_to_sequence = _conjugate_pair("ReduceScatterToSequence", _reduce_
 gather_last_dim = _conjugate_pair("GatherLastDim", _gather_last, _split_last)
 
 
+def _token_block(n: int, ps: ParallelState) -> tuple[int, int]:
+    per = -(-n // ps.tp)
+    lo = min(ps.tp_rank * per, n)
+    return lo, min(lo + per, n)
+
+
+def _gather_token_blocks(x: torch.Tensor, ps: ParallelState, n: int) -> torch.Tensor:
+    # Blocks are contiguous and only the tail ones are short, so the padded blocks
+    # gathered in rank order, cut to n rows, are the rows in their original order.
+    per = -(-n // ps.tp)
+    padded = x.new_zeros((per,) + tuple(x.shape[1:]))
+    padded[: x.shape[0]] = x
+    return _gather_dim0(padded, ps)[:n]
+
+
+class _SplitTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ps):
+        ctx.ps, ctx.n = ps, x.shape[0]
+        lo, hi = _token_block(x.shape[0], ps)
+        return x[lo:hi].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_token_blocks(g, ctx.ps, ctx.n), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ps, n):
+        ctx.ps, ctx.n = ps, n
+        return _gather_token_blocks(x, ps, n)
+
+    @staticmethod
+    def backward(ctx, g):
+        lo, hi = _token_block(ctx.n, ctx.ps)
+        return g[lo:hi].contiguous(), None, None
+
+
+def split_tokens(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """This TP rank's block of the rows of a replicated `x` `[n, ...]`."""
+    return _SplitTokens.apply(x, ps) if ps.tp > 1 else x
+
+
+def gather_tokens(x: torch.Tensor, ps: ParallelState, n: int) -> torch.Tensor:
+    """All `n` rows from every TP rank's block (`split_tokens`'s inverse)."""
+    return _GatherTokens.apply(x, ps, n) if ps.tp > 1 else x
+
+
 def sync_sequence_parallel_grads(modules, ps: ParallelState) -> None:
-    """All-reduce over TP the gradients of replicated parameters used on sequence shards.
+    """All-reduce over TP the gradients of replicated parameters whose gradient is partial per TP rank.
 
     Under sequence parallelism, norms and row-parallel biases see only this rank's slice
-    of the sequence, so each TP rank holds a partial gradient. Summing over TP once per
-    step (not per micro-batch) restores the full one. Which parameters of `modules`:
-    those whose role says `sequence_parallel`. This is the plain `.grad` path; under the
-    data-parallel wrapper, `DataParallel.finish_grad_sync` sums the same parameters'
-    owned shards.
+    of the sequence; with or without it, MoE routers and experts see only this rank's
+    tokens and Qwen3's q/k norms only its heads; so each TP rank holds a partial gradient.
+    Summing over TP once per step (not per micro-batch) restores the full one. Which
+    parameters of `modules`: those whose role says `sequence_parallel`. This is the plain
+    `.grad` path; under the data-parallel wrapper, `DataParallel.finish_grad_sync` sums
+    the same parameters' owned shards.
     """
-    if not ps.sequence_parallel or ps.tp == 1:
+    if ps.tp == 1:
         return
     all_reduce_coalesced([p.grad for m in modules for _, p, role in named_roles(m)
                           if role.sequence_parallel and p.grad is not None], ps.tp_group)

@@ -67,7 +67,7 @@ class DataParallel:
         self.forward_order = sorted(self.buckets, key=lambda b: (b.chunk, -b.index))
         self._sp_grads = [self.owned(b, b.grad_buf)[lo:hi] for b in self.buckets
                           for lo, hi, sp in b.runs(self.rank, lambda s: s.role.sequence_parallel) if sp] \
-            if ps.sequence_parallel and ps.tp > 1 else []
+            if ps.tp > 1 else []
         self._tied = [b for b in self.buckets if b.isolated]  # only when PP > 1 and embeddings are tied
         self._pending: dict[int, object] = {}  # bucket index -> in-flight parameter all-gather
         self._register_forward_hooks()

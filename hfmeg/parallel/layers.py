@@ -1,4 +1,4 @@
-"""Tensor-parallel layers: column/row-parallel linears, the vocab-parallel embedding and LM head.
+"""Tensor-parallel layers: column/row-parallel and replicated linears, the vocab-parallel embedding and LM head.
 
 The LM head's vocab-parallel loss is in `linear_cross_entropy.py`.
 
@@ -76,6 +76,24 @@ class RowParallelLinear(nn.Module):
         y = F.linear(x, self.weight)
         y = reduce_scatter_to_sequence(y, self.ps) if self.ps.sequence_parallel else reduce_from_tp(y, self.ps)
         return y + self.bias if self.bias is not None else y
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x A^T with A whole on every TP rank and no collective (MoE routers and experts).
+
+    The caller declares the weight's role: it depends on what the layer feeds it (a
+    rank's own tokens give a partial gradient, `sequence_parallel`; an expert's weight
+    is marked `expert`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, role: ParamRole):
+        super().__init__()
+        if role.tp_dim is not None:
+            raise ValueError("a replicated linear's weight is not TP-split")
+        add_param(self, "weight", out_features, in_features, role=role)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):

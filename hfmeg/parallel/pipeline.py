@@ -15,6 +15,10 @@ compare the gradient's shape with the (now empty) output. This is what keeps
 Loss: micro-batch loss = sum of its per-token losses / `num_tokens`, the count of
 non-ignored label tokens of the whole global batch (all micro-batches and all DP
 ranks). Backward of these gives global-batch-mean gradients, so DP reductions sum.
+An MoE model whose config asks for the router's load-balancing loss adds it per
+micro-batch (computed over that micro-batch, as transformers computes it for one
+forward), divided by the number of micro-batches of the global batch (all DP ranks):
+the mean over micro-batches, so with one micro-batch the loss is transformers' loss.
 """
 
 from __future__ import annotations
@@ -107,6 +111,9 @@ class _Executor:
             out = chunk(x, labels=labels, seq_len=self.seq_len, **kwargs)
             if chunk.post_process:
                 out = out.sum() / self.num_tokens
+                aux = chunk.take_aux_loss()
+                if aux is not None:
+                    out = out + aux / (len(self.mbs) * self.ps.dp)
                 self.loss += out.detach().float()
         if not self.forward_only:
             self.saved[(a.chunk, a.microbatch)] = (x, out)

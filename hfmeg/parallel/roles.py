@@ -8,9 +8,11 @@ read one record instead of matching names or ad-hoc attributes:
   biases, vocab-parallel embeddings and heads; 1 for row-parallel weights), or None
   when every TP rank holds the whole tensor. A TP-replicated gradient counts once in
   the global norm (on TP rank 0).
-- `sequence_parallel`: a TP-replicated parameter applied to sequence shards (norms,
-  row-parallel biases under SP): each TP rank holds a partial gradient, summed over TP
-  once per step.
+- `sequence_parallel`: a TP-replicated parameter whose gradient is partial on each TP
+  rank, summed over TP once per step: norms and row-parallel biases under SP (each rank
+  sees a sequence shard), and, with or without SP, Qwen3's per-head q/k norms (each rank
+  sees its own heads) and the MoE router and experts (each rank routes its own token
+  shard, `models/moe.py`).
 - `tied`: the name of a group of copies of one model tensor held on several pipeline
   stages ("embedding": the first stage's token embedding and the last stage's LM head
   when embeddings are tied). With PP > 1 their gradients are summed over the group's
@@ -18,9 +20,12 @@ read one record instead of matching names or ad-hoc attributes:
   than the owner's: they are not counted again in the global norm.
 - `kind`: what the tensor is, for weight-decay exclusion (`weight`, `bias`, `norm`,
   `norm_bias`, `embedding`).
+- `expert`: one routed expert's weight (`models/moe.py`). Expert parallelism will shard
+  these over an expert group and reduce their gradients over the expert-data-parallel
+  group; consumers find them by this flag, never by name. The router and Qwen2-MoE's
+  shared expert are not experts in this sense: every rank holds them.
 
-Expert parallelism will add a field (the expert group a parameter is sharded over);
-nothing here assumes the list of fields is closed.
+Nothing here assumes the list of fields is closed.
 
 Roles are declared where layers create their parameters (`parallel/layers.py`,
 `models/norm.py`, `models/decoder.py`) and recorded on the owning module, by the
@@ -48,6 +53,7 @@ class ParamRole:
     sequence_parallel: bool = False
     tied: str | None = None
     tied_copy: bool = False
+    expert: bool = False
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tp_dim is not None:

@@ -1,0 +1,153 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) and HF's load-balancing loss.
+
+Routing, as transformers computes it for these families:
+1. router logits = x W_r^T in the compute dtype (`W_r` `[experts, hidden]`);
+2. probabilities = softmax over experts in fp32; the top-k of them pick each token's experts;
+3. the k weights are renormalised to sum to 1 when the model says so (Mixtral always,
+   Qwen when `norm_topk_prob`); Qwen then casts them to the compute dtype, Mixtral
+   keeps them in fp32 until each weighted expert output is cast back
+   (`MoEConfig.combine_fp32`);
+4. each expert is a SwiGLU MLP, `fc2(silu(gate) * up)` with `fc1 = [gate; up]`; a token's
+   output is the sum of its k experts' outputs times their weights, accumulated in
+   ascending expert order into zeros, exactly as HF's `index_add_` loop does;
+5. Qwen2-MoE adds a shared expert every token goes through, scaled by
+   `sigmoid(shared_expert_gate(x))`.
+
+Dispatch: the (token, slot) pairs are sorted by expert once (a stable argsort), so each
+expert's tokens are one contiguous block of a gathered copy of the input and the experts
+run one after another on their blocks. Every expert runs, on an empty block if no token
+chose it, so every expert weight gets a gradient (zero) in every backward and the
+data-parallel wrapper's per-bucket hooks fire in the same order on every rank. The
+sorted layout (tokens grouped by expert, counts per expert) is also what an expert-
+parallel all-to-all exchanges.
+
+Tensor parallelism: experts are NOT split over TP. Inside the MoE layer each TP rank
+handles its own share of the tokens: under SP the sequence shard it already holds;
+without SP it takes its block of the replicated tokens (`comm.split_tokens`) and the
+outputs are all-gathered back (`comm.gather_tokens`). So the router, the experts and
+the shared expert are TP-replicated parameters whose gradient on each TP rank comes
+from that rank's tokens only: their role says `sequence_parallel` (summed over TP once
+per step, with or without SP), and the routed experts' role says `expert`, for expert
+parallelism to find them. TP thus divides the MoE work instead of repeating it, and no
+expert matrix needs a TP collective.
+
+Load-balancing loss (`load_balancing_loss`): HF's `load_balancing_loss_func` over all
+MoE layers of one forward. With, summed over every MoE layer, `C_e` the number of
+top-k slots that chose expert e, `P_e` the sum of the tokens' router probabilities of e,
+and `R` the number of (layer, token) rows, it is `E * sum_e (C_e / R) * (P_e / R)`: one
+product of global means, not a sum of per-layer losses. Each TP rank holds the sums of
+its own tokens, so C and R are all-reduced and P is summed with `reduce_from_tp`, whose
+backward leaves each rank the gradient of its own part. HF computes its softmax for this
+loss in the logits' dtype; here it reuses the routing's fp32 probabilities (the same in
+fp32, the numerics contract's dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.comm import gather_tokens, reduce_from_tp, split_tokens
+from ..parallel.layers import ReplicatedLinear
+from ..parallel.roles import ParamRole
+from ..parallel.state import ParallelState
+from .kernels import Kernels
+
+# Replicated, used on this rank's tokens only: partial gradients, summed over TP.
+_PARTIAL = ParamRole("weight", sequence_parallel=True)
+_EXPERT = ParamRole("weight", sequence_parallel=True, expert=True)
+
+
+@dataclass
+class RouterStats:
+    """One MoE layer's routing of this rank's tokens in its last forward."""
+
+    tokens_per_expert: torch.Tensor  # [experts] int64: top-k slots routed to each expert (the load)
+    prob_sum: torch.Tensor  # [experts] fp32, differentiable: router probabilities summed over the tokens
+    rows: int  # tokens routed
+
+
+class GatedExpert(nn.Module):
+    """A SwiGLU MLP held whole on every rank: `fc1` `[2F, H]` = [gate; up], `fc2` `[H, F]`."""
+
+    def __init__(self, hidden: int, ffn: int, role: ParamRole, kernels: Kernels):
+        super().__init__()
+        self.kernels = kernels
+        self.fc1 = ReplicatedLinear(hidden, 2 * ffn, role)
+        self.fc2 = ReplicatedLinear(ffn, hidden, role)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(self.kernels.swiglu(gate, up))
+
+
+class MoELayer(nn.Module):
+    """The MoE block of one decoder layer: `[s, b, h]` (`[s/tp, b, h]` under SP) in and out.
+
+    `stats` holds the routing of the last forward (`RouterStats`): the load-balancing
+    loss reads it, and so can a logger of tokens per expert.
+    """
+
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, kernels: Kernels):
+        super().__init__()
+        m = cfg.moe
+        self.ps, self.moe = ps, m
+        h = cfg.hidden_size
+        self.router = ReplicatedLinear(h, m.num_experts, _PARTIAL)
+        # Keyed by the global expert index, so names stay the same when experts are spread over ranks.
+        self.experts = nn.ModuleDict({str(e): GatedExpert(h, m.expert_ffn_size, _EXPERT, kernels)
+                                      for e in range(m.num_experts)})
+        if m.shared_expert_ffn_size:
+            self.shared = GatedExpert(h, m.shared_expert_ffn_size, _PARTIAL, kernels)
+            self.shared_gate = ReplicatedLinear(h, 1, _PARTIAL)
+        self.stats: RouterStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)
+        if self.ps.sequence_parallel:
+            return self._tokens(tokens).view(s, b, h)
+        return gather_tokens(self._tokens(split_tokens(tokens, self.ps)), self.ps, s * b).view(s, b, h)
+
+    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The MoE output of this rank's tokens `x` `[n, h]`."""
+        m = self.moe
+        logits = self.router(x)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, chosen = probs.topk(m.top_k, dim=-1)  # [n, k]
+        if m.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not m.combine_fp32:
+            weights = weights.to(logits.dtype)
+        counts = torch.bincount(chosen.reshape(-1), minlength=m.num_experts)
+        self.stats = RouterStats(counts.detach(), probs.sum(dim=0), x.shape[0])
+        out = self._experts(x, chosen, weights, counts)
+        if hasattr(self, "shared"):
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+    def _experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        k = chosen.shape[1]
+        order = chosen.reshape(-1).argsort(stable=True)  # (token, slot) pairs grouped by expert
+        token = order // k
+        blocks = x[token].split(counts.tolist())
+        y = torch.cat([self.experts[str(e)](block) for e, block in enumerate(blocks)])
+        y = y * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+def load_balancing_loss(stats: list[RouterStats], num_experts: int, ps: ParallelState) -> torch.Tensor:
+    """HF's `load_balancing_loss_func` over the MoE layers whose routing is `stats` (one forward; see above)."""
+    counts = torch.stack([s.tokens_per_expert for s in stats]).sum(0).float()
+    rows = torch.tensor([sum(s.rows for s in stats)], dtype=counts.dtype, device=counts.device)
+    prob_sum = reduce_from_tp(torch.stack([s.prob_sum for s in stats]).sum(0), ps)
+    counted = torch.cat([counts, rows])
+    if ps.tp > 1:
+        dist.all_reduce(counted, group=ps.tp_group)
+    counts, rows = counted[:-1], counted[-1]
+    return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
