@@ -46,6 +46,10 @@ class MoEConfig:
     shared_expert_ffn_size: int = 0  # Qwen2-MoE's always-on expert, gated by sigmoid(shared_expert_gate(x)); 0: none
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False  # add router_aux_loss_coef x the load-balancing loss to the training loss
+    # How the HF checkpoint stores the experts: one tensor per expert (what `save_pretrained` writes), or
+    # stacked per layer as transformers holds them in memory. Read from the checkpoint's tensor names, not
+    # from config.json (`checkpoint.rules.with_expert_layout`), and kept so that export writes it back.
+    fused_experts: bool = False
 
 
 @dataclass

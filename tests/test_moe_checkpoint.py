@@ -1,5 +1,6 @@
-"""MoE configs and checkpoints: normalisation and refusals, parameter count, HF -> shards -> HF bit-exact,
-resharding, shape validation and `tools/verify_parity.py` on a tiny Qwen2-MoE at TP2 x PP2."""
+"""MoE configs and checkpoints: normalisation and refusals, parameter count, HF -> shards -> HF bit-exact
+(per-expert tensors as `save_pretrained` writes them, and experts stacked as transformers holds them in
+memory), resharding, shape validation and `tools/verify_parity.py` on a tiny Qwen2-MoE at TP2 x PP2."""
 
 from __future__ import annotations
 
@@ -10,10 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from convert_helpers import assert_same_tensors
+from helpers import make_ps
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
+from hfmeg.checkpoint.mp_reader import MPCheckpoint
+from hfmeg.checkpoint.parity import compare, reference_outputs, sharded_outputs
+from hfmeg.checkpoint.tensor_source import TensorSource
 from hfmeg.checkpoint.reshard import reshard_mp
 from hfmeg.config import load_hf_config, model_config_from_hf
 from hfmeg.errors import CheckpointError, UnsupportedConfigError
@@ -97,3 +106,37 @@ def test_verify_parity_cli_on_moe(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PARITY OK" in proc.stdout.splitlines()
+
+
+def _save_stacked(kind: str, folder: Path) -> Path:
+    """A checkpoint with transformers' in-memory names: experts stacked (`mlp.experts.gate_up_proj`)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    model.config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_stacked_experts_read_and_written_back(kind, tmp_path):
+    src = _save_stacked(kind, tmp_path / "src")
+    ids = torch.tensor([[1, 17, 42, 7, 99, 5]])
+    reference = reference_outputs(src, ids, 3)
+    hf_to_mp(src, tmp_path / "mp11", tp=1, pp=1)
+    assert MPCheckpoint(tmp_path / "mp11").cfg.moe.fused_experts
+    assert compare(sharded_outputs(tmp_path / "mp11", ids, 3), reference, ids.shape[1], 1e-4).ok
+    hf_to_mp(src, tmp_path / "mp22", tp=2, pp=2)
+    mp_to_hf(tmp_path / "mp22", tmp_path / "hf")
+    assert assert_same_tensors(src, tmp_path / "hf") > 0
+    assert "model.layers.1.mlp.experts.gate_up_proj" in HFCheckpoint(tmp_path / "hf").keys()
+
+
+def test_snapshot_of_a_transformers_moe_model_loads(sources):
+    """`TensorSource.snapshot` sees transformers' in-memory (stacked) names."""
+    model = AutoModelForCausalLM.from_pretrained(sources["qwen3_moe"], dtype=torch.float32)
+    chunk = load_chunks(TensorSource.snapshot(model), make_ps())[0]
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        diff = (chunk(ids)[..., :300] - model(ids).logits).abs().max().item()
+    assert diff <= 1e-5

@@ -37,7 +37,7 @@ from .hub_source import resolve_hf_source
 from .mp_layout import (HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, iteration_dir_name, parse_dtype,
                         write_latest)
 from .mp_reader import MPCheckpoint, local_shape, rank_rules
-from .rules import expected_hf_shape, to_local
+from .rules import expected_hf_shape, rule_tensors, to_local, with_expert_layout
 from .st_stream import StreamingSafetensorsWriter, WriteBehind
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel",
@@ -102,11 +102,9 @@ def write_mp_shards(source, cfg: ModelConfig, layout: MPLayout, iter_dir: Path, 
                 writers.append(stack.enter_context(
                     StreamingSafetensorsWriter(rank_dir / RANK_FILE, specs[t], {"format": "pt"})))
             with WriteBehind(depth=1) as behind:
-                for rule, target in zip(rules, targets):
-                    full = [source.get(n) for n in rule.hf]
+                for (rule, full), target in zip(rule_tensors(source, rules), targets):
                     for t, writer in enumerate(writers):
                         behind.write(writer, rule.local, to_local(rule, full, cfg, tp, t, mult).to(target))
-                    del full
     return dtype_name(written.pop()) if len(written) == 1 else "mixed"
 
 
@@ -136,7 +134,7 @@ def hf_to_mp(hf: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1,
     folder = resolve_hf_source(hf)
     target = parse_dtype(dtype)
     source = HFCheckpoint(folder)
-    cfg = load_model_config(folder)
+    cfg = with_expert_layout(load_model_config(folder), source)
     with config_errors_name(folder):
         layout = MPLayout.build(cfg, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, vocab_multiple=vocab_multiple)
     return write_mp_checkpoint(source, cfg, layout, folder, out, dtype=target, overwrite=overwrite,

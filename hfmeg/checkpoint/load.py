@@ -34,7 +34,7 @@ from ..parallel.state import ParallelState
 from .hf_reader import HFCheckpoint
 from .mp_layout import DTYPES, MPLayout
 from .mp_reader import MPCheckpoint
-from .rules import TensorRule, chunk_rules, expected_hf_shape, to_local
+from .rules import TensorRule, chunk_rules, expected_hf_shape, rule_tensors, to_local, with_expert_layout
 from .tensor_source import TensorSource
 
 WeightSource = HFCheckpoint | TensorSource | MPCheckpoint
@@ -69,9 +69,9 @@ def load_chunks(
 
 
 def source_config(source: HFCheckpoint | TensorSource) -> ModelConfig:
-    """The model config of an HF-named source (a folder's `config.json`)."""
+    """The model config of an HF-named source (a folder's `config.json`, and how it stores MoE experts)."""
     if isinstance(source, HFCheckpoint):
-        return model_config_from_hf(load_hf_config(source.folder))
+        return with_expert_layout(model_config_from_hf(load_hf_config(source.folder)), source)
     return source.cfg
 
 
@@ -102,22 +102,21 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
     if unmatched:
         raise CheckpointError(f"{source.folder}: no conversion rule matches {sorted(unmatched)}")
     with torch.no_grad():
-        for rule in rules:
-            params[rule.local].copy_(_local_tensor(source, rule, cfg, ps, vocab_multiple))
+        if isinstance(source, MPCheckpoint):
+            for rule in rules:
+                params[rule.local].copy_(source.local(ps.tp_rank, ps.pp_rank, rule.local))
+        else:
+            _check_shapes(source, rules, cfg)
+            for rule, tensors in rule_tensors(source, rules):
+                params[rule.local].copy_(to_local(rule, tensors, cfg, ps.tp, ps.tp_rank, vocab_multiple))
     return chunk.to(dtype=dtype)
 
 
-def _local_tensor(source: WeightSource, rule: TensorRule, cfg: ModelConfig, ps: ParallelState,
-                  vocab_multiple: int) -> torch.Tensor:
-    """This TP rank's slice of parameter `rule.local`, read from `source`."""
-    if isinstance(source, MPCheckpoint):
-        return source.local(ps.tp_rank, ps.pp_rank, rule.local)
-    tensors = []
-    for j, name in enumerate(rule.hf):
-        want, got = expected_hf_shape(rule, j, cfg), tuple(source.shape(name))
-        if got != want:
-            raise CheckpointError(
-                f"{source.folder}: tensor {name} has shape {list(got)}, config.json implies {list(want)}"
-            )
-        tensors.append(source.get(name))
-    return to_local(rule, tensors, cfg, ps.tp, ps.tp_rank, vocab_multiple)
+def _check_shapes(source: HFCheckpoint | TensorSource, rules: list[TensorRule], cfg: ModelConfig) -> None:
+    for rule in rules:
+        for j, name in enumerate(rule.hf):
+            want, got = expected_hf_shape(rule, j, cfg), tuple(source.shape(name))
+            if got != want:
+                raise CheckpointError(
+                    f"{source.folder}: tensor {name} has shape {list(got)}, config.json implies {list(want)}"
+                )

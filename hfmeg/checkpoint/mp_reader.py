@@ -5,8 +5,9 @@
 slices of the one rule that produces the name (from the PP rank that owns it) and
 merges them with `checkpoint.rules.to_hf`. Outputs of a rule that produces several
 HF tensors (q/k/v, gate/up) are kept until each has been asked for once, so a
-source never holds more than one rule's tensors. On opening, every rank file's
-names and shapes are checked against what the layout implies.
+source never holds more than one rule's tensors. A stacked MoE expert tensor is made
+by one rule per expert: `get` merges each expert's slice and stacks them. On opening,
+every rank file's names and shapes are checked against what the layout implies.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from ..config import ModelConfig, load_hf_config, model_config_from_hf
 from ..errors import CheckpointError
 from .mp_layout import HF_DIR, LAYOUT_FILE, RANK_FILE, MPLayout, resolve_iteration_dir
-from .rules import TensorRule, chunk_rules, expected_hf_shape, to_hf, to_local
+from .rules import TensorRule, chunk_rules, expected_hf_shape, to_hf, to_local, with_fused_experts
 from .st_stream import CODE_DTYPES, read_tensor
 
 
@@ -40,17 +41,21 @@ class MPCheckpoint:
         self.folder = resolve_iteration_dir(mp_dir, iteration)
         self.layout = MPLayout.read(self.folder)
         self.hf_dir = self.folder / HF_DIR
-        self.cfg = model_config_from_hf(load_hf_config(self.hf_dir))
+        # How the source stored MoE experts is not in config.json: the layout recorded it at conversion.
+        fused = (self.layout.model_config.get("moe") or {}).get("fused_experts", False)
+        self.cfg = with_fused_experts(model_config_from_hf(load_hf_config(self.hf_dir)), fused)
         if self.cfg.to_dict() != self.layout.model_config:
             raise CheckpointError(
                 f"{self.folder / LAYOUT_FILE}: field model_config disagrees with {self.hf_dir / 'config.json'}"
             )
         self._handles: dict[tuple[int, int], object] = {}
-        self._owner: dict[str, tuple[TensorRule, int]] = {}  # HF name -> (rule, pp rank holding it)
+        # HF name -> [(rule, pp rank holding it)]: one rule, or one per expert of a stacked tensor
+        self._owner: dict[str, list[tuple[TensorRule, int]]] = {}
         for c in self.layout.chunks:
             for rule in chunk_rules(self.cfg, c.layers, c.pre_process, c.post_process):
                 if not rule.tied:
-                    self._owner.update({name: (rule, c.pp_rank) for name in rule.hf})
+                    for name in rule.hf:
+                        self._owner.setdefault(name, []).append((rule, c.pp_rank))
         self._merged: dict[str, torch.Tensor] = {}
         self._check_rank_files()
 
@@ -105,7 +110,7 @@ class MPCheckpoint:
         """Every HF tensor the checkpoint holds, in model order."""
         return list(self._owner)
 
-    def _rule(self, name: str) -> tuple[TensorRule, int]:
+    def _rules(self, name: str) -> list[tuple[TensorRule, int]]:
         if name not in self._owner:
             raise CheckpointError(f"{self.folder}: tensor {name} is not in the checkpoint")
         return self._owner[name]
@@ -114,18 +119,24 @@ class MPCheckpoint:
         return name in self._owner
 
     def shape(self, name: str) -> tuple[int, ...]:
-        rule, p = self._rule(name)
+        rules = self._rules(name)
+        rule, p = rules[0]
         metas = [torch.empty(self._handle(t, p).get_slice(rule.local).get_shape(), device="meta")
                  for t in range(self.layout.tp)]
-        return tuple(to_hf(rule, metas, self.cfg)[name].shape)
+        shape = tuple(to_hf(rule, metas, self.cfg)[name].shape)
+        return (len(rules),) + shape if rule.expert is not None else shape
 
     def dtype(self, name: str) -> torch.dtype:
-        rule, p = self._rule(name)
+        rule, p = self._rules(name)[0]
         return CODE_DTYPES[self._handle(0, p).get_slice(rule.local).get_dtype()]
 
+    def _merge(self, rule: TensorRule, p: int) -> dict[str, torch.Tensor]:
+        return to_hf(rule, [self.local(t, p, rule.local) for t in range(self.layout.tp)], self.cfg)
+
     def get(self, name: str) -> torch.Tensor:
+        rules = self._rules(name)
+        if rules[0][0].expert is not None:  # one slice per expert, in expert order
+            return torch.stack([self._merge(rule, p)[name] for rule, p in rules])
         if name not in self._merged:
-            rule, p = self._rule(name)
-            shards = [self.local(t, p, rule.local) for t in range(self.layout.tp)]
-            self._merged = to_hf(rule, shards, self.cfg)  # drops the previous rule's leftovers
+            self._merged = self._merge(*rules[0])  # drops the previous rule's leftovers
         return self._merged.pop(name)

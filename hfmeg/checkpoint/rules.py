@@ -20,7 +20,12 @@ Split kinds:
 MoE layers (Mixtral `block_sparse_moe.*`, Qwen `mlp.*`) map the router (`gate`) and
 every expert's tensors one to one, by expert index, so each tensor travels alone
 (streaming) and the names carry the global expert index. Their rules state the HF
-shapes (`shapes`), which the split kind alone does not imply.
+shapes (`shapes`), which the split kind alone does not imply. A checkpoint that
+stores the experts stacked, as transformers holds them in memory
+(`mlp.experts.gate_up_proj` `[E, 2F, H]` = each expert's [gate; up], and
+`mlp.experts.down_proj` `[E, H, F]`), has one rule per expert that takes index
+`expert` of the stacked tensor; `MPCheckpoint` stacks the experts again on export, and
+`rule_tensors` reads a stacked tensor once for all its experts.
 
 GPT-2 stores its linear weights as `Conv1D` (`[in, out]`); `transpose=True` turns
 them into `[out, in]` on the way in and back on the way out.
@@ -28,8 +33,8 @@ them into `[out, in]` on the way in and back on the way out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, replace
+from typing import Iterable, Iterator
 
 import torch
 
@@ -44,6 +49,7 @@ class TensorRule:
     transpose: bool = False
     tied: bool = False  # a stage-local copy of the tied embedding: nothing to write back
     shapes: tuple[tuple[int, ...], ...] | None = None  # HF shapes, where the kind does not imply them
+    expert: int | None = None  # the HF tensor stacks all experts on dim 0: this rule is expert `expert`'s slice
 
 
 def _llama_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
@@ -81,15 +87,39 @@ def _expert_rules(local: str, hf: str, names: tuple[str, str, str], hidden: int,
             TensorRule(local + "fc2.weight", (down,), "replicated", shapes=((hidden, ffn),))]
 
 
+def stacked_expert_names(i: int) -> tuple[str, str]:
+    """Layer i's stacked expert tensors, as transformers holds them: gate_up `[E, 2F, H]`, down `[E, H, F]`."""
+    return f"model.layers.{i}.mlp.experts.gate_up_proj", f"model.layers.{i}.mlp.experts.down_proj"
+
+
+def with_expert_layout(cfg: ModelConfig, names) -> ModelConfig:
+    """`cfg` with `moe.fused_experts` read off the HF tensor names `names` (anything supporting `in`)."""
+    if cfg.moe is None or not cfg.moe.sparse_layers:
+        return cfg
+    return with_fused_experts(cfg, stacked_expert_names(cfg.moe.sparse_layers[0])[0] in names)
+
+
+def with_fused_experts(cfg: ModelConfig, fused: bool) -> ModelConfig:
+    return replace(cfg, moe=replace(cfg.moe, fused_experts=fused)) if cfg.moe is not None else cfg
+
+
 def _moe_rules(cfg: ModelConfig, i: int) -> list[TensorRule]:
     m, h = cfg.moe, cfg.hidden_size
     L = f"layers.{i}.mlp."
-    if cfg.model_type == "mixtral":
+    if cfg.model_type == "mixtral" and not m.fused_experts:
         p, names = f"model.layers.{i}.block_sparse_moe.", ("w1", "w3", "w2")
-    else:
+    else:  # Qwen, and every family's in-memory names
         p, names = f"model.layers.{i}.mlp.", ("gate_proj", "up_proj", "down_proj")
     rules = [TensorRule(L + "router.weight", (p + "gate.weight",), "replicated", shapes=((m.num_experts, h),))]
-    for e in range(m.num_experts):
+    if m.fused_experts:
+        E, f = m.num_experts, m.expert_ffn_size
+        gate_up, down = stacked_expert_names(i)
+        # All fc1 slices, then all fc2 slices: each stacked tensor is read once (rule_tensors).
+        rules += [TensorRule(f"{L}experts.{e}.fc1.weight", (gate_up,), "replicated", shapes=((E, 2 * f, h),),
+                             expert=e) for e in range(E)]
+        rules += [TensorRule(f"{L}experts.{e}.fc2.weight", (down,), "replicated", shapes=((E, h, f),), expert=e)
+                  for e in range(E)]
+    for e in range(0 if m.fused_experts else m.num_experts):
         rules += _expert_rules(f"{L}experts.{e}.", f"{p}experts.{e}.", names, h, m.expert_ffn_size)
     if m.shared_expert_ffn_size:
         rules += _expert_rules(L + "shared.", p + "shared_expert.", names, h, m.shared_expert_ffn_size)
@@ -168,6 +198,8 @@ def to_local(
     rule: TensorRule, hf: list[torch.Tensor], cfg: ModelConfig, tp: int, tp_rank: int, vocab_multiple: int = 128
 ) -> torch.Tensor:
     """This TP rank's slice of `rule.local`, from the full HF tensors named by `rule.hf`."""
+    if rule.expert is not None:
+        hf = [t[rule.expert] for t in hf]
     if rule.transpose:
         hf = [t.t() for t in hf]
     kind = rule.kind
@@ -199,8 +231,23 @@ def to_local(
     return out.contiguous()
 
 
+def rule_tensors(source, rules: Iterable[TensorRule]) -> Iterator[tuple[TensorRule, list[torch.Tensor]]]:
+    """(rule, the full HF tensors it is made from) for each rule, read from `source` by name.
+
+    Consecutive rules made from the same HF tensors (the experts of one stacked tensor)
+    share one read.
+    """
+    names, tensors = None, []
+    for rule in rules:
+        if rule.hf != names:
+            names, tensors = rule.hf, [source.get(n) for n in rule.hf]
+        yield rule, tensors
+
+
 def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The HF tensors named by `rule.hf`, rebuilt from all TP slices (in TP-rank order)."""
+    """The HF tensors named by `rule.hf`, rebuilt from all TP slices (in TP-rank order).
+
+    For an `expert` rule that is the expert's slice of the stacked tensor; the caller stacks."""
     if rule.tied:
         return {}
     kind = rule.kind

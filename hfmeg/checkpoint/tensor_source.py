@@ -17,6 +17,7 @@ import torch
 
 from ..config import ModelConfig, model_config_from_hf
 from ..errors import CheckpointError
+from .rules import with_expert_layout
 
 
 class TensorSource:
@@ -30,8 +31,10 @@ class TensorSource:
     @classmethod
     def snapshot(cls, model: torch.nn.Module, device: str | torch.device = "cpu") -> "TensorSource":
         """Copies (on `device`) of a transformers model's current weights, so training it leaves them unchanged."""
-        return cls({n: t.detach().to(device, copy=True) for n, t in model.state_dict().items()},
-                   model_config_from_hf(model.config), f"<snapshot of {type(model).__name__}>")
+        tensors = {n: t.detach().to(device, copy=True) for n, t in model.state_dict().items()}
+        # transformers holds MoE experts stacked per layer (rules.with_expert_layout)
+        return cls(tensors, with_expert_layout(model_config_from_hf(model.config), tensors),
+                   f"<snapshot of {type(model).__name__}>")
 
     def keys(self) -> list[str]:
         return list(self.tensors)
