@@ -19,3 +19,18 @@ def test_mfu_is_tokens_times_flops_per_token_over_peak():
     cfg = _gpt()
     per_token = training_flops(cfg, 1, 2048) / 2048
     assert abs(mfu(cfg, 1000.0, 2048, 1e15, 2) - 1000.0 * per_token / 2e15) < 1e-15
+
+
+def test_moe_layers_count_the_router_and_the_routed_experts_only():
+    """Mixtral-8x7B's shapes: a token goes through the router and 2 of the 8 experts, about 13B of 47B parameters."""
+    from transformers import MixtralConfig
+
+    from hfmeg.config import model_config_from_hf
+
+    cfg = model_config_from_hf(MixtralConfig())  # 4096 hidden, 14336 expert FFN, 8 experts, top-2, 32 layers
+    h, f, s = 4096, 14336, 4096
+    attention = h * (32 + 2 * 8) * 128 + 32 * 128 * h
+    active = 32 * (attention + h * 8 + 2 * 3 * h * f) + h * cfg.vocab_size
+    expect = 6 * s * active + 12 * s * s * 32 * 32 * 128
+    assert training_flops(cfg, 1, s) == expect
+    assert 12.5e9 < active + h * cfg.vocab_size < 13.5e9  # the published ~12.9B active parameters

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
 from hfmeg.config import model_config_from_hf
 from hfmeg.optim.config import OptimizerConfig
@@ -22,14 +22,7 @@ def _llama(layers: int, kv: int):
                                             max_position_embeddings=128))
 
 
-def test_memory_model_matches_meter_and_optimizer_exactly():
-    gpt2 = model_config_from_hf(GPT2Config(n_embd=64, n_layer=4, n_head=8, vocab_size=300, n_positions=128))
-    cases = [  # TP+SP with GQA and selective recompute; MHA (Q a view of QKV) on an uneven 3+2 PP split;
-        # GPT-2 (tied embeddings, LayerNorm, no RoPE) on DP=2 with ddp and full recompute
-        Case(_llama(4, 4), PlanLayout(2, 1, 1, 2, recompute="selective"), 2 * 2, SEQ, 5000),
-        Case(_llama(5, 8), PlanLayout(1, 2, 1, 2), 2 * 4, SEQ, 5000),
-        Case(gpt2, PlanLayout(1, 1, 2, 1, recompute="full", optimizer="ddp"), 2 * 2, SEQ, 5000),
-    ]
+def _check(cases):
     for case, per_rank in zip(cases, measure_cases(cases, steps=0)):
         opt = OptimizerConfig(mode=case.layout.optimizer, bucket_size=case.bucket_size)
         for r in per_rank:
@@ -37,6 +30,33 @@ def test_memory_model_matches_meter_and_optimizer_exactly():
             assert m.activations == r["activations"], (case.layout.name(), r)
             assert m.param_buffer + m.grad_buffer == r["buffers"], (case.layout.name(), r)
             assert m.optimizer_state == r["optimizer_state"], (case.layout.name(), r)
+
+
+def test_memory_model_matches_meter_and_optimizer_exactly():
+    gpt2 = model_config_from_hf(GPT2Config(n_embd=64, n_layer=4, n_head=8, vocab_size=300, n_positions=128))
+    _check([  # TP+SP with GQA and selective recompute; MHA (Q a view of QKV) on an uneven 3+2 PP split;
+        # GPT-2 (tied embeddings, LayerNorm, no RoPE) on DP=2 with ddp and full recompute
+        Case(_llama(4, 4), PlanLayout(2, 1, 1, 2, recompute="selective"), 2 * 2, SEQ, 5000),
+        Case(_llama(5, 8), PlanLayout(1, 2, 1, 2), 2 * 4, SEQ, 5000),
+        Case(gpt2, PlanLayout(1, 1, 2, 1, recompute="full", optimizer="ddp"), 2 * 2, SEQ, 5000),
+    ])
+
+
+def test_moe_memory_matches_meter_exactly():
+    """Mixtral (fp32 combine) with TP splitting the tokens, not the experts; Qwen2-MoE with a dense layer
+    (decoder_sparse_step 2), a shared expert and top-k renormalisation, under SP and on two stages."""
+    small = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, vocab_size=300,
+                 max_position_embeddings=128, num_experts_per_tok=2)
+    mixtral = model_config_from_hf(MixtralConfig(**small, intermediate_size=96, num_hidden_layers=2,
+                                                 num_local_experts=4))
+    qwen = model_config_from_hf(Qwen2MoeConfig(**small, intermediate_size=96, moe_intermediate_size=48,
+                                               shared_expert_intermediate_size=80, num_hidden_layers=3,
+                                               num_experts=4, decoder_sparse_step=2, norm_topk_prob=True))
+    _check([
+        Case(mixtral, PlanLayout(2, 1, 1, 2, sequence_parallel=False, recompute="selective"), 2, SEQ, 5000),
+        Case(qwen, PlanLayout(2, 1, 1, 2), 2, SEQ, 5000),
+        Case(qwen, PlanLayout(1, 2, 1, 1), 4, SEQ, 5000),
+    ])
 
 
 def test_in_flight_peak_is_the_schedules_and_a_short_plan_gives_the_same():

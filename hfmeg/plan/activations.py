@@ -18,6 +18,15 @@ Per layer, recompute `none`:
   in which case SDPA's output keeps the sequence-major layout and the reshape is a view;
 - MLP: FC1's output (e·sb·2f gated, e·sb·f plain), the activation's output (e·sbf)
   and, gated, the SwiGLU product (e·sbf);
+- MoE MLP (models/moe.py), on this rank's n tokens (n = s'b under SP, else the
+  ceil(sb/t) block of `split_tokens`) routed to k experts each: the router's input
+  (the norm's output itself, e·s'bh, not an SP gather), fp32 routing probabilities
+  (4·nE), top-k indices and values (12·nk), the renormalising sum (4·n), the sorted
+  token and slot indices (16·nk), the weights gathered per row (nk·(4 if the combine
+  is fp32, else e)), and per routed row the gathered input, FC1's output, the
+  activation's output, the SwiGLU product, the expert output and the weighted output
+  (e·nk·(3h + 4F)); a shared expert adds a gated MLP on n tokens plus its sigmoid
+  gate and output (e·n·(4F_s + 1 + h)). Dense layers of an MoE model count as above;
 - per chunk, not per layer: RoPE's cos and sin (2·e·bsd).
 `selective` checkpoints the attention core (RoPE + SDPA), as Megatron does: the
 QKV input, the fused QKV output and the output projection's input stay, rotated
@@ -67,26 +76,54 @@ def _attention_core(cfg: ModelConfig, x: Shape) -> int:
     return total
 
 
-def layer_bytes(cfg: ModelConfig, x: Shape) -> int:
-    """Saved bytes of one decoder layer for one micro-batch."""
+def is_sparse(cfg: ModelConfig, layer: int) -> bool:
+    """Whether `layer`'s MLP is the MoE block."""
+    return cfg.moe is not None and layer in cfg.moe.sparse_layers
+
+
+def layer_kinds(cfg: ModelConfig) -> list[int]:
+    """One layer index of each kind the model has (dense, sparse), for costs that differ only by kind."""
+    kinds = {is_sparse(cfg, i): i for i in reversed(range(cfg.num_layers))}
+    return sorted(kinds.values())
+
+
+def moe_tokens(x: Shape) -> int:
+    """Tokens a TP rank routes: its sequence shard under SP, else its block of `comm.split_tokens`."""
+    sb = x.seq_len * x.micro_batch
+    return sb // x.tp if x.sp else -(-sb // x.tp)
+
+
+def _moe(cfg: ModelConfig, x: Shape) -> int:
+    m, e, h, n = cfg.moe, x.dtype_bytes, cfg.hidden_size, moe_tokens(x)
+    k, f = m.top_k, m.expert_ffn_size
+    routing = 4 * n * m.num_experts + 12 * n * k + (4 * n if m.norm_topk_prob else 0) + 16 * n * k \
+        + n * k * (4 if m.combine_fp32 else e)
+    experts = e * n * k * (3 * h + 4 * f)
+    shared = e * n * (4 * m.shared_expert_ffn_size + 1 + h) if m.shared_expert_ffn_size else 0
+    return e * x.local_seq * x.micro_batch * h + routing + experts + shared
+
+
+def layer_bytes(cfg: ModelConfig, x: Shape, layer: int = 0) -> int:
+    """Saved bytes of decoder layer `layer` for one micro-batch."""
     e, h = x.dtype_bytes, cfg.hidden_size
     if x.recompute == "full":
         return e * x.local_seq * x.micro_batch * h
     sb, f = x.seq_len * x.micro_batch, cfg.ffn_size // x.tp
-    mlp = e * sb * (4 * f if cfg.gated_mlp else 2 * f)
     column_input = e * sb * h
+    mlp = _moe(cfg, x) if is_sparse(cfg, layer) else \
+        column_input + e * sb * (4 * f if cfg.gated_mlp else 2 * f)
     if x.recompute == "selective":
         nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
         attention = column_input + e * sb * (2 * nh + 2 * nkv) * cfg.head_dim
     else:
         attention = column_input + _attention_core(cfg, x)
-    return 2 * _norm(cfg, x) + attention + column_input + mlp
+    return 2 * _norm(cfg, x) + attention + mlp
 
 
-def chunk_bytes(cfg: ModelConfig, x: Shape, layers: int, pre_process: bool, post_process: bool) -> int:
+def chunk_bytes(cfg: ModelConfig, x: Shape, layers: range, pre_process: bool, post_process: bool) -> int:
     """Saved bytes of one model chunk (its layers plus the ends it owns) for one micro-batch."""
     bs, e = x.micro_batch * x.seq_len, x.dtype_bytes
-    total = layers * layer_bytes(cfg, x)
+    total = sum(layer_bytes(cfg, x, i) for i in layers)
     if layers and cfg.positions == "rope" and x.recompute == "none":
         total += 2 * e * bs * cfg.head_dim
     if pre_process:
@@ -112,4 +149,4 @@ def recompute_transient_bytes(cfg: ModelConfig, x: Shape) -> int:
     if x.recompute == "none":
         return 0
     again = Shape(x.micro_batch, x.seq_len, x.tp, x.sp, x.dtype_bytes, "none")
-    return layer_bytes(cfg, again) - layer_bytes(cfg, x)
+    return max(layer_bytes(cfg, again, i) - layer_bytes(cfg, x, i) for i in layer_kinds(cfg))

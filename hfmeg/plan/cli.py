@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, help="evaluate this one layout (with --pp, --micro-batch-size ...)")
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1, help="expert parallelism: MoE is not supported yet (1 only)")
+    ap.add_argument("--ep", type=int, default=1, help="expert parallelism: not modelled yet (1 only); MoE models plan at EP 1")
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--no-sequence-parallel", action="store_true")
@@ -98,7 +98,7 @@ def _explain(ev: Evaluation) -> None:
 
 def _plan(a) -> int:
     if a.ep != 1:
-        raise HfmegError("--ep: expert parallelism needs MoE models, which hfmeg does not support yet")
+        raise HfmegError("--ep: the planner does not model expert parallelism yet; MoE models plan at --ep 1")
     job, defaulted = _job(a)
     if defaulted:
         print(f"[plan] using the built-in seed example for --{', --'.join(d.replace('_', '-') for d in defaulted)}"

@@ -11,7 +11,9 @@ i.e. 6 FLOPs per token per matmul parameter (2 forward, 4 backward), plus the
 attention score and value products (2 * 2 s h per token per layer, times 3), plus
 the LM head. `training_flops` is that formula with the layer matmul parameters
 counted exactly, so it also covers GQA (smaller K/V projections) and SwiGLU (three
-FFN matrices). Recomputation is not counted: MFU measures useful model work.
+FFN matrices), and MoE layers (router, the top-k experts and the shared expert a token
+goes through: its active parameters, not all experts). Recomputation is not counted: MFU measures
+useful model work.
 """
 
 from __future__ import annotations
@@ -30,11 +32,18 @@ def peak_flops(device: torch.device) -> float | None:
     return GPUS[kind].peak_flops if kind else None
 
 
-def layer_matmul_params(cfg: ModelConfig) -> int:
+def layer_matmul_params(cfg: ModelConfig, layer: int) -> int:
+    """Matmul parameters one token goes through in `layer`: for an MoE layer the router, its top-k
+    experts and the shared expert (the experts it is not routed to cost it nothing)."""
     h, d = cfg.hidden_size, cfg.head_dim
     qkv = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d
     out = cfg.num_heads * d * h
-    mlp = (3 if cfg.gated_mlp else 2) * h * cfg.ffn_size
+    m = cfg.moe
+    if m is not None and layer in m.sparse_layers:
+        shared = 3 * h * m.shared_expert_ffn_size + h if m.shared_expert_ffn_size else 0
+        mlp = h * m.num_experts + m.top_k * 3 * h * m.expert_ffn_size + shared
+    else:
+        mlp = (3 if cfg.gated_mlp else 2) * h * cfg.ffn_size
     return qkv + out + mlp
 
 
@@ -42,7 +51,8 @@ def training_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     """FLOPs of one forward + backward over `batch` sequences of `seq_len` tokens."""
     tokens = batch * seq_len
     attn_width = cfg.num_heads * cfg.head_dim
-    dense = 6 * tokens * (cfg.num_layers * layer_matmul_params(cfg) + cfg.hidden_size * cfg.vocab_size)
+    layers = sum(layer_matmul_params(cfg, i) for i in range(cfg.num_layers))
+    dense = 6 * tokens * (layers + cfg.hidden_size * cfg.vocab_size)
     attention = 12 * tokens * seq_len * cfg.num_layers * attn_width
     return float(dense + attention)
 

@@ -74,8 +74,9 @@ def _cfg_key(cfg: ModelConfig) -> str:
 def _chunk_elements(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: bool,
                     pp: int, shards: int, bucket_size: int) -> tuple[int, int, int]:
     """(parameter elements, padded bucket elements, buckets) of one chunk on one rank."""
-    key = (_cfg_key(cfg), tp, len(layers), pre, post, pp, shards,
-           bucket_size)
+    # Dense layers are alike, so the count depends on how many; MoE models mix dense and sparse layers.
+    which = tuple(i in cfg.moe.sparse_layers for i in layers) if cfg.moe else len(layers)
+    key = (_cfg_key(cfg), tp, which, pre, post, pp, shards, bucket_size)
     if key not in _ELEMENTS:
         _ELEMENTS[key] = _count_chunk(cfg, tp, layers, pre, post, pp, shards, bucket_size)
     return _ELEMENTS[key]
@@ -83,7 +84,8 @@ def _chunk_elements(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: b
 
 def _count_chunk(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: bool,
                  pp: int, shards: int, bucket_size: int) -> tuple[int, int, int]:
-    ps = SimpleNamespace(tp=tp, tp_rank=0, sequence_parallel=False)  # construction reads only these
+    # construction reads only these
+    ps = SimpleNamespace(tp=tp, tp_rank=0, sequence_parallel=False, ep=1, ep_rank=0, ep_group=None)
     with torch.device("meta"):
         chunk = ModelChunk(cfg, ps, layers, pre_process=pre, post_process=post)
     named = [(n, p, r) for n, p, r in named_roles(chunk) if p.requires_grad][::-1]
@@ -122,7 +124,7 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
         n, padded_n, buckets_n = _chunk_elements(cfg, lay.tp, s.layers, s.pre_process, s.post_process, lay.pp, shards,
                                       opt.bucket_size)
         params, padded, buckets = params + n, padded + padded_n, buckets + buckets_n
-        held = chunk_bytes(cfg, shape, len(s.layers), s.pre_process, s.post_process)
+        held = chunk_bytes(cfg, shape, s.layers, s.pre_process, s.post_process)
         per_chunk.append(held + (0 if s.pre_process else received_input_bytes(cfg, shape)))
     activations = _in_flight_peak(lay, pp_rank, lay.microbatches(global_batch), per_chunk)
     transient = recompute_transient_bytes(cfg, shape)

@@ -4,8 +4,8 @@ The built-in configs need no download: the issue's seed model (a GPT with hidden
 3072, 32 layers, 32 heads, vocabulary 50264, seq 1024: 3.6B parameters) and the
 LLaMA-2 7B/13B/70B shapes. A Hub id fetches `config.json` alone through
 `huggingface_hub` (cache and `HF_HUB_OFFLINE` honoured): planning needs no weights
-(`checkpoint.hub_source` would fetch them too). MoE configs (mixtral, qwen2_moe)
-are refused by `model_config_from_hf` like every architecture hfmeg cannot run.
+(`checkpoint.hub_source` would fetch them too). What `model_config_from_hf` refuses
+(an architecture hfmeg cannot run) the planner refuses with the same line.
 """
 
 from __future__ import annotations

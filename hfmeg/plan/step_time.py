@@ -32,7 +32,7 @@ from ..config import ModelConfig
 from ..optim.config import OptimizerConfig
 from ..parallel.layout import rank_chunks, split_layers
 from .flops import training_flops
-from .activations import Shape, layer_bytes
+from .activations import Shape, is_sparse, layer_bytes, layer_kinds, moe_tokens
 from .hardware import ClusterSpec
 from .layout import PlanLayout
 from .memory import Memory, stage_memories
@@ -97,21 +97,41 @@ class _Stage:
         flops = 2.0 * m * k * n
         return flops / (self.prof.peak_flops * self.prof.efficiency(flops))
 
-    def layer(self) -> tuple[float, float, float]:
-        """(forward compute, backward compute, TP communication) of one layer."""
+    def _mlp(self, layer: int) -> tuple[float, int]:
+        """(matmul seconds, TP all-reduce equivalents per forward + backward) of `layer`'s MLP.
+
+        A dense MLP is column- then row-parallel: two all-reduces' worth of TP traffic per
+        forward and backward. An MoE MLP runs whole experts on this rank's share of the
+        tokens (models/moe.py): each expert's GEMMs on its average share of the routed rows,
+        and without SP one all-gather of the outputs (half an all-reduce's bytes) per forward."""
+        c, t, x = self.cfg, self.lay.tp, self.shape
+        tok, h = x.micro_batch * x.seq_len, c.hidden_size
+        if not is_sparse(c, layer):
+            f = c.ffn_size // t
+            return self._mm(tok, h, (2 if c.gated_mlp else 1) * f) + self._mm(tok, f, h), 2
+        m, n = c.moe, moe_tokens(x)
+        rows = n * m.top_k / m.num_experts
+        mm = self._mm(n, h, m.num_experts) + m.num_experts * (self._mm(rows, h, 2 * m.expert_ffn_size)
+                                                               + self._mm(rows, m.expert_ffn_size, h))
+        if m.shared_expert_ffn_size:
+            mm += self._mm(n, h, 2 * m.shared_expert_ffn_size + 1) + self._mm(n, m.shared_expert_ffn_size, h)
+        return mm, 0 if x.sp else 0.5
+
+    def layer(self, layer: int) -> tuple[float, float, float]:
+        """(forward compute, backward compute, TP communication) of decoder layer `layer`."""
         c, t, x = self.cfg, self.lay.tp, self.shape
         tok, h, d = x.micro_batch * x.seq_len, c.hidden_size, c.head_dim
-        nh, nkv, f = c.num_heads // t, c.num_kv_heads // t, c.ffn_size // t
-        mm = (self._mm(tok, h, (nh + 2 * nkv) * d) + self._mm(tok, nh * d, h)
-              + self._mm(tok, h, (2 if c.gated_mlp else 1) * f) + self._mm(tok, f, h))
+        nh, nkv = c.num_heads // t, c.num_kv_heads // t
+        mlp, mlp_collectives = self._mlp(layer)
+        mm = self._mm(tok, h, (nh + 2 * nkv) * d) + self._mm(tok, nh * d, h) + mlp
         attn = 2.0 * x.micro_batch * x.seq_len ** 2 * nh * d / (self.prof.peak_flops * self.prof.attention_efficiency)
         none = Shape(x.micro_batch, x.seq_len, t, x.sp, x.dtype_bytes, "none")
-        elementwise = 3 * layer_bytes(c, none) / self.prof.memory_bytes_per_s
+        elementwise = 3 * layer_bytes(c, none, layer) / self.prof.memory_bytes_per_s
         kernels = self.prof.layer_overhead_s
         fwd = mm + attn + (elementwise + kernels) / 3
         bwd = 2 * mm + 2 * attn + 2 * (elementwise + kernels) / 3
         ar = _ring(x.dtype_bytes * tok * h, t, self.tp_link, passes=2)
-        comm = 4 * ar
+        comm = (2 + mlp_collectives) * ar
         if x.recompute == "full":
             bwd, comm = bwd + fwd, comm + 2 * ar
         elif x.recompute == "selective":
@@ -137,20 +157,22 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     pp_link = _link(cluster, prof, 2, lay.tp * lay.dp)
     dp_link = _link(cluster, prof, lay.dp, lay.tp)
     stage = _Stage(cfg, lay, prof, shape, tp_link, slow)
-    fwd_l, bwd_l, comm_l = stage.layer()
+    costs = {i: stage.layer(i) for i in layer_kinds(cfg)}  # layers of one kind cost the same
+    kind_of = {is_sparse(cfg, i): i for i in costs}
     head_f, head_b = stage.head()
     p2p_msg = pp_link[1] + dtype_bytes * shape.local_seq * lay.micro_batch * cfg.hidden_size / pp_link[0]
     specs = split_layers(cfg.num_layers, lay.pp, lay.vpp)
     stages = []
     for r in range(lay.pp):
         mine = rank_chunks(specs, r)
-        n = sum(len(s.layers) for s in mine)
+        fwd_l, bwd_l, comm_l = (sum(parts) for parts in zip(*(costs[kind_of[is_sparse(cfg, i)]]
+                                                              for s in mine for i in s.layers)))
         post = any(s.post_process for s in mine)
         ends = prof.ends_overhead_s / 2 * sum(s.pre_process + s.post_process for s in mine) * slow
-        fwd = n * fwd_l + (head_f if post else 0.0) + ends / 3
-        bwd = n * bwd_l + (head_b if post else 0.0) + 2 * ends / 3
+        fwd = fwd_l + (head_f if post else 0.0) + ends / 3
+        bwd = bwd_l + (head_b if post else 0.0) + 2 * ends / 3
         p2p = p2p_msg * sum((not s.pre_process) + (not s.post_process) for s in mine)
-        stages.append((fwd, bwd, n * comm_l, p2p, memories[r]))
+        stages.append((fwd, bwd, comm_l, p2p, memories[r]))
     per_mb = [f + b + c + p for f, b, c, p, _ in stages]
     slowest = max(range(lay.pp), key=lambda r: per_mb[r])
     bubble = (lay.pp - 1) / lay.vpp * sum(per_mb) / lay.pp
