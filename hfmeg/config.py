@@ -213,7 +213,7 @@ def _moe_config(hf: PretrainedConfig) -> MoEConfig:
     """The MoE fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config, as their HF modeling code reads them."""
     t = hf.model_type
     mixtral = t == "mixtral"
-    experts_field = "num_local_experts" if mixtral else "num_experts"
+    experts_field = _experts_field(t)
     experts, top_k = getattr(hf, experts_field), hf.num_experts_per_tok
     _require(experts >= 1, experts_field, f"{experts}: a model without experts is not an MoE model")
     _require(1 <= top_k <= experts, "num_experts_per_tok", f"{top_k} must be between 1 and {experts_field}={experts}")
@@ -234,6 +234,11 @@ def _moe_config(hf: PretrainedConfig) -> MoEConfig:
                      norm_topk_prob=bool(hf.norm_topk_prob), sparse_layers=sparse, combine_fp32=False,
                      shared_expert_ffn_size=shared, router_aux_loss_coef=float(hf.router_aux_loss_coef),
                      output_router_logits=bool(hf.output_router_logits))
+
+
+def _experts_field(model_type: str) -> str:
+    """The config.json field holding the number of routed experts."""
+    return "num_local_experts" if model_type == "mixtral" else "num_experts"
 
 
 def _from_gpt2(hf: PretrainedConfig) -> ModelConfig:
@@ -285,3 +290,14 @@ def check_tp(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> N
     _require(cfg.num_kv_heads % tp == 0, "num_key_value_heads", f"{cfg.num_kv_heads} is not divisible by TP={tp}")
     if any(not cfg.is_sparse(i) for i in range(cfg.num_layers)):  # experts are not TP-split (models/moe.py)
         _require(cfg.ffn_size % tp == 0, "intermediate_size", f"{cfg.ffn_size} is not divisible by TP={tp}")
+
+
+def check_ep(cfg: ModelConfig, ep: int) -> None:
+    """Raise if `cfg`'s routed experts cannot be spread evenly over `ep` expert-parallel ranks."""
+    if cfg.moe is None and ep > 1:
+        raise UnsupportedConfigError(f"parallel.ep: {ep}, but a {cfg.model_type} model has no experts to spread; "
+                                     "use ep 1")
+    if cfg.moe is not None:
+        n = cfg.moe.num_experts
+        _require(n % ep == 0, _experts_field(cfg.model_type),
+                 f"{n} experts cannot be split evenly over parallel.ep={ep} (EP must divide the expert count)")

@@ -120,7 +120,7 @@ def max_rel_diff(chunk, ps: ParallelState, ref: dict[str, torch.Tensor]) -> tupl
     parameters (against TP slices of ref), and how many tensors were compared."""
     params = dict(chunk.named_parameters())
     worst, worst_max, n = 0.0, 0.0, 0
-    for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process):
+    for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process, chunk.experts):
         if rule.tied:  # the last stage's copy of the tied embedding
             rule = dataclasses.replace(rule, local="embed.weight", tied=False)
         full = to_hf(rule, [ref[rule.local]], chunk.cfg)

@@ -45,7 +45,7 @@ def _moe(x, experts, weights, w, dispatcher):
     for e, n in enumerate(d.tokens_per_expert):
         outs.append(d.rows[start:start + n] @ w[e])
         start += n
-    y = dispatcher.combine(torch.cat(outs), d).view(x.shape[0], experts.shape[1], -1)
+    y = dispatcher.combine(torch.cat(outs), d)[torch.argsort(d.order)].view(x.shape[0], experts.shape[1], -1)
     return (y * weights.unsqueeze(-1)).sum(1)
 
 

@@ -2,7 +2,8 @@
 
 Tiny random Mixtral, Qwen2-MoE (a dense layer, a shared expert) and Qwen3-MoE (q/k norms,
 norm_topk_prob, a dense layer), one 4-process gloo world per family running TP in {1, 2}
-x PP in {1, 2}, SP off and on at TP=2 (the rest of the world as DP replicas). Loss and
+x PP in {1, 2}, SP off and on at TP=2 (the rest of the world as DP replicas), and expert
+parallelism inside those replicas: EP 2 and 4 at TP=1, EP 2 at TP=2 with SP. Loss and
 gradients come from the pipeline's own `forward_backward`, so the aux term is added where
 training adds it, and gradients are finished by the data-parallel wrapper. With PP=2 the aux loss is refused (README, MoE), so those layouts run a
 copy of the checkpoint with `output_router_logits` false against transformers without it.
@@ -34,7 +35,10 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
 from tiny_models import MOE_KINDS, save_tiny
 
-LAYOUTS = [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False), (2, 2, False), (2, 2, True)]
+# (tp, pp, sp, ep)
+LAYOUTS = [(1, 1, False, 1), (2, 1, False, 1), (2, 1, True, 1), (1, 2, False, 1), (2, 2, False, 1), (2, 2, True, 1),
+           (1, 1, False, 2), (1, 1, False, 4), (2, 1, True, 2)]
+GENERATE = ((2, 1, False, 1), (1, 1, False, 2))  # layouts that also generate greedily
 PROMPT = torch.tensor([[5, 17, 42, 7, 99]])  # odd running lengths: uneven token blocks at TP=2 without SP
 NEW_TOKENS = 6
 
@@ -69,15 +73,15 @@ def _gather_tp(t, ps):
 def _check_layouts(folders, ids, refs, prompt):
     labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
     rows = []
-    for tp, pp, sp in LAYOUTS:
+    for tp, pp, sp, ep in LAYOUTS:
         aux = pp == 1
         ref_logits, ref_loss, ref_grads = refs[aux]
-        ps = make_ps(tp=tp, pp=pp, sp=sp)
+        ps = make_ps(tp=tp, pp=pp, sp=sp, ep=ep)
         chunks = load_chunks(HFCheckpoint(folders[aux]), ps)
         logits = full_logits(chunks, ps, ids)
         # The world's DP replicas all take the same rows: a global batch of dp copies, of which this
-        # rank's share of the loss is 1/dp; the data-parallel wrapper sums the gradients (over DP, and
-        # the partial ones of the router, experts and q/k norms over TP) as in training.
+        # rank's share of the loss is 1/dp; the data-parallel wrapper sums the gradients (over DP, experts'
+        # over expert-DP, and the partial ones of the router, experts and q/k norms over TP) as in training.
         wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)
         loss = forward_backward(chunks, ps, [{"input_ids": ids, "labels": labels}], schedule="1f1b",
                                 num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
@@ -86,18 +90,18 @@ def _check_layouts(folders, ids, refs, prompt):
         worst, seen = 0.0, set()
         for chunk in chunks:
             params = dict(chunk.named_parameters())
-            for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process):
+            for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process, chunk.experts):
                 for name, g in to_hf(rule, _gather_tp(params[rule.local].main_grad, ps), chunk.cfg).items():
                     ref = ref_grads[name]
                     worst = max(worst, ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item())
                     seen.add(name)
-        row = dict(layout=(tp, pp, sp), grad_rel=worst, seen=sorted(seen))
+        row = dict(layout=(tp, pp, sp, ep), grad_rel=worst, seen=sorted(seen))
         if logits is not None:
             row.update(logit_diff=(logits - ref_logits).abs().max().item(), loss_diff=abs(loss - ref_loss))
         # The recorded load: every routed token fills top_k expert slots.
         stats = [layer.mlp.stats for c in chunks for layer in c.layers.values() if isinstance(layer.mlp, MoELayer)]
         row["load_ok"] = all(int(st.tokens_per_expert.sum()) == chunks[0].cfg.moe.top_k * st.rows for st in stats)
-        if (tp, pp, sp) == (2, 1, False):
+        if (tp, pp, sp, ep) in GENERATE:
             row["generated"] = greedy_generate(chunks, ps, prompt, NEW_TOKENS).tolist()
         rows.append(row)
     return rows

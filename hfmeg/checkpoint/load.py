@@ -12,9 +12,11 @@ through the conversion rules (`checkpoint.rules`):
   With tied embeddings the last stage's `lm_head` is filled from the embedding tensor
   by the rules, so both copies start equal.
 - An MP checkpoint already holds each rank's slices under the chunks' own parameter
-  names: the rank opens only its own rank file and copies. Its layout (TP/PP/VPP and
+  names: the rank opens only its own rank folder and copies. Its layout (TP/PP/VPP and
   the layer split) must be the run's; another one is refused with a LayoutError that
-  says how to reshard.
+  says how to reshard. The EP size is not part of it: every rank folder holds all
+  experts by global index, and an expert-parallel rank reads only its own
+  (`ModelChunk.experts`).
 
 Chunks are created directly on `ps.device` and then cast to `dtype`: at 7B-layer sizes,
 initialising billions of parameters on the CPU (only to overwrite them) takes minutes.
@@ -97,7 +99,7 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
         chunk = ModelChunk(cfg, ps, spec.layers, pre_process=spec.pre_process, post_process=spec.post_process,
                            vocab_multiple=vocab_multiple, **options)
     params = dict(chunk.named_parameters())
-    rules = chunk_rules(cfg, spec.layers, spec.pre_process, spec.post_process)
+    rules = chunk_rules(cfg, spec.layers, spec.pre_process, spec.post_process, chunk.experts)
     unmatched = set(params) ^ {r.local for r in rules}
     if unmatched:
         raise CheckpointError(f"{source.folder}: no conversion rule matches {sorted(unmatched)}")

@@ -7,6 +7,7 @@
     hf/                                      config.json, tokenizer and generation config, copied verbatim
     mp_rank_TT/model.safetensors             PP = 1: one file per TP rank
     mp_rank_TT_PPP/model.safetensors         PP > 1: one file per (TP rank, PP rank)
+    mp_rank_TT[_PPP]/model-experts-EEE-FFF.safetensors   saved by an expert-parallel run (below)
 ```
 
 A rank file holds all of that rank's virtual chunks. Tensor names are the model
@@ -17,6 +18,15 @@ says which layers each chunk holds. Every value is that TP rank's slice exactly 
 `checkpoint.rules.to_local` makes it (vocabulary padded, QKV fused per KV group,
 gate/up fused per rank). With tied embeddings the last stage also stores its copy
 of the embedding as `lm_head.weight`, so both end stages hold it.
+
+MoE experts are not TP-split and carry their global index (`layers.3.mlp.experts.5.fc1.weight`),
+so a rank folder holds every expert of its layers whatever EP size saved it. An expert-
+parallel run writes them where they are: `model.safetensors` from EP rank 0 (everything
+but the other EP ranks' experts), and each other EP rank's experts E..F in
+`model-experts-EEE-FFF.safetensors` beside it. Readers look tensors up by name across a
+rank folder's weight files (`rank_files`), so a folder written at any EP size loads at any
+other, and folders with one file per rank (every converter's output) are unchanged:
+the format version stays 1.
 
 `hfmeg_layout.json` (format version 1):
 `format`, `format_version`, `architecture` (HF `architectures[0]`), `model_config`
@@ -47,12 +57,18 @@ LAYOUT_FILE = "hfmeg_layout.json"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 HF_DIR = "hf"
 RANK_FILE = "model.safetensors"
+EXPERT_FILE = "model-experts-{first:03d}-{last:03d}.safetensors"  # an EP rank's experts first..last
 # HF side files kept beside the weights: config, generation config, tokenizer (any flavour).
 HF_SIDE_PATTERNS = (
     "config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken", "chat_template.*",
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def rank_files(rank_dir: Path) -> list[Path]:
+    """The weight files of one rank folder: `RANK_FILE` first, then the expert files in name order."""
+    return [rank_dir / RANK_FILE] + sorted(rank_dir.glob(EXPERT_FILE.split("{")[0] + "*.safetensors"))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -6,8 +6,10 @@ slices of the one rule that produces the name (from the PP rank that owns it) an
 merges them with `checkpoint.rules.to_hf`. Outputs of a rule that produces several
 HF tensors (q/k/v, gate/up) are kept until each has been asked for once, so a
 source never holds more than one rule's tensors. A stacked MoE expert tensor is made
-by one rule per expert: `get` merges each expert's slice and stacks them. On opening,
-every rank file's names and shapes are checked against what the layout implies.
+by one rule per expert: `get` merges each expert's slice and stacks them. A rank folder
+may hold several weight files (an expert-parallel save, `mp_layout.rank_files`): tensors
+are found by name across them. On opening, every rank folder's names (each exactly once)
+and shapes are checked against what the layout implies.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig, load_hf_config, model_config_from_hf
 from ..errors import CheckpointError
-from .mp_layout import HF_DIR, LAYOUT_FILE, RANK_FILE, MPLayout, resolve_iteration_dir
+from .mp_layout import HF_DIR, LAYOUT_FILE, MPLayout, rank_files, resolve_iteration_dir
 from .rules import TensorRule, chunk_rules, expected_hf_shape, to_hf, to_local, with_fused_experts
 from .st_stream import CODE_DTYPES, read_tensor
 
@@ -48,7 +50,7 @@ class MPCheckpoint:
             raise CheckpointError(
                 f"{self.folder / LAYOUT_FILE}: field model_config disagrees with {self.hf_dir / 'config.json'}"
             )
-        self._handles: dict[tuple[int, int], object] = {}
+        self._files: dict[tuple[int, int], dict[str, tuple[Path, object]]] = {}
         # HF name -> [(rule, pp rank holding it)]: one rule, or one per expert of a stacked tensor
         self._owner: dict[str, list[tuple[TensorRule, int]]] = {}
         for c in self.layout.chunks:
@@ -60,49 +62,60 @@ class MPCheckpoint:
         self._check_rank_files()
 
     # -- rank files -------------------------------------------------------------
-    def rank_file(self, tp_rank: int, pp_rank: int) -> Path:
-        return self.folder / self.layout.rank_dir(tp_rank, pp_rank) / RANK_FILE
+    def rank_dir(self, tp_rank: int, pp_rank: int) -> Path:
+        return self.folder / self.layout.rank_dir(tp_rank, pp_rank)
 
-    def _handle(self, tp_rank: int, pp_rank: int):
+    def _tensors(self, tp_rank: int, pp_rank: int) -> dict[str, tuple[Path, object]]:
+        """Tensor name -> (file, open handle) over the weight files of rank folder (tp_rank, pp_rank)."""
         key = (tp_rank, pp_rank)
-        if key not in self._handles:
-            path = self.rank_file(tp_rank, pp_rank)
-            if not path.is_file():
-                raise CheckpointError(f"{path}: missing rank file")
-            try:
-                self._handles[key] = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{path}: cannot read weights ({type(e).__name__}: {e})") from e
-        return self._handles[key]
+        if key not in self._files:
+            found: dict[str, tuple[Path, object]] = {}
+            for path in rank_files(self.rank_dir(tp_rank, pp_rank)):
+                if not path.is_file():
+                    raise CheckpointError(f"{path}: missing rank file")
+                try:
+                    handle = safe_open(str(path), framework="pt")
+                except (SafetensorError, OSError) as e:
+                    raise CheckpointError(f"{path}: cannot read weights ({type(e).__name__}: {e})") from e
+                for name in handle.keys():
+                    if name in found:
+                        raise CheckpointError(f"{path}: tensor {name} is also in {found[name][0].name}")
+                    found[name] = (path, handle)
+            self._files[key] = found
+        return self._files[key]
+
+    def local_slice(self, tp_rank: int, pp_rank: int, name: str):
+        """safetensors' lazy slice of tensor `name` of rank folder (tp_rank, pp_rank): shape and dtype, no data."""
+        _, handle = self._tensors(tp_rank, pp_rank)[name]
+        return handle.get_slice(name)
 
     def _check_rank_files(self) -> None:
         cfg, L = self.cfg, self.layout
         for p in range(L.pp):
             rules = rank_rules(cfg, L, p)
             for t in range(L.tp):
-                path, handle = self.rank_file(t, p), self._handle(t, p)
-                names = set(handle.keys())
+                where, names = self.rank_dir(t, p), set(self._tensors(t, p))
                 want = {r.local for r in rules}
                 if names != want:
                     diff = sorted(want - names) or sorted(names - want)
                     what = "lacks" if want - names else "has unexpected"
-                    raise CheckpointError(f"{path}: {what} tensor(s) {', '.join(diff[:3])}")
+                    raise CheckpointError(f"{where}: {what} tensor(s) {', '.join(diff[:3])}")
                 for rule in rules:
                     hf_shapes = [expected_hf_shape(rule, j, cfg) for j in range(len(rule.hf))]
                     expect = local_shape(rule, cfg, hf_shapes, L.tp, t, L.vocab_multiple)
-                    got = tuple(handle.get_slice(rule.local).get_shape())
+                    got = tuple(self.local_slice(t, p, rule.local).get_shape())
                     if got != expect:
+                        path = self._tensors(t, p)[rule.local][0]
                         raise CheckpointError(
                             f"{path}: tensor {rule.local} has shape {list(got)}, the layout implies {list(expect)}"
                         )
 
     def local(self, tp_rank: int, pp_rank: int, name: str) -> torch.Tensor:
-        """Tensor `name` of rank file (tp_rank, pp_rank), as stored."""
-        self._handle(tp_rank, pp_rank)  # validated on open
+        """Tensor `name` of rank folder (tp_rank, pp_rank), as stored."""
+        path, _ = self._tensors(tp_rank, pp_rank)[name]  # validated on open
         try:
-            return read_tensor(self.rank_file(tp_rank, pp_rank), name)
+            return read_tensor(path, name)
         except (OSError, KeyError) as e:
-            path = self.rank_file(tp_rank, pp_rank)
             raise CheckpointError(f"{path}: cannot read tensor {name} ({type(e).__name__}: {e})") from e
 
     # -- HF view ----------------------------------------------------------------
@@ -121,14 +134,14 @@ class MPCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         rules = self._rules(name)
         rule, p = rules[0]
-        metas = [torch.empty(self._handle(t, p).get_slice(rule.local).get_shape(), device="meta")
+        metas = [torch.empty(self.local_slice(t, p, rule.local).get_shape(), device="meta")
                  for t in range(self.layout.tp)]
         shape = tuple(to_hf(rule, metas, self.cfg)[name].shape)
         return (len(rules),) + shape if rule.expert is not None else shape
 
     def dtype(self, name: str) -> torch.dtype:
         rule, p = self._rules(name)[0]
-        return CODE_DTYPES[self._handle(0, p).get_slice(rule.local).get_dtype()]
+        return CODE_DTYPES[self.local_slice(0, p, rule.local).get_dtype()]
 
     def _merge(self, rule: TensorRule, p: int) -> dict[str, torch.Tensor]:
         return to_hf(rule, [self.local(t, p, rule.local) for t in range(self.layout.tp)], self.cfg)

@@ -7,7 +7,9 @@ Collective over the default process group; every rank calls it. Protocol of `sta
    copies the HF side files; barrier.
 2. the caller writes into that temporary folder: `write_model_shard` (every rank
    with dp_rank 0 writes its own `mp_rank_TT[_PPP]/model.safetensors`; DP replicas
-   hold identical weights) and whatever else its checkpoint holds; barrier.
+   hold identical weights; with expert parallelism the other EP ranks of DP rank 0's
+   EP group add their experts beside it, `mp_layout.EXPERT_FILE`) and whatever else
+   its checkpoint holds; barrier.
 3. rank 0 renames the temporary folder to `iter_XXXXXXX` (replacing an older one
    of the same number) and only then rewrites `latest_checkpointed_iteration.txt`,
    so a crash at any point leaves the previous checkpoint as the latest one.
@@ -29,9 +31,11 @@ import torch.distributed as dist
 from ..errors import LayoutError
 from ..models.decoder import ModelChunk
 from ..parallel.params_ready import wait_params_ready
+from ..parallel.roles import named_roles
 from ..parallel.state import ParallelState
 from .atomic import replace_dir
-from .mp_layout import HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, iteration_dir_name, write_latest
+from .mp_layout import (EXPERT_FILE, HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, iteration_dir_name,
+                        write_latest)
 from .rules import chunk_rules
 from .st_stream import StreamingSafetensorsWriter
 
@@ -82,20 +86,28 @@ def staged_save(layout: MPLayout, ps: ParallelState, mp_dir: str | Path, hf_side
 
 
 def write_model_shard(chunks: list[ModelChunk], ps: ParallelState, layout: MPLayout, folder: Path) -> Path:
-    """Write this rank's tensors into `folder/mp_rank_TT[_PPP]/` (DP rank 0 only); returns that rank folder."""
+    """Write this rank's tensors into `folder/mp_rank_TT[_PPP]/`; returns that rank folder.
+
+    One DP replica writes, so that the folder holds every tensor once: DP rank 0 all of
+    its tensors into `RANK_FILE`; with EP > 1 the other ranks of its EP group (DP ranks
+    1..ep-1, expert-DP rank 0) hold other experts and write only those, found by their
+    role, into a file named by their global indices."""
     rank_dir = folder / layout.rank_dir(ps.tp_rank, ps.pp_rank)
     rank_dir.mkdir(exist_ok=True)
     # The overlapped optimizer's parameter all-gathers may still be in flight: without this wait
     # the shards other DP ranks own would be written as they were one step ago.
     wait_params_ready(chunks)
-    if ps.dp_rank == 0:
+    if ps.edp_rank == 0:
         cfg = chunks[0].cfg
+        experts = {name for c in chunks for name, _, role in named_roles(c) if role.expert}
         params = [(rule.local, dict(c.named_parameters())[rule.local])
                   for c, s in zip(chunks, layout.rank_chunks(ps.pp_rank))
-                  for rule in chunk_rules(cfg, s.layers, s.pre_process, s.post_process)]
-        specs = {name: (p.dtype, tuple(p.shape)) for name, p in params}
-        with StreamingSafetensorsWriter(rank_dir / RANK_FILE, specs, {"format": "pt"}) as writer:
-            for name, p in params:
-                writer.write(name, p)
+                  for rule in chunk_rules(cfg, s.layers, s.pre_process, s.post_process, c.experts)
+                  if ps.ep_rank == 0 or rule.local in experts]
+        mine = chunks[0].experts
+        name = RANK_FILE if ps.ep_rank == 0 else EXPERT_FILE.format(first=mine[0], last=mine[-1])
+        specs = {n: (p.dtype, tuple(p.shape)) for n, p in params}
+        with StreamingSafetensorsWriter(rank_dir / name, specs, {"format": "pt"}) as writer:
+            for n, p in params:
+                writer.write(n, p)
     return rank_dir
-

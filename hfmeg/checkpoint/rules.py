@@ -34,7 +34,7 @@ them into `[out, in]` on the way in and back on the way out.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator
+from typing import Collection, Iterable, Iterator
 
 import torch
 
@@ -52,7 +52,7 @@ class TensorRule:
     expert: int | None = None  # the HF tensor stacks all experts on dim 0: this rule is expert `expert`'s slice
 
 
-def _llama_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
+def _llama_layer(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[TensorRule]:
     p, L = f"model.layers.{i}.", f"layers.{i}."
     a, m = p + "self_attn.", p + "mlp."
     rules = [
@@ -77,7 +77,7 @@ def _llama_layer(cfg: ModelConfig, i: int) -> list[TensorRule]:
     if cfg.mlp_bias:
         rules.append(TensorRule(L + "mlp.fc1.bias", (m + "gate_proj.bias", m + "up_proj.bias"), "gate_up"))
         rules.append(TensorRule(L + "mlp.fc2.bias", (m + "down_proj.bias",), "replicated"))
-    return rules + (_moe_rules(cfg, i) if cfg.is_sparse(i) else [])
+    return rules + (_moe_rules(cfg, i, experts) if cfg.is_sparse(i) else [])
 
 
 def _expert_rules(local: str, hf: str, names: tuple[str, str, str], hidden: int, ffn: int) -> list[TensorRule]:
@@ -103,7 +103,7 @@ def with_fused_experts(cfg: ModelConfig, fused: bool) -> ModelConfig:
     return replace(cfg, moe=replace(cfg.moe, fused_experts=fused)) if cfg.moe is not None else cfg
 
 
-def _moe_rules(cfg: ModelConfig, i: int) -> list[TensorRule]:
+def _moe_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[TensorRule]:
     m, h = cfg.moe, cfg.hidden_size
     L = f"layers.{i}.mlp."
     if cfg.model_type == "mixtral" and not m.fused_experts:
@@ -116,10 +116,10 @@ def _moe_rules(cfg: ModelConfig, i: int) -> list[TensorRule]:
         gate_up, down = stacked_expert_names(i)
         # All fc1 slices, then all fc2 slices: each stacked tensor is read once (rule_tensors).
         rules += [TensorRule(f"{L}experts.{e}.fc1.weight", (gate_up,), "replicated", shapes=((E, 2 * f, h),),
-                             expert=e) for e in range(E)]
+                             expert=e) for e in experts]
         rules += [TensorRule(f"{L}experts.{e}.fc2.weight", (down,), "replicated", shapes=((E, h, f),), expert=e)
-                  for e in range(E)]
-    for e in range(0 if m.fused_experts else m.num_experts):
+                  for e in experts]
+    for e in () if m.fused_experts else experts:
         rules += _expert_rules(f"{L}experts.{e}.", f"{p}experts.{e}.", names, h, m.expert_ffn_size)
     if m.shared_expert_ffn_size:
         rules += _expert_rules(L + "shared.", p + "shared_expert.", names, h, m.shared_expert_ffn_size)
@@ -151,16 +151,22 @@ def embedding_hf_name(cfg: ModelConfig) -> str:
     return "model.embed_tokens.weight" if cfg.arch == "llama" else "transformer.wte.weight"
 
 
-def chunk_rules(cfg: ModelConfig, layers: Iterable[int], pre_process: bool, post_process: bool) -> list[TensorRule]:
-    """Rules for every parameter of a chunk holding `layers` (global indices)."""
+def chunk_rules(cfg: ModelConfig, layers: Iterable[int], pre_process: bool, post_process: bool,
+                experts: Collection[int] | None = None) -> list[TensorRule]:
+    """Rules for every parameter of a chunk holding `layers` (global indices).
+
+    `experts`: the routed experts (global indices) the chunk holds in its MoE layers, an
+    expert-parallel rank's share (`ModelChunk.experts`); None: all of them."""
     emb = embedding_hf_name(cfg)
+    if experts is None and cfg.moe is not None:
+        experts = range(cfg.moe.num_experts)
     rules: list[TensorRule] = []
     if pre_process:
         rules.append(TensorRule("embed.weight", (emb,), "vocab"))
         if cfg.positions == "learned":
             rules.append(TensorRule("pos_embed.weight", ("transformer.wpe.weight",), "replicated"))
     for i in layers:
-        rules += _llama_layer(cfg, i) if cfg.arch == "llama" else _gpt2_layer(i)
+        rules += _llama_layer(cfg, i, experts) if cfg.arch == "llama" else _gpt2_layer(i)
     if post_process:
         if cfg.arch == "llama":
             rules.append(TensorRule("final_norm.weight", ("model.norm.weight",), "replicated"))

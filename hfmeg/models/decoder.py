@@ -30,9 +30,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig, check_tp
+from ..config import ModelConfig, check_ep, check_tp
 from ..errors import UnsupportedConfigError
 from ..parallel.comm import scatter_to_sequence
+from ..parallel.expert_dispatch import local_experts
 from ..parallel.layers import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_head
 from ..parallel.roles import ParamRole, set_role
 from ..parallel.state import ParallelState
@@ -83,6 +84,7 @@ class ModelChunk(nn.Module):
             raise UnsupportedConfigError(
                 "config.json field output_router_logits: the load-balancing loss spans every MoE layer of the "
                 "model, which a pipeline (PP > 1) splits over stages; set it to false or use PP=1")
+        check_ep(cfg, ps.ep)
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.cfg, self.ps = cfg, ps
@@ -92,6 +94,8 @@ class ModelChunk(nn.Module):
         self.vocab_multiple = vocab_multiple  # read back when the chunk is saved (checkpoint/mp_save.py)
         self.padded_vocab = cfg.padded_vocab(ps.tp, vocab_multiple)
         self.layer_ids = list(layers)
+        # The global indices of the routed experts this rank holds in each MoE layer (None: a dense model).
+        self.experts = local_experts(cfg.moe.num_experts, ps.ep, ps.ep_rank) if cfg.moe is not None else None
         if pre_process:
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps, tied=cfg.tie_embeddings)
             if cfg.positions == "learned":

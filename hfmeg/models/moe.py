@@ -13,13 +13,22 @@ Routing, as transformers computes it for these families:
 5. Qwen2-MoE adds a shared expert every token goes through, scaled by
    `sigmoid(shared_expert_gate(x))`.
 
-Dispatch: the (token, slot) pairs are sorted by expert once (a stable argsort), so each
-expert's tokens are one contiguous block of a gathered copy of the input and the experts
-run one after another on their blocks. Every expert runs, on an empty block if no token
-chose it, so every expert weight gets a gradient (zero) in every backward and the
-data-parallel wrapper's per-bucket hooks fire in the same order on every rank. The
-sorted layout (tokens grouped by expert, counts per expert) is also what an expert-
-parallel all-to-all exchanges.
+Dispatch (`parallel/expert_dispatch.py`): the (token, slot) pairs are sorted by expert
+once (a stable argsort), so each expert's tokens are one contiguous block and the
+experts run one after another on their blocks. Every expert runs, on an empty block if
+no token chose it, so every expert weight gets a gradient (zero) in every backward and
+the data-parallel wrapper's per-bucket hooks fire in the same order on every rank.
+
+Expert parallelism (EP): EP rank j builds only its `E / ep` experts, the contiguous block
+`expert_dispatch.local_experts`, still keyed by their global index so parameter and
+checkpoint names do not depend on the layout. Each rank routes its own tokens, the
+dispatcher sends every routed copy to the rank holding its expert (all-to-all over the
+EP group) and brings the outputs back in the same expert-sorted order as at EP = 1;
+weighting and the per-token sum are then the same code, so EP = 1 is the plain sort
+and each token's k outputs are added in the same order at every EP size. The EP group
+is made of DP neighbours (`parallel/state.py`): the tokens are different data, and an
+expert's gradient collects every EP rank's tokens; the expert-data-parallel group sums
+the rest (`parallel/data_parallel.py`).
 
 Tensor parallelism: experts are NOT split over TP. Inside the MoE layer each TP rank
 handles its own share of the tokens: under SP the sequence shard it already holds;
@@ -52,6 +61,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.comm import gather_tokens, reduce_from_tp, split_tokens
+from ..parallel.expert_dispatch import TokenDispatcher, local_experts
 from ..parallel.layers import ReplicatedLinear
 from ..parallel.roles import ParamRole
 from ..parallel.state import ParallelState
@@ -98,9 +108,11 @@ class MoELayer(nn.Module):
         self.ps, self.moe = ps, m
         h = cfg.hidden_size
         self.router = ReplicatedLinear(h, m.num_experts, _PARTIAL)
+        self.dispatcher = TokenDispatcher(m.num_experts, ps.ep, ps.ep_group)
+        self.local_experts = local_experts(m.num_experts, ps.ep, ps.ep_rank)
         # Keyed by the global expert index, so names stay the same when experts are spread over ranks.
         self.experts = nn.ModuleDict({str(e): GatedExpert(h, m.expert_ffn_size, _EXPERT, kernels)
-                                      for e in range(m.num_experts)})
+                                      for e in self.local_experts})
         if m.shared_expert_ffn_size:
             self.shared = GatedExpert(h, m.shared_expert_ffn_size, _PARTIAL, kernels)
             self.shared_gate = ReplicatedLinear(h, 1, _PARTIAL)
@@ -125,20 +137,17 @@ class MoELayer(nn.Module):
             weights = weights.to(logits.dtype)
         counts = torch.bincount(chosen.reshape(-1), minlength=m.num_experts)
         self.stats = RouterStats(counts.detach(), probs.sum(dim=0), x.shape[0])
-        out = self._experts(x, chosen, weights, counts)
+        out = self._experts(x, chosen, weights)
         if hasattr(self, "shared"):
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
 
-    def _experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                 counts: torch.Tensor) -> torch.Tensor:
-        k = chosen.shape[1]
-        order = chosen.reshape(-1).argsort(stable=True)  # (token, slot) pairs grouped by expert
-        token = order // k
-        blocks = x[token].split(counts.tolist())
-        y = torch.cat([self.experts[str(e)](block) for e, block in enumerate(blocks)])
-        y = y * weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+    def _experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        d = self.dispatcher.dispatch(x, chosen)  # (token, slot) pairs grouped by expert, sent to their ranks
+        blocks = d.rows.split(d.tokens_per_expert)
+        y = torch.cat([self.experts[str(e)](block) for e, block in zip(self.local_experts, blocks)])
+        y = self.dispatcher.combine(y, d) * weights.reshape(-1)[d.order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, d.order // chosen.shape[1], y.to(x.dtype))
 
 
 def load_balancing_loss(stats: list[RouterStats], num_experts: int, ps: ParallelState) -> torch.Tensor:
@@ -151,3 +160,22 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int, ps: Parallel
         dist.all_reduce(counted, group=ps.tp_group)
     counts, rows = counted[:-1], counted[-1]
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
+
+
+def expert_load(chunks: list[nn.Module], ps: ParallelState) -> dict[int, list[int]]:
+    """{layer: [min, max]} tokens routed to one expert, per MoE layer of the model, in the last forward.
+
+    Collective over the world: each rank adds the routing of its own tokens (its TP share,
+    its DP rank's batch) for the layers it holds, so the sums are the global load of the
+    step's last micro-batch. Routing collapse shows as a min near 0 and a max near
+    top_k x tokens."""
+    cfg = chunks[0].cfg
+    layers = cfg.moe.sparse_layers
+    counts = torch.zeros(len(layers), cfg.moe.num_experts, dtype=torch.int64, device=ps.device)
+    for chunk in chunks:
+        for i, layer in chunk.layers.items():
+            if isinstance(layer.mlp, MoELayer) and layer.mlp.stats is not None:
+                counts[layers.index(int(i))] += layer.mlp.stats.tokens_per_expert
+    if ps.world_size > 1:
+        dist.all_reduce(counts)
+    return {i: [int(c.min()), int(c.max())] for i, c in zip(layers, counts.cpu())}

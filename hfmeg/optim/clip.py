@@ -4,8 +4,13 @@ Each rank sums the squares of the gradient elements it owns and is responsible
 for; one all-reduce adds the partial sums. Ownership rules make every element of
 the unsharded model count exactly once:
 
-- sharded modes: DP rank r owns shard r of every bucket (padding is zero);
-  `ddp`: every DP replica holds everything, so only the model-parallel group sums;
+- sharded modes: DP rank r owns shard r of every bucket (padding is zero), and the
+  world sums. With expert parallelism an expert bucket is sharded over its
+  expert-DP group instead: the ranks with EP rank j own the shards of EP rank j's
+  experts, so over the world each expert element is still owned exactly once;
+- `ddp`: every DP replica holds everything, so only the model-parallel group sums.
+  With EP no replica holds every expert: a bucket counts on the first rank of its
+  group (DP rank 0; expert-DP rank 0 for experts, one per EP rank) and the world sums;
 - TP-replicated parameters (role `tp_dim` None: norms, row-parallel biases, learned
   positions) count on TP rank 0 only;
 - a tied embedding copy on the last stage (role `tied_copy`) does not count; the

@@ -69,7 +69,7 @@ class DistributedOptimizer:
                                          "powersgd (TrainConfig derives it from train.max_steps)")
         self.data_parallel = dp = DataParallel(self.chunks, ps, cfg.mode, cfg.bucket_size,
                                                cfg.powersgd_rank if powersgd else None, cfg.min_compression_rate)
-        self.shards, self.rank, self.groups, self.buckets = dp.shards, dp.rank, dp.groups, dp.buckets
+        self.shards, self.groups, self.buckets = dp.shards, dp.groups, dp.buckets
         device = self.groups[0].param_buffer.device
 
         # Flat fp32 state for the owned shards, bucket after bucket.
@@ -84,12 +84,18 @@ class DistributedOptimizer:
         for b in self.buckets:
             self._master_shard(b).copy_(self._own(b, b.param_buf))
 
+        # The global norm counts each element once (clip.py). Sharded: every rank its owned shards, summed
+        # over the world. ddp: every replica holds everything and the model-parallel group sums one
+        # replica's; with EP no replica holds every expert, so the bucket's primary rank counts it, over the world.
+        per_replica = not cfg.sharded and ps.ep == 1
+        self._norm_group = ps.mp_group if per_replica else None
+        self._norm_reduce = ps.tp * ps.pp > 1 if per_replica else ps.world_size > 1
         self._norm_grads = []
         self.optimizers: dict[int, torch.optim.AdamW] = {}  # bucket index -> AdamW over its owned shard
         for b in dp.forward_order:
             grad = self._own(b, b.grad_buf)
-            for lo, hi, ok in b.runs(self.rank, lambda s: s.role.counted_on(ps.tp_rank)):
-                if ok:
+            for lo, hi, ok in b.runs(dp.shard_rank(b), lambda s: s.role.counted_on(ps.tp_rank)):
+                if ok and (per_replica or dp.primary(b)):
                     self._norm_grads.append(grad[lo:hi])
             adamw = self._bucket_adamw(b, grad)
             if adamw is not None:
@@ -109,7 +115,7 @@ class DistributedOptimizer:
         """torch AdamW over the owned shard of `b` (None when the shard is all padding)."""
         cfg, off = self.cfg, self.offsets[b.index]
         decay, no_decay = [], []
-        for lo, hi, nd in b.runs(self.rank, lambda s: no_weight_decay(s.role, cfg)):
+        for lo, hi, nd in b.runs(self.data_parallel.shard_rank(b), lambda s: no_weight_decay(s.role, cfg)):
             p = self.master[off + lo : off + hi]
             p.grad = grad[lo:hi]
             (no_decay if nd else decay).append((p, off + lo, off + hi))
@@ -174,10 +180,7 @@ class DistributedOptimizer:
         self.data_parallel.finish_grad_sync()
         if self.scaler is not None:
             torch._foreach_mul_(self._shard_grads, 1.0 / self.scaler.scale)
-        ps = self.ps
-        group = None if self.cfg.sharded else ps.mp_group  # world = DP x model-parallel
-        reduce = ps.world_size > 1 if self.cfg.sharded else ps.tp * ps.pp > 1
-        norm = global_norm(self._norm_grads, group, reduce, self.master.device)
+        norm = global_norm(self._norm_grads, self._norm_group, self._norm_reduce, self.master.device)
         skipped = not math.isfinite(norm)
         scale = self.loss_scale
         if self.scaler is not None:

@@ -6,8 +6,12 @@ Each rank that owns state writes one safetensors file
 document: the AdamW step, loss-scaler state, skip count, the DP size and, for every
 owned piece of a parameter, `[name, lo, hi, offset]` (elements [lo, hi) of the
 flattened parameter live at [offset, offset + hi - lo) of the flat tensors).
-In `ddp` mode every DP rank holds everything, so only DP rank 0 writes. The metadata
-also holds `iteration`, the steps taken, which decides when compression starts.
+In `ddp` mode every DP rank holds everything, so only DP rank 0 writes (with expert
+parallelism, also the other EP ranks of its EP group, each only its own experts:
+`DataParallel.primary`). With EP > 1 the routed experts' state is sharded over the
+expert-DP group instead; their names carry the global expert index, so the pieces of
+all files of a (PP, TP) coordinate hold every expert once, whatever the EP size. The
+metadata also holds `iteration`, the steps taken, which decides when compression starts.
 
 With PowerSGD configured, every rank also writes `powersgd_pp{PP}_tp{TP}_dp{DP}.safetensors`:
 Q and the residual of each compressed matrix (`PowerSGD.state_dict`), during the
@@ -44,11 +48,15 @@ FORMAT = 1
 STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
-def _pieces(opt: DistributedOptimizer) -> list[list]:
-    out = []
+def _pieces(opt: DistributedOptimizer, primary_only: bool = False) -> list[list]:
+    """[name, lo, hi, offset] of every parameter piece this rank holds (`primary_only`: that it writes)."""
+    dp, out = opt.data_parallel, []
     for b in opt.buckets:
-        base = opt.offsets[b.index] - opt.rank * b.shard_size
-        for slot, lo, hi in b.segments(opt.rank):
+        if primary_only and not dp.primary(b):
+            continue
+        rank = dp.shard_rank(b)
+        base = opt.offsets[b.index] - rank * b.shard_size
+        for slot, lo, hi in b.segments(rank):
             out.append([slot.name, lo, hi, base + slot.offset + lo])
     return out
 
@@ -66,16 +74,16 @@ def save_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> Path 
     if compressor is not None:
         _write(_file(folder, "powersgd", ps, ps.dp_rank), compressor.state_dict(),
                {"format": FORMAT, "dp": ps.dp, "powersgd_rank": opt.cfg.powersgd_rank})
-    if not opt.cfg.sharded and ps.dp_rank != 0:
+    if not any(opt.data_parallel.primary(b) for b in opt.buckets):
         return None
     opt.wait_params()
     step = _step_tensor(opt)
     meta = {
-        "format": FORMAT, "dp": opt.shards, "mode": opt.cfg.mode, "tp": ps.tp, "pp": ps.pp,
+        "format": FORMAT, "dp": opt.shards, "ep": ps.ep, "mode": opt.cfg.mode, "tp": ps.tp, "pp": ps.pp,
         "step": float(step.item()) if step is not None else 0.0, "skipped_steps": opt.skipped_steps,
         "iteration": opt.iteration,
         "loss_scale": opt.loss_scale, "good_steps": opt.scaler.good_steps if opt.scaler else 0,
-        "pieces": _pieces(opt),
+        "pieces": _pieces(opt, primary_only=True),
     }
     path = _file(folder, "optim", ps, ps.dp_rank)
     _write(path, {"master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}, meta)

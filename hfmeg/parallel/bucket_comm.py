@@ -30,10 +30,22 @@ README records the figures). On gloo, therefore:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from .comm import all_gather_flat, reduce_scatter_flat
+
+
+@dataclass(frozen=True)
+class SumGroup:
+    """The ranks that sum a bucket's gradients and share its shards: the DP group, or for expert
+    buckets the expert-DP group. `group` is None in a world of one."""
+
+    group: object
+    size: int
+    rank: int  # this process's index in `group`
 
 
 def is_gloo(group) -> bool:

@@ -3,6 +3,10 @@
 For each model chunk and each parameter dtype there is one `BufferGroup`: a flat
 parameter buffer (the model's parameters become views into it) and a flat fp32
 main-gradient buffer with the same layout (`param.main_grad` is a view into it).
+With expert parallelism (`expert_shards` given) the routed experts' parameters (role
+`expert`) get a group of their own after it, whose buckets (`Bucket.expert`) split
+into `expert_shards` shards: they are summed and sharded over the expert-data-parallel
+group, not the DP group (data_parallel.py).
 
 Bucket assignment (deterministic: it depends only on the chunk's parameter list,
 `bucket_size`, the DP size and the pipeline/tie flags, so every rank of a TP or DP
@@ -19,8 +23,9 @@ group computes the same layout):
    of its own, so its DP shard boundaries are identical on both stages and the shard
    can be summed over the embedding group directly.
 4. Each bucket is padded with zeros to a multiple of `shards` (the DP size for the
-   sharded modes) so that it splits into `shards` equal, contiguous shards. Shard
-   `r` belongs to DP rank `r`; a parameter may straddle a shard boundary.
+   sharded modes; the expert-DP size for expert buckets) so that it splits into
+   `shards` equal, contiguous shards. Shard `r` belongs to rank `r` of the bucket's
+   group; a parameter may straddle a shard boundary.
 
 Buckets are numbered globally across groups in construction order (chunk 0 first).
 """
@@ -57,6 +62,7 @@ class Bucket:
     param_buf: torch.Tensor | None = None  # views of the group buffers [start, start + size)
     grad_buf: torch.Tensor | None = None
     isolated: bool = False  # a tied-embedding bucket
+    expert: bool = False  # routed experts' parameters, summed over the expert-DP group
 
     @property
     def shard_size(self) -> int:
@@ -101,7 +107,8 @@ class BufferGroup:
 Named = list[tuple[str, nn.Parameter, ParamRole]]
 
 
-def plan_buckets(named: Named, pp: int, bucket_size: int, shards: int, first_index: int, chunk: int) -> list[Bucket]:
+def plan_buckets(named: Named, pp: int, bucket_size: int, shards: int, first_index: int, chunk: int,
+                 expert: bool = False) -> list[Bucket]:
     """Cut `named` (already in gradient-ready order) into padded buckets; see the module docstring."""
     buckets: list[Bucket] = []
     open_slots: Named = []
@@ -111,7 +118,7 @@ def plan_buckets(named: Named, pp: int, bucket_size: int, shards: int, first_ind
         nonlocal cursor
         if not slots:
             return
-        b = Bucket(first_index + len(buckets), chunk, cursor, 0, shards, isolated=alone)
+        b = Bucket(first_index + len(buckets), chunk, cursor, 0, shards, isolated=alone, expert=expert)
         offset = 0
         for name, p, role in slots:
             b.slots.append(Slot(name, p, role, offset, p.numel()))
@@ -136,26 +143,41 @@ def plan_buckets(named: Named, pp: int, bucket_size: int, shards: int, first_ind
 
 
 def build_groups(chunks: list[nn.Module], pp: int, bucket_size: int, shards: int,
-                 grad_dtype: torch.dtype = torch.float32) -> list[BufferGroup]:
-    """Allocate the buffers, move every parameter into them and set `param.main_grad`."""
+                 grad_dtype: torch.dtype = torch.float32, expert_shards: int | None = None) -> list[BufferGroup]:
+    """Allocate the buffers, move every parameter into them and set `param.main_grad`.
+
+    `expert_shards`: put the experts' parameters into groups of their own cut into that many
+    shards (None: experts are ordinary parameters, as at EP = 1)."""
     groups: list[BufferGroup] = []
     index = 0
     for c, chunk in enumerate(chunks):
         named = [(n, p, r) for n, p, r in named_roles(chunk) if p.requires_grad][::-1]
         for dtype in sorted({p.dtype for _, p, _ in named}, key=str):
             mine = [(n, p, r) for n, p, r in named if p.dtype == dtype]
-            buckets = plan_buckets(mine, pp, bucket_size, shards, index, c)
-            index += len(buckets)
-            total = sum(b.size for b in buckets)
-            device = mine[0][1].device
-            pbuf = torch.zeros(total, dtype=dtype, device=device)
-            gbuf = torch.zeros(total, dtype=grad_dtype, device=device)
-            for b in buckets:
-                b.param_buf, b.grad_buf = pbuf[b.start : b.start + b.size], gbuf[b.start : b.start + b.size]
-                for s in b.slots:
-                    view = b.param_buf[s.offset : s.offset + s.numel].view_as(s.param)
-                    view.copy_(s.param.detach())
-                    s.param.data = view
-                    s.param.main_grad = b.grad_buf[s.offset : s.offset + s.numel].view_as(s.param)
-            groups.append(BufferGroup(c, dtype, pbuf, gbuf, buckets))
+            if expert_shards is None:
+                parts = [(mine, shards, False)]
+            else:
+                parts = [([x for x in mine if not x[2].expert], shards, False),
+                         ([x for x in mine if x[2].expert], expert_shards, True)]
+            for part, n_shards, expert in parts:
+                if part:
+                    buckets = plan_buckets(part, pp, bucket_size, n_shards, index, c, expert)
+                    index += len(buckets)
+                    groups.append(_allocate(c, dtype, grad_dtype, part, buckets))
     return groups
+
+
+def _allocate(chunk: int, dtype: torch.dtype, grad_dtype: torch.dtype, named: Named,
+              buckets: list[Bucket]) -> BufferGroup:
+    total = sum(b.size for b in buckets)
+    device = named[0][1].device
+    pbuf = torch.zeros(total, dtype=dtype, device=device)
+    gbuf = torch.zeros(total, dtype=grad_dtype, device=device)
+    for b in buckets:
+        b.param_buf, b.grad_buf = pbuf[b.start : b.start + b.size], gbuf[b.start : b.start + b.size]
+        for s in b.slots:
+            view = b.param_buf[s.offset : s.offset + s.numel].view_as(s.param)
+            view.copy_(s.param.detach())
+            s.param.data = view
+            s.param.main_grad = b.grad_buf[s.offset : s.offset + s.numel].view_as(s.param)
+    return BufferGroup(chunk, dtype, pbuf, gbuf, buckets)

@@ -7,6 +7,13 @@ model chunks (the idea of Megatron's DDP wrapper and of torchtitan's `fully_shar
   and gets `main_grad`, a view into a flat fp32 gradient buffer with the same layout,
   cut into buckets in gradient-ready order. In the sharded modes (`distributed`,
   `overlapped`) each bucket splits into DP shards; DP rank r owns shard r.
+- Expert parallelism (EP > 1): each EP rank holds other experts, so the routed
+  experts' parameters (role `expert`) have buffers and buckets of their own, summed,
+  sharded and all-gathered over the expert-data-parallel group (`dp / ep` ranks with
+  the same experts) with `edp` shards, where every other bucket uses the DP group
+  (`sum_group`). At EP = 1 that group is the DP group, so experts stay in the
+  ordinary buckets and nothing changes. PowerSGD is not offered with EP > 1: its
+  compressor sums over one group.
 - Backward (grad_sync.py): per-parameter hooks accumulate into `main_grad`; on a
   step's last micro-batch, a bucket's reduce-scatter (all-reduce in `ddp`) starts as
   soon as its last gradient lands, while autograd computes earlier layers.
@@ -35,7 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .bucket_comm import all_gather_async
+from ..errors import UnsupportedConfigError
+from .bucket_comm import SumGroup, all_gather_async
 from .buffers import Bucket, build_groups
 from .comm import all_reduce_coalesced
 from .grad_sync import GradSync
@@ -54,19 +62,24 @@ class DataParallel:
                  powersgd_rank: int | None = None, min_compression_rate: float = 2.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if powersgd_rank is not None and ps.ep > 1:
+            raise UnsupportedConfigError(f"optimizer field compression: powersgd is not supported with expert "
+                                         f"parallelism (parallel.ep={ps.ep}); use compression none or ep 1")
         self.chunks, self.ps, self.mode = list(chunks), ps, mode
-        self.shards = ps.dp if mode != "ddp" else 1
-        self.rank = ps.dp_rank if mode != "ddp" else 0
-        self.groups = build_groups(self.chunks, ps.pp, bucket_size, self.shards)
+        sharded = mode != "ddp"
+        self.shards = ps.dp if sharded else 1
+        self._dense = SumGroup(ps.dp_group, ps.dp, ps.dp_rank)
+        self._expert = SumGroup(ps.expert_dp_group, ps.edp, ps.edp_rank)
+        expert_shards = (ps.edp if sharded else 1) if ps.ep > 1 else None
+        self.groups = build_groups(self.chunks, ps.pp, bucket_size, self.shards, expert_shards=expert_shards)
         self.buckets = [b for g in self.groups for b in g.buckets]
-        self.compressor = PowerSGD(self.buckets, ps.dp_group, self.rank, powersgd_rank, min_compression_rate) \
-            if powersgd_rank is not None and ps.dp > 1 else None
-        self.grad_sync = GradSync(self.groups, len(self.chunks), mode, ps.dp_group, ps.dp, ps.dp_rank,
-                                  self.compressor)
+        self.compressor = PowerSGD(self.buckets, ps.dp_group, ps.dp_rank if sharded else 0, powersgd_rank,
+                                   min_compression_rate) if powersgd_rank is not None and ps.dp > 1 else None
+        self.grad_sync = GradSync(self.groups, len(self.chunks), mode, self.sum_group, self.compressor)
         # Forward order: chunk by chunk, and inside a chunk the reverse of gradient-ready order.
         self.forward_order = sorted(self.buckets, key=lambda b: (b.chunk, -b.index))
         self._sp_grads = [self.owned(b, b.grad_buf)[lo:hi] for b in self.buckets
-                          for lo, hi, sp in b.runs(self.rank, lambda s: s.role.sequence_parallel) if sp] \
+                          for lo, hi, sp in b.runs(self.shard_rank(b), lambda s: s.role.sequence_parallel) if sp] \
             if ps.tp > 1 else []
         self._tied = [b for b in self.buckets if b.isolated]  # only when PP > 1 and embeddings are tied
         self._pending: dict[int, object] = {}  # bucket index -> in-flight parameter all-gather
@@ -75,9 +88,24 @@ class DataParallel:
             mine = [b.index for b in self.forward_order if b.chunk == c]
             set_params_barrier(chunk, lambda mine=mine: self.wait_params(mine))
 
+    def sum_group(self, b: Bucket) -> SumGroup:
+        """The group that sums bucket `b`'s gradients and shares its shards (see the module docstring)."""
+        return self._expert if b.expert else self._dense
+
+    def shard_rank(self, b: Bucket) -> int:
+        """Which of `b`'s shards this rank owns (0 in `ddp`: one shard, held whole by every rank)."""
+        return self.sum_group(b).rank if b.shards > 1 else 0
+
+    def primary(self, b: Bucket) -> bool:
+        """Whether this rank's copy of its shard of `b` is the one that counts (global norm, checkpoints).
+
+        Sharded: every shard has one owner. `ddp`: every rank of the bucket's group holds
+        the same whole bucket, and its first rank speaks for them."""
+        return self.mode != "ddp" or self.sum_group(b).rank == 0
+
     def owned(self, b: Bucket, buf: torch.Tensor) -> torch.Tensor:
         """This rank's shard of bucket `b` of `buf` (a bucket's `param_buf` or `grad_buf`)."""
-        return b.shard(buf, self.rank)
+        return b.shard(buf, self.shard_rank(b))
 
     # -- gradients -----------------------------------------------------------------------
     def set_last_microbatch(self, chunk_index: int, is_last: bool) -> None:
@@ -108,9 +136,9 @@ class DataParallel:
     # -- parameters ----------------------------------------------------------------------
     def start_param_gather(self, b: Bucket) -> None:
         """Launch the async all-gather of `b`'s parameter buffer (its owned shard is already updated)."""
-        if self.shards > 1:
-            self._pending[b.index] = all_gather_async(b.param_buf, self.owned(b, b.param_buf), self.ps.dp_group,
-                                                      tag=b.index)
+        if b.shards > 1:
+            self._pending[b.index] = all_gather_async(b.param_buf, self.owned(b, b.param_buf),
+                                                      self.sum_group(b).group, tag=b.index)
 
     def wait_params(self, buckets: list[int] | None = None) -> None:
         """Wait for the parameter all-gathers of `buckets` (default: all still in flight)."""

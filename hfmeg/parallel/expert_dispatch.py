@@ -14,9 +14,11 @@ group: EP rank j holds experts [j·E/ep, (j+1)·E/ep). `dispatch`
 4. reorders the received rows (grouped by source, then expert) expert-major, so the
    local experts run one after another on contiguous rows (or as one grouped matmul).
 
-`combine` undoes 4, 3 and 1 and returns the expert outputs in assignment order
-`[n·k, h]`, ready to be weighted and summed per token. At EP = 1 steps 2 and 3 vanish
-and dispatch is a sort. The split sizes of an all-to-all must be known on the host, so
+`combine` undoes 4 and 3 and returns the expert outputs in the order of step 1: the
+assignments sorted by expert (`Dispatched.order`), which is the order the MoE layer
+weights and sums them per token in (`models/moe.py`), so EP = 1 and EP > 1 add a
+token's expert outputs in the same order. At EP = 1 steps 2 and 3 vanish, dispatch is
+a sort and combine returns its input. The split sizes of an all-to-all must be known on the host, so
 each dispatch synchronises once with the device (reading the counts).
 """
 
@@ -92,7 +94,13 @@ class TokenDispatcher:
         return Dispatched(rows[expert_major], received.sum(0).tolist(), order, send, recv, expert_major)
 
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
-        """Expert outputs `y` `[R, h]` (rows as dispatched) back to assignment order `[n·k, h]`."""
-        if self.ep > 1:
-            y = _AllToAll.apply(y[torch.argsort(d.expert_major)], d.recv, d.send, self.group)
-        return y[torch.argsort(d.order)]
+        """Expert outputs `y` `[R, h]` (rows as dispatched) back to this rank, `[n·k, h]` in `d.order`."""
+        if self.ep == 1:
+            return y
+        return _AllToAll.apply(y[torch.argsort(d.expert_major)], d.recv, d.send, self.group)
+
+
+def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
+    """The global indices of the experts EP rank `ep_rank` holds: a contiguous block of `num_experts / ep`."""
+    local = num_experts // ep
+    return range(ep_rank * local, (ep_rank + 1) * local)

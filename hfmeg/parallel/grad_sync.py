@@ -16,6 +16,10 @@ on computing earlier layers' gradients:
   global token count), so DP rank r ends up with the summed shard r in place;
 - `ddp`: all-reduce (SUM) of the whole bucket.
 
+Each bucket is summed over its own group (`sum_group(bucket)`): the DP group, or the
+expert-DP group for experts' buckets under expert parallelism. Each group sees its
+buckets in the same order on all its ranks, which is all the collectives need.
+
 The reduce-scatter itself, and why gloo gets its own, is in bucket_comm.py. On gloo
 each launch first retires the reductions that have already completed (sum, receive
 buffer back to the pool), so the pool holds about as many buffers as the network
@@ -36,15 +40,17 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .bucket_comm import ScratchPool, is_gloo, reduce_scatter_async
+from typing import Callable
+
+from .bucket_comm import ScratchPool, SumGroup, is_gloo, reduce_scatter_async
 from .buffers import Bucket, BufferGroup
 from .powersgd import PowerSGD
 
 
 class GradSync:
-    def __init__(self, groups: list[BufferGroup], num_chunks: int, mode: str, dp_group, dp: int, dp_rank: int,
+    def __init__(self, groups: list[BufferGroup], num_chunks: int, mode: str, sum_group: Callable[[Bucket], SumGroup],
                  compressor: PowerSGD | None = None):
-        self.groups, self.mode, self.dp_group, self.dp, self.dp_rank = groups, mode, dp_group, dp, dp_rank
+        self.groups, self.mode, self.sum_group = groups, mode, sum_group
         self.compressor = compressor
         self.compress = False  # this step's DP sums go through `compressor`
         self.buckets: list[Bucket] = [b for g in groups for b in g.buckets]
@@ -52,7 +58,8 @@ class GradSync:
         self._ready = [0] * len(self.buckets)
         self._handles: dict[int, object] = {}
         self._hooks = []
-        gloo = dp > 1 and mode != "ddp" and is_gloo(dp_group)  # ddp all-reduces in place, no buffers
+        summed = [self.sum_group(b) for b in self.buckets]
+        gloo = mode != "ddp" and any(g.size > 1 and is_gloo(g.group) for g in summed)  # ddp reduces in place
         self._pool = ScratchPool(max(b.grad_buf.numel() for b in self.buckets)) if gloo else None
         for b in self.buckets:
             for s in b.slots:
@@ -89,15 +96,15 @@ class GradSync:
                     h.wait()
         if self.compress:
             self.compressor.advance()
-        self._handles[bucket.index] = self._collective(bucket) if self.dp > 1 else None
+        g = self.sum_group(bucket)
+        self._handles[bucket.index] = self._collective(bucket, g) if g.size > 1 else None
 
-    def _collective(self, bucket: Bucket):
+    def _collective(self, bucket: Bucket, g: SumGroup):
         if self.compress and self.compressor.compresses(bucket):
             return self.compressor.launch(bucket)
         if self.mode == "ddp":
-            return dist.all_reduce(bucket.grad_buf, group=self.dp_group, async_op=True)
-        return reduce_scatter_async(bucket.shard(bucket.grad_buf, self.dp_rank), bucket.grad_buf, self.dp_group,
-                                    self._pool)
+            return dist.all_reduce(bucket.grad_buf, group=g.group, async_op=True)
+        return reduce_scatter_async(bucket.shard(bucket.grad_buf, g.rank), bucket.grad_buf, g.group, self._pool)
 
     def finish(self) -> None:
         """Launch what has not been launched yet, then wait for everything (call once per step)."""

@@ -97,7 +97,7 @@ def _tiny_chunk(ps, device, ends: bool = False) -> ModelChunk:
 
 def _layer_and_ends_overhead(device, repeats: int) -> tuple[float, float]:
     """(one layer's forward + backward, the embedding's and the head + loss's together)."""
-    ps = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False)
+    ps = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False, ep=1, ep_rank=0, ep_group=None)
     chunk, whole = _tiny_chunk(ps, device), _tiny_chunk(ps, device, ends=True)
     x = torch.randn(8, 1, 32, device=device, requires_grad=True)
     ids = torch.randint(0, 128, (1, 8), device=device)

@@ -77,7 +77,7 @@ class OptimizerStateView(MPCheckpoint):
         if flat is None:
             raise CheckpointError(f"{self.folder / OPTIM_DIR}: no optimizer state for {name} (pp rank {pp_rank}, "
                                   f"tp rank {tp_rank})")
-        return flat.view(self._handle(tp_rank, pp_rank).get_slice(name).get_shape())
+        return flat.view(self.local_slice(tp_rank, pp_rank, name).get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
         return torch.float32
