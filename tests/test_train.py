@@ -33,11 +33,13 @@ ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
 
 
 def _config(out: Path, model: Path, *, tp=1, pp=1, steps=10, save_every=0, resume="none", gbs=8, lr=2e-3,
-            sp=False, schedule_steps=None, eval_every=0, eval_holdout=0) -> TrainConfig:
+            sp=False, schedule_steps=None, eval_every=0, eval_holdout=0, powersgd_from=None) -> TrainConfig:
+    compression = dict(compression="powersgd", powersgd_rank=2, compression_start_step=powersgd_from) \
+        if powersgd_from is not None else {}
     return TrainConfig(
         model=ModelArgs(path=str(model), dtype="fp32"),
         parallel=ParallelArgs(tp=tp, pp=pp, sequence_parallel=sp),
-        optim=OptimizerConfig(lr=lr, weight_decay=0.01, eps=1e-5),
+        optim=OptimizerConfig(lr=lr, weight_decay=0.01, eps=1e-5, **compression),
         lr=LRScheduleConfig(warmup_steps=2, total_steps=schedule_steps or steps, min_lr=lr / 10),
         data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=64, eval_holdout=eval_holdout),
         train=LoopArgs(micro_batch_size=1, global_batch_size=gbs, max_steps=steps, eval_every=eval_every,
@@ -114,6 +116,20 @@ def test_resume_continues_identically(tmp_path):
     kept = sorted(p.name for p in (tmp_path / "split" / "checkpoints").glob("iter_*"))
     assert kept == ["iter_0000010", "iter_0000020"]  # keep_last=2: iter 5 was pruned
     assert split == straight, (split, straight)
+
+
+def test_resume_across_the_powersgd_switch(tmp_path):
+    """PowerSGD from step 3 (DP2): 8 steps straight == 4 steps, stop, resume for 4 more, bit for bit."""
+    model = _assets()
+    spawn(_run, 2, _config(tmp_path / "straight", model, steps=8, powersgd_from=3))
+    spawn(_run, 2, _config(tmp_path / "split", model, steps=4, schedule_steps=8, powersgd_from=3))
+    assert len(list((tmp_path / "split" / "checkpoints" / "iter_0000004" / "optim").glob("powersgd_*"))) == 2
+    spawn(_run, 2, _config(tmp_path / "split", model, steps=8, resume="auto", powersgd_from=3))
+    straight, split = _losses(tmp_path / "straight"), _losses(tmp_path / "split")
+    assert len(split) == 8 and split == straight, (split, straight)
+    spawn(_run, 2, _config(tmp_path / "plain", model, steps=8))
+    plain = _losses(tmp_path / "plain")  # step 3's loss comes before its update, the first compressed one
+    assert plain[:4] == straight[:4] and plain[4:] != straight[4:]
 
 
 def test_sigterm_leaves_a_resumable_checkpoint(tmp_path):

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench_args import at_least
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
@@ -239,27 +240,37 @@ def throttled(script: Path, rate: str, argv: list[str]) -> int:
     return proc.returncode
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The world, model-shape and bucket flags of the data-parallel benchmarks (`make_model` reads them)."""
+    p.add_argument("--dp", type=at_least(2), default=2)
+    p.add_argument("--hidden", type=at_least(64), default=768)
+    p.add_argument("--ffn", type=at_least(0), default=0, help="default: 8/3 hidden rounded to 64")
+    p.add_argument("--layers", type=at_least(1), default=12)
+    p.add_argument("--vocab", type=at_least(2), default=32000)
+    p.add_argument("--seq", type=at_least(2), default=256)
+    p.add_argument("--mbs", type=at_least(1), default=1)
+    p.add_argument("--bucket-size", type=at_least(1), default=5_000_000, dest="bucket_size")
+
+
+def run_cli(p: argparse.ArgumentParser, argv: list[str] | None, script: Path, run) -> int:
+    """Parse `argv` (with `--throttle`), then print `run(args)` as the last JSON line, here or throttled."""
+    a, rc = parse_throttled(p, argv, script)
+    if rc is not None:
+        return rc
+    print(json.dumps(run(a)))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--ffn", type=int, default=0, help="default: 8/3 hidden rounded to 64")
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--mbs", type=int, default=1)
+    add_model_args(p)
     p.add_argument("--ga", type=int, nargs="+", default=[1, 8])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--bucket-size", type=int, default=5_000_000, dest="bucket_size")
     p.add_argument("--adamw", default="fused", choices=("fused", "foreach"),
                    help="torch AdamW implementation, for every row alike")
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
-    a, rc = parse_throttled(p, argv, Path(__file__))
-    if rc is not None:
-        return rc
-    print(json.dumps(run_all(a)))
-    return 0
+    return run_cli(p, argv, Path(__file__), run_all)
 
 
 if __name__ == "__main__":
