@@ -55,7 +55,7 @@ def _refused(capsys, argv: list[str], expect: str) -> None:
     (["--global-batch-size", "7", "--micro-batch-size", "2"],
      "train.global_batch_size: 7 is not a multiple of train.micro_batch_size x data-parallel size = 2 x 1"),
     (["--tp", "2"], "parallel.tp x parallel.pp = 2 does not divide the 1 processes launched"),
-    (["--set", "parallel.ep=2"], "parallel.ep: 2: training with expert parallelism is not supported yet; use ep 1"),
+    (["--ep", "2"], "parallel.ep: 2 must divide the data-parallel size 1"),
     (["--resume", "no/such/checkpoint"], "checkpoint.resume: 'no/such/checkpoint' is neither none, auto nor"),
     (["--set", "data.eval_holdout=0"], "train.eval_every: 100 asks for evaluation but there is no eval data"),
     (["--push-to-hub", "bad//id"], "hub.push_to_hub: 'bad//id' is not a valid Hub repo id"),
@@ -68,6 +68,22 @@ def _refused(capsys, argv: list[str], expect: str) -> None:
 ])
 def test_bad_settings_are_one_line_and_exit_2(capsys, argv, expect):
     _refused(capsys, argv, expect)
+
+
+def test_expert_parallel_settings_the_model_or_the_optimizer_cannot_take_exit_2(capsys, monkeypatch, tmp_path):
+    """EP must divide the expert count (read from the model's config.json before any process group) and
+    cannot be combined with PowerSGD."""
+    from tiny_models import save_tiny
+
+    mixtral = save_tiny("mixtral", tmp_path / "mixtral")  # 4 experts
+    capsys.readouterr()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    _refused(capsys, ["--model", str(mixtral), "--ep", "3", "--global-batch-size", "3", "--set", "model.compile=false"],
+             "config.json field num_local_experts: 4 experts cannot be split evenly over parallel.ep=3")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _refused(capsys, ["--model", str(mixtral), "--ep", "2", "--global-batch-size", "2", "--set",
+                      "optim.compression=powersgd"],
+             "optim.compression: powersgd is not supported with expert parallelism (parallel.ep=2)")
 
 
 def test_only_rank_0_prints_but_every_rank_exits_2(capsys, monkeypatch):

@@ -33,6 +33,8 @@ FLAGS = {
     "--tp": ("parallel.tp", int, "tensor-parallel size"),
     "--pp": ("parallel.pp", int, "pipeline-parallel size"),
     "--vpp": ("parallel.vpp", int, "virtual pipeline chunks per rank (interleaved 1F1B when > 1)"),
+    "--ep": ("parallel.ep", int, "expert-parallel size (MoE models; divides the data-parallel size and the "
+             "expert count)"),
     "--schedule": ("parallel.schedule", str, "gpipe | 1f1b | interleaved"),
     "--layout": ("parallel.layout", str, "manual | auto (the planner picks tp, pp, vpp, SP, schedule, micro-batch, "
                  "recompute)"),
@@ -115,17 +117,20 @@ def _say(line: str) -> None:
 
 
 def fit_to_model(cfg: TrainConfig) -> None:
-    """CPU runs of a GPU recipe: no torch.compile (GPU kernels), and a sequence the model supports."""
+    """CPU runs of a GPU recipe: no torch.compile (GPU kernels), and a sequence the model supports; and
+    what only the model's config.json can refuse before any process group exists (EP vs the expert count)."""
     from ..checkpoint.hub_source import resolve_hf_source
-    from ..config import load_hf_config, model_config_from_hf
+    from ..config import check_ep, load_hf_config, model_config_from_hf
 
     if not torch.cuda.is_available() and cfg.model.compile:
         _say("model.compile: torch.compile kernels are for GPUs; running eagerly on CPU")
         cfg.model.compile = False
     try:
-        max_pos = model_config_from_hf(load_hf_config(resolve_hf_source(cfg.model.path))).max_positions
+        model_cfg = model_config_from_hf(load_hf_config(resolve_hf_source(cfg.model.path)))
     except HfmegError:
-        return  # an MP checkpoint folder, or an error the trainer reports with full context
+        return  # an MP checkpoint folder (the model's chunks check it), or an error the trainer reports in full
+    check_ep(model_cfg, cfg.parallel.ep)
+    max_pos = model_cfg.max_positions
     if cfg.data.seq_len > max_pos:
         _say(f"data.seq_len {cfg.data.seq_len} > the model's max_position_embeddings {max_pos}: using {max_pos}")
         cfg.data.seq_len = max_pos

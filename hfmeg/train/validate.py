@@ -76,10 +76,12 @@ def _layout(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"parallel.pp_layers: expected {p.pp * p.vpp} layer counts >= 1 (pp x vpp), "
                               f"got {p.pp_layers}")
     dp = world_size // (p.tp * p.pp)
-    if p.ep != 1:
-        # The rank grid has EP groups and parallel/expert_dispatch.py exchanges tokens, but the trainer's MoE layer
-        # and the expert-data-parallel optimizer groups do not use them yet (issue 15).
-        raise ConfigError(f"parallel.ep: {p.ep}: training with expert parallelism is not supported yet; use ep 1")
+    if p.ep < 1 or dp % p.ep:
+        raise ConfigError(f"parallel.ep: {p.ep} must divide the data-parallel size {dp} (processes / (parallel.tp x "
+                          "parallel.pp)): expert-parallel ranks are data-parallel ranks")
+    if p.ep > 1 and cfg.optim.compression != "none":
+        raise ConfigError(f"optim.compression: {cfg.optim.compression} is not supported with expert parallelism "
+                          f"(parallel.ep={p.ep}); use none or ep 1")
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not a multiple of "
                           f"train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
@@ -93,6 +95,9 @@ def _auto_layout(cfg: TrainConfig, overridden: Collection[str]) -> None:
     and silently dropping a flag the user typed would run something else than asked. A
     YAML's values are the recipe's defaults and are replaced. The batch arithmetic of
     `_layout` is the planner's to satisfy (it only proposes layouts that divide)."""
+    if cfg.parallel.ep != 1:
+        raise ConfigError("parallel.ep: parallel.layout auto does not plan expert parallelism; use ep 1 or "
+                          "--layout manual")
     if cfg.parallel.pp_layers is not None:
         raise ConfigError("parallel.pp_layers: a layer split fits one pp x vpp, and parallel.layout auto chooses "
                           "those (splitting evenly); drop it or use --layout manual")
