@@ -4,6 +4,8 @@ Only the logging rank (global rank 0, which receives the loss from the last
 pipeline stage) creates a `MetricsLog`; other ranks log nothing. TensorBoard and
 matplotlib are optional: without them the run logs JSONL and the bar only (the
 trainer asks `tensorboard_available()` first and says once that logs are skipped).
+MoE runs add `expert_load` to each step's row: {MoE layer: [min, max] tokens routed
+to one expert} (`models.moe.expert_load`), so a collapsing router shows.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class MetricsLog:
             for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
                 if row[k] is not None:
                     self.tb.add_scalar(f"train/{k}", row[k], row["step"])
+            for layer, (low, high) in row.get("expert_load", {}).items():
+                self.tb.add_scalars(f"expert_load/layer_{layer}", {"min": low, "max": high}, row["step"])
 
     def log_eval(self, step: int, loss: float) -> None:
         self._file.write(json.dumps({"step": step, "eval_loss": loss}) + "\n")

@@ -8,7 +8,8 @@ One step:
 3. `opt.step()` waits for what is still in flight, clips, updates its fp32 shard and
    starts the all-gathers that the next forward waits on bucket by bucket;
 4. the loss (summed over the last stage's DP ranks = the global-batch mean) is
-   logged by rank 0; evaluation, checkpointing and a requested stop follow.
+   logged by rank 0, with MoE models the min/max tokens per expert of each MoE layer
+   (`expert_load`); evaluation, checkpointing and a requested stop follow.
 
 Around the loop: rank 0 holds `<out>`'s run lock from start to end (`run_lock.py`);
 a worker whose launcher dies stops (`stop.LauncherWatch`); `train.max_skipped_steps`
@@ -41,6 +42,7 @@ from ..checkpoint.mp_reader import MPCheckpoint
 from ..data import build_data, build_eval_data
 from ..errors import HfmegError
 from ..hub import push_to_hub, write_model_card
+from ..models.moe import expert_load
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.pipeline import forward_backward
@@ -188,6 +190,7 @@ class Trainer:
                                          loss_scale=self.opt.loss_scale, sync_loss=False)
                 result = self.opt.step()
                 loss = _sum_over_world(local, ps.is_last_stage and ps.tp_rank == 0, ps.device)
+                load = {"expert_load": expert_load(self.chunks, ps)} if self.model_cfg.moe is not None else {}
                 dt = time.perf_counter() - t0
                 self.step += 1
                 summary.step, summary.train_loss = self.step, loss
@@ -200,7 +203,7 @@ class Trainer:
                         step=self.step, loss=loss, lr=lr, grad_norm=result.grad_norm, tokens=batch.num_tokens,
                         tokens_per_s=tps, skipped=result.skipped,
                         mfu=mfu(self.model_cfg, tps, seq_len, self.peak, ps.world_size) if self.peak else None,
-                    ))
+                        **load))
                 line = check.after_step(self.step, dt) if check is not None else None  # every rank: a collective
                 if line and metrics is not None:
                     metrics.bar.write(line)
