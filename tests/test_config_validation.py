@@ -22,6 +22,7 @@ from hfmeg.train.validate import check_hub_login
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ROOT / "recipes" / "configs" / "sft_llama13b.yaml"
 PRETRAIN = ROOT / "recipes" / "configs" / "pretrain_llama.yaml"
+MIXTRAL = ROOT / "recipes" / "configs" / "sft_mixtral.yaml"
 BASE = ["--model", "no/model", "--data", "no-data.json", "--tp", "1", "--out", "never-written"]
 
 
@@ -96,7 +97,7 @@ def test_only_rank_0_prints_but_every_rank_exits_2(capsys, monkeypatch):
 
 def test_the_recipes_defaults_evaluate_on_held_out_data():
     """The recipes evaluate every 100/200 steps: they must bring eval data (they crashed at that step)."""
-    for yaml, world in ((SFT, 8), (PRETRAIN, 8)):
+    for yaml, world in ((SFT, 8), (PRETRAIN, 8), (MIXTRAL, 16)):
         cfg, warnings = load_config(yaml, {"model.path": "m", "data.sources": [{"path": "d.json"}]}, world_size=world)
         assert 0 < cfg.train.eval_every <= cfg.train.max_steps and cfg.data.eval_holdout > 0
         assert warnings == []
