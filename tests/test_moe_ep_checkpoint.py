@@ -7,8 +7,10 @@ saves (model shards through `mp_save`, optimizer shards through `state_io`). The
   `model-experts-002-003.safetensors`;
 - exported to HF it is bit-identical to an EP=1 save of the same weights, and to the live
   parameters;
-- resumed at EP4 and at EP1 (model and optimizer state re-partitioned by name) it
-  continues as the uninterrupted EP2 run does.
+- resumed at EP4 and at EP1 (model and optimizer state re-partitioned by name), and after
+  `reshard_training_checkpoint` to TP2 at TP2 x EP2, it continues as the uninterrupted EP2
+  run does; so does a checkpoint of the same run in `ddp` mode (where each EP rank of DP
+  rank 0's EP group writes the optimizer state of its own experts) resumed at EP4.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from hfmeg.checkpoint.mp_reader import MPCheckpoint
 from hfmeg.checkpoint.mp_save import chunks_layout, staged_save, write_model_shard
 from hfmeg.optim.state_io import load_optimizer_state, save_optimizer_state
 from hfmeg.parallel.launch import spawn
+from hfmeg.train.checkpointing import STATE_FILE
+from hfmeg.train.reshard_checkpoint import reshard_training_checkpoint
 from optim_harness import CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, train
 from tiny_models import save_tiny
 
@@ -45,6 +49,8 @@ def _save(chunks, ps, opt, root: Path, step: int, hf_side: Path) -> Path:
         write_model_shard(chunks, ps, layout, folder)
         if opt is not None:
             save_optimizer_state(opt, folder / "optim")
+            if ps.rank == 0:  # what makes it a training checkpoint for reshard_training_checkpoint
+                (folder / STATE_FILE).write_text("{}")
     return root / iteration_dir_name(step)
 
 
@@ -72,13 +78,20 @@ def _save_export_resume(folder: Path, out: Path):
     dist.barrier()
     exported = dict(build_rank_chunk(out / "hf_ep2", make_ps(ep=1)).named_parameters())
     exact = all(torch.equal(p, exported[n]) for n, p in chunk.named_parameters())
+    if dist.get_rank() == 0:
+        reshard_training_checkpoint(saved, out / "tp2", tp=2, pp=1)
+    dist.barrier()
+    ddp, ddp_opt, _ = _trained(folder, ps, OptimizerConfig(mode="ddp", **CFG), STEPS)
+    saved_ddp = _save([ddp], ps, ddp_opt, out / "ddp", STEPS, folder)
     resumed = {}
-    for ep in (4, 1):
-        ps_r = make_ps(ep=ep)
-        chunks = load_chunks(MPCheckpoint(saved), ps_r)
+    for name, source, tp, ep in (("ep4", saved, 1, 4), ("ep1", saved, 1, 1), ("tp2_ep2", out / "tp2", 2, 2),
+                                 ("ddp_to_ep4", saved_ddp, 1, 4)):
+        ps_r = make_ps(tp=tp, ep=ep)
+        source = MPCheckpoint(source)
+        chunks = load_chunks(source, ps_r)
         opt_r = DistributedOptimizer(chunks, ps_r, cfg)
-        load_optimizer_state(opt_r, saved / "optim")
-        resumed[ep] = train(chunks[0], opt_r, ps_r, GA, STEPS, first_step=STEPS)
+        load_optimizer_state(opt_r, source.folder / "optim")
+        resumed[name] = train(chunks[0], opt_r, ps_r, GA, STEPS, first_step=STEPS)
         opt_r.data_parallel.grad_sync.remove_hooks()
     files = sorted(p.name for p in (saved / "mp_rank_00").iterdir())
     return dict(uninterrupted=uninterrupted, resumed=resumed, exact=exact, files=files, saved=str(saved))
@@ -91,5 +104,6 @@ def test_ep_checkpoint_exports_exactly_and_resumes_at_another_ep(mixtral, tmp_pa
     assert all(x["exact"] for x in results)
     assert assert_same_tensors(tmp_path / "hf_ep1", tmp_path / "hf_ep2") > 0
     want = r["uninterrupted"][STEPS:]
-    for ep, losses in r["resumed"].items():
-        assert max(abs(a - b) / abs(b) for a, b in zip(losses, want)) <= 1e-6, (ep, losses, want)
+    assert len(r["resumed"]) == 4
+    for name, losses in r["resumed"].items():
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, want)) <= 1e-6, (name, losses, want)

@@ -5,7 +5,8 @@ pieces (`DataParallel` + `DistributedOptimizer`), against the single-process Ada
 reference of tests/optim_harness.py (a TP=1, EP=1 chunk, one backward over the whole
 global batch):
 - EP2 x expert-DP 2 (DP 4): expert buckets reduce-scattered over a 2-rank group while
-  the rest uses all 4; also in `ddp` mode, where the norm counts each expert once;
+  the rest uses all 4, in the three modes (in `ddp` the norm counts each expert once
+  on its first expert-DP rank);
 - EP4 (every rank its own expert, no expert-DP sum);
 - EP2 x TP2 with SP, and EP2 x PP2 (DP 2 each).
 The load-balancing loss is off (it is refused with PP > 1, and the reference calls the
@@ -23,7 +24,8 @@ from tiny_models import save_tiny
 
 STEPS, GA = 10, 2
 # (tp, pp, sp, ep, mode)
-LAYOUTS = [(1, 1, False, 2, "overlapped"), (1, 1, False, 2, "ddp"), (1, 1, False, 4, "overlapped"),
+LAYOUTS = [(1, 1, False, 2, "overlapped"), (1, 1, False, 2, "ddp"), (1, 1, False, 2, "distributed"),
+           (1, 1, False, 4, "overlapped"),
            (2, 1, True, 2, "overlapped"), (1, 2, False, 2, "overlapped")]
 
 

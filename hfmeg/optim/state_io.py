@@ -79,7 +79,7 @@ def save_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> Path 
     opt.wait_params()
     step = _step_tensor(opt)
     meta = {
-        "format": FORMAT, "dp": opt.shards, "ep": ps.ep, "mode": opt.cfg.mode, "tp": ps.tp, "pp": ps.pp,
+        "format": FORMAT, "dp": opt.shards, "mode": opt.cfg.mode, "tp": ps.tp, "pp": ps.pp,
         "step": float(step.item()) if step is not None else 0.0, "skipped_steps": opt.skipped_steps,
         "iteration": opt.iteration,
         "loss_scale": opt.loss_scale, "good_steps": opt.scaler.good_steps if opt.scaler else 0,
