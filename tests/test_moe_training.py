@@ -10,17 +10,24 @@ global batch):
 - EP4 (every rank its own expert, no expert-DP sum);
 - EP2 x TP2 with SP, and EP2 x PP2 (DP 2 each).
 The load-balancing loss is off (it is refused with PP > 1, and the reference calls the
-chunk directly); tests/test_moe_parity.py covers it at EP > 1.
+chunk directly); tests/test_moe_parity.py covers it at EP > 1. Last, an EP that does not
+divide the expert count (or EP on a dense model) is refused when a chunk is built.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from helpers import make_ps
 from optim_harness import CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, max_rel_diff, reference, train
+from hfmeg.config import model_config_from_hf
+from hfmeg.errors import UnsupportedConfigError
+from hfmeg.models.decoder import ModelChunk
 from hfmeg.parallel.launch import spawn
-from tiny_models import save_tiny
+from tiny_models import save_tiny, tiny_config
 
 STEPS, GA = 10, 2
 # (tp, pp, sp, ep, mode)
@@ -58,3 +65,14 @@ def test_expert_parallel_training_matches_adamw_reference(mixtral):
             tp, pp, sp, ep, mode = r["layout"]
             assert r["loss_rel"] <= 1e-5 and r["rel"] <= 1e-6, r
             assert len(r["experts"]) == 4 // ep and r["expert_buckets"] >= 1 and r["compared"] > 0, r
+
+
+@pytest.mark.parametrize("kind, ep, field", [("mixtral", 3, "config.json field num_local_experts"),
+                                             ("qwen3_moe", 8, "config.json field num_experts"),
+                                             ("llama3", 2, "parallel.ep")])
+def test_chunk_refuses_an_ep_the_model_cannot_split(kind, ep, field):
+    """Refused where the chunk is built, naming the field, before any expert or dispatcher exists."""
+    cfg = model_config_from_hf(tiny_config(kind))
+    ps = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False, ep=ep, ep_rank=0, ep_group=None)
+    with torch.device("meta"), pytest.raises(UnsupportedConfigError, match=f"^{field}: "):
+        ModelChunk(cfg, ps, range(cfg.num_layers), pre_process=True, post_process=True)

@@ -82,7 +82,7 @@ class RouterStats:
 
 
 class GatedExpert(nn.Module):
-    """A SwiGLU MLP held whole on every rank: `fc1` `[2F, H]` = [gate; up], `fc2` `[H, F]`."""
+    """A SwiGLU MLP held whole (not TP-split): `fc1` `[2F, H]` = [gate; up], `fc2` `[H, F]`."""
 
     def __init__(self, hidden: int, ffn: int, role: ParamRole, kernels: Kernels):
         super().__init__()
@@ -147,7 +147,7 @@ class MoELayer(nn.Module):
         blocks = d.rows.split(d.tokens_per_expert)
         y = torch.cat([self.experts[str(e)](block) for e, block in zip(self.local_experts, blocks)])
         y = self.dispatcher.combine(y, d) * weights.reshape(-1)[d.order].unsqueeze(-1)
-        return torch.zeros_like(x).index_add_(0, d.order // chosen.shape[1], y.to(x.dtype))
+        return torch.zeros_like(x).index_add_(0, d.token, y.to(x.dtype))
 
 
 def load_balancing_loss(stats: list[RouterStats], num_experts: int, ps: ParallelState) -> torch.Tensor:

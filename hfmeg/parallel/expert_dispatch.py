@@ -56,6 +56,7 @@ class Dispatched:
     rows: torch.Tensor  # [R, h]: this rank's received token rows, expert-major
     tokens_per_expert: list[int]  # rows of each local expert, in order (sum R)
     order: torch.Tensor  # assignments sorted by expert
+    token: torch.Tensor  # the token of each assignment in `order` (`order // k`): where its output is summed
     send: list[int]  # rows sent to each EP rank
     recv: list[int]  # rows received from each EP rank
     expert_major: torch.Tensor  # received-row index of each expert-major row
@@ -75,10 +76,11 @@ class TokenDispatcher:
         k = experts.shape[1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        rows = x[order // k]
+        token = order // k
+        rows = x[token]
         counts = torch.bincount(flat, minlength=self.num_experts)
         if self.ep == 1:
-            return Dispatched(rows, counts.tolist(), order, [], [], torch.empty(0))
+            return Dispatched(rows, counts.tolist(), order, token, [], [], torch.empty(0))
         # received[s, e]: rows source s sends for local expert e
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
@@ -91,7 +93,7 @@ class TokenDispatcher:
         cnt, off = received.tolist(), start.tolist()
         expert_major = torch.cat([torch.arange(off[s][e], off[s][e] + cnt[s][e]) for s, e in spans]) \
             .to(rows.device)
-        return Dispatched(rows[expert_major], received.sum(0).tolist(), order, send, recv, expert_major)
+        return Dispatched(rows[expert_major], received.sum(0).tolist(), order, token, send, recv, expert_major)
 
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
         """Expert outputs `y` `[R, h]` (rows as dispatched) back to this rank, `[n·k, h]` in `d.order`."""

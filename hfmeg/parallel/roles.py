@@ -20,9 +20,10 @@ read one record instead of matching names or ad-hoc attributes:
   than the owner's: they are not counted again in the global norm.
 - `kind`: what the tensor is, for weight-decay exclusion (`weight`, `bias`, `norm`,
   `norm_bias`, `embedding`).
-- `expert`: one routed expert's weight (`models/moe.py`). Expert parallelism will shard
-  these over an expert group and reduce their gradients over the expert-data-parallel
-  group; consumers find them by this flag, never by name. The router and Qwen2-MoE's
+- `expert`: one routed expert's weight (`models/moe.py`). Under expert parallelism each
+  EP rank holds only some experts, and their gradients are summed, sharded and gathered
+  over the expert-data-parallel group (`data_parallel.py`); consumers find them by this
+  flag, never by name. The router and Qwen2-MoE's
   shared expert are not experts in this sense: every rank holds them.
 
 Nothing here assumes the list of fields is closed.
