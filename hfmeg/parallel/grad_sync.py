@@ -38,9 +38,9 @@ step), then waits only for what is still in flight.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from typing import Callable
+
+import torch.distributed as dist
 
 from .bucket_comm import ScratchPool, SumGroup, is_gloo, reduce_scatter_async
 from .buffers import Bucket, BufferGroup
