@@ -9,10 +9,13 @@
   add up to every gradient of every rank.
 - Resume from checkpoints written before and after the switch reproduces the
   uninterrupted run bit for bit.
+- A skipped (non-finite) step restarts Q and the residuals, so NaN does not stay in them.
 - Bad settings are refused naming the field; the start step defaults to 10 % of the run.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ from hfmeg.optim.state_io import load_optimizer_state, save_optimizer_state
 from hfmeg.parallel.data_parallel import DataParallel
 from hfmeg.parallel.launch import spawn
 from hfmeg.train.config import LoopArgs, TrainConfig
-from optim_harness import CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, train
+from optim_harness import CFG, DistributedOptimizer, OptimizerConfig, batch, build_rank_chunk, train
 from tiny_models import save_tiny
 
 STEPS = 10
@@ -178,6 +181,28 @@ def _resume(folder, ckpt):
 def test_resume_across_the_switch_is_exact(model, tmp_path):
     for rank in spawn(_resume, 2, model, str(tmp_path)):
         assert rank == [True] * 4
+
+
+def _non_finite_step(folder):
+    """A step with NaN gradients is skipped and restarts Q and the residuals; training goes on."""
+    ps = make_ps()
+    cfg = OptimizerConfig(**CFG, compression="powersgd", powersgd_rank=2, compression_start_step=0)
+    chunk = build_rank_chunk(folder, ps)
+    opt = DistributedOptimizer([chunk], ps, cfg)
+    train(chunk, opt, ps, 1, 2)
+    ids, labels = batch(2, 0)
+    (chunk(ids, labels=labels).sum() * float("nan")).backward()
+    skipped = opt.step().skipped
+    fresh = DistributedOptimizer([build_rank_chunk(folder, ps)], ps, cfg).data_parallel.compressor.state_dict()
+    restarted = all(torch.equal(t, fresh[k]) for k, t in opt.data_parallel.compressor.state_dict().items())
+    losses = train(chunk, opt, ps, 1, 2, first_step=3)
+    finite = all(torch.isfinite(p).all() for p in chunk.parameters()) and all(map(math.isfinite, losses))
+    return skipped, restarted, finite, opt.skipped_steps
+
+
+def test_a_skipped_step_restarts_the_compression_state(model):
+    for rank in spawn(_non_finite_step, 2, model):
+        assert rank == (True, True, True, 1)
 
 
 @pytest.mark.parametrize("field, value, expect", [

@@ -146,15 +146,17 @@ def _run(kind: str, k: int, folder: str, a, ps: ParallelState) -> dict:
             "measured_bytes": round(tx / a.steps / ps.dp) if a.throttle else None}
 
 
-def _worker(folder: str, a):
+def _worker(kind: str, k: int, folder: str, a) -> dict:
     ps = ParallelState(ParallelConfig(), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
-    return {name: _run(kind, k, folder, a, ps) for name, kind, k in cases(a.ranks)}
+    return _run(kind, k, folder, a, ps)
 
 
 def run_all(a) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         n_params = make_model(Path(tmp), a)
-        rows = spawn(_worker, a.dp, tmp, a, timeout_s=3600)[0]
+        # A world per case: a process keeps every model the data-parallel wrapper has hooked (the
+        # gradient hooks live in C++, out of reach of Python's cycle collector), so cases would pile up.
+        rows = {name: spawn(_worker, a.dp, kind, k, tmp, a, timeout_s=3600)[0] for name, kind, k in cases(a.ranks)}
     anchor = rows["overlapped"]
     for name, row in rows.items():
         row.update(case=name, params=n_params, dp=a.dp, throttle=a.throttle,
