@@ -100,7 +100,8 @@ def write_model_shard(chunks: list[ModelChunk], ps: ParallelState, layout: MPLay
     if ps.edp_rank == 0:
         cfg = chunks[0].cfg
         experts = {name for c in chunks for name, _, role in named_roles(c) if role.expert}
-        params = [(rule.local, dict(c.named_parameters())[rule.local])
+        # remove_duplicate=False: layers sharing one Parameter (models/shared_layers.py) each write theirs.
+        params = [(rule.local, dict(c.named_parameters(remove_duplicate=False))[rule.local])
                   for c, s in zip(chunks, layout.rank_chunks(ps.pp_rank))
                   for rule in chunk_rules(cfg, s.layers, s.pre_process, s.post_process, c.experts)
                   if ps.ep_rank == 0 or rule.local in experts]

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -118,16 +119,23 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
-def load_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> None:
-    """Fill `opt` (any DP size and mode) from the shards in `folder`, then resync the parameters."""
+def load_optimizer_state(opt: DistributedOptimizer, folder: str | Path,
+                         source_name: Callable[[str], str] | None = None) -> None:
+    """Fill `opt` (any DP size and mode) from the shards in `folder`, then resync the parameters.
+
+    `source_name(name)`: the saved tensor whose state parameter `name` takes (default: its own
+    name). The shared-unlock warm start (models/shared_layers.py) gives every layer the state
+    saved under the first layer's names."""
     ps, folder = opt.ps, Path(folder)
     files = sorted(folder.glob(f"optim_pp{ps.pp_rank:03d}_tp{ps.tp_rank:02d}_dp*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: no optimizer shards for pp rank {ps.pp_rank}, tp rank {ps.tp_rank}")
-    mine: dict[str, list[tuple[int, int, int]]] = {}
+    mine: dict[str, list[tuple[int, int, int, str]]] = {}  # saved name -> pieces (lo, hi, offset, own name)
+    need: dict[str, int] = {}  # own name -> elements this rank holds
     for name, lo, hi, off in _pieces(opt):
-        mine.setdefault(name, []).append((lo, hi, off))
-    filled = {name: 0 for name in mine}
+        mine.setdefault(source_name(name) if source_name else name, []).append((lo, hi, off, name))
+        need[name] = need.get(name, 0) + hi - lo
+    filled = dict.fromkeys(need, 0)
     meta = {}
     for path in files:
         meta = read_meta(path)
@@ -136,14 +144,13 @@ def load_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> None:
         with safe_open(str(path), "pt") as f:
             flats = {k: f.get_tensor(k) for k in STATE}
         for name, lo, hi, off in meta["pieces"]:
-            for my_lo, my_hi, my_off in mine.get(name, ()):
+            for my_lo, my_hi, my_off, my_name in mine.get(name, ()):
                 a, b = max(lo, my_lo), min(hi, my_hi)
                 if a >= b:
                     continue
                 for k in STATE:
                     getattr(opt, k)[my_off + a - my_lo : my_off + b - my_lo].copy_(flats[k][off + a - lo : off + b - lo])
-                filled[name] += b - a
-    need = {name: sum(hi - lo for lo, hi, _ in pieces) for name, pieces in mine.items()}
+                filled[my_name] += b - a
     missing = sorted(n for n in need if filled[n] != need[n])
     if missing:
         raise CheckpointError(f"{folder}: optimizer shards do not cover {missing[0]} (and {len(missing) - 1} more)")
