@@ -71,7 +71,7 @@ def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluatio
     """Rank 0: (the layout, the planner's evaluation of it or None, the line to print)."""
     world = dist.get_world_size()
     cluster, profile = detect_cluster(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
-    model = model_config_from_hf(load_hf_config(resolve_hf_source(cfg.model.path)))
+    model = model_config_from_hf(load_hf_config(resolve_hf_source(cfg.model.source)))
     job = Job(model, cluster, profile, cfg.train.global_batch_size, cfg.data.seq_len,
               cfg.model.torch_dtype(device).itemsize)
     resume = find_resume(Path(cfg.checkpoint.out) / "checkpoints", cfg.checkpoint.resume)

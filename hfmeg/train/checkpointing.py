@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -128,16 +128,23 @@ def find_resume(root: Path, resume: str) -> Path | None:
     return folder
 
 
-def load_trainer_state(folder: Path, opt) -> dict[str, Any]:
-    """Restore optimizer shards and this rank's RNG; return the trainer state (step, data, ...)."""
+def read_trainer_state(folder: Path) -> dict[str, Any]:
+    """The trainer state of a checkpoint (step, data position, config, layer-sharing phase), checked."""
     path = folder / STATE_FILE
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {STATE_FILE}; the checkpoint is incomplete")
     try:
-        state = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); resume from an earlier checkpoint with --resume PATH") from e
-    load_optimizer_state(opt, folder / OPTIM_DIR)
+
+
+def load_trainer_state(folder: Path, opt, source_name: Callable[[str], str] | None = None) -> dict[str, Any]:
+    """Restore optimizer shards and this rank's RNG; return the trainer state (step, data, ...).
+
+    `source_name`: which saved tensor's state each parameter takes (`load_optimizer_state`)."""
+    state = read_trainer_state(folder)
+    load_optimizer_state(opt, folder / OPTIM_DIR, source_name)
     rng = _rng_file(folder)
     if rng.is_file():  # absent when resuming with a different world size: seeds then differ per rank
         set_rng_state(json.loads(rng.read_text()), opt.ps.device)

@@ -30,6 +30,9 @@ QUIET_RANK_EXIT_DELAY_S = 3.0  # how long ranks other than 0 wait before exiting
 # flag -> (dotted config key, type, help)
 FLAGS = {
     "--model": ("model.path", str, "HF folder, Hub id, or hfmeg shard folder"),
+    "--init": ("model.init", str, "pretrained | random (pretraining from scratch: random weights, transformers' "
+               "initialisation, of the --config-from architecture)"),
+    "--config-from": ("model.config_from", str, "HF folder or Hub id whose config and tokenizer --init random uses"),
     "--tp": ("parallel.tp", int, "tensor-parallel size"),
     "--pp": ("parallel.pp", int, "pipeline-parallel size"),
     "--vpp": ("parallel.vpp", int, "virtual pipeline chunks per rank (interleaved 1F1B when > 1)"),
@@ -121,15 +124,18 @@ def fit_to_model(cfg: TrainConfig) -> None:
     what only the model's config.json can refuse before any process group exists (EP vs the expert count)."""
     from ..checkpoint.hub_source import resolve_hf_source
     from ..config import check_ep, load_hf_config, model_config_from_hf
+    from ..models.shared_layers import check_shareable
 
     if not torch.cuda.is_available() and cfg.model.compile:
         _say("model.compile: torch.compile kernels are for GPUs; running eagerly on CPU")
         cfg.model.compile = False
     try:
-        model_cfg = model_config_from_hf(load_hf_config(resolve_hf_source(cfg.model.path)))
+        model_cfg = model_config_from_hf(load_hf_config(resolve_hf_source(cfg.model.source)))
     except HfmegError:
         return  # an MP checkpoint folder (the model's chunks check it), or an error the trainer reports in full
     check_ep(model_cfg, cfg.parallel.ep)
+    if cfg.train.shared_layers_until:
+        check_shareable(model_cfg, cfg.parallel.pp)
     max_pos = model_cfg.max_positions
     if cfg.data.seq_len > max_pos:
         _say(f"data.seq_len {cfg.data.seq_len} > the model's max_position_embeddings {max_pos}: using {max_pos}")

@@ -30,11 +30,20 @@ from .validate import validate
 @dataclass
 class ModelArgs:
     path: str = ""  # HF folder, Hub id, or an hfmeg shard folder (convert_hf_to_mp.py output)
+    # random: pretraining from scratch, transformers' own initialisation (seeded by train.seed) of the
+    # architecture in config_from's config.json, whose tokenizer the run uses; path stays empty.
+    init: Literal["pretrained", "random"] = "pretrained"
+    config_from: str = ""  # HF folder or Hub id (model.init random only)
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPUs, fp32 on CPU
     recompute: Literal["none", "full", "selective"] = "none"
     compile: bool = False  # fuse RMSNorm/RoPE/SwiGLU with torch.compile (GPU)
     vocab_multiple: int = 128
     ce_chunk_tokens: int = 4096
+
+    @property
+    def source(self) -> str:
+        """Where the run's config.json and tokenizer come from."""
+        return self.config_from if self.init == "random" else self.path
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype the run computes in on `device`: `auto` is bf16 on GPUs, fp32 on CPU."""
@@ -68,6 +77,8 @@ class LoopArgs:
     eval_batches: int = 4
     seed: int = 1234
     max_skipped_steps: int = 10  # this many skipped (non-finite) steps in a row: save and abort; 0: never
+    # Steps before this one run with every layer sharing layer 0's parameters (models/shared_layers.py); 0: never.
+    shared_layers_until: int = 0
 
 
 @dataclass
@@ -121,7 +132,7 @@ def load_config(yaml_path: str | Path | None, overrides: dict[str, Any],
         if value is not None:
             set_dotted(data, key, value)
     cfg = build(TrainConfig, data)
-    if not cfg.model.path:
+    if not cfg.model.path and cfg.model.init == "pretrained":
         raise ConfigError("model.path is required (--model)")
     if not cfg.data.sources:
         raise ConfigError("data.sources is empty (--data)")

@@ -20,6 +20,10 @@ return: a rank waiting in a barrier through an upload of many GB would be killed
 the NCCL watchdog's timeout. Rank 0 then prints the run's summary (`summary.py`).
 With `parallel.layout: auto` the planner chooses the layout before anything is built,
 and its prediction is checked against the first timed steps (`auto_layout.py`).
+`model.init: random` starts from transformers' own initialisation of `model.config_from`'s
+architecture; with `train.shared_layers_until` every layer shares layer 0's parameters
+until that step (`models/shared_layers.py`), when `_unlock` rebuilds the model and the
+optimizer unshared through a checkpoint (the checkpoint records the phase it was saved in).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from ..checkpoint.convert import mp_to_hf
 from ..checkpoint.hf_reader import HFCheckpoint
@@ -39,16 +43,19 @@ from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.load import load_chunks
 from ..checkpoint.mp_layout import HF_DIR, is_mp_folder, resolve_iteration_dir
 from ..checkpoint.mp_reader import MPCheckpoint
+from ..checkpoint.tensor_source import TensorSource
 from ..data import build_data, build_eval_data
-from ..errors import HfmegError
+from ..errors import CheckpointError, HfmegError
 from ..hub import push_to_hub, write_model_card
 from ..models.moe import expert_load
+from ..models.random_init import random_hf_model
+from ..models.shared_layers import share_layers, shared_name
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.pipeline import forward_backward
 from ..parallel.state import ParallelState, join_world
 from .auto_layout import LayoutReport, resolve_layout
-from .checkpointing import RunCheckpoints, load_trainer_state
+from .checkpointing import RunCheckpoints, load_trainer_state, read_trainer_state
 from .config import TrainConfig
 from ..plan.flops import mfu, peak_flops
 from .metrics import MetricsLog, read_metrics, tensorboard_available
@@ -84,6 +91,14 @@ def _sum_over_world(value: float | torch.Tensor | None, contributes: bool, devic
     return float(t.item())
 
 
+def _random_weights(folder: Path, seed: int) -> TensorSource:
+    """Weights for pretraining from scratch: transformers' own initialisation of `folder`'s config.
+
+    Every rank initialises the whole model on its CPU with the same seed (so the TP ranks agree)
+    and takes its slices through the loader, as from a checkpoint."""
+    return TensorSource.snapshot(random_hf_model(AutoConfig.from_pretrained(folder), seed=seed, dtype=torch.float32))
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         device = join_world()
@@ -112,7 +127,9 @@ class Trainer:
         seed_all(cfg.train.seed)
         self.dtype = cfg.model.torch_dtype(self.ps.device)
         self.resume_dir = self.checkpoints.resume_dir
-        self.chunks, hf_side_dir = self._load_model()
+        saved = read_trainer_state(self.resume_dir) if self.resume_dir is not None else {}
+        self.step = saved.get("step", 0)
+        self.chunks, hf_side_dir = self._load_model(self.resume_dir)
         if self.is_logger:
             self.checkpoints.pin_hf_source(hf_side_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(hf_side_dir))
@@ -122,33 +139,72 @@ class Trainer:
                          global_batch_size=loop.global_batch_size)
         self.data = build_data(cfg.data, self.tokenizer, **data_args)
         self.data_args = data_args
-        self.step = 0
+        self.last_save: tuple[int, Path] | None = None  # (step, folder) of this run's newest checkpoint
         if self.resume_dir is not None:
-            state = load_trainer_state(self.resume_dir, self.opt)
-            self.step = state["step"]
-            self.data.load_state_dict(state["data"])
+            load_trainer_state(self.resume_dir, self.opt, self._state_names(saved.get("shared_layers", False)))
+            self.data.load_state_dict(saved["data"])
             if self.is_logger:
                 print(f"resuming from {self.resume_dir} (step {self.step})")
         self.model_cfg = self.chunks[0].cfg
         self.peak = peak_flops(self.ps.device)
 
     # -- setup ---------------------------------------------------------------------------
-    def _load_model(self):
-        m, ps = self.cfg.model, self.ps
-        options = dict(recompute=m.recompute, ce_chunk_tokens=m.ce_chunk_tokens,
-                       compile_backend="inductor" if m.compile else None)
-        source = self.resume_dir
-        if source is None:
-            local = Path(m.path)
-            source = local if is_mp_folder(local) else None
+    @property
+    def shared(self) -> bool:
+        """Whether the current step runs with shared layers (`train.shared_layers_until`)."""
+        return self.step < self.cfg.train.shared_layers_until
+
+    def _load_model(self, checkpoint: Path | None):
+        """This rank's chunks, from `checkpoint` (an iteration folder) or the configured model, with
+        shared layers while `shared`; and the folder of the HF side files (config, tokenizer)."""
+        m = self.cfg.model
+        source = checkpoint
+        if source is None and is_mp_folder(Path(m.path)):
+            source = Path(m.path)
         if source is not None:
             iter_dir = resolve_iteration_dir(source)
-            chunks = load_chunks(MPCheckpoint(iter_dir), ps, dtype=self.dtype, **options)
-            return chunks, iter_dir / HF_DIR
-        folder = resolve_hf_source(m.path)
-        chunks = load_chunks(HFCheckpoint(folder), ps, pp_layers=self.cfg.parallel.pp_layers, dtype=self.dtype,
-                             vocab_multiple=m.vocab_multiple, **options)
-        return chunks, folder
+            chunks, side = self._chunks(MPCheckpoint(iter_dir)), iter_dir / HF_DIR
+        else:
+            side = resolve_hf_source(m.source)
+            weights = _random_weights(side, self.cfg.train.seed) if m.init == "random" else HFCheckpoint(side)
+            chunks = self._chunks(weights, pp_layers=self.cfg.parallel.pp_layers, vocab_multiple=m.vocab_multiple)
+        self.layers_shared = self.shared
+        if self.layers_shared:
+            for chunk in chunks:
+                share_layers(chunk)
+        return chunks, side
+
+    def _chunks(self, weights, **layout):
+        m = self.cfg.model
+        return load_chunks(weights, self.ps, dtype=self.dtype, recompute=m.recompute, ce_chunk_tokens=m.ce_chunk_tokens,
+                           compile_backend="inductor" if m.compile else None, **layout)
+
+    def _state_names(self, saved_shared: bool):
+        """How this run's parameters find their optimizer state in a checkpoint of either phase."""
+        if saved_shared == self.shared:
+            return None
+        if self.shared:
+            raise CheckpointError(f"train.shared_layers_until: the checkpoint at step {self.step} has unshared "
+                                  f"layers, but this run shares them until step {self.cfg.train.shared_layers_until}; "
+                                  "unshared layers cannot be shared again")
+        return shared_name
+
+    def _unlock(self) -> None:
+        """Give every layer its own copy of the shared parameters and Adam moments (models/shared_layers.py).
+
+        Through a checkpoint at this step, which is the switch-over's resume point: the unshared
+        chunks load from its model shards (every layer holds the shared weights, so the unlocked
+        model computes exactly what the shared one did), and a new optimizer from its optimizer
+        state, every layer's pieces taken from the first layer's names and re-partitioned over the
+        new buckets as a resume at another DP size would be. A resume from that checkpoint does
+        the same, so the run continues identically either way."""
+        folder = self.last_save[1] if self.last_save and self.last_save[0] == self.step else self.save()
+        self.opt.data_parallel.grad_sync.remove_hooks()  # they would keep the shared model alive
+        self.chunks, _ = self._load_model(folder)
+        self.opt = DistributedOptimizer(self.chunks, self.ps, self.cfg.optim)
+        load_trainer_state(folder, self.opt, shared_name)
+        if self.is_logger:
+            print(f"step {self.step}: layers unlocked (train.shared_layers_until)", flush=True)
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -181,6 +237,8 @@ class Trainer:
         try:
             while self.step < cfg.train.max_steps:
                 self.launcher.check()
+                if self.layers_shared and not self.shared:
+                    self._unlock()
                 lr = lr_at(self.step, cfg.optim.lr, cfg.lr)
                 self.opt.set_lr(lr)
                 t0 = time.perf_counter()  # the step's time includes waiting for its data
@@ -251,9 +309,11 @@ class Trainer:
         return total / max(n, 1)
 
     def save(self) -> Path:
-        state = {"data": self.data.state_dict(), "config": self.cfg.to_dict()}
-        return self.checkpoints.save(self.step, self.chunks, self.ps, self.opt, state,
-                                     pp_layers=self.cfg.parallel.pp_layers)
+        state = {"data": self.data.state_dict(), "config": self.cfg.to_dict(), "shared_layers": self.layers_shared}
+        folder = self.checkpoints.save(self.step, self.chunks, self.ps, self.opt, state,
+                                       pp_layers=self.cfg.parallel.pp_layers)
+        self.last_save = (self.step, folder)
+        return folder
 
     def export(self, checkpoint: Path | None) -> Path | None:
         """Rank 0 alone: convert the final checkpoint to `<out>/hf`, write the model card, push if asked.

@@ -54,6 +54,7 @@ def _ranges(cfg: TrainConfig) -> None:
                          (c.save_every, "checkpoint.save_every"), (lr.warmup_steps, "lr.warmup_steps"),
                          (o.weight_decay, "optim.weight_decay"), (o.grad_clip, "optim.grad_clip"),
                          (lr.min_lr, "lr.min_lr"), (cfg.data.eval_holdout, "data.eval_holdout"),
+                         (t.shared_layers_until, "train.shared_layers_until"),
                          (t.seed, "train.seed"), (cfg.data.seed, "data.seed")):  # numpy refuses negative seeds
         _at_least(value, 0, field)
     _at_least(cfg.data.seq_len, 2, "data.seq_len")
@@ -110,6 +111,37 @@ def _auto_layout(cfg: TrainConfig, overridden: Collection[str]) -> None:
                               "--layout manual")
 
 
+def _init(cfg: TrainConfig) -> None:
+    """Random weights (`model.init random`) and the shared-unlock warm start that goes with them."""
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    if m.init == "random":
+        if not m.config_from:
+            raise ConfigError("model.config_from: model.init random needs the HF folder or Hub id whose config.json "
+                              "and tokenizer to use (--config-from)")
+        if m.path:
+            raise ConfigError(f"model.path: {m.path!r} is given, but model.init random trains random weights of "
+                              "model.config_from's architecture; drop --model")
+        if is_mp_folder(Path(m.config_from)):
+            raise ConfigError(f"model.config_from: {m.config_from} is an hfmeg shard folder; give an HF folder or "
+                              "Hub id (or train from the shards with --model and model.init pretrained)")
+    elif m.config_from:
+        raise ConfigError("model.config_from: only read with model.init random (--init random); the weights, config "
+                          "and tokenizer of model.init pretrained come from model.path")
+    until = t.shared_layers_until
+    if not until:
+        return
+    if m.init != "random":
+        raise ConfigError("train.shared_layers_until: sharing gives every layer layer 0's weights, which would "
+                          "discard a pretrained model's other layers; it is for model.init random")
+    if cfg.parallel.layout == "auto" or cfg.parallel.pp > 1:
+        raise ConfigError(f"train.shared_layers_until: shared layers need every layer on one rank (parallel.pp 1, "
+                          f"layout manual); this run has pp {cfg.parallel.pp}, layout {cfg.parallel.layout}")
+    if o.compression != "none" and o.compression_start_step < until:
+        raise ConfigError(f"optim.compression_start_step: {o.compression_start_step} is before "
+                          f"train.shared_layers_until {until}; compression state is per tensor and starts after "
+                          "the unlock, so set compression_start_step >= shared_layers_until")
+
+
 def _eval(cfg: TrainConfig) -> None:
     t, d = cfg.train, cfg.data
     if 0 < t.eval_every <= t.max_steps and not d.eval_sources and not d.eval_holdout:
@@ -164,6 +196,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collec
         _auto_layout(cfg, overridden)
     else:
         _layout(cfg, world)
+    _init(cfg)
     _eval(cfg)
     _resume(cfg)
     _out(cfg)
