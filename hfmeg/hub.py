@@ -96,29 +96,34 @@ def _cell(v: Any) -> str:
 
 
 def write_model_card(folder: Path, *, base_model: str, data: list[str], config: dict[str, Any],
-                     metrics: dict[str, Any], repo_id: str | None = None, diverged: bool = False) -> Path:
+                     metrics: dict[str, Any], repo_id: str | None = None, diverged: bool = False,
+                     from_scratch: bool = False) -> Path:
     """Write `README.md` with YAML front matter the Hub understands, plus the run's facts.
 
     `repo_id`: the Hub repo being pushed to (its name is the title); `diverged`: the run
-    stopped on non-finite gradients (so does a non-finite final loss)."""
+    stopped on non-finite gradients (so does a non-finite final loss); `from_scratch`: the
+    weights started random, and `base_model` only gave the architecture and tokenizer, so
+    it is named as such and claimed neither as the base model nor for its license."""
     base = public_name(base_model)
     datasets = [d for d in dict.fromkeys(hub_id(p) for p in data) if d]
     loss = metrics.get("loss")
     diverged = diverged or (isinstance(loss, float) and not math.isfinite(loss))
-    meta: dict[str, Any] = {"library_name": "transformers", "tags": ["hfmeg", "fine-tuned"]}
-    if hub_id(base_model):
+    meta: dict[str, Any] = {"library_name": "transformers",
+                            "tags": ["hfmeg", "pretrained-from-scratch" if from_scratch else "fine-tuned"]}
+    if hub_id(base_model) and not from_scratch:
         meta["base_model"] = hub_id(base_model)
     if datasets:
         meta["datasets"] = datasets
-    if license_ := base_license(base_model):
+    if not from_scratch and (license_ := base_license(base_model)):
         meta["license"] = license_
-    title = (repo_id or f"{base} fine-tuned").split("/")[-1]
+    title = (repo_id or f"{base} {'from scratch' if from_scratch else 'fine-tuned'}").split("/")[-1]
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "", f"# {title}", ""]
     if diverged:
         lines += ["> **This run diverged** (non-finite loss or gradients): these weights are a snapshot for "
                   "inspection, not a usable fine-tuned model.", ""]
     lines += [
-        f"Fine-tuned from **{base}** with [hfmeg](https://pypi.org/project/hfmeg/) "
+        (f"Pretrained from random weights with the architecture and tokenizer of **{base}**, "
+         if from_scratch else f"Fine-tuned from **{base}** ") + "with [hfmeg](https://pypi.org/project/hfmeg/) "
         "(Megatron-style TP/SP/PP with an overlapped distributed optimizer).",
         "",
         "## Data",

@@ -114,6 +114,9 @@ def test_pretrain_recipe_from_random_weights_unlocks_and_exports(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(out / "hf")
     assert len(loaded.model.layers) == 5
     assert (out / "hf" / "tokenizer.json").is_file()
+    card = (out / "hf" / "README.md").read_text()
+    assert "Pretrained from random weights with the architecture and tokenizer of **stories260K**" in card
+    assert "base_model" not in card.split("---")[1]
 
 
 @pytest.fixture

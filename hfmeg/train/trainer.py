@@ -330,8 +330,10 @@ class Trainer:
         if evals:
             final["eval_loss"] = evals[-1]["eval_loss"]
         final["skipped_steps"] = self.opt.skipped_steps
-        write_model_card(hf, base_model=self.cfg.model.path, data=[s.path for s in self.cfg.data.sources],
-                         config=self.cfg.to_dict(), metrics=final, repo_id=self.cfg.hub.push_to_hub)
+        m = self.cfg.model
+        write_model_card(hf, base_model=m.source, data=[s.path for s in self.cfg.data.sources],
+                         config=self.cfg.to_dict(), metrics=final, repo_id=self.cfg.hub.push_to_hub,
+                         from_scratch=m.init == "random")
         if self.cfg.hub.push_to_hub:
             url = push_to_hub(hf, self.cfg.hub.push_to_hub, private=self.cfg.hub.private)
             print(f"pushed to {url}")
