@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import stories_or_skip
+from hfmeg.checkpoint import hub_source
 from hfmeg.checkpoint.convert import mp_to_hf
 from hfmeg.data import DataConfig, SourceConfig
 from hfmeg.optim.config import OptimizerConfig
@@ -153,3 +154,15 @@ def test_moe_models_are_refused_naming_the_field(_one_process, capsys, tmp_path)
             "--set", "train.shared_layers_until=2"]
     assert cli.main("test", PRETRAIN, argv) == 2
     assert "train.shared_layers_until: shared layers are for dense models" in capsys.readouterr().err
+
+
+def test_random_init_fetches_only_config_and_tokenizer_from_the_hub(monkeypatch, tmp_path):
+    asked = []
+
+    def fake_download(repo_id, allow_patterns):
+        asked.append(allow_patterns)
+        return str(tmp_path)
+
+    monkeypatch.setattr(hub_source, "snapshot_download", fake_download)
+    assert ModelArgs(init="random", config_from="org/model").hf_folder() == tmp_path
+    assert asked == [hub_source.SIDE_PATTERNS]  # no weight files, and no second try for .bin ones

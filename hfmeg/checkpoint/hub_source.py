@@ -5,7 +5,8 @@ that looks like a Hub repository id is fetched with
 `huggingface_hub.snapshot_download`, which reuses the local cache and honours
 `HF_HUB_OFFLINE` (offline, it answers from the cache or fails). Only config,
 tokenizer and weight files are fetched, and `.bin` weights only for repositories
-that have no safetensors.
+that have no safetensors; with `weights=False` (a run from random weights, which reads
+only the config and tokenizer) no weight file at all.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ SAFE_PATTERNS = ["*.safetensors", "model.safetensors.index.json"]
 BIN_PATTERNS = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 
 
-def resolve_hf_source(spec: str | Path) -> Path:
+def resolve_hf_source(spec: str | Path, weights: bool = True) -> Path:
     """A local folder for `spec` (a folder, or a Hub id downloaded/cached by huggingface_hub)."""
     path = Path(spec)
     if path.is_dir():
@@ -32,8 +33,9 @@ def resolve_hf_source(spec: str | Path) -> Path:
     if path.exists() or path.is_absolute() or text.startswith((".", "~")) or not REPO_ID.match(text):
         raise CheckpointError(f"{spec}: no such folder")
     try:
-        folder = Path(snapshot_download(repo_id=text, allow_patterns=SIDE_PATTERNS + SAFE_PATTERNS))
-        if not any(folder.glob("*.safetensors")):
+        safetensors = SAFE_PATTERNS if weights else []
+        folder = Path(snapshot_download(repo_id=text, allow_patterns=SIDE_PATTERNS + safetensors))
+        if weights and not any(folder.glob("*.safetensors")):
             folder = Path(snapshot_download(repo_id=text, allow_patterns=SIDE_PATTERNS + BIN_PATTERNS))
     except Exception as e:  # noqa: BLE001 - every Hub failure becomes one clear line
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.hub_source import resolve_hf_source
 from ..config import load_hf_config, model_config_from_hf
 from ..errors import LayoutError
 from ..plan.auto import choice_line, detect_cluster, report
@@ -71,7 +70,7 @@ def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluatio
     """Rank 0: (the layout, the planner's evaluation of it or None, the line to print)."""
     world = dist.get_world_size()
     cluster, profile = detect_cluster(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
-    model = model_config_from_hf(load_hf_config(resolve_hf_source(cfg.model.source)))
+    model = model_config_from_hf(load_hf_config(cfg.model.hf_folder()))
     job = Job(model, cluster, profile, cfg.train.global_batch_size, cfg.data.seq_len,
               cfg.model.torch_dtype(device).itemsize)
     resume = find_resume(Path(cfg.checkpoint.out) / "checkpoints", cfg.checkpoint.resume)

@@ -122,7 +122,6 @@ def _say(line: str) -> None:
 def fit_to_model(cfg: TrainConfig) -> None:
     """CPU runs of a GPU recipe: no torch.compile (GPU kernels), and a sequence the model supports; and
     what only the model's config.json can refuse before any process group exists (EP vs the expert count)."""
-    from ..checkpoint.hub_source import resolve_hf_source
     from ..config import check_ep, load_hf_config, model_config_from_hf
     from ..models.shared_layers import check_shareable
 
@@ -130,7 +129,7 @@ def fit_to_model(cfg: TrainConfig) -> None:
         _say("model.compile: torch.compile kernels are for GPUs; running eagerly on CPU")
         cfg.model.compile = False
     try:
-        model_cfg = model_config_from_hf(load_hf_config(resolve_hf_source(cfg.model.source)))
+        model_cfg = model_config_from_hf(load_hf_config(cfg.model.hf_folder()))
     except HfmegError:
         return  # an MP checkpoint folder (the model's chunks check it), or an error the trainer reports in full
     check_ep(model_cfg, cfg.parallel.ep)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.mp_layout import parse_dtype
 from ..data.config import DataConfig
 from ..optim.config import OptimizerConfig
@@ -44,6 +45,10 @@ class ModelArgs:
     def source(self) -> str:
         """Where the run's config.json and tokenizer come from."""
         return self.config_from if self.init == "random" else self.path
+
+    def hf_folder(self) -> Path:
+        """`source` as a local folder, fetched from the Hub if it is an id (weights only if the run reads them)."""
+        return resolve_hf_source(self.source, weights=self.init == "pretrained")
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype the run computes in on `device`: `auto` is bf16 on GPUs, fp32 on CPU."""

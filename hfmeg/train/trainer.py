@@ -39,7 +39,6 @@ from transformers import AutoConfig, AutoTokenizer
 
 from ..checkpoint.convert import mp_to_hf
 from ..checkpoint.hf_reader import HFCheckpoint
-from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.load import load_chunks
 from ..checkpoint.mp_layout import HF_DIR, is_mp_folder, resolve_iteration_dir
 from ..checkpoint.mp_reader import MPCheckpoint
@@ -165,7 +164,7 @@ class Trainer:
             iter_dir = resolve_iteration_dir(source)
             chunks, side = self._chunks(MPCheckpoint(iter_dir)), iter_dir / HF_DIR
         else:
-            side = resolve_hf_source(m.source)
+            side = m.hf_folder()
             weights = _random_weights(side, self.cfg.train.seed) if m.init == "random" else HFCheckpoint(side)
             chunks = self._chunks(weights, pp_layers=self.cfg.parallel.pp_layers, vocab_multiple=m.vocab_multiple)
         self.layers_shared = self.shared
