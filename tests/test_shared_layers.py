@@ -1,4 +1,4 @@
-"""Shared layers (issue 16's shared-unlock warm start), at the library level on 2 gloo ranks (DP2).
+"""Shared layers (issue 16's shared-unlock warm start), at the library level on 2 gloo ranks (DP2; TP2 + SP).
 
 - the shared parameter's gradient is the sum of the per-layer gradients of an unshared
   model holding the same weights in every layer;
@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -132,8 +133,8 @@ def _reference(folder):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _shared_then_unlocked(folder, ckpt):
-    ps = make_ps()
+def _shared_then_unlocked(folder, ckpt, tp):
+    ps = make_ps(tp=tp, sp=tp > 1)
     cfg = OptimizerConfig(**CFG)
     shared = build_rank_chunk(folder, ps)
     share_layers(shared)
@@ -158,10 +159,11 @@ def _shared_then_unlocked(folder, ckpt):
     return same, losses, ref_losses, max_rel_diff(unshared, ps, ref)
 
 
-def test_unlock_keeps_logits_and_continues_like_separate_copies(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])  # DP2, and TP2 with sequence parallelism
+def test_unlock_keeps_logits_and_continues_like_separate_copies(tmp_path, tp):
     folder = str(save_tiny("llama3", tmp_path / "m", num_hidden_layers=LAYERS))
     for same, losses, ref_losses, (worst, worst_max, n) in spawn(_shared_then_unlocked, 2, folder,
-                                                                  str(tmp_path / "optim")):
+                                                                  str(tmp_path / "optim"), tp):
         assert same  # the unlocked model computes exactly what the shared one did
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-6, (losses, ref_losses)
         assert worst <= 1e-6 and n > 0, (worst, worst_max)
