@@ -2,7 +2,7 @@
 
 Pretraining from scratch (`model.init random`, stories260K's 5-layer architecture and
 tokenizer) on the project's text sample, layers shared until step 3:
-- resuming from a checkpoint before the switch, at it (a shared-phase checkpoint
+- resuming from a checkpoint before the switch (also resharded to TP2), at it (a shared-phase checkpoint
   loaded into the unlocked model) and after it reproduces the uninterrupted run bit
   for bit; the checkpoints record their phase, and a shared-phase one exports a
   complete HF model whose layers all hold the shared weights;
@@ -30,10 +30,11 @@ from hfmeg.optim.lr_schedule import LRScheduleConfig
 from hfmeg.parallel.launch import WorkerError, spawn
 from hfmeg.train import cli
 from hfmeg.train.checkpointing import STATE_FILE
-from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, TrainConfig
+from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, ParallelArgs, TrainConfig
 from hfmeg.train.metrics import read_metrics
 from hfmeg.train.trainer import Trainer
 from tiny_models import save_tiny
+from tool_loader import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "data" / "text_sample.txt"
@@ -41,9 +42,10 @@ PRETRAIN = ROOT / "recipes" / "configs" / "pretrain_llama.yaml"
 UNTIL, STEPS = 3, 6
 
 
-def _config(out: Path, *, steps=STEPS, resume="none", until=UNTIL) -> TrainConfig:
+def _config(out: Path, *, steps=STEPS, resume="none", until=UNTIL, tp=1) -> TrainConfig:
     return TrainConfig(
         model=ModelArgs(init="random", config_from=str(stories_or_skip()), dtype="fp32"),
+        parallel=ParallelArgs(tp=tp),
         optim=OptimizerConfig(lr=3e-3, weight_decay=0.01, eps=1e-5, bucket_size=20000),
         lr=LRScheduleConfig(warmup_steps=1, total_steps=STEPS, min_lr=3e-4),
         data=DataConfig(sources=[SourceConfig(str(TEXT))], format="text", overlong="split", seq_len=64),
@@ -77,6 +79,13 @@ def test_resume_before_at_and_after_the_unlock_is_exact(tmp_path):
         out = tmp_path / f"split{stop}"
         spawn(_run, 2, _config(out, steps=stop))
         assert _phase(out / "checkpoints" / f"iter_{stop:07d}") == (stop < UNTIL)
+        if stop == 2:  # a shared-phase checkpoint resharded to TP2 resumes too (TP sums: not bit for bit)
+            new = tmp_path / "tp2"
+            assert load_tool("reshard_mp").main(["--mp", str(out / "checkpoints" / "iter_0000002"), "--out", str(new),
+                                                  "--tp", "2", "--pp", "1"]) == 0
+            spawn(_run, 2, _config(tmp_path / "tp2run", resume=str(new / "iter_0000002"), tp=2))
+            got = _losses(tmp_path / "tp2run")
+            assert len(got) == 4 and all(abs(a - b) <= 1e-5 * b for a, b in zip(got, straight[2:])), (got, straight)
         spawn(_run, 2, _config(out, resume="auto"))
         assert _losses(out) == straight, (stop, _losses(out), straight)
 

@@ -8,7 +8,9 @@
   name), `write_mp_shards` cuts it into the new layout, and each new rank's three
   tensors are packed into one optimizer shard with DP=1 (the loader re-partitions by
   name over any DP size, `optim/state_io.py`); step, skipped steps and loss scale are
-  carried in its metadata;
+  carried in its metadata. A checkpoint saved with shared layers (`train.shared_layers_until`)
+  holds optimizer state under layer 0's names only; every layer is written with it, which
+  the resumed run reads whichever phase it is in (models/shared_layers.py);
 - `trainer_state.json` (step, data position, config) is copied verbatim: which rows
   form global batch k does not depend on the layout.
 Per-rank RNG states are not carried (the ranks are not the same ones); the resumed
@@ -31,8 +33,9 @@ from ..checkpoint.mp_layout import RANK_FILE, MPLayout, parse_dtype
 from ..checkpoint.mp_reader import MPCheckpoint, rank_rules
 from ..checkpoint.st_stream import read_tensor
 from ..errors import CheckpointError
+from ..models.shared_layers import shared_name
 from ..optim.state_io import STATE, read_meta
-from .checkpointing import OPTIM_DIR, STATE_FILE
+from .checkpointing import OPTIM_DIR, STATE_FILE, read_trainer_state
 
 
 def _stage_state(folder: Path, pp_rank: int, tp: int, state: str) -> list[dict[str, torch.Tensor]]:
@@ -65,15 +68,16 @@ def _stage_state(folder: Path, pp_rank: int, tp: int, state: str) -> list[dict[s
 class OptimizerStateView(MPCheckpoint):
     """A training checkpoint seen as a model checkpoint whose tensors are one optimizer state."""
 
-    def __init__(self, mp: str | Path, iteration: int | None, state: str):
+    def __init__(self, mp: str | Path, iteration: int | None, state: str, shared_layers: bool = False):
         super().__init__(mp, iteration)
         self.state = state
+        self.saved_name = shared_name if shared_layers else (lambda name: name)
         self._stage: tuple[int, list[dict[str, torch.Tensor]]] | None = None
 
     def local(self, tp_rank: int, pp_rank: int, name: str) -> torch.Tensor:
         if self._stage is None or self._stage[0] != pp_rank:  # rules come in model order: stage by stage
             self._stage = (pp_rank, _stage_state(self.folder / OPTIM_DIR, pp_rank, self.layout.tp, self.state))
-        flat = self._stage[1][tp_rank].get(name)
+        flat = self._stage[1][tp_rank].get(self.saved_name(name))
         if flat is None:
             raise CheckpointError(f"{self.folder / OPTIM_DIR}: no optimizer state for {name} (pp rank {pp_rank}, "
                                   f"tp rank {tp_rank})")
@@ -86,10 +90,11 @@ class OptimizerStateView(MPCheckpoint):
 def _write_optimizer(source: MPCheckpoint, layout: MPLayout, iter_dir: Path) -> None:
     """The new layout's optimizer shards (DP=1) in `iter_dir/optim/`."""
     old_meta = read_meta(next((source.folder / OPTIM_DIR).glob("optim_*.safetensors")))
+    shared = read_trainer_state(source.folder).get("shared_layers", False)
     work = iter_dir / ".optim_work"
     for state in STATE:
         (work / state).mkdir(parents=True)
-        write_mp_shards(OptimizerStateView(source.folder, None, state), source.cfg, layout, work / state,
+        write_mp_shards(OptimizerStateView(source.folder, None, state, shared), source.cfg, layout, work / state,
                         torch.float32)
     (iter_dir / OPTIM_DIR).mkdir()
     for p in range(layout.pp):
