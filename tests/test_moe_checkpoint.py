@@ -97,9 +97,8 @@ def test_expert_shape_mismatch_names_the_tensor(sources, tmp_path):
 
 
 def test_verify_parity_cli_on_moe(tmp_path):
-    """TP2 x PP2 (4 forked workers): logits and a greedy continuation against transformers.
-    The load-balancing loss is off: a pipeline cannot add it (README, MoE)."""
-    src = save_tiny("qwen2_moe", tmp_path / "src", output_router_logits=False)
+    """TP2 x PP2 (4 forked workers): logits and a greedy continuation against transformers."""
+    src = save_tiny("qwen2_moe", tmp_path / "src")
     mp = hf_to_mp(src, tmp_path / "mp", tp=2, pp=2)
     cmd = [sys.executable, str(ROOT / "tools" / "verify_parity.py"), "--mp", str(mp), "--hf", str(src),
            "--max-new-tokens", "8"]

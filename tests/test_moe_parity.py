@@ -3,17 +3,24 @@
 Tiny random Mixtral, Qwen2-MoE (a dense layer, a shared expert) and Qwen3-MoE (q/k norms,
 norm_topk_prob, a dense layer), one 4-process gloo world per family running TP in {1, 2}
 x PP in {1, 2}, SP off and on at TP=2 (the rest of the world as DP replicas), and expert
-parallelism inside those replicas: EP 2 and 4 at TP=1, EP 2 at TP=2 with SP. Loss and
-gradients come from the pipeline's own `forward_backward`, so the aux term is added where
-training adds it, and gradients are finished by the data-parallel wrapper. With PP=2 the aux loss is refused (README, MoE), so those layouts run a
-copy of the checkpoint with `output_router_logits` false against transformers without it.
+parallelism inside those replicas: EP 2 and 4 at TP=1, EP 2 at TP=2 with SP and at PP=2.
+The load-balancing loss is on everywhere; with PP=2 it spans both stages (the router sums
+travel beside the activations; the Qwen models' first stage holds only their dense layer).
+Loss and gradients come from the pipeline's own `forward_backward`, so the aux term is
+added where training adds it, and gradients are finished by the data-parallel wrapper.
 Reference gradients are written by transformers' own `save_pretrained`, so they carry the
 per-expert names conversion reads.
+
+Several micro-batches (`test_moe_pipeline_micro_batches`): the aux loss is a mean over
+micro-batches, which transformers has no notion of, so a 4-layer Qwen2-MoE (dense layers
+0 and 2) runs interleaved PP2 x VPP2 (a first and a middle chunk without MoE layers), an
+uneven PP2 split (1F1B, full recompute, a loss scale) and PP2 x TP2 (SP, GPipe) against
+one process running hfmeg's pipeline on the same micro-batches.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -25,9 +32,6 @@ from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
-from hfmeg.config import load_hf_config, model_config_from_hf
-from hfmeg.errors import UnsupportedConfigError
-from hfmeg.models.decoder import ModelChunk
 from hfmeg.models.generate import full_logits, greedy_generate
 from hfmeg.models.moe import MoELayer
 from hfmeg.parallel.data_parallel import DataParallel
@@ -37,7 +41,7 @@ from tiny_models import MOE_KINDS, save_tiny
 
 # (tp, pp, sp, ep)
 LAYOUTS = [(1, 1, False, 1), (2, 1, False, 1), (2, 1, True, 1), (1, 2, False, 1), (2, 2, False, 1), (2, 2, True, 1),
-           (1, 1, False, 2), (1, 1, False, 4), (2, 1, True, 2)]
+           (1, 1, False, 2), (1, 1, False, 4), (2, 1, True, 2), (1, 2, False, 2)]
 GENERATE = ((2, 1, False, 1), (1, 1, False, 2))  # layouts that also generate greedily
 PROMPT = torch.tensor([[5, 17, 42, 7, 99]])  # odd running lengths: uneven token blocks at TP=2 without SP
 NEW_TOKENS = 6
@@ -45,10 +49,9 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def moe_checkpoints(tmp_path_factory):
-    """{kind: {aux: folder}}: the same weights with the load-balancing loss on and off."""
+    """{kind: folder}, the load-balancing loss on."""
     root = tmp_path_factory.mktemp("moe")
-    return {kind: {aux: save_tiny(kind, root / f"{kind}-{aux}", output_router_logits=aux) for aux in (True, False)}
-            for kind in MOE_KINDS}
+    return {kind: save_tiny(kind, root / kind) for kind in MOE_KINDS}
 
 
 def _reference(folder, ids, tmp):
@@ -70,14 +73,17 @@ def _gather_tp(t, ps):
     return parts
 
 
-def _check_layouts(folders, ids, refs, prompt):
-    labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
+def _labels(ids):
+    return torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
+
+
+def _check_layouts(folder, ids, ref, prompt):
+    labels = _labels(ids)
+    ref_logits, ref_loss, ref_grads = ref
     rows = []
     for tp, pp, sp, ep in LAYOUTS:
-        aux = pp == 1
-        ref_logits, ref_loss, ref_grads = refs[aux]
         ps = make_ps(tp=tp, pp=pp, sp=sp, ep=ep)
-        chunks = load_chunks(HFCheckpoint(folders[aux]), ps)
+        chunks = load_chunks(HFCheckpoint(folder), ps)
         logits = full_logits(chunks, ps, ids)
         # The world's DP replicas all take the same rows: a global batch of dp copies, of which this
         # rank's share of the loss is 1/dp; the data-parallel wrapper sums the gradients (over DP, experts'
@@ -87,14 +93,7 @@ def _check_layouts(folders, ids, refs, prompt):
                                 num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
         loss = loss * ps.dp if loss is not None else None
         wrapper.finish_grad_sync()
-        worst, seen = 0.0, set()
-        for chunk in chunks:
-            params = dict(chunk.named_parameters())
-            for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process, chunk.experts):
-                for name, g in to_hf(rule, _gather_tp(params[rule.local].main_grad, ps), chunk.cfg).items():
-                    ref = ref_grads[name]
-                    worst = max(worst, ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item())
-                    seen.add(name)
+        worst, seen = _grad_diff(chunks, ps, ref_grads)
         row = dict(layout=(tp, pp, sp, ep), grad_rel=worst, seen=sorted(seen))
         if logits is not None:
             row.update(logit_diff=(logits - ref_logits).abs().max().item(), loss_diff=abs(loss - ref_loss))
@@ -107,17 +106,30 @@ def _check_layouts(folders, ids, refs, prompt):
     return rows
 
 
+def _grad_diff(chunks, ps, ref_grads):
+    """(worst relative gradient difference, HF names compared) of this rank's finished gradients."""
+    worst, seen = 0.0, set()
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process, chunk.experts):
+            for name, g in to_hf(rule, _gather_tp(params[rule.local].main_grad, ps), chunk.cfg).items():
+                ref = ref_grads[name]
+                worst = max(worst, ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item())
+                seen.add(name)
+    return worst, seen
+
+
 @pytest.mark.parametrize("kind", MOE_KINDS)
 def test_moe_parity(kind, moe_checkpoints, tmp_path):
-    folders = moe_checkpoints[kind]
+    folder = moe_checkpoints[kind]
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
-    refs = {aux: _reference(folders[aux], ids, tmp_path / str(aux)) for aux in (True, False)}
-    model = AutoModelForCausalLM.from_pretrained(folders[True], dtype=torch.float32)
+    ref = _reference(folder, ids, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     expected = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-    results = spawn(_check_layouts, 4, {a: str(f) for a, f in folders.items()}, ids, refs, PROMPT)
+    results = spawn(_check_layouts, 4, str(folder), ids, ref, PROMPT)
     for layout in LAYOUTS:
         rows = [r for rank in results for r in rank if r["layout"] == layout]
-        n_ref = len(refs[layout[1] == 1][2])
+        n_ref = len(ref[2])
         assert len({n for r in rows for n in r["seen"]}) == n_ref, layout
         for r in rows:
             assert r["grad_rel"] <= 1e-4 and r["load_ok"], r
@@ -128,9 +140,69 @@ def test_moe_parity(kind, moe_checkpoints, tmp_path):
     assert any("generated" in r for rank in results for r in rank)
 
 
-def test_aux_loss_with_pp2_is_refused_naming_the_field(moe_checkpoints):
-    """Refused where the chunk is built, so every stage stops before any pipeline traffic."""
-    cfg = model_config_from_hf(load_hf_config(moe_checkpoints["mixtral"][True]))
-    ps = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False)  # what construction reads
-    with torch.device("meta"), pytest.raises(UnsupportedConfigError, match="^config.json field output_router_logits:"):
-        ModelChunk(cfg, ps, [0], pre_process=True, post_process=False)
+@dataclass(frozen=True)
+class Pipeline:
+    pp: int
+    schedule: str
+    microbatches: int  # per DP rank
+    tp: int = 1
+    vpp: int = 1
+    sp: bool = False
+    pp_layers: tuple[int, ...] | None = None  # layers per chunk; default even
+    loss_scale: float = 1.0
+    recompute: str = "none"
+
+
+PIPELINES = [Pipeline(2, "interleaved", 2, vpp=2),
+             Pipeline(2, "1f1b", 2, pp_layers=(3, 1), loss_scale=4.0, recompute="full"),
+             Pipeline(2, "gpipe", 4, tp=2, sp=True)]
+MICRO_BATCHES = 4  # the global batch
+
+
+def _pipelines(folder, mbs):
+    one = make_ps(world=1)
+    chunk = load_chunks(HFCheckpoint(folder), one)[0]
+    num_tokens = sum(int((m["labels"] != -100).sum()) for m in mbs)
+    ref_loss = forward_backward([chunk], one, mbs, schedule="1f1b", num_tokens=num_tokens)
+    params = dict(chunk.named_parameters())
+    ref_grads = {name: g for rule in chunk_rules(chunk.cfg, chunk.layer_ids, True, True, chunk.experts)
+                 for name, g in to_hf(rule, [params[rule.local].grad], chunk.cfg).items()}
+    rows = []
+    for case in PIPELINES:
+        ps = make_ps(tp=case.tp, pp=case.pp, vpp=case.vpp, sp=case.sp)
+        pp_layers = list(case.pp_layers) if case.pp_layers else None
+        chunks = load_chunks(HFCheckpoint(folder), ps, pp_layers=pp_layers, recompute=case.recompute)
+        wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)
+        m = case.microbatches
+        mine = mbs[ps.dp_rank * m:(ps.dp_rank + 1) * m]
+        run = dict(schedule=case.schedule, num_tokens=num_tokens)
+        loss = forward_backward(chunks, ps, mine, grad_sync=wrapper, loss_scale=case.loss_scale, **run)
+        wrapper.finish_grad_sync()
+        again = forward_backward(chunks, ps, mine, forward_only=True, **run)
+        for chunk in chunks:
+            for p in chunk.parameters():
+                p.main_grad /= case.loss_scale
+        worst, seen = _grad_diff(chunks, ps, ref_grads)
+        row = dict(layout=case, grad_rel=worst, seen=seen)
+        if loss is not None:
+            total = torch.tensor([loss, again])
+            dist.all_reduce(total, group=ps.dp_group)
+            row["loss_rel"] = ((total - ref_loss).abs().max() / abs(ref_loss)).item()
+        rows.append(row)
+    return rows, len(ref_grads)
+
+
+def test_moe_pipeline_micro_batches(tmp_path):
+    """The aux loss's mean over micro-batches across stages: loss (and forward_only's) and every gradient."""
+    folder = save_tiny("qwen2_moe", tmp_path / "qwen4", num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    g = torch.Generator().manual_seed(1)
+    mbs = [{"input_ids": ids, "labels": _labels(ids)}
+           for ids in torch.randint(0, 300, (MICRO_BATCHES, 2, 16), generator=g)]
+    results = spawn(_pipelines, 4, str(folder), mbs)
+    n_ref = results[0][1]
+    for i, layout in enumerate(PIPELINES):
+        rows = [rank[0][i] for rank in results]
+        assert len(set().union(*(r["seen"] for r in rows))) == n_ref, layout
+        for r in rows:
+            assert r["grad_rel"] <= 1e-5 and r.get("loss_rel", 0.0) <= 1e-6, r
+        assert any("loss_rel" in r for r in rows), layout

@@ -9,8 +9,8 @@ global batch):
   on its first expert-DP rank);
 - EP4 (every rank its own expert, no expert-DP sum);
 - EP2 x TP2 with SP, and EP2 x PP2 (DP 2 each).
-The load-balancing loss is off (it is refused with PP > 1, and the reference calls the
-chunk directly); tests/test_moe_parity.py covers it at EP > 1. Last, an EP that does not
+The load-balancing loss is off (the reference calls the chunk directly, without it);
+tests/test_moe_parity.py covers it at EP > 1 and PP > 1. Last, an EP that does not
 divide the expert count (or EP on a dense model) is refused when a chunk is built.
 """
 

@@ -25,9 +25,7 @@ SPLIT_DIM = {"replicated": None, "fused": None, "rows": 0, "qkv": 0, "gate_up": 
 
 
 def _chunk(kind: str, pre: bool, post: bool, sp: bool = True) -> ModelChunk:
-    # A pipeline stage of an MoE model cannot add the load-balancing loss (README, MoE).
-    extra = {"output_router_logits": False} if kind in MOE_KINDS and not (pre and post) else {}
-    cfg = model_config_from_hf(tiny_config(kind, **extra))
+    cfg = model_config_from_hf(tiny_config(kind))
     ps = SimpleNamespace(tp=2, tp_rank=1, sequence_parallel=sp, ep=1, ep_rank=0, ep_group=None)
     with torch.device("meta"):
         return ModelChunk(cfg, ps, range(cfg.num_layers), pre_process=pre, post_process=post)

@@ -14,12 +14,12 @@ Labels are already aligned with inputs: `labels[:, t]` is the target for positio
 t (the data pipeline does the shift), and -100 marks tokens without loss.
 
 MoE models (`models/moe.py`) have the MoE block as the MLP of their sparse layers.
-When the config asks for the router's load-balancing loss (`output_router_logits`), a
-forward with labels also leaves `router_aux_loss_coef` times HF's loss over all the
-chunk's MoE layers for the pipeline to add (`take_aux_loss`). That loss is a product
-of means over every MoE layer of the model, so it needs all layers in one chunk: a
-chunk without both ends (any PP > 1 layout) of such a config is refused when it is
-built, on every rank before any communication, naming the field.
+When the config asks for the router's load-balancing loss (`output_router_logits`), that
+loss is a product of means over every MoE layer of the model (`models/load_balancing.py`):
+each chunk adds its layers' router sums to those of the chunks before it
+(`router_sums`), and a last chunk's forward with labels, given the sums of the chunks
+before it (`received_sums`; none with PP = 1), leaves `router_aux_loss_coef` times HF's
+loss for the pipeline to add (`take_aux_loss`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig, check_ep, check_tp
-from ..errors import UnsupportedConfigError
 from ..parallel.comm import scatter_to_sequence
 from ..parallel.expert_dispatch import local_experts
 from ..parallel.layers import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_head
@@ -41,7 +40,8 @@ from .attention import ParallelAttention
 from .document_attention import flex_applies, plan as plan_document_mask
 from .kernels import Kernels
 from .mlp import ParallelMLP
-from .moe import MoELayer, load_balancing_loss
+from .load_balancing import add_router_sums, empty_router_sums, load_balancing_loss
+from .moe import MoELayer
 from .norm import make_norm
 from .rope import RotaryEmbedding
 
@@ -80,10 +80,6 @@ class ModelChunk(nn.Module):
     ):
         super().__init__()
         check_tp(cfg, ps.tp)
-        if cfg.moe is not None and cfg.moe.output_router_logits and not (pre_process and post_process):
-            raise UnsupportedConfigError(
-                "config.json field output_router_logits: the load-balancing loss spans every MoE layer of the "
-                "model, which a pipeline (PP > 1) splits over stages; set it to false or use PP=1")
         check_ep(cfg, ps.ep)
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -121,13 +117,16 @@ class ModelChunk(nn.Module):
         segment_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         seq_len: int | None = None,
+        received_sums: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the chunk.
 
         `x` is token ids `[b, s]` on the first chunk, hidden states otherwise.
         `position_ids` / `segment_ids` `[b, s]` describe packed documents (defaults:
         0..s-1, one document). Later chunks need `seq_len` under SP only when they
-        receive no ids to read it from; it defaults from the inputs.
+        receive no ids to read it from; it defaults from the inputs. `received_sums`: the
+        router sums of the chunks before this one (see the module doc), read by a last
+        chunk given labels.
         """
         ps = self.ps
         if self.pre_process:
@@ -150,20 +149,32 @@ class ModelChunk(nn.Module):
                 x = layer(x, rope, docs, selective=self.recompute == "selective" and torch.is_grad_enabled())
         if not self.post_process:
             return x
-        if labels is not None and self.cfg.moe is not None and self.cfg.moe.output_router_logits:
-            self.aux_loss = self._router_aux_loss()
+        if labels is not None and self.adds_aux_loss:
+            moe = self.cfg.moe
+            sums = self.router_sums(received_sums)
+            self.aux_loss = moe.router_aux_loss_coef * load_balancing_loss(sums, moe.num_experts, self.ps)
         return self._head(x, labels)
+
+    @property
+    def adds_aux_loss(self) -> bool:
+        """Whether the model adds the router's load-balancing loss to the training loss."""
+        return self.cfg.moe is not None and self.cfg.moe.output_router_logits
+
+    def router_sums(self, received: torch.Tensor | None) -> torch.Tensor:
+        """The router sums of the last forward through this chunk and the chunks before it
+        (`received`: theirs, None on the first chunk), differentiable in this chunk's routing."""
+        stats = [layer.mlp.stats for layer in self.layers.values() if isinstance(layer.mlp, MoELayer)]
+        return add_router_sums(received, stats, self.cfg.moe.num_experts, self.ps.device)
+
+    def empty_router_sums(self) -> torch.Tensor:
+        """A buffer for the router sums a neighbouring chunk sends."""
+        return empty_router_sums(self.cfg.moe.num_experts, self.ps.device)
 
     def take_aux_loss(self) -> torch.Tensor | None:
         """`router_aux_loss_coef` x the load-balancing loss of the last forward with labels (then
         forgotten), or None when the model adds none. The same value on every TP rank, like the loss."""
         aux, self.aux_loss = self.aux_loss, None
         return aux
-
-    def _router_aux_loss(self) -> torch.Tensor:
-        moe = self.cfg.moe
-        stats = [layer.mlp.stats for layer in self.layers.values() if isinstance(layer.mlp, MoELayer)]
-        return moe.router_aux_loss_coef * load_balancing_loss(stats, moe.num_experts, self.ps)
 
     def _compute_dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) and HF's load-balancing loss.
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
 Routing, as transformers computes it for these families:
 1. router logits = x W_r^T in the compute dtype (`W_r` `[experts, hidden]`);
@@ -40,15 +40,9 @@ per step, with or without SP), and the routed experts' role says `expert`, for e
 parallelism to find them. TP thus divides the MoE work instead of repeating it, and no
 expert matrix needs a TP collective.
 
-Load-balancing loss (`load_balancing_loss`): HF's `load_balancing_loss_func` over all
-MoE layers of one forward. With, summed over every MoE layer, `C_e` the number of
-top-k slots that chose expert e, `P_e` the sum of the tokens' router probabilities of e,
-and `R` the number of (layer, token) rows, it is `E * sum_e (C_e / R) * (P_e / R)`: one
-product of global means, not a sum of per-layer losses. Each TP rank holds the sums of
-its own tokens, so C and R are all-reduced and P is summed with `reduce_from_tp`, whose
-backward leaves each rank the gradient of its own part. HF computes its softmax for this
-loss in the logits' dtype; here it reuses the routing's fp32 probabilities (the same in
-fp32, the numerics contract's dtype).
+The routing of the last forward stays in each layer's `stats` (`RouterStats`): HF's
+load-balancing loss over all MoE layers is built from them (`models/load_balancing.py`),
+and the tokens-per-expert log reads them (`expert_load`).
 """
 
 from __future__ import annotations
@@ -60,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ModelConfig
-from ..parallel.comm import gather_tokens, reduce_from_tp, split_tokens
+from ..parallel.comm import gather_tokens, split_tokens
 from ..parallel.expert_dispatch import TokenDispatcher, local_experts
 from ..parallel.layers import ReplicatedLinear
 from ..parallel.roles import ParamRole
@@ -99,7 +93,7 @@ class MoELayer(nn.Module):
     """The MoE block of one decoder layer: `[s, b, h]` (`[s/tp, b, h]` under SP) in and out.
 
     `stats` holds the routing of the last forward (`RouterStats`): the load-balancing
-    loss reads it, and so can a logger of tokens per expert.
+    loss reads it, and so does the log of tokens per expert.
     """
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, kernels: Kernels):
@@ -148,18 +142,6 @@ class MoELayer(nn.Module):
         y = torch.cat([self.experts[str(e)](block) for e, block in zip(self.local_experts, blocks)])
         y = self.dispatcher.combine(y, d) * weights.reshape(-1)[d.order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, d.token, y.to(x.dtype))
-
-
-def load_balancing_loss(stats: list[RouterStats], num_experts: int, ps: ParallelState) -> torch.Tensor:
-    """HF's `load_balancing_loss_func` over the MoE layers whose routing is `stats` (one forward; see above)."""
-    counts = torch.stack([s.tokens_per_expert for s in stats]).sum(0).float()
-    rows = torch.tensor([sum(s.rows for s in stats)], dtype=counts.dtype, device=counts.device)
-    prob_sum = reduce_from_tp(torch.stack([s.prob_sum for s in stats]).sum(0), ps)
-    counted = torch.cat([counts, rows])
-    if ps.tp > 1:
-        dist.all_reduce(counted, group=ps.tp_group)
-    counts, rows = counted[:-1], counted[-1]
-    return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
 
 
 def expert_load(chunks: list[nn.Module], ps: ParallelState) -> dict[int, list[int]]:

@@ -4,6 +4,10 @@ Activations travel forward (model chunk c -> c + 1) and their gradients travel
 back (c + 1 -> c). Every such tensor has the shape the config implies,
 `[s/tp if SP else s, micro_batch, hidden]` in the chunk dtype, so receivers
 allocate their buffers up front and no shape metadata is ever exchanged.
+A transfer may carry a second, small tensor beside its payload (`Transfer.side`: an MoE
+model's router sums and their gradient, `models/load_balancing.py`), its shape also known
+from the config; it goes as its own message right after the payload. A pipeline's
+transfers all carry one or none, so dense models send exactly what they always did.
 
 All transfers of one schedule step go out as one `dist.batch_isend_irecv` call
 (NCCL runs them as one group, so a send and a receive between the same pair of
@@ -39,10 +43,16 @@ class Transfer:
     sender_chunk: int  # model-order index of the chunk that produced the tensor
     microbatch: int
     is_send: bool
+    side: torch.Tensor | None = None  # sent or received right after `tensor`
+
+    def parts(self) -> list[torch.Tensor]:
+        return [self.tensor] if self.side is None else [self.tensor, self.side]
 
 
-def message_tag(direction: int, sender_chunk: int, microbatch: int, num_chunks: int) -> int:
-    return (microbatch * num_chunks + sender_chunk) * 2 + direction
+def message_tag(direction: int, sender_chunk: int, microbatch: int, num_chunks: int, part: int = 0,
+                parts: int = 1) -> int:
+    """The tag of part `part` of `parts` of a transfer; with one part, that of a transfer without a side."""
+    return ((microbatch * num_chunks + sender_chunk) * 2 + direction) * parts + part
 
 
 class P2P:
@@ -65,11 +75,15 @@ class P2P:
             return []
         # Activation traffic first, then gradients: the same order on every rank (see module doc).
         ordered = sorted(transfers, key=lambda t: t.direction)
-        ops = []
+        ops, owners = [], []  # one message per part, each transfer's parts one after another
         for t in ordered:
             fn = dist.isend if t.is_send else dist.irecv
-            tag = message_tag(t.direction, t.sender_chunk, t.microbatch, self.num_chunks) if self.use_tags else 0
-            ops.append(dist.P2POp(fn, t.tensor, t.peer, tag=tag))
+            parts = t.parts()
+            for i, tensor in enumerate(parts):
+                tag = (message_tag(t.direction, t.sender_chunk, t.microbatch, self.num_chunks, i, len(parts))
+                       if self.use_tags else 0)
+                ops.append(dist.P2POp(fn, tensor, t.peer, tag=tag))
+                owners.append(t)
         works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):
             # A coalescing backend (NCCL) returns one handle for the whole group; its wait
@@ -78,7 +92,7 @@ class P2P:
                 work.wait()
             return [(t, works[-1]) for t in ordered if t.is_send]
         pending = []
-        for t, work in zip(ordered, works):
+        for t, work in zip(owners, works):
             if t.is_send:
                 pending.append((t, work))
             else:

@@ -19,6 +19,13 @@ An MoE model whose config asks for the router's load-balancing loss adds it per
 micro-batch (computed over that micro-batch, as transformers computes it for one
 forward), divided by the number of micro-batches of the global batch (all DP ranks):
 the mean over micro-batches, so with one micro-batch the loss is transformers' loss.
+That loss spans every MoE layer of the model, so with PP > 1 the chunks' running router
+sums (`models/load_balancing.py`: a few numbers per micro-batch) travel beside each
+activation as a second activation: a chunk receives them as a leaf that requires grad,
+adds its own and sends the total on; the last chunk computes the loss from the
+model-wide sums, and the sums' gradient travels back beside the activation gradient
+and enters each earlier chunk's backward as a second root. Dense models and PP = 1 send
+nothing more.
 """
 
 from __future__ import annotations
@@ -39,11 +46,11 @@ class GradSync(Protocol):
     def set_last_microbatch(self, chunk: int, is_last: bool) -> None: ...
 
 
-def _backward_through(output: torch.Tensor, grad: torch.Tensor) -> None:
+def _backward_through(outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]) -> None:
     # The engine call behind torch.autograd.backward, minus its Python-side shape
-    # check against `output`, whose storage we have already released.
+    # check against the activation output, whose storage we have already released.
     torch.autograd.Variable._execution_engine.run_backward(
-        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+        tensors=outputs, grad_tensors=grads, keep_graph=False, create_graph=False,
         inputs=(), allow_unreachable=True, accumulate_grad=True,
     )
 
@@ -72,8 +79,11 @@ class _Executor:
         local_s = s // ps.tp if ps.sequence_parallel else s
         self.shape = (local_s, b, chunks[0].cfg.hidden_size)
         self.dtype = next(chunks[0].parameters()).dtype
-        self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.saved: dict[tuple[int, int], tuple] = {}  # (chunk, mb) -> (input, output or loss)
+        # Router sums travel beside the activations (module doc): MoE models with the aux loss, PP > 1.
+        self.sided = self.n_chunks > 1 and chunks[0].adds_aux_loss
+        self.inbox: dict[tuple[str, int, int], tuple] = {}  # -> (activation or its gradient, side or None)
+        # (chunk, mb) -> (input, output or loss, received router sums, sent router sums)
+        self.saved: dict[tuple[int, int], tuple] = {}
         self.loss = torch.zeros((), dtype=torch.float32, device=ps.device)
         self.in_flight: list = []  # sends posted but not yet known complete
 
@@ -86,27 +96,34 @@ class _Executor:
         for a in step:
             c = self.model_chunk(a.chunk)
             if a.kind == "F" and c > 0:
-                buf = torch.empty(self.shape, dtype=self.dtype, device=self.ps.device)
-                out.append(Transfer(buf, self.ps.prev_rank, ACTIVATION, c - 1, a.microbatch, False))
+                peer, direction, sender = self.ps.prev_rank, ACTIVATION, c - 1
             elif a.kind == "B" and c < self.n_chunks - 1:
-                buf = torch.empty(self.shape, dtype=self.dtype, device=self.ps.device)
-                out.append(Transfer(buf, self.ps.next_rank, GRADIENT, c + 1, a.microbatch, False))
+                peer, direction, sender = self.ps.next_rank, GRADIENT, c + 1
             else:
                 continue
-            self.inbox[(a.kind, a.chunk, a.microbatch)] = buf
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.ps.device)
+            side = self.chunks[a.chunk].empty_router_sums() if self.sided else None
+            out.append(Transfer(buf, peer, direction, sender, a.microbatch, False, side))
+            self.inbox[(a.kind, a.chunk, a.microbatch)] = (buf, side)
         return out
 
     # -- actions ----------------------------------------------------------------
     def forward(self, a: Action) -> list[Transfer]:
         chunk, mb = self.chunks[a.chunk], self.mbs[a.microbatch]
         c = self.model_chunk(a.chunk)
+        sums = None
         if chunk.pre_process:
             x = mb["input_ids"]
         else:
-            x = self.inbox.pop(("F", a.chunk, a.microbatch))
+            x, sums = self.inbox.pop(("F", a.chunk, a.microbatch))
             x.requires_grad_(not self.forward_only)
+            if sums is not None:
+                sums.requires_grad_(not self.forward_only)
         labels = mb["labels"] if chunk.post_process else None
         kwargs = {k: mb[k] for k in ("position_ids", "segment_ids") if mb.get(k) is not None}
+        if sums is not None:
+            kwargs["received_sums"] = sums
+        sent = None
         with torch.set_grad_enabled(not self.forward_only):
             out = chunk(x, labels=labels, seq_len=self.seq_len, **kwargs)
             if chunk.post_process:
@@ -115,24 +132,34 @@ class _Executor:
                 if aux is not None:
                     out = out + aux / (len(self.mbs) * self.ps.dp)
                 self.loss += out.detach().float()
+            elif self.sided:
+                sent = chunk.router_sums(sums)
         if not self.forward_only:
-            self.saved[(a.chunk, a.microbatch)] = (x, out)
+            self.saved[(a.chunk, a.microbatch)] = (x, out, sums, sent)
         if chunk.post_process:
             return []
-        return [Transfer(out.detach(), self.ps.next_rank, ACTIVATION, c, a.microbatch, True)]
+        side = sent.detach() if sent is not None else None
+        return [Transfer(out.detach(), self.ps.next_rank, ACTIVATION, c, a.microbatch, True, side)]
 
     def backward(self, a: Action, is_last: bool) -> list[Transfer]:
         if self.grad_sync is not None:
             self.grad_sync.set_last_microbatch(a.chunk, is_last)
         chunk = self.chunks[a.chunk]
-        x, out = self.saved.pop((a.chunk, a.microbatch))
+        x, out, sums, sent = self.saved.pop((a.chunk, a.microbatch))
         if chunk.post_process:
             torch.autograd.backward(out * self.loss_scale if self.loss_scale != 1.0 else out)
         else:
-            _backward_through(out, self.inbox.pop(("B", a.chunk, a.microbatch)))
+            grad, side_grad = self.inbox.pop(("B", a.chunk, a.microbatch))
+            # The router sums' gradient is a second root, where this chunk's sums carry one
+            # (not on a first chunk without MoE layers, whose sums are zeros).
+            if sent is not None and sent.requires_grad:
+                _backward_through((out, sent), (grad, side_grad))
+            else:
+                _backward_through((out,), (grad,))
         if chunk.pre_process:
             return []
-        return [Transfer(x.grad, self.ps.prev_rank, GRADIENT, self.model_chunk(a.chunk), a.microbatch, True)]
+        side = sums.grad if sums is not None else None
+        return [Transfer(x.grad, self.ps.prev_rank, GRADIENT, self.model_chunk(a.chunk), a.microbatch, True, side)]
 
     # -- the loop -----------------------------------------------------------------
     def run(self, steps: list[Step]) -> None:
