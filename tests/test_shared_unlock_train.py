@@ -6,6 +6,7 @@ tokenizer) on the project's text sample, layers shared until step 3:
   loaded into the unlocked model) and after it reproduces the uninterrupted run bit
   for bit; the checkpoints record their phase, and a shared-phase one exports a
   complete HF model whose layers all hold the shared weights;
+- with PowerSGD from the unlock on, a resume after both switch-overs is exact too;
 - the recipe command line trains, unlocks, exports, and transformers loads the export;
 - what the feature does not support is refused naming the field.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -107,6 +109,23 @@ def test_resume_before_at_and_after_the_unlock_is_exact(tmp_path):
     # Unshared layers cannot be shared again.
     with pytest.raises(WorkerError, match="train.shared_layers_until: the checkpoint at step 6 has unshared"):
         spawn(_run, 2, _config(tmp_path / "straight", steps=10, until=8, resume="auto"))
+
+
+def test_powersgd_from_the_unlock_on_resumes_exactly(tmp_path):
+    """Both switch-overs at step 3 (shared -> unlocked, warm-up -> compressed): a resume at 4 is bit for bit."""
+    def config(out, **kw):
+        cfg = _config(out, **kw)
+        cfg.optim = replace(cfg.optim, compression="powersgd", powersgd_rank=2, compression_start_step=UNTIL)
+        return cfg
+
+    spawn(_run, 2, config(tmp_path / "straight"))
+    spawn(_run, 2, config(tmp_path / "split", steps=4))
+    spawn(_run, 2, config(tmp_path / "split", resume="auto"))
+    straight = _losses(tmp_path / "straight")
+    assert _losses(tmp_path / "split") == straight
+    spawn(_run, 2, _config(tmp_path / "plain"))
+    plain = _losses(tmp_path / "plain")  # step 3's loss comes before its update, the first compressed one
+    assert plain[:4] == straight[:4] and plain[4:] != straight[4:]
 
 
 def test_pretrain_recipe_from_random_weights_unlocks_and_exports(tmp_path):
