@@ -33,7 +33,7 @@ from hfmeg.optim.config import OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, TrainConfig
-from hfmeg.train.metrics import read_metrics
+from hfmeg.train.metrics import plot_curves, read_metrics
 from hfmeg.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,25 +68,6 @@ def _config(a, run: str, out: Path) -> TrainConfig:
         checkpoint=CheckpointArgs(out=str(out / run), resume="none", keep_last=1),
         tensorboard=False,
     )
-
-
-def _plot(curves: dict[str, list[float]], until: int, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for run, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=run, linewidth=1)
-    ax.axvline(until, color="grey", linestyle=":", label=f"unlock (step {until})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         f, l_ = r["first_phase"], r["last_phase"]
         print(f"{run:>16} {r['final_loss']:>10.4f} {r['final_vs_plain']:>8.4f} "
               f"{f['dp_elements']:>16,} -> {l_['dp_elements']:>14,} {f['state_bytes']:>16,} -> {l_['state_bytes']:>14,}")
-    if a.plot is not None:
-        _plot(curves, a.until, a.plot)
+    if a.plot is not None and plot_curves([(run, range(1, len(losses) + 1), losses, "-")
+                                           for run, losses in curves.items()],
+                                          a.plot, mark=(a.until, f"unlock (step {a.until})")):
         result["plot"] = str(a.plot)
     print(json.dumps(result))
     return 0

@@ -78,6 +78,17 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def plot_loss(metrics: Path, png: Path) -> Path | None:
     """Draw train (and eval) loss against step; None when matplotlib is absent."""
+    rows = read_metrics(metrics)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    return plot_curves([(label, *zip(*points), fmt) for label, points, fmt in
+                        (("train loss", train, "-"), ("eval loss", evals, "o-")) if points], png)
+
+
+def plot_curves(curves: list[tuple[str, tuple, tuple, str]], png: Path, *,
+                mark: tuple[int, str] | None = None) -> Path | None:
+    """Draw (label, steps, losses, matplotlib format) curves, and a dotted line at step `mark`
+    (step, label) if given; None when matplotlib is absent."""
     try:
         import matplotlib
 
@@ -85,14 +96,11 @@ def plot_loss(metrics: Path, png: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    rows = read_metrics(metrics)
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
+    for label, steps, losses, fmt in curves:
+        ax.plot(steps, losses, fmt, label=label)
+    if mark is not None:
+        ax.axvline(mark[0], color="grey", linestyle=":", label=mark[1])
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
