@@ -13,7 +13,8 @@ layer's modules. Everything downstream then does the right thing unchanged:
   settings, e.g. GPT-2's per-layer attention scale;
 - autograd sums the N uses' gradients into the one leaf before its
   accumulate-gradient hook fires once per backward, so the data-parallel wrapper's
-  `main_grad` (parallel/grad_sync.py) receives the sum of the per-layer gradients;
+  `main_grad` (parallel/grad_sync.py) receives the sum of the per-layer gradients
+  (with 16-bit parameters that sum is formed in their dtype, then added in fp32);
 - `named_roles`/`named_parameters` deduplicate by identity, so the wrapper's buffers
   and buckets, the reductions and the optimizer's master weights and moments hold each
   shared tensor once, under the first layer's names (`layers.<first>.…`); roles are
