@@ -8,6 +8,12 @@ architecture of `--config-from` from the same random weights (transformers' init
 - shared: layers shared until `--until` (default 10 % of the steps), then unlocked;
 - shared+powersgd: the same, with PowerSGD rank `--rank` from the unlock on.
 
+`--hidden`, `--layers`, `--ffn` and `--heads` change the shape of that architecture (the
+tokenizer stays), e.g. a 25.8M-parameter LLaMA from stories260K's config:
+
+    .venv/bin/python tools/bench_shared_unlock.py --hidden 512 --layers 8 --ffn 1376 --heads 8 --lr 1e-3 \
+        --data ../shared/assets/data/tinyshakespeare.txt
+
 Per run: the final loss (mean of the last 10 steps) and its ratio to plain. Per phase,
 read from the live wrapper and optimizer: the elements the data-parallel wrapper sums and
 gathers per step (its buckets, padding included: uncompressed, what goes on the wire
@@ -28,6 +34,8 @@ import tempfile
 from pathlib import Path
 
 from bench_args import at_least
+from hfmeg.checkpoint.hub_source import resolve_hf_source
+from hfmeg.checkpoint.mp_layout import copy_hf_side_files
 from hfmeg.data import DataConfig, SourceConfig
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig
@@ -54,12 +62,26 @@ def _train(cfg: TrainConfig) -> tuple[dict, dict]:
     return first, _volume(trainer.opt)
 
 
+def _shaped(a, folder: Path) -> str:
+    """`--config-from`, or a copy of its config and tokenizer in `folder` with the shape flags applied."""
+    shape = {"hidden_size": a.hidden, "num_hidden_layers": a.layers, "intermediate_size": a.ffn,
+             "num_attention_heads": a.heads, "num_key_value_heads": a.heads}
+    shape = {k: v for k, v in shape.items() if v is not None}
+    if not shape:
+        return a.config_from
+    copy_hf_side_files(resolve_hf_source(a.config_from, weights=False), folder)
+    config = {**json.loads((folder / "config.json").read_text()), **shape}
+    config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return str(folder)
+
+
 def _config(a, run: str, out: Path) -> TrainConfig:
     until = 0 if run == "plain" else a.until
     compression = dict(compression="powersgd", powersgd_rank=a.rank, compression_start_step=until) \
         if run == "shared+powersgd" else {}
     return TrainConfig(
-        model=ModelArgs(init="random", config_from=a.config_from, dtype="fp32"),
+        model=ModelArgs(init="random", config_from=a.model, dtype="fp32"),
         optim=OptimizerConfig(lr=a.lr, weight_decay=0.1, grad_clip=1.0, **compression),
         lr=LRScheduleConfig(warmup_steps=max(1, a.steps // 20), decay="cosine", min_lr=a.lr / 10),
         data=DataConfig(sources=[SourceConfig(a.data)], format="text", overlong="split", seq_len=a.seq_len),
@@ -73,6 +95,8 @@ def _config(a, run: str, out: Path) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config-from", default=str(STORIES), help="HF folder or Hub id: architecture and tokenizer")
+    for flag in ("--hidden", "--layers", "--ffn", "--heads"):
+        ap.add_argument(flag, type=at_least(1), default=None, help="override the config's shape")
     ap.add_argument("--data", default=str(ROOT / "data" / "text_sample.txt"), help="text to pretrain on")
     ap.add_argument("--world", type=at_least(2), default=2, help="gloo ranks (data-parallel)")
     ap.add_argument("--steps", type=at_least(2), default=200)
@@ -87,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     a.until = max(1, a.steps // 10) if a.until is None else a.until
     if a.until >= a.steps:
         ap.error(f"--until {a.until} must be below --steps {a.steps}")
-    result = {"config_from": Path(a.config_from).name, "world": a.world, "steps": a.steps, "until": a.until,
-              "powersgd_rank": a.rank, "runs": {}}
+    shape = {k: getattr(a, k) for k in ("hidden", "layers", "ffn", "heads") if getattr(a, k) is not None}
+    result = {"config_from": Path(a.config_from).name, "shape": shape, "world": a.world, "steps": a.steps,
+              "until": a.until, "powersgd_rank": a.rank, "runs": {}}
     curves = {}
     with tempfile.TemporaryDirectory() as tmp:
+        a.model = _shaped(a, Path(tmp) / "model")
         for run in RUNS:
             cfg = _config(a, run, Path(tmp))
             first, last = spawn(_train, a.world, cfg, timeout_s=3600)[0]
