@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Callable
 
 
@@ -19,3 +20,14 @@ def at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def add_loss_run_args(ap: argparse.ArgumentParser, *, seq_len: int, global_batch_size: int) -> None:
+    """The flags of the tools that train on gloo ranks and compare the runs' loss curves."""
+    ap.add_argument("--world", type=at_least(2), default=2, help="gloo ranks (data-parallel)")
+    ap.add_argument("--steps", type=at_least(2), default=200)
+    ap.add_argument("--seq-len", type=at_least(2), default=seq_len)
+    ap.add_argument("--global-batch-size", type=at_least(1), default=global_batch_size)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=at_least(0), default=1234)
+    ap.add_argument("--plot", type=Path, default=None, help="PNG of the loss curves")

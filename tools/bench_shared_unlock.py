@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_args import at_least
+from bench_args import add_loss_run_args, at_least
 from hfmeg.checkpoint.hub_source import resolve_hf_source
 from hfmeg.checkpoint.mp_layout import copy_hf_side_files
 from hfmeg.data import DataConfig, SourceConfig
@@ -41,7 +41,7 @@ from hfmeg.optim.config import OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, TrainConfig
-from hfmeg.train.metrics import plot_curves, read_metrics
+from hfmeg.train.metrics import plot_runs, read_metrics
 from hfmeg.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,15 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("--hidden", "--layers", "--ffn", "--heads"):
         ap.add_argument(flag, type=at_least(1), default=None, help="override the config's shape")
     ap.add_argument("--data", default=str(ROOT / "data" / "text_sample.txt"), help="text to pretrain on")
-    ap.add_argument("--world", type=at_least(2), default=2, help="gloo ranks (data-parallel)")
-    ap.add_argument("--steps", type=at_least(2), default=200)
+    add_loss_run_args(ap, seq_len=128, global_batch_size=8)
     ap.add_argument("--until", type=at_least(1), default=None, help="unlock step (default: 10%% of --steps)")
     ap.add_argument("--rank", type=at_least(1), default=4, help="PowerSGD rank")
-    ap.add_argument("--seq-len", type=at_least(2), default=128)
-    ap.add_argument("--global-batch-size", type=at_least(1), default=8)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=at_least(0), default=1234)
-    ap.add_argument("--plot", type=Path, default=None, help="PNG of the three loss curves")
     a = ap.parse_args(argv)
     a.until = max(1, a.steps // 10) if a.until is None else a.until
     if a.until >= a.steps:
@@ -132,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         f, l_ = r["first_phase"], r["last_phase"]
         print(f"{run:>16} {r['final_loss']:>10.4f} {r['final_vs_plain']:>8.4f} "
               f"{f['dp_elements']:>16,} -> {l_['dp_elements']:>14,} {f['state_bytes']:>16,} -> {l_['state_bytes']:>14,}")
-    if a.plot is not None and plot_curves([(run, range(1, len(losses) + 1), losses, "-")
-                                           for run, losses in curves.items()],
-                                          a.plot, mark=(a.until, f"unlock (step {a.until})")):
+    if a.plot is not None and plot_runs(curves, a.plot, mark=(a.until, f"unlock (step {a.until})")):
         result["plot"] = str(a.plot)
     print(json.dumps(result))
     return 0

@@ -85,6 +85,12 @@ def plot_loss(metrics: Path, png: Path) -> Path | None:
                         (("train loss", train, "-"), ("eval loss", evals, "o-")) if points], png)
 
 
+def plot_runs(runs: dict[str, list[float]], png: Path, *, mark: tuple[int, str] | None = None) -> Path | None:
+    """Draw each named run's per-step losses (steps 1, 2, ...) as `plot_curves` does."""
+    return plot_curves([(name, range(1, len(losses) + 1), losses, "-") for name, losses in runs.items()], png,
+                       mark=mark)
+
+
 def plot_curves(curves: list[tuple[str, tuple, tuple, str]], png: Path, *,
                 mark: tuple[int, str] | None = None) -> Path | None:
     """Draw (label, steps, losses, matplotlib format) curves, and a dotted line at step `mark`

@@ -1,0 +1,19 @@
+"""tools/bench_powersgd_convergence.py at 3 steps on gloo: the output contract (no loss is asserted)."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import stories_or_skip
+from tool_loader import load_tool
+
+
+def test_tiny_run_reports_each_rank_against_plain(capsys, tmp_path):
+    stories_or_skip()
+    bench = load_tool("bench_powersgd_convergence")
+    assert bench.main(["--steps", "3", "--start", "1", "--ranks", "2", "--plot", str(tmp_path / "c.png")]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(r["runs"]) == ["plain", "powersgd-r2"] and r["start"] == 1
+    assert r["runs"]["plain"]["vs_plain"] == 1.0
+    assert r["runs"]["powersgd-r2"]["vs_plain"] != 1.0  # the compressed update changed the last step's loss
+    assert (tmp_path / "c.png").is_file()

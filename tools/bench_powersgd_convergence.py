@@ -1,0 +1,80 @@
+"""PowerSGD convergence: fine-tune with and without compression, same data and seed (issue 16).
+
+Runs the trainer on `--world` gloo ranks (all data-parallel, fp32) for `--steps` steps:
+`plain` (uncompressed, the anchor), then one run per PowerSGD rank in `--ranks`, each
+compressed from `--start` (default 10 % of the steps, the config's default). Prints each
+run's final loss (mean of the last 10 steps) and its ratio to plain; `--plot PNG` draws
+the curves. The last line printed is one JSON object.
+
+    .venv/bin/python tools/bench_powersgd_convergence.py --ranks 4 8 16 --plot docs/powersgd_convergence.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_args import add_loss_run_args, at_least
+from hfmeg.data import DataConfig, SourceConfig
+from hfmeg.optim.config import OptimizerConfig
+from hfmeg.optim.lr_schedule import LRScheduleConfig
+from hfmeg.parallel.launch import spawn
+from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, TrainConfig
+from hfmeg.train.metrics import plot_runs, read_metrics
+from hfmeg.train.trainer import Trainer
+
+ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
+
+
+def _train(cfg: TrainConfig) -> None:
+    with contextlib.redirect_stdout(io.StringIO()):  # the trainer's own printing
+        Trainer(cfg).run()
+
+
+def _config(a, rank: int | None, out: Path) -> TrainConfig:
+    compression = dict(compression="powersgd", powersgd_rank=rank, compression_start_step=a.start) if rank else {}
+    return TrainConfig(
+        model=ModelArgs(path=a.model, dtype="fp32"),
+        optim=OptimizerConfig(lr=a.lr, weight_decay=0.01, **compression),
+        lr=LRScheduleConfig(warmup_steps=5, min_lr=a.lr / 10),
+        data=DataConfig(sources=[SourceConfig(a.data)], seq_len=a.seq_len),
+        train=LoopArgs(micro_batch_size=1, global_batch_size=a.global_batch_size, max_steps=a.steps, seed=a.seed),
+        checkpoint=CheckpointArgs(out=str(out), keep_last=1),
+        tensorboard=False,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ASSETS / "models" / "stories260K"), help="HF folder or Hub id")
+    ap.add_argument("--data", default=str(ASSETS / "data" / "alpaca_en_demo.json"))
+    add_loss_run_args(ap, seq_len=256, global_batch_size=16)
+    ap.add_argument("--start", type=at_least(0), default=None, help="first compressed step (default: 10%% of --steps)")
+    ap.add_argument("--ranks", type=at_least(1), nargs="+", default=[4], help="PowerSGD ranks")
+    a = ap.parse_args(argv)
+    a.start = a.steps // 10 if a.start is None else a.start
+    runs: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rank in [None, *a.ranks]:
+            name = f"powersgd-r{rank}" if rank else "plain"
+            cfg = _config(a, rank, Path(tmp) / name)
+            spawn(_train, a.world, cfg, timeout_s=3600)
+            runs[name] = [r["loss"] for r in read_metrics(Path(cfg.checkpoint.out) / "metrics.jsonl") if "loss" in r]
+    final = {name: sum(losses[-10:]) / len(losses[-10:]) for name, losses in runs.items()}
+    result = {"model": Path(a.model).name, "world": a.world, "steps": a.steps, "start": a.start,
+              "runs": {name: {"final_loss": f, "vs_plain": f / final["plain"]} for name, f in final.items()}}
+    drawn = a.plot is not None and plot_runs(runs, a.plot, mark=(a.start, f"compression from step {a.start}"))
+    result["plot"] = str(a.plot) if drawn else None
+    for name, r in result["runs"].items():
+        print(f"{name:>14} final loss {r['final_loss']:.4f}  vs plain {r['vs_plain']:.4f}")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
