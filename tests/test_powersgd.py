@@ -3,7 +3,8 @@
 - Compression configured but starting after the run: bit-identical to no compression.
 - Rank = full (every matrix compressed at min(m, n)): the sum is exact up to rounding, so
   10 steps (compressed from step 3) match the uncompressed run within 1e-6, at DP=4 and at
-  TP=2 x DP=2 with sequence parallelism, in the three modes, with gradient accumulation.
+  TP=2 x DP=2 with sequence parallelism, in the three modes, and at PP=2 x DP=2 with tied
+  embeddings, with gradient accumulation.
 - Error feedback: the owned shards of the sums and the residuals follow a float64
   simulation of every rank, and nothing is lost: the sums sent plus the residuals left
   add up to every gradient of every rank.
@@ -38,6 +39,12 @@ def model(tmp_path_factory):
     return str(save_tiny("llama3", tmp_path_factory.mktemp("powersgd") / "model"))
 
 
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory):
+    """Tied embeddings: at PP=2 both stages' copies are compressed, then summed over the embedding group."""
+    return str(save_tiny("llama3", tmp_path_factory.mktemp("powersgd") / "tied", tie_word_embeddings=True))
+
+
 def _run(folder, ps, cfg: OptimizerConfig, ga: int, steps: int = STEPS):
     chunk = build_rank_chunk(folder, ps)
     opt = DistributedOptimizer([chunk], ps, cfg)
@@ -65,24 +72,26 @@ def _rel(chunk, ref) -> float:
     return max(((a - b).norm() / b.norm()).item() for a, b in zip(chunk.parameters(), ref.parameters()))
 
 
-def _full_rank(folder):
+def _full_rank(folder, tied):
     out = []
-    for layout in (dict(tp=1), dict(tp=2, sp=True)):
+    modes = ("overlapped", "ddp", "distributed")
+    for layout, model, mode_list in ((dict(tp=1), folder, modes), (dict(tp=2, sp=True), folder, modes),
+                                     (dict(tp=1, pp=2), tied, ("overlapped",))):
         ps = make_ps(**layout)
-        plain, _, plain_losses = _run(folder, ps, OptimizerConfig(**CFG), ga=2)
-        for mode in ("overlapped", "ddp", "distributed"):
+        plain, _, plain_losses = _run(model, ps, OptimizerConfig(**CFG), ga=2)
+        for mode in mode_list:
             cfg = OptimizerConfig(**{**CFG, "mode": mode}, compression="powersgd", powersgd_rank=10**6,
                                   compression_start_step=3, min_compression_rate=0.0)
-            chunk, opt, losses = _run(folder, ps, cfg, ga=2)
+            chunk, opt, losses = _run(model, ps, cfg, ga=2)
             out.append(dict(layout=layout, mode=mode, rel=_rel(chunk, plain),
                             loss_rel=max(abs(a - b) / abs(b) for a, b in zip(losses, plain_losses)),
                             compressed=len(opt.data_parallel.compressor.matrices())))
     return out
 
 
-def test_full_rank_matches_uncompressed(model):
-    rows = [r for rank in spawn(_full_rank, 4, model) for r in rank]
-    assert len(rows) == 4 * 2 * 3
+def test_full_rank_matches_uncompressed(model, tied_model):
+    rows = [r for rank in spawn(_full_rank, 4, model, tied_model) for r in rank]
+    assert len(rows) == 4 * (2 * 3 + 1)
     for r in rows:
         assert r["compressed"] > 0, r
         assert r["rel"] <= 1e-6, r
