@@ -76,3 +76,23 @@ def test_matches_adamw_reference_all_layouts_and_modes(models):
         assert r["shards"] == shards
         assert r["state_bytes"] == 12 * r["padded"] // shards, r
         assert 0 <= r["padded"] - r["n_params"] < shards * r["n_buckets"], r
+
+
+def _freed_after_drop(folder) -> bool:
+    import gc
+    import weakref
+
+    ps = make_ps()
+    chunk = build_rank_chunk(folder, ps)
+    opt = DistributedOptimizer([chunk], ps, OptimizerConfig(mode="overlapped", **CFG))
+    train(chunk, opt, ps, 1, 1)
+    param = weakref.ref(next(chunk.parameters()))
+    del chunk, opt
+    gc.collect()
+    return param() is None
+
+
+def test_a_dropped_model_and_optimizer_are_freed(models):
+    """The gradient hooks live on the parameters, in C++, out of the garbage collector's sight: they must not
+    hold the wrapper (and through its buckets the parameters), or no model a process wraps is ever freed."""
+    assert spawn(_freed_after_drop, 1, models["untied"]) == [True]

@@ -38,6 +38,7 @@ step), then waits only for what is still in flight.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch.distributed as dist
@@ -72,22 +73,32 @@ class GradSync:
         self.is_last[chunk_index] = is_last
 
     def _hook(self, bucket: Bucket):
+        # The hook lives on the parameter, in C++, where Python's garbage collector cannot see it: a strong
+        # reference from it to this object (whose buckets hold the parameters) would be a cycle nothing frees,
+        # keeping every model a process ever wrapped alive. So it holds a weak reference and a bucket index.
+        owner, index = weakref.ref(self), bucket.index
+
         def hook(p):
-            if p.grad.data_ptr() != p.main_grad.data_ptr():
-                p.main_grad.add_(p.grad)
-                p.grad = p.main_grad if p.dtype == p.main_grad.dtype else None
-            if not self.is_last[bucket.chunk]:
-                return
-            if bucket.index in self._handles:
-                raise RuntimeError(
-                    f"gradient of {_name(bucket, p)} arrived after bucket {bucket.index} was reduced: call "
-                    "set_last_microbatch(chunk, False) before every backward but the step's last"
-                )
-            self._ready[bucket.index] += 1
-            if self._ready[bucket.index] == len(bucket.slots) and self.mode != "distributed":
-                self._launch(bucket)
+            sync = owner()
+            if sync is not None:
+                sync._on_grad(sync.buckets[index], p)
 
         return hook
+
+    def _on_grad(self, bucket: Bucket, p) -> None:
+        if p.grad.data_ptr() != p.main_grad.data_ptr():
+            p.main_grad.add_(p.grad)
+            p.grad = p.main_grad if p.dtype == p.main_grad.dtype else None
+        if not self.is_last[bucket.chunk]:
+            return
+        if bucket.index in self._handles:
+            raise RuntimeError(
+                f"gradient of {_name(bucket, p)} arrived after bucket {bucket.index} was reduced: call "
+                "set_last_microbatch(chunk, False) before every backward but the step's last"
+            )
+        self._ready[bucket.index] += 1
+        if self._ready[bucket.index] == len(bucket.slots) and self.mode != "distributed":
+            self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
         if self._pool is not None:
