@@ -76,14 +76,9 @@ def _attention_core(cfg: ModelConfig, x: Shape) -> int:
     return total
 
 
-def is_sparse(cfg: ModelConfig, layer: int) -> bool:
-    """Whether `layer`'s MLP is the MoE block."""
-    return cfg.moe is not None and layer in cfg.moe.sparse_layers
-
-
 def layer_kinds(cfg: ModelConfig) -> list[int]:
     """One layer index of each kind the model has (dense, sparse), for costs that differ only by kind."""
-    kinds = {is_sparse(cfg, i): i for i in reversed(range(cfg.num_layers))}
+    kinds = {cfg.is_sparse(i): i for i in reversed(range(cfg.num_layers))}
     return sorted(kinds.values())
 
 
@@ -110,7 +105,7 @@ def layer_bytes(cfg: ModelConfig, x: Shape, layer: int = 0) -> int:
         return e * x.local_seq * x.micro_batch * h
     sb, f = x.seq_len * x.micro_batch, cfg.ffn_size // x.tp
     column_input = e * sb * h
-    mlp = _moe(cfg, x) if is_sparse(cfg, layer) else \
+    mlp = _moe(cfg, x) if cfg.is_sparse(layer) else \
         column_input + e * sb * (4 * f if cfg.gated_mlp else 2 * f)
     if x.recompute == "selective":
         nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp

@@ -39,7 +39,7 @@ def layer_matmul_params(cfg: ModelConfig, layer: int) -> int:
     qkv = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d
     out = cfg.num_heads * d * h
     m = cfg.moe
-    if m is not None and layer in m.sparse_layers:
+    if cfg.is_sparse(layer):
         shared = 3 * h * m.shared_expert_ffn_size + h if m.shared_expert_ffn_size else 0
         mlp = h * m.num_experts + m.top_k * 3 * h * m.expert_ffn_size + shared
     else:

@@ -75,7 +75,7 @@ def _chunk_elements(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: b
                     pp: int, shards: int, bucket_size: int) -> tuple[int, int, int]:
     """(parameter elements, padded bucket elements, buckets) of one chunk on one rank."""
     # Dense layers are alike, so the count depends on how many; MoE models mix dense and sparse layers.
-    which = tuple(i in cfg.moe.sparse_layers for i in layers) if cfg.moe else len(layers)
+    which = tuple(cfg.is_sparse(i) for i in layers) if cfg.moe else len(layers)
     key = (_cfg_key(cfg), tp, which, pre, post, pp, shards, bucket_size)
     if key not in _ELEMENTS:
         _ELEMENTS[key] = _count_chunk(cfg, tp, layers, pre, post, pp, shards, bucket_size)

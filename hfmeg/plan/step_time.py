@@ -32,7 +32,7 @@ from ..config import ModelConfig
 from ..optim.config import OptimizerConfig
 from ..parallel.layout import rank_chunks, split_layers
 from .flops import training_flops
-from .activations import Shape, is_sparse, layer_bytes, layer_kinds, moe_tokens
+from .activations import Shape, layer_bytes, layer_kinds, moe_tokens
 from .hardware import ClusterSpec
 from .layout import PlanLayout
 from .memory import Memory, stage_memories
@@ -106,7 +106,7 @@ class _Stage:
         and without SP one all-gather of the outputs (half an all-reduce's bytes) per forward."""
         c, t, x = self.cfg, self.lay.tp, self.shape
         tok, h = x.micro_batch * x.seq_len, c.hidden_size
-        if not is_sparse(c, layer):
+        if not c.is_sparse(layer):
             f = c.ffn_size // t
             return self._mm(tok, h, (2 if c.gated_mlp else 1) * f) + self._mm(tok, f, h), 2
         m, n = c.moe, moe_tokens(x)
@@ -157,15 +157,14 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     pp_link = _link(cluster, prof, 2, lay.tp * lay.dp)
     dp_link = _link(cluster, prof, lay.dp, lay.tp)
     stage = _Stage(cfg, lay, prof, shape, tp_link, slow)
-    costs = {i: stage.layer(i) for i in layer_kinds(cfg)}  # layers of one kind cost the same
-    kind_of = {is_sparse(cfg, i): i for i in costs}
+    costs = {cfg.is_sparse(i): stage.layer(i) for i in layer_kinds(cfg)}  # layers of one kind cost the same
     head_f, head_b = stage.head()
     p2p_msg = pp_link[1] + dtype_bytes * shape.local_seq * lay.micro_batch * cfg.hidden_size / pp_link[0]
     specs = split_layers(cfg.num_layers, lay.pp, lay.vpp)
     stages = []
     for r in range(lay.pp):
         mine = rank_chunks(specs, r)
-        fwd_l, bwd_l, comm_l = (sum(parts) for parts in zip(*(costs[kind_of[is_sparse(cfg, i)]]
+        fwd_l, bwd_l, comm_l = (sum(parts) for parts in zip(*(costs[cfg.is_sparse(i)]
                                                               for s in mine for i in s.layers)))
         post = any(s.post_process for s in mine)
         ends = prof.ends_overhead_s / 2 * sum(s.pre_process + s.post_process for s in mine) * slow
