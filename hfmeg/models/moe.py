@@ -55,7 +55,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.comm import gather_tokens, split_tokens
-from ..parallel.expert_dispatch import TokenDispatcher, local_experts
+from ..parallel.expert_dispatch import Dispatched, TokenDispatcher, local_experts
 from ..parallel.layers import ReplicatedLinear
 from ..parallel.roles import ParamRole
 from ..parallel.state import ParallelState
@@ -129,15 +129,15 @@ class MoELayer(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not m.combine_fp32:
             weights = weights.to(logits.dtype)
-        counts = torch.bincount(chosen.reshape(-1), minlength=m.num_experts)
-        self.stats = RouterStats(counts.detach(), probs.sum(dim=0), x.shape[0])
-        out = self._experts(x, chosen, weights)
+        prob_sum = probs.sum(dim=0)
+        d = self.dispatcher.dispatch(x, chosen)  # (token, slot) pairs grouped by expert, sent to their ranks
+        self.stats = RouterStats(d.counts, prob_sum, x.shape[0])
+        out = self._experts(x, d, weights)
         if hasattr(self, "shared"):
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
 
-    def _experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        d = self.dispatcher.dispatch(x, chosen)  # (token, slot) pairs grouped by expert, sent to their ranks
+    def _experts(self, x: torch.Tensor, d: Dispatched, weights: torch.Tensor) -> torch.Tensor:
         blocks = d.rows.split(d.tokens_per_expert)
         y = torch.cat([self.experts[str(e)](block) for e, block in zip(self.local_experts, blocks)])
         y = self.dispatcher.combine(y, d) * weights.reshape(-1)[d.order].unsqueeze(-1)

@@ -55,6 +55,7 @@ class Dispatched:
 
     rows: torch.Tensor  # [R, h]: this rank's received token rows, expert-major
     tokens_per_expert: list[int]  # rows of each local expert, in order (sum R)
+    counts: torch.Tensor  # [E] int64: this rank's routed slots per expert (global ids), before any exchange
     order: torch.Tensor  # assignments sorted by expert
     token: torch.Tensor  # the token of each assignment in `order` (`order // k`): where its output is summed
     send: list[int]  # rows sent to each EP rank
@@ -80,7 +81,7 @@ class TokenDispatcher:
         rows = x[token]
         counts = torch.bincount(flat, minlength=self.num_experts)
         if self.ep == 1:
-            return Dispatched(rows, counts.tolist(), order, token, [], [], torch.empty(0))
+            return Dispatched(rows, counts.tolist(), counts, order, token, [], [], torch.empty(0))
         # received[s, e]: rows source s sends for local expert e
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
@@ -93,7 +94,8 @@ class TokenDispatcher:
         cnt, off = received.tolist(), start.tolist()
         expert_major = torch.cat([torch.arange(off[s][e], off[s][e] + cnt[s][e]) for s, e in spans]) \
             .to(rows.device)
-        return Dispatched(rows[expert_major], received.sum(0).tolist(), order, token, send, recv, expert_major)
+        return Dispatched(rows[expert_major], received.sum(0).tolist(), counts, order, token, send, recv,
+                          expert_major)
 
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
         """Expert outputs `y` `[R, h]` (rows as dispatched) back to this rank, `[n·k, h]` in `d.order`."""
