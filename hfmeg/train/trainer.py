@@ -53,10 +53,10 @@ from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.pipeline import forward_backward
 from ..parallel.state import ParallelState, join_world
+from ..plan.flops import mfu, peak_flops
 from .auto_layout import LayoutReport, resolve_layout
 from .checkpointing import RunCheckpoints, load_trainer_state, read_trainer_state
 from .config import TrainConfig
-from ..plan.flops import mfu, peak_flops
 from .metrics import MetricsLog, read_metrics, tensorboard_available
 from .rng import seed_all
 from .run_lock import lock_run
