@@ -75,6 +75,8 @@ def test_the_choice_replaces_the_layout_fields_in_a_new_config():
     assert (cfg.train.micro_batch_size, cfg.model.recompute, p.layout, cfg.model.path) == (2, "selective", "auto", "m")
     assert layout_of(cfg, 4) == lay
     assert (parsed.parallel.tp, parsed.model.recompute) == (4, "none")  # the parsed config is not edited
+    moe = parse_layout("tp1-pp1-dp4-ep2-mb1-none")  # an MoE model's choice carries its EP
+    assert apply_layout(parsed, moe).parallel.ep == 2 and layout_of(apply_layout(parsed, moe), 4).name() == moe.name()
 
 
 def test_the_report_skips_the_warm_up_step_and_comes_once():

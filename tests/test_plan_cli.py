@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MixtralConfig
 
 from hfmeg.plan.cli import main
 from hfmeg.plan.hardware import ClusterSpec, gpu_spec
@@ -14,7 +15,7 @@ from hfmeg.plan.layout import PlanLayout, parse_layout
 from hfmeg.plan.memory import memory
 from hfmeg.plan.models import resolve_model
 from hfmeg.plan.profile import default_profile, load_profile
-from hfmeg.plan.search import Job, best_layout, evaluate
+from hfmeg.plan.search import Job, best_layout, candidates, evaluate
 
 JOB = ["--gpu", "h100", "--gpus", "16", "--global-batch-size", "64", "--seq-len", "2048"]
 
@@ -26,6 +27,16 @@ def small(tmp_path_factory):
     LlamaConfig(hidden_size=2048, intermediate_size=5504, num_hidden_layers=16, num_attention_heads=16,
                 num_key_value_heads=16, vocab_size=32000, max_position_embeddings=4096).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A small Mixtral (8 experts, top 2) as a bare config.json."""
+    folder = tmp_path_factory.mktemp("mixtral")
+    MixtralConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                  max_position_embeddings=4096).save_pretrained(folder)
+    return folder / "config.json"
 
 
 def _fail(capsys, argv) -> str:
@@ -65,10 +76,49 @@ def test_ranked_table_from_a_bare_config_json(small, capsys):
     (["--tp", "3"], "--tp 3 x --pp 1 does not divide --gpus 16"),
     (["--tp", "2", "--pp", "32", "--gpus", "64"], "more than the model's 16 layers"),
     (["--tp", "2", "--pp", "2", "--recompute", "sometimes"], "--recompute"),
-    (["--ep", "2"], "MoE"),
+    (["--tp", "2", "--ep", "2"], "no experts to spread"),
 ])
 def test_bad_inputs_exit_2_with_one_line(small, capsys, argv, words):
     assert words in _fail(capsys, ["--model", str(small), *JOB, *argv])
+
+
+def _evaluate(capsys, argv) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_expert_parallel_layout_as_json(moe, capsys):
+    """EP 2 halves the experts a rank holds and adds all-to-alls; EP 1 of the same layout has none."""
+    one = ["--model", str(moe), *JOB, "--tp", "2", "--micro-batch-size", "2", "--json"]
+    ep1, ep2 = _evaluate(capsys, one), _evaluate(capsys, [*one, "--ep", "2"])
+    assert ep2["layout"] == "tp2sp-pp1-dp8-ep2-mb2-none-overlapped" and ep1["layout"] == ep2["layout"].replace("-ep2", "")
+    assert parse_layout(ep2["layout"]).ep == 2
+    assert ep2["time"]["ep_comm_s"] > 0 == ep1["time"]["ep_comm_s"]
+    assert ep2["memory"]["expert_padded"] > 0 == ep1["memory"]["expert_padded"]
+    assert ep2["memory"]["param_buffer"] < ep1["memory"]["param_buffer"]
+    assert ep2["memory_bytes_per_gpu"] < ep1["memory_bytes_per_gpu"]
+    assert ep2["tflops_per_gpu"] > 0 and 0 < ep2["mfu"] < 1
+
+
+def test_the_search_tries_expert_parallelism_for_moe_models_only(moe, small):
+    spec = gpu_spec("h100")
+    prof = default_profile("h100", spec.peak_flops, spec.hbm_bytes_per_s)
+    moe_job = Job(resolve_model(str(moe)), ClusterSpec(spec, 16, 8), prof, 64, 2048)
+    eps = {lay.ep for lay in candidates(moe_job)}
+    assert eps == {1, 2, 4, 8}  # divisors of DP (16 at most) that divide 8 experts
+    assert all(lay.dp % lay.ep == 0 for lay in candidates(moe_job))
+    assert {lay.ep for lay in candidates(replace(moe_job, expert_parallel=False))} == {1}  # a PowerSGD run
+    assert {lay.ep for lay in candidates(replace(moe_job, cfg=resolve_model(str(small))))} == {1}
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--tp", "2", "--ep", "16"], "EP=16 does not divide DP=8"),
+    (["--gpus", "24", "--global-batch-size", "48", "--tp", "2", "--ep", "3"],
+     "8 experts cannot be split evenly over parallel.ep=3"),
+    (["--explain", "tp2sp-pp1-dp8-ep3-mb1-none"], "EP=3 does not divide DP=8"),
+])
+def test_bad_expert_parallel_inputs_exit_2_with_one_line(moe, capsys, argv, words):
+    assert words in _fail(capsys, ["--model", str(moe), *JOB, *argv])
 
 
 def test_model_that_fits_nowhere_and_unknown_models(capsys, tmp_path, monkeypatch):

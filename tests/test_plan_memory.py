@@ -59,6 +59,41 @@ def test_moe_memory_matches_meter_exactly():
     ])
 
 
+def test_expert_parallel_memory_matches_within_routing_imbalance():
+    """EP 2: each rank holds half the experts, whose buffers are sharded over expert-DP (DP/EP), exactly.
+    Activations scale with the rows a rank receives, which a random router spreads unevenly: each rank within
+    5 % of the balanced prediction (the test's bound for the whole), and an EP group's ranks together exactly
+    EP times it (routing moves rows between ranks, it does not add any) where a rank's peak holds every
+    micro-batch of the step (one micro-batch, or all in flight on the first of two stages)."""
+    small = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, vocab_size=300,
+                 max_position_embeddings=128, num_experts_per_tok=2)
+    mixtral = model_config_from_hf(MixtralConfig(**small, intermediate_size=96, num_hidden_layers=2,
+                                                 num_local_experts=4))
+    qwen = model_config_from_hf(Qwen2MoeConfig(**small, intermediate_size=96, moe_intermediate_size=48,
+                                               shared_expert_intermediate_size=80, num_hidden_layers=3,
+                                               num_experts=4, decoder_sparse_step=2, norm_topk_prob=True))
+    cases = {2: [Case(mixtral, PlanLayout(1, 1, 2, 2, ep=2), 4, SEQ, 5000),
+                 Case(mixtral, PlanLayout(1, 1, 2, 2, ep=2, recompute="full", optimizer="ddp"), 4, SEQ, 5000)],
+             4: [Case(mixtral, PlanLayout(2, 1, 2, 2, ep=2, recompute="selective"), 4, SEQ, 5000),
+                 Case(qwen, PlanLayout(1, 2, 2, 1, ep=2), 4, SEQ, 5000),
+                 Case(qwen, PlanLayout(1, 1, 4, 1, ep=2, optimizer="distributed"), 4, SEQ, 5000)]}
+    for group in cases.values():
+        for case, per_rank in zip(group, measure_cases(group, steps=0)):
+            lay, name = case.layout, case.layout.name()
+            opt = OptimizerConfig(mode=lay.optimizer, bucket_size=case.bucket_size)
+            ep_groups = {}
+            for rank, r in enumerate(per_rank):
+                m = stage_memory(case.cfg, lay, r["pp_rank"], case.global_batch, SEQ, 4, opt)
+                assert m.param_buffer + m.grad_buffer == r["buffers"], (name, r)
+                assert m.optimizer_state == r["optimizer_state"], (name, r)
+                assert abs(m.measurable / r["bytes"] - 1) <= 0.05, (name, r)
+                dp_rank = (rank // lay.tp) % lay.dp  # the rank grid of parallel/state.py
+                ep_groups.setdefault((rank % lay.tp, rank // (lay.tp * lay.dp), dp_rank // lay.ep), []).append(
+                    (r["activations"], m.activations))
+            for members in ep_groups.values():
+                assert sum(a for a, _ in members) == sum(b for _, b in members), (name, members)
+
+
 def test_in_flight_peak_is_the_schedules_and_a_short_plan_gives_the_same():
     # 1F1B keeps pp - r micro-batches on stage r, whatever m >= pp.
     assert [_simulated_peak("1f1b", 4, r, 1, 16, (10,)) for r in range(4)] == [40, 30, 20, 10]

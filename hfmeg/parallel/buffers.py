@@ -142,6 +142,15 @@ def plan_buckets(named: Named, pp: int, bucket_size: int, shards: int, first_ind
     return buckets
 
 
+def bucket_parts(named: Named, shards: int, expert_shards: int | None) -> list[tuple[Named, int, bool]]:
+    """(parameters, shards, expert) of each buffer group `named` becomes: one group, or with
+    `expert_shards` given (EP > 1) the routed experts in a group of their own after the rest."""
+    if expert_shards is None:
+        return [(named, shards, False)]
+    return [([x for x in named if not x[2].expert], shards, False),
+            ([x for x in named if x[2].expert], expert_shards, True)]
+
+
 def build_groups(chunks: list[nn.Module], pp: int, bucket_size: int, shards: int,
                  grad_dtype: torch.dtype = torch.float32, expert_shards: int | None = None) -> list[BufferGroup]:
     """Allocate the buffers, move every parameter into them and set `param.main_grad`.
@@ -154,12 +163,7 @@ def build_groups(chunks: list[nn.Module], pp: int, bucket_size: int, shards: int
         named = [(n, p, r) for n, p, r in named_roles(chunk) if p.requires_grad][::-1]
         for dtype in sorted({p.dtype for _, p, _ in named}, key=str):
             mine = [(n, p, r) for n, p, r in named if p.dtype == dtype]
-            if expert_shards is None:
-                parts = [(mine, shards, False)]
-            else:
-                parts = [([x for x in mine if not x[2].expert], shards, False),
-                         ([x for x in mine if x[2].expert], expert_shards, True)]
-            for part, n_shards, expert in parts:
+            for part, n_shards, expert in bucket_parts(mine, shards, expert_shards):
                 if part:
                     buckets = plan_buckets(part, pp, bucket_size, n_shards, index, c, expert)
                     index += len(buckets)

@@ -8,5 +8,6 @@ search.py (every layout that fits, ranked; `best_layout`) -> cli.py (`python -m 
 published.py (predicted vs Megatron-LM's published table), and auto.py (the hardware a
 training job runs on and the lines it prints for the trainer's `--layout auto`). measure.py and
 calibrate.py run real steps and kernels to check and feed the model
-(tools/check_plan.py). MoE / expert parallelism is not modelled: hfmeg has no MoE yet.
+(tools/check_plan.py). MoE models are planned with their expert parallelism (EP): experts per
+rank, expert-DP sharding, the all-to-alls.
 """

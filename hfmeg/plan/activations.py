@@ -26,7 +26,13 @@ Per layer, recompute `none`:
   is fp32, else e)), and per routed row the gathered input, FC1's output, the
   activation's output, the SwiGLU product, the expert output and the weighted output
   (e·nk·(3h + 4F)); a shared expert adds a gated MLP on n tokens plus its sigmoid
-  gate and output (e·n·(4F_s + 1 + h)). Dense layers of an MoE model count as above;
+  gate and output (e·n·(4F_s + 1 + h)). Dense layers of an MoE model count as above.
+  With expert parallelism (EP > 1, parallel/expert_dispatch.py) the expert rows are the
+  R rows this rank receives, not its own n·k: the expert-major reindexing of the
+  received rows and the inverse permutation before the combine each keep an index
+  (16·R), the all-to-all keeps nothing, and the combined rows (n·k) take the place of
+  the expert outputs. The model takes balanced routing, R = n·k (each EP rank gets
+  its experts' share of every rank's tokens); a skewed router moves bytes between ranks;
 - per chunk, not per layer: RoPE's cos and sin (2·e·bsd).
 `selective` checkpoints the attention core (RoPE + SDPA), as Megatron does: the
 QKV input, the fused QKV output and the output projection's input stay, rotated
@@ -40,7 +46,7 @@ Fused (compiled) kernels save less; the count is then an upper bound.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import ModelConfig
 
@@ -53,6 +59,7 @@ class Shape:
     sp: bool
     dtype_bytes: int
     recompute: str
+    ep: int = 1
 
     @property
     def local_seq(self) -> int:
@@ -93,7 +100,7 @@ def _moe(cfg: ModelConfig, x: Shape) -> int:
     k, f = m.top_k, m.expert_ffn_size
     routing = 4 * n * m.num_experts + 12 * n * k + (4 * n if m.norm_topk_prob else 0) + 16 * n * k \
         + n * k * (4 if m.combine_fp32 else e)
-    experts = e * n * k * (3 * h + 4 * f)
+    experts = e * n * k * (3 * h + 4 * f) + (16 * n * k if x.ep > 1 else 0)  # R = n·k received rows
     shared = e * n * (4 * m.shared_expert_ffn_size + 1 + h) if m.shared_expert_ffn_size else 0
     return e * x.local_seq * x.micro_batch * h + routing + experts + shared
 
@@ -143,5 +150,5 @@ def recompute_transient_bytes(cfg: ModelConfig, x: Shape) -> int:
     """What backward re-creates for one layer at a time (not seen by the saved-tensor meter)."""
     if x.recompute == "none":
         return 0
-    again = Shape(x.micro_batch, x.seq_len, x.tp, x.sp, x.dtype_bytes, "none")
+    again = replace(x, recompute="none")
     return max(layer_bytes(cfg, again, i) - layer_bytes(cfg, x, i) for i in layer_kinds(cfg))

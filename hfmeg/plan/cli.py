@@ -3,6 +3,7 @@
     python -m hfmeg.plan                                  # the built-in seed-cluster example
     python -m hfmeg.plan --model meta-llama/Llama-2-13b-hf --gpu h100 --gpus 64 --global-batch-size 512 --seq-len 4096
     python -m hfmeg.plan ... --tp 4 --pp 2 --micro-batch-size 1 --recompute selective --json
+    python -m hfmeg.plan --model mistralai/Mixtral-8x7B-v0.1 ... --tp 2 --pp 4 --ep 4 --json
     python -m hfmeg.plan ... --explain tp4sp-pp2-dp8-mb1-selective-overlapped
     python -m hfmeg.plan calibrate --out profile.json [--device cuda]
     python -m hfmeg.plan scaling                          # overlapped vs distributed, LLaMA-2-13B, 32..512 GPUs
@@ -53,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, help="evaluate this one layout (with --pp, --micro-batch-size ...)")
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--vpp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1, help="expert parallelism: not modelled yet (1 only); MoE models plan at EP 1")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models; a divisor of DP and of "
+                    "the expert count)")
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--no-sequence-parallel", action="store_true")
@@ -91,14 +93,12 @@ def _explain(ev: Evaluation) -> None:
     print(f"{ev.layout.name()}  (schedule {ev.layout.schedule}, stage {m.stage} is the fullest)")
     for key in ("param_buffer", "grad_buffer", "optimizer_state", "activations", "transient", "total"):
         print(f"  memory {key:<16} {getattr(m, key) / GIB:>9.2f} GiB")
-    for key in ("compute_s", "tp_comm_s", "p2p_s", "bubble_s", "dp_exposed_s", "optimizer_s", "step_s"):
+    for key in ("compute_s", "tp_comm_s", "ep_comm_s", "p2p_s", "bubble_s", "dp_exposed_s", "optimizer_s", "step_s"):
         print(f"  time   {key:<16} {getattr(t, key):>9.4f} s")
     print(f"  {t.tokens_per_s_per_gpu:.0f} tokens/s/GPU, {t.tflops_per_gpu:.1f} TFLOP/s/GPU, MFU {t.mfu:.1%}")
 
 
 def _plan(a) -> int:
-    if a.ep != 1:
-        raise HfmegError("--ep: the planner does not model expert parallelism yet; MoE models plan at --ep 1")
     job, defaulted = _job(a)
     if defaulted:
         print(f"[plan] using the built-in seed example for --{', --'.join(d.replace('_', '-') for d in defaulted)}"
@@ -109,7 +109,7 @@ def _plan(a) -> int:
     if a.explain or a.tp:
         lay = parse_layout(a.explain) if a.explain else PlanLayout(
             a.tp, a.pp, a.gpus // max(1, a.tp * a.pp), a.micro_batch_size, a.vpp, a.recompute,
-            not a.no_sequence_parallel, a.optimizer)
+            not a.no_sequence_parallel, a.optimizer, ep=a.ep)
         ev = evaluate(job, lay)
         _explain(ev)
         if a.json:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..config import ModelConfig, check_tp
+from ..config import ModelConfig, check_ep, check_tp
 from ..errors import HfmegError, LayoutError
 from ..models.decoder import RECOMPUTE_MODES
 from ..optim.config import MODES
@@ -29,6 +29,11 @@ class PlanLayout:
     sequence_parallel: bool = True  # only meaningful with tp > 1
     optimizer: str = "overlapped"
     schedule: str = "1f1b"  # becomes "interleaved" when vpp > 1; "gpipe" on request
+    ep: int = 1  # expert-parallel ranks, a divisor of dp (parallel/state.py); the expert-DP group is dp / ep
+
+    @property
+    def edp(self) -> int:
+        return self.dp // self.ep
 
     def __post_init__(self) -> None:
         if self.vpp > 1 and self.schedule == "1f1b":
@@ -49,11 +54,12 @@ class PlanLayout:
         v = f"v{self.vpp}" if self.vpp > 1 else ""
         sp = "sp" if self.sp else ""
         gpipe = "-gpipe" if self.schedule == "gpipe" else ""
-        return (f"tp{self.tp}{sp}-pp{self.pp}{v}-dp{self.dp}-mb{self.micro_batch}-{self.recompute}-{self.optimizer}"
-                f"{gpipe}")
+        ep = f"-ep{self.ep}" if self.ep > 1 else ""
+        return (f"tp{self.tp}{sp}-pp{self.pp}{v}-dp{self.dp}{ep}-mb{self.micro_batch}-{self.recompute}-"
+                f"{self.optimizer}{gpipe}")
 
 
-LAYOUT_NAME = re.compile(r"^tp(\d+)(sp)?-pp(\d+)(?:v(\d+))?-dp(\d+)-mb(\d+)-(none|selective|full)"
+LAYOUT_NAME = re.compile(r"^tp(\d+)(sp)?-pp(\d+)(?:v(\d+))?-dp(\d+)(?:-ep(\d+))?-mb(\d+)-(none|selective|full)"
                          r"(?:-(overlapped|distributed|ddp))?(-gpipe)?$")
 
 
@@ -61,10 +67,11 @@ def parse_layout(text: str) -> PlanLayout:
     """The inverse of `PlanLayout.name` (what `--explain` takes)."""
     m = LAYOUT_NAME.match(text)
     if not m:
-        raise LayoutError(f"--explain {text!r}: expected a layout name like tp2sp-pp4v2-dp16-mb1-selective")
-    tp, sp, pp, vpp, dp, mb, rec, opt, gpipe = m.groups()
+        raise LayoutError(f"--explain {text!r}: expected a layout name like tp2sp-pp4v2-dp16-mb1-selective "
+                          "(MoE: tp1-pp1-dp8-ep4-mb1-none)")
+    tp, sp, pp, vpp, dp, ep, mb, rec, opt, gpipe = m.groups()
     return PlanLayout(int(tp), int(pp), int(dp), int(mb), int(vpp or 1), rec, sp is not None or int(tp) == 1,
-                      opt or "overlapped", "gpipe" if gpipe else "1f1b")
+                      opt or "overlapped", "gpipe" if gpipe else "1f1b", int(ep or 1))
 
 
 def check_layout(cfg: ModelConfig, lay: PlanLayout, gpus: int, global_batch: int, seq_len: int) -> None:
@@ -78,10 +85,13 @@ def check_layout(cfg: ModelConfig, lay: PlanLayout, gpus: int, global_batch: int
     if global_batch % (lay.dp * lay.micro_batch):
         raise LayoutError(f"global batch {global_batch} is not divisible by DP x micro-batch = "
                           f"{lay.dp} x {lay.micro_batch}")
+    if lay.ep < 1 or lay.dp % lay.ep:
+        raise LayoutError(f"EP={lay.ep} does not divide DP={lay.dp} (expert-parallel ranks are data-parallel ranks)")
     if lay.sp and seq_len % lay.tp:
         raise LayoutError(f"sequence length {seq_len} is not divisible by TP={lay.tp} (sequence parallelism)")
     try:
         check_tp(cfg, lay.tp)
+        check_ep(cfg, lay.ep)
         validate(lay.schedule, lay.pp, lay.vpp, lay.microbatches(global_batch))
         split_layers(cfg.num_layers, lay.pp, lay.vpp)
     except HfmegError as e:

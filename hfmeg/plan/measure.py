@@ -51,7 +51,7 @@ def _batches(cfg: ModelConfig, n: int, rows: int, seq: int, seed: int) -> list[d
 
 def _run_case(case: Case, steps: int) -> dict:
     lay, cfg = case.layout, case.cfg
-    ps = ParallelState(ParallelConfig(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, sequence_parallel=lay.sp),
+    ps = ParallelState(ParallelConfig(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, sequence_parallel=lay.sp, ep=lay.ep),
                        dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
     torch.manual_seed(0)
     chunks = [ModelChunk(cfg, ps, s.layers, pre_process=s.pre_process, post_process=s.post_process,

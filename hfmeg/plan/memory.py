@@ -6,6 +6,10 @@
   (so DP padding is exact). The distributed optimizer then holds, per padded
   element: the parameter buffer (model dtype), the fp32 main-gradient buffer, and
   fp32 master + exp_avg + exp_avg_sq over its 1/DP shard (all of it for `ddp`).
+  With expert parallelism the chunk is built for EP rank 0, so it holds E/EP whole
+  experts, and the routed experts go into buckets of their own (`buffers.bucket_parts`,
+  as the wrapper cuts them) whose state is sharded over the expert-DP group (DP/EP
+  ranks) instead of DP.
 - Activations: `activations.chunk_bytes` per micro-batch and chunk, summed over
   the micro-batches the schedule keeps in flight. In-flight counts come from the
   schedule's plan itself (`schedules.plan`), so GPipe, 1F1B's pp - r and the
@@ -28,7 +32,7 @@ import torch
 from ..config import ModelConfig
 from ..models.decoder import ModelChunk
 from ..optim.config import OptimizerConfig
-from ..parallel.buffers import plan_buckets
+from ..parallel.buffers import bucket_parts, plan_buckets
 from ..parallel.layout import rank_chunks, split_layers
 from ..parallel.roles import named_roles
 from ..parallel.schedules import plan
@@ -50,6 +54,8 @@ class Memory:
     activations: int  # peak saved for backward over the schedule
     transient: int
     buckets: int = 1  # gradient buckets on this rank (each costs a collective and an AdamW call per step)
+    expert_padded: int = 0  # of `params`' padded elements, those in expert buckets (summed over expert-DP, not DP)
+    tp_summed: int = 0  # owned gradient elements summed over TP after the DP sum (SP norms, MoE weights)
 
     @property
     def measurable(self) -> int:
@@ -64,33 +70,59 @@ class Memory:
         return {**asdict(self), "total": self.total}
 
 
-_ELEMENTS: dict[tuple, tuple[int, int, int]] = {}  # the search asks for the same chunks many times
+@dataclass(frozen=True)
+class _Elements:
+    """One chunk's parameters on one rank, as the data-parallel wrapper lays them out."""
+
+    params: int
+    padded: int  # bucket elements, padding included
+    expert_padded: int  # of which in expert buckets
+    buckets: int
+    tp_summed: int  # owned elements of sequence-parallel-role parameters (summed over TP when TP > 1)
+
+    def __add__(self, o: "_Elements") -> "_Elements":
+        return _Elements(*(a + b for a, b in zip(asdict(self).values(), asdict(o).values())))
+
+
+_ELEMENTS: dict[tuple, _Elements] = {}  # the search asks for the same chunks many times
 
 
 def _cfg_key(cfg: ModelConfig) -> str:
     return repr(sorted(cfg.to_dict().items()))
 
 
-def _chunk_elements(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: bool,
-                    pp: int, shards: int, bucket_size: int) -> tuple[int, int, int]:
-    """(parameter elements, padded bucket elements, buckets) of one chunk on one rank."""
+def _chunk_elements(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool, post: bool,
+                    bucket_size: int) -> _Elements:
     # Dense layers are alike, so the count depends on how many; MoE models mix dense and sparse layers.
     which = tuple(cfg.is_sparse(i) for i in layers) if cfg.moe else len(layers)
-    key = (_cfg_key(cfg), tp, which, pre, post, pp, shards, bucket_size)
+    key = (_cfg_key(cfg), lay.tp, lay.sp, lay.ep, which, pre, post, lay.pp, _shards(lay), bucket_size)
     if key not in _ELEMENTS:
-        _ELEMENTS[key] = _count_chunk(cfg, tp, layers, pre, post, pp, shards, bucket_size)
+        _ELEMENTS[key] = _count_chunk(cfg, lay, layers, pre, post, bucket_size)
     return _ELEMENTS[key]
 
 
-def _count_chunk(cfg: ModelConfig, tp: int, layers: range, pre: bool, post: bool,
-                 pp: int, shards: int, bucket_size: int) -> tuple[int, int, int]:
+def _shards(lay: PlanLayout) -> tuple[int, int | None]:
+    """(DP shards of a dense bucket, of an expert bucket or None when experts are ordinary: EP 1),
+    as data_parallel.DataParallel chooses them."""
+    sharded = lay.optimizer != "ddp"
+    return (lay.dp if sharded else 1), ((lay.edp if sharded else 1) if lay.ep > 1 else None)
+
+
+def _count_chunk(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool, post: bool,
+                 bucket_size: int) -> _Elements:
     # construction reads only these
-    ps = SimpleNamespace(tp=tp, tp_rank=0, sequence_parallel=False, ep=1, ep_rank=0, ep_group=None)
+    ps = SimpleNamespace(tp=lay.tp, tp_rank=0, sequence_parallel=lay.sp, ep=lay.ep, ep_rank=0, ep_group=None)
     with torch.device("meta"):
         chunk = ModelChunk(cfg, ps, layers, pre_process=pre, post_process=post)
     named = [(n, p, r) for n, p, r in named_roles(chunk) if p.requires_grad][::-1]
-    buckets = plan_buckets(named, pp, bucket_size, shards, 0, 0)
-    return sum(p.numel() for _, p, _ in named), sum(b.size for b in buckets), len(buckets)
+    total = _Elements(sum(p.numel() for _, p, _ in named), 0, 0, 0, 0)
+    for part, shards, expert in bucket_parts(named, *_shards(lay)):
+        buckets = plan_buckets(part, lay.pp, bucket_size, shards, 0, 0, expert)
+        padded = sum(b.size for b in buckets)
+        summed = sum(hi - lo for b in buckets for lo, hi, sp in b.runs(0, lambda s: s.role.sequence_parallel)
+                     if sp) if lay.tp > 1 else 0
+        total += _Elements(0, padded, padded if expert else 0, len(buckets), summed)
+    return total
 
 
 def _in_flight_peak(lay: PlanLayout, pp_rank: int, microbatches: int, per_chunk: list[int]) -> int:
@@ -115,15 +147,13 @@ def _simulated_peak(schedule: str, pp: int, pp_rank: int, vpp: int, microbatches
 def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: int, seq_len: int,
                  dtype_bytes: int = 2, opt: OptimizerConfig | None = None) -> Memory:
     opt = opt or OptimizerConfig(mode=lay.optimizer)
-    shards = lay.dp if lay.optimizer != "ddp" else 1
-    shape = Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute)
+    shards, expert_shards = _shards(lay)
+    shape = Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute, lay.ep)
     specs = rank_chunks(split_layers(cfg.num_layers, lay.pp, lay.vpp), pp_rank)
-    params = padded = buckets = 0
+    el = _Elements(0, 0, 0, 0, 0)
     per_chunk = []
     for s in specs:
-        n, padded_n, buckets_n = _chunk_elements(cfg, lay.tp, s.layers, s.pre_process, s.post_process, lay.pp, shards,
-                                      opt.bucket_size)
-        params, padded, buckets = params + n, padded + padded_n, buckets + buckets_n
+        el += _chunk_elements(cfg, lay, s.layers, s.pre_process, s.post_process, opt.bucket_size)
         held = chunk_bytes(cfg, shape, s.layers, s.pre_process, s.post_process)
         per_chunk.append(held + (0 if s.pre_process else received_input_bytes(cfg, shape)))
     activations = _in_flight_peak(lay, pp_rank, lay.microbatches(global_batch), per_chunk)
@@ -132,8 +162,10 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
         vocab = cfg.padded_vocab(lay.tp) // lay.tp
         ce = 2 * min(CE_CHUNK_TOKENS, lay.micro_batch * seq_len) * vocab * 4 + vocab * cfg.hidden_size * dtype_bytes
         transient = max(transient, ce)
-    return Memory(pp_rank, params, dtype_bytes * padded, 4 * padded, 12 * padded // shards, activations, transient,
-                  buckets)
+    dense = el.padded - el.expert_padded
+    state = 12 * (dense // shards + el.expert_padded // (expert_shards or shards))
+    return Memory(pp_rank, el.params, dtype_bytes * el.padded, 4 * el.padded, state, activations, transient,
+                  el.buckets, el.expert_padded, el.tp_summed)
 
 
 def stage_memories(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,

@@ -3,8 +3,9 @@
 Candidates: TP a power of two up to the node size (TP stays inside NVLink), PP any
 divisor of what is left up to the number of layers, VPP 1/2/4
 (interleaved needs layers divisible by PP·VPP, as Megatron asks), micro-batch
-1/2/4/8, recompute none/selective/full, SP whenever TP > 1. `best_layout` is the
-call a trainer's `--layout auto` makes.
+1/2/4/8, recompute none/selective/full, SP whenever TP > 1, and for MoE models EP
+any divisor of DP that also divides the expert count (EP 1 for dense models).
+`best_layout` is the call a trainer's `--layout auto` makes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Job:
     global_batch: int
     seq_len: int
     dtype_bytes: int = 2
+    expert_parallel: bool = True  # whether layouts may spread experts (EP > 1); PowerSGD runs may not
 
 
 def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
@@ -59,6 +61,12 @@ def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
                                           job.dtype_bytes, memories=stages))
 
 
+def expert_parallel_sizes(cfg: ModelConfig, dp: int) -> list[int]:
+    """The EP sizes a layout with `dp` data-parallel ranks can take: divisors of DP and of the expert count."""
+    experts = cfg.moe.num_experts if cfg.moe else 1
+    return [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0]
+
+
 def candidates(job: Job, optimizer: str = "overlapped") -> list[PlanLayout]:
     gpus, node = job.cluster.gpus, min(job.cluster.gpus_per_node, job.cluster.gpus)
     out = []
@@ -69,9 +77,10 @@ def candidates(job: Job, optimizer: str = "overlapped") -> list[PlanLayout]:
             for vpp in (1, 2, 4) if pp > 1 else (1,):
                 if vpp > 1 and job.cfg.num_layers % (pp * vpp):
                     continue
-                for mb in (1, 2, 4, 8):
-                    for rec in ("none", "selective", "full"):
-                        out.append(PlanLayout(tp, pp, dp, mb, vpp, rec, True, optimizer))
+                for ep in expert_parallel_sizes(job.cfg, dp) if job.expert_parallel else (1,):
+                    for mb in (1, 2, 4, 8):
+                        for rec in ("none", "selective", "full"):
+                            out.append(PlanLayout(tp, pp, dp, mb, vpp, rec, True, optimizer, ep=ep))
         tp *= 2
     return out
 

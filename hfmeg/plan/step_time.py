@@ -12,21 +12,32 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
 - recompute: `full` runs each layer's forward again, `selective` the attention core;
 - TP collectives: per layer two all-reduces forward and two backward (with SP the
   same bytes as all-gather + reduce-scatter pairs), ring cost on the TP link;
-- p2p: one activation forward and one gradient back per chunk boundary.
+- p2p: one activation forward and one gradient back per chunk boundary;
+- expert parallelism (EP > 1): per MoE layer the dispatch and the combine
+  all-to-all forward, the same two backward (and again in a `full` recompute), each
+  sending e·n·k·h·(EP−1)/EP bytes per rank (n tokens routed k ways; the rows for the
+  rank's own experts stay) over the EP group's link (NVLink while TP·EP ranks fit
+  in a node, else the node's NICs), plus one latency per peer for the row counts
+  exchanged first; each rank runs its E/EP experts on n·k·EP/E rows each (balanced
+  routing), so a larger EP means fewer, larger expert GEMMs.
 The pipeline takes m·max(stage) plus the fill/drain bubble (p−1)/v·mean(stage).
 Then per stage the data-parallel collectives of its buckets (fp32 gradient
-reduce-scatter, parameter all-gather; `ddp`: a gradient all-reduce): `overlapped`
-hides them behind the last micro-batch's backward and the first one's forward,
-except one bucket's worth each; `distributed` runs both in series; `ddp` hides its
-all-reduce behind the backward. Last, the AdamW update streams 36 bytes per owned
-element (master, grad, two moments read and written, the parameter written), plus
-the profile's fixed cost per bucket (its hooks, AdamW call and collectives' launch).
+reduce-scatter, parameter all-gather; `ddp`: a gradient all-reduce), dense buckets
+over DP and, with EP > 1, expert buckets over the expert-DP group (DP/EP ranks,
+TP·EP apart): `overlapped` hides them behind the last micro-batch's backward and the
+first one's forward, except one bucket's worth each; `distributed` runs both in
+series; `ddp` hides its all-reduce behind the backward. After them, in series, the
+owned gradient of sequence-parallel-role parameters is all-reduced over TP (SP norms;
+an MoE layer's router and experts, which each TP rank trains on its own tokens).
+Last, the AdamW update streams 36 bytes per owned element (master, grad, two moments
+read and written, the parameter written), plus the profile's fixed cost per bucket
+(its hooks, AdamW call and collectives' launch).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..config import ModelConfig
 from ..optim.config import OptimizerConfig
@@ -45,6 +56,7 @@ ADAMW_BYTES_PER_ELEMENT = 36
 class StepTime:
     compute_s: float  # matmuls, attention, elementwise, recompute: slowest stage, whole step
     tp_comm_s: float
+    ep_comm_s: float  # expert all-to-alls, slowest stage, whole step
     p2p_s: float
     bubble_s: float
     dp_exposed_s: float
@@ -87,56 +99,72 @@ def _ring(nbytes: float, n: int, link: tuple[float, float], passes: int = 1) -> 
     return passes * ((n - 1) / n * nbytes / bw + (n - 1) * lat)
 
 
+def _all_to_all(nbytes: float, n: int, link: tuple[float, float]) -> float:
+    """One all-to-all of `nbytes` per rank over n ranks: (n−1)/n of them leave, one message per peer."""
+    if n <= 1:
+        return 0.0
+    bw, lat = link
+    return (n - 1) / n * nbytes / bw + (n - 1) * lat
+
+
 class _Stage:
     """Forward and backward seconds of one micro-batch on one pipeline stage."""
 
-    def __init__(self, cfg: ModelConfig, lay: PlanLayout, prof: Profile, shape: Shape, tp_link, slow: float):
-        self.cfg, self.lay, self.prof, self.shape, self.tp_link, self.slow = cfg, lay, prof, shape, tp_link, slow
+    def __init__(self, cfg: ModelConfig, lay: PlanLayout, prof: Profile, shape: Shape, tp_link, ep_link,
+                 slow: float):
+        self.cfg, self.lay, self.prof, self.shape, self.slow = cfg, lay, prof, shape, slow
+        self.tp_link, self.ep_link = tp_link, ep_link
 
     def _mm(self, m: int, k: int, n: int) -> float:
         flops = 2.0 * m * k * n
         return flops / (self.prof.peak_flops * self.prof.efficiency(flops))
 
-    def _mlp(self, layer: int) -> tuple[float, int]:
-        """(matmul seconds, TP all-reduce equivalents per forward + backward) of `layer`'s MLP.
+    def _mlp(self, layer: int) -> tuple[float, int, float]:
+        """(matmul seconds, TP all-reduce equivalents per forward + backward, one forward's
+        all-to-all seconds) of `layer`'s MLP.
 
         A dense MLP is column- then row-parallel: two all-reduces' worth of TP traffic per
         forward and backward. An MoE MLP runs whole experts on this rank's share of the
-        tokens (models/moe.py): each expert's GEMMs on its average share of the routed rows,
-        and without SP one all-gather of the outputs (half an all-reduce's bytes) per forward."""
+        tokens (models/moe.py): each of the rank's E/EP experts' GEMMs on its average share
+        of the routed rows, and without SP one all-gather of the outputs (half an
+        all-reduce's bytes) per forward. With EP > 1 the routed rows travel there and back."""
         c, t, x = self.cfg, self.lay.tp, self.shape
         tok, h = x.micro_batch * x.seq_len, c.hidden_size
         if not c.is_sparse(layer):
             f = c.ffn_size // t
-            return self._mm(tok, h, (2 if c.gated_mlp else 1) * f) + self._mm(tok, f, h), 2
-        m, n = c.moe, moe_tokens(x)
-        rows = n * m.top_k / m.num_experts
-        mm = self._mm(n, h, m.num_experts) + m.num_experts * (self._mm(rows, h, 2 * m.expert_ffn_size)
-                                                               + self._mm(rows, m.expert_ffn_size, h))
+            return self._mm(tok, h, (2 if c.gated_mlp else 1) * f) + self._mm(tok, f, h), 2, 0.0
+        m, n, ep = c.moe, moe_tokens(x), self.lay.ep
+        local = m.num_experts // ep
+        rows = n * m.top_k / local
+        mm = self._mm(n, h, m.num_experts) + local * (self._mm(rows, h, 2 * m.expert_ffn_size)
+                                                      + self._mm(rows, m.expert_ffn_size, h))
         if m.shared_expert_ffn_size:
             mm += self._mm(n, h, 2 * m.shared_expert_ffn_size + 1) + self._mm(n, m.shared_expert_ffn_size, h)
-        return mm, 0 if x.sp else 0.5
+        counts = (ep - 1) * self.ep_link[1] if ep > 1 else 0.0
+        a2a = 2 * _all_to_all(x.dtype_bytes * n * m.top_k * h, ep, self.ep_link) + counts
+        return mm, 0 if x.sp else 0.5, a2a
 
-    def layer(self, layer: int) -> tuple[float, float, float]:
-        """(forward compute, backward compute, TP communication) of decoder layer `layer`."""
+    def layer(self, layer: int) -> tuple[float, float, float, float]:
+        """(forward compute, backward compute, TP communication, EP all-to-all) of decoder layer `layer`."""
         c, t, x = self.cfg, self.lay.tp, self.shape
         tok, h, d = x.micro_batch * x.seq_len, c.hidden_size, c.head_dim
         nh, nkv = c.num_heads // t, c.num_kv_heads // t
-        mlp, mlp_collectives = self._mlp(layer)
+        mlp, mlp_collectives, a2a = self._mlp(layer)
         mm = self._mm(tok, h, (nh + 2 * nkv) * d) + self._mm(tok, nh * d, h) + mlp
         attn = 2.0 * x.micro_batch * x.seq_len ** 2 * nh * d / (self.prof.peak_flops * self.prof.attention_efficiency)
-        none = Shape(x.micro_batch, x.seq_len, t, x.sp, x.dtype_bytes, "none")
+        none = replace(x, recompute="none")
         elementwise = 3 * layer_bytes(c, none, layer) / self.prof.memory_bytes_per_s
         kernels = self.prof.layer_overhead_s
         fwd = mm + attn + (elementwise + kernels) / 3
         bwd = 2 * mm + 2 * attn + 2 * (elementwise + kernels) / 3
         ar = _ring(x.dtype_bytes * tok * h, t, self.tp_link, passes=2)
         comm = (2 + mlp_collectives) * ar
+        ep_comm = 2 * a2a  # the forward's two exchanges, and the backward's two
         if x.recompute == "full":
-            bwd, comm = bwd + fwd, comm + 2 * ar
+            bwd, comm, ep_comm = bwd + fwd, comm + 2 * ar, ep_comm + a2a
         elif x.recompute == "selective":
             bwd += attn
-        return fwd * self.slow, bwd * self.slow, comm
+        return fwd * self.slow, bwd * self.slow, comm, ep_comm
 
     def head(self) -> tuple[float, float]:
         x, t = self.shape, self.lay.tp
@@ -150,13 +178,15 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     """`memories`: the stages' `Memory` when the caller has them already (for their bucket sizes)."""
     opt = opt or OptimizerConfig(mode=lay.optimizer)
     memories = memories or stage_memories(cfg, lay, global_batch, seq_len, dtype_bytes, opt)
-    shape = Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute)
+    shape = Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute, lay.ep)
     m = lay.microbatches(global_batch)
     slow = max(1.0, lay.gpus / prof.cores) if prof.cores else 1.0
     tp_link = _link(cluster, prof, lay.tp, 1)
     pp_link = _link(cluster, prof, 2, lay.tp * lay.dp)
     dp_link = _link(cluster, prof, lay.dp, lay.tp)
-    stage = _Stage(cfg, lay, prof, shape, tp_link, slow)
+    ep_link = _link(cluster, prof, lay.ep, lay.tp)
+    edp_link = _link(cluster, prof, lay.edp, lay.tp * lay.ep)
+    stage = _Stage(cfg, lay, prof, shape, tp_link, ep_link, slow)
     costs = {cfg.is_sparse(i): stage.layer(i) for i in layer_kinds(cfg)}  # layers of one kind cost the same
     head_f, head_b = stage.head()
     p2p_msg = pp_link[1] + dtype_bytes * shape.local_seq * lay.micro_batch * cfg.hidden_size / pp_link[0]
@@ -164,35 +194,40 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     stages = []
     for r in range(lay.pp):
         mine = rank_chunks(specs, r)
-        fwd_l, bwd_l, comm_l = (sum(parts) for parts in zip(*(costs[cfg.is_sparse(i)]
-                                                              for s in mine for i in s.layers)))
+        fwd_l, bwd_l, comm_l, a2a_l = (sum(parts) for parts in zip(*(costs[cfg.is_sparse(i)]
+                                                                     for s in mine for i in s.layers)))
         post = any(s.post_process for s in mine)
         ends = prof.ends_overhead_s / 2 * sum(s.pre_process + s.post_process for s in mine) * slow
         fwd = fwd_l + (head_f if post else 0.0) + ends / 3
         bwd = bwd_l + (head_b if post else 0.0) + 2 * ends / 3
         p2p = p2p_msg * sum((not s.pre_process) + (not s.post_process) for s in mine)
-        stages.append((fwd, bwd, comm_l, p2p, memories[r]))
-    per_mb = [f + b + c + p for f, b, c, p, _ in stages]
+        stages.append((fwd, bwd, comm_l, a2a_l, p2p, memories[r]))
+    per_mb = [f + b + c + e + p for f, b, c, e, p, _ in stages]
     slowest = max(range(lay.pp), key=lambda r: per_mb[r])
     bubble = (lay.pp - 1) / lay.vpp * sum(per_mb) / lay.pp
-    f, b, c, p, _ = stages[slowest]
+    f, b, c, e, p, _ = stages[slowest]
 
     def dp_and_update(fwd: float, bwd: float, mem: Memory) -> tuple[float, float]:
         padded, buckets = mem.param_buffer // dtype_bytes, mem.buckets
-        shards = 1 if lay.optimizer == "ddp" else lay.dp
-        update = (padded / shards * ADAMW_BYTES_PER_ELEMENT / prof.memory_bytes_per_s
-                  + buckets * prof.bucket_overhead_s) * slow
-        if lay.optimizer == "ddp":
-            ar = _ring(4 * padded, lay.dp, dp_link, passes=2)
-            return max(ar - bwd, ar / buckets), update
-        rs, ag = _ring(4 * padded, lay.dp, dp_link), _ring(dtype_bytes * padded, lay.dp, dp_link)
+        sharded = lay.optimizer != "ddp"
+        # (elements, group size, link): dense buckets over DP, expert buckets (EP > 1) over expert-DP
+        groups = [g for g in ((padded - mem.expert_padded, lay.dp, dp_link), (mem.expert_padded, lay.edp, edp_link))
+                  if g[0]]
+        owned = sum(n / size if sharded else n for n, size, _ in groups)
+        update = (owned * ADAMW_BYTES_PER_ELEMENT / prof.memory_bytes_per_s + buckets * prof.bucket_overhead_s) * slow
+        tp_sum = _ring(4 * mem.tp_summed, lay.tp, tp_link, passes=2) if mem.tp_summed else 0.0
+        if not sharded:
+            ar = sum(_ring(4 * n, size, link, passes=2) for n, size, link in groups)
+            return max(ar - bwd, ar / buckets) + tp_sum, update
+        rs = sum(_ring(4 * n, size, link) for n, size, link in groups)
+        ag = sum(_ring(dtype_bytes * n, size, link) for n, size, link in groups)
         if lay.optimizer == "distributed":
-            return rs + ag, update
-        return max(rs - bwd, rs / buckets) + max(ag - fwd, ag / buckets), update
+            return rs + ag + tp_sum, update
+        return max(rs - bwd, rs / buckets) + max(ag - fwd, ag / buckets) + tp_sum, update
 
-    tails = [dp_and_update(sf, sb, mem) for sf, sb, _, _, mem in stages]
+    tails = [dp_and_update(sf, sb, mem) for sf, sb, _, _, _, mem in stages]
     dp_exposed, update = max(tails, key=lambda t: t[0] + t[1])
     norm_latency = _link(cluster, prof, lay.gpus, 1)[1] * math.log2(max(lay.gpus, 2))
     total = m * per_mb[slowest] + bubble + dp_exposed + update + norm_latency
-    return StepTime(m * (f + b), m * c, m * p, bubble, dp_exposed, update, total,
+    return StepTime(m * (f + b), m * c, m * e, m * p, bubble, dp_exposed, update, total,
                     training_flops(cfg, global_batch, seq_len), lay.gpus, prof.peak_flops, global_batch * seq_len)

@@ -7,7 +7,10 @@ to run (an error is broadcast too, so every rank stops with the same line). The 
 sets the fields in `AUTO_FIELDS` on a new config (`dataclasses.replace`: the parsed
 config is never edited); the config's own values for them, e.g. a recipe YAML's
 layout, are replaced, and a command line that sets one of them is refused
-(`validate.py`). Rank 0 prints the choice and the planner's prediction in one line.
+(`validate.py`). For an MoE model the choice includes EP (the planner tries every
+divisor of DP that divides the expert count); a run with gradient compression is
+planned at EP 1, the only EP PowerSGD runs with. Rank 0 prints the choice and the
+planner's prediction in one line.
 
 A resumed run keeps the layout its checkpoint was trained with: the shards are cut for
 it, and a fresh choice could differ (other timings, another planner version). The
@@ -45,13 +48,13 @@ if TYPE_CHECKING:
 
 # What `--layout auto` sets, in the order `apply_layout` reads them off a PlanLayout.
 AUTO_FIELDS = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.sequence_parallel", "parallel.schedule",
-               "train.micro_batch_size", "model.recompute")
+               "train.micro_batch_size", "model.recompute", "parallel.ep")
 REPORT_STEPS = 5
 
 
 def apply_layout(cfg: TrainConfig, lay: PlanLayout) -> TrainConfig:
     """`cfg` with `lay`'s values in the AUTO_FIELDS, as a new config."""
-    values = (lay.tp, lay.pp, lay.vpp, lay.sp, lay.schedule, lay.micro_batch, lay.recompute)
+    values = (lay.tp, lay.pp, lay.vpp, lay.sp, lay.schedule, lay.micro_batch, lay.recompute, lay.ep)
     sections: dict[str, dict] = {}
     for key, value in zip(AUTO_FIELDS, values):
         section, name = key.split(".")
@@ -63,7 +66,7 @@ def layout_of(cfg: TrainConfig, world_size: int) -> PlanLayout:
     """The planner's name for the layout `cfg` runs on `world_size` ranks."""
     p = cfg.parallel
     return PlanLayout(p.tp, p.pp, world_size // (p.tp * p.pp), cfg.train.micro_batch_size, p.vpp,
-                      cfg.model.recompute, p.sequence_parallel, cfg.optim.mode, p.run_schedule)
+                      cfg.model.recompute, p.sequence_parallel, cfg.optim.mode, p.run_schedule, p.ep)
 
 
 def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluation | None, str]:
@@ -72,7 +75,7 @@ def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluatio
     cluster, profile = detect_cluster(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
     model = model_config_from_hf(load_hf_config(cfg.model.hf_folder()))
     job = Job(model, cluster, profile, cfg.train.global_batch_size, cfg.data.seq_len,
-              cfg.model.torch_dtype(device).itemsize)
+              cfg.model.torch_dtype(device).itemsize, expert_parallel=cfg.optim.compression == "none")
     resume = find_resume(Path(cfg.checkpoint.out) / "checkpoints", cfg.checkpoint.resume)
     if resume is None:
         ev = best_layout(job, cfg.optim.mode)

@@ -96,9 +96,6 @@ def _auto_layout(cfg: TrainConfig, overridden: Collection[str]) -> None:
     and silently dropping a flag the user typed would run something else than asked. A
     YAML's values are the recipe's defaults and are replaced. The batch arithmetic of
     `_layout` is the planner's to satisfy (it only proposes layouts that divide)."""
-    if cfg.parallel.ep != 1:
-        raise ConfigError("parallel.ep: parallel.layout auto does not plan expert parallelism; use ep 1 or "
-                          "--layout manual")
     if cfg.parallel.pp_layers is not None:
         raise ConfigError("parallel.pp_layers: a layer split fits one pp x vpp, and parallel.layout auto chooses "
                           "those (splitting evenly); drop it or use --layout manual")
