@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 from transformers import LlamaConfig, MixtralConfig
 
+from hfmeg.errors import HfmegError
 from hfmeg.plan.cli import main
 from hfmeg.plan.hardware import ClusterSpec, gpu_spec
 from hfmeg.plan.layout import PlanLayout, parse_layout
@@ -139,9 +140,22 @@ def test_seed_example_by_default_prefers_model_parallelism_over_plain_dp():
               512, 1024)
     best = best_layout(job)
     plain = evaluate(job, PlanLayout(1, 1, 128, 1))
-    # 100 Gbps shared by 8 GPUs: plain DP moves 16 B x 3.8B params per step over it; model parallelism moves 1/(TP·PP).
-    assert best.time.step_s < plain.time.step_s / 4
+    # 100 Gbps per node: plain DP's rings move 6 B x 3.8B params per step through every node's NICs (a ring
+    # crosses each node boundary once), more than a step's compute can hide; the best layout keeps DP in a node.
+    assert best.time.step_s < plain.time.step_s / 2
     assert best.layout.tp * best.layout.pp > 1
+
+
+def test_rings_cross_each_node_once_and_all_to_alls_send_each_ranks_bytes_off_node():
+    cluster = ClusterSpec(gpu_spec("a100-80"), 32, 8, inter_node_bytes_per_s=100e9)
+    assert cluster.link(4, 2) == (300e9, cluster.intra_node_latency_s)  # 8 ranks: one node, NVLink
+    # A node's NICs (100 GB/s) are shared by the groups that have members in it: G/k groups of k members.
+    assert cluster.link(32, 1)[0] == pytest.approx(100e9)  # one group, 8 members per node
+    assert cluster.link(4, 8)[0] == pytest.approx(12.5e9)  # 8 groups (TP 8), one member each
+    assert cluster.link(8, 2)[0] == pytest.approx(50e9)  # 2 groups of 4 members
+    # all-to-all over 32 ranks: 24/32 of each rank's bytes leave the node at 100/8 GB/s each, the rest on NVLink
+    bw, _ = cluster.link(32, 1, all_to_all=True)
+    assert 31 / 32 / bw == pytest.approx(24 / 32 / 12.5e9)
 
 
 def test_overlap_hides_dp_communication_that_distributed_mode_exposes():
@@ -173,11 +187,33 @@ def test_scaling_mode_reports_both_optimizers(capsys):
     assert rows[0]["overlapped"]["scaling_efficiency"] == 1.0
 
 
+def test_unfused_attention_pays_for_its_score_traffic():
+    """Megatron-LM's 2021 attention materialises b·a·s² scores; at head dim 96 their traffic, not the FLOPs,
+    sets its time, and it grows with s² while the rest of the layer grows with s."""
+    spec = gpu_spec("a100-80")
+    prof = default_profile("a100-80", spec.peak_flops, spec.hbm_bytes_per_s)
+    cfg = resolve_model("gpt-3.6b")
+    lay = PlanLayout(2, 1, 8, 1, recompute="full", sequence_parallel=False, optimizer="ddp")
+    ratios = []
+    for seq in (1024, 4096):
+        job = Job(cfg, ClusterSpec(spec, 16, 8), prof, 16, seq)
+        flash, unfused = (evaluate(replace(job, attention=a), lay).time for a in ("flash", "unfused"))
+        assert unfused.compute_s > flash.compute_s and unfused.tp_comm_s == flash.tp_comm_s
+        ratios.append(unfused.compute_s / flash.compute_s)
+    assert ratios[1] > ratios[0]
+    with pytest.raises(HfmegError, match="attention kernels 'sdpa'"):
+        evaluate(replace(job, attention="sdpa"), lay)
+
+
 def test_published_comparison_reports_every_row(capsys, monkeypatch):
     from hfmeg.plan import published
 
     monkeypatch.setattr(published, "MEGATRON_2021", published.MEGATRON_2021[:2])
-    assert main(["published"]) == 0
+    assert main(["published"]) == 0  # the last row calibrates the matmul curve, the others are predicted
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["published_tflops"] for r in lines[:-1]] == [137, 138]
-    assert lines[-1]["rows"] == 2 and lines[-1]["median_abs_error"] >= 0
+    assert lines[1]["calibration_row"] and abs(lines[1]["error"]) < 0.002 and "calibration_row" not in lines[0]
+    assert lines[-1]["rows"] == 1 and lines[-1]["median_abs_error"] >= 0 and "matmul x" in lines[-1]["profile"]
+    assert main(["published", "--uncalibrated"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {
+        "rows": 2, "median_abs_error": pytest.approx(lines[-1]["median_abs_error"], abs=1), "profile": "a100 (assumed)"}

@@ -81,17 +81,25 @@ class ClusterSpec:
     def usable_memory(self) -> float:
         return self.gpu.memory_bytes - self.reserved_bytes
 
-    def link(self, group_size: int, stride: int) -> tuple[float, float]:
-        """(bytes/s per GPU, latency) of a ring over `group_size` ranks `stride` apart in the rank grid.
+    def link(self, group_size: int, stride: int, all_to_all: bool = False) -> tuple[float, float]:
+        """(bytes/s per GPU, latency) of a collective over `group_size` ranks `stride` apart in the rank grid.
 
         A group that stays inside one node rides NVLink. One that spans nodes is limited
-        by the NICs, which all GPUs of a node share when every group communicates at
-        once (DP and PP groups do): each GPU gets inter_node / gpus_per_node.
+        by the NICs, which all groups of a node share when every group communicates at
+        once (DP, EP and PP groups do). A node holds k = min(group, G/stride) members of
+        a group and G/k groups. A ring (all-reduce, reduce-scatter, all-gather) crosses
+        each node boundary once (NCCL orders it node by node, one channel per NIC), so
+        the k members send one ring's worth off the node together: each group gets
+        inter_node · k/G, and a rank's ring traffic moves at that rate. In an all-to-all
+        every member sends its own (n − k)/n off the node, each at inter_node / G; the
+        rate returned is the one at which the whole (n − 1)/n of a rank's bytes move.
         """
         if group_size * stride <= self.gpus_per_node:
             return self.gpu.intra_node_bytes_per_s, self.intra_node_latency_s
-        share = self.inter_node_bytes_per_s / min(self.gpus_per_node, self.gpus)
-        return min(share, self.gpu.intra_node_bytes_per_s), self.inter_node_latency_s
+        per_gpu = self.inter_node_bytes_per_s / min(self.gpus_per_node, self.gpus)
+        k = min(group_size, max(1, self.gpus_per_node // stride))
+        rate = per_gpu * (group_size - 1) / (group_size - k) if all_to_all else per_gpu * k
+        return min(rate, self.gpu.intra_node_bytes_per_s), self.inter_node_latency_s
 
 
 def gpu_spec(kind: str, *, peak_tflops: float | None = None, memory_gb: float | None = None,

@@ -4,8 +4,21 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
 - matmuls: each of QKV, output projection, FC1, FC2 (and the LM head) at the
   profile's efficiency for its own size; backward is two matmuls of the same size
   per forward one; the chunked cross-entropy recomputes the head's logits once;
-- attention core: the causal half of Megatron's 4·b·s²·h FLOPs forward, twice that
-  backward, at the profile's attention efficiency;
+- attention core, `flash` (hfmeg's SDPA kernels): the causal half of Megatron's
+  4·b·s²·h FLOPs forward, twice that backward, at the profile's attention efficiency.
+  `unfused` is the kernel sequence Megatron-LM ran before flash attention (the SC21
+  runs that `hfmeg plan published` compares with): the S = b·(a/t)·s² scores are
+  materialised, all of them (the causal mask is applied, not skipped). Forward: QK^T
+  (2·S·d FLOPs, writes the scores), the fused scale-mask-softmax (reads and writes
+  them), dropout on the probabilities (reads, writes them and a byte mask), then PV
+  (2·S·d FLOPs, reads them); backward: the same two GEMMs twice over, reading the
+  probabilities and writing and reading their gradient twice, dropout's backward
+  (reads the gradient and the mask, writes) and softmax's (reads the gradient and
+  the output, writes). Each GEMM pair takes the longer of its FLOPs at the matmul
+  curve (a batched GEMM at its total size) and its score traffic at streaming
+  bandwidth (with head dims of 64-160 the score write, not the FLOPs, bounds QK^T);
+  softmax and dropout are pure traffic: 4e + (2e + 1) bytes per score forward,
+  3e + (2e + 1) backward, e the dtype's bytes;
 - elementwise kernels (norms, RoPE, SwiGLU, residuals): three passes over the
   saved activations at streaming bandwidth, plus the profile's fixed cost per layer
   (and for the embedding and the head + loss);
@@ -40,6 +53,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from ..config import ModelConfig
+from ..errors import UnsupportedConfigError
 from ..optim.config import OptimizerConfig
 from ..parallel.layout import rank_chunks, split_layers
 from .flops import training_flops
@@ -84,10 +98,10 @@ class StepTime:
                 "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu}
 
 
-def _link(cluster: ClusterSpec, prof: Profile, size: int, stride: int) -> tuple[float, float]:
+def _link(cluster: ClusterSpec, prof: Profile, size: int, stride: int, all_to_all: bool = False) -> tuple[float, float]:
     if prof.link_bytes_per_s is not None:
         return prof.link_bytes_per_s, prof.link_latency_s or 0.0
-    bw, lat = cluster.link(size, stride)
+    bw, lat = cluster.link(size, stride, all_to_all)
     return bw * prof.link_efficiency, lat
 
 
@@ -97,6 +111,9 @@ def _ring(nbytes: float, n: int, link: tuple[float, float], passes: int = 1) -> 
         return 0.0
     bw, lat = link
     return passes * ((n - 1) / n * nbytes / bw + (n - 1) * lat)
+
+
+ATTENTION_KERNELS = ("flash", "unfused")
 
 
 def _all_to_all(nbytes: float, n: int, link: tuple[float, float]) -> float:
@@ -111,9 +128,9 @@ class _Stage:
     """Forward and backward seconds of one micro-batch on one pipeline stage."""
 
     def __init__(self, cfg: ModelConfig, lay: PlanLayout, prof: Profile, shape: Shape, tp_link, ep_link,
-                 slow: float):
+                 slow: float, attention: str):
         self.cfg, self.lay, self.prof, self.shape, self.slow = cfg, lay, prof, shape, slow
-        self.tp_link, self.ep_link = tp_link, ep_link
+        self.tp_link, self.ep_link, self.attention = tp_link, ep_link, attention
 
     def _mm(self, m: int, k: int, n: int) -> float:
         flops = 2.0 * m * k * n
@@ -144,6 +161,19 @@ class _Stage:
         a2a = 2 * _all_to_all(x.dtype_bytes * n * m.top_k * h, ep, self.ep_link) + counts
         return mm, 0 if x.sp else 0.5, a2a
 
+    def _attention(self) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer's attention core (see the module docstring)."""
+        x, prof = self.shape, self.prof
+        nh, d, e = self.cfg.num_heads // self.lay.tp, self.cfg.head_dim, x.dtype_bytes
+        scores = x.micro_batch * nh * x.seq_len ** 2
+        if self.attention == "flash":
+            fwd = 2.0 * scores * d / (prof.peak_flops * prof.attention_efficiency)
+            return fwd, 2 * fwd
+        pair = max(self._mm(x.micro_batch * nh * x.seq_len, d, x.seq_len) * 2,  # QK^T and PV, batched
+                   2 * e * scores / prof.memory_bytes_per_s)
+        fwd = pair + (4 * e + 2 * e + 1) * scores / prof.memory_bytes_per_s
+        return fwd, 2 * pair + (3 * e + 2 * e + 1) * scores / prof.memory_bytes_per_s
+
     def layer(self, layer: int) -> tuple[float, float, float, float]:
         """(forward compute, backward compute, TP communication, EP all-to-all) of decoder layer `layer`."""
         c, t, x = self.cfg, self.lay.tp, self.shape
@@ -151,12 +181,12 @@ class _Stage:
         nh, nkv = c.num_heads // t, c.num_kv_heads // t
         mlp, mlp_collectives, a2a = self._mlp(layer)
         mm = self._mm(tok, h, (nh + 2 * nkv) * d) + self._mm(tok, nh * d, h) + mlp
-        attn = 2.0 * x.micro_batch * x.seq_len ** 2 * nh * d / (self.prof.peak_flops * self.prof.attention_efficiency)
+        attn, attn_bwd = self._attention()
         none = replace(x, recompute="none")
         elementwise = 3 * layer_bytes(c, none, layer) / self.prof.memory_bytes_per_s
         kernels = self.prof.layer_overhead_s
         fwd = mm + attn + (elementwise + kernels) / 3
-        bwd = 2 * mm + 2 * attn + 2 * (elementwise + kernels) / 3
+        bwd = 2 * mm + attn_bwd + 2 * (elementwise + kernels) / 3
         ar = _ring(x.dtype_bytes * tok * h, t, self.tp_link, passes=2)
         comm = (2 + mlp_collectives) * ar
         ep_comm = 2 * a2a  # the forward's two exchanges, and the backward's two
@@ -174,8 +204,11 @@ class _Stage:
 
 def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Profile, global_batch: int,
               seq_len: int, dtype_bytes: int = 2, opt: OptimizerConfig | None = None,
-              memories: list[Memory] | None = None) -> StepTime:
-    """`memories`: the stages' `Memory` when the caller has them already (for their bucket sizes)."""
+              memories: list[Memory] | None = None, attention: str = "flash") -> StepTime:
+    """`memories`: the stages' `Memory` when the caller has them already (for their bucket sizes);
+    `attention`: one of ATTENTION_KERNELS."""
+    if attention not in ATTENTION_KERNELS:
+        raise UnsupportedConfigError(f"attention kernels {attention!r}: choose one of {ATTENTION_KERNELS}")
     opt = opt or OptimizerConfig(mode=lay.optimizer)
     memories = memories or stage_memories(cfg, lay, global_batch, seq_len, dtype_bytes, opt)
     shape = Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute, lay.ep)
@@ -184,9 +217,9 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     tp_link = _link(cluster, prof, lay.tp, 1)
     pp_link = _link(cluster, prof, 2, lay.tp * lay.dp)
     dp_link = _link(cluster, prof, lay.dp, lay.tp)
-    ep_link = _link(cluster, prof, lay.ep, lay.tp)
+    ep_link = _link(cluster, prof, lay.ep, lay.tp, all_to_all=True)
     edp_link = _link(cluster, prof, lay.edp, lay.tp * lay.ep)
-    stage = _Stage(cfg, lay, prof, shape, tp_link, ep_link, slow)
+    stage = _Stage(cfg, lay, prof, shape, tp_link, ep_link, slow, attention)
     costs = {cfg.is_sparse(i): stage.layer(i) for i in layer_kinds(cfg)}  # layers of one kind cost the same
     head_f, head_b = stage.head()
     p2p_msg = pp_link[1] + dtype_bytes * shape.local_seq * lay.micro_batch * cfg.hidden_size / pp_link[0]
