@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers import stories_or_skip
 from tool_loader import load_tool
 
@@ -17,3 +19,20 @@ def test_tiny_run_reports_each_rank_against_plain(capsys, tmp_path):
     assert r["runs"]["plain"]["vs_plain"] == 1.0
     assert r["runs"]["powersgd-r2"]["vs_plain"] != 1.0  # the compressed update changed the last step's loss
     assert (tmp_path / "c.png").is_file()
+
+
+def test_from_scratch_pretrains_the_reshaped_architecture_on_text(capsys):
+    stories_or_skip()
+    bench = load_tool("bench_powersgd_convergence")
+    assert bench.main(["--from-scratch", "--layers", "2", "--hidden", "32", "--heads", "4", "--steps", "3",
+                       "--start", "1", "--ranks", "2", "--seq-len", "32"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["from_scratch"] and r["shape"] == {"hidden": 32, "layers": 2, "heads": 4}
+    assert list(r["runs"]) == ["plain", "powersgd-r2"] and r["runs"]["powersgd-r2"]["vs_plain"] != 1.0
+
+
+def test_shape_flags_need_from_scratch():
+    bench = load_tool("bench_powersgd_convergence")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--layers", "2"])
+    assert e.value.code == 2

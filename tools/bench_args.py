@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -31,3 +32,32 @@ def add_loss_run_args(ap: argparse.ArgumentParser, *, seq_len: int, global_batch
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=at_least(0), default=1234)
     ap.add_argument("--plot", type=Path, default=None, help="PNG of the loss curves")
+
+
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """`--hidden/--layers/--ffn/--heads`: reshape a random model's architecture (read by `shaped_config`)."""
+    for flag in ("--hidden", "--layers", "--ffn", "--heads"):
+        ap.add_argument(flag, type=at_least(1), default=None, help="override the config's shape")
+
+
+def shape_of(a: argparse.Namespace) -> dict[str, int]:
+    """The shape flags that were given, by flag name."""
+    return {k: getattr(a, k) for k in ("hidden", "layers", "ffn", "heads") if getattr(a, k) is not None}
+
+
+def shaped_config(source: str, a: argparse.Namespace, folder: Path) -> str:
+    """`source` (HF folder or Hub id), or a copy of its config and tokenizer in `folder` with the shape flags applied."""
+    from hfmeg.checkpoint.hub_source import resolve_hf_source
+    from hfmeg.checkpoint.mp_layout import copy_hf_side_files
+
+    names = {"hidden": "hidden_size", "layers": "num_hidden_layers", "ffn": "intermediate_size"}
+    shape = {names[k]: v for k, v in shape_of(a).items() if k in names}
+    if a.heads is not None:
+        shape.update(num_attention_heads=a.heads, num_key_value_heads=a.heads)
+    if not shape:
+        return source
+    copy_hf_side_files(resolve_hf_source(source, weights=False), folder)
+    config = {**json.loads((folder / "config.json").read_text()), **shape}
+    config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return str(folder)

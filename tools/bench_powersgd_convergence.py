@@ -6,7 +6,13 @@ compressed from `--start` (default 10 % of the steps, the config's default). Pri
 run's final loss (mean of the last 10 steps) and its ratio to plain; `--plot PNG` draws
 the curves. The last line printed is one JSON object.
 
+By default `--model` is fine-tuned on the SFT `--data`. `--from-scratch` pretrains its
+architecture instead, from random weights (transformers' initialisation, `--seed`) on a
+text file, reshaped by `--hidden/--layers/--ffn/--heads` (the tokenizer stays):
+
     .venv/bin/python tools/bench_powersgd_convergence.py --ranks 4 8 16 --plot docs/powersgd_convergence.png
+    .venv/bin/python tools/bench_powersgd_convergence.py --from-scratch --hidden 512 --layers 9 --ffn 1376 \
+        --heads 8 --lr 1e-3 --seq-len 128 --global-batch-size 8 --data ../shared/assets/data/tinyshakespeare.txt
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_args import add_loss_run_args, at_least
+from bench_args import add_loss_run_args, add_shape_args, at_least, shape_of, shaped_config
 from hfmeg.data import DataConfig, SourceConfig
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig
@@ -28,7 +34,8 @@ from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, TrainConfig
 from hfmeg.train.metrics import plot_runs, read_metrics
 from hfmeg.train.trainer import Trainer
 
-ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT.parent / "shared" / "assets"
 
 
 def _train(cfg: TrainConfig) -> None:
@@ -38,11 +45,14 @@ def _train(cfg: TrainConfig) -> None:
 
 def _config(a, rank: int | None, out: Path) -> TrainConfig:
     compression = dict(compression="powersgd", powersgd_rank=rank, compression_start_step=a.start) if rank else {}
+    model = ModelArgs(init="random", config_from=a.model, dtype="fp32") if a.from_scratch \
+        else ModelArgs(path=a.model, dtype="fp32")
+    text = dict(format="text", overlong="split") if a.from_scratch else {}
     return TrainConfig(
-        model=ModelArgs(path=a.model, dtype="fp32"),
+        model=model,
         optim=OptimizerConfig(lr=a.lr, weight_decay=0.01, **compression),
         lr=LRScheduleConfig(warmup_steps=5, min_lr=a.lr / 10),
-        data=DataConfig(sources=[SourceConfig(a.data)], seq_len=a.seq_len),
+        data=DataConfig(sources=[SourceConfig(a.data)], seq_len=a.seq_len, **text),
         train=LoopArgs(micro_batch_size=1, global_batch_size=a.global_batch_size, max_steps=a.steps, seed=a.seed),
         checkpoint=CheckpointArgs(out=str(out), keep_last=1),
         tensorboard=False,
@@ -52,21 +62,32 @@ def _config(a, rank: int | None, out: Path) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ASSETS / "models" / "stories260K"), help="HF folder or Hub id")
-    ap.add_argument("--data", default=str(ASSETS / "data" / "alpaca_en_demo.json"))
+    ap.add_argument("--data", default=None, help="default: alpaca_en_demo.json, or the project's text sample with "
+                    "--from-scratch")
+    ap.add_argument("--from-scratch", action="store_true", help="pretrain --model's architecture from random weights")
+    add_shape_args(ap)
     add_loss_run_args(ap, seq_len=256, global_batch_size=16)
     ap.add_argument("--start", type=at_least(0), default=None, help="first compressed step (default: 10%% of --steps)")
     ap.add_argument("--ranks", type=at_least(1), nargs="+", default=[4], help="PowerSGD ranks")
     a = ap.parse_args(argv)
     a.start = a.steps // 10 if a.start is None else a.start
+    if shape_of(a) and not a.from_scratch:
+        ap.error("--hidden/--layers/--ffn/--heads reshape a random model: add --from-scratch")
+    if a.data is None:
+        a.data = str(ROOT / "data" / "text_sample.txt" if a.from_scratch else ASSETS / "data" / "alpaca_en_demo.json")
+    model_name = Path(a.model).name
     runs: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        if a.from_scratch:
+            a.model = shaped_config(a.model, a, Path(tmp) / "model")
         for rank in [None, *a.ranks]:
             name = f"powersgd-r{rank}" if rank else "plain"
             cfg = _config(a, rank, Path(tmp) / name)
             spawn(_train, a.world, cfg, timeout_s=3600)
             runs[name] = [r["loss"] for r in read_metrics(Path(cfg.checkpoint.out) / "metrics.jsonl") if "loss" in r]
     final = {name: sum(losses[-10:]) / len(losses[-10:]) for name, losses in runs.items()}
-    result = {"model": Path(a.model).name, "world": a.world, "steps": a.steps, "start": a.start,
+    result = {"model": model_name, "from_scratch": a.from_scratch, "shape": shape_of(a), "world": a.world, "steps": a.steps,
+              "start": a.start,
               "runs": {name: {"final_loss": f, "vs_plain": f / final["plain"]} for name, f in final.items()}}
     drawn = a.plot is not None and plot_runs(runs, a.plot, mark=(a.start, f"compression from step {a.start}"))
     result["plot"] = str(a.plot) if drawn else None

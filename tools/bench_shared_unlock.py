@@ -33,9 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_args import add_loss_run_args, at_least
-from hfmeg.checkpoint.hub_source import resolve_hf_source
-from hfmeg.checkpoint.mp_layout import copy_hf_side_files
+from bench_args import add_loss_run_args, add_shape_args, at_least, shape_of, shaped_config
 from hfmeg.data import DataConfig, SourceConfig
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig
@@ -62,20 +60,6 @@ def _train(cfg: TrainConfig) -> tuple[dict, dict]:
     return first, _volume(trainer.opt)
 
 
-def _shaped(a, folder: Path) -> str:
-    """`--config-from`, or a copy of its config and tokenizer in `folder` with the shape flags applied."""
-    shape = {"hidden_size": a.hidden, "num_hidden_layers": a.layers, "intermediate_size": a.ffn,
-             "num_attention_heads": a.heads, "num_key_value_heads": a.heads}
-    shape = {k: v for k, v in shape.items() if v is not None}
-    if not shape:
-        return a.config_from
-    copy_hf_side_files(resolve_hf_source(a.config_from, weights=False), folder)
-    config = {**json.loads((folder / "config.json").read_text()), **shape}
-    config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return str(folder)
-
-
 def _config(a, run: str, out: Path) -> TrainConfig:
     until = 0 if run == "plain" else a.until
     compression = dict(compression="powersgd", powersgd_rank=a.rank, compression_start_step=until) \
@@ -95,8 +79,7 @@ def _config(a, run: str, out: Path) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config-from", default=str(STORIES), help="HF folder or Hub id: architecture and tokenizer")
-    for flag in ("--hidden", "--layers", "--ffn", "--heads"):
-        ap.add_argument(flag, type=at_least(1), default=None, help="override the config's shape")
+    add_shape_args(ap)
     ap.add_argument("--data", default=str(ROOT / "data" / "text_sample.txt"), help="text to pretrain on")
     add_loss_run_args(ap, seq_len=128, global_batch_size=8)
     ap.add_argument("--until", type=at_least(1), default=None, help="unlock step (default: 10%% of --steps)")
@@ -105,12 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     a.until = max(1, a.steps // 10) if a.until is None else a.until
     if a.until >= a.steps:
         ap.error(f"--until {a.until} must be below --steps {a.steps}")
-    shape = {k: getattr(a, k) for k in ("hidden", "layers", "ffn", "heads") if getattr(a, k) is not None}
-    result = {"config_from": Path(a.config_from).name, "shape": shape, "world": a.world, "steps": a.steps,
+    result = {"config_from": Path(a.config_from).name, "shape": shape_of(a), "world": a.world, "steps": a.steps,
               "until": a.until, "powersgd_rank": a.rank, "runs": {}}
     curves = {}
     with tempfile.TemporaryDirectory() as tmp:
-        a.model = _shaped(a, Path(tmp) / "model")
+        a.model = shaped_config(a.config_from, a, Path(tmp) / "model")
         for run in RUNS:
             cfg = _config(a, run, Path(tmp))
             first, last = spawn(_train, a.world, cfg, timeout_s=3600)[0]
