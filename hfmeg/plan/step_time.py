@@ -17,7 +17,7 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
   the output, writes). Each GEMM pair takes the longer of its FLOPs at the matmul
   curve (a batched GEMM at its total size) and its score traffic at streaming
   bandwidth (with head dims of 64-160 the score write, not the FLOPs, bounds QK^T);
-  softmax and dropout are pure traffic: 4e + (2e + 1) bytes per score forward,
+  softmax and dropout are pure traffic: 2e + (2e + 1) bytes per score forward,
   3e + (2e + 1) backward, e the dtype's bytes;
 - elementwise kernels (norms, RoPE, SwiGLU, residuals): three passes over the
   saved activations at streaming bandwidth, plus the profile's fixed cost per layer
@@ -171,7 +171,7 @@ class _Stage:
             return fwd, 2 * fwd
         pair = max(self._mm(x.micro_batch * nh * x.seq_len, d, x.seq_len) * 2,  # QK^T and PV, batched
                    2 * e * scores / prof.memory_bytes_per_s)
-        fwd = pair + (4 * e + 2 * e + 1) * scores / prof.memory_bytes_per_s
+        fwd = pair + (2 * e + 2 * e + 1) * scores / prof.memory_bytes_per_s
         return fwd, 2 * pair + (3 * e + 2 * e + 1) * scores / prof.memory_bytes_per_s
 
     def layer(self, layer: int) -> tuple[float, float, float, float]:
