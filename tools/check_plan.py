@@ -1,8 +1,8 @@
 """Check the planner's memory and step-time model against real steps on gloo ranks.
 
-Runs a grid of tiny layouts (TP, SP, PP, VPP, DP, recompute, schedules, optimizer
+Runs a grid of tiny layouts (TP, SP, PP, VPP, DP, EP, recompute, schedules, optimizer
 modes; LLaMA with GQA, LLaMA with MHA and an uneven layer split, GPT-2 with tied
-embeddings) on forked CPU processes, each for `--steps` training steps, and prints
+embeddings, Mixtral, Qwen2-MoE with a dense layer and a shared expert) on forked CPU processes, each for `--steps` training steps, and prints
 per layout one JSON line: predicted vs measured peak bytes of the busiest rank
 (saved-tensor meter + optimizer buffers and state) and, when a CPU profile is given
 (`--profile`, from `python -m hfmeg.plan calibrate --out FILE`), predicted vs
@@ -23,7 +23,7 @@ import json
 import statistics
 import sys
 
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
 from hfmeg.config import model_config_from_hf
 from hfmeg.errors import HfmegError
@@ -39,7 +39,13 @@ from hfmeg.plan.step_time import step_time
 def models(hidden: int, seq: int) -> dict:
     common = dict(hidden_size=hidden, intermediate_size=hidden * 5 // 2, num_attention_heads=8, vocab_size=300,
                   max_position_embeddings=max(128, seq))
+    moe = dict(common, intermediate_size=hidden * 3 // 2, num_key_value_heads=4, num_experts_per_tok=2)
     return {
+        "mixtral": model_config_from_hf(MixtralConfig(**moe, num_hidden_layers=2, num_local_experts=4)),
+        "qwen-moe": model_config_from_hf(Qwen2MoeConfig(**moe, moe_intermediate_size=hidden * 3 // 4,
+                                                        shared_expert_intermediate_size=hidden * 5 // 4,
+                                                        num_hidden_layers=3, num_experts=4, decoder_sparse_step=2,
+                                                        norm_topk_prob=True)),
         "llama-gqa": model_config_from_hf(LlamaConfig(**common, num_hidden_layers=4, num_key_value_heads=4)),
         "llama-mha5": model_config_from_hf(LlamaConfig(**common, num_hidden_layers=5, num_key_value_heads=8)),
         "gpt2-tied": model_config_from_hf(GPT2Config(n_embd=hidden, n_layer=4, n_head=8, vocab_size=300,
@@ -72,6 +78,13 @@ GRID = [
     ("llama-gqa", PlanLayout(1, 2, 2, 1, vpp=2, optimizer="distributed"), 4),
     ("gpt2-tied", PlanLayout(2, 2, 1, 1, schedule="gpipe"), 4),
     ("llama-mha5", PlanLayout(2, 2, 2, 1, recompute="full"), 4),
+    ("mixtral", PlanLayout(2, 1, 1, 2, sequence_parallel=False, recompute="selective"), 1),
+    ("qwen-moe", PlanLayout(1, 2, 1, 1), 4),
+    ("mixtral", PlanLayout(1, 1, 2, 2, ep=2), 1),
+    ("mixtral", PlanLayout(1, 1, 2, 2, ep=2, recompute="full", optimizer="ddp"), 1),
+    ("mixtral", PlanLayout(2, 1, 2, 2, ep=2, recompute="selective"), 1),
+    ("qwen-moe", PlanLayout(1, 2, 2, 1, ep=2), 2),
+    ("qwen-moe", PlanLayout(1, 1, 4, 1, ep=2, optimizer="distributed"), 1),
 ]
 
 
