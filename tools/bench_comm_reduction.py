@@ -1,7 +1,8 @@
 """Benchmark gradient-traffic reduction on gloo: PowerSGD on the sharded optimizer against torch's DDP hook.
 
-One gloo world of `--dp` ranks trains a random LLaMA-shaped model (fp32, the same ids
-and sizes as tools/bench_optimizer.py) with, in turn:
+One gloo world of `--dp` ranks trains a random LLaMA-shaped model (the same ids and sizes
+as tools/bench_optimizer.py; parameters fp32, or bf16 with `--dtype bf16` as on GPUs)
+with, in turn:
 
 - `overlapped`: hfmeg's overlapped sharded optimizer, uncompressed (the anchor);
 - `powersgd-rK`: the same with `optim.compression: powersgd`, rank K;
@@ -58,6 +59,7 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 
 MIN_RATE = 2.0  # min_compression_rate, hfmeg's and torch's default
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def cases(ranks: list[int]) -> list[tuple[str, str, int]]:
@@ -69,29 +71,33 @@ def cases(ranks: list[int]) -> list[tuple[str, str, int]]:
 
 
 def hfmeg_bytes(opt: DistributedOptimizer, dp: int) -> int:
-    """Bytes one rank sends per step through hfmeg's collectives (see the module docstring)."""
+    """Bytes one rank sends per step through hfmeg's collectives (see the module docstring): gradient sums in
+    fp32 (the main grads, and P, Q), the parameter all-gather in the parameters' dtype."""
     dpx = opt.data_parallel
     sharded, part = opt.cfg.sharded, (dp - 1) / dp
-    elements = 0.0
+    total = 0.0
     for b in opt.buckets:
         if dpx.compressor is not None and dpx.compressor.compresses(b):
             plan = dpx.compressor.plans[b.index]
-            elements += 2 * part * (plan.round1.numel() + plan.q.numel())
+            total += 4 * 2 * part * (plan.round1.numel() + plan.q.numel())
         else:
-            elements += (1 if sharded else 2) * part * b.size
-        elements += part * b.size if sharded else 0  # the parameter all-gather
-    return round(4 * elements)
+            total += 4 * (1 if sharded else 2) * part * b.size
+        if sharded:  # the parameter all-gather
+            total += b.param_buf.element_size() * part * b.size
+    return round(total)
 
 
 def torch_hook_bytes(model: torch.nn.Module, rank: int, dp: int) -> int:
-    """Bytes one rank sends per step under DDP + powerSGD_hook (its compression rule, 2 (DP-1)/DP per all-reduce)."""
+    """Bytes one rank sends per step under DDP + powerSGD_hook (its compression rule, 2 (DP-1)/DP per all-reduce,
+    in the gradients' dtype)."""
     elements = 0
     for p in model.parameters():
         m = p.shape[0]
         n = p.numel() // m
         k = min(rank, m, n)
         elements += (m + n) * k if p.dim() > 1 and (m + n) * k * MIN_RATE < m * n else p.numel()
-    return round(4 * 2 * (dp - 1) / dp * elements)
+    size = next(model.parameters()).element_size()
+    return round(size * 2 * (dp - 1) / dp * elements)
 
 
 def _loopback_tx() -> int:
@@ -104,9 +110,9 @@ def _loopback_tx() -> int:
 
 def _build(kind: str, k: int, folder: str, a, ps: ParallelState):
     """(model to call, optimizer-like with step(), computed bytes per step)."""
-    chunk = load_chunks(HFCheckpoint(folder), ps)[0]
+    chunk = load_chunks(HFCheckpoint(folder), ps, dtype=DTYPES[a.dtype])[0]
     if kind == "torch-powersgd":
-        one_bucket = sum(p.numel() for p in chunk.parameters()) * 4 / 2**20 + 1
+        one_bucket = sum(p.numel() * p.element_size() for p in chunk.parameters()) / 2**20 + 1
         model = torch.nn.parallel.DistributedDataParallel(chunk, bucket_cap_mb=one_bucket,
                                                           gradient_as_bucket_view=True)
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=k,
@@ -159,17 +165,17 @@ def run_all(a) -> dict:
         rows = {name: spawn(_worker, a.dp, kind, k, tmp, a, timeout_s=3600)[0] for name, kind, k in cases(a.ranks)}
     anchor = rows["overlapped"]
     for name, row in rows.items():
-        row.update(case=name, params=n_params, dp=a.dp, throttle=a.throttle,
+        row.update(case=name, params=n_params, dp=a.dp, dtype=a.dtype, throttle=a.throttle,
                    step_vs_overlapped=row["step_s"] / anchor["step_s"],
                    bytes_vs_overlapped=row["computed_bytes"] / anchor["computed_bytes"])
         print(json.dumps(row), flush=True)
-    print(f"\n{n_params / 1e6:.1f}M parameters, DP={a.dp}, link {a.throttle or 'unthrottled'}")
+    print(f"\n{n_params / 1e6:.1f}M parameters ({a.dtype}), DP={a.dp}, link {a.throttle or 'unthrottled'}")
     print(f"{'case':<20} {'step s':>8} {'x anchor':>9} {'MB/step/rank':>13} {'x anchor':>9} {'measured MB':>12}")
     for name, row in rows.items():
         measured = f"{row['measured_bytes'] / 1e6:12.1f}" if row["measured_bytes"] is not None else f"{'-':>12}"
         print(f"{name:<20} {row['step_s']:8.3f} {row['step_vs_overlapped']:9.2f} {row['computed_bytes'] / 1e6:13.1f} "
               f"{row['bytes_vs_overlapped']:9.3f} {measured}")
-    return {"params": n_params, "dp": a.dp, "throttle": a.throttle, "cases": rows}
+    return {"params": n_params, "dp": a.dp, "dtype": a.dtype, "throttle": a.throttle, "cases": rows}
 
 
 def main(argv=None) -> int:
@@ -178,6 +184,9 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=at_least(1), nargs="+", default=[1, 4, 8], help="PowerSGD ranks")
     p.add_argument("--steps", type=at_least(1), default=5)
     p.add_argument("--warmup", type=at_least(2), default=2, help="uncompressed steps first (untimed)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                   help="parameters (bf16: hfmeg keeps fp32 main grads and master weights; torch's DDP anchor "
+                        "trains the bf16 parameters directly, its gradients and factors bf16)")
     return run_cli(p, argv, Path(__file__), run_all)
 
 
