@@ -117,6 +117,7 @@ def test_the_search_tries_expert_parallelism_for_moe_models_only(moe, small):
     (["--gpus", "24", "--global-batch-size", "48", "--tp", "2", "--ep", "3"],
      "8 experts cannot be split evenly over parallel.ep=3"),
     (["--explain", "tp2sp-pp1-dp8-ep3-mb1-none"], "EP=3 does not divide DP=8"),
+    (["--ep", "2"], "--ep evaluate one layout, with --tp"),  # not silently searched over
 ])
 def test_bad_expert_parallel_inputs_exit_2_with_one_line(moe, capsys, argv, words):
     assert words in _fail(capsys, ["--model", str(moe), *JOB, *argv])

@@ -104,6 +104,10 @@ def _plan(a) -> int:
         print(f"[plan] using the built-in seed example for --{', --'.join(d.replace('_', '-') for d in defaulted)}"
               f" ({job.cluster.nodes} nodes x {job.cluster.gpus_per_node} {job.cluster.gpu.name}, "
               f"{a.inter_node_gbps:g} Gbps between nodes); pass them to plan your own job", file=sys.stderr)
+    given = [f"--{k}" for k in ("pp", "vpp", "ep") if getattr(a, k) != 1]
+    if given and not (a.tp or a.explain):
+        raise LayoutError(f"{'/'.join(given)} evaluate one layout, with --tp; without --tp the planner searches "
+                          "every layout (TP, PP, VPP and, for MoE models, EP)")
     if a.tp and a.gpus % (a.tp * a.pp):
         raise LayoutError(f"--tp {a.tp} x --pp {a.pp} does not divide --gpus {a.gpus}")
     if a.explain or a.tp:
