@@ -31,6 +31,16 @@ def test_from_scratch_pretrains_the_reshaped_architecture_on_text(capsys):
     assert list(r["runs"]) == ["plain", "powersgd-r2"] and r["runs"]["powersgd-r2"]["vs_plain"] != 1.0
 
 
+def test_several_starts_give_a_run_per_start_and_rank(capsys):
+    stories_or_skip()
+    bench = load_tool("bench_powersgd_convergence")
+    assert bench.main(["--steps", "3", "--start", "1", "2", "--ranks", "2"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(r["runs"]) == ["plain", "powersgd-r2-from1", "powersgd-r2-from2"] and r["start"] == [1, 2]
+    # compressed from step 1 changes step 2's update, hence step 3's loss; from step 2 changes nothing logged
+    assert r["runs"]["powersgd-r2-from1"]["vs_plain"] != 1.0 and r["runs"]["powersgd-r2-from2"]["vs_plain"] == 1.0
+
+
 def test_shape_flags_need_from_scratch():
     bench = load_tool("bench_powersgd_convergence")
     with pytest.raises(SystemExit) as e:

@@ -43,8 +43,8 @@ def _train(cfg: TrainConfig) -> None:
         Trainer(cfg).run()
 
 
-def _config(a, rank: int | None, out: Path) -> TrainConfig:
-    compression = dict(compression="powersgd", powersgd_rank=rank, compression_start_step=a.start) if rank else {}
+def _config(a, rank: int | None, start: int, out: Path) -> TrainConfig:
+    compression = dict(compression="powersgd", powersgd_rank=rank, compression_start_step=start) if rank else {}
     model = ModelArgs(init="random", config_from=a.model, dtype="fp32") if a.from_scratch \
         else ModelArgs(path=a.model, dtype="fp32")
     text = dict(format="text", overlong="split") if a.from_scratch else {}
@@ -67,10 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-scratch", action="store_true", help="pretrain --model's architecture from random weights")
     add_shape_args(ap)
     add_loss_run_args(ap, seq_len=256, global_batch_size=16)
-    ap.add_argument("--start", type=at_least(0), default=None, help="first compressed step (default: 10%% of --steps)")
+    ap.add_argument("--start", type=at_least(0), nargs="+", default=None,
+                    help="first compressed step; several: a run per start and rank (default: 10%% of --steps)")
     ap.add_argument("--ranks", type=at_least(1), nargs="+", default=[4], help="PowerSGD ranks")
     a = ap.parse_args(argv)
-    a.start = a.steps // 10 if a.start is None else a.start
+    a.start = [a.steps // 10] if a.start is None else a.start
     if shape_of(a) and not a.from_scratch:
         ap.error("--hidden/--layers/--ffn/--heads reshape a random model: add --from-scratch")
     if a.data is None:
@@ -80,19 +81,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if a.from_scratch:
             a.model = shaped_config(a.model, a, Path(tmp) / "model")
-        for rank in [None, *a.ranks]:
-            name = f"powersgd-r{rank}" if rank else "plain"
-            cfg = _config(a, rank, Path(tmp) / name)
+        plans = [(None, 0)] + [(rank, start) for start in a.start for rank in a.ranks]
+        for rank, start in plans:
+            name = "plain" if rank is None else f"powersgd-r{rank}" + (f"-from{start}" if len(a.start) > 1 else "")
+            cfg = _config(a, rank, start, Path(tmp) / name)
             spawn(_train, a.world, cfg, timeout_s=3600)
             runs[name] = [r["loss"] for r in read_metrics(Path(cfg.checkpoint.out) / "metrics.jsonl") if "loss" in r]
     final = {name: sum(losses[-10:]) / len(losses[-10:]) for name, losses in runs.items()}
     result = {"model": model_name, "from_scratch": a.from_scratch, "shape": shape_of(a), "world": a.world, "steps": a.steps,
-              "start": a.start,
+              "start": a.start if len(a.start) > 1 else a.start[0],
               "runs": {name: {"final_loss": f, "vs_plain": f / final["plain"]} for name, f in final.items()}}
-    drawn = a.plot is not None and plot_runs(runs, a.plot, mark=(a.start, f"compression from step {a.start}"))
+    mark = (a.start[0], f"compression from step {a.start[0]}") if len(a.start) == 1 else None
+    drawn = a.plot is not None and plot_runs(runs, a.plot, mark=mark)
     result["plot"] = str(a.plot) if drawn else None
     for name, r in result["runs"].items():
-        print(f"{name:>14} final loss {r['final_loss']:.4f}  vs plain {r['vs_plain']:.4f}")
+        print(f"{name:>20} final loss {r['final_loss']:.4f}  vs plain {r['vs_plain']:.4f}")
     print(json.dumps(result))
     return 0
 
