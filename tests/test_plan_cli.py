@@ -112,6 +112,24 @@ def test_the_search_tries_expert_parallelism_for_moe_models_only(moe, small):
     assert {lay.ep for lay in candidates(replace(moe_job, cfg=resolve_model(str(small))))} == {1}
 
 
+def test_expert_all_to_all_time_is_the_routed_bytes_over_the_ep_link(moe):
+    """Per MoE layer and micro-batch: dispatch + combine forward and backward, each (EP-1)/EP of the n·k·h routed
+    bytes plus a latency per peer, and the count exchange's latency; NVLink inside a node, the NICs across nodes."""
+    cfg = resolve_model(str(moe))
+    spec = gpu_spec("h100")
+    prof = default_profile("h100", spec.peak_flops, spec.hbm_bytes_per_s)
+    m, mb, seq, ep = 4, 1, 2048, 8
+    for per_node in (8, 4):  # EP 8 inside a node, then over two
+        cluster = ClusterSpec(spec, 16, per_node, inter_node_bytes_per_s=400e9 / 8)
+        lay = PlanLayout(1, 1, 16, mb, optimizer="distributed", ep=ep)
+        t = evaluate(Job(cfg, cluster, prof, 16 * mb * m, seq), lay).time
+        bw, lat = cluster.link(ep, 1, all_to_all=True)
+        assert (bw == spec.intra_node_bytes_per_s) == (per_node == 8)
+        one = (ep - 1) / ep * 2 * mb * seq * 2 * cfg.hidden_size / (bw * prof.link_efficiency) + (ep - 1) * lat
+        per_layer = 2 * (2 * one + (ep - 1) * lat)
+        assert t.ep_comm_s == pytest.approx(m * cfg.num_layers * per_layer)
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--tp", "2", "--ep", "16"], "EP=16 does not divide DP=8"),
     (["--gpus", "24", "--global-batch-size", "48", "--tp", "2", "--ep", "3"],
