@@ -2,8 +2,8 @@
 
 Runs a grid of tiny layouts (TP, SP, PP, VPP, DP, EP, recompute, schedules, optimizer
 modes; LLaMA with GQA, LLaMA with MHA and an uneven layer split, GPT-2 with tied
-embeddings, Mixtral, Qwen2-MoE with a dense layer and a shared expert) on forked CPU processes, each for `--steps` training steps, and prints
-per layout one JSON line: predicted vs measured peak bytes of the busiest rank
+embeddings, Mixtral, Qwen2-MoE with a dense layer and a shared expert) on forked CPU
+processes, each for `--steps` training steps, and prints per layout one JSON line: predicted vs measured peak bytes of the busiest rank
 (saved-tensor meter + optimizer buffers and state) and, when a CPU profile is given
 (`--profile`, from `python -m hfmeg.plan calibrate --out FILE`), predicted vs
 measured median step time. A table and a summary line (max memory error, median
