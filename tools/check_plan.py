@@ -5,11 +5,10 @@ modes; LLaMA with GQA, LLaMA with MHA and an uneven layer split, GPT-2 with tied
 embeddings, Mixtral, Qwen2-MoE with a dense layer and a shared expert) on forked CPU
 processes, each for `--steps` training steps, and prints per layout one JSON line:
 predicted vs measured peak bytes of the busiest rank (saved-tensor meter + optimizer
-buffers and state; with EP > 1 the measured rank's routing may be off balance) and,
-when a CPU profile is given
-(`--profile`, from `python -m hfmeg.plan calibrate --out FILE`), predicted vs
-measured median step time. A table and a summary line (max memory error, median
-time error, whether the fastest predicted layout is within 10 % of the fastest
+buffers and state; with EP > 1 the measured rank's routing may be off balance) and, when
+a CPU profile is given (`--profile`, from `python -m hfmeg.plan calibrate --out FILE`),
+predicted vs measured median step time. A table and a summary line (max memory error,
+median time error, whether the fastest predicted layout is within 10 % of the fastest
 measured one) follow.
 
     python tools/check_plan.py --profile cpu_profile.json [--hidden 128 --seq 64]
