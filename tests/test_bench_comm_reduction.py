@@ -24,6 +24,10 @@ def test_tiny_run_reports_every_case(capsys):
         assert 0.5 < rows[f"powersgd-r{k}"]["bytes_vs_overlapped"] < 1
         assert rows[f"ddp-powersgd-r{k}"]["computed_bytes"] < rows[f"powersgd-r{k}"]["computed_bytes"] / 2
     assert all(row["step_s"] > 0 and row["measured_bytes"] is None for row in rows.values())
+    # The shared phase moves the two layers once: layer 0's parameters plus everything outside the layers.
+    layer = 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64  # q, k, v, o; gate, up, down (ffn 8/3 x 64, floored to 64); norms
+    shared = r["params"] - layer  # the second layer's own tensors are gone
+    assert shared * 4 <= rows["overlapped-shared"]["computed_bytes"] < shared * 4 + 4 * 20
 
 
 def test_bf16_parameters_gather_half_the_bytes(capsys):

@@ -46,7 +46,7 @@ def shape_of(a: argparse.Namespace) -> dict[str, int]:
 
 
 def shaped_config(source: str, a: argparse.Namespace, folder: Path) -> str:
-    """`source` (HF folder or Hub id), or a copy of its config and tokenizer in `folder` with the shape flags applied."""
+    """`source` (HF folder or Hub id), or a copy of its config and tokenizer in `folder`, reshaped by the flags."""
     from hfmeg.checkpoint.hub_source import resolve_hf_source
     from hfmeg.checkpoint.mp_layout import copy_hf_side_files
 

@@ -5,6 +5,9 @@ as tools/bench_optimizer.py; parameters fp32, or bf16 with `--dtype bf16` as on 
 with, in turn:
 
 - `overlapped`: hfmeg's overlapped sharded optimizer, uncompressed (the anchor);
+- `overlapped-shared`: the same during a shared-unlock warm start's shared phase (every
+  layer uses layer 0's parameters, models/shared_layers.py): the layers are reduced and
+  gathered once, so the traffic is the embedding, head and final norm plus 1/N of the layers;
 - `powersgd-rK`: the same with `optim.compression: powersgd`, rank K;
 - `ddp-powersgd-rK`: hfmeg's `ddp` mode (replicated optimizer state, so no parameter
   all-gather) with PowerSGD rank K;
@@ -54,6 +57,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
+from hfmeg.models.shared_layers import share_layers
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.state import ParallelConfig, ParallelState
@@ -64,7 +68,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def cases(ranks: list[int]) -> list[tuple[str, str, int]]:
     """(name, kind, rank) of every case, the anchor first."""
-    out = [("overlapped", "overlapped", 0)]
+    out = [("overlapped", "overlapped", 0), ("overlapped-shared", "shared", 0)]
     for kind in ("powersgd", "ddp-powersgd", "torch-powersgd"):
         out += [(f"{kind}-r{k}", kind, k) for k in ranks]
     return out
@@ -111,6 +115,8 @@ def _loopback_tx() -> int:
 def _build(kind: str, k: int, folder: str, a, ps: ParallelState):
     """(model to call, optimizer-like with step(), computed bytes per step)."""
     chunk = load_chunks(HFCheckpoint(folder), ps, dtype=DTYPES[a.dtype])[0]
+    if kind == "shared":
+        share_layers(chunk)
     if kind == "torch-powersgd":
         one_bucket = sum(p.numel() * p.element_size() for p in chunk.parameters()) / 2**20 + 1
         model = torch.nn.parallel.DistributedDataParallel(chunk, bucket_cap_mb=one_bucket,

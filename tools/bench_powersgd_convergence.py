@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             spawn(_train, a.world, cfg, timeout_s=3600)
             runs[name] = [r["loss"] for r in read_metrics(Path(cfg.checkpoint.out) / "metrics.jsonl") if "loss" in r]
     final = {name: sum(losses[-10:]) / len(losses[-10:]) for name, losses in runs.items()}
-    result = {"model": model_name, "from_scratch": a.from_scratch, "shape": shape_of(a), "world": a.world, "steps": a.steps,
-              "start": a.start if len(a.start) > 1 else a.start[0],
+    result = {"model": model_name, "from_scratch": a.from_scratch, "shape": shape_of(a), "world": a.world,
+              "steps": a.steps, "start": a.start if len(a.start) > 1 else a.start[0],
               "runs": {name: {"final_loss": f, "vs_plain": f / final["plain"]} for name, f in final.items()}}
     mark = (a.start[0], f"compression from step {a.start[0]}") if len(a.start) == 1 else None
     drawn = a.plot is not None and plot_runs(runs, a.plot, mark=mark)
