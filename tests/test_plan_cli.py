@@ -193,7 +193,9 @@ def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
     out = tmp_path / "cpu.json"
     assert main(["plan", "calibrate", "--max-n", "128", "--repeats", "1", "--out", str(out)]) == 0
     prof = load_profile(out)
-    assert prof.cores >= 1 and prof.link_bytes_per_s > 0 and prof.layer_overhead_s > 0 and prof.bucket_overhead_s >= 0
+    assert prof.cores >= 1 and prof.layer_overhead_s > 0 and prof.bucket_overhead_s >= 0
+    assert [r for r, _, _ in prof.links][:3] == [2, 4, 8] and all(bw > 0 and lat > 0 for _, bw, lat in prof.links)
+    assert prof.link(3) == prof.links[0][1:] and prof.link(1000) == prof.links[-1][1:]
     assert max(e for _, e in prof.matmul) == pytest.approx(1.0)  # CPU: efficiency relative to the best rate
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["profile"] == str(out)
 

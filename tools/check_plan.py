@@ -90,8 +90,10 @@ GRID = [
 
 
 def cpu_cluster(profile, gpus: int) -> ClusterSpec:
-    spec = GpuSpec("cpu", profile.peak_flops, float("inf"), profile.memory_bytes_per_s, profile.link_bytes_per_s)
-    return ClusterSpec(spec, gpus, gpus, reserved_bytes=0)
+    """`gpus` ranks on this host; their links are the profile's gloo links for that many ranks."""
+    link_bw, link_latency = profile.link(gpus)
+    spec = GpuSpec("cpu", profile.peak_flops, float("inf"), profile.memory_bytes_per_s, link_bw)
+    return ClusterSpec(spec, gpus, gpus, intra_node_latency_s=link_latency, reserved_bytes=0)
 
 
 def run(args) -> list[dict]:
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", help="CPU profile JSON from `python -m hfmeg.plan calibrate --out FILE`")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per layout (after a warm-up step)")
     ap.add_argument("--bucket-size", type=int, default=5000, help="small, so buckets straddle and pad")
     ap.add_argument("--limit", type=int, default=0, help="run only the first N layouts of the grid")
     args = ap.parse_args(argv)

@@ -7,9 +7,12 @@
 - streaming bandwidth (a large copy), and the fixed costs of one decoder layer's
   forward + backward, of the embedding + LM head + loss, and of one gradient
   bucket in the optimizer step, at sizes where compute is negligible;
-- collectives on the CPU: all-reduce bus bandwidth and latency between two forked
-  gloo ranks. One GPU cannot measure NCCL, so GPU profiles keep the cluster's
-  links at the default efficiency.
+- collectives on the CPU: all-reduce bus bandwidth and latency of a pair of forked
+  gloo ranks while 2, 4, 8, ... ranks (up to four per core) run in pairs, every
+  pair exchanging at once: once ranks outnumber the cores, each message waits for
+  its receiver to be scheduled, so the link depends on how many ranks share the
+  host. One GPU cannot measure NCCL, so GPU profiles keep the cluster's links at
+  the default efficiency.
 
 CPU ranks run one intra-op thread each (as `launch.spawn` workers do), so the CPU
 profile is per rank, and `cores` records how many ranks can compute at once. A
@@ -119,13 +122,27 @@ def _bucket_overhead(device_type: str, repeats: int) -> float:
     return max(t2 - t1, 0.0) / (n2 - n1)
 
 
-def _gloo_link(nbytes: int, repeats: int) -> tuple[float, float]:
+def _gloo_pair_link(nbytes: int, repeats: int) -> tuple[float, float]:
+    """(bus bytes/s, latency) of this rank's pair, (2i, 2i+1), while every pair all-reduces at once.
+    A two-rank all-reduce is two messages (send, then the partner's sum back), each a latency."""
+    rank = dist.get_rank()
+    pairs = [dist.new_group([i, i + 1]) for i in range(0, dist.get_world_size(), 2)]
+    pair = pairs[rank // 2]
     big, small = torch.ones(nbytes // 4), torch.ones(1)
     dist.barrier()
-    latency = _timed(lambda: dist.all_reduce(small), torch.device("cpu"), repeats * 5) / 2
-    seconds = _timed(lambda: dist.all_reduce(big), torch.device("cpu"), repeats)
-    n = dist.get_world_size()
-    return 2 * (n - 1) / n * nbytes / max(seconds - 2 * (n - 1) * latency, 1e-9), latency
+    latency = _timed(lambda: dist.all_reduce(small, group=pair), torch.device("cpu"), repeats * 5) / 2
+    seconds = _timed(lambda: dist.all_reduce(big, group=pair), torch.device("cpu"), repeats)
+    return nbytes / max(seconds - 2 * latency, 1e-9), latency
+
+
+def _gloo_links(cores: int, nbytes: int, repeats: int) -> tuple[tuple[int, float, float], ...]:
+    """(ranks, bytes/s, latency) for 2, 4, 8, ... ranks up to four per core (at least 8): the median pair."""
+    out, ranks = [], 2
+    while ranks <= max(8, 4 * cores):
+        per_pair = spawn(_gloo_pair_link, ranks, nbytes, repeats)
+        out.append((ranks, statistics.median(bw for bw, _ in per_pair), statistics.median(lat for _, lat in per_pair)))
+        ranks *= 2
+    return tuple(out)
 
 
 def _single_rank(fn, *args):
@@ -157,12 +174,12 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     bw = _bandwidth(dev, repeats)
     layer_overhead, ends_overhead = _layer_and_ends_overhead(dev, repeats)
     bucket_overhead = 0.0 if in_job else _single_rank(_bucket_overhead, dev.type, repeats)
-    link_bw = link_lat = cores = None
+    links, cores = (), None
     if cpu:
         cores = max(1, len(os.sched_getaffinity(0)) // torch.get_num_threads())  # ranks that compute at once
     if cpu and not in_job:
-        link_bw, link_lat = spawn(_gloo_link, 2, 16 * 2**20, repeats)[0]
+        links = _gloo_links(cores, 16 * 2**20, repeats)
     label = name or (f"cpu x{cores}" if cpu else torch.cuda.get_device_name(dev))
     return Profile(label, peak, tuple((f, r / peak) for f, r in rates), attention / peak, bw,
-                   layer_overhead, ends_overhead, bucket_overhead, 1.0, link_bw, link_lat, cores,
+                   layer_overhead, ends_overhead, bucket_overhead, 1.0, links, cores,
                    meta={"dtype": str(dtype), "torch": torch.__version__})

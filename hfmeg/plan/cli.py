@@ -152,7 +152,7 @@ def _calibrate(argv) -> int:
     print(json.dumps({"profile": a.out, "name": prof.name, "peak_flops": prof.peak_flops,
                       "matmul": prof.matmul, "attention_efficiency": prof.attention_efficiency,
                       "memory_bytes_per_s": prof.memory_bytes_per_s, "layer_overhead_s": prof.layer_overhead_s,
-                      "link_bytes_per_s": prof.link_bytes_per_s}))
+                      "links": prof.links}))
     return 0
 
 

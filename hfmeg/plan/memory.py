@@ -55,6 +55,7 @@ class Memory:
     transient: int
     buckets: int = 1  # gradient buckets on this rank (each costs a collective and an AdamW call per step)
     expert_padded: int = 0  # of `params`' padded elements, those in expert buckets (summed over expert-DP, not DP)
+    expert_buckets: int = 0  # of `buckets`, the expert buckets
     tp_summed: int = 0  # owned gradient elements summed over TP after the DP sum (SP norms, MoE weights)
 
     @property
@@ -78,6 +79,7 @@ class _Elements:
     padded: int  # bucket elements, padding included
     expert_padded: int  # of which in expert buckets
     buckets: int
+    expert_buckets: int
     tp_summed: int  # owned elements of sequence-parallel-role parameters (summed over TP when TP > 1)
 
     def __add__(self, o: "_Elements") -> "_Elements":
@@ -115,13 +117,13 @@ def _count_chunk(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool, po
     with torch.device("meta"):
         chunk = ModelChunk(cfg, ps, layers, pre_process=pre, post_process=post)
     named = [(n, p, r) for n, p, r in named_roles(chunk) if p.requires_grad][::-1]
-    total = _Elements(sum(p.numel() for _, p, _ in named), 0, 0, 0, 0)
+    total = _Elements(sum(p.numel() for _, p, _ in named), 0, 0, 0, 0, 0)
     for part, shards, expert in bucket_parts(named, *_shards(lay)):
         buckets = plan_buckets(part, lay.pp, bucket_size, shards, 0, 0, expert)
         padded = sum(b.size for b in buckets)
         summed = sum(hi - lo for b in buckets for lo, hi, sp in b.runs(0, lambda s: s.role.sequence_parallel)
                      if sp) if lay.tp > 1 else 0
-        total += _Elements(0, padded, padded if expert else 0, len(buckets), summed)
+        total += _Elements(0, padded, padded if expert else 0, len(buckets), len(buckets) if expert else 0, summed)
     return total
 
 
@@ -150,7 +152,7 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
     shards, expert_shards = _shards(lay)
     shape = Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute, lay.ep)
     specs = rank_chunks(split_layers(cfg.num_layers, lay.pp, lay.vpp), pp_rank)
-    el = _Elements(0, 0, 0, 0, 0)
+    el = _Elements(0, 0, 0, 0, 0, 0)
     per_chunk = []
     for s in specs:
         el += _chunk_elements(cfg, lay, s.layers, s.pre_process, s.post_process, opt.bucket_size)
@@ -165,7 +167,7 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
     dense = el.padded - el.expert_padded
     state = 12 * (dense // shards + el.expert_padded // (expert_shards or shards))
     return Memory(pp_rank, el.params, dtype_bytes * el.padded, 4 * el.padded, state, activations, transient,
-                  el.buckets, el.expert_padded, el.tp_summed)
+                  el.buckets, el.expert_padded, el.expert_buckets, el.tp_summed)
 
 
 def stage_memories(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,

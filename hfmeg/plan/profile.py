@@ -7,6 +7,11 @@ the optimizer update), fixed costs per decoder layer, for the model's two ends a
 (Python, autograd and launches, which dominate small models), and how much of a
 link's bandwidth collectives reach, with their latency.
 
+A CPU profile is per rank (one intra-op thread, as spawned gloo ranks run) and
+says how many ranks compute at once (`cores`); its gloo links are measured with
+2, 4, 8, ... ranks on the host, every pair exchanging at once (`links`), because
+ranks that outnumber the cores wait for the scheduler at every message.
+
 A calibrated profile is a JSON file (`Profile.save` / `load_profile`). The shipped
 GPU profiles are assumptions, not measurements (no GPU was lent to calibrate):
 cuBLAS bf16 GEMM efficiency curves of the usual shape, FlashAttention-2 at half of
@@ -36,10 +41,19 @@ class Profile:
     ends_overhead_s: float  # fixed cost of the embedding + LM head + loss of one micro-batch, forward + backward
     bucket_overhead_s: float  # fixed cost of one gradient bucket per step (hooks, AdamW call, collective launches)
     link_efficiency: float = 0.8  # fraction of the cluster's link bandwidth collectives reach
-    link_bytes_per_s: float | None = None  # measured (calibrate): replaces the cluster's links
-    link_latency_s: float | None = None
+    # measured (calibrate, CPU): (ranks on the host, bytes/s, latency) of a gloo pair while that many
+    # ranks exchange at once, ascending ranks; replaces the cluster's links
+    links: tuple[tuple[int, float, float], ...] = ()
     cores: int | None = None  # CPU profiles: ranks beyond this many share the cores
     meta: dict = field(default_factory=dict, compare=False)
+
+    def link(self, ranks: int) -> tuple[float, float] | None:
+        """(bytes/s, latency) of the measured link with `ranks` ranks on the host: the measurement with
+        the most ranks not above `ranks` (the fewest when all are above); None when not measured."""
+        if not self.links:
+            return None
+        below = [x for x in self.links if x[0] <= ranks] or self.links[:1]
+        return below[-1][1], below[-1][2]
 
     def efficiency(self, flops: float) -> float:
         """Fraction of peak at `flops` per matmul, log-linear between calibrated points."""
@@ -61,6 +75,9 @@ def load_profile(path: str | Path) -> Profile:
     try:
         raw = json.loads(Path(path).read_text())
         raw["matmul"] = tuple(tuple(p) for p in raw["matmul"])
+        # profiles written before `links`: one gloo link, measured with two ranks
+        bw, lat = raw.pop("link_bytes_per_s", None), raw.pop("link_latency_s", None)
+        raw["links"] = tuple(tuple(x) for x in raw.get("links", ())) or (((2, bw, lat or 0.0),) if bw else ())
         return Profile(**raw)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise UnsupportedConfigError(f"{path}: not a calibration profile ({type(e).__name__}: {e})") from e

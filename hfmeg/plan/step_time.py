@@ -39,12 +39,18 @@ reduce-scatter, parameter all-gather; `ddp`: a gradient all-reduce), dense bucke
 over DP and, with EP > 1, expert buckets over the expert-DP group (DP/EP ranks,
 TP·EP apart): `overlapped` hides them behind the last micro-batch's backward and the
 first one's forward, except one bucket's worth each; `distributed` runs both in
-series; `ddp` hides its all-reduce behind the backward. After them, in series, the
+series; `ddp` hides its all-reduce behind the backward. On gloo ranks (a CPU
+profile) every bucket's collective pays its own latencies. After them, in series, the
 owned gradient of sequence-parallel-role parameters is all-reduced over TP (SP norms;
 an MoE layer's router and experts, which each TP rank trains on its own tokens).
 Last, the AdamW update streams 36 bytes per owned element (master, grad, two moments
 read and written, the parameter written), plus the profile's fixed cost per bucket
 (its hooks, AdamW call and collectives' launch).
+
+CPU ranks (a profile with `cores`: one intra-op thread per rank) that outnumber the
+cores share them: every rank computes at cores/ranks of the profile's per-rank rate
+(compute, fixed costs, the update), and its collectives run at the gloo link the
+profile measured with that many ranks on the host.
 """
 
 from __future__ import annotations
@@ -99,18 +105,20 @@ class StepTime:
 
 
 def _link(cluster: ClusterSpec, prof: Profile, size: int, stride: int, all_to_all: bool = False) -> tuple[float, float]:
-    if prof.link_bytes_per_s is not None:
-        return prof.link_bytes_per_s, prof.link_latency_s or 0.0
+    measured = prof.link(cluster.gpus)  # CPU: gloo as measured with this many ranks on the host
+    if measured is not None:
+        return measured
     bw, lat = cluster.link(size, stride, all_to_all)
     return bw * prof.link_efficiency, lat
 
 
-def _ring(nbytes: float, n: int, link: tuple[float, float], passes: int = 1) -> float:
-    """One reduce-scatter or all-gather (passes=1), or an all-reduce (passes=2), on a ring of n."""
+def _ring(nbytes: float, n: int, link: tuple[float, float], passes: int = 1, collectives: int = 1) -> float:
+    """One reduce-scatter or all-gather (passes=1), or an all-reduce (passes=2), on a ring of n; with
+    `collectives`, the bytes split over that many, each paying the latencies."""
     if n <= 1:
         return 0.0
     bw, lat = link
-    return passes * ((n - 1) / n * nbytes / bw + (n - 1) * lat)
+    return passes * ((n - 1) / n * nbytes / bw + collectives * (n - 1) * lat)
 
 
 ATTENTION_KERNELS = ("flash", "unfused")
@@ -243,17 +251,21 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     def dp_and_update(fwd: float, bwd: float, mem: Memory) -> tuple[float, float]:
         padded, buckets = mem.param_buffer // dtype_bytes, mem.buckets
         sharded = lay.optimizer != "ddp"
-        # (elements, group size, link): dense buckets over DP, expert buckets (EP > 1) over expert-DP
-        groups = [g for g in ((padded - mem.expert_padded, lay.dp, dp_link), (mem.expert_padded, lay.edp, edp_link))
-                  if g[0]]
-        owned = sum(n / size if sharded else n for n, size, _ in groups)
+        # (elements, collectives, group size, link): dense buckets over DP, expert buckets (EP > 1) over
+        # expert-DP. gloo ranks (a CPU profile) pay each bucket's collective its latencies; GPU profiles
+        # count one latency per kind of collective.
+        gloo = prof.cores is not None
+        groups = [g for g in ((padded - mem.expert_padded, buckets - mem.expert_buckets if gloo else 1, lay.dp,
+                               dp_link),
+                              (mem.expert_padded, mem.expert_buckets if gloo else 1, lay.edp, edp_link)) if g[0]]
+        owned = sum(n / size if sharded else n for n, _, size, _ in groups)
         update = (owned * ADAMW_BYTES_PER_ELEMENT / prof.memory_bytes_per_s + buckets * prof.bucket_overhead_s) * slow
         tp_sum = _ring(4 * mem.tp_summed, lay.tp, tp_link, passes=2) if mem.tp_summed else 0.0
         if not sharded:
-            ar = sum(_ring(4 * n, size, link, passes=2) for n, size, link in groups)
+            ar = sum(_ring(4 * n, size, link, passes=2, collectives=k) for n, k, size, link in groups)
             return max(ar - bwd, ar / buckets) + tp_sum, update
-        rs = sum(_ring(4 * n, size, link) for n, size, link in groups)
-        ag = sum(_ring(dtype_bytes * n, size, link) for n, size, link in groups)
+        rs = sum(_ring(4 * n, size, link, collectives=k) for n, k, size, link in groups)
+        ag = sum(_ring(dtype_bytes * n, size, link, collectives=k) for n, k, size, link in groups)
         if lay.optimizer == "distributed":
             return rs + ag + tp_sum, update
         return max(rs - bwd, rs / buckets) + max(ag - fwd, ag / buckets) + tp_sum, update

@@ -1,0 +1,73 @@
+"""The planner's step time for gloo ranks on a CPU host (what `tools/check_plan.py` measures): ranks that
+outnumber the cores share them, links are those measured with as many ranks, every gradient bucket's collective
+pays its latencies."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from transformers import LlamaConfig
+
+from hfmeg.config import model_config_from_hf
+from hfmeg.optim.config import OptimizerConfig
+from hfmeg.plan.hardware import ClusterSpec, GpuSpec
+from hfmeg.plan.layout import PlanLayout
+from hfmeg.plan.memory import stage_memory
+from hfmeg.plan.profile import Profile, load_profile
+from hfmeg.plan.step_time import step_time
+
+CPU = Profile("cpu x2", 1e11, ((1e5, 0.5), (1e8, 1.0)), 0.3, 1e10, 1e-3, 5e-4, 5e-5, 1.0,
+              links=((2, 1e9, 1e-4), (8, 2e8, 2e-3)), cores=2)
+LLAMA = model_config_from_hf(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                                         num_attention_heads=8, num_key_value_heads=4, vocab_size=300,
+                                         max_position_embeddings=128))
+SEQ = 32
+
+
+def _time(cfg, lay: PlanLayout, prof: Profile = CPU, bucket_size: int = 5000, microbatches: int = 2):
+    cluster = ClusterSpec(GpuSpec("cpu", prof.peak_flops, float("inf"), prof.memory_bytes_per_s, 1e9), lay.gpus,
+                          lay.gpus, reserved_bytes=0)
+    opt = OptimizerConfig(mode=lay.optimizer, bucket_size=bucket_size)
+    return step_time(cfg, lay, cluster, prof, lay.dp * lay.micro_batch * microbatches, SEQ, 4, opt)
+
+
+def test_links_by_ranks_on_the_host():
+    assert CPU.link(1) == (1e9, 1e-4) and CPU.link(4) == (1e9, 1e-4) and CPU.link(8) == (2e8, 2e-3)
+    assert CPU.link(64) == (2e8, 2e-3)
+    assert replace(CPU, links=()).link(2) is None
+
+
+def test_ranks_beyond_the_cores_share_them():
+    """PP 4 on two cores computes at half the rate it would with a core per rank; PP 2 has its cores."""
+    pp2, pp4 = PlanLayout(1, 2, 1, 1), PlanLayout(1, 4, 1, 1)
+    assert _time(LLAMA, pp4).compute_s == pytest.approx(2 * _time(LLAMA, pp4, replace(CPU, cores=4)).compute_s)
+    assert _time(LLAMA, pp2).compute_s == pytest.approx(_time(LLAMA, pp2, replace(CPU, cores=4)).compute_s)
+
+
+def test_tp_collectives_use_the_link_of_the_world():
+    """TP 2 alone (2 ranks) vs beside DP 4 (8 ranks): the same collectives, at the 8-rank link."""
+    alone, crowded = _time(LLAMA, PlanLayout(2, 1, 1, 2)), _time(LLAMA, PlanLayout(2, 1, 4, 2))
+    ring = lambda link, nbytes: 2 * (nbytes / 2 / link[0] + link[1])  # noqa: E731 - all-reduce of 2
+    nbytes = 4 * 2 * SEQ * LLAMA.hidden_size
+    assert alone.tp_comm_s / ring(CPU.link(2), nbytes) == pytest.approx(crowded.tp_comm_s / ring(CPU.link(8), nbytes))
+
+
+def test_each_bucket_pays_its_latency_on_gloo():
+    """`distributed` DP 2: reduce-scatter and all-gather of every bucket in series, each a latency."""
+    lay = PlanLayout(1, 1, 2, 2, optimizer="distributed")
+    small, large = _time(LLAMA, lay, bucket_size=2000), _time(LLAMA, lay, bucket_size=10**9)
+    buckets = [stage_memory(LLAMA, lay, 0, 8, SEQ, 4, OptimizerConfig(mode="distributed", bucket_size=b)).buckets
+               for b in (2000, 10**9)]
+    assert buckets[1] == 1 and buckets[0] > 10
+    latency = CPU.link(2)[1]
+    assert small.dp_exposed_s - large.dp_exposed_s == pytest.approx(2 * (buckets[0] - 1) * latency, rel=0.05)
+
+
+def test_a_profile_from_before_links_loads_with_its_two_rank_link(tmp_path):
+    old = {k: v for k, v in json.loads(json.dumps(CPU.__dict__)).items()
+           if k != "links"}
+    (tmp_path / "old.json").write_text(json.dumps({**old, "link_bytes_per_s": 7e8, "link_latency_s": 3e-4}))
+    prof = load_profile(tmp_path / "old.json")
+    assert prof.links == ((2, 7e8, 3e-4),) and prof.link(8) == (7e8, 3e-4)
