@@ -1,6 +1,6 @@
 """The planner's step time for gloo ranks on a CPU host (what `tools/check_plan.py` measures): ranks that
 outnumber the cores share them, links are those measured with as many ranks, every gradient bucket's collective
-pays its latencies."""
+pays its latencies, an MoE layer's fixed cost grows with its experts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MixtralConfig
 
 from hfmeg.config import model_config_from_hf
 from hfmeg.optim.config import OptimizerConfig
@@ -19,10 +19,13 @@ from hfmeg.plan.profile import Profile, load_profile
 from hfmeg.plan.step_time import step_time
 
 CPU = Profile("cpu x2", 1e11, ((1e5, 0.5), (1e8, 1.0)), 0.3, 1e10, 1e-3, 5e-4, 5e-5, 1.0,
-              links=((2, 1e9, 1e-4), (8, 2e8, 2e-3)), cores=2)
+              links=((2, 1e9, 1e-4), (8, 2e8, 2e-3)), cores=2, moe_layer_overhead_s=1e-3, expert_overhead_s=2e-4)
 LLAMA = model_config_from_hf(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                                          num_attention_heads=8, num_key_value_heads=4, vocab_size=300,
                                          max_position_embeddings=128))
+MIXTRAL = model_config_from_hf(MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                             num_attention_heads=8, num_key_value_heads=4, vocab_size=300,
+                                             max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2))
 SEQ = 32
 
 
@@ -65,9 +68,20 @@ def test_each_bucket_pays_its_latency_on_gloo():
     assert small.dp_exposed_s - large.dp_exposed_s == pytest.approx(2 * (buckets[0] - 1) * latency, rel=0.05)
 
 
+def test_moe_layer_fixed_cost_grows_with_its_experts():
+    base = replace(CPU, moe_layer_overhead_s=None)
+    ep1, ep2 = PlanLayout(1, 1, 2, 2), PlanLayout(1, 1, 2, 2, ep=2)
+    layers = MIXTRAL.num_layers * 2  # micro-batches
+    dense_cost = layers * CPU.layer_overhead_s
+    assert _time(MIXTRAL, ep1).compute_s - _time(MIXTRAL, ep1, base).compute_s == pytest.approx(
+        layers * (CPU.moe_layer_overhead_s + 4 * CPU.expert_overhead_s) - dense_cost)
+    assert _time(MIXTRAL, ep2).compute_s - _time(MIXTRAL, ep2, base).compute_s == pytest.approx(
+        layers * (CPU.moe_layer_overhead_s + 2 * CPU.expert_overhead_s) - dense_cost)
+
+
 def test_a_profile_from_before_links_loads_with_its_two_rank_link(tmp_path):
     old = {k: v for k, v in json.loads(json.dumps(CPU.__dict__)).items()
-           if k != "links"}
+           if k not in ("links", "moe_layer_overhead_s", "expert_overhead_s")}
     (tmp_path / "old.json").write_text(json.dumps({**old, "link_bytes_per_s": 7e8, "link_latency_s": 3e-4}))
     prof = load_profile(tmp_path / "old.json")
-    assert prof.links == ((2, 7e8, 3e-4),) and prof.link(8) == (7e8, 3e-4)
+    assert prof.links == ((2, 7e8, 3e-4),) and prof.link(8) == (7e8, 3e-4) and prof.moe_layer_overhead_s is None

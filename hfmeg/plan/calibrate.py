@@ -6,7 +6,9 @@
 - attention: causal SDPA forward + backward, on the causal half of Megatron's FLOPs;
 - streaming bandwidth (a large copy), and the fixed costs of one decoder layer's
   forward + backward, of the embedding + LM head + loss, and of one gradient
-  bucket in the optimizer step, at sizes where compute is negligible;
+  bucket in the optimizer step, at sizes where compute is negligible; an MoE
+  layer's the same way, with 2 and with 8 experts (each expert runs, tokens or
+  not, so its cost is linear in the experts: the line through the two);
 - collectives on the CPU: all-reduce bus bandwidth and latency of a pair of forked
   gloo ranks while 2, 4, 8, ... ranks (up to four per core) run in pairs, every
   pair exchanging at once: once ranks outnumber the cores, each message waits for
@@ -30,7 +32,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MixtralConfig
 
 from ..config import model_config_from_hf
 from ..models.decoder import ModelChunk
@@ -86,11 +88,14 @@ def _bandwidth(device, repeats: int) -> float:
 LAYERS = 4
 
 
-def _tiny_chunk(ps, device, ends: bool = False) -> ModelChunk:
-    """Four decoder layers (and with `ends` the embedding and LM head + loss) so small that their compute
-    is negligible: what is left is fixed cost."""
-    cfg = model_config_from_hf(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                                           num_attention_heads=4, vocab_size=128, max_position_embeddings=16))
+def _tiny_chunk(ps, device, ends: bool = False, experts: int = 0) -> ModelChunk:
+    """Four decoder layers (and with `ends` the embedding and LM head + loss; with `experts`, MoE layers
+    routing each token to two of them) so small that their compute is negligible: what is left is fixed cost."""
+    dims = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+                vocab_size=128, max_position_embeddings=16)
+    hf = MixtralConfig(**dims, num_key_value_heads=4, num_local_experts=experts, num_experts_per_tok=2) \
+        if experts else LlamaConfig(**dims)
+    cfg = model_config_from_hf(hf)
     chunk = ModelChunk(cfg, ps, range(LAYERS), pre_process=ends, post_process=ends).to(device)
     with torch.no_grad():
         for p in chunk.parameters():
@@ -98,15 +103,30 @@ def _tiny_chunk(ps, device, ends: bool = False) -> ModelChunk:
     return chunk
 
 
+_TINY_PS = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False, ep=1, ep_rank=0, ep_group=None)
+
+
+def _layer_time(device, repeats: int, experts: int = 0) -> float:
+    """One tiny layer's forward + backward (see `_tiny_chunk`)."""
+    chunk = _tiny_chunk(_TINY_PS, device, experts=experts)
+    x = torch.randn(8, 1, 32, device=device, requires_grad=True)
+    return _timed(lambda: chunk(x, seq_len=8).sum().backward(), device, repeats) / LAYERS
+
+
 def _layer_and_ends_overhead(device, repeats: int) -> tuple[float, float]:
     """(one layer's forward + backward, the embedding's and the head + loss's together)."""
-    ps = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False, ep=1, ep_rank=0, ep_group=None)
-    chunk, whole = _tiny_chunk(ps, device), _tiny_chunk(ps, device, ends=True)
-    x = torch.randn(8, 1, 32, device=device, requires_grad=True)
+    whole = _tiny_chunk(_TINY_PS, device, ends=True)
     ids = torch.randint(0, 128, (1, 8), device=device)
-    layers = _timed(lambda: chunk(x, seq_len=8).sum().backward(), device, repeats)
+    layer = _layer_time(device, repeats)
     with_ends = _timed(lambda: whole(ids, labels=ids).sum().backward(), device, repeats)
-    return layers / LAYERS, max(with_ends - layers, 0.0)
+    return layer, max(with_ends - LAYERS * layer, 0.0)
+
+
+def _moe_overhead(device, repeats: int) -> tuple[float, float]:
+    """(an MoE layer's fixed cost without its experts', one expert's): the line through 2 and 8 experts."""
+    two, eight = (_layer_time(device, repeats, experts) for experts in (2, 8))
+    expert = max(eight - two, 0.0) / 6
+    return max(two - 2 * expert, 0.0), expert
 
 
 def _bucket_overhead(device_type: str, repeats: int) -> float:
@@ -173,6 +193,7 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     attention = _attention_rate(dev, dtype, 512 if cpu else 4096, 4 if cpu else 32, repeats)
     bw = _bandwidth(dev, repeats)
     layer_overhead, ends_overhead = _layer_and_ends_overhead(dev, repeats)
+    moe_overhead, expert_overhead = _moe_overhead(dev, repeats)
     bucket_overhead = 0.0 if in_job else _single_rank(_bucket_overhead, dev.type, repeats)
     links, cores = (), None
     if cpu:
@@ -181,5 +202,5 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
         links = _gloo_links(cores, 16 * 2**20, repeats)
     label = name or (f"cpu x{cores}" if cpu else torch.cuda.get_device_name(dev))
     return Profile(label, peak, tuple((f, r / peak) for f, r in rates), attention / peak, bw,
-                   layer_overhead, ends_overhead, bucket_overhead, 1.0, links, cores,
+                   layer_overhead, ends_overhead, bucket_overhead, 1.0, links, cores, moe_overhead, expert_overhead,
                    meta={"dtype": str(dtype), "torch": torch.__version__})

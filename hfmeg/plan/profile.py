@@ -45,7 +45,18 @@ class Profile:
     # ranks exchange at once, ascending ranks; replaces the cluster's links
     links: tuple[tuple[int, float, float], ...] = ()
     cores: int | None = None  # CPU profiles: ranks beyond this many share the cores
+    # fixed cost of an MoE layer's forward + backward beside its experts' (router, dispatch, attention), and
+    # of each expert it holds; None: MoE layers cost `layer_overhead_s` as dense ones (the assumed profiles)
+    moe_layer_overhead_s: float | None = None
+    expert_overhead_s: float = 0.0
     meta: dict = field(default_factory=dict, compare=False)
+
+    def layer_fixed_s(self, experts: int | None) -> float:
+        """Fixed cost of one decoder layer's forward + backward: dense (`experts` None), or MoE holding
+        `experts` experts."""
+        if experts is None or self.moe_layer_overhead_s is None:
+            return self.layer_overhead_s
+        return self.moe_layer_overhead_s + experts * self.expert_overhead_s
 
     def link(self, ranks: int) -> tuple[float, float] | None:
         """(bytes/s, latency) of the measured link with `ranks` ranks on the host: the measurement with

@@ -21,7 +21,8 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
   3e + (2e + 1) backward, e the dtype's bytes;
 - elementwise kernels (norms, RoPE, SwiGLU, residuals): three passes over the
   saved activations at streaming bandwidth, plus the profile's fixed cost per layer
-  (and for the embedding and the head + loss);
+  (an MoE layer's grows with the experts it holds) and for the embedding and the
+  head + loss;
 - recompute: `full` runs each layer's forward again, `selective` the attention core;
 - TP collectives: per layer two all-reduces forward and two backward (with SP the
   same bytes as all-gather + reduce-scatter pairs), ring cost on the TP link;
@@ -192,7 +193,7 @@ class _Stage:
         attn, attn_bwd = self._attention()
         none = replace(x, recompute="none")
         elementwise = 3 * layer_bytes(c, none, layer) / self.prof.memory_bytes_per_s
-        kernels = self.prof.layer_overhead_s
+        kernels = self.prof.layer_fixed_s(c.moe.num_experts // self.lay.ep if c.is_sparse(layer) else None)
         fwd = mm + attn + (elementwise + kernels) / 3
         bwd = 2 * mm + attn_bwd + 2 * (elementwise + kernels) / 3
         ar = _ring(x.dtype_bytes * tok * h, t, self.tp_link, passes=2)
