@@ -62,7 +62,8 @@ dependency, not a host block.
 Buffers of the exactly summed parts are all-reduced (2 (DP-1)/DP of their size on the
 wire, where a reduce-scatter moves (DP-1)/DP): they are small, and one collective per
 round beats two. The parameter all-gather after the update is not compressed (it is
-exact by nature), so a sharded mode saves at most the gradient half of its traffic.
+exact by nature), so a sharded mode saves at most the gradient part of its traffic:
+half with fp32 parameters, two thirds with bf16 ones (fp32 sums, a bf16 all-gather).
 """
 
 from __future__ import annotations
