@@ -42,9 +42,9 @@ def test_memory_model_matches_meter_and_optimizer_exactly():
     ])
 
 
-def test_moe_memory_matches_meter_exactly():
-    """Mixtral (fp32 combine) with TP splitting the tokens, not the experts; Qwen2-MoE with a dense layer
-    (decoder_sparse_step 2), a shared expert and top-k renormalisation, under SP and on two stages."""
+def _moe_configs():
+    """A 2-layer Mixtral with 4 experts, and a 3-layer Qwen2-MoE with a dense layer (decoder_sparse_step 2), a
+    shared expert and top-k renormalisation."""
     small = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, vocab_size=300,
                  max_position_embeddings=128, num_experts_per_tok=2)
     mixtral = model_config_from_hf(MixtralConfig(**small, intermediate_size=96, num_hidden_layers=2,
@@ -52,6 +52,13 @@ def test_moe_memory_matches_meter_exactly():
     qwen = model_config_from_hf(Qwen2MoeConfig(**small, intermediate_size=96, moe_intermediate_size=48,
                                                shared_expert_intermediate_size=80, num_hidden_layers=3,
                                                num_experts=4, decoder_sparse_step=2, norm_topk_prob=True))
+    return mixtral, qwen
+
+
+def test_moe_memory_matches_meter_exactly():
+    """Mixtral (fp32 combine) with TP splitting the tokens, not the experts; Qwen2-MoE with a dense layer
+    (decoder_sparse_step 2), a shared expert and top-k renormalisation, under SP and on two stages."""
+    mixtral, qwen = _moe_configs()
     _check([
         Case(mixtral, PlanLayout(2, 1, 1, 2, sequence_parallel=False, recompute="selective"), 2, SEQ, 5000),
         Case(qwen, PlanLayout(2, 1, 1, 2), 2, SEQ, 5000),
@@ -65,13 +72,7 @@ def test_expert_parallel_memory_matches_within_routing_imbalance():
     5 % of the balanced prediction (the test's bound for the whole), and an EP group's ranks together exactly
     EP times it (routing moves rows between ranks, it does not add any) where a rank's peak holds every
     micro-batch of the step (one micro-batch, or all in flight on the first of two stages)."""
-    small = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, vocab_size=300,
-                 max_position_embeddings=128, num_experts_per_tok=2)
-    mixtral = model_config_from_hf(MixtralConfig(**small, intermediate_size=96, num_hidden_layers=2,
-                                                 num_local_experts=4))
-    qwen = model_config_from_hf(Qwen2MoeConfig(**small, intermediate_size=96, moe_intermediate_size=48,
-                                               shared_expert_intermediate_size=80, num_hidden_layers=3,
-                                               num_experts=4, decoder_sparse_step=2, norm_topk_prob=True))
+    mixtral, qwen = _moe_configs()
     cases = {2: [Case(mixtral, PlanLayout(1, 1, 2, 2, ep=2), 4, SEQ, 5000),
                  Case(mixtral, PlanLayout(1, 1, 2, 2, ep=2, recompute="full", optimizer="ddp"), 4, SEQ, 5000)],
              4: [Case(mixtral, PlanLayout(2, 1, 2, 2, ep=2, recompute="selective"), 4, SEQ, 5000),
