@@ -109,7 +109,6 @@ def test_the_search_tries_expert_parallelism_for_moe_models_only(moe, small):
     eps = {lay.ep for lay in candidates(moe_job)}
     assert eps == {1, 2, 4, 8}  # divisors of DP (16 at most) that divide 8 experts
     assert all(lay.dp % lay.ep == 0 for lay in candidates(moe_job))
-    assert {lay.ep for lay in candidates(replace(moe_job, expert_parallel=False))} == {1}  # a PowerSGD run
     assert {lay.ep for lay in candidates(replace(moe_job, cfg=resolve_model(str(small))))} == {1}
 
 
@@ -194,7 +193,7 @@ def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
     assert main(["plan", "calibrate", "--max-n", "128", "--repeats", "1", "--out", str(out)]) == 0
     prof = load_profile(out)
     assert prof.cores >= 1 and prof.layer_overhead_s > 0 and prof.bucket_overhead_s >= 0
-    assert [r for r, _, _ in prof.links][:3] == [2, 4, 8] and all(bw > 0 and lat > 0 for _, bw, lat in prof.links)
+    assert [r for r, _, _ in prof.links][:3] == [2, 4, 8] and all(bw > 0 and lat >= 0 for _, bw, lat in prof.links)
     assert prof.link(3) == prof.links[0][1:] and prof.link(1000) == prof.links[-1][1:]
     assert max(e for _, e in prof.matmul) == pytest.approx(1.0)  # CPU: efficiency relative to the best rate
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["profile"] == str(out)

@@ -50,11 +50,10 @@ def test_ranks_beyond_the_cores_share_them():
 
 
 def test_tp_collectives_use_the_link_of_the_world():
-    """TP 2 alone (2 ranks) vs beside DP 4 (8 ranks): the same collectives, at the 8-rank link."""
-    alone, crowded = _time(LLAMA, PlanLayout(2, 1, 1, 2)), _time(LLAMA, PlanLayout(2, 1, 4, 2))
-    ring = lambda link, nbytes: 2 * (nbytes / 2 / link[0] + link[1])  # noqa: E731 - all-reduce of 2
-    nbytes = 4 * 2 * SEQ * LLAMA.hidden_size
-    assert alone.tp_comm_s / ring(CPU.link(2), nbytes) == pytest.approx(crowded.tp_comm_s / ring(CPU.link(8), nbytes))
+    """TP 2 beside DP 4 (8 ranks) communicates at the 8-rank link: as TP 2 alone would over that link."""
+    crowded = _time(LLAMA, PlanLayout(2, 1, 4, 2)).tp_comm_s
+    assert crowded == pytest.approx(_time(LLAMA, PlanLayout(2, 1, 1, 2), replace(CPU, links=((2, 2e8, 2e-3),))).tp_comm_s)
+    assert crowded > 2 * _time(LLAMA, PlanLayout(2, 1, 1, 2)).tp_comm_s
 
 
 def test_each_bucket_pays_its_latency_on_gloo():
@@ -66,6 +65,24 @@ def test_each_bucket_pays_its_latency_on_gloo():
     assert buckets[1] == 1 and buckets[0] > 10
     latency = CPU.link(2)[1]
     assert small.dp_exposed_s - large.dp_exposed_s == pytest.approx(2 * (buckets[0] - 1) * latency, rel=0.05)
+
+
+def test_gloo_hides_no_dp_collective():
+    overlapped, distributed = (_time(LLAMA, PlanLayout(1, 1, 2, 2, optimizer=mode)) for mode in ("overlapped",
+                                                                                              "distributed"))
+    assert overlapped.dp_exposed_s == distributed.dp_exposed_s > 0
+
+
+def test_recompute_fixed_costs():
+    """Selective adds its fraction of each layer's fixed cost to the backward; full re-runs the forward at its own."""
+    lay = lambda mode: PlanLayout(1, 1, 1, 2, recompute=mode)  # noqa: E731
+    prof = replace(CPU, selective_recompute_fixed=0.5, full_recompute_fixed=1.5)
+    none, selective, full = (_time(LLAMA, lay(m), prof).compute_s for m in ("none", "selective", "full"))
+    layers = LLAMA.num_layers * 2  # micro-batches
+    flat = replace(prof, selective_recompute_fixed=0.0, full_recompute_fixed=0.0)
+    assert selective - _time(LLAMA, lay("selective"), flat).compute_s == pytest.approx(layers * 0.5 * CPU.layer_overhead_s)
+    assert full - _time(LLAMA, lay("full"), flat).compute_s == pytest.approx(layers * 1.5 * CPU.layer_overhead_s)
+    assert none < selective < full
 
 
 def test_moe_layer_fixed_cost_grows_with_its_experts():

@@ -8,13 +8,19 @@
   forward + backward, of the embedding + LM head + loss, and of one gradient
   bucket in the optimizer step, at sizes where compute is negligible; an MoE
   layer's the same way, with 2 and with 8 experts (each expert runs, tokens or
-  not, so its cost is linear in the experts: the line through the two);
-- collectives on the CPU: all-reduce bus bandwidth and latency of a pair of forked
-  gloo ranks while 2, 4, 8, ... ranks (up to four per core) run in pairs, every
-  pair exchanging at once: once ranks outnumber the cores, each message waits for
-  its receiver to be scheduled, so the link depends on how many ranks share the
-  host. One GPU cannot measure NCCL, so GPU profiles keep the cluster's links at
-  the default efficiency.
+  not, so its cost is linear in the experts: the line through the two); and what
+  selective and full recompute add to a layer's, as fractions of its fixed cost
+  (re-running a forward under checkpointing costs more than the forward did);
+- collectives on the CPU, with 2, 4, 8, ... forked gloo ranks on the host (up to
+  four per core), in pairs that all work at once: the all-reduce bus bandwidth of
+  a large tensor, and the latency of a message as a training step pays it: the
+  tiny layers' forward + backward at TP 2 against TP 1 on the same ranks, the
+  difference over the TP all-reduces' messages. Between autograd kernels a gloo
+  message costs several times what a tight all-reduce loop shows (each collective
+  hands off between the rank's threads, and each wake-up waits for a core), and
+  once ranks outnumber the cores it waits for its receiver to be scheduled, so
+  the link depends on how many ranks share the host. One GPU cannot measure NCCL,
+  so GPU profiles keep the cluster's links at the default efficiency.
 
 CPU ranks run one intra-op thread each (as `launch.spawn` workers do), so the CPU
 profile is per rank, and `cores` records how many ranks can compute at once. A
@@ -88,7 +94,7 @@ def _bandwidth(device, repeats: int) -> float:
 LAYERS = 4
 
 
-def _tiny_chunk(ps, device, ends: bool = False, experts: int = 0) -> ModelChunk:
+def _tiny_chunk(ps, device, ends: bool = False, experts: int = 0, recompute: str = "none") -> ModelChunk:
     """Four decoder layers (and with `ends` the embedding and LM head + loss; with `experts`, MoE layers
     routing each token to two of them) so small that their compute is negligible: what is left is fixed cost."""
     dims = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
@@ -96,7 +102,7 @@ def _tiny_chunk(ps, device, ends: bool = False, experts: int = 0) -> ModelChunk:
     hf = MixtralConfig(**dims, num_key_value_heads=4, num_local_experts=experts, num_experts_per_tok=2) \
         if experts else LlamaConfig(**dims)
     cfg = model_config_from_hf(hf)
-    chunk = ModelChunk(cfg, ps, range(LAYERS), pre_process=ends, post_process=ends).to(device)
+    chunk = ModelChunk(cfg, ps, range(LAYERS), pre_process=ends, post_process=ends, recompute=recompute).to(device)
     with torch.no_grad():
         for p in chunk.parameters():
             p.normal_(0.0, 0.02)
@@ -106,9 +112,9 @@ def _tiny_chunk(ps, device, ends: bool = False, experts: int = 0) -> ModelChunk:
 _TINY_PS = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False, ep=1, ep_rank=0, ep_group=None)
 
 
-def _layer_time(device, repeats: int, experts: int = 0) -> float:
+def _layer_time(device, repeats: int, experts: int = 0, recompute: str = "none") -> float:
     """One tiny layer's forward + backward (see `_tiny_chunk`)."""
-    chunk = _tiny_chunk(_TINY_PS, device, experts=experts)
+    chunk = _tiny_chunk(_TINY_PS, device, experts=experts, recompute=recompute)
     x = torch.randn(8, 1, 32, device=device, requires_grad=True)
     return _timed(lambda: chunk(x, seq_len=8).sum().backward(), device, repeats) / LAYERS
 
@@ -120,6 +126,12 @@ def _layer_and_ends_overhead(device, repeats: int) -> tuple[float, float]:
     layer = _layer_time(device, repeats)
     with_ends = _timed(lambda: whole(ids, labels=ids).sum().backward(), device, repeats)
     return layer, max(with_ends - LAYERS * layer, 0.0)
+
+
+def _recompute_overheads(device, repeats: int, layer: float) -> tuple[float, float]:
+    """What selective and full recompute add to a layer of fixed cost `layer`, as fractions of it."""
+    return tuple(max(_layer_time(device, repeats, recompute=mode) - layer, 0.0) / layer
+                 for mode in ("selective", "full"))
 
 
 def _moe_overhead(device, repeats: int) -> tuple[float, float]:
@@ -142,17 +154,37 @@ def _bucket_overhead(device_type: str, repeats: int) -> float:
     return max(t2 - t1, 0.0) / (n2 - n1)
 
 
+def _mean_time(fn, repeats: int) -> float:
+    """Mean seconds of `fn` after one warm-up call: with more ranks than cores the scheduler's time slices
+    land on some calls only, and a median would skip them."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+# TP all-reduces per decoder layer, forward + backward (attention and MLP outputs; their inputs' gradients),
+# and messages per all-reduce of two ranks (the own half out, the partner's sum back)
+_TP_ALL_REDUCES, _PAIR_MESSAGES = 4, 2
+
+
 def _gloo_pair_link(nbytes: int, repeats: int) -> tuple[float, float]:
-    """(bus bytes/s, latency) of this rank's pair, (2i, 2i+1), while every pair all-reduces at once.
-    A two-rank all-reduce is two messages (send, then the partner's sum back), each a latency."""
-    rank = dist.get_rank()
-    pairs = [dist.new_group([i, i + 1]) for i in range(0, dist.get_world_size(), 2)]
-    pair = pairs[rank // 2]
-    big, small = torch.ones(nbytes // 4), torch.ones(1)
+    """(bus bytes/s, message latency) of this rank's TP pair, (2i, 2i+1), while every pair works at once."""
+    cpu = torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    step = {}
+    for tp in (1, 2):
+        chunk = _tiny_chunk(ParallelState(ParallelConfig(tp=tp), rank, world, cpu), cpu)
+        x = torch.randn(8, 1, 32, requires_grad=True)
+        dist.barrier()
+        step[tp] = _mean_time(lambda: chunk(x, seq_len=8).sum().backward(), 10 * repeats)
+    latency = max(step[2] - step[1], 0.0) / (LAYERS * _TP_ALL_REDUCES * _PAIR_MESSAGES)
+    pair = ParallelState(ParallelConfig(tp=2), rank, world, cpu).tp_group
+    big = torch.ones(nbytes // 4)
     dist.barrier()
-    latency = _timed(lambda: dist.all_reduce(small, group=pair), torch.device("cpu"), repeats * 5) / 2
-    seconds = _timed(lambda: dist.all_reduce(big, group=pair), torch.device("cpu"), repeats)
-    return nbytes / max(seconds - 2 * latency, 1e-9), latency
+    seconds = _mean_time(lambda: dist.all_reduce(big, group=pair), repeats)
+    return nbytes / max(seconds - _PAIR_MESSAGES * latency, 1e-9), latency
 
 
 def _gloo_links(cores: int, nbytes: int, repeats: int) -> tuple[tuple[int, float, float], ...]:
@@ -194,6 +226,7 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     bw = _bandwidth(dev, repeats)
     layer_overhead, ends_overhead = _layer_and_ends_overhead(dev, repeats)
     moe_overhead, expert_overhead = _moe_overhead(dev, repeats)
+    selective, full = _recompute_overheads(dev, repeats, layer_overhead)
     bucket_overhead = 0.0 if in_job else _single_rank(_bucket_overhead, dev.type, repeats)
     links, cores = (), None
     if cpu:
@@ -203,4 +236,5 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     label = name or (f"cpu x{cores}" if cpu else torch.cuda.get_device_name(dev))
     return Profile(label, peak, tuple((f, r / peak) for f, r in rates), attention / peak, bw,
                    layer_overhead, ends_overhead, bucket_overhead, 1.0, links, cores, moe_overhead, expert_overhead,
+                   selective, full,
                    meta={"dtype": str(dtype), "torch": torch.__version__})

@@ -49,7 +49,17 @@ class Profile:
     # of each expert it holds; None: MoE layers cost `layer_overhead_s` as dense ones (the assumed profiles)
     moe_layer_overhead_s: float | None = None
     expert_overhead_s: float = 0.0
+    # what re-running a layer in backward costs beyond its compute under selective / full recompute, as a
+    # fraction of the layer's fixed cost (the defaults, the assumed profiles': nothing, the forward's third)
+    selective_recompute_fixed: float = 0.0
+    full_recompute_fixed: float = 1 / 3
     meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def gloo(self) -> bool:
+        """A CPU profile: its ranks talk over gloo, where every collective pays its latencies (each
+        bucket's, the embedding's and the loss's too) and none hides behind compute."""
+        return self.cores is not None
 
     def layer_fixed_s(self, experts: int | None) -> float:
         """Fixed cost of one decoder layer's forward + backward: dense (`experts` None), or MoE holding

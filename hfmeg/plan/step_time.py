@@ -25,7 +25,8 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
   head + loss;
 - recompute: `full` runs each layer's forward again, `selective` the attention core;
 - TP collectives: per layer two all-reduces forward and two backward (with SP the
-  same bytes as all-gather + reduce-scatter pairs), ring cost on the TP link;
+  same bytes as all-gather + reduce-scatter pairs), ring cost on the TP link; on
+  gloo also the ends' latency-bound ones (`_Stage.ends_comm`);
 - p2p: one activation forward and one gradient back per chunk boundary;
 - expert parallelism (EP > 1): per MoE layer the dispatch and the combine
   all-to-all forward, the same two backward (and again in a `full` recompute), each
@@ -41,7 +42,9 @@ over DP and, with EP > 1, expert buckets over the expert-DP group (DP/EP ranks,
 TP·EP apart): `overlapped` hides them behind the last micro-batch's backward and the
 first one's forward, except one bucket's worth each; `distributed` runs both in
 series; `ddp` hides its all-reduce behind the backward. On gloo ranks (a CPU
-profile) every bucket's collective pays its own latencies. After them, in series, the
+profile) every bucket's collective pays its own latencies and none is hidden: gloo
+runs them on the ranks' own threads, which wait for the cores the backward holds
+(measured: the three modes take the same time there). After them, in series, the
 owned gradient of sequence-parallel-role parameters is all-reduced over TP (SP norms;
 an MoE layer's router and experts, which each TP rank trains on its own tokens).
 Last, the AdamW update streams 36 bytes per owned element (master, grad, two moments
@@ -200,10 +203,20 @@ class _Stage:
         comm = (2 + mlp_collectives) * ar
         ep_comm = 2 * a2a  # the forward's two exchanges, and the backward's two
         if x.recompute == "full":
-            bwd, comm, ep_comm = bwd + fwd, comm + 2 * ar, ep_comm + a2a
+            rerun = fwd - kernels / 3 + self.prof.full_recompute_fixed * kernels
+            bwd, comm, ep_comm = bwd + rerun, comm + 2 * ar, ep_comm + a2a
         elif x.recompute == "selective":
-            bwd += attn
+            bwd += attn + self.prof.selective_recompute_fixed * kernels
         return fwd * self.slow, bwd * self.slow, comm, ep_comm
+
+    def ends_comm(self, pre: bool, post: bool) -> float:
+        """gloo: the TP all-reduces of the ends per micro-batch, the vocab-parallel embedding's output
+        and the loss's three per-token statistics (max, sum of exponentials, target logit)."""
+        if not self.prof.gloo:
+            return 0.0
+        tok, e = self.shape.micro_batch * self.shape.seq_len, self.shape.dtype_bytes
+        return (pre * _ring(e * tok * self.cfg.hidden_size, self.lay.tp, self.tp_link, passes=2)
+                + post * 3 * _ring(4 * tok, self.lay.tp, self.tp_link, passes=2))
 
     def head(self) -> tuple[float, float]:
         x, t = self.shape, self.lay.tp
@@ -239,6 +252,7 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
         fwd_l, bwd_l, comm_l, a2a_l = (sum(parts) for parts in zip(*(costs[cfg.is_sparse(i)]
                                                                      for s in mine for i in s.layers)))
         post = any(s.post_process for s in mine)
+        comm_l += sum(stage.ends_comm(s.pre_process, s.post_process) for s in mine)
         ends = prof.ends_overhead_s / 2 * sum(s.pre_process + s.post_process for s in mine) * slow
         fwd = fwd_l + (head_f if post else 0.0) + ends / 3
         bwd = bwd_l + (head_b if post else 0.0) + 2 * ends / 3
@@ -255,7 +269,7 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
         # (elements, collectives, group size, link): dense buckets over DP, expert buckets (EP > 1) over
         # expert-DP. gloo ranks (a CPU profile) pay each bucket's collective its latencies; GPU profiles
         # count one latency per kind of collective.
-        gloo = prof.cores is not None
+        gloo = prof.gloo
         groups = [g for g in ((padded - mem.expert_padded, buckets - mem.expert_buckets if gloo else 1, lay.dp,
                                dp_link),
                               (mem.expert_padded, mem.expert_buckets if gloo else 1, lay.edp, edp_link)) if g[0]]
@@ -264,10 +278,10 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
         tp_sum = _ring(4 * mem.tp_summed, lay.tp, tp_link, passes=2) if mem.tp_summed else 0.0
         if not sharded:
             ar = sum(_ring(4 * n, size, link, passes=2, collectives=k) for n, k, size, link in groups)
-            return max(ar - bwd, ar / buckets) + tp_sum, update
+            return (ar if gloo else max(ar - bwd, ar / buckets)) + tp_sum, update
         rs = sum(_ring(4 * n, size, link, collectives=k) for n, k, size, link in groups)
         ag = sum(_ring(dtype_bytes * n, size, link, collectives=k) for n, k, size, link in groups)
-        if lay.optimizer == "distributed":
+        if lay.optimizer == "distributed" or gloo:
             return rs + ag + tp_sum, update
         return max(rs - bwd, rs / buckets) + max(ag - fwd, ag / buckets) + tp_sum, update
 
