@@ -1,14 +1,17 @@
-"""The trainer on a tiny Mixtral with expert parallelism: EP2 x TP2 on 4 gloo ranks, 3 steps.
+"""The trainer on a tiny Mixtral with expert parallelism on 4 gloo ranks.
 
-The run logs the min/max tokens per expert of every MoE layer in metrics.jsonl (global
+EP2 x TP2, 3 steps: the run logs the min/max tokens per expert of every MoE layer in metrics.jsonl (global
 load: every routed slot counted once, so the min and max of a layer are bounded by its
-routed slots) and exports a folder transformers loads. The tokenizer is stories260K's,
-with a model vocabulary to match it.
+routed slots) and exports a folder transformers loads. EP2 x expert-DP 2 with PowerSGD
+(expert buckets compressed over their own group): a run resumed from its step-2
+checkpoint repeats the uninterrupted run's steps 3 and 4 bit for bit. The tokenizer is
+stories260K's, with a model vocabulary to match it.
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -31,13 +34,18 @@ def _run(cfg: TrainConfig):
     return Trainer(cfg).run().hf_folder
 
 
-def test_ep2_tp2_run_logs_expert_load_and_exports(tmp_path):
+def _mixtral_with_tokenizer(tmp_path):
     stories = stories_or_skip()
     if not ALPACA.is_file():
         pytest.skip(f"{ALPACA} is absent")
     model = save_tiny("mixtral", tmp_path / "mixtral", vocab_size=512, output_router_logits=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(stories / name, model / name)
+    return model
+
+
+def test_ep2_tp2_run_logs_expert_load_and_exports(tmp_path):
+    model = _mixtral_with_tokenizer(tmp_path)
     cfg = TrainConfig(
         model=ModelArgs(path=str(model), dtype="fp32"),
         parallel=ParallelArgs(tp=2, ep=2, sequence_parallel=True),
@@ -57,3 +65,27 @@ def test_ep2_tp2_run_logs_expert_load_and_exports(tmp_path):
         for low, high in r["expert_load"].values():
             assert 0 <= low <= high <= slots and low * 4 <= slots <= high * 4, r
     AutoModelForCausalLM.from_pretrained(hf)  # every expert was exported
+
+
+def test_ep2_with_powersgd_resumes_exactly(tmp_path):
+    model = _mixtral_with_tokenizer(tmp_path)
+    out = tmp_path / "out"
+    cfg = TrainConfig(
+        model=ModelArgs(path=str(model), dtype="fp32"),
+        parallel=ParallelArgs(ep=2),
+        optim=OptimizerConfig(lr=1e-3, eps=1e-5, compression="powersgd", powersgd_rank=2, compression_start_step=1),
+        lr=LRScheduleConfig(warmup_steps=1, total_steps=4),
+        data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=SEQ),
+        train=LoopArgs(micro_batch_size=1, global_batch_size=8, max_steps=4, eval_every=0),
+        checkpoint=CheckpointArgs(out=str(out), save_every=2, keep_last=3),
+        tensorboard=False,
+    )
+    spawn(_run, 4, cfg)
+    full = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert (out / "checkpoints" / "iter_0000002" / "optim" / "powersgd_pp000_tp00_dp003.safetensors").is_file()
+    shutil.rmtree(out / "checkpoints" / "iter_0000004")
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    (out / "metrics.jsonl").unlink()
+    spawn(_run, 4, replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto")))
+    resumed = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert len(full) == 4 and resumed == full[2:]

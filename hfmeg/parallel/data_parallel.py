@@ -12,8 +12,8 @@ model chunks (the idea of Megatron's DDP wrapper and of torchtitan's `fully_shar
   sharded and all-gathered over the expert-data-parallel group (`dp / ep` ranks with
   the same experts) with `edp` shards, where every other bucket uses the DP group
   (`sum_group`). At EP = 1 that group is the DP group, so experts stay in the
-  ordinary buckets and nothing changes. PowerSGD is not offered with EP > 1: its
-  compressor sums over one group.
+  ordinary buckets and nothing changes. PowerSGD compresses each bucket's sum over
+  that bucket's group.
 - Backward (grad_sync.py): per-parameter hooks accumulate into `main_grad`; on a
   step's last micro-batch, a bucket's reduce-scatter (all-reduce in `ddp`) starts as
   soon as its last gradient lands, while autograd computes earlier layers.
@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import UnsupportedConfigError
 from .bucket_comm import SumGroup, all_gather_async
 from .buffers import Bucket, build_groups
 from .comm import all_reduce_coalesced
@@ -62,9 +61,6 @@ class DataParallel:
                  powersgd_rank: int | None = None, min_compression_rate: float = 2.0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if powersgd_rank is not None and ps.ep > 1:
-            raise UnsupportedConfigError(f"optimizer field compression: powersgd is not supported with expert "
-                                         f"parallelism (parallel.ep={ps.ep}); use compression none or ep 1")
         self.chunks, self.ps, self.mode = list(chunks), ps, mode
         sharded = mode != "ddp"
         self.shards = ps.dp if sharded else 1
@@ -73,8 +69,9 @@ class DataParallel:
         expert_shards = (ps.edp if sharded else 1) if ps.ep > 1 else None
         self.groups = build_groups(self.chunks, ps.pp, bucket_size, self.shards, expert_shards=expert_shards)
         self.buckets = [b for g in self.groups for b in g.buckets]
-        self.compressor = PowerSGD(self.buckets, ps.dp_group, ps.dp_rank if sharded else 0, powersgd_rank,
-                                   min_compression_rate) if powersgd_rank is not None and ps.dp > 1 else None
+        summed = [b for b in self.buckets if self.sum_group(b).size > 1]  # EP = DP: experts are not summed
+        self.compressor = PowerSGD(summed, lambda b: self.sum_group(b).group, self.shard_rank, powersgd_rank,
+                                   min_compression_rate) if powersgd_rank is not None and summed else None
         self.grad_sync = GradSync(self.groups, len(self.chunks), mode, self.sum_group, self.compressor)
         # Forward order: chunk by chunk, and inside a chunk the reverse of gradient-ready order.
         self.forward_order = sorted(self.buckets, key=lambda b: (b.chunk, -b.index))

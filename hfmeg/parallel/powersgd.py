@@ -68,6 +68,8 @@ half with fp32 parameters, two thirds with bf16 ones (fp32 sums, a bf16 all-gath
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -99,8 +101,8 @@ class _Matrix:
 class _Plan:
     """A bucket's compressed matrices, its exactly summed slots, and their flat buffers."""
 
-    def __init__(self, bucket: Bucket, ranks: dict[str, int], shard: int):
-        self.bucket, self.shard = bucket, shard
+    def __init__(self, bucket: Bucket, ranks: dict[str, int], group, shard: int):
+        self.bucket, self.group, self.shard = bucket, group, shard
         device = bucket.grad_buf.device
         shapes = {s.name: s.param.shape for s in bucket.slots}
         compressed = [s for s in bucket.slots if s.name in ranks]
@@ -158,12 +160,12 @@ class _Reduction:
     def __init__(self, owner: PowerSGD, plan: _Plan):
         self.owner, self.plan, self.in_round2, self.done = owner, plan, False, False
         plan.first_round()
-        self.work = dist.all_reduce(plan.round1, group=owner.group, async_op=True)
+        self.work = dist.all_reduce(plan.round1, group=plan.group, async_op=True)
 
     def start_round2(self) -> None:
         self.work.wait()
         self.plan.second_round()
-        self.work = dist.all_reduce(self.plan.q, group=self.owner.group, async_op=True)
+        self.work = dist.all_reduce(self.plan.q, group=self.plan.group, async_op=True)
         self.in_round2 = True
 
     def is_completed(self) -> bool:
@@ -180,20 +182,22 @@ class _Reduction:
 
 
 class PowerSGD:
-    """Compressed DP sums of `buckets` over `group`; `shard` is the bucket shard this rank keeps.
+    """Compressed DP sums of `buckets`: bucket b is summed over `group_of(b)`, and this rank keeps
+    its shard `shard_of(b)` (data_parallel.py: the DP group, or for expert buckets at EP > 1 the
+    expert-DP group; every rank of a group holds the same buckets, so their plans and Q match).
 
     The caller (grad_sync.py) launches a bucket with `launch`, calls `advance` before
     every launch, waits the returned handle, and calls `keep_residuals` instead of
     zeroing a compressed bucket after the update."""
 
-    def __init__(self, buckets: list[Bucket], group, shard: int, rank: int, min_compression_rate: float,
-                 seed: int = 0):
-        self.group, self.seed = group, seed
+    def __init__(self, buckets: list[Bucket], group_of: Callable[[Bucket], object], shard_of: Callable[[Bucket], int],
+                 rank: int, min_compression_rate: float, seed: int = 0):
+        self.seed = seed
         self.plans: dict[int, _Plan] = {}
         for b in buckets:
             ranks = {s.name: k for s in b.slots if (k := compression_rank(s.param.shape, rank, min_compression_rate))}
             if ranks:
-                self.plans[b.index] = _Plan(b, ranks, shard)
+                self.plans[b.index] = _Plan(b, ranks, group_of(b), shard_of(b))
         self._round1: list[_Reduction] = []
         self.reset()
 

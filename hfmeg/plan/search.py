@@ -46,7 +46,6 @@ class Job:
     global_batch: int
     seq_len: int
     dtype_bytes: int = 2
-    expert_parallel: bool = True  # whether layouts may spread experts (EP > 1); PowerSGD runs may not
     attention: str = "flash"  # the attention kernels timed (step_time.ATTENTION_KERNELS): hfmeg's are flash
 
 
@@ -78,7 +77,7 @@ def candidates(job: Job, optimizer: str = "overlapped") -> list[PlanLayout]:
             for vpp in (1, 2, 4) if pp > 1 else (1,):
                 if vpp > 1 and job.cfg.num_layers % (pp * vpp):
                     continue
-                for ep in expert_parallel_sizes(job.cfg, dp) if job.expert_parallel else (1,):
+                for ep in expert_parallel_sizes(job.cfg, dp):
                     for mb in (1, 2, 4, 8):
                         for rec in ("none", "selective", "full"):
                             out.append(PlanLayout(tp, pp, dp, mb, vpp, rec, True, optimizer, ep=ep))

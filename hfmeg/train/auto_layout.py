@@ -8,8 +8,7 @@ sets the fields in `AUTO_FIELDS` on a new config (`dataclasses.replace`: the par
 config is never edited); the config's own values for them, e.g. a recipe YAML's
 layout, are replaced, and a command line that sets one of them is refused
 (`validate.py`). For an MoE model the choice includes EP (the planner tries every
-divisor of DP that divides the expert count); a run with gradient compression is
-planned at EP 1, the only EP PowerSGD runs with. Rank 0 prints the choice and the
+divisor of DP that divides the expert count). Rank 0 prints the choice and the
 planner's prediction in one line.
 
 A resumed run keeps the layout its checkpoint was trained with: the shards are cut for
@@ -75,7 +74,7 @@ def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluatio
     cluster, profile = detect_cluster(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
     model = model_config_from_hf(load_hf_config(cfg.model.hf_folder()))
     job = Job(model, cluster, profile, cfg.train.global_batch_size, cfg.data.seq_len,
-              cfg.model.torch_dtype(device).itemsize, expert_parallel=cfg.optim.compression == "none")
+              cfg.model.torch_dtype(device).itemsize)
     resume = find_resume(Path(cfg.checkpoint.out) / "checkpoints", cfg.checkpoint.resume)
     if resume is None:
         ev = best_layout(job, cfg.optim.mode)

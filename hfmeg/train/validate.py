@@ -80,9 +80,6 @@ def _layout(cfg: TrainConfig, world_size: int) -> None:
     if p.ep < 1 or dp % p.ep:
         raise ConfigError(f"parallel.ep: {p.ep} must divide the data-parallel size {dp} (processes / (parallel.tp x "
                           "parallel.pp)): expert-parallel ranks are data-parallel ranks")
-    if p.ep > 1 and cfg.optim.compression != "none":
-        raise ConfigError(f"optim.compression: {cfg.optim.compression} is not supported with expert parallelism "
-                          f"(parallel.ep={p.ep}); use none or ep 1")
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not a multiple of "
                           f"train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
