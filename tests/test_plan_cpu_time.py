@@ -49,10 +49,21 @@ def test_ranks_beyond_the_cores_share_them():
     assert _time(LLAMA, pp2).compute_s == pytest.approx(_time(LLAMA, pp2, replace(CPU, cores=4)).compute_s)
 
 
+def test_measured_slowdown_of_shared_cores():
+    """Measured for 2 and 4 ranks on 2 cores: used as measured; 3 ranks as 2 taking turns 1.5 times over,
+    16 as 4 four times over."""
+    prof = replace(CPU, slowdown=((2, 1.5), (4, 3.2)))
+    assert [prof.compute_slowdown(n) for n in (1, 2, 3, 4, 16)] == [1.0, 1.5, 2.25, 3.2, 12.8]
+    assert [CPU.compute_slowdown(n) for n in (1, 2, 4)] == [1.0, 1.0, 2.0]
+    pp4 = PlanLayout(1, 4, 1, 1)
+    assert _time(LLAMA, pp4, prof).compute_s == pytest.approx(1.6 * _time(LLAMA, pp4).compute_s)
+
+
 def test_tp_collectives_use_the_link_of_the_world():
     """TP 2 beside DP 4 (8 ranks) communicates at the 8-rank link: as TP 2 alone would over that link."""
     crowded = _time(LLAMA, PlanLayout(2, 1, 4, 2)).tp_comm_s
-    assert crowded == pytest.approx(_time(LLAMA, PlanLayout(2, 1, 1, 2), replace(CPU, links=((2, 2e8, 2e-3),))).tp_comm_s)
+    over_8_rank_link = replace(CPU, links=((2, 2e8, 2e-3),))
+    assert crowded == pytest.approx(_time(LLAMA, PlanLayout(2, 1, 1, 2), over_8_rank_link).tp_comm_s)
     assert crowded > 2 * _time(LLAMA, PlanLayout(2, 1, 1, 2)).tp_comm_s
 
 
@@ -80,8 +91,9 @@ def test_recompute_fixed_costs():
     none, selective, full = (_time(LLAMA, lay(m), prof).compute_s for m in ("none", "selective", "full"))
     layers = LLAMA.num_layers * 2  # micro-batches
     flat = replace(prof, selective_recompute_fixed=0.0, full_recompute_fixed=0.0)
-    assert selective - _time(LLAMA, lay("selective"), flat).compute_s == pytest.approx(layers * 0.5 * CPU.layer_overhead_s)
-    assert full - _time(LLAMA, lay("full"), flat).compute_s == pytest.approx(layers * 1.5 * CPU.layer_overhead_s)
+    fixed = layers * CPU.layer_overhead_s
+    assert selective - _time(LLAMA, lay("selective"), flat).compute_s == pytest.approx(0.5 * fixed)
+    assert full - _time(LLAMA, lay("full"), flat).compute_s == pytest.approx(1.5 * fixed)
     assert none < selective < full
 
 

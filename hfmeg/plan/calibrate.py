@@ -19,8 +19,12 @@
   message costs several times what a tight all-reduce loop shows (each collective
   hands off between the rank's threads, and each wake-up waits for a core), and
   once ranks outnumber the cores it waits for its receiver to be scheduled, so
-  the link depends on how many ranks share the host. One GPU cannot measure NCCL,
-  so GPU profiles keep the cluster's links at the default efficiency.
+  the link depends on how many ranks share the host. The same TP 1 runs give how
+  much slower a rank computes with that many ranks on the host than alone: ranks
+  beyond the cores take turns, and even one rank per core runs Python and autograd
+  slower when every core is busy (measured on the 2-core VM this was written on).
+  One GPU cannot measure NCCL, so GPU profiles keep the cluster's links at the
+  default efficiency.
 
 CPU ranks run one intra-op thread each (as `launch.spawn` workers do), so the CPU
 profile is per rank, and `cores` records how many ranks can compute at once. A
@@ -169,8 +173,9 @@ def _mean_time(fn, repeats: int) -> float:
 _TP_ALL_REDUCES, _PAIR_MESSAGES = 4, 2
 
 
-def _gloo_pair_link(nbytes: int, repeats: int) -> tuple[float, float]:
-    """(bus bytes/s, message latency) of this rank's TP pair, (2i, 2i+1), while every pair works at once."""
+def _gloo_pair_link(nbytes: int, repeats: int) -> tuple[float, float, float]:
+    """(bus bytes/s, message latency, seconds of the tiny layers at TP 1) of this rank's TP pair, (2i, 2i+1),
+    while every pair works at once."""
     cpu = torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     step = {}
@@ -184,17 +189,23 @@ def _gloo_pair_link(nbytes: int, repeats: int) -> tuple[float, float]:
     big = torch.ones(nbytes // 4)
     dist.barrier()
     seconds = _mean_time(lambda: dist.all_reduce(big, group=pair), repeats)
-    return nbytes / max(seconds - _PAIR_MESSAGES * latency, 1e-9), latency
+    return nbytes / max(seconds - _PAIR_MESSAGES * latency, 1e-9), latency, step[1]
 
 
-def _gloo_links(cores: int, nbytes: int, repeats: int) -> tuple[tuple[int, float, float], ...]:
-    """(ranks, bytes/s, latency) for 2, 4, 8, ... ranks up to four per core (at least 8): the median pair."""
-    out, ranks = [], 2
+def _gloo_links(cores: int, nbytes: int, repeats: int) -> tuple[tuple[tuple[int, float, float], ...],
+                                                                 tuple[tuple[int, float], ...]]:
+    """((ranks, bytes/s, latency), (ranks, slowdown)) for 2, 4, 8, ... ranks up to four per core (at least
+    8), the median rank's; the slowdown is against the same tiny layers run here, alone."""
+    chunk = _tiny_chunk(_TINY_PS, torch.device("cpu"))
+    x = torch.randn(8, 1, 32, requires_grad=True)
+    alone = _mean_time(lambda: chunk(x, seq_len=8).sum().backward(), 10 * repeats)
+    links, slowdown, ranks = [], [], 2
     while ranks <= max(8, 4 * cores):
-        per_pair = spawn(_gloo_pair_link, ranks, nbytes, repeats)
-        out.append((ranks, statistics.median(bw for bw, _ in per_pair), statistics.median(lat for _, lat in per_pair)))
+        bws, lats, steps = zip(*spawn(_gloo_pair_link, ranks, nbytes, repeats))
+        links.append((ranks, statistics.median(bws), statistics.median(lats)))
+        slowdown.append((ranks, max(statistics.median(steps) / alone, 1.0)))
         ranks *= 2
-    return tuple(out)
+    return tuple(links), tuple(slowdown)
 
 
 def _single_rank(fn, *args):
@@ -228,13 +239,13 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     moe_overhead, expert_overhead = _moe_overhead(dev, repeats)
     selective, full = _recompute_overheads(dev, repeats, layer_overhead)
     bucket_overhead = 0.0 if in_job else _single_rank(_bucket_overhead, dev.type, repeats)
-    links, cores = (), None
+    links, slowdown, cores = (), (), None
     if cpu:
         cores = max(1, len(os.sched_getaffinity(0)) // torch.get_num_threads())  # ranks that compute at once
     if cpu and not in_job:
-        links = _gloo_links(cores, 16 * 2**20, repeats)
+        links, slowdown = _gloo_links(cores, 16 * 2**20, repeats)
     label = name or (f"cpu x{cores}" if cpu else torch.cuda.get_device_name(dev))
     return Profile(label, peak, tuple((f, r / peak) for f, r in rates), attention / peak, bw,
                    layer_overhead, ends_overhead, bucket_overhead, 1.0, links, cores, moe_overhead, expert_overhead,
-                   selective, full,
+                   selective, full, slowdown,
                    meta={"dtype": str(dtype), "torch": torch.__version__})

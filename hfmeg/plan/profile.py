@@ -10,7 +10,8 @@ link's bandwidth collectives reach, with their latency.
 A CPU profile is per rank (one intra-op thread, as spawned gloo ranks run) and
 says how many ranks compute at once (`cores`); its gloo links are measured with
 2, 4, 8, ... ranks on the host, every pair exchanging at once (`links`), because
-ranks that outnumber the cores wait for the scheduler at every message.
+ranks that outnumber the cores wait for the scheduler at every message, and so is
+how much slower each of them computes than one rank alone (`slowdown`).
 
 A calibrated profile is a JSON file (`Profile.save` / `load_profile`). The shipped
 GPU profiles are assumptions, not measurements (no GPU was lent to calibrate):
@@ -53,6 +54,8 @@ class Profile:
     # fraction of the layer's fixed cost (the defaults, the assumed profiles': nothing, the forward's third)
     selective_recompute_fixed: float = 0.0
     full_recompute_fixed: float = 1 / 3
+    # measured (calibrate, CPU): (ranks on the host, how many times slower each computes than one alone)
+    slowdown: tuple[tuple[int, float], ...] = ()
     meta: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -67,6 +70,18 @@ class Profile:
         if experts is None or self.moe_layer_overhead_s is None:
             return self.layer_overhead_s
         return self.moe_layer_overhead_s + experts * self.expert_overhead_s
+
+    def compute_slowdown(self, ranks: int) -> float:
+        """How many times slower each of `ranks` CPU ranks on the host computes than one alone: measured
+        (the measurement with the most ranks not above `ranks`, scaled by the ranks beyond it), else
+        ranks/cores once they outnumber the cores; 1 for one rank and on a GPU."""
+        if self.cores is None or ranks <= 1:
+            return 1.0
+        below = [x for x in self.slowdown if x[0] <= ranks]
+        if not below:
+            return max(1.0, ranks / self.cores)
+        measured_ranks, factor = below[-1]
+        return factor * max(1.0, ranks / max(measured_ranks, self.cores))
 
     def link(self, ranks: int) -> tuple[float, float] | None:
         """(bytes/s, latency) of the measured link with `ranks` ranks on the host: the measurement with
@@ -99,6 +114,7 @@ def load_profile(path: str | Path) -> Profile:
         # profiles written before `links`: one gloo link, measured with two ranks
         bw, lat = raw.pop("link_bytes_per_s", None), raw.pop("link_latency_s", None)
         raw["links"] = tuple(tuple(x) for x in raw.get("links", ())) or (((2, bw, lat or 0.0),) if bw else ())
+        raw["slowdown"] = tuple(tuple(x) for x in raw.get("slowdown", ()))
         return Profile(**raw)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise UnsupportedConfigError(f"{path}: not a calibration profile ({type(e).__name__}: {e})") from e

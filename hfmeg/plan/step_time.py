@@ -51,10 +51,11 @@ Last, the AdamW update streams 36 bytes per owned element (master, grad, two mom
 read and written, the parameter written), plus the profile's fixed cost per bucket
 (its hooks, AdamW call and collectives' launch).
 
-CPU ranks (a profile with `cores`: one intra-op thread per rank) that outnumber the
-cores share them: every rank computes at cores/ranks of the profile's per-rank rate
-(compute, fixed costs, the update), and its collectives run at the gloo link the
-profile measured with that many ranks on the host.
+CPU ranks (a profile with `cores`: one intra-op thread per rank) share the host: every
+rank computes (compute, fixed costs, the update) as many times slower than one rank
+alone as the profile measured with that many ranks on the host (without a
+measurement: ranks/cores once they outnumber the cores), and its collectives run
+at the gloo link measured with that many ranks.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     memories = memories or stage_memories(cfg, lay, global_batch, seq_len, dtype_bytes, opt)
     shape = Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute, lay.ep)
     m = lay.microbatches(global_batch)
-    slow = max(1.0, lay.gpus / prof.cores) if prof.cores else 1.0
+    slow = prof.compute_slowdown(lay.gpus)
     tp_link = _link(cluster, prof, lay.tp, 1)
     pp_link = _link(cluster, prof, 2, lay.tp * lay.dp)
     dp_link = _link(cluster, prof, lay.dp, lay.tp)
