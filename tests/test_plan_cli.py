@@ -196,6 +196,7 @@ def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
     assert [r for r, _, _ in prof.links][:3] == [2, 4, 8] and all(bw > 0 and lat >= 0 for _, bw, lat in prof.links)
     assert prof.link(3) == prof.links[0][1:] and prof.link(1000) == prof.links[-1][1:]
     assert [r for r, _ in prof.slowdown] == [r for r, _, _ in prof.links] and min(f for _, f in prof.slowdown) >= 1
+    assert prof.sequence_parallel_comm >= 0
     assert max(e for _, e in prof.matmul) == pytest.approx(1.0)  # CPU: efficiency relative to the best rate
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["profile"] == str(out)
 

@@ -78,6 +78,15 @@ def test_each_bucket_pays_its_latency_on_gloo():
     assert small.dp_exposed_s - large.dp_exposed_s == pytest.approx(2 * (buckets[0] - 1) * latency, rel=0.05)
 
 
+def test_sequence_parallel_collectives_at_their_measured_cost():
+    """All but the loss's three statistics (all-reduced with or without SP) cost the factor more."""
+    sp = PlanLayout(2, 1, 1, 2)
+    ratio = _time(LLAMA, sp, replace(CPU, sequence_parallel_comm=1.4)).tp_comm_s / _time(LLAMA, sp).tp_comm_s
+    assert 1.3 < ratio < 1.4
+    no_sp = PlanLayout(2, 1, 1, 2, sequence_parallel=False)
+    assert _time(LLAMA, no_sp, replace(CPU, sequence_parallel_comm=1.4)).tp_comm_s == _time(LLAMA, no_sp).tp_comm_s
+
+
 def test_gloo_hides_no_dp_collective():
     overlapped, distributed = (_time(LLAMA, PlanLayout(1, 1, 2, 2, optimizer=mode)) for mode in ("overlapped",
                                                                                               "distributed"))

@@ -120,7 +120,7 @@ def _layer_time(device, repeats: int, experts: int = 0, recompute: str = "none")
     """One tiny layer's forward + backward (see `_tiny_chunk`)."""
     chunk = _tiny_chunk(_TINY_PS, device, experts=experts, recompute=recompute)
     x = torch.randn(8, 1, 32, device=device, requires_grad=True)
-    return _timed(lambda: chunk(x, seq_len=8).sum().backward(), device, repeats) / LAYERS
+    return _timed(lambda: chunk(x, seq_len=8).sum().backward(), device, 4 * repeats) / LAYERS
 
 
 def _layer_and_ends_overhead(device, repeats: int) -> tuple[float, float]:
@@ -128,7 +128,7 @@ def _layer_and_ends_overhead(device, repeats: int) -> tuple[float, float]:
     whole = _tiny_chunk(_TINY_PS, device, ends=True)
     ids = torch.randint(0, 128, (1, 8), device=device)
     layer = _layer_time(device, repeats)
-    with_ends = _timed(lambda: whole(ids, labels=ids).sum().backward(), device, repeats)
+    with_ends = _timed(lambda: whole(ids, labels=ids).sum().backward(), device, 4 * repeats)
     return layer, max(with_ends - LAYERS * layer, 0.0)
 
 
@@ -173,39 +173,43 @@ def _mean_time(fn, repeats: int) -> float:
 _TP_ALL_REDUCES, _PAIR_MESSAGES = 4, 2
 
 
-def _gloo_pair_link(nbytes: int, repeats: int) -> tuple[float, float, float]:
-    """(bus bytes/s, message latency, seconds of the tiny layers at TP 1) of this rank's TP pair, (2i, 2i+1),
-    while every pair works at once."""
+def _gloo_pair_link(nbytes: int, repeats: int) -> tuple[float, float, float, float]:
+    """(bus bytes/s, message latency, seconds of the tiny layers at TP 1, the TP collectives' cost with
+    sequence parallelism over without) of this rank's TP pair, (2i, 2i+1), while every pair works at once."""
     cpu = torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     step = {}
-    for tp in (1, 2):
-        chunk = _tiny_chunk(ParallelState(ParallelConfig(tp=tp), rank, world, cpu), cpu)
-        x = torch.randn(8, 1, 32, requires_grad=True)
+    for tp, sp in ((1, False), (2, False), (2, True)):
+        chunk = _tiny_chunk(ParallelState(ParallelConfig(tp=tp, sequence_parallel=sp), rank, world, cpu), cpu)
+        x = torch.randn(8 // tp if sp else 8, 1, 32, requires_grad=True)
         dist.barrier()
-        step[tp] = _mean_time(lambda: chunk(x, seq_len=8).sum().backward(), 10 * repeats)
-    latency = max(step[2] - step[1], 0.0) / (LAYERS * _TP_ALL_REDUCES * _PAIR_MESSAGES)
+        step[tp, sp] = _mean_time(lambda: chunk(x, seq_len=8).sum().backward(), 10 * repeats)
+    tp_comm = max(step[2, False] - step[1, False], 1e-9)
+    latency = tp_comm / (LAYERS * _TP_ALL_REDUCES * _PAIR_MESSAGES)
     pair = ParallelState(ParallelConfig(tp=2), rank, world, cpu).tp_group
     big = torch.ones(nbytes // 4)
     dist.barrier()
     seconds = _mean_time(lambda: dist.all_reduce(big, group=pair), repeats)
-    return nbytes / max(seconds - _PAIR_MESSAGES * latency, 1e-9), latency, step[1]
+    return (nbytes / max(seconds - _PAIR_MESSAGES * latency, 1e-9), latency, step[1, False],
+            max(step[2, True] - step[1, False], 0.0) / tp_comm)
 
 
 def _gloo_links(cores: int, nbytes: int, repeats: int) -> tuple[tuple[tuple[int, float, float], ...],
-                                                                 tuple[tuple[int, float], ...]]:
-    """((ranks, bytes/s, latency), (ranks, slowdown)) for 2, 4, 8, ... ranks up to four per core (at least
-    8), the median rank's; the slowdown is against the same tiny layers run here, alone."""
+                                                                 tuple[tuple[int, float], ...], float]:
+    """((ranks, bytes/s, latency), (ranks, slowdown), SP's cost over TP's) for 2, 4, 8, ... ranks up to
+    four per core (at least 8), the median rank's; the slowdown is against the same tiny layers run here,
+    alone; SP's factor is the 2-rank one (with more ranks than cores the waits blur it)."""
     chunk = _tiny_chunk(_TINY_PS, torch.device("cpu"))
     x = torch.randn(8, 1, 32, requires_grad=True)
     alone = _mean_time(lambda: chunk(x, seq_len=8).sum().backward(), 10 * repeats)
-    links, slowdown, ranks = [], [], 2
+    links, slowdown, sp, ranks = [], [], [], 2
     while ranks <= max(8, 4 * cores):
-        bws, lats, steps = zip(*spawn(_gloo_pair_link, ranks, nbytes, repeats))
+        bws, lats, steps, sps = zip(*spawn(_gloo_pair_link, ranks, nbytes, repeats))
         links.append((ranks, statistics.median(bws), statistics.median(lats)))
         slowdown.append((ranks, max(statistics.median(steps) / alone, 1.0)))
+        sp.append(statistics.median(sps))
         ranks *= 2
-    return tuple(links), tuple(slowdown)
+    return tuple(links), tuple(slowdown), sp[0]
 
 
 def _single_rank(fn, *args):
@@ -239,13 +243,13 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     moe_overhead, expert_overhead = _moe_overhead(dev, repeats)
     selective, full = _recompute_overheads(dev, repeats, layer_overhead)
     bucket_overhead = 0.0 if in_job else _single_rank(_bucket_overhead, dev.type, repeats)
-    links, slowdown, cores = (), (), None
+    links, slowdown, sp_comm, cores = (), (), 1.0, None
     if cpu:
         cores = max(1, len(os.sched_getaffinity(0)) // torch.get_num_threads())  # ranks that compute at once
     if cpu and not in_job:
-        links, slowdown = _gloo_links(cores, 16 * 2**20, repeats)
+        links, slowdown, sp_comm = _gloo_links(cores, 16 * 2**20, repeats)
     label = name or (f"cpu x{cores}" if cpu else torch.cuda.get_device_name(dev))
     return Profile(label, peak, tuple((f, r / peak) for f, r in rates), attention / peak, bw,
                    layer_overhead, ends_overhead, bucket_overhead, 1.0, links, cores, moe_overhead, expert_overhead,
-                   selective, full, slowdown,
+                   selective, full, slowdown, sp_comm,
                    meta={"dtype": str(dtype), "torch": torch.__version__})

@@ -56,6 +56,9 @@ class Profile:
     full_recompute_fixed: float = 1 / 3
     # measured (calibrate, CPU): (ranks on the host, how many times slower each computes than one alone)
     slowdown: tuple[tuple[int, float], ...] = ()
+    # TP collectives' cost with sequence parallelism over without (gloo runs each all-gather and
+    # reduce-scatter as a collective with its own fixed costs); 1: the same bytes and latencies
+    sequence_parallel_comm: float = 1.0
     meta: dict = field(default_factory=dict, compare=False)
 
     @property

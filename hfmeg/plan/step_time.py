@@ -25,7 +25,8 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
   head + loss;
 - recompute: `full` runs each layer's forward again, `selective` the attention core;
 - TP collectives: per layer two all-reduces forward and two backward (with SP the
-  same bytes as all-gather + reduce-scatter pairs), ring cost on the TP link; on
+  same bytes as all-gather + reduce-scatter pairs, times the profile's measured
+  `sequence_parallel_comm`), ring cost on the TP link; on
   gloo also the ends' latency-bound ones (`_Stage.ends_comm`);
 - p2p: one activation forward and one gradient back per chunk boundary;
 - expert parallelism (EP > 1): per MoE layer the dispatch and the combine
@@ -144,6 +145,7 @@ class _Stage:
                  slow: float, attention: str):
         self.cfg, self.lay, self.prof, self.shape, self.slow = cfg, lay, prof, shape, slow
         self.tp_link, self.ep_link, self.attention = tp_link, ep_link, attention
+        self.sp_comm = prof.sequence_parallel_comm if lay.sp else 1.0
 
     def _mm(self, m: int, k: int, n: int) -> float:
         flops = 2.0 * m * k * n
@@ -200,7 +202,7 @@ class _Stage:
         kernels = self.prof.layer_fixed_s(c.moe.num_experts // self.lay.ep if c.is_sparse(layer) else None)
         fwd = mm + attn + (elementwise + kernels) / 3
         bwd = 2 * mm + attn_bwd + 2 * (elementwise + kernels) / 3
-        ar = _ring(x.dtype_bytes * tok * h, t, self.tp_link, passes=2)
+        ar = _ring(x.dtype_bytes * tok * h, t, self.tp_link, passes=2) * self.sp_comm
         comm = (2 + mlp_collectives) * ar
         ep_comm = 2 * a2a  # the forward's two exchanges, and the backward's two
         if x.recompute == "full":
@@ -216,7 +218,7 @@ class _Stage:
         if not self.prof.gloo:
             return 0.0
         tok, e = self.shape.micro_batch * self.shape.seq_len, self.shape.dtype_bytes
-        return (pre * _ring(e * tok * self.cfg.hidden_size, self.lay.tp, self.tp_link, passes=2)
+        return (pre * _ring(e * tok * self.cfg.hidden_size, self.lay.tp, self.tp_link, passes=2) * self.sp_comm
                 + post * 3 * _ring(4 * tok, self.lay.tp, self.tp_link, passes=2))
 
     def head(self) -> tuple[float, float]:
