@@ -116,33 +116,33 @@ def _tiny_chunk(ps, device, ends: bool = False, experts: int = 0, recompute: str
 _TINY_PS = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False, ep=1, ep_rank=0, ep_group=None)
 
 
-def _layer_time(device, repeats: int, experts: int = 0, recompute: str = "none") -> float:
-    """One tiny layer's forward + backward (see `_tiny_chunk`)."""
-    chunk = _tiny_chunk(_TINY_PS, device, experts=experts, recompute=recompute)
+def _fixed_costs(device, repeats: int) -> tuple[float, float, float, float, float, float]:
+    """(a layer's fixed cost, the ends', an MoE layer's beside its experts', an expert's, and what selective
+    and full recompute add, as fractions of a layer's), from tiny chunks timed in turns, round after round,
+    so that a drift of the machine's speed moves them all alike instead of skewing their differences."""
     x = torch.randn(8, 1, 32, device=device, requires_grad=True)
-    return _timed(lambda: chunk(x, seq_len=8).sum().backward(), device, 4 * repeats) / LAYERS
-
-
-def _layer_and_ends_overhead(device, repeats: int) -> tuple[float, float]:
-    """(one layer's forward + backward, the embedding's and the head + loss's together)."""
-    whole = _tiny_chunk(_TINY_PS, device, ends=True)
     ids = torch.randint(0, 128, (1, 8), device=device)
-    layer = _layer_time(device, repeats)
-    with_ends = _timed(lambda: whole(ids, labels=ids).sum().backward(), device, 4 * repeats)
-    return layer, max(with_ends - LAYERS * layer, 0.0)
 
+    def layers(**kw):
+        chunk = _tiny_chunk(_TINY_PS, device, **kw)
+        return lambda: chunk(x, seq_len=8).sum().backward()
 
-def _recompute_overheads(device, repeats: int, layer: float) -> tuple[float, float]:
-    """What selective and full recompute add to a layer of fixed cost `layer`, as fractions of it."""
-    return tuple(max(_layer_time(device, repeats, recompute=mode) - layer, 0.0) / layer
-                 for mode in ("selective", "full"))
-
-
-def _moe_overhead(device, repeats: int) -> tuple[float, float]:
-    """(an MoE layer's fixed cost without its experts', one expert's): the line through 2 and 8 experts."""
-    two, eight = (_layer_time(device, repeats, experts) for experts in (2, 8))
-    expert = max(eight - two, 0.0) / 6
-    return max(two - 2 * expert, 0.0), expert
+    whole = _tiny_chunk(_TINY_PS, device, ends=True)
+    runs = {"none": layers(), "selective": layers(recompute="selective"), "full": layers(recompute="full"),
+            "two": layers(experts=2), "eight": layers(experts=8),
+            "ends": lambda: whole(ids, labels=ids).sum().backward()}
+    times = {k: [] for k in runs}
+    for _ in range(4 * repeats + 1):  # the first round warms up
+        for k, fn in runs.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[k].append(time.perf_counter() - t0)
+    t = {k: statistics.median(v[1:]) / (1 if k == "ends" else LAYERS) for k, v in times.items()}
+    expert = max(t["eight"] - t["two"], 0.0) / 6  # every expert runs, tokens or not: a line in the experts
+    return (t["none"], max(t["ends"] - LAYERS * t["none"], 0.0), max(t["two"] - 2 * expert, 0.0), expert,
+            max(t["selective"] - t["none"], 0.0) / t["none"], max(t["full"] - t["none"], 0.0) / t["none"])
 
 
 def _bucket_overhead(device_type: str, repeats: int) -> float:
@@ -239,9 +239,7 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     peak = peak_flops or max(r for _, r in rates)
     attention = _attention_rate(dev, dtype, 512 if cpu else 4096, 4 if cpu else 32, repeats)
     bw = _bandwidth(dev, repeats)
-    layer_overhead, ends_overhead = _layer_and_ends_overhead(dev, repeats)
-    moe_overhead, expert_overhead = _moe_overhead(dev, repeats)
-    selective, full = _recompute_overheads(dev, repeats, layer_overhead)
+    layer_overhead, ends_overhead, moe_overhead, expert_overhead, selective, full = _fixed_costs(dev, repeats)
     bucket_overhead = 0.0 if in_job else _single_rank(_bucket_overhead, dev.type, repeats)
     links, slowdown, sp_comm, cores = (), (), 1.0, None
     if cpu:
