@@ -3,18 +3,19 @@
 Runs a grid of tiny layouts (TP, SP, PP, VPP, DP, EP, recompute, schedules, optimizer
 modes; LLaMA with GQA, LLaMA with MHA and an uneven layer split, GPT-2 with tied
 embeddings, Mixtral, Qwen2-MoE with a dense layer and a shared expert) on forked CPU
-processes, each for `--steps` training steps, and prints per layout one JSON line:
-predicted vs measured peak bytes of the busiest rank (saved-tensor meter + optimizer
-buffers and state; with EP > 1 the measured rank's routing may be off balance) and, when
-a CPU profile is given (`--profile`, from `python -m hfmeg.plan calibrate --out FILE`),
-predicted vs measured median step time. A table and a summary line (max memory error,
-median time error, whether the fastest predicted layout is within 10 % of the fastest
-measured one) follow.
+processes, each for `--steps` training steps after a warm-up step, `--rounds` times
+through the whole grid, and prints per layout one JSON line: predicted vs measured
+peak bytes of the busiest rank (saved-tensor meter + optimizer buffers and state; with
+EP > 1 the measured rank's routing may be off balance) and, when a CPU profile is
+given (`--profile`, from `python -m hfmeg.plan calibrate --out FILE`), predicted vs
+measured step time (the median of the steps, then of the rounds). A table and a
+summary line (max memory error, median time error, whether the fastest predicted
+layout is within 10 % of the fastest measured one) follow.
 
     python tools/check_plan.py --profile cpu_profile.json [--hidden 128 --seq 64]
 
-Step times need an otherwise idle machine with at least as many cores as ranks;
-memory figures do not depend on the load.
+Step times need a machine with no other load (the profile describes the host the
+grid's 1 to 8 ranks share, measured alone); memory figures do not depend on the load.
 """
 
 from __future__ import annotations
@@ -101,10 +102,16 @@ def run(args) -> list[dict]:
     profile = load_profile(args.profile) if args.profile else None
     cases = [Case(cfgs[name], lay, lay.dp * lay.micro_batch * m, args.seq, args.bucket_size, name)
              for name, lay, m in GRID[: args.limit or None]]
+    worlds = sorted({c.layout.gpus for c in cases})
+    by_world = {w: [c for c in cases if c.layout.gpus == w] for w in worlds}
+    # Rounds through all worlds, each case's step time the median over rounds: a burst of other load on
+    # the host lands on a few cases of one round, not on every round's.
+    rounds = [{w: measure_cases(by_world[w], steps=args.steps, timeout_s=1800) for w in worlds}
+              for _ in range(args.rounds)]
     rows = []
-    for world in sorted({c.layout.gpus for c in cases}):
-        mine = [c for c in cases if c.layout.gpus == world]
-        for case, per_rank in zip(mine, measure_cases(mine, steps=args.steps, timeout_s=1800)):
+    for world in worlds:
+        mine = by_world[world]
+        for i, (case, per_rank) in enumerate(zip(mine, rounds[0][world])):
             opt = OptimizerConfig(mode=case.layout.optimizer, bucket_size=case.bucket_size)
             worst = max(per_rank, key=lambda r: r["bytes"])
             pred = stage_memory(case.cfg, case.layout, worst["pp_rank"], case.global_batch, case.seq_len, 4, opt)
@@ -113,7 +120,7 @@ def run(args) -> list[dict]:
                        global_batch=case.global_batch,
                        measured_bytes=worst["bytes"], predicted_bytes=pred.measurable,
                        memory_error=pred.measurable / worst["bytes"] - 1,
-                       measured_step_s=max(r["step_s"] for r in per_rank))
+                       measured_step_s=statistics.median(max(r["step_s"] for r in rnd[world][i]) for rnd in rounds))
             if profile is not None:
                 t = step_time(case.cfg, case.layout, cpu_cluster(profile, world), profile, case.global_batch,
                               case.seq_len, 4, opt)
@@ -147,6 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per layout (after a warm-up step)")
+    ap.add_argument("--rounds", type=int, default=3, help="times through the grid; step time: median over rounds")
     ap.add_argument("--bucket-size", type=int, default=5000, help="small, so buckets straddle and pad")
     ap.add_argument("--limit", type=int, default=0, help="run only the first N layouts of the grid")
     args = ap.parse_args(argv)
