@@ -123,3 +123,12 @@ def test_a_profile_from_before_links_loads_with_its_two_rank_link(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps({**old, "link_bytes_per_s": 7e8, "link_latency_s": 3e-4}))
     prof = load_profile(tmp_path / "old.json")
     assert prof.links == ((2, 7e8, 3e-4),) and prof.link(8) == (7e8, 3e-4) and prof.moe_layer_overhead_s is None
+
+
+def test_executor_fixed_costs():
+    """Per micro-batch and chunk on the slowest stage (PP 2 interleaved: two chunks a rank), and once a step."""
+    lay = PlanLayout(1, 2, 1, 1, vpp=2)
+    base, extra = _time(LLAMA, lay), _time(LLAMA, lay, replace(CPU, microbatch_overhead_s=1e-3, step_overhead_s=5e-3))
+    m = 2  # micro-batches
+    assert extra.compute_s - base.compute_s == pytest.approx(m * 2 * 1e-3)
+    assert extra.step_s - base.step_s > m * 2 * 1e-3 + 5e-3

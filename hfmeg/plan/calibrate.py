@@ -11,6 +11,10 @@
   not, so its cost is linear in the experts: the line through the two); and what
   selective and full recompute add to a layer's, as fractions of its fixed cost
   (re-running a forward under checkpointing costs more than the forward did);
+  and what the pipeline executor adds per micro-batch and the whole step (loss,
+  schedule, hooks, the optimizer's call, the loss's and norm's all-reduces) around
+  the chunk's own forward + backward: a tiny model's step with 1 and with 4
+  micro-batches against its bare forward + backward;
 - collectives on the CPU, with 2, 4, 8, ... forked gloo ranks on the host (up to
   four per core), in pairs that all work at once: the all-reduce bus bandwidth of
   a large tensor, and the latency of a message as a training step pays it: the
@@ -48,6 +52,7 @@ from ..config import model_config_from_hf
 from ..models.decoder import ModelChunk
 from ..optim import DistributedOptimizer, OptimizerConfig
 from ..parallel.launch import spawn
+from ..parallel.pipeline import forward_backward
 from ..parallel.state import ParallelConfig, ParallelState
 from .profile import Profile
 
@@ -212,6 +217,37 @@ def _gloo_links(cores: int, nbytes: int, repeats: int) -> tuple[tuple[tuple[int,
     return tuple(links), tuple(slowdown), sp[0]
 
 
+def _executor_overheads(device_type: str, repeats: int) -> tuple[float, float]:
+    """(per micro-batch, per step) seconds the executor and the step add to the tiny model's own forward +
+    backward, from steps of 1 and 4 micro-batches and the bare forward + backward, timed in turns."""
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    ps = ParallelState(ParallelConfig(), 0, 1, device)
+    chunk = _tiny_chunk(ps, device, ends=True)
+    opt = DistributedOptimizer([chunk], ps, OptimizerConfig(bucket_size=10**9))
+    ids = torch.randint(0, 128, (1, 8), device=device)
+    mbs = [dict(input_ids=ids, labels=ids)] * 4
+
+    def step(m: int) -> None:
+        forward_backward([chunk], ps, mbs[:m], schedule="1f1b", num_tokens=8 * m, grad_sync=opt)
+        opt.step()
+        opt.wait_params()
+        dist.barrier()
+
+    alone = _tiny_chunk(ps, device, ends=True)  # the same model without the optimizer's hooks
+    runs = {"bare": lambda: alone(ids, labels=ids).sum().backward(), 1: lambda: step(1), 4: lambda: step(4)}
+    times = {k: [] for k in runs}
+    for _ in range(4 * repeats + 1):  # the first round warms up
+        for k, fn in runs.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[k].append(time.perf_counter() - t0)
+    bare, one, four = (statistics.median(times[k][1:]) for k in ("bare", 1, 4))
+    per_microbatch = max((four - one) / 3 - bare, 0.0)
+    return per_microbatch, max(one - bare - per_microbatch, 0.0)
+
+
 def _single_rank(fn, *args):
     """`fn` in a one-rank world: the optimizer wants a process group, and with one rank it never communicates."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -241,6 +277,8 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     bw = _bandwidth(dev, repeats)
     layer_overhead, ends_overhead, moe_overhead, expert_overhead, selective, full = _fixed_costs(dev, repeats)
     bucket_overhead = 0.0 if in_job else _single_rank(_bucket_overhead, dev.type, repeats)
+    microbatch_overhead, step_overhead = (0.0, 0.0) if in_job else _single_rank(_executor_overheads, dev.type,
+                                                                                 repeats)
     links, slowdown, sp_comm, cores = (), (), 1.0, None
     if cpu:
         cores = max(1, len(os.sched_getaffinity(0)) // torch.get_num_threads())  # ranks that compute at once
@@ -249,5 +287,5 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     label = name or (f"cpu x{cores}" if cpu else torch.cuda.get_device_name(dev))
     return Profile(label, peak, tuple((f, r / peak) for f, r in rates), attention / peak, bw,
                    layer_overhead, ends_overhead, bucket_overhead, 1.0, links, cores, moe_overhead, expert_overhead,
-                   selective, full, slowdown, sp_comm,
+                   selective, full, slowdown, sp_comm, microbatch_overhead, step_overhead,
                    meta={"dtype": str(dtype), "torch": torch.__version__})

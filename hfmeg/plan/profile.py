@@ -59,6 +59,10 @@ class Profile:
     # TP collectives' cost with sequence parallelism over without (gloo runs each all-gather and
     # reduce-scatter as a collective with its own fixed costs); 1: the same bytes and latencies
     sequence_parallel_comm: float = 1.0
+    # fixed costs of the pipeline executor around the chunks' own forward + backward: per micro-batch and
+    # chunk (loss, schedule, hooks), and per step (the optimizer's call, the loss's and norm's reductions)
+    microbatch_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
     meta: dict = field(default_factory=dict, compare=False)
 
     @property

@@ -50,7 +50,8 @@ owned gradient of sequence-parallel-role parameters is all-reduced over TP (SP n
 an MoE layer's router and experts, which each TP rank trains on its own tokens).
 Last, the AdamW update streams 36 bytes per owned element (master, grad, two moments
 read and written, the parameter written), plus the profile's fixed cost per bucket
-(its hooks, AdamW call and collectives' launch).
+(its hooks, AdamW call and collectives' launch). The executor's fixed costs (per
+micro-batch and chunk, like the ends', and per step) come from the profile.
 
 CPU ranks (a profile with `cores`: one intra-op thread per rank) share the host: every
 rank computes (compute, fixed costs, the update) as many times slower than one rank
@@ -256,7 +257,8 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
                                                                      for s in mine for i in s.layers)))
         post = any(s.post_process for s in mine)
         comm_l += sum(stage.ends_comm(s.pre_process, s.post_process) for s in mine)
-        ends = prof.ends_overhead_s / 2 * sum(s.pre_process + s.post_process for s in mine) * slow
+        ends = (prof.ends_overhead_s / 2 * sum(s.pre_process + s.post_process for s in mine)
+                + prof.microbatch_overhead_s * len(mine)) * slow
         fwd = fwd_l + (head_f if post else 0.0) + ends / 3
         bwd = bwd_l + (head_b if post else 0.0) + 2 * ends / 3
         p2p = p2p_msg * sum((not s.pre_process) + (not s.post_process) for s in mine)
@@ -291,6 +293,6 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     tails = [dp_and_update(sf, sb, mem) for sf, sb, _, _, _, mem in stages]
     dp_exposed, update = max(tails, key=lambda t: t[0] + t[1])
     norm_latency = _link(cluster, prof, lay.gpus, 1)[1] * math.log2(max(lay.gpus, 2))
-    total = m * per_mb[slowest] + bubble + dp_exposed + update + norm_latency
+    total = m * per_mb[slowest] + bubble + dp_exposed + update + norm_latency + prof.step_overhead_s * slow
     return StepTime(m * (f + b), m * c, m * e, m * p, bubble, dp_exposed, update, total,
                     training_flops(cfg, global_batch, seq_len), lay.gpus, prof.peak_flops, global_batch * seq_len)
