@@ -261,7 +261,9 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
                 + prof.microbatch_overhead_s * len(mine)) * slow
         fwd = fwd_l + (head_f if post else 0.0) + ends / 3
         bwd = bwd_l + (head_b if post else 0.0) + 2 * ends / 3
-        p2p = p2p_msg * sum((not s.pre_process) + (not s.post_process) for s in mine)
+        # Each chunk boundary a rank touches carries two messages per micro-batch: the activation in the
+        # forward and its gradient in the backward.
+        p2p = 2 * p2p_msg * sum((not s.pre_process) + (not s.post_process) for s in mine)
         stages.append((fwd, bwd, comm_l, a2a_l, p2p, memories[r]))
     per_mb = [f + b + c + e + p for f, b, c, e, p, _ in stages]
     slowest = max(range(lay.pp), key=lambda r: per_mb[r])
