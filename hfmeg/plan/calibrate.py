@@ -100,6 +100,20 @@ def _bandwidth(device, repeats: int) -> float:
     return 2 * big.numel() * 4 / _timed(lambda: dst.copy_(big), device, repeats)
 
 
+def _timed_in_turns(runs: dict, rounds: int, device: torch.device) -> dict:
+    """Median seconds of each of `runs`' functions, called in turn, round after round (one more
+    round first, to warm up), so that a drift of the machine's speed moves them all alike."""
+    times = {k: [] for k in runs}
+    for _ in range(rounds + 1):
+        for k, fn in runs.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v[1:]) for k, v in times.items()}
+
+
 LAYERS = 4
 
 
@@ -136,15 +150,8 @@ def _fixed_costs(device, repeats: int) -> tuple[float, float, float, float, floa
     runs = {"none": layers(), "selective": layers(recompute="selective"), "full": layers(recompute="full"),
             "two": layers(experts=2), "eight": layers(experts=8),
             "ends": lambda: whole(ids, labels=ids).sum().backward()}
-    times = {k: [] for k in runs}
-    for _ in range(4 * repeats + 1):  # the first round warms up
-        for k, fn in runs.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times[k].append(time.perf_counter() - t0)
-    t = {k: statistics.median(v[1:]) / (1 if k == "ends" else LAYERS) for k, v in times.items()}
+    times = _timed_in_turns(runs, 4 * repeats, device)
+    t = {k: v / (1 if k == "ends" else LAYERS) for k, v in times.items()}
     expert = max(t["eight"] - t["two"], 0.0) / 6  # every expert runs, tokens or not: a line in the experts
     return (t["none"], max(t["ends"] - LAYERS * t["none"], 0.0), max(t["two"] - 2 * expert, 0.0), expert,
             max(t["selective"] - t["none"], 0.0) / t["none"], max(t["full"] - t["none"], 0.0) / t["none"])
@@ -235,15 +242,8 @@ def _executor_overheads(device_type: str, repeats: int) -> tuple[float, float]:
 
     alone = _tiny_chunk(ps, device, ends=True)  # the same model without the optimizer's hooks
     runs = {"bare": lambda: alone(ids, labels=ids).sum().backward(), 1: lambda: step(1), 4: lambda: step(4)}
-    times = {k: [] for k in runs}
-    for _ in range(4 * repeats + 1):  # the first round warms up
-        for k, fn in runs.items():
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times[k].append(time.perf_counter() - t0)
-    bare, one, four = (statistics.median(times[k][1:]) for k in ("bare", 1, 4))
+    times = _timed_in_turns(runs, 4 * repeats, device)
+    bare, one, four = (times[k] for k in ("bare", 1, 4))
     per_microbatch = max((four - one) / 3 - bare, 0.0)
     return per_microbatch, max(one - bare - per_microbatch, 0.0)
 
