@@ -1,4 +1,5 @@
-"""Argument types shared by the benchmark tools: a bad value is argparse's one-line error, exit 2."""
+"""What the benchmark tools share: argument types (a bad value is argparse's one-line error, exit 2), the flags
+and results of the tools that compare training runs' losses, and the reshaped random architecture."""
 
 from __future__ import annotations
 
@@ -32,6 +33,22 @@ def add_loss_run_args(ap: argparse.ArgumentParser, *, seq_len: int, global_batch
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=at_least(0), default=1234)
     ap.add_argument("--plot", type=Path, default=None, help="PNG of the loss curves")
+
+
+FINAL_STEPS = 10  # a run's final loss is the mean over its last this many steps
+
+
+def loss_curve(out: str | Path) -> list[float]:
+    """The per-step training losses a trainer run wrote to `out`/metrics.jsonl."""
+    from hfmeg.train.metrics import read_metrics
+
+    return [r["loss"] for r in read_metrics(Path(out) / "metrics.jsonl") if "loss" in r]
+
+
+def final_loss(losses: list[float]) -> float:
+    """The mean of the last `FINAL_STEPS` losses."""
+    tail = losses[-FINAL_STEPS:]
+    return sum(tail) / len(tail)
 
 
 def add_shape_args(ap: argparse.ArgumentParser) -> None:

@@ -25,13 +25,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_args import add_loss_run_args, add_shape_args, at_least, shape_of, shaped_config
+from bench_args import add_loss_run_args, add_shape_args, at_least, final_loss, loss_curve, shape_of, shaped_config
 from hfmeg.data import DataConfig, SourceConfig
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, TrainConfig
-from hfmeg.train.metrics import plot_runs, read_metrics
+from hfmeg.train.metrics import plot_runs
 from hfmeg.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             name = "plain" if rank is None else f"powersgd-r{rank}" + (f"-from{start}" if len(a.start) > 1 else "")
             cfg = _config(a, rank, start, Path(tmp) / name)
             spawn(_train, a.world, cfg, timeout_s=3600)
-            runs[name] = [r["loss"] for r in read_metrics(Path(cfg.checkpoint.out) / "metrics.jsonl") if "loss" in r]
-    final = {name: sum(losses[-10:]) / len(losses[-10:]) for name, losses in runs.items()}
+            runs[name] = loss_curve(cfg.checkpoint.out)
+    final = {name: final_loss(losses) for name, losses in runs.items()}
     result = {"model": model_name, "from_scratch": a.from_scratch, "shape": shape_of(a), "world": a.world,
               "steps": a.steps, "start": a.start if len(a.start) > 1 else a.start[0],
               "runs": {name: {"final_loss": f, "vs_plain": f / final["plain"]} for name, f in final.items()}}

@@ -33,13 +33,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_args import add_loss_run_args, add_shape_args, at_least, shape_of, shaped_config
+from bench_args import add_loss_run_args, add_shape_args, at_least, final_loss, loss_curve, shape_of, shaped_config
 from hfmeg.data import DataConfig, SourceConfig
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, TrainConfig
-from hfmeg.train.metrics import plot_runs, read_metrics
+from hfmeg.train.metrics import plot_runs
 from hfmeg.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,10 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         for run in RUNS:
             cfg = _config(a, run, Path(tmp))
             first, last = spawn(_train, a.world, cfg, timeout_s=3600)[0]
-            losses = [r["loss"] for r in read_metrics(Path(cfg.checkpoint.out) / "metrics.jsonl") if "loss" in r]
-            curves[run] = losses
-            tail = losses[-10:]
-            result["runs"][run] = {"final_loss": sum(tail) / len(tail), "first_phase": first, "last_phase": last}
+            curves[run] = losses = loss_curve(cfg.checkpoint.out)
+            result["runs"][run] = {"final_loss": final_loss(losses), "first_phase": first, "last_phase": last}
     plain = result["runs"]["plain"]["final_loss"]
     print(f"{'run':>16} {'final loss':>10} {'vs plain':>8} {'DP elements/step (first -> last)':>34} "
           f"{'state bytes/rank (first -> last)':>34}")
