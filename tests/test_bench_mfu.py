@@ -4,7 +4,8 @@ Both sides start from the same random transformers weights and see the same toke
 ids; in fp32 the hfmeg path (forward_backward + overlapped DistributedOptimizer with
 fused AdamW, clipping, weight-decay exclusions) and the transformers anchor (its own
 loss, torch fused AdamW) must report the same loss at every step, including the
-steps after optimizer updates. No timing is asserted.
+steps after optimizer updates, for the LLaMA and for the Mixtral (`--experts`). No timing
+is asserted.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MixtralConfig
 
 from hfmeg.config import model_config_from_hf
 from hfmeg.plan.flops import training_flops
+from hfmeg.plan.profile import load_profile
 from tool_loader import load_tool
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_mfu.py"
+RECORDS = Path(__file__).resolve().parents[1] / "docs" / "measurements"
 KEYS = {"device": str, "hfmeg_tokens_per_s": float, "hf_tokens_per_s": float, "speedup": float,
         "hfmeg_tokens": int, "hf_tokens": int, "hfmeg_losses": list, "hf_losses": list, "shapes": dict}
 
@@ -66,10 +69,39 @@ def test_tiny_run_reports_both_sides_with_equal_losses():
         assert r[f"{side}_mfu"] == pytest.approx(r[f"{side}_tokens_per_s"] * per_token / (peak_tflops * 1e12))
 
 
+def test_tiny_moe_run_counts_the_active_experts_and_the_planner_predicts_it():
+    out = subprocess.run([sys.executable, str(TOOL), "--tiny", "--experts", "4", "--top-k", "2", "--peak-tflops",
+                          "0.5"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    sh = r["shapes"]
+    assert sh["experts"] == 4 and sh["top_k"] == 2
+    assert r["hfmeg_tokens_per_s"] > 0 and r["hf_tokens_per_s"] > 0 and r["hfmeg_mfu"] > 0 and r["hf_mfu"] > 0
+    for ours, theirs in zip(r["hfmeg_losses"], r["hf_losses"], strict=True):
+        assert math.isfinite(ours) and abs(ours - theirs) <= 2e-5 * abs(theirs), (r["hfmeg_losses"], r["hf_losses"])
+    # By hand, per token: 6 x (matmul parameters it goes through + LM head) + attention's 12 s l h. A layer's are
+    # Q, K, V, O (4 h^2, as many K/V heads as query heads), the router (h E) and 2 of the 4 SwiGLU experts (3 h f).
+    h, f, s, n = sh["hidden"], sh["ffn"], sh["seq"], sh["layers"]
+    layer = 4 * h * h + h * 4 + 2 * 3 * h * f
+    assert r["flops_per_token"] == 6 * (n * layer + h * sh["vocab"]) + 12 * s * n * h
+
+    # check_plan_gpu rebuilds the row's Mixtral (a dense row's LLaMA) and the planner predicts it at EP = 1.
+    plan = load_tool("check_plan_gpu")
+    hf = plan.hf_config(sh)
+    assert isinstance(hf, MixtralConfig) and not hf.output_router_logits
+    assert (hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size) == (4, 2, sh["ffn"])
+    assert type(plan.hf_config({**sh, "experts": None, "top_k": None})) is LlamaConfig
+    measured = {**r, "hfmeg_peak_mem_bytes": 2**20}  # a CPU run measures no GPU memory
+    row = plan.check(measured, "h100", load_profile(RECORDS / "h100_profile.json"))
+    assert (row["experts"], row["top_k"], row["layout"]) == (4, 2, "tp1-pp1-dp1-mb2-none-overlapped")
+    assert row["predicted_bytes"] > 0 and row["predicted_step_s"] > 0
+
+
 def test_bad_arguments_exit_2_with_one_message(capsys):
     tool = _tool()
     for argv, field in ((["--tiny", "--heads", "5"], "--heads"), (["--tiny", "--seq", "0"], "--seq"),
-                        (["--tiny", "--warmup", "-1"], "--warmup")):
+                        (["--tiny", "--warmup", "-1"], "--warmup"), (["--tiny", "--top-k", "2"], "--top-k"),
+                        (["--tiny", "--experts", "2", "--top-k", "3"], "--top-k")):
         with pytest.raises(SystemExit) as e:
             tool.parse_args(argv)
         assert e.value.code == 2
@@ -93,6 +125,7 @@ def test_trainer_path_runs_packed_rows_and_defaults_to_tiny_without_a_gpu():
 def test_default_shapes_follow_the_device():
     tool = _tool()
     assert tool.parse_args([], cuda=True).hidden == 4096
+    assert tool.parse_args(["--experts", "8"], cuda=True).top_k == 2
     a = tool.parse_args([], cuda=False)
     assert a.tiny and a.hidden == 64
 

@@ -2,6 +2,8 @@
 
 Model: LLaMA-2-7B layer shapes (hidden 4096, FFN 11008, 32 heads, vocabulary 32000,
 sequence 4096) with `--layers` layers, randomly initialised once by transformers;
+`--experts E [--top-k K]` makes it a Mixtral of the same shapes instead (`hf_config`:
+every layer's MLP is E SwiGLU experts of FFN `--ffn`, each token routed to K of them);
 both sides start from those same weights (hfmeg reads them from memory through
 `hfmeg.checkpoint.tensor_source.TensorSource`), see the same token ids, and run full
 training steps: `--grad-accum` micro-batches of `--micro-batch-size` sequences
@@ -13,7 +15,8 @@ weight decay 0.1 except norms) and the update.
   chunked LM-head + cross-entropy, bf16 parameters; `DistributedOptimizer` (mode
   `overlapped`, torch fused AdamW on the fp32 master shard, fp32 main grads); the
   step is `pipeline.forward_backward` + `opt.step()`, as in the trainer.
-- anchor: transformers `LlamaForCausalLM` with `attn_implementation="sdpa"`, bf16
+- anchor: transformers `LlamaForCausalLM` (`MixtralForCausalLM`, its default experts
+  implementation) with `attn_implementation="sdpa"`, bf16
   parameters updated by `torch.optim.AdamW(fused=True)` (bf16 moments, no fp32
   master: the fastest and smallest setting HF offers), `clip_grad_norm_(foreach)`.
   `--recompute full` turns on HF activation checkpointing too (same memory regime);
@@ -32,15 +35,19 @@ Timing: `--warmup` untimed steps (compilation, allocator warm-up), then `--steps
 steps between two `torch.cuda.synchronize()` + `perf_counter()`. Peak memory is
 `torch.cuda.max_memory_allocated` since the side's model and optimizer were built
 (reset then, and everything of the other side freed before). MFU uses the Megatron-LM
-formula (`hfmeg.plan.flops.training_flops`) against the dense bf16 peak of the GPU
+formula (`hfmeg.plan.flops.training_flops`; for an MoE it counts the router and the
+top-k experts a token goes through, not all experts) against the dense bf16 peak of the GPU
 (989 TFLOP/s for H100/H200 SXM; `--peak-tflops` overrides); null when unknown.
 
 Memory per parameter: hfmeg 18 bytes (bf16 weight, fp32 main grad, fp32 master and
 two fp32 moments), the anchor 8 (bf16 weight, grad and two moments), plus
 activations; 16 LLaMA-7B layers (3.5 B parameters with embeddings) fit an H200 with
-recompute off. The last line printed is one JSON object. GPU run:
+recompute off; 2 Mixtral-8x7B-shaped layers (3.2 B parameters, 8 experts of FFN 14336)
+fit an 80 GB H100 (about 58 GiB by the planner). The last line printed is one JSON object.
+GPU runs:
 
     .venv/bin/python tools/bench_mfu.py --layers 16 [--trainer-path]
+    .venv/bin/python tools/bench_mfu.py --layers 2 --ffn 14336 --experts 8 --top-k 2
 CPU smoke test (fp32, both sides' losses must agree step by step; without a GPU the
 tiny shapes are the default, 7B-shape layers would not fit a CPU's memory):
 
@@ -58,7 +65,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MixtralConfig
 
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.mp_layout import parse_dtype
@@ -91,6 +98,9 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
     for name in ("layers", "hidden", "ffn", "heads", "vocab", "seq", "micro-batch-size", "grad-accum", "steps",
                  "warmup"):
         p.add_argument(f"--{name}", type=at_least(0 if name == "warmup" else 1), default=None)
+    p.add_argument("--experts", type=at_least(1), default=None,
+                   help="a Mixtral with this many experts per layer, each of FFN --ffn (default: dense LLaMA)")
+    p.add_argument("--top-k", type=at_least(1), default=None, help="experts per token with --experts (default 2)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="Inductor for hfmeg's norm/RoPE/SwiGLU (default: on with CUDA)")
@@ -108,7 +118,32 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
             setattr(a, k, v)
     if a.hidden % a.heads:
         p.error(f"--hidden {a.hidden} is not divisible by --heads {a.heads}")
+    if a.experts is None:
+        if a.top_k is not None:
+            p.error("--top-k needs --experts")
+    else:
+        a.top_k = 2 if a.top_k is None else a.top_k  # Mixtral's
+        if a.top_k > a.experts:
+            p.error(f"--top-k {a.top_k} is more than --experts {a.experts}")
     return a
+
+
+def hf_config(shapes: dict) -> LlamaConfig | MixtralConfig:
+    """The transformers config of a run's `shapes` (its JSON line's dict), also read by tools/check_plan_gpu.py.
+
+    LLaMA, or Mixtral when `experts` is set (lines written before `--experts` have no such key).
+    Both have as many K/V heads as query heads and untied embeddings. The Mixtral's router
+    logits are not output, so neither side adds the load-balancing loss: both train on the
+    same cross-entropy.
+    """
+    common = dict(hidden_size=shapes["hidden"], intermediate_size=shapes["ffn"], num_hidden_layers=shapes["layers"],
+                  num_attention_heads=shapes["heads"], num_key_value_heads=shapes["heads"],
+                  vocab_size=shapes["vocab"], max_position_embeddings=shapes["seq"], rms_norm_eps=1e-5,
+                  tie_word_embeddings=False)
+    if shapes.get("experts"):
+        return MixtralConfig(**common, num_local_experts=shapes["experts"], num_experts_per_tok=shapes["top_k"],
+                             output_router_logits=False)
+    return LlamaConfig(**common)
 
 
 @dataclass
@@ -241,13 +276,16 @@ def main(argv=None) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = parse_dtype(a.dtype or ("bf16" if device.type == "cuda" else "fp32"))
     a.compile = device.type == "cuda" if a.compile is None else a.compile
-    hf_cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
-                         num_attention_heads=a.heads, num_key_value_heads=a.heads, vocab_size=a.vocab,
-                         max_position_embeddings=a.seq, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    shapes = dict(layers=a.layers, hidden=a.hidden, ffn=a.ffn, heads=a.heads, vocab=a.vocab, seq=a.seq,
+                  experts=a.experts, top_k=a.top_k, micro_batch_size=a.micro_batch_size, grad_accum=a.grad_accum,
+                  steps=a.steps, warmup=a.warmup)
+    hf_cfg = hf_config(shapes)
     cfg = model_config_from_hf(hf_cfg)
     batches = make_batches(a, device)
 
     model = random_hf_model(hf_cfg, seed=a.seed, dtype=dtype, device=device)
+    # transformers runs the experts with torch's grouped_mm where it can, else with its eager loop: record which.
+    experts_impl = f"experts={model.config._experts_implementation}, " if a.experts else ""
     source = TensorSource.snapshot(model)  # on the CPU: not counted in either side's GPU memory
     hf = run_hf(model, batches, a, device)
     del model
@@ -271,11 +309,10 @@ def main(argv=None) -> dict:
         hfmeg_tokens=ours.tokens, hf_tokens=hf.tokens, hfmeg_losses=ours.losses, hf_losses=hf.losses,
         peak_flops=peak, flops_per_token=flops_per_token, trainer_path=a.trainer_path, recompute=a.recompute,
         documents_per_row=_documents_per_row(batches) if a.trainer_path else 1.0,
-        shapes=dict(layers=a.layers, hidden=a.hidden, ffn=a.ffn, heads=a.heads, vocab=a.vocab, seq=a.seq,
-                    micro_batch_size=a.micro_batch_size, grad_accum=a.grad_accum, steps=a.steps, warmup=a.warmup),
+        shapes=shapes,
         hfmeg_settings=f"compile={'inductor' if a.compile else 'none'} recompute={a.recompute} chunked-CE "
                        "overlapped DistributedOptimizer fused AdamW, fp32 master + main grads",
-        hf_settings=f"sdpa, fused AdamW on {result_dtype} params, clip foreach, "
+        hf_settings=f"sdpa, {experts_impl}fused AdamW on {result_dtype} params, clip foreach, "
                     f"activation_checkpointing={a.recompute == 'full'}, torch.compile={a.hf_compile}",
     )
     _print_table(result)
