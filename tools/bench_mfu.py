@@ -189,7 +189,7 @@ def _measure(step, a, device) -> SideResult:
 def run_hf(model, batches, a, device) -> SideResult:
     """The anchor: transformers' own loss (it shifts labels), fused AdamW on the bf16 parameters."""
     if a.recompute == "full":
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     forward = torch.compile(model) if a.hf_compile else model
     named = list(model.named_parameters())
