@@ -161,7 +161,7 @@ def test_seed_example_by_default_prefers_model_parallelism_over_plain_dp():
     plain = evaluate(job, PlanLayout(1, 1, 128, 1))
     # 100 Gbps per node: plain DP's rings move 6 B x 3.8B params per step through every node's NICs (a ring
     # crosses each node boundary once), more than a step's compute can hide; the best layout keeps DP in a node.
-    assert best.time.step_s < plain.time.step_s / 2
+    assert best.time.step_s < 0.6 * plain.time.step_s
     assert best.layout.tp * best.layout.pp > 1
 
 

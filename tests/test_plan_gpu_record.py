@@ -15,7 +15,7 @@ from tool_loader import load_tool
 RECORDS = Path(__file__).resolve().parents[1] / "docs" / "measurements"
 
 
-def test_h100_memory_within_10_percent_and_step_time_within_15_percent(capsys):
+def test_h100_memory_within_10_percent_and_step_time_within_10_percent(capsys):
     tool = load_tool("check_plan_gpu")
     assert tool.main([str(RECORDS / "h100_bench_mfu.jsonl"), "--profile", str(RECORDS / "h100_profile.json"),
                       "--gpu", "h100"]) == 0
@@ -25,7 +25,21 @@ def test_h100_memory_within_10_percent_and_step_time_within_15_percent(capsys):
     assert {r["recompute"] for r in rows} == {"none", "selective", "full"}
     for r in rows:
         assert abs(r["memory_error"]) <= 0.10, r
-    assert summary["median_abs_time_error"] <= 0.15
+    assert summary["median_abs_time_error"] <= 0.10
+
+
+def test_h100_mixtral_memory_within_10_percent_and_step_time_within_30_percent(capsys):
+    """Mixtral-shaped rows (8 experts, top-2, EP 1): memory is counted as closely as for dense
+    models; step time is the model's known gap (predicted too fast, README), guarded from widening."""
+    tool = load_tool("check_plan_gpu")
+    assert tool.main([str(RECORDS / "h100_bench_mfu_moe.jsonl"), "--profile", str(RECORDS / "h100_profile.json"),
+                      "--gpu", "h100"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [json.loads(x) for x in lines[:-1]]
+    assert len(rows) == 2 and {(r["experts"], r["top_k"]) for r in rows} == {(8, 2)}
+    for r in rows:
+        assert abs(r["memory_error"]) <= 0.10, r
+        assert abs(r["time_error"]) <= 0.30, r
 
 
 def test_unreadable_results_are_one_line_errors(tmp_path, capsys):

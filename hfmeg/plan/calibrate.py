@@ -3,7 +3,8 @@
 - matmul efficiency vs size: square matmuls from 64 to `max_n`, median of repeats,
   as a fraction of the reference peak (the GPU's datasheet peak; on a CPU, the
   best rate measured, since a CPU has no single published peak);
-- attention: causal SDPA forward + backward, on the causal half of Megatron's FLOPs;
+- attention: causal SDPA forward + backward, on the causal half of Megatron's FLOPs (head dim
+  128 on GPUs);
 - streaming bandwidth (a large copy), and the fixed costs of one decoder layer's
   forward + backward, of the embedding + LM head + loss, and of one gradient
   bucket in the optimizer step, at sizes where compute is negligible; an MoE
@@ -84,13 +85,14 @@ def _matmul_rates(device, dtype, max_n: int, repeats: int) -> list[tuple[float, 
     return out
 
 
-def _attention_rate(device, dtype, seq: int, heads: int, repeats: int) -> float:
-    q, k, v = (torch.randn(1, heads, seq, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+def _attention_rate(device, dtype, seq: int, heads: int, head_dim: int, repeats: int) -> float:
+    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
 
     def step():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-    causal_flops = 3 * 2.0 * seq * seq * heads * 64  # forward 2·s²·h·d (causal half), backward twice that
+    causal_flops = 3 * 2.0 * seq * seq * heads * head_dim  # forward 2·s²·h·d (causal half), backward twice that
     return causal_flops / _timed(step, device, repeats)
 
 
@@ -273,7 +275,9 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     dtype = torch.float32 if cpu else torch.bfloat16
     rates = _matmul_rates(dev, dtype, max_n or (1024 if cpu else 16384), repeats)
     peak = peak_flops or max(r for _, r in rates)
-    attention = _attention_rate(dev, dtype, 512 if cpu else 4096, 4 if cpu else 32, repeats)
+    # GPUs: head dim 128 (LLaMA, Mistral, Mixtral, Qwen), where flash kernels run about twice the FLOP rate
+    # they reach at 64.
+    attention = _attention_rate(dev, dtype, *((512, 4, 64) if cpu else (4096, 32, 128)), repeats)
     bw = _bandwidth(dev, repeats)
     layer_overhead, ends_overhead, moe_overhead, expert_overhead, selective, full = _fixed_costs(dev, repeats)
     bucket_overhead = 0.0 if in_job else _single_rank(_bucket_overhead, dev.type, repeats)

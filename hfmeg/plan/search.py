@@ -47,6 +47,7 @@ class Job:
     seq_len: int
     dtype_bytes: int = 2
     attention: str = "flash"  # the attention kernels timed (step_time.ATTENTION_KERNELS): hfmeg's are flash
+    grad_accumulation: bool = True  # the per-micro-batch pass into the main grads (step_time): hfmeg's runtime
 
 
 def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
@@ -58,7 +59,8 @@ def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
         raise LayoutError(f"out of memory: needs {mem.total / GIB:.1f} GiB per GPU, "
                           f"{job.cluster.usable_memory / GIB:.1f} GiB usable")
     return Evaluation(lay, mem, step_time(job.cfg, lay, job.cluster, job.profile, job.global_batch, job.seq_len,
-                                          job.dtype_bytes, memories=stages, attention=job.attention))
+                                          job.dtype_bytes, memories=stages, attention=job.attention,
+                                          grad_accumulation=job.grad_accumulation))
 
 
 def expert_parallel_sizes(cfg: ModelConfig, dp: int) -> list[int]:

@@ -22,8 +22,16 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
 - elementwise kernels (norms, RoPE, SwiGLU, residuals): three passes over the
   saved activations at streaming bandwidth, plus the profile's fixed cost per layer
   (an MoE layer's grows with the experts it holds) and for the embedding and the
-  head + loss;
+  head + loss. On a CPU the fixed costs add to the compute (the same cores run
+  both); on a GPU the host launches kernels ahead of the device, so a layer takes
+  the longer of its device work and its fixed cost, and the ends' fixed costs hide
+  behind the stage's device work the same way;
 - recompute: `full` runs each layer's forward again, `selective` the attention core;
+- gradient accumulation: every micro-batch's weight gradients are added into the
+  fp32 main grads, a pass over all the stage's parameters at streaming bandwidth:
+  with bf16 parameters autograd's copy of the new gradient (2 + 2 bytes), then the
+  hook's add (2 + 4 + 4); with fp32 ones `param.grad` is the main grad and autograd
+  adds in place (4 + 4 + 4) (`parallel/grad_sync.py`);
 - TP collectives: per layer two all-reduces forward and two backward (with SP the
   same bytes as all-gather + reduce-scatter pairs, times the profile's measured
   `sequence_parallel_comm`), ring cost on the TP link; on
@@ -77,6 +85,11 @@ from .memory import Memory, stage_memories
 from .profile import Profile
 
 ADAMW_BYTES_PER_ELEMENT = 36
+
+
+def grad_accumulate_bytes(dtype_bytes: int) -> int:
+    """Bytes moved per parameter element when one micro-batch's gradient joins the main grad."""
+    return (2 + 2) + (2 + 4 + 4) if dtype_bytes == 2 else 4 + 4 + 4
 
 
 @dataclass(frozen=True)
@@ -199,17 +212,22 @@ class _Stage:
         none = replace(x, recompute="none")
         elementwise = 3 * layer_bytes(c, none, layer) / self.prof.memory_bytes_per_s
         kernels = self.prof.layer_fixed_s(c.moe.num_experts // self.lay.ep if c.is_sparse(layer) else None)
-        fwd = mm + attn + (elementwise + kernels) / 3
-        bwd = 2 * mm + attn_bwd + 2 * (elementwise + kernels) / 3
+        # (device work, fixed cost) of the forward and of the backward
+        fwd = mm + attn + elementwise / 3, kernels / 3
+        bwd = 2 * mm + attn_bwd + 2 * elementwise / 3, 2 * kernels / 3
         ar = _ring(x.dtype_bytes * tok * h, t, self.tp_link, passes=2) * self.sp_comm
         comm = (2 + mlp_collectives) * ar
         ep_comm = 2 * a2a  # the forward's two exchanges, and the backward's two
         if x.recompute == "full":
-            rerun = fwd - kernels / 3 + self.prof.full_recompute_fixed * kernels
-            bwd, comm, ep_comm = bwd + rerun, comm + 2 * ar, ep_comm + a2a
+            bwd = bwd[0] + fwd[0], bwd[1] + self.prof.full_recompute_fixed * kernels
+            comm, ep_comm = comm + 2 * ar, ep_comm + a2a
         elif x.recompute == "selective":
-            bwd += attn + self.prof.selective_recompute_fixed * kernels
-        return fwd * self.slow, bwd * self.slow, comm, ep_comm
+            bwd = bwd[0] + attn, bwd[1] + self.prof.selective_recompute_fixed * kernels
+        return self.with_fixed(*fwd) * self.slow, self.with_fixed(*bwd) * self.slow, comm, ep_comm
+
+    def with_fixed(self, device: float, fixed: float) -> float:
+        """Seconds of device work with a fixed cost: added on a CPU, overlapped on a GPU (see the module docstring)."""
+        return device + fixed if self.prof.gloo else max(device, fixed)
 
     def ends_comm(self, pre: bool, post: bool) -> float:
         """gloo: the TP all-reduces of the ends per micro-batch, the vocab-parallel embedding's output
@@ -228,9 +246,11 @@ class _Stage:
 
 def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Profile, global_batch: int,
               seq_len: int, dtype_bytes: int = 2, opt: OptimizerConfig | None = None,
-              memories: list[Memory] | None = None, attention: str = "flash") -> StepTime:
+              memories: list[Memory] | None = None, attention: str = "flash",
+              grad_accumulation: bool = True) -> StepTime:
     """`memories`: the stages' `Memory` when the caller has them already (for their bucket sizes);
-    `attention`: one of ATTENTION_KERNELS."""
+    `attention`: one of ATTENTION_KERNELS; `grad_accumulation`: time hfmeg's per-micro-batch pass into
+    the main grads (False: a runtime whose pass is not modelled)."""
     if attention not in ATTENTION_KERNELS:
         raise UnsupportedConfigError(f"attention kernels {attention!r}: choose one of {ATTENTION_KERNELS}")
     opt = opt or OptimizerConfig(mode=lay.optimizer)
@@ -257,8 +277,10 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
         comm_l += sum(stage.ends_comm(s.pre_process, s.post_process) for s in mine)
         ends = (prof.ends_overhead_s / 2 * sum(s.pre_process + s.post_process for s in mine)
                 + prof.microbatch_overhead_s * len(mine)) * slow
-        fwd = fwd_l + (head_f if post else 0.0) + ends / 3
-        bwd = bwd_l + (head_b if post else 0.0) + 2 * ends / 3
+        grads = grad_accumulation * memories[r].param_buffer / dtype_bytes * grad_accumulate_bytes(dtype_bytes) \
+            / prof.memory_bytes_per_s * slow
+        fwd = stage.with_fixed(fwd_l + (head_f if post else 0.0), ends / 3)
+        bwd = stage.with_fixed(bwd_l + (head_b if post else 0.0) + grads, 2 * ends / 3)
         # Each chunk boundary a rank touches carries two messages per micro-batch: the activation in the
         # forward and its gradient in the backward.
         p2p = 2 * p2p_msg * sum((not s.pre_process) + (not s.post_process) for s in mine)
