@@ -29,9 +29,9 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
 - recompute: `full` runs each layer's forward again, `selective` the attention core;
 - gradient accumulation: every micro-batch's weight gradients are added into the
   fp32 main grads, a pass over all the stage's parameters at streaming bandwidth:
-  with bf16 parameters autograd's copy of the new gradient (2 + 2 bytes), then the
-  hook's add (2 + 4 + 4); with fp32 ones `param.grad` is the main grad and autograd
-  adds in place (4 + 4 + 4) (`parallel/grad_sync.py`);
+  with bf16 parameters the hook reads the new gradient and reads and writes the
+  main grad (2 + 4 + 4 bytes); with fp32 ones `param.grad` is the main grad and
+  autograd adds in place (4 + 4 + 4) (`parallel/grad_sync.py`);
 - TP collectives: per layer two all-reduces forward and two backward (with SP the
   same bytes as all-gather + reduce-scatter pairs, times the profile's measured
   `sequence_parallel_comm`), ring cost on the TP link; on
@@ -89,7 +89,7 @@ ADAMW_BYTES_PER_ELEMENT = 36
 
 def grad_accumulate_bytes(dtype_bytes: int) -> int:
     """Bytes moved per parameter element when one micro-batch's gradient joins the main grad."""
-    return (2 + 2) + (2 + 4 + 4) if dtype_bytes == 2 else 4 + 4 + 4
+    return 2 + 4 + 4 if dtype_bytes == 2 else 4 + 4 + 4
 
 
 @dataclass(frozen=True)
