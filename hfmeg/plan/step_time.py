@@ -287,7 +287,10 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
         stages.append((fwd, bwd, comm_l, a2a_l, p2p, memories[r]))
     per_mb = [f + b + c + e + p for f, b, c, e, p, _ in stages]
     slowest = max(range(lay.pp), key=lambda r: per_mb[r])
-    bubble = (lay.pp - 1) / lay.vpp * sum(per_mb) / lay.pp
+    # Fill and drain: besides the idle compute, the first micro-batch's activation crosses every chunk
+    # boundary before the last chunk starts, and the last gradient crosses them all back: 2(p·v − 1)
+    # messages in series on the critical path.
+    bubble = (lay.pp - 1) / lay.vpp * sum(per_mb) / lay.pp + 2 * (lay.pp * lay.vpp - 1) * p2p_msg
     f, b, c, e, p, _ = stages[slowest]
 
     def dp_and_update(fwd: float, bwd: float, mem: Memory) -> tuple[float, float]:
