@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# The GPU checklist (../shared/gpu-checklist.md) in two parts of under ten minutes each, for a
+# The GPU checklist (../shared/gpu-checklist.md) in three parts of under ten minutes each, for a
 # lent single-GPU machine that already has a CUDA build of torch:
 #
 #   bash tools/gpu_checklist.sh 1   # suite on CUDA (+ the CPU suite beside it), attention, calibration,
 #                                   # the trainer end to end on NCCL (bf16, resume, fp16, export)
 #   bash tools/gpu_checklist.sh 2   # MFU: plain, on the trainer path, vs a compiled transformers,
 #                                   # and 13B layer shapes under each recompute mode
+#   bash tools/gpu_checklist.sh 3   # a Mixtral (8 experts, top-2) vs transformers, with and without full
+#                                   # recompute, and the planner against those runs
 #
 # Logs and JSON go to $OUT (default out/gpu). Wheels in .whl/ (missing packages, carried to the
 # machine) are installed into /tmp/site first; the assets are looked for in .gpu/assets when
 # ../shared/assets is absent. Every step has its own time limit so that a hang costs one step,
 # not the part. LAYERS (default 16) sets the 7B-shape layers of the MFU runs.
 set -u
-part=${1:?usage: gpu_checklist.sh 1|2}
+part=${1:?usage: gpu_checklist.sh 1|2|3}
 OUT=${OUT:-out/gpu}
 PY=${PY:-python3}
 LAYERS=${LAYERS:-16}
@@ -42,8 +44,8 @@ part1() {
   "$PY" -c "import torch, transformers, datasets, pyarrow; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
   step "suite: test_gpu" 180 "$PY" -m pytest -q -rs tests/test_gpu.py
-  # The CPU suite beside the GPU steps (16 cores): it must stay on CPU/gloo on a GPU machine.
-  (timeout 420 "$PY" -m pytest -q --ignore=tests/test_gpu.py tests >"$OUT/pytest_cpu.log" 2>&1;
+  # The CPU suite beside the GPU steps (16 cores, 8 xdist workers): it must stay on CPU/gloo on a GPU machine.
+  (timeout 420 "$PY" -m pytest -q -n 8 -p no:cacheprovider --ignore=tests/test_gpu.py tests >"$OUT/pytest_cpu.log" 2>&1;
    echo "exit $?" >>"$OUT/pytest_cpu.log") &
   local suite=$!
   step "attention bench" 120 "$PY" tools/bench_attention.py
@@ -81,6 +83,16 @@ part2() {
     step "13B layer shapes, 4 layers, recompute $r" 100 "$PY" tools/bench_mfu.py --layers 4 --hidden 5120 \
       --ffn 13824 --heads 40 --recompute "$r" --steps 3 --warmup 2
   done
+}
+
+part3() {
+  local moe="--layers 2 --ffn 14336 --experts 8 --top-k 2"
+  step "Mixtral 2 layers" 170 "$PY" tools/bench_mfu.py $moe | tee "$OUT/moe.jsonl"
+  step "Mixtral 2 layers, full recompute" 170 "$PY" tools/bench_mfu.py $moe --recompute full | tee -a "$OUT/moe.jsonl"
+  step "calibration" 150 "$PY" -m hfmeg.plan calibrate --device cuda --out "$OUT/gpu_profile.json"
+  local kind
+  kind=$("$PY" -c "import torch; print('h200' if 'H200' in torch.cuda.get_device_name() else 'h100')")
+  "$PY" tools/check_plan_gpu.py "$OUT/moe.jsonl" --profile "$OUT/gpu_profile.json" --gpu "$kind"
 }
 
 "part$part" 2>&1 | tee "$OUT/part$part.log"
