@@ -66,6 +66,10 @@ def _refused(capsys, argv: list[str], expect: str) -> None:
      "parallel.tp: set on the command line, but parallel.layout auto chooses it; drop it or use --layout manual"),
     (["--layout", "auto", "--set", "parallel.pp_layers=1,1"],
      "parallel.pp_layers: a layer split fits one pp x vpp, and parallel.layout auto chooses those"),
+    (["--layout", "auto", "--set", "parallel.plan_profile=no-profile.json"],
+     "parallel.plan_profile: no-profile.json is not a file (write one with `hfmeg plan calibrate --out FILE`)"),
+    (["--set", "parallel.plan_profile=no-profile.json"],
+     "parallel.plan_profile: only parallel.layout auto plans with a profile; drop it or use --layout auto"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(capsys, argv, expect):
     _refused(capsys, argv, expect)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,13 @@ from transformers import LlamaConfig
 
 from helpers import stories_or_skip
 from hfmeg.config import model_config_from_hf
-from hfmeg.errors import CheckpointError
+from hfmeg.errors import CheckpointError, UnsupportedConfigError
 from hfmeg.parallel.launch import spawn
 from hfmeg.plan.auto import choice_line, detect_cluster, report
 from hfmeg.plan.hardware import gpu_kind
 from hfmeg.plan.hardware import GIB, ClusterSpec, GpuSpec
 from hfmeg.plan.layout import parse_layout
-from hfmeg.plan.profile import ASSUMED
+from hfmeg.plan.profile import ASSUMED, load_profile
 from hfmeg.plan.search import Job, best_layout, evaluate
 from hfmeg.train import cli
 from hfmeg.train.auto_layout import LayoutReport, apply_layout, layout_of, resolve_layout
@@ -64,6 +65,24 @@ def test_cpu_cluster_a_choice_that_uses_every_rank_and_its_lines():
     assert line.startswith(f"layout {lay.name()}: step ") and "(-50%)" in line and "not measured off CUDA" in line
     line = report(ev, measured_step_s=ev.time.step_s, measured_peak_bytes=ev.memory.total // 2)
     assert "(+0%)" in line and "(+100%)" in line
+
+
+def test_a_calibrated_profile_times_the_choice_and_must_match_the_device(tmp_path):
+    """`parallel.plan_profile`: the run plans with that profile and its gloo link for the ranks on the host,
+    not the quick one measured at start; a GPU profile on CPU ranks is refused naming the field."""
+    profile = replace(ASSUMED["h100"], name="cpu x2 (calibrated)", cores=2,
+                      links=((2, 7e8, 6e-4), (4, 4e8, 8e-4)), slowdown=((2, 1.1), (4, 2.4)))
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(asdict(profile)))
+    cluster, used = detect_cluster(4, 4, torch.device("cpu"), str(path))
+    assert used == load_profile(path) and used.name == "cpu x2 (calibrated)"
+    assert (cluster.gpu.intra_node_bytes_per_s, cluster.intra_node_latency_s) == (4e8, 8e-4)
+    assert cluster.gpus == 4 and math.isfinite(cluster.usable_memory) and cluster.usable_memory > 0
+    gpu = tmp_path / "h100.json"
+    gpu.write_text(json.dumps(asdict(ASSUMED["h100"])))
+    with pytest.raises(UnsupportedConfigError, match=r"parallel.plan_profile: .*h100.json was calibrated on a GPU, "
+                                                     r"and this run is on cpu"):
+        detect_cluster(4, 4, torch.device("cpu"), str(gpu))
 
 
 def test_the_choice_replaces_the_layout_fields_in_a_new_config():

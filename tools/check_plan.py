@@ -30,7 +30,7 @@ from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 from hfmeg.config import model_config_from_hf
 from hfmeg.errors import HfmegError
 from hfmeg.optim.config import OptimizerConfig
-from hfmeg.plan.hardware import ClusterSpec, GpuSpec
+from hfmeg.plan.auto import cpu_cluster
 from hfmeg.plan.layout import PlanLayout
 from hfmeg.plan.measure import Case, measure_cases
 from hfmeg.plan.memory import stage_memory
@@ -88,13 +88,6 @@ GRID = [
     ("qwen-moe", PlanLayout(1, 2, 2, 1, ep=2), 2),
     ("qwen-moe", PlanLayout(1, 1, 4, 1, ep=2, optimizer="distributed"), 1),
 ]
-
-
-def cpu_cluster(profile, gpus: int) -> ClusterSpec:
-    """`gpus` ranks on this host; their links are the profile's gloo links for that many ranks."""
-    link_bw, link_latency = profile.link(gpus)
-    spec = GpuSpec("cpu", profile.peak_flops, float("inf"), profile.memory_bytes_per_s, link_bw)
-    return ClusterSpec(spec, gpus, gpus, intra_node_latency_s=link_latency, reserved_bytes=0)
 
 
 def run(args) -> list[dict]:

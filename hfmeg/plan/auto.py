@@ -11,7 +11,9 @@ reads it off the device:
 - CPU (gloo ranks): the host's memory shared by the local ranks, and a profile measured
   here and now in a fraction of a second (`calibrate(in_job=True)`: matmul and attention
   rates, bandwidth, the fixed costs of a layer); the link is gloo over loopback at the
-  figures below. Not deterministic (timings), so the trainer measures on rank 0 and
+  figures below. That quick profile cannot measure what ranks sharing the host cost
+  each other; a full `hfmeg plan calibrate` profile can (`parallel.plan_profile`, on
+  GPUs too, in place of the assumed one). Not deterministic (timings), so the trainer measures on rank 0 and
   broadcasts the choice. On a CPU the choice matters for memory (what fits) far more
   than for speed.
 
@@ -31,7 +33,7 @@ import torch
 from ..errors import UnsupportedConfigError
 from .calibrate import calibrate
 from .hardware import GIB, GPUS, ClusterSpec, GpuSpec, gpu_kind
-from .profile import Profile, default_profile
+from .profile import Profile, default_profile, load_profile
 from .search import Evaluation
 
 # gloo all-reduce between two ranks over loopback, as `hfmeg plan calibrate` measured it on
@@ -40,8 +42,25 @@ GLOO_BYTES_PER_S = 1e9
 GLOO_LATENCY_S = 1e-4
 
 
-def detect_cluster(world_size: int, local_world_size: int, device: torch.device) -> tuple[ClusterSpec, Profile]:
-    """The cluster this job runs on, and the profile to time it with."""
+def cpu_cluster(profile: Profile, ranks: int, per_host: int | None = None,
+                memory_per_rank: float = float("inf")) -> ClusterSpec:
+    """`ranks` gloo ranks, `per_host` (default all) on each host: the profile's gloo link measured with
+    that many ranks on the host (a profile without one: the loopback figures above)."""
+    per_host = per_host or ranks
+    bw, latency = profile.link(per_host) or (GLOO_BYTES_PER_S, GLOO_LATENCY_S)
+    spec = GpuSpec("cpu", profile.peak_flops, memory_per_rank, profile.memory_bytes_per_s, bw)
+    return ClusterSpec(spec, ranks, per_host, intra_node_latency_s=latency, reserved_bytes=0)
+
+
+def detect_cluster(world_size: int, local_world_size: int, device: torch.device,
+                   profile_path: str | None = None) -> tuple[ClusterSpec, Profile]:
+    """The cluster this job runs on, and the profile to time it with: `profile_path`'s
+    (`parallel.plan_profile`) when given, else the GPU kind's assumed one or, on CPU ranks,
+    one measured here."""
+    given = load_profile(profile_path) if profile_path else None
+    if given is not None and given.gloo != (device.type == "cpu"):
+        raise UnsupportedConfigError(f"parallel.plan_profile: {profile_path} was calibrated on a "
+                                     f"{'CPU' if given.gloo else 'GPU'}, and this run is on {device.type}")
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         kind = gpu_kind(props.name, props.total_memory)
@@ -50,13 +69,11 @@ def detect_cluster(world_size: int, local_world_size: int, device: torch.device)
                 f"parallel.layout: auto knows {', '.join(GPUS)} GPUs, not {props.name!r}; use --layout manual "
                 "with a layout from `hfmeg plan --gpu custom ...`")
         spec = replace(GPUS[kind], memory_bytes=float(props.total_memory))
-        return ClusterSpec(spec, world_size, local_world_size), default_profile(kind, spec.peak_flops,
-                                                                                spec.hbm_bytes_per_s)
-    profile = calibrate("cpu", max_n=512, repeats=3, name="cpu (measured at start)", in_job=True)
+        return ClusterSpec(spec, world_size, local_world_size), given or default_profile(kind, spec.peak_flops,
+                                                                                         spec.hbm_bytes_per_s)
+    profile = given or calibrate("cpu", max_n=512, repeats=3, name="cpu (measured at start)", in_job=True)
     host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    spec = GpuSpec("cpu", profile.peak_flops, host / local_world_size, profile.memory_bytes_per_s, GLOO_BYTES_PER_S)
-    return ClusterSpec(spec, world_size, local_world_size, intra_node_latency_s=GLOO_LATENCY_S,
-                       reserved_bytes=0), profile
+    return cpu_cluster(profile, world_size, local_world_size, host / local_world_size), profile
 
 
 def _size(nbytes: float) -> str:

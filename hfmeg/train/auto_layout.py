@@ -71,7 +71,8 @@ def layout_of(cfg: TrainConfig, world_size: int) -> PlanLayout:
 def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluation | None, str]:
     """Rank 0: (the layout, the planner's evaluation of it or None, the line to print)."""
     world = dist.get_world_size()
-    cluster, profile = detect_cluster(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
+    cluster, profile = detect_cluster(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device,
+                                      cfg.parallel.plan_profile)
     model = model_config_from_hf(load_hf_config(cfg.model.hf_folder()))
     job = Job(model, cluster, profile, cfg.train.global_batch_size, cfg.data.seq_len,
               cfg.model.torch_dtype(device).itemsize)

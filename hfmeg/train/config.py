@@ -64,6 +64,10 @@ class ParallelArgs(ParallelConfig):
     runs the values given here."""
 
     layout: Literal["manual", "auto"] = "manual"
+    # `layout: auto` times its choice with this `hfmeg plan calibrate` profile (CPU: one calibrated with the
+    # ranks on the host, which the quick measurement at start cannot do; GPU: a measured one instead of the
+    # kind's assumed one); None: measured at start on CPU ranks, assumed on GPUs
+    plan_profile: str | None = None
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"  # vpp > 1 implies interleaved
     pp_layers: list[int] | None = None  # layers per pipeline chunk; default even
 

@@ -99,6 +99,9 @@ def _auto_layout(cfg: TrainConfig, overridden: Collection[str]) -> None:
     if is_mp_folder(Path(cfg.model.path)):
         raise ConfigError(f"model.path: {cfg.model.path} is an hfmeg shard folder, cut for one layout, and "
                           "parallel.layout auto chooses the layout; start from the HF model or use --layout manual")
+    if cfg.parallel.plan_profile is not None and not Path(cfg.parallel.plan_profile).is_file():
+        raise ConfigError(f"parallel.plan_profile: {cfg.parallel.plan_profile} is not a file (write one with "
+                          "`hfmeg plan calibrate --out FILE`)")
     for key in AUTO_FIELDS:
         if key in overridden:
             raise ConfigError(f"{key}: set on the command line, but parallel.layout auto chooses it; drop it or use "
@@ -189,6 +192,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collec
     if cfg.parallel.layout == "auto":
         _auto_layout(cfg, overridden)
     else:
+        if cfg.parallel.plan_profile is not None:
+            raise ConfigError("parallel.plan_profile: only parallel.layout auto plans with a profile; drop it or use "
+                              "--layout auto")
         _layout(cfg, world)
     _init(cfg)
     _eval(cfg)
