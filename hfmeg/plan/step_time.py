@@ -44,7 +44,9 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
   in a node, else the node's NICs), plus one latency per peer for the row counts
   exchanged first; each rank runs its E/EP experts on n·k·EP/E rows each (balanced
   routing), so a larger EP means fewer, larger expert GEMMs.
-The pipeline takes m·max(stage) plus the fill/drain bubble (p−1)/v·mean(stage).
+The pipeline takes m·max(stage) plus the fill/drain bubble (p−1)/v·mean(stage) (its
+compute at the slowdown of half the ranks on a CPU host, as half the stages are idle)
+and 2(p·v−1) messages in series.
 Then per stage the data-parallel collectives of its buckets (fp32 gradient
 reduce-scatter, parameter all-gather; `ddp`: a gradient all-reduce), dense buckets
 over DP and, with EP > 1, expert buckets over the expert-DP group (DP/EP ranks,
@@ -287,10 +289,14 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
         stages.append((fwd, bwd, comm_l, a2a_l, p2p, memories[r]))
     per_mb = [f + b + c + e + p for f, b, c, e, p, _ in stages]
     slowest = max(range(lay.pp), key=lambda r: per_mb[r])
-    # Fill and drain: besides the idle compute, the first micro-batch's activation crosses every chunk
-    # boundary before the last chunk starts, and the last gradient crosses them all back: 2(p·v − 1)
-    # messages in series on the critical path.
-    bubble = (lay.pp - 1) / lay.vpp * sum(per_mb) / lay.pp + 2 * (lay.pp * lay.vpp - 1) * p2p_msg
+    # Fill and drain: (p−1)/v stage-times of idle compute. While a pipeline fills or drains, about half its
+    # stages compute, so CPU ranks sharing a host compute at the slowdown of half as many ranks (1 on a
+    # GPU). And the first micro-batch's activation crosses every chunk boundary before the last chunk
+    # starts, the last gradient crosses them all back: 2(p·v − 1) messages in series on the critical path.
+    fill_slow = prof.compute_slowdown(max(1, lay.gpus // 2)) / slow
+    bubble = (lay.pp - 1) / lay.vpp * sum(f * fill_slow + b * fill_slow + c + e + p
+                                          for f, b, c, e, p, _ in stages) / lay.pp \
+        + 2 * (lay.pp * lay.vpp - 1) * p2p_msg
     f, b, c, e, p, _ = stages[slowest]
 
     def dp_and_update(fwd: float, bwd: float, mem: Memory) -> tuple[float, float]:
