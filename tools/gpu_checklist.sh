@@ -90,8 +90,9 @@ part3() {
   step "Mixtral 2 layers" 170 "$PY" tools/bench_mfu.py $moe | tee "$OUT/moe.jsonl"
   step "Mixtral 2 layers, full recompute" 170 "$PY" tools/bench_mfu.py $moe --recompute full | tee -a "$OUT/moe.jsonl"
   step "calibration" 150 "$PY" -m hfmeg.plan calibrate --device cuda --out "$OUT/gpu_profile.json"
-  local kind
-  kind=$("$PY" -c "import torch; print('h200' if 'H200' in torch.cuda.get_device_name() else 'h100')")
+  local kind  # the planner's own name for this GPU (hardware.gpu_kind)
+  kind=$("$PY" -c "import torch; from hfmeg.plan.hardware import gpu_kind
+p = torch.cuda.get_device_properties(0); print(gpu_kind(p.name, p.total_memory))")
   "$PY" tools/check_plan_gpu.py "$OUT/moe.jsonl" --profile "$OUT/gpu_profile.json" --gpu "$kind"
 }
 

@@ -13,8 +13,8 @@ reads it off the device:
   rates, bandwidth, the fixed costs of a layer); the link is gloo over loopback at the
   figures below. That quick profile cannot measure what ranks sharing the host cost
   each other; a full `hfmeg plan calibrate` profile can (`parallel.plan_profile`, on
-  GPUs too, in place of the assumed one). Not deterministic (timings), so the trainer measures on rank 0 and
-  broadcasts the choice. On a CPU the choice matters for memory (what fits) far more
+  GPUs too, in place of the assumed one). Not deterministic (timings), so the trainer
+  measures on rank 0 and broadcasts the choice. On a CPU the choice matters for memory (what fits) far more
   than for speed.
 
 The trainer ranks the layouts with `search.best_layout` (train/auto_layout.py);

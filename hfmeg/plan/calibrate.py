@@ -275,8 +275,8 @@ def calibrate(device: str = "cpu", peak_flops: float | None = None, max_n: int |
     dtype = torch.float32 if cpu else torch.bfloat16
     rates = _matmul_rates(dev, dtype, max_n or (1024 if cpu else 16384), repeats)
     peak = peak_flops or max(r for _, r in rates)
-    # GPUs: head dim 128 (LLaMA, Mistral, Mixtral, Qwen), where flash kernels run about twice the FLOP rate
-    # they reach at 64.
+    # GPUs: head dim 128 (LLaMA, Mistral, Mixtral, Qwen), where flash kernels reach a higher FLOP rate than at
+    # 64 (README, "On a GPU, predicted vs measured").
     attention = _attention_rate(dev, dtype, *((512, 4, 64) if cpu else (4096, 32, 128)), repeats)
     bw = _bandwidth(dev, repeats)
     layer_overhead, ends_overhead, moe_overhead, expert_overhead, selective, full = _fixed_costs(dev, repeats)

@@ -13,8 +13,8 @@ materialised scores, softmax and dropout at memory bandwidth; flash attention ca
 later too). How that runtime added each micro-batch's gradients into its fp32 main
 grads is not modelled: hfmeg's own pass (`step_time`, measured on an H100) is left
 out here (`--grad-accumulation` adds it). The planner picks only the micro-batch size
-and virtual stages, as a Megatron user would. Memory is counted for hfmeg's own kernels (it only decides
-which micro-batches fit).
+and virtual stages, as a Megatron user would. Memory is counted for hfmeg's own
+kernels (it only decides which micro-batches fit).
 
 Calibration, one per GPU kind and stated: the assumed A100 profile's matmul curve is
 scaled by the one factor that makes a single held-out row, the largest

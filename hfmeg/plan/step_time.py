@@ -90,8 +90,9 @@ ADAMW_BYTES_PER_ELEMENT = 36
 
 
 def grad_accumulate_bytes(dtype_bytes: int) -> int:
-    """Bytes moved per parameter element when one micro-batch's gradient joins the main grad."""
-    return 2 + 4 + 4 if dtype_bytes == 2 else 4 + 4 + 4
+    """Bytes moved per parameter element when one micro-batch's gradient joins the main grad: the new
+    gradient read (the parameters' dtype), the fp32 main grad read and written."""
+    return dtype_bytes + 4 + 4
 
 
 @dataclass(frozen=True)
@@ -294,8 +295,7 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     # GPU). And the first micro-batch's activation crosses every chunk boundary before the last chunk
     # starts, the last gradient crosses them all back: 2(p·v − 1) messages in series on the critical path.
     fill_slow = prof.compute_slowdown(max(1, lay.gpus // 2)) / slow
-    bubble = (lay.pp - 1) / lay.vpp * sum(f * fill_slow + b * fill_slow + c + e + p
-                                          for f, b, c, e, p, _ in stages) / lay.pp \
+    bubble = (lay.pp - 1) / lay.vpp * sum((f + b) * fill_slow + c + e + p for f, b, c, e, p, _ in stages) / lay.pp \
         + 2 * (lay.pp * lay.vpp - 1) * p2p_msg
     f, b, c, e, p, _ = stages[slowest]
 
