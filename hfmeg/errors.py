@@ -2,7 +2,12 @@
 
 
 class HfmegError(Exception):
-    """Base class; CLIs print `str(e)` and exit with code 2."""
+    """Base class; CLIs print `str(e)` and exit with code 2.
+
+    `agreed`: every rank of the job raised this same error together (`parallel.agree`), so
+    rank 0 alone reports it."""
+
+    agreed = False
 
 
 class UnsupportedConfigError(HfmegError):

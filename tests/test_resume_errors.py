@@ -12,7 +12,7 @@ from hfmeg.errors import CheckpointError
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.optim import state_io
 from hfmeg.parallel.launch import spawn
-from hfmeg.train.checkpointing import STATE_FILE, load_trainer_state
+from hfmeg.train.checkpointing import STATE_FILE, read_trainer_state
 from optim_harness import CFG, build_rank_chunk
 from tiny_models import save_tiny
 
@@ -20,7 +20,7 @@ from tiny_models import save_tiny
 def test_broken_trainer_state_names_the_file(tmp_path):
     (tmp_path / STATE_FILE).write_text('{"step": 2, "data": ')  # cut short by a crash or a full disk
     with pytest.raises(CheckpointError, match=f"{tmp_path / STATE_FILE}: unreadable .*--resume PATH"):
-        load_trainer_state(tmp_path, opt=None)
+        read_trainer_state(tmp_path)
 
 
 def _optimizer_shard_errors(model, folder) -> list[str]:
@@ -37,7 +37,7 @@ def _optimizer_shard_errors(model, folder) -> list[str]:
     def full_disk(*args, **kwargs):
         raise SafetensorError(f"Error while serializing: {OSError(errno.ENOSPC, 'No space left on device')}")
 
-    state_io.save_file = full_disk  # this forked rank's module only
+    state_io.save_tensors = full_disk  # this forked rank's module only
     try:
         state_io.save_optimizer_state(opt, folder / "optim2")
     except CheckpointError as e:

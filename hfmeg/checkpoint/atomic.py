@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from safetensors.torch import save_file
+
 from ..errors import CheckpointError
 
 
@@ -33,6 +35,21 @@ def check_output(out: Path, *, overwrite: bool, inputs: tuple[Path, ...] = ()) -
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out}: already exists (pass --overwrite to replace it)")
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()  # what open() gives a new file: the mode every file hfmeg writes ends up with
+
+
+def save_tensors(tensors: dict, path: Path, metadata: dict[str, str]) -> None:
+    """`safetensors.torch.save_file` with the mode of any other file the run writes (it creates 0600 files)."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, FILE_MODE)
 
 
 def fsync_path(path: Path) -> None:
@@ -50,6 +67,16 @@ def fsync_tree(root: Path) -> None:
         for name in files:
             fsync_path(Path(folder) / name)
         fsync_path(Path(folder))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path`'s content atomically and durably (write a sibling, fsync it, rename, fsync the
+    folder), so after a crash or power loss the file holds the old or the new text, whole."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    fsync_path(tmp)
+    tmp.replace(path)
+    fsync_path(path.parent)
 
 
 def replace_dir(tmp: Path, out: Path) -> None:

@@ -49,7 +49,7 @@ import torch
 from ..config import ModelConfig, check_tp
 from ..errors import CheckpointError, LayoutError
 from ..parallel.layout import ChunkSpec, rank_chunks, split_layers
-from .atomic import fsync_path
+from .atomic import write_text_atomic
 
 FORMAT = "hfmeg-mp"
 FORMAT_VERSION = 1
@@ -215,10 +215,6 @@ def resolve_iteration_dir(mp_dir: str | Path, iteration: int | None = None) -> P
 
 
 def write_latest(mp_dir: Path, iteration: int | None) -> None:
-    """Point `latest_checkpointed_iteration.txt` at `iteration`, atomically and durably (write a
-    sibling, fsync it, rename, fsync the folder), so after a power loss it names the old or the new one."""
-    tmp = mp_dir / f".{LATEST_FILE}.tmp"
-    tmp.write_text(("release" if iteration is None else str(iteration)) + "\n")
-    fsync_path(tmp)
-    tmp.replace(mp_dir / LATEST_FILE)
-    fsync_path(mp_dir)
+    """Point `latest_checkpointed_iteration.txt` at `iteration`, atomically and durably, so after a
+    power loss it names the old or the new one."""
+    write_text_atomic(mp_dir / LATEST_FILE, ("release" if iteration is None else str(iteration)) + "\n")

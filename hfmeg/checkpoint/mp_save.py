@@ -14,6 +14,12 @@ Collective over the default process group; every rank calls it. Protocol of `sta
    of the same number) and only then rewrites `latest_checkpointed_iteration.txt`,
    so a crash at any point leaves the previous checkpoint as the latest one.
 
+Each phase is local work (every rank writes its own files), and each ends in
+`parallel.agree` rather than a barrier: a rank whose disk is full, or whose write
+failed otherwise, reports a `CheckpointError` naming the file, and every rank raises
+that same error instead of waiting in a collective for the rank that failed. A
+failed save removes its temporary folder, so a full disk is not kept full by it.
+
 What goes beside the model shards (optimizer, data, RNG) is decided by the caller:
 a training checkpoint's layout is owned by `hfmeg.train.checkpointing`.
 The folder must be on a file system all ranks share.
@@ -24,12 +30,11 @@ from __future__ import annotations
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-import torch.distributed as dist
-
-from ..errors import LayoutError
+from ..errors import CheckpointError, HfmegError, LayoutError
 from ..models.decoder import ModelChunk
+from ..parallel.agree import agree
 from ..parallel.params_ready import wait_params_ready
 from ..parallel.roles import named_roles
 from ..parallel.state import ParallelState
@@ -40,9 +45,13 @@ from .rules import chunk_rules
 from .st_stream import StreamingSafetensorsWriter
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def _failure(e: BaseException, where: Path) -> HfmegError:
+    """What a rank says when its part of a save failed: the typed error itself, or one line naming the file."""
+    if isinstance(e, HfmegError):
+        return e
+    if isinstance(e, OSError):
+        return CheckpointError(f"{e.filename or where}: cannot write the checkpoint ({e.strerror or e})")
+    raise e  # a bug, not a checkpoint problem: let its traceback show
 
 
 def chunks_layout(chunks: list[ModelChunk], ps: ParallelState, iteration: int | None, *,
@@ -62,27 +71,46 @@ def chunks_layout(chunks: list[ModelChunk], ps: ParallelState, iteration: int | 
 
 
 @contextmanager
-def staged_save(layout: MPLayout, ps: ParallelState, mp_dir: str | Path, hf_side_dir: str | Path) -> Iterator[Path]:
+def staged_save(layout: MPLayout, ps: ParallelState, mp_dir: str | Path, hf_side_dir: str | Path, *,
+                check: Callable[[Path], str | None] | None = None) -> Iterator[Path]:
     """Yield the temporary iteration folder to write into; commit it on leaving (see the module docstring).
 
     `hf_side_dir` is the folder whose config/tokenizer files are copied verbatim (the
     source HF folder, or an MP checkpoint's `hf/`). After the block the final folder
-    is `<mp_dir>/iter_<layout.iteration>` (or `release` for None)."""
+    is `<mp_dir>/iter_<layout.iteration>` (or `release` for None). `check(folder)`: why
+    the written folder is not complete (None: it is), asked by rank 0 before it commits."""
     mp_dir = Path(mp_dir)
     final = mp_dir / iteration_dir_name(layout.iteration)
     tmp = mp_dir / f".{final.name}.tmp"
+    error = None
     if ps.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        layout.write(tmp)
-        copy_hf_side_files(Path(hf_side_dir), tmp / HF_DIR)
-    _barrier()
-    yield tmp
-    _barrier()
-    if ps.rank == 0:
-        replace_dir(tmp, final)
-        write_latest(mp_dir, layout.iteration)
-    _barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            layout.write(tmp)
+            copy_hf_side_files(Path(hf_side_dir), tmp / HF_DIR)
+        except Exception as e:
+            error = _failure(e, tmp)
+    try:
+        agree(error, ps.device)
+        try:
+            yield tmp
+        except Exception as e:
+            error = _failure(e, tmp)
+        agree(error, ps.device)
+        if ps.rank == 0:
+            try:
+                if check is not None and (why := check(tmp)) is not None:
+                    raise CheckpointError(f"{tmp}: incomplete after every rank wrote its part ({why})")
+                replace_dir(tmp, final)
+                write_latest(mp_dir, layout.iteration)
+            except Exception as e:
+                error = _failure(e, final)
+        agree(error, ps.device)
+    except HfmegError:
+        if ps.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def write_model_shard(chunks: list[ModelChunk], ps: ParallelState, layout: MPLayout, folder: Path) -> Path:

@@ -38,9 +38,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from ..errors import CheckpointError
+from ..checkpoint.atomic import save_tensors
+from ..errors import CheckpointError, HfmegError
+from ..parallel.agree import agree
 from .distributed_optimizer import DistributedOptimizer
 
 log = logging.getLogger("hfmeg.optim")
@@ -99,8 +100,8 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """Write `tensors` with `meta` as the hfmeg_optimizer metadata, through a temporary sibling."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
-                  metadata={"hfmeg_optimizer": json.dumps(meta)})
+        save_tensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp,
+                     {"hfmeg_optimizer": json.dumps(meta)})
     except (OSError, SafetensorError) as e:  # e.g. a full disk
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"{path}: cannot write the optimizer shard ({e})") from e
@@ -121,12 +122,28 @@ def read_meta(path: Path) -> dict:
 
 def load_optimizer_state(opt: DistributedOptimizer, folder: str | Path,
                          source_name: Callable[[str], str] | None = None) -> None:
-    """Fill `opt` (any DP size and mode) from the shards in `folder`, then resync the parameters.
+    """Collective: fill `opt` (any DP size and mode) from the shards in `folder`, then resync the parameters.
 
     `source_name(name)`: the saved tensor whose state parameter `name` takes (default: its own
     name). The shared-unlock warm start (models/shared_layers.py) gives every layer the state
-    saved under the first layer's names."""
-    ps, folder = opt.ps, Path(folder)
+    saved under the first layer's names. Each rank reads its own files; the ranks agree on the
+    outcome (`parallel.agree`) before the parameters' all-gathers, so a damaged or missing shard
+    is the same one error on every rank instead of a hang."""
+    error = None
+    try:
+        _read_state(opt, Path(folder), source_name)
+    except HfmegError as e:
+        error = e
+    agree(error, opt.ps.device)
+    opt.publish_params()
+    opt.wait_params()
+    if dist.is_initialized() and opt.ps.world_size > 1:
+        dist.barrier()
+
+
+def _read_state(opt: DistributedOptimizer, folder: Path, source_name: Callable[[str], str] | None) -> None:
+    """This rank's local part of `load_optimizer_state`: read its pieces and scalars into `opt`."""
+    ps = opt.ps
     files = sorted(folder.glob(f"optim_pp{ps.pp_rank:03d}_tp{ps.tp_rank:02d}_dp*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: no optimizer shards for pp rank {ps.pp_rank}, tp rank {ps.tp_rank}")
@@ -141,8 +158,7 @@ def load_optimizer_state(opt: DistributedOptimizer, folder: str | Path,
         meta = read_meta(path)
         if (meta["tp"], meta["pp"]) != (ps.tp, ps.pp):
             raise CheckpointError(f"{path}: fields tp/pp are {meta['tp']}/{meta['pp']}, this run has {ps.tp}/{ps.pp}")
-        with safe_open(str(path), "pt") as f:
-            flats = {k: f.get_tensor(k) for k in STATE}
+        flats = _tensors(path, STATE)
         for name, lo, hi, off in meta["pieces"]:
             for my_lo, my_hi, my_off, my_name in mine.get(name, ()):
                 a, b = max(lo, my_lo), min(hi, my_hi)
@@ -163,10 +179,15 @@ def load_optimizer_state(opt: DistributedOptimizer, folder: str | Path,
         _load_compression(opt, folder)
     if opt.scaler is not None:
         opt.scaler.scale, opt.scaler.good_steps = meta["loss_scale"], meta["good_steps"]
-    opt.publish_params()
-    opt.wait_params()
-    if dist.is_initialized() and ps.world_size > 1:
-        dist.barrier()
+
+
+def _tensors(path: Path, names) -> dict[str, torch.Tensor]:
+    """The named tensors of a shard file (all of them for `names` None), or one line naming the file."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k: f.get_tensor(k) for k in (f.keys() if names is None else names)}
+    except (OSError, SafetensorError) as e:  # a file damaged past its header
+        raise CheckpointError(f"{path}: unreadable ({e})") from e
 
 
 def _load_compression(opt: DistributedOptimizer, folder: Path) -> None:
@@ -178,8 +199,7 @@ def _load_compression(opt: DistributedOptimizer, folder: Path) -> None:
         why = f"no {path.name}"
     else:
         meta = read_meta(path)
-        with safe_open(str(path), "pt") as f:
-            saved = {k: f.get_tensor(k) for k in f.keys()}
+        saved = _tensors(path, None)
         if meta["dp"] != ps.dp:
             why = f"written at DP size {meta['dp']}, this run has {ps.dp}"
         elif not all(k in saved and saved[k].shape == t.shape for k, t in state.items()):

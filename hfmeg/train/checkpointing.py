@@ -23,26 +23,45 @@ the previous checkpoint as the newest complete one.
   model came from into `<out>/hf_source/`, which pruning never touches; every save
   copies them from there (copying them from the resumed checkpoint's `hf/` gave
   every later checkpoint an empty `hf/` once pruning removed that checkpoint);
+- `--resume auto` follows `latest`; without a readable one (missing, empty, garbled, or
+  naming an incomplete folder) it scans for the newest complete checkpoint, where
+  complete is what the saver checks before it commits (`incomplete`), and says which
+  and why. It never guesses silently and never starts from step 0 over checkpoints:
+  `--resume none` on an `<out>` that holds checkpoints is refused unless
+  `checkpoint.overwrite` asks for a new timeline;
 - pruning keeps the newest `keep_last` by iteration NUMBER along this run's
   timeline, and never removes the checkpoint `latest` names or the one this run
-  resumed from. Checkpoints numbered above the one just written were left by an
-  abandoned run (this one resumed from an earlier checkpoint) and count as oldest.
+  resumed from. Checkpoints numbered above the resume point belong to another
+  timeline: kept for good after `--resume auto` (they may be the newest work, e.g.
+  when a crash fell between a checkpoint's rename and its `latest` update), pruned as
+  oldest only after the user chose that timeline (an explicit `--resume PATH` to an
+  earlier checkpoint, or `overwrite`), which the run says at start;
+- temporary folders of saves and exports that died (`.iter_*.tmp`, `.hf.tmp-*`, ...)
+  are removed at start, by rank 0 holding the run's lock, which proves their
+  writer gone (`remove_stale`).
+
+Reading a checkpoint is agreed like writing it (`parallel.agree`): every rank checks
+what it reads, and all raise the first rank's error as one line, before any
+collective could wait for a rank that stopped.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
 
 from ..checkpoint.atomic import replace_dir
-from ..checkpoint.mp_layout import LATEST_FILE, copy_hf_side_files, iteration_dir_name, resolve_iteration_dir
+from ..checkpoint.mp_layout import (LATEST_FILE, LAYOUT_FILE, copy_hf_side_files, iteration_dir_name,
+                                    resolve_iteration_dir)
 from ..checkpoint.mp_save import chunks_layout, staged_save, write_model_shard
-from ..errors import CheckpointError
+from ..errors import CheckpointError, HfmegError
 from ..optim.state_io import load_optimizer_state, save_optimizer_state
+from ..parallel.agree import agree
 from .dataclass_io import ConfigError
 from .rng import rng_state, set_rng_state
 
@@ -50,6 +69,13 @@ STATE_FILE = "trainer_state.json"
 OPTIM_DIR = "optim"
 RNG_DIR = "rng"
 HF_SOURCE_DIR = "hf_source"
+# trainer_state.json: field -> type; `shared_layers` is absent from checkpoints older than layer sharing.
+STATE_FIELDS = {"step": int, "data": dict, "config": dict, "shared_layers": bool}
+STATE_OPTIONAL = {"shared_layers"}
+# Temporary names of saves and exports (mp_save.staged_save, atomic.replace_dir / atomic_output_dir,
+# pin_hf_source, mp_layout.write_latest): what a run that died in the middle of writing leaves.
+STALE_PATTERNS = {"checkpoints": (".iter_*.tmp", ".iter_*.old-*", f".{LATEST_FILE}.tmp"),
+                  ".": (".hf.tmp-*", ".hf.old-*", f".{HF_SOURCE_DIR}.tmp", f".{HF_SOURCE_DIR}.old-*", ".*.json.tmp")}
 
 
 def _iteration(folder: Path) -> int | None:
@@ -57,17 +83,109 @@ def _iteration(folder: Path) -> int | None:
     return int(digits) if folder.name.startswith("iter_") and digits.isdigit() else None
 
 
-class RunCheckpoints:
-    """The checkpoints of one run's `<out>`: where to resume from, saving, pruning."""
+def _iterations(root: Path) -> dict[int, Path]:
+    return {n: p for p in root.glob("iter_*") if p.is_dir() and (n := _iteration(p)) is not None}
 
-    def __init__(self, out: Path, *, keep_last: int, resume: str):
+
+def incomplete(folder: Path) -> str | None:
+    """Why `folder` is not a complete training checkpoint, or None. The saver checks it before it commits a
+    checkpoint, and `--resume auto` scans with it, so what one writes the other accepts."""
+    for name in (LAYOUT_FILE, STATE_FILE):
+        if not (folder / name).is_file():
+            return f"no {name}"
+    if not any((folder / OPTIM_DIR).glob("optim_*.safetensors")):
+        return f"no optimizer shards in {OPTIM_DIR}/"
+    return None
+
+
+@dataclass
+class Resume:
+    """Where a run starts: `folder` (None: step 0), and what the run should say about it."""
+
+    folder: Path | None
+    notes: list[str]
+    keep_newer: bool  # checkpoints above `folder` belong to a timeline this run must not prune
+
+
+def find_resume(root: Path, resume: str, *, overwrite: bool = False) -> Resume:
+    """The iteration folder to resume from: `none`, `auto` (see the module docstring) or a path."""
+    iters = _iterations(root) if root.is_dir() else {}
+    if resume == "none":
+        if iters and not overwrite:
+            raise CheckpointError(f"{root}: holds checkpoints ({_names(iters)}) and checkpoint.resume is none, which "
+                                  "would start a new timeline over them: pass --resume auto to continue, --overwrite "
+                                  "to start over (they are pruned as the new run saves), or another --out")
+        notes = [f"checkpoint.overwrite: starting over; the checkpoints in {root} are pruned as this run saves"] \
+            if iters else []
+        return Resume(None, notes, keep_newer=False)
+    if resume != "auto":
+        folder = Path(resume)
+        if not (folder / STATE_FILE).is_file():
+            raise CheckpointError(f"{folder}: not a complete hfmeg training checkpoint (no {STATE_FILE})")
+        newer = {n: p for n, p in iters.items() if folder.parent.resolve() == root.resolve()
+                 and n > (_iteration(folder) or 0)}
+        notes = [f"checkpoint.resume: {_names(newer)} in {root} are newer than {folder.name} and belong to the "
+                 "timeline this run leaves; they are pruned as it saves"] if newer else []
+        return Resume(folder, notes, keep_newer=False)
+    if not iters and not (root / LATEST_FILE).exists():
+        return Resume(None, [], keep_newer=True)  # a first run
+    why = None
+    try:
+        folder = resolve_iteration_dir(root)
+        if (reason := incomplete(folder)) is not None:
+            why = f"{root / LATEST_FILE} names {folder.name}, which is incomplete ({reason})"
+    except CheckpointError as e:  # missing, empty or garbled, or naming a folder that is gone
+        why = str(e) if (root / LATEST_FILE).exists() else f"{root}: no {LATEST_FILE}"
+    if why is None:
+        newer = {n: p for n, p in iters.items() if n > _iteration(folder) and incomplete(p) is None}
+        notes = [f"checkpoint.resume: {_names(newer)} in {root} are newer than {folder.name}, which {LATEST_FILE} "
+                 "names; they are kept (resume from one with --resume PATH)"] if newer else []
+        return Resume(folder, notes, keep_newer=True)
+    complete = {n: p for n, p in iters.items() if incomplete(p) is None}
+    if not complete:
+        raise CheckpointError(f"{why}, and no folder in {root} is a complete checkpoint; pass --resume PATH, or "
+                              "--resume none --overwrite to start over")
+    newest = complete[max(complete)]
+    return Resume(newest, [f"{why}: resuming from {newest.name}, the newest complete checkpoint"], keep_newer=True)
+
+
+def _names(iters: dict[int, Path]) -> str:
+    return ", ".join(iters[n].name for n in sorted(iters))
+
+
+class RunCheckpoints:
+    """The checkpoints of one run's `<out>`: where to resume from, saving, pruning.
+
+    Collective: every rank builds it, and an error (a refused resume) is raised on all of them."""
+
+    def __init__(self, out: Path, *, keep_last: int, resume: str, overwrite: bool = False, device="cpu"):
         if keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last: must be >= 1 (got {keep_last}); it is how many checkpoints "
                               "to keep, and 0 would delete every one")
+        self.out = out
         self.root = out / "checkpoints"
         self.hf_source = out / HF_SOURCE_DIR
         self.keep_last = keep_last
-        self.resume_dir = find_resume(self.root, resume)
+        found, error = None, None
+        try:
+            found = find_resume(self.root, resume, overwrite=overwrite)
+        except HfmegError as e:
+            error = e
+        agree(error, device)
+        self.resume_dir, self.notes = found.folder, found.notes
+        resumed_at = _iteration(found.folder) if found.folder is not None else 0
+        # Protected for good: the other timeline's checkpoints above the resume point (see the module docstring).
+        self.kept = {n for n in _iterations(self.root) if n > (resumed_at or 0)} if found.keep_newer else set()
+
+    def remove_stale(self) -> list[Path]:
+        """Rank 0, holding the run's lock: remove temporary folders and files of saves and exports that died."""
+        removed = []
+        for sub, patterns in STALE_PATTERNS.items():
+            for pattern in patterns:
+                for path in sorted((self.out / sub).glob(pattern)):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                    removed.append(path)
+        return removed
 
     def pin_hf_source(self, src: Path) -> None:
         """Rank 0, at start: copy the HF side files of `src` (the model's folder) into `<out>/hf_source/`."""
@@ -86,27 +204,28 @@ class RunCheckpoints:
             raise CheckpointError(f"{self.hf_source}: no config.json; it was copied at the start of the run and "
                                   "must stay while the run lasts")
         layout = chunks_layout(chunks, ps, step, pp_layers=pp_layers)
-        with staged_save(layout, ps, self.root, self.hf_source) as folder:
+        with staged_save(layout, ps, self.root, self.hf_source, check=incomplete) as folder:
             write_model_shard(chunks, ps, layout, folder)
             save_optimizer_state(opt, folder / OPTIM_DIR)
             (folder / RNG_DIR).mkdir(exist_ok=True)
             _rng_file(folder).write_text(json.dumps(rng_state(ps.device)))
             if ps.rank == 0:
                 (folder / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
+        self.kept.discard(step)  # replaced by this run's own
         if ps.rank == 0:
             self.prune(step)
         return self.root / iteration_dir_name(step)
 
     def prune(self, current: int) -> list[Path]:
         """Remove what `keep_last` does not keep (see the module docstring); returns the removed folders."""
-        iters = {n: p for p in self.root.glob("iter_*") if p.is_dir() and (n := _iteration(p)) is not None}
+        iters = _iterations(self.root)
         newest_first = sorted(iters, key=lambda n: (n <= current, n), reverse=True)
         protected = {resolve_iteration_dir(self.root).resolve()}
         if self.resume_dir is not None:
             protected.add(self.resume_dir.resolve())
         removed = []
         for n in newest_first[self.keep_last:]:
-            if iters[n].resolve() not in protected:
+            if iters[n].resolve() not in protected and n not in self.kept:
                 shutil.rmtree(iters[n], ignore_errors=True)
                 removed.append(iters[n])
         return removed
@@ -116,16 +235,25 @@ def _rng_file(folder: Path) -> Path:
     return folder / RNG_DIR / f"rank_{dist.get_rank():05d}.json"
 
 
-def find_resume(root: Path, resume: str) -> Path | None:
-    """The iteration folder to resume from: `none`, `auto` (newest complete, if any) or a path."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return resolve_iteration_dir(root) if (root / LATEST_FILE).is_file() else None
-    folder = Path(resume)
-    if not (folder / STATE_FILE).is_file():
-        raise CheckpointError(f"{folder}: not a complete hfmeg training checkpoint (no {STATE_FILE})")
-    return folder
+def check_trainer_state(state: Any, path: Path) -> dict[str, Any]:
+    """`state` if it has the fields `STATE_FIELDS` names, of their types; else one line naming the field."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(state).__name__}")
+    for key, typ in STATE_FIELDS.items():
+        if key not in state:
+            if key in STATE_OPTIONAL:
+                continue
+            raise CheckpointError(f"{path}: field {key} is missing; resume from an earlier checkpoint with "
+                                  "--resume PATH")
+        # bool is an int in Python: a step of `true` is refused too.
+        if not isinstance(state[key], typ) or (typ is int and isinstance(state[key], bool)):
+            raise CheckpointError(f"{path}: field {key} should be {typ.__name__}, got {state[key]!r:.60}")
+    if state["step"] < 0:
+        raise CheckpointError(f"{path}: field step is negative ({state['step']})")
+    extra = sorted(set(state) - set(STATE_FIELDS))
+    if extra:
+        raise CheckpointError(f"{path}: unknown field {extra[0]} (written by another program or version?)")
+    return state
 
 
 def read_trainer_state(folder: Path) -> dict[str, Any]:
@@ -134,18 +262,30 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {STATE_FILE}; the checkpoint is incomplete")
     try:
-        return json.loads(path.read_text())
+        state = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); resume from an earlier checkpoint with --resume PATH") from e
+    return check_trainer_state(state, path)
 
 
 def load_trainer_state(folder: Path, opt, source_name: Callable[[str], str] | None = None) -> dict[str, Any]:
-    """Restore optimizer shards and this rank's RNG; return the trainer state (step, data, ...).
+    """Collective: restore optimizer shards and this rank's RNG; return the trainer state (step, data, ...).
 
-    `source_name`: which saved tensor's state each parameter takes (`load_optimizer_state`)."""
-    state = read_trainer_state(folder)
+    `source_name`: which saved tensor's state each parameter takes (`load_optimizer_state`).
+    What every rank reads is checked and agreed on before the optimizer's collectives run."""
+    rng, state, error = None, None, None
+    try:
+        state = read_trainer_state(folder)
+        path = _rng_file(folder)
+        if path.is_file():  # absent when resuming with a different world size: seeds then differ per rank
+            try:
+                rng = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{path}: unreadable ({e})") from e
+    except HfmegError as e:
+        error = e
+    agree(error, opt.ps.device)
     load_optimizer_state(opt, folder / OPTIM_DIR, source_name)
-    rng = _rng_file(folder)
-    if rng.is_file():  # absent when resuming with a different world size: seeds then differ per rank
-        set_rng_state(json.loads(rng.read_text()), opt.ps.device)
+    if rng is not None:
+        set_rng_state(rng, opt.ps.device)
     return state

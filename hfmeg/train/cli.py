@@ -87,6 +87,8 @@ def parser(description: str, default_config: Path) -> argparse.ArgumentParser:
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                     help="sequence parallelism inside TP regions [parallel.sequence_parallel]")
     ap.add_argument("--private", action="store_true", default=None, help="create the Hub repo private [hub.private]")
+    ap.add_argument("--overwrite", action="store_true", default=None,
+                    help="with --resume none: start over in an --out that holds checkpoints [checkpoint.overwrite]")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other dotted override")
     return ap
 
@@ -95,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in FLAGS.items()}
     overrides["parallel.sequence_parallel"] = args.sequence_parallel
     overrides["hub.private"] = args.private
+    overrides["checkpoint.overwrite"] = args.overwrite
     overrides["data.format"] = args.format
     if args.data:
         overrides["data.sources"] = [{"path": d} for d in args.data]
@@ -162,7 +165,10 @@ def main(description: str, default_config: Path, argv: list[str] | None = None) 
     try:
         Trainer(cfg).run()  # rank 0 prints the run's summary, the exported folder included
     except HfmegError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if e.agreed and not _is_rank0():  # every rank raised it together: rank 0 says it (see above)
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)
+        else:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except OSError as e:  # e.g. a full disk under a write no deeper layer named; the traceback adds nothing
         print(f"error: {e.filename or cfg.checkpoint.out}: {e.strerror or e}", file=sys.stderr)

@@ -96,6 +96,7 @@ class CheckpointArgs:
     save_every: int = 0  # 0: only at the end (and on SIGTERM/SIGINT)
     keep_last: int = 2
     resume: str = "none"  # none | auto | path to a checkpoint iteration folder
+    overwrite: bool = False  # with resume none: start a new timeline in an out that holds checkpoints
 
 
 @dataclass

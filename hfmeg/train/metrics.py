@@ -6,6 +6,10 @@ matplotlib are optional: without them the run logs JSONL and the bar only (the
 trainer asks `tensorboard_available()` first and says once that logs are skipped).
 MoE runs add `expert_load` to each step's row: {MoE layer: [min, max] tokens routed
 to one expert} (`models.moe.expert_load`), so a collapsing router shows.
+
+`metrics.jsonl` holds each step once: a run that resumes at step k first drops the rows
+after k (steps the previous run took past its last checkpoint, which this run takes
+again), so the file and `loss.png` describe one timeline.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..checkpoint.atomic import write_text_atomic
+
+METRICS_FILE = "metrics.jsonl"
 STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "skipped")
 
 
@@ -25,7 +32,8 @@ class MetricsLog:
     def __init__(self, out: Path, total_steps: int, start_step: int = 0, tensorboard: bool = True):
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
-        self.path = out / "metrics.jsonl"
+        self.path = out / METRICS_FILE
+        _keep_until(self.path, start_step)
         self._file = self.path.open("a")
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
         self.start_step = start_step
@@ -72,8 +80,33 @@ def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
+def _keep_until(path: Path, step: int) -> None:
+    """Drop the rows of `path` after `step`, and a last line a killed run left half-written."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if (row := _row(line)) is not None and row["step"] <= step]
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
+
+
+def _row(line: str) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def last_losses(path: Path) -> tuple[float | None, float | None, int | None]:
+    """The last train loss, and the last eval loss with its step, that `path` logged (None where none)."""
+    rows = read_metrics(path) if path.is_file() else []
+    train = [r["loss"] for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    return (train[-1] if train else None, evals[-1]["eval_loss"] if evals else None,
+            evals[-1]["step"] if evals else None)
 
 
 def plot_loss(metrics: Path, png: Path) -> Path | None:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from ..checkpoint.atomic import save_tensors
 from ..checkpoint.convert import config_errors_name, write_mp_checkpoint, write_mp_shards
 from ..checkpoint.mp_layout import RANK_FILE, MPLayout, parse_dtype
 from ..checkpoint.mp_reader import MPCheckpoint, rank_rules
@@ -108,8 +108,8 @@ def _write_optimizer(source: MPCheckpoint, layout: MPLayout, iter_dir: Path) -> 
                 pieces.append([n, 0, numel, off])
                 off += numel
             meta = {**old_meta, "dp": 1, "tp": layout.tp, "pp": layout.pp, "pieces": pieces}
-            save_file(flats, str(iter_dir / OPTIM_DIR / f"optim_pp{p:03d}_tp{t:02d}_dp000.safetensors"),
-                      metadata={"hfmeg_optimizer": json.dumps(meta)})
+            save_tensors(flats, iter_dir / OPTIM_DIR / f"optim_pp{p:03d}_tp{t:02d}_dp000.safetensors",
+                         {"hfmeg_optimizer": json.dumps(meta)})
     shutil.rmtree(work)
 
 

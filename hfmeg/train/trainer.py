@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
+from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.convert import mp_to_hf
 from ..checkpoint.hf_reader import HFCheckpoint
 from ..checkpoint.load import load_chunks
@@ -44,24 +45,28 @@ from ..checkpoint.mp_layout import HF_DIR, is_mp_folder, resolve_iteration_dir
 from ..checkpoint.mp_reader import MPCheckpoint
 from ..checkpoint.tensor_source import TensorSource
 from ..data import build_data, build_eval_data
-from ..errors import CheckpointError, HfmegError
+from ..errors import CheckpointError, DataError, HfmegError
 from ..hub import push_to_hub, write_model_card
 from ..models.moe import expert_load
 from ..models.random_init import random_hf_model
 from ..models.shared_layers import share_layers, shared_name
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
+from ..parallel.agree import agree
 from ..parallel.pipeline import forward_backward
 from ..parallel.state import ParallelState, join_world
 from ..plan.flops import mfu, peak_flops
 from .auto_layout import LayoutReport, resolve_layout
-from .checkpointing import RunCheckpoints, load_trainer_state, read_trainer_state
+from .checkpointing import STATE_FILE, RunCheckpoints, load_trainer_state, read_trainer_state
 from .config import TrainConfig
-from .metrics import MetricsLog, read_metrics, tensorboard_available
+from .metrics import METRICS_FILE, MetricsLog, last_losses, read_metrics, tensorboard_available
 from .rng import seed_all
 from .run_lock import lock_run
 from .stop import GracefulStop, LauncherWatch
 from .summary import RunSummary
+
+
+EXPORT_RECORD = "export.json"  # {"step", "pushed_to"} of the finished export in <out>/hf
 
 
 class TrainingDiverged(HfmegError):
@@ -107,9 +112,16 @@ class Trainer:
         self.launcher = LauncherWatch.start()
         self.is_logger = self.ps.rank == 0
         self.out = Path(cfg.checkpoint.out)
-        self.checkpoints = RunCheckpoints(self.out, keep_last=cfg.checkpoint.keep_last, resume=cfg.checkpoint.resume)
         self.lock = lock_run(self.out, self.ps)
         try:
+            ck = cfg.checkpoint
+            self.checkpoints = RunCheckpoints(self.out, keep_last=ck.keep_last, resume=ck.resume,
+                                              overwrite=ck.overwrite, device=self.ps.device)
+            if self.is_logger:  # holding the lock: whatever a save or export left half-written is a dead run's
+                for path in self.checkpoints.remove_stale():
+                    print(f"removed {path}, left half-written by a run that died", flush=True)
+                for note in self.checkpoints.notes:
+                    print(note, flush=True)
             self._setup()
         except BaseException:
             if self.lock is not None:
@@ -126,11 +138,18 @@ class Trainer:
         seed_all(cfg.train.seed)
         self.dtype = cfg.model.torch_dtype(self.ps.device)
         self.resume_dir = self.checkpoints.resume_dir
-        saved = read_trainer_state(self.resume_dir) if self.resume_dir is not None else {}
-        self.step = saved.get("step", 0)
-        self.chunks, hf_side_dir = self._load_model(self.resume_dir)
-        if self.is_logger:
-            self.checkpoints.pin_hf_source(hf_side_dir)
+        saved, error = {}, None
+        try:  # every rank reads its own part of the checkpoint; they agree before the next collective
+            saved = read_trainer_state(self.resume_dir) if self.resume_dir is not None else {}
+            self.step = saved.get("step", 0)
+            self.chunks, hf_side_dir = self._load_model(self.resume_dir)
+            if self.is_logger:
+                self.checkpoints.pin_hf_source(hf_side_dir)
+        except HfmegError as e:
+            error = e
+        except OSError as e:  # e.g. a full disk under pin_hf_source
+            error = CheckpointError(f"{e.filename or self.out}: {e.strerror or e}")
+        agree(error, self.ps.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(hf_side_dir))
         self.opt = DistributedOptimizer(self.chunks, self.ps, cfg.optim)
         loop = cfg.train
@@ -141,7 +160,11 @@ class Trainer:
         self.last_save: tuple[int, Path] | None = None  # (step, folder) of this run's newest checkpoint
         if self.resume_dir is not None:
             load_trainer_state(self.resume_dir, self.opt, self._state_names(saved.get("shared_layers", False)))
-            self.data.load_state_dict(saved["data"])
+            try:
+                self.data.load_state_dict(saved["data"])
+            except DataError as e:
+                error = CheckpointError(f"{self.resume_dir / STATE_FILE}: field data: {e}")
+            agree(error, self.ps.device)
             if self.is_logger:
                 print(f"resuming from {self.resume_dir} (step {self.step})")
         self.model_cfg = self.chunks[0].cfg
@@ -210,7 +233,8 @@ class Trainer:
         try:
             summary = self._train()
             if self.is_logger and summary.stopped_by is None:
-                summary.hf = self.export(summary.checkpoint)
+                final = summary.checkpoint or self._unexported_final()
+                summary.hf = self.export(final) if final is not None else self._exported()
         finally:
             if self.lock is not None:
                 self.lock.release()
@@ -291,6 +315,8 @@ class Trainer:
                 metrics.close()
         summary.seconds = time.perf_counter() - started
         summary.data = self.data.report  # read at the end: the data pipeline may hand out a snapshot
+        if self.is_logger and summary.train_loss is None:  # no step in this session: what the run logged last
+            summary.train_loss, summary.eval_loss, summary.eval_step = last_losses(self.out / METRICS_FILE)
         return summary
 
     @torch.no_grad()
@@ -314,15 +340,34 @@ class Trainer:
         self.last_save = (self.step, folder)
         return folder
 
+    def _unexported_final(self) -> Path | None:
+        """After a session that ran no step: the final checkpoint it resumed from, if the run that saved it
+        died before its export (and push) finished, which `<out>/EXPORT_RECORD` says."""
+        if self.resume_dir is None or self.step < self.cfg.train.max_steps or self._exported() is not None:
+            return None
+        return self.resume_dir
+
+    def _exported(self) -> Path | None:
+        """`<out>/hf`, if it holds the export of this step (and was pushed where asked)."""
+        try:
+            record = json.loads((self.out / EXPORT_RECORD).read_text())
+        except (OSError, ValueError):
+            return None
+        done = record == {"step": self.step, "pushed_to": self.cfg.hub.push_to_hub}
+        return self.out / "hf" if done and (self.out / "hf" / "config.json").is_file() else None
+
     def export(self, checkpoint: Path | None) -> Path | None:
         """Rank 0 alone: convert the final checkpoint to `<out>/hf`, write the model card, push if asked.
 
-        No collective may follow the final checkpoint (see the module docstring)."""
+        No collective may follow the final checkpoint (see the module docstring). Last, the
+        export record names the step (and the Hub repo) it finished for: a run that dies before
+        it is exported again by the next run on this `<out>` (`_unexported_final`)."""
         if checkpoint is None:
             return None
         hf = self.out / "hf"
+        (self.out / EXPORT_RECORD).unlink(missing_ok=True)
         mp_to_hf(checkpoint, hf, overwrite=True)
-        logged = read_metrics(self.out / "metrics.jsonl")
+        logged = read_metrics(self.out / METRICS_FILE)
         rows = [r for r in logged if "loss" in r]
         final = {k: rows[-1][k] for k in ("step", "loss", "grad_norm", "tokens_per_s")} if rows else {}
         evals = [r for r in logged if "eval_loss" in r]
@@ -336,4 +381,6 @@ class Trainer:
         if self.cfg.hub.push_to_hub:
             url = push_to_hub(hf, self.cfg.hub.push_to_hub, private=self.cfg.hub.private)
             print(f"pushed to {url}")
+        record = {"step": self.step, "pushed_to": self.cfg.hub.push_to_hub}
+        write_text_atomic(self.out / EXPORT_RECORD, json.dumps(record))
         return hf
