@@ -15,6 +15,8 @@ saves (model shards through `mp_save`, optimizer shards through `state_io`). The
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -50,7 +52,7 @@ def _save(chunks, ps, opt, root: Path, step: int, hf_side: Path) -> Path:
         if opt is not None:
             save_optimizer_state(opt, folder / "optim")
             if ps.rank == 0:  # what makes it a training checkpoint for reshard_training_checkpoint
-                (folder / STATE_FILE).write_text("{}")
+                (folder / STATE_FILE).write_text(json.dumps({"step": step, "data": {}, "config": {}}))
     return root / iteration_dir_name(step)
 
 

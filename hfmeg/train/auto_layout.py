@@ -24,7 +24,6 @@ predicts the busiest rank).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from dataclasses import replace
@@ -39,7 +38,7 @@ from ..errors import LayoutError
 from ..plan.auto import choice_line, detect_cluster, report
 from ..plan.layout import PlanLayout
 from ..plan.search import Evaluation, Job, best_layout, evaluate
-from .checkpointing import STATE_FILE, find_resume
+from .checkpointing import find_resume, read_trainer_state
 from .dataclass_io import build
 
 if TYPE_CHECKING:
@@ -76,11 +75,12 @@ def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluatio
     model = model_config_from_hf(load_hf_config(cfg.model.hf_folder()))
     job = Job(model, cluster, profile, cfg.train.global_batch_size, cfg.data.seq_len,
               cfg.model.torch_dtype(device).itemsize)
-    resume = find_resume(Path(cfg.checkpoint.out) / "checkpoints", cfg.checkpoint.resume)
+    ck = cfg.checkpoint
+    resume = find_resume(Path(ck.out) / "checkpoints", ck.resume, overwrite=ck.overwrite).folder
     if resume is None:
         ev = best_layout(job, cfg.optim.mode)
         return ev.layout, ev, choice_line(ev, cluster, "the fastest that fits")
-    saved = build(type(cfg), json.loads((resume / STATE_FILE).read_text())["config"])
+    saved = build(type(cfg), read_trainer_state(resume)["config"])
     lay = replace(layout_of(saved, world), optimizer=cfg.optim.mode)
     why = f"kept from {resume}, whose shards are cut for it"
     try:

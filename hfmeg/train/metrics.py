@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,11 @@ def plot_curves(curves: list[tuple[str, tuple, tuple, str]], png: Path, *,
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(png, dpi=100)
+    except OSError as e:  # e.g. a full disk: the curve is a convenience, and must not hide the error that ends a run
+        print(f"{png}: not written ({e.strerror or e})", file=sys.stderr, flush=True)
+        return None
+    finally:
+        plt.close(fig)
     return png

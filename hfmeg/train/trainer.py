@@ -17,7 +17,10 @@ skipped steps in a row (non-finite gradients: the run has diverged) save a
 checkpoint and abort with `TrainingDiverged`. After the final checkpoint, the last
 collective of the run, rank 0 alone exports (and uploads) while the other ranks
 return: a rank waiting in a barrier through an upload of many GB would be killed by
-the NCCL watchdog's timeout. Rank 0 then prints the run's summary (`summary.py`).
+the NCCL watchdog's timeout. Rank 0 then prints the run's summary (`summary.py`). The end
+of a run is a state like any other: the export finishes by writing `<out>/export.json`, and
+a run that resumes at `max_steps` without it (the last one died in its export or upload)
+exports then, and prints the summary from the saved metrics.
 With `parallel.layout: auto` the planner chooses the layout before anything is built,
 and its prediction is checked against the first timed steps (`auto_layout.py`).
 `model.init: random` starts from transformers' own initialisation of `model.config_from`'s
