@@ -1,5 +1,5 @@
-# hfmeg: `make demo` runs the built-in default job, `make test` runs the test suite.
-# Both create .venv on first use: torch first (so the CPU build on CPU machines is
+# hfmeg: `make demo` runs the built-in default job, `make test` runs the test suite, `make help` lists
+# every target. demo, test and lint create .venv on first use: torch first (so the CPU build on CPU machines is
 # what satisfies the project's torch requirement), then hfmeg in editable mode.
 
 VENV        ?= .venv
@@ -7,7 +7,10 @@ PY          := $(VENV)/bin/python
 TORCH_SPEC  ?= torch==2.13.0
 STAMP       := $(VENV)/.hfmeg-installed
 
-.PHONY: demo test bench clean
+.PHONY: help demo test lint clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  make \1\t/' | expand -t 16
 
 $(STAMP): pyproject.toml
 	@echo "first run: creating $(VENV) and installing $(TORCH_SPEC), then hfmeg and its dependencies;"
@@ -17,13 +20,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,plot]"
 	@touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP)  ## fine-tune a tiny LLaMA TP=2 x PP=2 on 4 CPU processes, export it, generate before/after
 	$(PY) tools/demo.py
 	@echo "hfmeg and its commands (accelerate, torchrun) live in $(VENV): run '. $(VENV)/bin/activate' first,"
 	@echo "or call them as $(VENV)/bin/accelerate, $(VENV)/bin/torchrun, $(VENV)/bin/python"
 
-test: $(STAMP)
+test: $(STAMP)  ## the test suite (CPU; tests marked gpu run after the others when CUDA is there)
 	$(PY) -m pytest -q tests
 
-clean:
+lint: $(STAMP)  ## ruff over hfmeg, tests, tools, recipes and data (rules in pyproject.toml [tool.ruff])
+	$(PY) -m ruff check hfmeg tests tools recipes data
+
+clean:  ## remove .venv and out/
 	rm -rf $(VENV) out

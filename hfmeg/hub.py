@@ -123,7 +123,7 @@ def write_model_card(folder: Path, *, base_model: str, data: list[str], config: 
                   "inspection, not a usable fine-tuned model.", ""]
     lines += [
         (f"Pretrained from random weights with the architecture and tokenizer of **{base}**, "
-         if from_scratch else f"Fine-tuned from **{base}** ") + "with [hfmeg](https://pypi.org/project/hfmeg/) "
+         if from_scratch else f"Fine-tuned from **{base}** ") + "with hfmeg "
         "(Megatron-style TP/SP/PP with an overlapped distributed optimizer).",
         "",
         "## Data",

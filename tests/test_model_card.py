@@ -41,6 +41,8 @@ def test_hub_base_model_and_datasets_in_the_front_matter(tmp_path):
     assert meta["base_model"] == "meta-llama/Llama-2-7b-hf" and meta["datasets"] == ["tatsu-lab/alpaca"]
     assert "\n# llama2-alpaca\n" in text and 'from_pretrained("me/llama2-alpaca")' in text
     assert "This run diverged" not in text
+    # hfmeg is not on a package index and has no public page: the card names it without a link that would 404
+    assert "with hfmeg (Megatron-style" in text and "](http" not in text.split("## Data")[0]
 
 
 def test_a_hub_cache_snapshot_is_named_by_its_repo(tmp_path):

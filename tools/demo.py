@@ -5,6 +5,9 @@
 3. Fine-tune it on `data/sft_sample.jsonl` with the overlapped distributed optimizer.
 4. Export to HF, load it with transformers, and show a generation before and after.
 5. Print where the loss curve and metrics are.
+
+`--moe` does the same with a tiny Mixtral (4 experts, top-2, load-balancing loss on) sharded
+TP=2 x EP=2 (two data-parallel ranks, each holding 2 of the experts) with sequence parallelism.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MixtralConfig, PreTrainedTokenizerFast
 
 from hfmeg.data import DEFAULT_CHAT_TEMPLATE, DataConfig, SourceConfig
 from hfmeg.optim.config import OptimizerConfig
@@ -45,11 +48,14 @@ def build_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_model(folder: Path, tok: PreTrainedTokenizerFast) -> None:
+def build_model(folder: Path, tok: PreTrainedTokenizerFast, moe: bool = False) -> None:
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    shape = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=len(tok), max_position_embeddings=256,
+                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    # The Mixtral's experts are half the LLaMA's FFN width, so each token's top-2 experts compute about what it does.
+    cfg = (MixtralConfig(intermediate_size=176, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                         **shape) if moe else LlamaConfig(intermediate_size=352, **shape))
     model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(folder)
@@ -76,15 +82,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out/demo", help="output folder (replaced)")
     ap.add_argument("--steps", type=int, default=120, help="optimizer steps")
+    ap.add_argument("--moe", action="store_true", help="a tiny Mixtral at TP=2 x EP=2 instead of a LLaMA at TP=2 x PP=2")
     args = ap.parse_args()
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     base = out / "base"
-    build_model(base, build_tokenizer(base))
+    build_model(base, build_tokenizer(base), moe=args.moe)
     before = generate(base, PROMPTS)
     cfg = TrainConfig(
         model=ModelArgs(path=str(base), dtype="fp32"),
-        parallel=ParallelArgs(tp=2, pp=2, sequence_parallel=True, schedule="1f1b"),
+        parallel=(ParallelArgs(tp=2, ep=2, sequence_parallel=True) if args.moe
+                  else ParallelArgs(tp=2, pp=2, sequence_parallel=True, schedule="1f1b")),
         optim=OptimizerConfig(mode="overlapped", lr=3e-3, weight_decay=0.0),
         lr=LRScheduleConfig(warmup_steps=10, total_steps=args.steps, decay="cosine", min_lr=3e-4),
         data=DataConfig(sources=[SourceConfig(str(DATA / "sft_sample.jsonl"))], format="alpaca", seq_len=256),
@@ -92,8 +100,9 @@ def main() -> None:
         checkpoint=CheckpointArgs(out=str(out / "run"), keep_last=1),
         tensorboard=False,
     )
+    layout = "Mixtral (4 experts, top-2): TP=2 x EP=2" if args.moe else "LLaMA: TP=2 x PP=2"
     print(f"fine-tuning a {sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(base).parameters()):,}-"
-          f"parameter LLaMA: TP=2 x PP=2 on 4 gloo processes, overlapped optimizer, {args.steps} steps")
+          f"parameter {layout} on 4 gloo processes, overlapped optimizer, {args.steps} steps")
     hf, loss = spawn(_train, 4, cfg, timeout_s=3600)[0]
     after = generate(Path(hf), PROMPTS)
     print(f"\nfinal train loss: {loss:.3f}   exported HF model: {hf}")

@@ -55,8 +55,8 @@ def main(argv=None) -> int:
         row["overlapped_vs_distributed"] = row["overlapped"]["step_s"] / row["distributed"]["step_s"]
         rows.append(row)
         print(json.dumps(row))
-    print(f"| GPUs | overlapped: layout | step s | tok/s/GPU | MFU | scaling | distributed: layout | step s | "
-          f"tok/s/GPU | MFU | scaling | overlapped/distributed |")
+    print("| GPUs | overlapped: layout | step s | tok/s/GPU | MFU | scaling | distributed: layout | step s | "
+          "tok/s/GPU | MFU | scaling | overlapped/distributed |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cells = [f"{r[m]['layout']} | {r[m]['step_s']:.2f} | {r[m]['tokens_per_s_per_gpu']:.0f} | {r[m]['mfu']:.1%} | "
