@@ -45,9 +45,9 @@ def global_tokens(step: int, ga: int) -> int:
     return sum(int((batch(step, m)[1] != -100).sum()) for m in range(ga))
 
 
-def reference(folder, cfg: OptimizerConfig, ga: int, steps: int, ps1: ParallelState):
-    """Single-process AdamW: returns (per-step losses, final {name: param})."""
-    model = load_chunks(HFCheckpoint(folder), ps1)[0]
+def reference(folder, cfg: OptimizerConfig, ga: int, steps: int, ps1: ParallelState, dtype=torch.float32):
+    """Single-process AdamW in `dtype`: returns (per-step losses, final {name: param})."""
+    model = load_chunks(HFCheckpoint(folder), ps1, dtype=dtype)[0]
     named = list(model.named_parameters())
     roles = named_roles(model)
     groups = [{"params": [p for _, p, r in roles if not no_weight_decay(r, cfg)]},
