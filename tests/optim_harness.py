@@ -71,6 +71,54 @@ def reference(folder, cfg: OptimizerConfig, ga: int, steps: int, ps1: ParallelSt
     return losses, {n: p.detach().clone() for n, p in named}
 
 
+# The parity bound, from the arithmetic rather than one machine: the same AdamW run in float64 is
+# the truth, and the unsharded fp32 reference's own distance from it (per parameter tensor, per
+# step's loss) is what fp32 rounding does to this computation on this CPU. A sharded run sums the
+# same terms in another order (TP and SP partial sums, DP reduce-scatters), so its rounding is of
+# the same size but not the same: two such fp32 runs' distances from float64 differ by about
+# their own size, and ROUNDING_FACTOR leaves room for the spread across layouts, CPUs and thread
+# counts. An error of the optimizer itself (a stale, missing or doubly applied update) moves a
+# parameter by ~lr / |param|, orders above.
+ROUNDING_FACTOR = 8
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+@dataclasses.dataclass
+class Truth:
+    """The float64 run and how far the fp32 reference lands from it."""
+
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    loss_rounding: float  # worst per-step relative loss distance of the fp32 run
+    rounding: float  # worst per-tensor ||fp32 - fp64|| / ||fp64||
+    rounding_max: float  # worst per-tensor max|fp32 - fp64| / max|fp64|
+
+
+def loss_distance(ours: list[float], ref: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
+
+
+def truth(folder, cfg: OptimizerConfig, ga: int, steps: int, ps1: ParallelState) -> Truth:
+    losses32, params32 = reference(folder, cfg, ga, steps, ps1)
+    losses64, params64 = reference(folder, cfg, ga, steps, ps1, dtype=torch.float64)
+    diffs = {n: params32[n].double() - params64[n] for n in params64}
+    return Truth(losses64, params64, loss_distance(losses32, losses64),
+                 max((diffs[n].norm() / params64[n].norm()).item() for n in diffs),
+                 max((diffs[n].abs().max() / params64[n].abs().max()).item() for n in diffs))
+
+
+def check_within_rounding(rel: float, rel_max: float, loss_rel: float, t: Truth, partial_losses: int, row) -> None:
+    """A sharded run's distances from `t` (as `max_rel_diff` and `loss_distance` measure them) are rounding.
+
+    A step's loss is a float64 sum of `partial_losses` fp32 partial losses (DP x GA), each rounded once
+    more than the reference's (whose loss rounds to the same fp32 value as float64's at GA 1): 2 eps per term."""
+    assert rel <= ROUNDING_FACTOR * t.rounding + 4 * FP32_EPS, row
+    # The worst element against the tensor's largest: a wrong update of a few elements (a shard's edge)
+    # shows here when the norm averages it away.
+    assert rel_max <= ROUNDING_FACTOR * t.rounding_max + 4 * FP32_EPS, row
+    assert loss_rel <= ROUNDING_FACTOR * t.loss_rounding + 2 * partial_losses * FP32_EPS, row
+
+
 def build_rank_chunk(folder, ps: ParallelState, dtype=torch.float32):
     return load_chunks(HFCheckpoint(folder), ps, dtype=dtype)[0]
 
@@ -132,5 +180,5 @@ def max_rel_diff(chunk, ps: ParallelState, ref: dict[str, torch.Tensor]) -> tupl
     return worst, worst_max, n
 
 
-__all__ = ["CFG", "DistributedOptimizer", "OptimizerConfig", "build_rank_chunk", "max_rel_diff",
-           "reference", "train"]
+__all__ = ["CFG", "DistributedOptimizer", "OptimizerConfig", "build_rank_chunk", "check_within_rounding",
+           "loss_distance", "max_rel_diff", "reference", "train", "truth"]

@@ -4,8 +4,9 @@
    `hfmeg.parallel.pipeline.forward_backward` with `grad_sync=opt`, under 1F1B and
    the interleaved schedule (vpp=2: buckets per virtual chunk, `set_last_microbatch`
    called per chunk by the schedule), 4 micro-batches per DP rank, modes
-   `overlapped` and `distributed`. After 3 steps every parameter must match the
-   single-process AdamW reference within 1e-6 relative.
+   `overlapped` and `distributed`. After 3 steps every parameter and every loss must
+   be as close to the same AdamW run in float64 as fp32 rounding puts the unsharded
+   fp32 reference (`optim_harness.check_within_rounding`).
 2. Launch order, not wall clock: in `overlapped` mode each bucket's reduce-scatter is
    launched during the last micro-batch's backward, before the gradient of layer 0
    (computed last) has been accumulated, and nothing is launched on earlier
@@ -25,8 +26,8 @@ from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.state import ParallelState
-from optim_harness import (CFG, ROWS, batch, build_rank_chunk, global_tokens, max_rel_diff, micro_step,
-                           reference)
+from optim_harness import (CFG, ROWS, batch, build_rank_chunk, check_within_rounding, global_tokens, loss_distance,
+                           max_rel_diff, micro_step, truth)
 from tiny_models import save_tiny
 
 STEPS, MICRO = 3, 4
@@ -47,7 +48,7 @@ def _microbatches(step: int, ps: ParallelState) -> list[dict]:
 
 
 def _pipeline(folder):
-    ref_losses, ref_params = reference(folder, OptimizerConfig(**CFG), MICRO, STEPS, make_ps())
+    exact = truth(folder, OptimizerConfig(**CFG), MICRO, STEPS, make_ps())
     out = []
     for schedule, vpp, mode in CASES:
         ps = make_ps(pp=2, vpp=vpp)
@@ -62,9 +63,9 @@ def _pipeline(folder):
             dist.all_reduce(t)  # the last stage's DP ranks hold the loss
             losses.append(t.item())
         opt.wait_params()
-        rel = max(max_rel_diff(c, ps, ref_params)[0] for c in chunks)
-        loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-        out.append(dict(case=(schedule, vpp, mode), rel=rel, loss_rel=loss_rel, chunks=len(chunks),
+        rel, rel_max = (max(d[i] for d in (max_rel_diff(c, ps, exact.params) for c in chunks)) for i in (0, 1))
+        out.append(dict(case=(schedule, vpp, mode), rel=rel, rel_max=rel_max,
+                        loss_rel=loss_distance(losses, exact.losses), truth=exact, dp=ps.dp, chunks=len(chunks),
                         chunk_of_bucket=sorted({b.chunk for b in opt.buckets})))
         opt.data_parallel.grad_sync.remove_hooks()
     return out
@@ -76,8 +77,7 @@ def test_pp2_dp2_real_schedules_match_adamw_reference(folder):
     for r in rows:
         vpp = r["case"][1]
         assert r["chunks"] == vpp and r["chunk_of_bucket"] == list(range(vpp)), r  # buckets per virtual chunk
-        assert r["rel"] <= 1e-6, r
-        assert r["loss_rel"] <= 1e-6, r
+        check_within_rounding(r["rel"], r["rel_max"], r["loss_rel"], r["truth"], r["dp"] * MICRO, r)
 
 
 def _launch_order(folder):
