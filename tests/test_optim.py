@@ -43,20 +43,20 @@ def _parity(models):
                 cfg = OptimizerConfig(mode=mode, **CFG)
                 if (folder, ga) not in refs:
                     refs[folder, ga] = truth(folder, cfg, ga, STEPS, ps1)
-                t = refs[folder, ga]
+                exact = refs[folder, ga]
                 chunk = build_rank_chunk(folder, ps)
                 n_params = sum(p.numel() for p in chunk.parameters())
                 opt = DistributedOptimizer([chunk], ps, cfg)
                 losses = train(chunk, opt, ps, ga, STEPS)
                 opt.wait_params()  # the last step's all-gathers are otherwise waited by the next forward
-                rel, rel_max, n = max_rel_diff(chunk, ps, t.params)
+                rel, rel_max, n = max_rel_diff(chunk, ps, exact.params)
                 padded = sum(b.size for b in opt.buckets)
                 storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                             for adamw in opt.optimizers.values() for g in adamw.param_groups for p in g["params"]
                             for t in (p, adamw.state[p]["exp_avg"], adamw.state[p]["exp_avg_sq"])}
                 out.append(dict(layout=layout, ga=ga, mode=mode, rel=rel, rel_max=rel_max, n=n,
-                                loss_rel=loss_distance(losses, t.losses), truth=t, state_bytes=sum(storages.values()), n_params=n_params,
-                                padded=padded, n_buckets=len(opt.buckets), dp=ps.dp, shards=opt.shards))
+                                loss_rel=loss_distance(losses, exact.losses), truth=exact,
+                                state_bytes=sum(storages.values()), n_params=n_params, padded=padded, n_buckets=len(opt.buckets), dp=ps.dp, shards=opt.shards))
     return out
 
 
