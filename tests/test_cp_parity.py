@@ -1,0 +1,124 @@
+"""Context parallelism: fp32 logits, loss and every gradient equal one process's.
+
+One 4-process gloo world runs CP4, CP2 x TP2 (with sequence parallelism), CP2 x PP2
+(1F1B through `forward_backward`) and CP2 (x DP2), on rows packed with several
+documents and padding, and on plain rows. The reference is the same checkpoint in one
+process (`world=1`), whose own parity with transformers is tests/test_tp_parity.py's
+and, for packed rows, tests/test_attention.py's. Gradients are compared per HF tensor,
+rebuilt from TP shards by the conversion's own `to_hf`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from helpers import make_ps
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
+from hfmeg.checkpoint.rules import chunk_rules, to_hf
+from hfmeg.parallel.comm import sync_sequence_parallel_grads
+from hfmeg.parallel.context import shard_microbatch, token_index
+from hfmeg.parallel.launch import spawn
+from hfmeg.parallel.pipeline import forward_backward
+
+# (tp, cp, pp, sp) in a world of 4; CP2 alone leaves DP = 2 (both DP ranks get the same rows).
+LAYOUTS = [(1, 4, 1, False), (2, 2, 1, True), (1, 2, 2, False), (1, 2, 1, False)]
+SEQ = 32  # 8 chunks of 4 at CP4
+
+
+def _packed_batch() -> dict:
+    """Two rows of 32: documents of 5, 11, 9, 7 tokens; and 20, 10 and 2 tokens of padding."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 300, (2, SEQ), generator=gen)
+    seg, pos, labels = (torch.zeros(2, SEQ, dtype=torch.long) for _ in range(3))
+    labels.fill_(-100)
+    for row, lengths in enumerate(((5, 11, 9, 7), (20, 10))):
+        start = 0
+        for doc, n in enumerate(lengths, 1):
+            seg[row, start:start + n] = doc
+            pos[row, start:start + n] = torch.arange(n)
+            labels[row, start:start + n - 1] = ids[row, start + 1:start + n]  # no target across documents
+            start += n
+    return dict(input_ids=ids, labels=labels, position_ids=pos, segment_ids=seg)
+
+
+def _plain_batch() -> dict:
+    ids = torch.randint(0, 300, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    return dict(input_ids=ids, labels=labels)
+
+
+def _gather(t: torch.Tensor, group, size: int, dim: int = 0) -> list[torch.Tensor]:
+    if size == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def _hf_grads(chunk, ps) -> dict[str, torch.Tensor]:
+    params = dict(chunk.named_parameters())
+    out = {}
+    for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process):
+        out.update(to_hf(rule, _gather(params[rule.local].grad, ps.tp_group, ps.tp), chunk.cfg))
+    return out
+
+
+def _reference(folder, mb, ntok):
+    chunk = load_chunks(HFCheckpoint(folder), make_ps(world=1))[0]
+    kwargs = {k: mb[k] for k in ("position_ids", "segment_ids") if k in mb}
+    logits = chunk(mb["input_ids"], **kwargs)[..., : chunk.cfg.vocab_size].detach()
+    loss = chunk(mb["input_ids"], labels=mb["labels"], **kwargs).sum() / ntok
+    loss.backward()
+    return logits, loss.item(), _hf_grads(chunk, make_ps(world=1))
+
+
+def _run_layouts(folder):
+    report = []
+    for name, mb in (("packed", _packed_batch()), ("plain", _plain_batch())):
+        ntok = int((mb["labels"] != -100).sum())
+        ref_logits, ref_loss, ref_grads = _reference(folder, mb, ntok)
+        for tp, cp, pp, sp in LAYOUTS:
+            ps = make_ps(tp=tp, cp=cp, pp=pp, sp=sp)
+            chunk = load_chunks(HFCheckpoint(folder), ps)[0]
+            row = dict(batch=name, tp=tp, cp=cp, pp=pp, sp=sp, rank=ps.rank)
+            if pp == 1:  # the logits of this rank's tokens, against the same positions of the reference
+                local = shard_microbatch(mb, ps)
+                kwargs = {k: local[k] for k in ("position_ids", "segment_ids") if k in local}
+                logits = torch.cat(_gather(chunk(local["input_ids"], **kwargs), ps.tp_group, ps.tp), dim=-1)
+                mine = ref_logits.index_select(1, token_index(SEQ, cp, ps.cp_rank))
+                row["logit_diff"] = (logits[..., : chunk.cfg.vocab_size] - mine).abs().max().item()
+            loss = forward_backward([chunk], ps, [mb], schedule="1f1b", num_tokens=ntok)
+            box = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+            dist.all_reduce(box, group=ps.cp_group)  # each CP rank holds its tokens' share of the sum
+            sync_sequence_parallel_grads([chunk], ps)
+            for p in chunk.parameters():  # partial sums over tokens, as DP replicas' are
+                dist.all_reduce(p.grad, group=ps.cp_group)
+            grads = _hf_grads(chunk, ps)
+            if ps.is_last_stage:
+                row["loss_diff"] = abs(box.item() - ref_loss)
+            row["grad_rel"] = max(((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item()
+                                  for n, g in grads.items())
+            row["grads"] = sorted(grads)
+            report.append(row)
+    return report, sorted(ref_grads)
+
+
+def test_cp_parity_with_one_process(tiny_checkpoints):
+    results = spawn(_run_layouts, 4, str(tiny_checkpoints["llama3"]))
+    all_names = results[0][1]
+    covered = {}
+    for report, _ in results:
+        for row in report:
+            # fp32 sums of the same terms in another order: ~1e-6 here; the contract's bounds.
+            assert row.get("logit_diff", 0.0) <= 1e-4, row
+            assert row.get("loss_diff", 0.0) <= 1e-5, row
+            assert row["grad_rel"] <= 1e-4, row
+            key = (row["batch"], row["tp"], row["cp"], row["pp"])
+            covered.setdefault(key, set()).update(row["grads"])
+            assert "logit_diff" in row or row["pp"] > 1, row
+    assert len(covered) == 2 * len(LAYOUTS)
+    for key, names in covered.items():
+        assert sorted(names) == all_names, key  # every gradient was compared, on some stage
+    assert any("loss_diff" in row for report, _ in results for row in report)
