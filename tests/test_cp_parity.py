@@ -89,7 +89,7 @@ def _run_layouts(folder):
                 logits = torch.cat(_gather(chunk(local["input_ids"], **kwargs), ps.tp_group, ps.tp), dim=-1)
                 mine = ref_logits.index_select(1, token_index(SEQ, cp, ps.cp_rank))
                 row["logit_diff"] = (logits[..., : chunk.cfg.vocab_size] - mine).abs().max().item()
-            loss = forward_backward([chunk], ps, [mb], schedule="1f1b", num_tokens=ntok)
+            loss = forward_backward([chunk], ps, [shard_microbatch(mb, ps)], schedule="1f1b", num_tokens=ntok)
             box = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
             dist.all_reduce(box, group=ps.cp_group)  # each CP rank holds its tokens' share of the sum
             sync_sequence_parallel_grads([chunk], ps)

@@ -7,7 +7,10 @@ matching late one gives every rank the same number of (query, key) pairs; a
 contiguous split would leave the last rank with 2·cp−1 times the first's.
 
 What follows the tokens. A micro-batch's `[b, s]` tensors (`input_ids`, `labels`,
-`position_ids`, `segment_ids`) are cut the same way (`shard_microbatch`), so each
+`position_ids`, `segment_ids`) are cut the same way, by the data pipeline
+(data/batches.py: a CP rank materialises only its chunks) or by `shard_microbatch`
+for a caller holding whole rows; the model and the pipeline schedule take a CP rank's
+tokens (`forward_backward`'s micro-batches are `[b, s / cp]`). So each
 token keeps its label, its loss-mask entry and its RoPE position (the position ids
 are selected, never recomputed from the local index: RoPE rotates every token by its
 true position, and packed documents keep their restarting positions). Everything
@@ -42,26 +45,17 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import LayoutError
+from ..data.batches import split_index
 from .comm import all_gather_flat, reduce_scatter_flat
 from .state import ParallelState
 
 SPLIT_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")  # the [b, s] tensors of a micro-batch
 
 
-def check_split(s: int, cp: int) -> None:
-    """A sequence of `s` tokens must cut into `2 * cp` equal chunks."""
-    if s % (2 * cp):
-        raise LayoutError(f"data.seq_len: {s} tokens do not split into 2 x CP = {2 * cp} equal chunks "
-                          f"(parallel.cp {cp}); use a multiple of {2 * cp}")
-
-
 def token_index(s: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """The positions in the row of the tokens CP rank `rank` holds: chunks `rank` and `2cp-1-rank`."""
-    check_split(s, cp)
-    c = s // (2 * cp)
-    first = torch.arange(rank * c, (rank + 1) * c, device=device)
-    return torch.cat([first, first + (2 * cp - 1 - 2 * rank) * c])
+    """The positions in the row of the tokens CP rank `rank` holds: chunks `rank` and `2cp-1-rank`
+    (the data pipeline's `split_index`, which cuts the rows it hands out the same way)."""
+    return torch.from_numpy(split_index(s, cp, rank)).to(device)
 
 
 def gathered_index(s: int, cp: int, device=None) -> torch.Tensor:

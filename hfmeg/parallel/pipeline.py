@@ -15,8 +15,8 @@ compare the gradient's shape with the (now empty) output. This is what keeps
 Loss: micro-batch loss = sum of its per-token losses / `num_tokens`, the count of
 non-ignored label tokens of the whole global batch (all micro-batches and all DP
 ranks). Backward of these gives global-batch-mean gradients, so DP reductions sum.
-Under context parallelism each rank runs its own tokens of every micro-batch
-(`context.shard_microbatch`) and its loss is the sum over those: the same sum split
+Under context parallelism the micro-batches hold this CP rank's tokens of every
+row (`context.py`; the data pipeline cuts them) and its loss is the sum over those: the same sum split
 over the CP ranks, which the DP x CP gradient reduction and the logged loss add up.
 An MoE model whose config asks for the router's load-balancing loss adds it per
 micro-batch (computed over that micro-batch, as transformers computes it for one
@@ -39,7 +39,6 @@ from typing import Protocol
 import torch
 
 from ..errors import LayoutError
-from .context import check_split, shard_microbatch
 from .p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from .schedules import Action, Step, plan
 from .state import ParallelState
@@ -73,8 +72,7 @@ class _Executor:
     def __init__(self, chunks, ps: ParallelState, microbatches, num_tokens, grad_sync, timeline, forward_only,
                  loss_scale=1.0):
         self.chunks, self.ps = chunks, ps
-        # Every copy queued before any compute; under CP only this rank's tokens are copied (parallel/context.py).
-        self.mbs = [_to_device(shard_microbatch(mb, ps), ps.device) for mb in microbatches]
+        self.mbs = [_to_device(mb, ps.device) for mb in microbatches]  # every copy queued before any compute
         self.num_tokens, self.grad_sync, self.timeline = num_tokens, grad_sync, timeline
         self.forward_only, self.loss_scale = forward_only, loss_scale
         self.n_chunks = ps.pp * len(chunks)
@@ -225,7 +223,8 @@ def forward_backward(
     `chunks` are this rank's model chunks in virtual order (model chunk
     `v * pp + pp_rank` is `chunks[v]`); `microbatches` are this DP rank's
     micro-batches (dicts with `input_ids` and `labels` `[b, s]`, optional
-    `position_ids`, `segment_ids`), the same list on every stage of a pipeline:
+    `position_ids`, `segment_ids`; under CP this rank's `s / cp` tokens of each row, as
+    `context.shard_microbatch` cuts them), the same list on every stage of a pipeline:
     every stage reads the shape of `input_ids` and the positions / document ids
     (RoPE and the packed-document mask are applied in every layer).
     Gradients accumulate into `.grad`; `grad_sync` (the data-parallel wrapper, or the
@@ -246,9 +245,6 @@ def forward_backward(
         raise LayoutError(f"num_tokens must count at least one label token, got {num_tokens}")
     steps = plan(schedule, ps.pp, ps.pp_rank, ps.vpp, len(microbatches), forward_only)
     s = microbatches[0]["input_ids"].shape[1]
-    if ps.cp > 1:
-        check_split(s, ps.cp)
-        s //= ps.cp
     if ps.sequence_parallel and s % ps.tp:
         raise LayoutError(f"sequence length {s} (per CP rank) is not divisible by TP={ps.tp} (sequence parallelism)")
     if any(mb["input_ids"].shape != microbatches[0]["input_ids"].shape for mb in microbatches):
