@@ -143,7 +143,7 @@ class ModelChunk(nn.Module):
             x = self._embed(x, position_ids)
         dtype = self._compute_dtype()
         rope = self.rope(position_ids, dtype) if self.rope is not None else None
-        docs = self._plan_mask(segment_ids, s, x.device)
+        docs = self._plan_mask(segment_ids, s, x.device, dtype)
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, docs, use_reentrant=False)
@@ -157,7 +157,7 @@ class ModelChunk(nn.Module):
             self.aux_loss = moe.router_aux_loss_coef * load_balancing_loss(sums, moe.num_experts, self.ps)
         return self._head(x, labels)
 
-    def _plan_mask(self, segment_ids: torch.Tensor | None, s: int, device) -> DocumentMask | None:
+    def _plan_mask(self, segment_ids: torch.Tensor | None, s: int, device, dtype) -> DocumentMask | None:
         """The attention mask of this micro-batch (models/document_attention.py); under CP, of this
         rank's `s` queries over the gathered row (parallel/context.py)."""
         flex = flex_applies(device, self.cfg.head_dim)
@@ -167,7 +167,7 @@ class ModelChunk(nn.Module):
         row = s * ps.cp
         kv_segments = gather_segments(segment_ids, ps) if segment_ids is not None else None
         return plan_split(token_index(row, ps.cp, ps.cp_rank, device), gathered_index(row, ps.cp, device),
-                          segment_ids, kv_segments, flex)
+                          segment_ids, kv_segments, flex, dtype)
 
     @property
     def adds_aux_loss(self) -> bool:

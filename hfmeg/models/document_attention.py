@@ -45,7 +45,7 @@ class DocumentMask:
     """The packed-row mask of one micro-batch: a flex `BlockMask`, or the dense boolean mask."""
 
     block: BlockMask | None = None
-    dense: torch.Tensor | None = None  # [b, 1, s, s], True where attention is allowed
+    dense: torch.Tensor | None = None  # [b, 1, s, s], True where attention is allowed (CP: additive, see plan_split)
 
 
 def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -107,11 +107,17 @@ def plan(segment_ids: torch.Tensor | None, flex: bool) -> DocumentMask | None:
 
 
 def plan_split(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: torch.Tensor | None,
-               kv_segments: torch.Tensor | None, flex: bool) -> DocumentMask:
-    """The mask of a context-parallel rank's queries over the gathered keys (module doc)."""
+               kv_segments: torch.Tensor | None, flex: bool, dtype: torch.dtype) -> DocumentMask:
+    """The mask of a context-parallel rank's queries over the gathered keys (module doc).
+
+    The dense form is additive (0 or -inf) in the compute dtype: SDPA turns a boolean mask
+    into such a tensor in every layer and saves that copy for backward, s/cp x s elements
+    per layer; given one, it saves the tensor it was given, once per chunk."""
     if flex:
         return DocumentMask(block=split_block_mask(q_index, kv_index, q_segments, kv_segments))
-    return DocumentMask(dense=split_causal_mask(q_index, kv_index, q_segments, kv_segments))
+    allowed = split_causal_mask(q_index, kv_index, q_segments, kv_segments)
+    return DocumentMask(dense=torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+                        .masked_fill_(~allowed, float("-inf")))
 
 
 @cache
