@@ -10,6 +10,7 @@ rebuilt from TP shards by the conversion's own `to_hf`.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -21,6 +22,7 @@ from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.context import shard_microbatch, token_index
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
+from hfmeg.parallel.roles import named_roles
 
 # (tp, cp, pp, sp) in a world of 4; CP2 alone leaves DP = 2 (both DP ranks get the same rows).
 LAYOUTS = [(1, 4, 1, False), (2, 2, 1, True), (1, 2, 2, False), (1, 2, 1, False)]
@@ -95,6 +97,9 @@ def _run_layouts(folder):
             sync_sequence_parallel_grads([chunk], ps)
             for p in chunk.parameters():  # partial sums over tokens, as DP replicas' are
                 dist.all_reduce(p.grad, group=ps.cp_group)
+            for _, p, role in named_roles(chunk):  # tied embeddings with PP: the stages' copies sum (roles.py)
+                if role.tied and ps.pp > 1:
+                    dist.all_reduce(p.grad, group=ps.embedding_group)
             grads = _hf_grads(chunk, ps)
             if ps.is_last_stage:
                 row["loss_diff"] = abs(box.item() - ref_loss)
@@ -105,8 +110,9 @@ def _run_layouts(folder):
     return report, sorted(ref_grads)
 
 
-def test_cp_parity_with_one_process(tiny_checkpoints):
-    results = spawn(_run_layouts, 4, str(tiny_checkpoints["llama3"]))
+@pytest.mark.parametrize("kind", ["llama3", "gpt2"])  # GQA + RoPE; MHA + learned positions, biases, LayerNorm
+def test_cp_parity_with_one_process(tiny_checkpoints, kind):
+    results = spawn(_run_layouts, 4, str(tiny_checkpoints[kind]))
     all_names = results[0][1]
     covered = {}
     for report, _ in results:

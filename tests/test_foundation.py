@@ -39,6 +39,8 @@ def _cp_grids():
         out.append(dict(coords=(ps.tp_rank, ps.cp_rank, ps.dp_rank, ps.pp_rank), tp=ps.tp_ranks, cp=ps.cp_ranks,
                         dp=ps.dp_ranks, dp_cp=ps.dp_cp_ranks, pp=ps.pp_ranks, dp_cp_rank=ps.dp_cp_rank,
                         edp=(ps.edp, ps.edp_rank), next=ps.next_rank))
+    ps = make_ps(cp=2, ep=2)  # DP 4: EP ranks are DP neighbours of one CP rank; experts summed over edp x CP
+    out.append(dict(ep=ps.ep_ranks, expert_dp=ps.expert_dp_ranks, edp=(ps.edp, ps.edp_rank)))
     return out
 
 
@@ -59,6 +61,11 @@ def test_rank_grid_cp_between_tp_and_dp():
             assert g["tp"] == [rank - t + k for k in range(tp)]
             assert g["pp"] == [rank % (tp * cp * dp) + k * tp * cp * dp for k in range(pp)]
             assert g["next"] == (rank + tp * cp * dp) % 8 if pp > 1 else g["next"] == rank
+    for rank in range(8):  # rank = cp_rank + 2 * dp_rank, dp_rank = ep_rank + 2 * edp_index
+        g, c, d = grids[rank][2], rank % 2, rank // 2
+        assert g["ep"] == [c + 2 * (2 * (d // 2) + e) for e in range(2)]
+        assert g["expert_dp"] == [k + 2 * (d % 2 + 2 * j) for j in range(2) for k in range(2)]
+        assert g["edp"] == (4, c + 2 * (d // 2)) and g["expert_dp"].index(rank) == g["edp"][1]
 
 
 def test_world_not_multiple_of_tp_pp():
