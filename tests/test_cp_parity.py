@@ -1,7 +1,8 @@
 """Context parallelism: fp32 logits, loss and every gradient equal one process's.
 
-One 4-process gloo world runs CP4, CP2 x TP2 (with sequence parallelism), CP2 x PP2
-(1F1B through `forward_backward`) and CP2 (x DP2), on rows packed with several
+One 4-process gloo world runs CP4 (selective recompute), CP2 x TP2 (sequence
+parallelism, full recompute), CP2 x PP2 (1F1B through `forward_backward`) and CP2
+(x DP2), for LLaMA-3 and GPT-2 tiny checkpoints, on rows packed with several
 documents and padding, and on plain rows. The reference is the same checkpoint in one
 process (`world=1`), whose own parity with transformers is tests/test_tp_parity.py's
 and, for packed rows, tests/test_attention.py's. Gradients are compared per HF tensor,
@@ -24,8 +25,10 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.roles import named_roles
 
-# (tp, cp, pp, sp) in a world of 4; CP2 alone leaves DP = 2 (both DP ranks get the same rows).
-LAYOUTS = [(1, 4, 1, False), (2, 2, 1, True), (1, 2, 2, False), (1, 2, 1, False)]
+# (tp, cp, pp, sp, recompute) in a world of 4; CP2 alone leaves DP = 2 (both DP ranks get the same rows).
+# Recompute reruns the K/V all-gather in backward (selective: the attention core; full: the layer).
+LAYOUTS = [(1, 4, 1, False, "selective"), (2, 2, 1, True, "full"), (1, 2, 2, False, "none"),
+           (1, 2, 1, False, "none")]
 SEQ = 32  # 8 chunks of 4 at CP4
 
 
@@ -81,9 +84,9 @@ def _run_layouts(folder):
     for name, mb in (("packed", _packed_batch()), ("plain", _plain_batch())):
         ntok = int((mb["labels"] != -100).sum())
         ref_logits, ref_loss, ref_grads = _reference(folder, mb, ntok)
-        for tp, cp, pp, sp in LAYOUTS:
+        for tp, cp, pp, sp, recompute in LAYOUTS:
             ps = make_ps(tp=tp, cp=cp, pp=pp, sp=sp)
-            chunk = load_chunks(HFCheckpoint(folder), ps)[0]
+            chunk = load_chunks(HFCheckpoint(folder), ps, recompute=recompute)[0]
             row = dict(batch=name, tp=tp, cp=cp, pp=pp, sp=sp, rank=ps.rank)
             if pp == 1:  # the logits of this rank's tokens, against the same positions of the reference
                 local = shard_microbatch(mb, ps)
