@@ -126,8 +126,9 @@ class ModelChunk(nn.Module):
         `x` is token ids `[b, s]` on the first chunk, hidden states otherwise.
         `position_ids` / `segment_ids` `[b, s]` describe packed documents (defaults:
         0..s-1, one document). Under context parallelism every `[b, s]` input holds this CP
-        rank's tokens only (`parallel.context.shard_microbatch`), `s` the local count. Later chunks need `seq_len` under SP only when they
-        receive no ids to read it from; it defaults from the inputs. `received_sums`: the
+        rank's tokens only (`parallel.context.shard_microbatch`), `s` the local count. Later
+        chunks need `seq_len` under SP only when they receive no ids to read it from; it
+        defaults from the inputs. `received_sums`: the
         router sums of the chunks before this one (see the module doc), read by a last
         chunk given labels.
         """

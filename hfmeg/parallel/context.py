@@ -38,19 +38,17 @@ Packed documents: the mask of a local query block is built (models/document_atte
 from the queries' sequence positions (`token_index`), the gathered keys' positions
 (`gathered_index`) and both sides' document ids (`gather_segments`): causal in the
 row's order and never across documents. The per-block computation is the model's own
-`attend` (SDPA with that mask; flex attention with a block mask on CUDA).
+`attend` (SDPA with that mask, additive and built once per micro-batch; flex attention
+with a block mask on CUDA).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..data.batches import split_index
+from ..data.batches import KEYS, split_index
 from .comm import all_gather_flat, reduce_scatter_flat
 from .state import ParallelState
-
-SPLIT_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")  # the [b, s] tensors of a micro-batch
-
 
 def token_index(s: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """The positions in the row of the tokens CP rank `rank` holds: chunks `rank` and `2cp-1-rank`
@@ -74,7 +72,7 @@ def shard_microbatch(mb: dict, ps: ParallelState) -> dict:
     out = dict(mb)
     if out.get("position_ids") is None:
         out["position_ids"] = torch.arange(s, device=index.device).expand(b, s)
-    for k in SPLIT_KEYS:
+    for k in KEYS:  # every [b, s] tensor of a micro-batch
         if out.get(k) is not None:
             out[k] = out[k].index_select(1, index)
     return out
