@@ -3,6 +3,8 @@
 stories260K on alpaca_en_demo.json, rows of 64 packed tokens (several documents per row,
 so the document mask crosses the split), fp32. CP is a runtime layout like DP: the
 checkpoint of a CP2 x DP2 run resumes at CP4 and continues as the CP2 x DP2 run did.
+The three optimizer modes shard or replicate over DP x CP: CP2 x TP2 runs `distributed`,
+CP2 x DP2 `ddp`, the CP4 resume `overlapped` (from the `ddp` run's state).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from hfmeg.parallel.launch import spawn
 from test_train import _assets, _config, _losses, _run
 
 
-def _cp_config(out, model, *, cp, tp=1, **kw):
+def _cp_config(out, model, *, cp, tp=1, mode="overlapped", **kw):
     cfg = _config(out, model, tp=tp, sp=tp > 1, steps=20, **kw)
-    return replace(cfg, parallel=replace(cfg.parallel, cp=cp))
+    return replace(cfg, parallel=replace(cfg.parallel, cp=cp), optim=replace(cfg.optim, mode=mode))
 
 
 def _close(a, b):
@@ -26,8 +28,8 @@ def _close(a, b):
 def test_cp_training_matches_one_process_and_resumes_at_another_cp(tmp_path):
     model = _assets()
     spawn(_run, 1, _config(tmp_path / "single", model, steps=20))
-    spawn(_run, 4, _cp_config(tmp_path / "cp2tp2", model, cp=2, tp=2))
-    spawn(_run, 4, _cp_config(tmp_path / "cp2dp2", model, cp=2, save_every=10))
+    spawn(_run, 4, _cp_config(tmp_path / "cp2tp2", model, cp=2, tp=2, mode="distributed"))
+    spawn(_run, 4, _cp_config(tmp_path / "cp2dp2", model, cp=2, mode="ddp", save_every=10))
     single = _losses(tmp_path / "single")
     assert len(single) == 20
     for name in ("cp2tp2", "cp2dp2"):
