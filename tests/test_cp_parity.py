@@ -2,7 +2,8 @@
 
 One 4-process gloo world runs CP4 (selective recompute), CP2 x TP2 (sequence
 parallelism, full recompute), CP2 x PP2 (1F1B through `forward_backward`) and CP2
-(x DP2), for LLaMA-3 and GPT-2 tiny checkpoints, on rows packed with several
+(x DP2), for LLaMA-3 and GPT-2 tiny checkpoints, and CP2 x PP2 x VPP2 under the
+interleaved schedule, on rows packed with several
 documents and padding, and on plain rows. The reference is the same checkpoint in one
 process (`world=1`), whose own parity with transformers is tests/test_tp_parity.py's
 and, for packed rows, tests/test_attention.py's. Gradients are compared per HF tensor,
@@ -24,6 +25,7 @@ from hfmeg.parallel.context import shard_microbatch, token_index
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.roles import named_roles
+from tiny_models import save_tiny
 
 # (tp, cp, pp, sp, recompute) in a world of 4; CP2 alone leaves DP = 2 (both DP ranks get the same rows).
 # Recompute reruns the K/V all-gather in backward (selective: the attention core; full: the layer).
@@ -131,3 +133,32 @@ def test_cp_parity_with_one_process(tiny_checkpoints, kind):
     for key, names in covered.items():
         assert sorted(names) == all_names, key  # every gradient was compared, on some stage
     assert any("loss_diff" in row for report, _ in results for row in report)
+
+
+def _interleaved(folder):
+    """CP2 x PP2 with two virtual chunks per rank, the interleaved 1F1B schedule, two micro-batches of one row."""
+    mb = _packed_batch()
+    ntok = int((mb["labels"] != -100).sum())
+    _, ref_loss, ref_grads = _reference(folder, mb, ntok)
+    ps = make_ps(cp=2, pp=2, vpp=2)
+    chunks = load_chunks(HFCheckpoint(folder), ps)
+    micro = [shard_microbatch({k: v[i:i + 1] for k, v in mb.items()}, ps) for i in range(2)]
+    loss = forward_backward(chunks, ps, micro, schedule="interleaved", num_tokens=ntok)
+    box = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+    dist.all_reduce(box, group=ps.cp_group)
+    grads = {}
+    for chunk in chunks:
+        for p in chunk.parameters():
+            dist.all_reduce(p.grad, group=ps.cp_group)
+        grads.update(_hf_grads(chunk, ps))
+    worst = max(((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item()
+                for n, g in grads.items())
+    return abs(box.item() - ref_loss) if ps.is_last_stage else 0.0, worst, sorted(grads), sorted(ref_grads)
+
+
+def test_cp_parity_under_the_interleaved_schedule(tmp_path):
+    folder = save_tiny("llama3", tmp_path / "llama4", num_hidden_layers=4)  # 2 stages x 2 virtual chunks
+    results = spawn(_interleaved, 4, str(folder))
+    for loss_diff, grad_rel, _, _ in results:
+        assert loss_diff <= 1e-5 and grad_rel <= 1e-4, (loss_diff, grad_rel)
+    assert sorted({n for *_, names, _ in results for n in names}) == results[0][3]  # every gradient compared
