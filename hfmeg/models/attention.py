@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..errors import UnsupportedConfigError
-from ..parallel.context import gather_sequence
+from ..parallel.context import gather_kv
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.state import ParallelState
 from .document_attention import DocumentMask, attend
@@ -76,7 +76,6 @@ class ParallelAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = self.kernels.rope(q, *rope), self.kernels.rope(k, *rope)
-        if self.ps.cp > 1:
-            k, v = gather_sequence(torch.stack((k, v)), self.ps, dim=3).unbind(0)  # [2, b, g, s, d]
+        k, v = gather_kv(k, v, self.ps)  # the whole row's under context parallelism
         o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads_local * d]

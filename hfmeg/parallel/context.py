@@ -21,7 +21,7 @@ per-token losses divided by the global batch's label-token count (the pipeline's
 tokens, and the gradient reduction sums over DP x CP (`ParallelState.dp_cp_group`),
 so loss and gradients are the CP = 1 ones. Padding (label −100) counts nowhere.
 
-Attention across the split: all-gather of K/V (`gather_sequence`), not a ring. Each
+Attention across the split: all-gather of K/V (`gather_kv`), not a ring. Each
 layer all-gathers the rotated keys and values of every CP rank (one collective, K and
 V stacked) and attends its local queries over the whole sequence; the backward is
 the conjugate reduce-scatter, which sums every rank's dK/dV for the keys a rank holds.
@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from ..data.batches import KEYS, split_index
-from .comm import all_gather_flat, reduce_scatter_flat
+from .comm import all_gather_flat, conjugate_pair, reduce_scatter_flat
 from .state import ParallelState
 
 def token_index(s: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -92,26 +92,27 @@ def _gather(x: torch.Tensor, ps: ParallelState, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-class _GatherSequence(torch.autograd.Function):
-    """All-gather along `dim` over CP; backward: reduce-scatter (each rank's share of every rank's gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, ps, dim):
-        ctx.ps, ctx.dim = ps, dim
-        return _gather(x, ps, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        ps, dim = ctx.ps, ctx.dim
-        g = g.movedim(dim, 0).contiguous()
-        out = g.new_empty((g.shape[0] // ps.cp,) + tuple(g.shape[1:]))
-        reduce_scatter_flat(out, g, group=ps.cp_group)
-        return out.movedim(0, dim), None, None
+KV_SEQ_DIM = 3  # the sequence dim of K and V stacked for one collective: [2, b, kv_heads, s, d]
 
 
-def gather_sequence(x: torch.Tensor, ps: ParallelState, dim: int) -> torch.Tensor:
-    """Every CP rank's tokens of `x` along `dim`, in rank order (`gathered_index`); differentiable."""
-    return _GatherSequence.apply(x, ps, dim) if ps.cp > 1 else x
+def _reduce_scatter(g: torch.Tensor, ps: ParallelState, dim: int) -> torch.Tensor:
+    g = g.movedim(dim, 0).contiguous()
+    out = g.new_empty((g.shape[0] // ps.cp,) + tuple(g.shape[1:]))
+    reduce_scatter_flat(out, g, group=ps.cp_group)
+    return out.movedim(0, dim)
+
+
+# All-gather over CP; backward: reduce-scatter, each rank's share of every rank's gradient.
+_gather_kv = conjugate_pair("GatherKV", lambda kv, ps: _gather(kv, ps, KV_SEQ_DIM),
+                            lambda g, ps: _reduce_scatter(g, ps, KV_SEQ_DIM), size=lambda ps: ps.cp)
+
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, ps: ParallelState) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every CP rank's keys and values `[b, kv_heads, s / cp, d]` in rank order (`gathered_index`),
+    in one collective; differentiable."""
+    if ps.cp == 1:
+        return k, v
+    return _gather_kv(torch.stack((k, v)), ps).unbind(0)
 
 
 @torch.no_grad()
