@@ -292,6 +292,17 @@ def check_tp(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> N
         _require(cfg.ffn_size % tp == 0, "intermediate_size", f"{cfg.ffn_size} is not divisible by TP={tp}")
 
 
+def check_cp(cfg: ModelConfig, cp: int) -> None:
+    """Raise if `cfg` has a feature context parallelism (parallel/context.py) would compute differently.
+
+    The router's load-balancing loss is a product of means over a forward's tokens; a CP
+    rank sees only its share of them, so its loss would not be the model's."""
+    if cp > 1 and cfg.moe is not None:
+        _require(not cfg.moe.output_router_logits, "output_router_logits",
+                 f"the router's load-balancing loss is not supported with parallel.cp={cp} (each CP rank routes only "
+                 "its part of the sequence); set it false or use cp 1")
+
+
 def check_ep(cfg: ModelConfig, ep: int) -> None:
     """Raise if `cfg`'s routed experts cannot be spread evenly over `ep` expert-parallel ranks."""
     if cfg.moe is None and ep > 1:

@@ -12,9 +12,9 @@ from tiny_models import STORIES
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 
 
-def make_ps(tp: int = 1, pp: int = 1, vpp: int = 1, sp: bool = False, *, ep: int = 1, world: int | None = None,
-            device: str | torch.device = "cpu") -> ParallelState:
-    """This rank's groups for a TP x PP (x VPP, x EP inside DP) layout.
+def make_ps(tp: int = 1, pp: int = 1, vpp: int = 1, sp: bool = False, *, ep: int = 1, cp: int = 1,
+            world: int | None = None, device: str | torch.device = "cpu") -> ParallelState:
+    """This rank's groups for a TP x CP x PP (x VPP, x EP inside DP) layout.
 
     `world=None`: the rank and size of the default group (a spawned gloo world), or a world of one
     where none is initialised. `world=N`: rank 0 of N (a single-process reference inside a spawned
@@ -23,7 +23,7 @@ def make_ps(tp: int = 1, pp: int = 1, vpp: int = 1, sp: bool = False, *, ep: int
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     else:
         rank = 0
-    return ParallelState(ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, ep=ep), rank, world,
+    return ParallelState(ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, ep=ep, cp=cp), rank, world,
                          torch.device(device))
 
 

@@ -55,7 +55,8 @@ def _refused(capsys, argv: list[str], expect: str) -> None:
     (["--set", "optim.beta2=1.0"], "optim.beta2: must be in [0, 1), got 1"),
     (["--global-batch-size", "7", "--micro-batch-size", "2"],
      "train.global_batch_size: 7 is not a multiple of train.micro_batch_size x data-parallel size = 2 x 1"),
-    (["--tp", "2"], "parallel.tp x parallel.pp = 2 does not divide the 1 processes launched"),
+    (["--tp", "2"], "parallel.tp x parallel.cp x parallel.pp = 2 does not divide the 1 processes launched"),
+    (["--cp", "0"], "parallel.cp: must be >= 1, got 0"),
     (["--ep", "2"], "parallel.ep: 2 must divide the data-parallel size 1"),
     (["--resume", "no/such/checkpoint"], "checkpoint.resume: 'no/such/checkpoint' is neither none, auto nor"),
     (["--set", "data.eval_holdout=0"], "train.eval_every: 100 asks for evaluation but there is no eval data"),
@@ -84,6 +85,28 @@ def test_an_expert_parallel_size_the_model_cannot_take_exits_2(capsys, monkeypat
     monkeypatch.setenv("WORLD_SIZE", "3")
     _refused(capsys, ["--model", str(mixtral), "--ep", "3", "--global-batch-size", "3", "--set", "model.compile=false"],
              "config.json field num_local_experts: 4 experts cannot be split evenly over parallel.ep=3")
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--seq-len", "30"], "data.seq_len: 30 does not split into 2 x parallel.cp = 4 equal chunks; use a multiple of 4"),
+    (["--tp", "4", "--seq-len", "36", "--sequence-parallel"],
+     "data.seq_len: the 18 tokens of each CP rank (seq_len / parallel.cp) do not divide over parallel.tp 4"),
+])
+def test_a_sequence_context_parallelism_cannot_split_exits_2(capsys, monkeypatch, argv, expect):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    _refused(capsys, ["--cp", "2", "--global-batch-size", "8"] + argv, expect)
+
+
+def test_context_parallelism_with_the_routers_loss_exits_2(capsys, monkeypatch, tmp_path):
+    """The MoE load-balancing loss is a mean over a forward's tokens, which a CP rank sees a part of."""
+    from tiny_models import save_tiny
+
+    mixtral = save_tiny("mixtral", tmp_path / "mixtral")  # output_router_logits true
+    capsys.readouterr()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _refused(capsys, ["--model", str(mixtral), "--cp", "2", "--seq-len", "64", "--set", "model.compile=false"],
+             "config.json field output_router_logits: the router's load-balancing loss is not supported with "
+             "parallel.cp=2")
 
 
 def test_only_rank_0_prints_but_every_rank_exits_2(capsys, monkeypatch):

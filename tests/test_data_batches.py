@@ -140,3 +140,33 @@ def test_llama2_tokenizer_on_the_projects_own_sft_sample():
                 assert ids[seg == s][0] == tok.bos_token_id
                 k += 1
     assert k >= 4 and batch.num_tokens == int(np.sum([(m["labels"] != -100).sum() for m in batch.microbatches]))
+
+
+def test_cp_ranks_hold_only_their_chunks_and_resume_at_another_cp(tmp_path):
+    """Each CP rank gets chunks r and 2cp-1-r of every row (seq_len / cp tokens); together they are the CP 1
+    rows, num_tokens is the global batch's, and the data state resumes at any CP size."""
+    from hfmeg.data.batches import split_index
+
+    cfg = mixed_config(tmp_path, seq_len=64)
+    tok = char_tokenizer()
+    layout = dict(dp_rank=0, dp_size=1, micro_batch_size=2, global_batch_size=4)
+    ref = [next(d) for d in [build_data(cfg, tok, **layout)] for _ in range(3)]
+    state = None
+    for cp, steps in ((2, range(2)), (4, range(2, 3))):
+        ranks = [build_data(cfg, tok, cp_rank=r, cp_size=cp, **layout) for r in range(cp)]
+        if state is not None:
+            for d in ranks:
+                d.load_state_dict(json.loads(json.dumps(state)))
+        for step in steps:
+            batches = [next(d) for d in ranks]
+            assert {b.num_tokens for b in batches} == {ref[step].num_tokens}
+            for m, whole in enumerate(ref[step].microbatches):
+                for k in KEYS:
+                    rebuilt = torch.empty_like(whole[k])
+                    for r, b in enumerate(batches):
+                        assert b.microbatches[m][k].shape == (2, 64 // cp)
+                        rebuilt[:, torch.from_numpy(split_index(64, cp, r))] = b.microbatches[m][k]
+                    assert torch.equal(rebuilt, whole[k]), (cp, step, k)
+        state = ranks[0].state_dict()
+    assert split_index(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]  # chunks 0 and 3 of 4
+    assert split_index(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]

@@ -32,8 +32,44 @@ def test_rank_grid_tp_fastest_then_dp_then_pp():
         assert g["next"] == g["prev"] == (rank + 4) % 8
 
 
+def _cp_grids():
+    out = []
+    for tp, cp, pp in ((2, 2, 1), (1, 2, 2)):  # DP 2 in both
+        ps = make_ps(tp=tp, cp=cp, pp=pp)
+        out.append(dict(coords=(ps.tp_rank, ps.cp_rank, ps.dp_rank, ps.pp_rank), tp=ps.tp_ranks, cp=ps.cp_ranks,
+                        dp=ps.dp_ranks, dp_cp=ps.dp_cp_ranks, pp=ps.pp_ranks, dp_cp_rank=ps.dp_cp_rank,
+                        edp=(ps.edp, ps.edp_rank), next=ps.next_rank))
+    ps = make_ps(cp=2, ep=2)  # DP 4: EP ranks are DP neighbours of one CP rank; experts summed over edp x CP
+    out.append(dict(ep=ps.ep_ranks, expert_dp=ps.expert_dp_ranks, edp=(ps.edp, ps.edp_rank)))
+    return out
+
+
+def test_rank_grid_cp_between_tp_and_dp():
+    """Megatron's order: TP fastest, then CP, DP, PP; gradients are summed over DP x CP."""
+    grids = spawn(_cp_grids, 8)
+    for layout, (tp, cp, pp) in enumerate(((2, 2, 1), (1, 2, 2))):
+        dp = 8 // (tp * cp * pp)
+        for rank, g in enumerate(grids[r][layout] for r in range(8)):
+            t, c, d, p = g["coords"]
+            assert rank == t + tp * (c + cp * (d + dp * p)), g
+            base = rank - tp * c
+            assert g["cp"] == [base + tp * k for k in range(cp)]  # same TP, DP, PP coordinates
+            assert g["dp"] == [t + tp * (c + cp * k) + tp * cp * dp * p for k in range(dp)]
+            assert g["dp_cp"] == [t + tp * k + tp * cp * dp * p for k in range(cp * dp)]  # same TP, PP
+            assert g["dp_cp"].index(rank) == g["dp_cp_rank"] == c + cp * d
+            assert g["edp"] == (dp * cp, c + cp * d)  # EP 1: the expert-DP group is DP x CP
+            assert g["tp"] == [rank - t + k for k in range(tp)]
+            assert g["pp"] == [rank % (tp * cp * dp) + k * tp * cp * dp for k in range(pp)]
+            assert g["next"] == (rank + tp * cp * dp) % 8 if pp > 1 else g["next"] == rank
+    for rank in range(8):  # rank = cp_rank + 2 * dp_rank, dp_rank = ep_rank + 2 * edp_index
+        g, c, d = grids[rank][2], rank % 2, rank // 2
+        assert g["ep"] == [c + 2 * (2 * (d // 2) + e) for e in range(2)]
+        assert g["expert_dp"] == [k + 2 * (d % 2 + 2 * j) for j in range(2) for k in range(2)]
+        assert g["edp"] == (4, c + 2 * (d // 2)) and g["expert_dp"].index(rank) == g["edp"][1]
+
+
 def test_world_not_multiple_of_tp_pp():
-    with pytest.raises(LayoutError, match="world size 6 is not a multiple of TP x PP = 4 x 1"):
+    with pytest.raises(LayoutError, match="world size 6 is not a multiple of TP x CP x PP = 4 x 1 x 1"):
         make_ps(tp=4, world=6)
 
 

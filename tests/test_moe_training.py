@@ -8,7 +8,9 @@ global batch):
   the rest uses all 4, in the three modes (in `ddp` the norm counts each expert once
   on its first expert-DP rank);
 - EP4 (every rank its own expert, no expert-DP sum);
-- EP2 x TP2 with SP, and EP2 x PP2 (DP 2 each).
+- EP2 x TP2 with SP, and EP2 x PP2 (DP 2 each);
+- EP2 x CP2 (DP 2): the EP ranks of one CP rank exchange that rank's tokens, and
+  expert gradients sum over expert-DP x CP.
 The load-balancing loss is off (the reference calls the chunk directly, without it);
 tests/test_moe_parity.py covers it at EP > 1 and PP > 1. Last, an EP that does not
 divide the expert count (or EP on a dense model) is refused when a chunk is built.
@@ -31,10 +33,10 @@ from hfmeg.parallel.launch import spawn
 from tiny_models import save_tiny, tiny_config
 
 STEPS, GA = 20, 2  # the issue asks for 20 steps
-# (tp, pp, sp, ep, mode)
-LAYOUTS = [(1, 1, False, 2, "overlapped"), (1, 1, False, 2, "ddp"), (1, 1, False, 2, "distributed"),
-           (1, 1, False, 4, "overlapped"),
-           (2, 1, True, 2, "overlapped"), (1, 2, False, 2, "overlapped")]
+# (tp, pp, sp, ep, mode, cp)
+LAYOUTS = [(1, 1, False, 2, "overlapped", 1), (1, 1, False, 2, "ddp", 1), (1, 1, False, 2, "distributed", 1),
+           (1, 1, False, 4, "overlapped", 1),
+           (2, 1, True, 2, "overlapped", 1), (1, 2, False, 2, "overlapped", 1), (1, 1, False, 2, "overlapped", 2)]
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +47,16 @@ def mixtral(tmp_path_factory):
 def _train_layouts(folder):
     exact = truth(folder, OptimizerConfig(**CFG), GA, STEPS, make_ps(world=1))
     rows = []
-    for tp, pp, sp, ep, mode in LAYOUTS:
-        ps = make_ps(tp=tp, pp=pp, sp=sp, ep=ep)
+    for tp, pp, sp, ep, mode, cp in LAYOUTS:
+        ps = make_ps(tp=tp, pp=pp, sp=sp, ep=ep, cp=cp)
         chunk = build_rank_chunk(folder, ps)
         opt = DistributedOptimizer([chunk], ps, OptimizerConfig(mode=mode, **CFG))
         losses = train(chunk, opt, ps, GA, STEPS)
         opt.wait_params()
         rel, rel_max, n = max_rel_diff(chunk, ps, exact.params)
-        rows.append(dict(layout=(tp, pp, sp, ep, mode), rel=rel, rel_max=rel_max,
-                         loss_rel=loss_distance(losses, exact.losses), rounding=exact.rounding, dp=ps.dp, compared=n,
+        rows.append(dict(layout=(tp, pp, sp, ep, mode, cp), rel=rel, rel_max=rel_max,
+                         loss_rel=loss_distance(losses, exact.losses), rounding=exact.rounding, dp_cp=ps.dp_cp,
+                         compared=n,
                          experts=list(chunk.experts), expert_buckets=sum(b.expert for b in opt.buckets)))
         opt.data_parallel.grad_sync.remove_hooks()
     return rows
@@ -63,8 +66,8 @@ def test_expert_parallel_training_matches_adamw_reference(mixtral):
     results = spawn(_train_layouts, 4, mixtral)
     for rank, rows in enumerate(results):
         for r in rows:
-            tp, pp, sp, ep, mode = r["layout"]
-            check_within_rounding(r["rel"], r["rel_max"], r["loss_rel"], r["rounding"], r["dp"] * GA, r)
+            tp, pp, sp, ep, mode, cp = r["layout"]
+            check_within_rounding(r["rel"], r["rel_max"], r["loss_rel"], r["rounding"], r["dp_cp"] * GA, r)
             assert len(r["experts"]) == 4 // ep and r["expert_buckets"] >= 1 and r["compared"] > 0, r
 
 

@@ -56,7 +56,8 @@ def _parity(models):
                             for t in (p, adamw.state[p]["exp_avg"], adamw.state[p]["exp_avg_sq"])}
                 out.append(dict(layout=layout, ga=ga, mode=mode, rel=rel, rel_max=rel_max, n=n,
                                 loss_rel=loss_distance(losses, exact.losses), rounding=exact.rounding,
-                                state_bytes=sum(storages.values()), n_params=n_params, padded=padded, n_buckets=len(opt.buckets), dp=ps.dp, shards=opt.shards))
+                                state_bytes=sum(storages.values()), n_params=n_params, padded=padded,
+                                n_buckets=len(opt.buckets), dp=ps.dp, shards=opt.shards))
     return out
 
 

@@ -65,7 +65,8 @@ def _pipeline(folder):
         opt.wait_params()
         rel, rel_max = (max(d[i] for d in (max_rel_diff(c, ps, exact.params) for c in chunks)) for i in (0, 1))
         out.append(dict(case=(schedule, vpp, mode), rel=rel, rel_max=rel_max,
-                        loss_rel=loss_distance(losses, exact.losses), rounding=exact.rounding, dp=ps.dp, chunks=len(chunks),
+                        loss_rel=loss_distance(losses, exact.losses), rounding=exact.rounding, dp=ps.dp,
+                        chunks=len(chunks),
                         chunk_of_bucket=sorted({b.chunk for b in opt.buckets})))
         opt.data_parallel.grad_sync.remove_hooks()
     return out

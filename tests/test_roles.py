@@ -26,7 +26,7 @@ SPLIT_DIM = {"replicated": None, "fused": None, "rows": 0, "qkv": 0, "gate_up": 
 
 def _chunk(kind: str, pre: bool, post: bool, sp: bool = True) -> ModelChunk:
     cfg = model_config_from_hf(tiny_config(kind))
-    ps = SimpleNamespace(tp=2, tp_rank=1, sequence_parallel=sp, ep=1, ep_rank=0, ep_group=None)
+    ps = SimpleNamespace(tp=2, tp_rank=1, sequence_parallel=sp, ep=1, ep_rank=0, ep_group=None, cp=1)
     with torch.device("meta"):
         return ModelChunk(cfg, ps, range(cfg.num_layers), pre_process=pre, post_process=post)
 

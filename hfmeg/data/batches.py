@@ -14,6 +14,11 @@ count, summed over micro-batches and DP ranks). It is counted from the documents
 of every row (a document's labels are its targets after its first token), so it
 needs no communication.
 
+Context parallelism (CP > 1): the CP ranks of a DP rank share its rows, and each
+keeps only its tokens of every row, the chunks `split_index` names (the load-balanced
+split of parallel/context.py), so the tensors a CP rank holds are `seq_len / cp` long.
+`num_tokens` is still the whole global batch's count.
+
 Packing is sequential (where a row ends depends on the length of every earlier
 document, known only once it is tokenised), so every rank still tokenises and
 packs the whole global batch, as lists of documents; only this rank's rows become
@@ -49,17 +54,28 @@ def check_batch_layout(global_batch_size: int, micro_batch_size: int, dp_size: i
                           f"micro_batch_size x DP = {micro_batch_size} x {dp_size}")
 
 
+def split_index(seq_len: int, cp: int, cp_rank: int) -> np.ndarray:
+    """The row positions CP rank `cp_rank` holds: chunks `cp_rank` and `2cp-1-cp_rank` of `2cp` equal ones."""
+    if seq_len % (2 * cp):
+        raise LayoutError(f"data.seq_len: {seq_len} tokens do not split into 2 x CP = {2 * cp} equal chunks "
+                          f"(parallel.cp {cp}); use a multiple of {2 * cp}")
+    c = seq_len // (2 * cp)
+    first = np.arange(cp_rank * c, (cp_rank + 1) * c)
+    return np.concatenate([first, first + (2 * cp - 1 - 2 * cp_rank) * c])
+
+
 def count_tokens(labels: np.ndarray | torch.Tensor) -> int:
     return int((labels != IGNORE).sum())
 
 
 def step_batch(rows: list[list[Doc]], seq_len: int, pad_id: int, dp_rank: int, dp_size: int,
-               micro_batch_size: int) -> StepBatch:
-    """This DP rank's micro-batches of a global batch given as each row's documents."""
+               micro_batch_size: int, cp_rank: int = 0, cp_size: int = 1) -> StepBatch:
+    """This DP rank's micro-batches of a global batch given as each row's documents (this CP rank's tokens)."""
     per_rank = len(rows) // dp_size
     mine = rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    cols = split_index(seq_len, cp_size, cp_rank) if cp_size > 1 else slice(None)
     micro = []
     for i in range(0, per_rank, micro_batch_size):
         built = [build_row(docs, seq_len, pad_id) for docs in mine[i:i + micro_batch_size]]
-        micro.append({k: torch.from_numpy(np.stack([b[k] for b in built])) for k in KEYS})
+        micro.append({k: torch.from_numpy(np.stack([b[k][cols] for b in built])) for k in KEYS})
     return StepBatch(micro, sum(int(d.target[1:].sum()) for docs in rows for d in docs))

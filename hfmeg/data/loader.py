@@ -1,9 +1,10 @@
 """The data pipeline the trainer iterates: records -> documents -> rows -> global batches.
 
     data = build_data(cfg, tokenizer, dp_rank=ps.dp_rank, dp_size=ps.dp,
-                      micro_batch_size=mbs, global_batch_size=gbs)
+                      micro_batch_size=mbs, global_batch_size=gbs,
+                      cp_rank=ps.cp_rank, cp_size=ps.cp)  # optional: context parallelism
     for batch in data:            # one StepBatch per optimizer step, forever (sources cycle)
-        batch.microbatches        # this DP rank's micro-batches: dicts of [mbs, seq_len] int64 tensors
+        batch.microbatches        # this DP rank's micro-batches: dicts of [mbs, seq_len / cp] int64 tensors
         batch.num_tokens          # non-ignored labels of the whole global batch (loss normaliser)
     state = data.state_dict()     # JSON-able, identical on every rank; save with the checkpoint
     data.load_state_dict(state)   # the next batch is the one an uninterrupted run would yield
@@ -32,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import DataError
-from .batches import StepBatch, check_batch_layout, step_batch
+from .batches import StepBatch, check_batch_layout, split_index, step_batch
 from .config import DataConfig
 from .formats import BadRecord, Doc, Formatter
 from .mixing import Mixture, Position, single_pass
@@ -113,13 +114,16 @@ def pad_id_of(tokenizer) -> int:
 class _Pipeline:
     """What every batch builder shares: config, formatter, sources, this rank's place in the layout."""
 
-    def __init__(self, cfg: DataConfig, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size):
+    def __init__(self, cfg: DataConfig, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size,
+                 cp_rank=0, cp_size=1):
         check_batch_layout(global_batch_size, micro_batch_size, dp_size, dp_rank)
+        if cp_size > 1:
+            split_index(cfg.seq_len, cp_size, cp_rank)  # refuse a length the split cannot cut, before any data
         self.cfg = cfg
         self.formatter = Formatter(cfg, tokenizer)
         self.sources = [Source(s) for s in sources]
         self.pad_id = pad_id_of(tokenizer)
-        self.layout = (dp_rank, dp_size, micro_batch_size)
+        self.layout = (dp_rank, dp_size, micro_batch_size, cp_rank, cp_size)
         self.global_batch_size = global_batch_size
         # every rank meets the same data problems: one process (global rank 0, a DP rank 0) logs them
         self.announce = dp_rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0)
@@ -209,11 +213,12 @@ class TrainData:
     """
 
     def __init__(self, cfg: DataConfig, tokenizer, *, dp_rank: int, dp_size: int, micro_batch_size: int,
-                 global_batch_size: int):
+                 global_batch_size: int, cp_rank: int = 0, cp_size: int = 1):
         if not cfg.sources:
             raise DataError("data.sources is empty: name at least one dataset")
         self.cfg = cfg
-        pipe = _Pipeline(cfg, tokenizer, cfg.sources, dp_rank, dp_size, micro_batch_size, global_batch_size)
+        pipe = _Pipeline(cfg, tokenizer, cfg.sources, dp_rank, dp_size, micro_batch_size, global_batch_size, cp_rank,
+                         cp_size)
         self.formatter = pipe.formatter
         # the producer thread references only the stream, so a dropped TrainData stops it when collected
         self._stream = _Stream(pipe)
@@ -274,11 +279,12 @@ class EvalData(_Pipeline):
     """
 
     def __init__(self, cfg: DataConfig, tokenizer, *, dp_rank: int, dp_size: int, micro_batch_size: int,
-                 global_batch_size: int):
+                 global_batch_size: int, cp_rank: int = 0, cp_size: int = 1):
         if not cfg.eval_sources and not cfg.eval_holdout:
             raise DataError("no eval data: set data.eval_sources or data.eval_holdout")
         sources = cfg.eval_sources or cfg.sources
-        super().__init__(cfg, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size)
+        super().__init__(cfg, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size, cp_rank,
+                         cp_size)
         self.report = DataReport(cfg.bad_data, announce=self.announce)
 
     def __iter__(self) -> Iterator[StepBatch]:

@@ -13,6 +13,10 @@ Selective recompute checkpoints only the core (`_core`: RoPE + attention), as
 Megatron does: the QKV and output projections, and their TP/SP collectives, run
 once; backward keeps the fused QKV output and the core's output and recomputes the
 rotated Q/K and the attention itself.
+
+Context parallelism (parallel/context.py): a rank's queries are its own tokens; the
+rotated K and V of every CP rank are all-gathered (one collective, stacked) and the
+queries attend over the whole row under the split mask the chunk planned.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..errors import UnsupportedConfigError
+from ..parallel.context import gather_kv
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.state import ParallelState
 from .document_attention import DocumentMask, attend
@@ -33,7 +38,7 @@ from .norm import RMSNorm
 class ParallelAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, layer: int, kernels: Kernels):
         super().__init__()
-        self.cfg, self.kernels = cfg, kernels
+        self.cfg, self.kernels, self.ps = cfg, kernels, ps
         self.groups = cfg.num_kv_heads // ps.tp  # KV groups on this rank
         self.rep = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.scale = cfg.attn_scale(layer)
@@ -48,7 +53,7 @@ class ParallelAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, docs: DocumentMask | None,
                 recompute_core: bool = False):
         qkv = self.qkv(x)  # [s, b, groups * (rep + 2) * d]
-        s = qkv.shape[0]
+        s = qkv.shape[0] * self.ps.cp  # the row's length: under CP the queries are a part of it
         if self.cfg.sliding_window is not None and s > self.cfg.sliding_window:
             raise UnsupportedConfigError(
                 f"config.json field sliding_window: sequence length {s} exceeds the sliding window "
@@ -71,5 +76,6 @@ class ParallelAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = self.kernels.rope(q, *rope), self.kernels.rope(k, *rope)
+        k, v = gather_kv(k, v, self.ps)  # the whole row's under context parallelism
         o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads_local * d]

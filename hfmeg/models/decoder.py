@@ -30,14 +30,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig, check_ep, check_tp
+from ..config import ModelConfig, check_cp, check_ep, check_tp
 from ..parallel.comm import scatter_to_sequence
+from ..parallel.context import gather_segments, gathered_index, local_positions, token_index
 from ..parallel.expert_dispatch import local_experts
 from ..parallel.layers import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_head
 from ..parallel.roles import ParamRole, set_role
 from ..parallel.state import ParallelState
 from .attention import ParallelAttention
-from .document_attention import flex_applies, plan as plan_document_mask
+from .document_attention import DocumentMask, flex_applies, plan as plan_document_mask, plan_split
 from .kernels import Kernels
 from .mlp import ParallelMLP
 from .load_balancing import add_router_sums, empty_router_sums, load_balancing_loss
@@ -81,6 +82,7 @@ class ModelChunk(nn.Module):
         super().__init__()
         check_tp(cfg, ps.tp)
         check_ep(cfg, ps.ep)
+        check_cp(cfg, ps.cp)
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.cfg, self.ps = cfg, ps
@@ -123,8 +125,10 @@ class ModelChunk(nn.Module):
 
         `x` is token ids `[b, s]` on the first chunk, hidden states otherwise.
         `position_ids` / `segment_ids` `[b, s]` describe packed documents (defaults:
-        0..s-1, one document). Later chunks need `seq_len` under SP only when they
-        receive no ids to read it from; it defaults from the inputs. `received_sums`: the
+        0..s-1, one document). Under context parallelism every `[b, s]` input holds this CP
+        rank's tokens only (`parallel.context.shard_microbatch`), `s` the local count. Later
+        chunks need `seq_len` under SP only when they receive no ids to read it from; it
+        defaults from the inputs. `received_sums`: the
         router sums of the chunks before this one (see the module doc), read by a last
         chunk given labels.
         """
@@ -135,13 +139,12 @@ class ModelChunk(nn.Module):
             s = seq_len or (x.shape[0] * (ps.tp if ps.sequence_parallel else 1))
             b = x.shape[1]
         if position_ids is None:
-            device = x.device
-            position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+            position_ids = local_positions(b, s, ps, x.device)
         if self.pre_process:
             x = self._embed(x, position_ids)
         dtype = self._compute_dtype()
         rope = self.rope(position_ids, dtype) if self.rope is not None else None
-        docs = plan_document_mask(segment_ids, flex=flex_applies(x.device, self.cfg.head_dim))
+        docs = self._plan_mask(segment_ids, s, x.device, dtype)
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, docs, use_reentrant=False)
@@ -154,6 +157,18 @@ class ModelChunk(nn.Module):
             sums = self.router_sums(received_sums)
             self.aux_loss = moe.router_aux_loss_coef * load_balancing_loss(sums, moe.num_experts, self.ps)
         return self._head(x, labels)
+
+    def _plan_mask(self, segment_ids: torch.Tensor | None, s: int, device, dtype) -> DocumentMask | None:
+        """The attention mask of this micro-batch (models/document_attention.py); under CP, of this
+        rank's `s` queries over the gathered row (parallel/context.py)."""
+        flex = flex_applies(device, self.cfg.head_dim)
+        ps = self.ps
+        if ps.cp == 1:
+            return plan_document_mask(segment_ids, flex=flex)
+        row = s * ps.cp
+        kv_segments = gather_segments(segment_ids, ps) if segment_ids is not None else None
+        return plan_split(token_index(row, ps.cp, ps.cp_rank, device), gathered_index(row, ps.cp, device),
+                          segment_ids, kv_segments, flex, dtype)
 
     @property
     def adds_aux_loss(self) -> bool:

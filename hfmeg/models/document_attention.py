@@ -22,6 +22,12 @@ it compute every block, although most blocks of a packed causal row are empty.
 
 All three compute the same function: on a row of one document the dense mask is
 exactly the causal one.
+
+Under context parallelism (parallel/context.py) a rank's queries are a subset of the
+row's positions and its keys the whole gathered row in another order; `plan_split`
+builds the same document-causal mask from both sides' row positions and document ids
+(dense, or a flex block mask where `flex_applies`). Plain causal SDPA cannot serve
+there, as the diagonal of the rectangle is not the row's.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ class DocumentMask:
     """The packed-row mask of one micro-batch: a flex `BlockMask`, or the dense boolean mask."""
 
     block: BlockMask | None = None
-    dense: torch.Tensor | None = None  # [b, 1, s, s], True where attention is allowed
+    dense: torch.Tensor | None = None  # [b, 1, s, s], True where attention is allowed (CP: additive, see plan_split)
 
 
 def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -50,16 +56,37 @@ def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
+def split_causal_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: torch.Tensor | None,
+                      kv_segments: torch.Tensor | None) -> torch.Tensor:
+    """Boolean `[b or 1, 1, sq, skv]` mask of queries at row positions `q_index` `[sq]` over keys at
+    `kv_index` `[skv]`: causal in the row, and (given the document ids `[b, sq]`, `[b, skv]`) never
+    across documents."""
+    allowed = (q_index[:, None] >= kv_index[None, :]).unsqueeze(0)
+    if q_segments is not None:
+        allowed = allowed & (q_segments[:, :, None] == kv_segments[:, None, :])
+    return allowed.unsqueeze(1)
+
+
 def document_block_mask(segment_ids: torch.Tensor) -> BlockMask:
     """The same mask as `document_causal_mask`, as a flex-attention block mask (one for all heads)."""
-    b, s = segment_ids.shape
+    index = torch.arange(segment_ids.shape[1], device=segment_ids.device)
+    return split_block_mask(index, index, segment_ids, segment_ids)
+
+
+def split_block_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: torch.Tensor | None,
+                     kv_segments: torch.Tensor | None) -> BlockMask:
+    """The same mask as `split_causal_mask`, as a flex-attention block mask (one for all heads)."""
+    b = q_segments.shape[0] if q_segments is not None else None
 
     def same_document_causal(batch, head, q, kv):
-        return (segment_ids[batch, q] == segment_ids[batch, kv]) & (q >= kv)
+        causal = q_index[q] >= kv_index[kv]
+        if q_segments is None:
+            return causal
+        return (q_segments[batch, q] == kv_segments[batch, kv]) & causal
 
     # Compiled on CUDA: eager, it evaluates the mask function on every element of every block.
-    return create_block_mask(same_document_causal, b, None, s, s, device=segment_ids.device,
-                             _compile=segment_ids.is_cuda)
+    return create_block_mask(same_document_causal, b, None, len(q_index), len(kv_index), device=q_index.device,
+                             _compile=q_index.is_cuda)
 
 
 FLEX_MIN_HEAD_DIM = 16
@@ -77,6 +104,20 @@ def plan(segment_ids: torch.Tensor | None, flex: bool) -> DocumentMask | None:
     if flex:
         return DocumentMask(block=document_block_mask(segment_ids))
     return DocumentMask(dense=document_causal_mask(segment_ids))
+
+
+def plan_split(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: torch.Tensor | None,
+               kv_segments: torch.Tensor | None, flex: bool, dtype: torch.dtype) -> DocumentMask:
+    """The mask of a context-parallel rank's queries over the gathered keys (module doc).
+
+    The dense form is additive (0 or -inf) in the compute dtype: SDPA turns a boolean mask
+    into such a tensor in every layer and saves that copy for backward, s/cp x s elements
+    per layer; given one, it saves the tensor it was given, once per chunk."""
+    if flex:
+        return DocumentMask(block=split_block_mask(q_index, kv_index, q_segments, kv_segments))
+    allowed = split_causal_mask(q_index, kv_index, q_segments, kv_segments)
+    return DocumentMask(dense=torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+                        .masked_fill_(~allowed, float("-inf")))
 
 
 @cache

@@ -1,7 +1,8 @@
 """Sharded optimizer-state checkpoints that reload at a different DP size.
 
 Each rank that owns state writes one safetensors file
-`optim_pp{PP}_tp{TP}_dp{DP}.safetensors` holding its flat fp32 `master`,
+`optim_pp{PP}_tp{TP}_dp{DP}.safetensors` (DP: the rank's index in the DP x CP group
+that shards the optimizer, `ParallelState.dp_cp_rank`) holding its flat fp32 `master`,
 `exp_avg` and `exp_avg_sq` tensors; the safetensors metadata holds one JSON
 document: the AdamW step, loss-scaler state, skip count, the DP size and, for every
 owned piece of a parameter, `[name, lo, hi, offset]` (elements [lo, hi) of the
@@ -74,8 +75,8 @@ def save_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> Path 
     folder.mkdir(parents=True, exist_ok=True)
     compressor = opt.data_parallel.compressor
     if compressor is not None:
-        _write(_file(folder, "powersgd", ps, ps.dp_rank), compressor.state_dict(),
-               {"format": FORMAT, "dp": ps.dp, "powersgd_rank": opt.cfg.powersgd_rank})
+        _write(_file(folder, "powersgd", ps, ps.dp_cp_rank), compressor.state_dict(),
+               {"format": FORMAT, "dp": ps.dp_cp, "powersgd_rank": opt.cfg.powersgd_rank})
     if not any(opt.data_parallel.primary(b) for b in opt.buckets):
         return None
     opt.wait_params()
@@ -87,7 +88,7 @@ def save_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> Path 
         "loss_scale": opt.loss_scale, "good_steps": opt.scaler.good_steps if opt.scaler else 0,
         "pieces": _pieces(opt, primary_only=True),
     }
-    path = _file(folder, "optim", ps, ps.dp_rank)
+    path = _file(folder, "optim", ps, ps.dp_cp_rank)
     _write(path, {"master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}, meta)
     return path
 
@@ -193,15 +194,15 @@ def _tensors(path: Path, names) -> dict[str, torch.Tensor]:
 def _load_compression(opt: DistributedOptimizer, folder: Path) -> None:
     """Restore Q and the residuals from this rank's file, or leave them fresh (see the module docstring)."""
     ps, state = opt.ps, opt.data_parallel.compressor.state_dict()
-    path = _file(folder, "powersgd", ps, ps.dp_rank)
+    path = _file(folder, "powersgd", ps, ps.dp_cp_rank)
     why = None
     if not path.is_file():
         why = f"no {path.name}"
     else:
         meta = read_meta(path)
         saved = _tensors(path, None)
-        if meta["dp"] != ps.dp:
-            why = f"written at DP size {meta['dp']}, this run has {ps.dp}"
+        if meta["dp"] != ps.dp_cp:
+            why = f"written at DP x CP size {meta['dp']}, this run has {ps.dp_cp}"
         elif not all(k in saved and saved[k].shape == t.shape for k, t in state.items()):
             why = "written for other matrices or another powersgd_rank"
     if why is None:

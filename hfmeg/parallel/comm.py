@@ -77,8 +77,9 @@ def _split_last(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
     return x[..., ps.tp_rank * n : (ps.tp_rank + 1) * n].contiguous()
 
 
-def _conjugate_pair(name: str, forward_op, backward_op):
-    """A TP-collective autograd function: `forward_op` on the way in, `backward_op` on the way back."""
+def conjugate_pair(name: str, forward_op, backward_op, size=lambda ps: ps.tp):
+    """A collective autograd function: `forward_op` on the way in, `backward_op` on the way back;
+    the identity where its group (TP, unless `size` names another) has one rank."""
 
     def forward(ctx, x, ps):
         ctx.ps = ps
@@ -90,7 +91,7 @@ def _conjugate_pair(name: str, forward_op, backward_op):
     fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
     def apply(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-        return fn.apply(x, ps) if ps.tp > 1 else x
+        return fn.apply(x, ps) if size(ps) > 1 else x
 
     return apply
 
@@ -100,12 +101,12 @@ def _identity(x, ps):
 
 
 # The all-reduce in reduce_from_tp works in place, so it runs on a copy of the input.
-copy_to_tp = _conjugate_pair("CopyToTP", _identity, _all_reduce)
-reduce_from_tp = _conjugate_pair("ReduceFromTP", lambda x, ps: _all_reduce(x.clone(), ps), _identity)
-scatter_to_sequence = _conjugate_pair("ScatterToSequence", _split_dim0, _gather_dim0)
-gather_from_sequence = _conjugate_pair("GatherFromSequence", _gather_dim0, _reduce_scatter_dim0)
-reduce_scatter_to_sequence = _conjugate_pair("ReduceScatterToSequence", _reduce_scatter_dim0, _gather_dim0)
-gather_last_dim = _conjugate_pair("GatherLastDim", _gather_last, _split_last)
+copy_to_tp = conjugate_pair("CopyToTP", _identity, _all_reduce)
+reduce_from_tp = conjugate_pair("ReduceFromTP", lambda x, ps: _all_reduce(x.clone(), ps), _identity)
+scatter_to_sequence = conjugate_pair("ScatterToSequence", _split_dim0, _gather_dim0)
+gather_from_sequence = conjugate_pair("GatherFromSequence", _gather_dim0, _reduce_scatter_dim0)
+reduce_scatter_to_sequence = conjugate_pair("ReduceScatterToSequence", _reduce_scatter_dim0, _gather_dim0)
+gather_last_dim = conjugate_pair("GatherLastDim", _gather_last, _split_last)
 
 
 def _token_block(n: int, ps: ParallelState) -> tuple[int, int]:

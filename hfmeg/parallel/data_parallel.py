@@ -63,8 +63,9 @@ class DataParallel:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.chunks, self.ps, self.mode = list(chunks), ps, mode
         sharded = mode != "ddp"
-        self.shards = ps.dp if sharded else 1
-        self._dense = SumGroup(ps.dp_group, ps.dp, ps.dp_rank)
+        # Context-parallel ranks hold partial gradients as DP replicas do: everything sums over DP x CP.
+        self.shards = ps.dp_cp if sharded else 1
+        self._dense = SumGroup(ps.dp_cp_group, ps.dp_cp, ps.dp_cp_rank)
         self._expert = SumGroup(ps.expert_dp_group, ps.edp, ps.edp_rank)
         expert_shards = (ps.edp if sharded else 1) if ps.ep > 1 else None
         self.groups = build_groups(self.chunks, ps.pp, bucket_size, self.shards, expert_shards=expert_shards)

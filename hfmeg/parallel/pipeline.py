@@ -15,6 +15,9 @@ compare the gradient's shape with the (now empty) output. This is what keeps
 Loss: micro-batch loss = sum of its per-token losses / `num_tokens`, the count of
 non-ignored label tokens of the whole global batch (all micro-batches and all DP
 ranks). Backward of these gives global-batch-mean gradients, so DP reductions sum.
+Under context parallelism the micro-batches hold this CP rank's tokens of every
+row (`context.py`; the data pipeline cuts them) and its loss is the sum over those: the same sum split
+over the CP ranks, which the DP x CP gradient reduction and the logged loss add up.
 An MoE model whose config asks for the router's load-balancing loss adds it per
 micro-batch (computed over that micro-batch, as transformers computes it for one
 forward), divided by the number of micro-batches of the global batch (all DP ranks):
@@ -74,7 +77,7 @@ class _Executor:
         self.forward_only, self.loss_scale = forward_only, loss_scale
         self.n_chunks = ps.pp * len(chunks)
         self.p2p = P2P(self.n_chunks)
-        b, s = microbatches[0]["input_ids"].shape
+        b, s = self.mbs[0]["input_ids"].shape
         self.seq_len = s
         local_s = s // ps.tp if ps.sequence_parallel else s
         self.shape = (local_s, b, chunks[0].cfg.hidden_size)
@@ -220,7 +223,8 @@ def forward_backward(
     `chunks` are this rank's model chunks in virtual order (model chunk
     `v * pp + pp_rank` is `chunks[v]`); `microbatches` are this DP rank's
     micro-batches (dicts with `input_ids` and `labels` `[b, s]`, optional
-    `position_ids`, `segment_ids`), the same list on every stage of a pipeline:
+    `position_ids`, `segment_ids`; under CP this rank's `s / cp` tokens of each row, as
+    `context.shard_microbatch` cuts them), the same list on every stage of a pipeline:
     every stage reads the shape of `input_ids` and the positions / document ids
     (RoPE and the packed-document mask are applied in every layer).
     Gradients accumulate into `.grad`; `grad_sync` (the data-parallel wrapper, or the
@@ -242,7 +246,7 @@ def forward_backward(
     steps = plan(schedule, ps.pp, ps.pp_rank, ps.vpp, len(microbatches), forward_only)
     s = microbatches[0]["input_ids"].shape[1]
     if ps.sequence_parallel and s % ps.tp:
-        raise LayoutError(f"sequence length {s} is not divisible by TP={ps.tp} (sequence parallelism)")
+        raise LayoutError(f"sequence length {s} (per CP rank) is not divisible by TP={ps.tp} (sequence parallelism)")
     if any(mb["input_ids"].shape != microbatches[0]["input_ids"].shape for mb in microbatches):
         raise LayoutError("all micro-batches of a step must have the same [batch, seq] shape")
     ex = _Executor(chunks, ps, microbatches, num_tokens, grad_sync, timeline, forward_only, loss_scale)

@@ -1,10 +1,13 @@
 """One object that owns every process group, built from the rank grid.
 
-Rank grid (Megatron's order): TP varies fastest, then DP, then PP, so the TP
-ranks of one replica are neighbours (inside one node) and pipeline neighbours
-are `tp * dp` ranks apart:
+Rank grid (Megatron's order): TP varies fastest, then CP, then DP, then PP, so the
+TP ranks of one replica are neighbours (inside one node), the context-parallel ranks
+that exchange K/V every layer come next, and pipeline neighbours are `tp * cp * dp`
+ranks apart:
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+At CP = 1 this is the TP x DP x PP numbering, unchanged.
 
 Expert parallelism (EP) splits the DP dimension for expert layers only (Megatron's
 convention): the DP index is `dp_rank = ep_rank + ep * edp_rank`, so the EP ranks
@@ -13,7 +16,14 @@ the expert-data-parallel group (same TP, PP and EP coordinates, `dp / ep` ranks)
 holds identical experts and sums their gradients, as the DP group does for every
 other parameter. With `ep == 1` the expert-data-parallel group is the DP group.
 
-Context parallelism (CP) is not implemented.
+Context parallelism (CP, `parallel/context.py`) splits every sequence over `cp` ranks
+that share TP, DP and PP coordinates: they see the same samples (the data pipeline
+shards by DP rank only) and hold the same weights, each computing its part of the
+tokens. Their gradients are partial sums over tokens exactly as DP replicas' are, so
+the gradient reduction and the optimizer's shards span DP x CP (`dp_cp_group`,
+`dp_cp` ranks, `dp_cp_rank = cp_rank + cp * dp_rank`, contiguous in the grid), and
+expert gradients span expert-DP x CP. At CP = 1 both are the DP and expert-DP groups
+and no group is added.
 
 `ParallelState` is passed explicitly to everything that communicates. The only
 global is `torch.distributed`'s default group, which the launcher sets up.
@@ -63,57 +73,70 @@ class ParallelConfig:
     vpp: int = 1  # virtual pipeline chunks per rank (interleaved 1F1B when > 1)
     sequence_parallel: bool = False
     ep: int = 1  # expert-parallel ranks (a divisor of DP): MoE experts split over them, tokens exchanged all-to-all
+    cp: int = 1  # context-parallel ranks: each sequence split over them (parallel/context.py)
 
 
 class ParallelState:
-    """Process groups for one rank of a TP x DP x PP grid.
+    """Process groups for one rank of a TP x CP x DP x PP grid.
 
     Every group is created on every rank in the same order, as torch.distributed
     requires, even the ones this rank is not in.
     """
 
     def __init__(self, config: ParallelConfig, rank: int, world_size: int, device: torch.device):
-        tp, pp = config.tp, config.pp
-        if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+        tp, pp, cp = config.tp, config.pp, config.cp
+        if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * cp * pp) != 0:
             raise LayoutError(
-                f"world size {world_size} is not a multiple of TP x PP = {tp} x {pp}"
+                f"world size {world_size} is not a multiple of TP x CP x PP = {tp} x {cp} x {pp}"
             )
         if config.vpp < 1:
             raise LayoutError(f"vpp must be >= 1, got {config.vpp}")
-        dp = world_size // (tp * pp)
+        dp = world_size // (tp * cp * pp)
         if config.ep < 1 or dp % config.ep:
             raise LayoutError(f"ep={config.ep} must divide the data-parallel size {dp} "
-                              f"(world {world_size} / (TP {tp} x PP {pp}))")
+                              f"(world {world_size} / (TP {tp} x CP {cp} x PP {pp}))")
         if config.sequence_parallel and tp == 1:
             config = replace(config, sequence_parallel=False)
         self.config = config
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.tp, self.pp = tp, pp
-        self.dp = world_size // (tp * pp)
+        self.tp, self.pp, self.cp = tp, pp, cp
+        self.dp = dp
+        self.dp_cp = dp * cp  # replicas of the weights: the gradient reduction's size
         self.vpp = config.vpp
         self.sequence_parallel = config.sequence_parallel
         self.tp_rank = rank % tp
-        self.dp_rank = (rank // tp) % self.dp
-        self.pp_rank = rank // (tp * self.dp)
+        self.cp_rank = (rank // tp) % cp
+        self.dp_rank = (rank // (tp * cp)) % dp
+        self.dp_cp_rank = (rank // tp) % self.dp_cp
+        self.pp_rank = rank // (tp * self.dp_cp)
         self.ep = config.ep
-        self.ep_rank, self.edp_rank = self.dp_rank % self.ep, self.dp_rank // self.ep
-        self.edp = self.dp // self.ep
+        self.ep_rank = self.dp_rank % self.ep
+        # The expert-DP group spans (dp / ep) x cp ranks; its rank order is the grid's: CP fastest.
+        self.edp = (dp // self.ep) * cp
+        self.edp_rank = self.cp_rank + cp * (self.dp_rank // self.ep)
 
+        replica = lambda r: (r // tp) % self.dp_cp  # noqa: E731 - the DP x CP coordinate
+        stage = lambda r: r // (tp * self.dp_cp)  # noqa: E731
+        dp_of = lambda r: replica(r) // cp  # noqa: E731
         self.tp_group = self._build(lambda r: (r // tp), "tp")
-        self.dp_group = self._build(lambda r: (r % tp, r // (tp * self.dp)), "dp")
-        self.pp_group = self._build(lambda r: r % (tp * self.dp), "pp")
+        self.dp_group = self._build(lambda r: (r % tp, stage(r), replica(r) % cp), "dp")
+        self.pp_group = self._build(lambda r: r % (tp * self.dp_cp), "pp")
         # Model-parallel group (TP x PP of one replica): norms of sharded tensors reduce here.
-        self.mp_group = self._build(lambda r: (r // tp) % self.dp, "mp")
+        self.mp_group = self._build(replica, "mp")
         # First and last stage of each pipeline: tied-embedding gradients are summed here.
         self.embedding_group = self._build_embedding_group()
+        # Context parallelism: the CP group exchanges K/V; gradients are summed over DP x CP.
+        # Built only for CP > 1: at CP = 1 `cp_group` is None and the DP x CP group is the DP group.
+        self.cp_group, self.dp_cp_group = None, self.dp_group
+        if cp > 1:
+            self.cp_group = self._build(lambda r: (r % tp, stage(r), dp_of(r)), "cp")
+            self.dp_cp_group = self._build(lambda r: (r % tp, stage(r)), "dp_cp")
         # Expert layers: tokens travel over the EP group, expert gradients are summed over the expert-DP group.
         # Built only for EP > 1, so dense runs create no extra groups; `ep_group` is None at EP = 1.
-        self.ep_group, self.expert_dp_group = None, self.dp_group
+        self.ep_group, self.expert_dp_group = None, self.dp_cp_group
         if self.ep > 1:
-            dp_of = lambda r: (r // tp) % self.dp  # noqa: E731
-            self.ep_group = self._build(lambda r: (r % tp, r // (tp * self.dp), dp_of(r) // self.ep), "ep")
-            self.expert_dp_group = self._build(lambda r: (r % tp, r // (tp * self.dp), dp_of(r) % self.ep),
-                                               "expert_dp")
+            self.ep_group = self._build(lambda r: (r % tp, stage(r), replica(r) % cp, dp_of(r) // self.ep), "ep")
+            self.expert_dp_group = self._build(lambda r: (r % tp, stage(r), dp_of(r) % self.ep), "expert_dp")
 
     # -- construction ---------------------------------------------------------
     def _build(self, key, name: str):
@@ -131,7 +154,7 @@ class ParallelState:
         return mine
 
     def _build_embedding_group(self):
-        stride = self.tp * self.dp
+        stride = self.tp * self.dp_cp
         mine = None
         self.embedding_ranks: list[int] = []
         for col in range(stride):
@@ -158,8 +181,8 @@ class ParallelState:
         return self.pp_rank == self.pp - 1
 
     def stage_rank(self, pp_rank: int) -> int:
-        """Global rank of the stage `pp_rank` that shares this rank's TP and DP coordinates."""
-        return self.tp_rank + self.tp * (self.dp_rank + self.dp * pp_rank)
+        """Global rank of the stage `pp_rank` that shares this rank's TP, CP and DP coordinates."""
+        return self.tp_rank + self.tp * (self.dp_cp_rank + self.dp_cp * pp_rank)
 
     @property
     def next_rank(self) -> int:
@@ -171,7 +194,8 @@ class ParallelState:
 
     def __repr__(self) -> str:
         return (
-            f"ParallelState(rank={self.rank}, tp={self.tp_rank}/{self.tp}, dp={self.dp_rank}/{self.dp}, "
+            f"ParallelState(rank={self.rank}, tp={self.tp_rank}/{self.tp}, cp={self.cp_rank}/{self.cp}, "
+            f"dp={self.dp_rank}/{self.dp}, "
             f"pp={self.pp_rank}/{self.pp}, vpp={self.vpp}, sp={self.sequence_parallel})"
         )
 

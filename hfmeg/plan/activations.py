@@ -41,6 +41,16 @@ The first chunk adds the token ids (8·bs), the TP range mask (bs) and GPT-2's
 position ids (8·s); the last adds the final norm, the LM head's input (e·sbh),
 targets (8·bs), the log-sum-exp (4·bs) and the ignore mask (bs).
 
+Context parallelism (CP, parallel/context.py): s above is the rank's s/cp tokens of
+each row (s' = s/(cp·t) under SP), except in the attention core, whose keys and values
+are the whole row's: SDPA saves the rotated Q (e·(s/cp)b·nh·d), the all-gathered K and
+V in one storage (2e·b·nkv·s·d, for every layer, whatever cp), its output and
+log-sum-exp, and the output projection's input as above, but neither the fused QKV
+output nor the local rotated K (the gather's autograd keeps nothing). With a dense
+mask (the CPU path; on CUDA flex attention takes a block mask) SDPA also saves the
+chunk's additive mask, once per chunk: e·b·(s/cp)·s, the one term quadratic in s
+(`Shape.dense_mask`).
+
 Fused (compiled) kernels save less; the count is then an upper bound.
 """
 
@@ -60,10 +70,17 @@ class Shape:
     dtype_bytes: int
     recompute: str
     ep: int = 1
+    cp: int = 1  # context-parallel ranks: `seq_len` is the row, a rank holds `seq` of its tokens
+    dense_mask: bool = False  # CP attention under a dense mask (SDPA, the CPU path), which SDPA saves
+
+    @property
+    def seq(self) -> int:
+        """A rank's tokens of each row (all of them at CP 1)."""
+        return self.seq_len // self.cp
 
     @property
     def local_seq(self) -> int:
-        return self.seq_len // self.tp if self.sp else self.seq_len
+        return self.seq // self.tp if self.sp else self.seq
 
 
 def _norm(cfg: ModelConfig, x: Shape) -> int:
@@ -72,15 +89,15 @@ def _norm(cfg: ModelConfig, x: Shape) -> int:
 
 
 def _attention_core(cfg: ModelConfig, x: Shape) -> int:
-    sb, e, d = x.seq_len * x.micro_batch, x.dtype_bytes, cfg.head_dim
+    sb, e, d = x.seq * x.micro_batch, x.dtype_bytes, cfg.head_dim
     nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
     q_is_view = nkv == 1 or nh == nkv
-    total = e * sb * (nh + 2 * nkv) * d + 4 * x.micro_batch * nh * x.seq_len + e * sb * nh * d
-    if cfg.positions == "rope":
-        total += e * sb * (nh + nkv) * d
-    if not q_is_view:
-        total += e * sb * nh * d
-    return total
+    total = 4 * x.micro_batch * nh * x.seq + e * sb * nh * d + (0 if q_is_view else e * sb * nh * d)
+    if x.cp == 1:
+        return total + e * sb * (nh + 2 * nkv) * d + (e * sb * (nh + nkv) * d if cfg.positions == "rope" else 0)
+    gathered_kv = 2 * e * x.micro_batch * nkv * x.seq_len * d
+    query = e * sb * nh * d if cfg.positions == "rope" else e * sb * (nh + 2 * nkv) * d  # else a view of QKV
+    return total + gathered_kv + query
 
 
 def layer_kinds(cfg: ModelConfig) -> list[int]:
@@ -91,7 +108,7 @@ def layer_kinds(cfg: ModelConfig) -> list[int]:
 
 def moe_tokens(x: Shape) -> int:
     """Tokens a TP rank routes: its sequence shard under SP, else its block of `comm.split_tokens`."""
-    sb = x.seq_len * x.micro_batch
+    sb = x.seq * x.micro_batch
     return sb // x.tp if x.sp else -(-sb // x.tp)
 
 
@@ -110,7 +127,7 @@ def layer_bytes(cfg: ModelConfig, x: Shape, layer: int = 0) -> int:
     e, h = x.dtype_bytes, cfg.hidden_size
     if x.recompute == "full":
         return e * x.local_seq * x.micro_batch * h
-    sb, f = x.seq_len * x.micro_batch, cfg.ffn_size // x.tp
+    sb, f = x.seq * x.micro_batch, cfg.ffn_size // x.tp
     column_input = e * sb * h
     mlp = _moe(cfg, x) if cfg.is_sparse(layer) else \
         column_input + e * sb * (4 * f if cfg.gated_mlp else 2 * f)
@@ -124,12 +141,14 @@ def layer_bytes(cfg: ModelConfig, x: Shape, layer: int = 0) -> int:
 
 def chunk_bytes(cfg: ModelConfig, x: Shape, layers: range, pre_process: bool, post_process: bool) -> int:
     """Saved bytes of one model chunk (its layers plus the ends it owns) for one micro-batch."""
-    bs, e = x.micro_batch * x.seq_len, x.dtype_bytes
+    bs, e = x.micro_batch * x.seq, x.dtype_bytes
     total = sum(layer_bytes(cfg, x, i) for i in layers)
     if layers and cfg.positions == "rope" and x.recompute == "none":
         total += 2 * e * bs * cfg.head_dim
+    if layers and x.cp > 1 and x.dense_mask and x.recompute == "none":  # recompute holds it outside autograd
+        total += e * bs * x.seq_len  # the CP attention's additive mask, saved by every layer's SDPA
     if pre_process:
-        total += 8 * bs + (bs if x.tp > 1 else 0) + (8 * x.seq_len if cfg.positions == "learned" else 0)
+        total += 8 * bs + (bs if x.tp > 1 else 0) + (8 * x.seq if cfg.positions == "learned" else 0)
     if post_process:
         total += _norm(cfg, x) + e * bs * cfg.hidden_size + (8 + 4 + 1) * bs
     return total

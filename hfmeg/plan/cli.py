@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--vpp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models; a divisor of DP and of "
                     "the expert count)")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks: each sequence split over them (long "
+                    "sequences; 2 x CP divides --seq-len)")
     ap.add_argument("--micro-batch-size", type=int, default=1)
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--no-sequence-parallel", action="store_true")
@@ -104,16 +106,19 @@ def _plan(a) -> int:
         print(f"[plan] using the built-in seed example for --{', --'.join(d.replace('_', '-') for d in defaulted)}"
               f" ({job.cluster.nodes} nodes x {job.cluster.gpus_per_node} {job.cluster.gpu.name}, "
               f"{a.inter_node_gbps:g} Gbps between nodes); pass them to plan your own job", file=sys.stderr)
-    given = [f"--{k}" for k in ("pp", "vpp", "ep") if getattr(a, k) != 1]
+    given = [f"--{k}" for k in ("pp", "vpp", "ep", "cp") if getattr(a, k) != 1]
     if given and not (a.tp or a.explain):
         raise LayoutError(f"{'/'.join(given)} evaluate one layout, with --tp; without --tp the planner searches "
-                          "every layout (TP, PP, VPP and, for MoE models, EP)")
-    if a.tp and a.gpus % (a.tp * a.pp):
-        raise LayoutError(f"--tp {a.tp} x --pp {a.pp} does not divide --gpus {a.gpus}")
+                          "every layout (TP, CP, PP, VPP and, for MoE models, EP)")
+    if a.cp < 1:
+        raise LayoutError(f"--cp {a.cp}: must be >= 1")
+    if a.tp and a.gpus % (a.tp * a.cp * a.pp):
+        cp = f" x --cp {a.cp}" if a.cp > 1 else ""
+        raise LayoutError(f"--tp {a.tp}{cp} x --pp {a.pp} does not divide --gpus {a.gpus}")
     if a.explain or a.tp:
         lay = parse_layout(a.explain) if a.explain else PlanLayout(
-            a.tp, a.pp, a.gpus // max(1, a.tp * a.pp), a.micro_batch_size, a.vpp, a.recompute,
-            not a.no_sequence_parallel, a.optimizer, ep=a.ep)
+            a.tp, a.pp, a.gpus // max(1, a.tp * a.cp * a.pp), a.micro_batch_size, a.vpp, a.recompute,
+            not a.no_sequence_parallel, a.optimizer, ep=a.ep, cp=a.cp)
         ev = evaluate(job, lay)
         _explain(ev)
         if a.json:

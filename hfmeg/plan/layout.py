@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..config import ModelConfig, check_ep, check_tp
+from ..config import ModelConfig, check_cp, check_ep, check_tp
 from ..errors import HfmegError, LayoutError
 from ..models.decoder import RECOMPUTE_MODES
 from ..optim.config import MODES
@@ -30,10 +30,16 @@ class PlanLayout:
     optimizer: str = "overlapped"
     schedule: str = "1f1b"  # becomes "interleaved" when vpp > 1; "gpipe" on request
     ep: int = 1  # expert-parallel ranks, a divisor of dp (parallel/state.py); the expert-DP group is dp / ep
+    cp: int = 1  # context-parallel ranks: each row split over them (parallel/context.py)
 
     @property
     def edp(self) -> int:
         return self.dp // self.ep
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, whose gradients are summed and optimizer sharded: DP x CP."""
+        return self.dp * self.cp
 
     def __post_init__(self) -> None:
         if self.vpp > 1 and self.schedule == "1f1b":
@@ -41,7 +47,7 @@ class PlanLayout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def sp(self) -> bool:
@@ -55,11 +61,12 @@ class PlanLayout:
         sp = "sp" if self.sp else ""
         gpipe = "-gpipe" if self.schedule == "gpipe" else ""
         ep = f"-ep{self.ep}" if self.ep > 1 else ""
-        return (f"tp{self.tp}{sp}-pp{self.pp}{v}-dp{self.dp}{ep}-mb{self.micro_batch}-{self.recompute}-"
+        cp = f"-cp{self.cp}" if self.cp > 1 else ""
+        return (f"tp{self.tp}{sp}{cp}-pp{self.pp}{v}-dp{self.dp}{ep}-mb{self.micro_batch}-{self.recompute}-"
                 f"{self.optimizer}{gpipe}")
 
 
-LAYOUT_NAME = re.compile(r"^tp(\d+)(sp)?-pp(\d+)(?:v(\d+))?-dp(\d+)(?:-ep(\d+))?-mb(\d+)-(none|selective|full)"
+LAYOUT_NAME = re.compile(r"^tp(\d+)(sp)?(?:-cp(\d+))?-pp(\d+)(?:v(\d+))?-dp(\d+)(?:-ep(\d+))?-mb(\d+)-(none|selective|full)"
                          r"(?:-(overlapped|distributed|ddp))?(-gpipe)?$")
 
 
@@ -69,15 +76,16 @@ def parse_layout(text: str) -> PlanLayout:
     if not m:
         raise LayoutError(f"--explain {text!r}: expected a layout name like tp2sp-pp4v2-dp16-mb1-selective "
                           "(MoE: tp1-pp1-dp8-ep4-mb1-none)")
-    tp, sp, pp, vpp, dp, ep, mb, rec, opt, gpipe = m.groups()
+    tp, sp, cp, pp, vpp, dp, ep, mb, rec, opt, gpipe = m.groups()
     return PlanLayout(int(tp), int(pp), int(dp), int(mb), int(vpp or 1), rec, sp is not None or int(tp) == 1,
-                      opt or "overlapped", "gpipe" if gpipe else "1f1b", int(ep or 1))
+                      opt or "overlapped", "gpipe" if gpipe else "1f1b", int(ep or 1), int(cp or 1))
 
 
 def check_layout(cfg: ModelConfig, lay: PlanLayout, gpus: int, global_batch: int, seq_len: int) -> None:
     """Raise LayoutError (one line) when `lay` cannot run this job."""
     if lay.gpus != gpus:
-        raise LayoutError(f"TP x PP x DP = {lay.tp} x {lay.pp} x {lay.dp} = {lay.gpus}, but there are {gpus} GPUs")
+        raise LayoutError(f"TP x CP x PP x DP = {lay.tp} x {lay.cp} x {lay.pp} x {lay.dp} = {lay.gpus}, but there are "
+                          f"{gpus} GPUs")
     if lay.recompute not in RECOMPUTE_MODES:
         raise LayoutError(f"--recompute {lay.recompute!r}: choose one of {RECOMPUTE_MODES}")
     if lay.optimizer not in MODES:
@@ -87,11 +95,14 @@ def check_layout(cfg: ModelConfig, lay: PlanLayout, gpus: int, global_batch: int
                           f"{lay.dp} x {lay.micro_batch}")
     if lay.ep < 1 or lay.dp % lay.ep:
         raise LayoutError(f"EP={lay.ep} does not divide DP={lay.dp} (expert-parallel ranks are data-parallel ranks)")
-    if lay.sp and seq_len % lay.tp:
-        raise LayoutError(f"sequence length {seq_len} is not divisible by TP={lay.tp} (sequence parallelism)")
+    if lay.cp > 1 and seq_len % (2 * lay.cp):
+        raise LayoutError(f"sequence length {seq_len} does not split into 2 x CP = {2 * lay.cp} chunks")
+    if lay.sp and (seq_len // lay.cp) % lay.tp:
+        raise LayoutError(f"sequence length {seq_len} / CP is not divisible by TP={lay.tp} (sequence parallelism)")
     try:
         check_tp(cfg, lay.tp)
         check_ep(cfg, lay.ep)
+        check_cp(cfg, lay.cp)
         validate(lay.schedule, lay.pp, lay.vpp, lay.microbatches(global_batch))
         split_layers(cfg.num_layers, lay.pp, lay.vpp)
     except HfmegError as e:

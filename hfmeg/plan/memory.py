@@ -10,6 +10,8 @@
   experts, and the routed experts go into buckets of their own (`buffers.bucket_parts`,
   as the wrapper cuts them) whose state is sharded over the expert-DP group (DP/EP
   ranks) instead of DP.
+- Context parallelism: a CP rank holds its s/cp tokens of every row (activations.py)
+  and 1/(DP x CP) of the optimizer state, which is sharded over DP x CP.
 - Activations: `activations.chunk_bytes` per micro-batch and chunk, summed over
   the micro-batches the schedule keeps in flight. In-flight counts come from the
   schedule's plan itself (`schedules.plan`), so GPipe, 1F1B's pp - r and the
@@ -105,15 +107,16 @@ def _chunk_elements(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool,
 
 def _shards(lay: PlanLayout) -> tuple[int, int | None]:
     """(DP shards of a dense bucket, of an expert bucket or None when experts are ordinary: EP 1),
-    as data_parallel.DataParallel chooses them."""
+    as data_parallel.DataParallel chooses them: over DP x CP, and expert-DP x CP."""
     sharded = lay.optimizer != "ddp"
-    return (lay.dp if sharded else 1), ((lay.edp if sharded else 1) if lay.ep > 1 else None)
+    return (lay.replicas if sharded else 1), ((lay.edp * lay.cp if sharded else 1) if lay.ep > 1 else None)
 
 
 def _count_chunk(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool, post: bool,
                  bucket_size: int) -> _Elements:
     # construction reads only these
-    ps = SimpleNamespace(tp=lay.tp, tp_rank=0, sequence_parallel=lay.sp, ep=lay.ep, ep_rank=0, ep_group=None)
+    ps = SimpleNamespace(tp=lay.tp, tp_rank=0, sequence_parallel=lay.sp, ep=lay.ep, ep_rank=0, ep_group=None,
+                         cp=1)  # the parameters are the same at any CP
     with torch.device("meta"):
         chunk = ModelChunk(cfg, ps, layers, pre_process=pre, post_process=post)
     named = [(n, p, r) for n, p, r in named_roles(chunk) if p.requires_grad][::-1]
@@ -146,11 +149,16 @@ def _simulated_peak(schedule: str, pp: int, pp_rank: int, vpp: int, microbatches
     return peak
 
 
+def plan_shape(lay: PlanLayout, seq_len: int, dtype_bytes: int, dense_mask: bool = False) -> Shape:
+    """The activation shape of one micro-batch of `lay` (`dense_mask`: CP attention on the CPU path)."""
+    return Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute, lay.ep, lay.cp, dense_mask)
+
+
 def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: int, seq_len: int,
                  dtype_bytes: int = 2, opt: OptimizerConfig | None = None) -> Memory:
     opt = opt or OptimizerConfig(mode=lay.optimizer)
     shards, expert_shards = _shards(lay)
-    shape = Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute, lay.ep)
+    shape = plan_shape(lay, seq_len, dtype_bytes)
     specs = rank_chunks(split_layers(cfg.num_layers, lay.pp, lay.vpp), pp_rank)
     el = _Elements(0, 0, 0, 0, 0, 0)
     per_chunk = []
@@ -162,7 +170,7 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
     transient = recompute_transient_bytes(cfg, shape)
     if any(s.post_process for s in specs):
         vocab = cfg.padded_vocab(lay.tp) // lay.tp
-        ce = 2 * min(CE_CHUNK_TOKENS, lay.micro_batch * seq_len) * vocab * 4 + vocab * cfg.hidden_size * dtype_bytes
+        ce = 2 * min(CE_CHUNK_TOKENS, lay.micro_batch * shape.seq) * vocab * 4 + vocab * cfg.hidden_size * dtype_bytes
         transient = max(transient, ce)
     dense = el.padded - el.expert_padded
     state = 12 * (dense // shards + el.expert_padded // (expert_shards or shards))

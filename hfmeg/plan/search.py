@@ -3,8 +3,11 @@
 Candidates: TP a power of two up to the node size (TP stays inside NVLink), PP any
 divisor of what is left up to the number of layers, VPP 1/2/4
 (interleaved needs layers divisible by PP·VPP, as Megatron asks), micro-batch
-1/2/4/8, recompute none/selective/full, SP whenever TP > 1, and for MoE models EP
-any divisor of DP that also divides the expert count (EP 1 for dense models).
+1/2/4/8, recompute none/selective/full, SP whenever TP > 1, for MoE models EP
+any divisor of DP that also divides the expert count (EP 1 for dense models), and
+CP a power of two whose 2·CP chunks keep at least `MIN_CP_CHUNK` tokens (below that
+the per-layer K/V all-gather costs more than the split saves), so CP is considered
+for long sequences only.
 `best_layout` is the call a trainer's `--layout auto` makes.
 """
 
@@ -23,6 +26,7 @@ from .profile import Profile
 from .step_time import StepTime, step_time
 
 GIB = 2**30
+MIN_CP_CHUNK = 1024  # tokens per chunk of the 2·CP-chunk split the search still tries
 
 
 @dataclass(frozen=True)
@@ -69,20 +73,33 @@ def expert_parallel_sizes(cfg: ModelConfig, dp: int) -> list[int]:
     return [e for e in range(1, dp + 1) if dp % e == 0 and experts % e == 0]
 
 
+def context_parallel_sizes(job: Job, tp: int) -> list[int]:
+    """The CP sizes the search tries beside TP `tp`: powers of two dividing the rest of the GPUs, whose
+    2·CP equal chunks of a row hold at least MIN_CP_CHUNK tokens each."""
+    out, cp = [1], 2
+    while (job.cluster.gpus // tp) % cp == 0 and job.seq_len % (2 * cp) == 0 \
+            and job.seq_len // (2 * cp) >= MIN_CP_CHUNK:
+        out.append(cp)
+        cp *= 2
+    return out
+
+
 def candidates(job: Job, optimizer: str = "overlapped") -> list[PlanLayout]:
     gpus, node = job.cluster.gpus, min(job.cluster.gpus_per_node, job.cluster.gpus)
     out = []
     tp = 1
     while tp <= node:
-        for pp in (p for p in range(1, gpus // tp + 1) if (gpus // tp) % p == 0 and p <= job.cfg.num_layers):
-            dp = gpus // (tp * pp)
-            for vpp in (1, 2, 4) if pp > 1 else (1,):
-                if vpp > 1 and job.cfg.num_layers % (pp * vpp):
-                    continue
-                for ep in expert_parallel_sizes(job.cfg, dp):
-                    for mb in (1, 2, 4, 8):
-                        for rec in ("none", "selective", "full"):
-                            out.append(PlanLayout(tp, pp, dp, mb, vpp, rec, True, optimizer, ep=ep))
+        for cp in context_parallel_sizes(job, tp):
+            rest = gpus // (tp * cp)
+            for pp in (p for p in range(1, rest + 1) if rest % p == 0 and p <= job.cfg.num_layers):
+                dp = rest // pp
+                for vpp in (1, 2, 4) if pp > 1 else (1,):
+                    if vpp > 1 and job.cfg.num_layers % (pp * vpp):
+                        continue
+                    for ep in expert_parallel_sizes(job.cfg, dp):
+                        for mb in (1, 2, 4, 8):
+                            for rec in ("none", "selective", "full"):
+                                out.append(PlanLayout(tp, pp, dp, mb, vpp, rec, True, optimizer, ep=ep, cp=cp))
         tp *= 2
     return out
 

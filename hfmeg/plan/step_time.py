@@ -37,6 +37,12 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
   `sequence_parallel_comm`), ring cost on the TP link; on
   gloo also the ends' latency-bound ones (`_Stage.ends_comm`);
 - p2p: one activation forward and one gradient back per chunk boundary;
+- context parallelism (CP > 1): a rank computes its s/cp tokens of each row, its
+  attention core its queries over the whole row (the load-balanced split gives every
+  rank the same causal half); per layer the K/V all-gather forward and its
+  reduce-scatter backward, 2e·b·nkv·s·d bytes gathered per rank over the CP group's
+  link (again when selective or full recompute reruns the core); gradients are summed
+  over DP x CP;
 - expert parallelism (EP > 1): per MoE layer the dispatch and the combine
   all-to-all forward, the same two backward (and again in a `full` recompute), each
   sending e·n·k·h·(EP−1)/EP bytes per rank (n tokens routed k ways; the rows for the
@@ -83,7 +89,7 @@ from .flops import training_flops
 from .activations import Shape, layer_bytes, layer_kinds, moe_tokens
 from .hardware import ClusterSpec
 from .layout import PlanLayout
-from .memory import Memory, stage_memories
+from .memory import Memory, plan_shape, stage_memories
 from .profile import Profile
 
 ADAMW_BYTES_PER_ELEMENT = 36
@@ -157,9 +163,9 @@ class _Stage:
     """Forward and backward seconds of one micro-batch on one pipeline stage."""
 
     def __init__(self, cfg: ModelConfig, lay: PlanLayout, prof: Profile, shape: Shape, tp_link, ep_link,
-                 slow: float, attention: str):
+                 slow: float, attention: str, cp_link=None):
         self.cfg, self.lay, self.prof, self.shape, self.slow = cfg, lay, prof, shape, slow
-        self.tp_link, self.ep_link, self.attention = tp_link, ep_link, attention
+        self.tp_link, self.ep_link, self.attention, self.cp_link = tp_link, ep_link, attention, cp_link
         self.sp_comm = prof.sequence_parallel_comm if lay.sp else 1.0
 
     def _mm(self, m: int, k: int, n: int) -> float:
@@ -176,7 +182,7 @@ class _Stage:
         of the routed rows, and without SP one all-gather of the outputs (half an
         all-reduce's bytes) per forward. With EP > 1 the routed rows travel there and back."""
         c, t, x = self.cfg, self.lay.tp, self.shape
-        tok, h = x.micro_batch * x.seq_len, c.hidden_size
+        tok, h = x.micro_batch * x.seq, c.hidden_size
         if not c.is_sparse(layer):
             f = c.ffn_size // t
             return self._mm(tok, h, (2 if c.gated_mlp else 1) * f) + self._mm(tok, f, h), 2, 0.0
@@ -195,11 +201,11 @@ class _Stage:
         """(forward, backward) seconds of one layer's attention core (see the module docstring)."""
         x, prof = self.shape, self.prof
         nh, d, e = self.cfg.num_heads // self.lay.tp, self.cfg.head_dim, x.dtype_bytes
-        scores = x.micro_batch * nh * x.seq_len ** 2
+        scores = x.micro_batch * nh * x.seq * x.seq_len  # a CP rank's queries over the whole row
         if self.attention == "flash":
             fwd = 2.0 * scores * d / (prof.peak_flops * prof.attention_efficiency)
             return fwd, 2 * fwd
-        pair = max(self._mm(x.micro_batch * nh * x.seq_len, d, x.seq_len) * 2,  # QK^T and PV, batched
+        pair = max(self._mm(x.micro_batch * nh * x.seq, d, x.seq_len) * 2,  # QK^T and PV, batched
                    2 * e * scores / prof.memory_bytes_per_s)
         fwd = pair + (2 * e + 2 * e + 1) * scores / prof.memory_bytes_per_s
         return fwd, 2 * pair + (3 * e + 2 * e + 1) * scores / prof.memory_bytes_per_s
@@ -207,7 +213,7 @@ class _Stage:
     def layer(self, layer: int) -> tuple[float, float, float, float]:
         """(forward compute, backward compute, TP communication, EP all-to-all) of decoder layer `layer`."""
         c, t, x = self.cfg, self.lay.tp, self.shape
-        tok, h, d = x.micro_batch * x.seq_len, c.hidden_size, c.head_dim
+        tok, h, d = x.micro_batch * x.seq, c.hidden_size, c.head_dim
         nh, nkv = c.num_heads // t, c.num_kv_heads // t
         mlp, mlp_collectives, a2a = self._mlp(layer)
         mm = self._mm(tok, h, (nh + 2 * nkv) * d) + self._mm(tok, nh * d, h) + mlp
@@ -219,13 +225,17 @@ class _Stage:
         fwd = mm + attn + elementwise / 3, kernels / 3
         bwd = 2 * mm + attn_bwd + 2 * elementwise / 3, 2 * kernels / 3
         ar = _ring(x.dtype_bytes * tok * h, t, self.tp_link, passes=2) * self.sp_comm
-        comm = (2 + mlp_collectives) * ar
+        # CP: the K/V all-gather forward (again when the core is recomputed), its reduce-scatter backward.
+        kv = _ring(2 * x.dtype_bytes * x.micro_batch * nkv * x.seq_len * d, self.lay.cp, self.cp_link) \
+            if self.lay.cp > 1 else 0.0
+        comm = (2 + mlp_collectives) * ar + 2 * kv
         ep_comm = 2 * a2a  # the forward's two exchanges, and the backward's two
         if x.recompute == "full":
             bwd = bwd[0] + fwd[0], bwd[1] + self.prof.full_recompute_fixed * kernels
-            comm, ep_comm = comm + 2 * ar, ep_comm + a2a
+            comm, ep_comm = comm + 2 * ar + kv, ep_comm + a2a
         elif x.recompute == "selective":
             bwd = bwd[0] + attn, bwd[1] + self.prof.selective_recompute_fixed * kernels
+            comm += kv
         return self.with_fixed(*fwd) * self.slow, self.with_fixed(*bwd) * self.slow, comm, ep_comm
 
     def with_fixed(self, device: float, fixed: float) -> float:
@@ -237,13 +247,13 @@ class _Stage:
         and the loss's three per-token statistics (max, sum of exponentials, target logit)."""
         if not self.prof.gloo:
             return 0.0
-        tok, e = self.shape.micro_batch * self.shape.seq_len, self.shape.dtype_bytes
+        tok, e = self.shape.micro_batch * self.shape.seq, self.shape.dtype_bytes
         return (pre * _ring(e * tok * self.cfg.hidden_size, self.lay.tp, self.tp_link, passes=2) * self.sp_comm
                 + post * 3 * _ring(4 * tok, self.lay.tp, self.tp_link, passes=2))
 
     def head(self) -> tuple[float, float]:
         x, t = self.shape, self.lay.tp
-        mm = self._mm(x.micro_batch * x.seq_len, self.cfg.hidden_size, self.cfg.padded_vocab(t) // t)
+        mm = self._mm(x.micro_batch * x.seq, self.cfg.hidden_size, self.cfg.padded_vocab(t) // t)
         return mm * self.slow, 3 * mm * self.slow  # backward: recomputed logits + two gradient matmuls
 
 
@@ -258,15 +268,16 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
         raise UnsupportedConfigError(f"attention kernels {attention!r}: choose one of {ATTENTION_KERNELS}")
     opt = opt or OptimizerConfig(mode=lay.optimizer)
     memories = memories or stage_memories(cfg, lay, global_batch, seq_len, dtype_bytes, opt)
-    shape = Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute, lay.ep)
+    shape = plan_shape(lay, seq_len, dtype_bytes)
     m = lay.microbatches(global_batch)
     slow = prof.compute_slowdown(lay.gpus)
     tp_link = _link(cluster, prof, lay.tp, 1)
-    pp_link = _link(cluster, prof, 2, lay.tp * lay.dp)
-    dp_link = _link(cluster, prof, lay.dp, lay.tp)
+    pp_link = _link(cluster, prof, 2, lay.tp * lay.cp * lay.dp)
+    dp_link = _link(cluster, prof, lay.replicas, lay.tp)  # gradients are summed over DP x CP
+    cp_link = _link(cluster, prof, lay.cp, lay.tp)
     ep_link = _link(cluster, prof, lay.ep, lay.tp, all_to_all=True)
-    edp_link = _link(cluster, prof, lay.edp, lay.tp * lay.ep)
-    stage = _Stage(cfg, lay, prof, shape, tp_link, ep_link, slow, attention)
+    edp_link = _link(cluster, prof, lay.edp * lay.cp, lay.tp * lay.ep)
+    stage = _Stage(cfg, lay, prof, shape, tp_link, ep_link, slow, attention, cp_link)
     costs = {cfg.is_sparse(i): stage.layer(i) for i in layer_kinds(cfg)}  # layers of one kind cost the same
     head_f, head_b = stage.head()
     p2p_msg = pp_link[1] + dtype_bytes * shape.local_seq * lay.micro_batch * cfg.hidden_size / pp_link[0]
@@ -306,9 +317,10 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
         # expert-DP. gloo ranks (a CPU profile) pay each bucket's collective its latencies; GPU profiles
         # count one latency per kind of collective.
         gloo = prof.gloo
-        groups = [g for g in ((padded - mem.expert_padded, buckets - mem.expert_buckets if gloo else 1, lay.dp,
+        groups = [g for g in ((padded - mem.expert_padded, buckets - mem.expert_buckets if gloo else 1, lay.replicas,
                                dp_link),
-                              (mem.expert_padded, mem.expert_buckets if gloo else 1, lay.edp, edp_link)) if g[0]]
+                              (mem.expert_padded, mem.expert_buckets if gloo else 1, lay.edp * lay.cp, edp_link))
+                  if g[0]]
         owned = sum(n / size if sharded else n for n, _, size, _ in groups)
         update = (owned * ADAMW_BYTES_PER_ELEMENT / prof.memory_bytes_per_s + buckets * prof.bucket_overhead_s) * slow
         tp_sum = _ring(4 * mem.tp_summed, lay.tp, tp_link, passes=2) if mem.tp_summed else 0.0

@@ -46,13 +46,13 @@ if TYPE_CHECKING:
 
 # What `--layout auto` sets, in the order `apply_layout` reads them off a PlanLayout.
 AUTO_FIELDS = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.sequence_parallel", "parallel.schedule",
-               "train.micro_batch_size", "model.recompute", "parallel.ep")
+               "train.micro_batch_size", "model.recompute", "parallel.ep", "parallel.cp")
 REPORT_STEPS = 5
 
 
 def apply_layout(cfg: TrainConfig, lay: PlanLayout) -> TrainConfig:
     """`cfg` with `lay`'s values in the AUTO_FIELDS, as a new config."""
-    values = (lay.tp, lay.pp, lay.vpp, lay.sp, lay.schedule, lay.micro_batch, lay.recompute, lay.ep)
+    values = (lay.tp, lay.pp, lay.vpp, lay.sp, lay.schedule, lay.micro_batch, lay.recompute, lay.ep, lay.cp)
     sections: dict[str, dict] = {}
     for key, value in zip(AUTO_FIELDS, values):
         section, name = key.split(".")
@@ -63,8 +63,8 @@ def apply_layout(cfg: TrainConfig, lay: PlanLayout) -> TrainConfig:
 def layout_of(cfg: TrainConfig, world_size: int) -> PlanLayout:
     """The planner's name for the layout `cfg` runs on `world_size` ranks."""
     p = cfg.parallel
-    return PlanLayout(p.tp, p.pp, world_size // (p.tp * p.pp), cfg.train.micro_batch_size, p.vpp,
-                      cfg.model.recompute, p.sequence_parallel, cfg.optim.mode, p.run_schedule, p.ep)
+    return PlanLayout(p.tp, p.pp, world_size // (p.tp * p.cp * p.pp), cfg.train.micro_batch_size, p.vpp,
+                      cfg.model.recompute, p.sequence_parallel, cfg.optim.mode, p.run_schedule, p.ep, p.cp)
 
 
 def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluation | None, str]:

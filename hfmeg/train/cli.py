@@ -23,6 +23,7 @@ import torch
 
 from ..errors import HfmegError
 from .config import TrainConfig, load_config
+from .dataclass_io import ConfigError
 from .validate import check_hub_login
 
 QUIET_RANK_EXIT_DELAY_S = 3.0  # how long ranks other than 0 wait before exiting on a config error
@@ -38,6 +39,8 @@ FLAGS = {
     "--vpp": ("parallel.vpp", int, "virtual pipeline chunks per rank (interleaved 1F1B when > 1)"),
     "--ep": ("parallel.ep", int, "expert-parallel size (MoE models; divides the data-parallel size and the "
              "expert count)"),
+    "--cp": ("parallel.cp", int, "context-parallel size: each sequence split over N ranks (long contexts; "
+             "data.seq_len a multiple of 2N)"),
     "--schedule": ("parallel.schedule", str, "gpipe | 1f1b | interleaved"),
     "--layout": ("parallel.layout", str, "manual | auto (the planner picks tp, pp, vpp, SP, schedule, micro-batch, "
                  "recompute)"),
@@ -124,8 +127,9 @@ def _say(line: str) -> None:
 
 def fit_to_model(cfg: TrainConfig) -> None:
     """CPU runs of a GPU recipe: no torch.compile (GPU kernels), and a sequence the model supports; and
-    what only the model's config.json can refuse before any process group exists (EP vs the expert count)."""
-    from ..config import check_ep, load_hf_config, model_config_from_hf
+    what only the model's config.json can refuse before any process group exists (EP vs the expert count, CP
+    vs the router's loss)."""
+    from ..config import check_cp, check_ep, load_hf_config, model_config_from_hf
     from ..models.shared_layers import check_shareable
 
     if not torch.cuda.is_available() and cfg.model.compile:
@@ -136,10 +140,14 @@ def fit_to_model(cfg: TrainConfig) -> None:
     except HfmegError:
         return  # an MP checkpoint folder (the model's chunks check it), or an error the trainer reports in full
     check_ep(model_cfg, cfg.parallel.ep)
+    check_cp(model_cfg, cfg.parallel.cp)
     if cfg.train.shared_layers_until:
         check_shareable(model_cfg, cfg.parallel.pp)
     max_pos = model_cfg.max_positions
     if cfg.data.seq_len > max_pos:
+        if cfg.data.seq_len % (2 * cfg.parallel.cp) == 0 and max_pos % (2 * cfg.parallel.cp):
+            raise ConfigError(f"data.seq_len: {cfg.data.seq_len} > the model's max_position_embeddings {max_pos}, "
+                             f"which does not split into 2 x parallel.cp = {2 * cfg.parallel.cp} chunks")
         _say(f"data.seq_len {cfg.data.seq_len} > the model's max_position_embeddings {max_pos}: using {max_pos}")
         cfg.data.seq_len = max_pos
 

@@ -157,7 +157,7 @@ class Trainer:
         self.opt = DistributedOptimizer(self.chunks, self.ps, cfg.optim)
         loop = cfg.train
         data_args = dict(dp_rank=self.ps.dp_rank, dp_size=self.ps.dp, micro_batch_size=loop.micro_batch_size,
-                         global_batch_size=loop.global_batch_size)
+                         global_batch_size=loop.global_batch_size, cp_rank=self.ps.cp_rank, cp_size=self.ps.cp)
         self.data = build_data(cfg.data, self.tokenizer, **data_args)
         self.data_args = data_args
         self.last_save: tuple[int, Path] | None = None  # (step, folder) of this run's newest checkpoint

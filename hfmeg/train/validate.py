@@ -44,7 +44,7 @@ def _positive(value: float, field: str) -> None:
 def _ranges(cfg: TrainConfig) -> None:
     m, p, o, lr, t, c = cfg.model, cfg.parallel, cfg.optim, cfg.lr, cfg.train, cfg.checkpoint
     for value, field in ((m.vocab_multiple, "model.vocab_multiple"), (m.ce_chunk_tokens, "model.ce_chunk_tokens"),
-                         (p.tp, "parallel.tp"), (p.pp, "parallel.pp"), (p.vpp, "parallel.vpp"),
+                         (p.tp, "parallel.tp"), (p.pp, "parallel.pp"), (p.vpp, "parallel.vpp"), (p.cp, "parallel.cp"),
                          (t.micro_batch_size, "train.micro_batch_size"),
                          (t.global_batch_size, "train.global_batch_size"), (t.max_steps, "train.max_steps"),
                          (t.eval_batches, "train.eval_batches"), (c.keep_last, "checkpoint.keep_last"),
@@ -69,20 +69,34 @@ def _ranges(cfg: TrainConfig) -> None:
 
 def _layout(cfg: TrainConfig, world_size: int) -> None:
     p, t = cfg.parallel, cfg.train
-    if world_size % (p.tp * p.pp):
-        raise ConfigError(f"parallel.tp x parallel.pp = {p.tp * p.pp} does not divide the {world_size} processes "
-                          "launched")
+    if world_size % (p.tp * p.cp * p.pp):
+        raise ConfigError(f"parallel.tp x parallel.cp x parallel.pp = {p.tp * p.cp * p.pp} does not divide the "
+                          f"{world_size} processes launched")
     if p.pp_layers is not None:
         if len(p.pp_layers) != p.pp * p.vpp or min(p.pp_layers) < 1:
             raise ConfigError(f"parallel.pp_layers: expected {p.pp * p.vpp} layer counts >= 1 (pp x vpp), "
                               f"got {p.pp_layers}")
-    dp = world_size // (p.tp * p.pp)
+    dp = world_size // (p.tp * p.cp * p.pp)
     if p.ep < 1 or dp % p.ep:
         raise ConfigError(f"parallel.ep: {p.ep} must divide the data-parallel size {dp} (processes / (parallel.tp x "
-                          "parallel.pp)): expert-parallel ranks are data-parallel ranks")
+                          "parallel.cp x parallel.pp)): expert-parallel ranks are data-parallel ranks")
+    _context(cfg)
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not a multiple of "
                           f"train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
+
+
+def _context(cfg: TrainConfig) -> None:
+    """Context parallelism cuts every row into 2 x cp equal chunks (parallel/context.py)."""
+    p, seq = cfg.parallel, cfg.data.seq_len
+    if p.cp == 1:
+        return
+    if seq % (2 * p.cp):
+        raise ConfigError(f"data.seq_len: {seq} does not split into 2 x parallel.cp = {2 * p.cp} equal chunks; use a "
+                          f"multiple of {2 * p.cp}")
+    if p.sequence_parallel and p.tp > 1 and (seq // p.cp) % p.tp:
+        raise ConfigError(f"data.seq_len: the {seq // p.cp} tokens of each CP rank (seq_len / parallel.cp) do not "
+                          f"divide over parallel.tp {p.tp} (sequence parallelism)")
 
 
 def _auto_layout(cfg: TrainConfig, overridden: Collection[str]) -> None:
