@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hfmeg.train import cli
-from hfmeg.train.config import load_config
+from hfmeg.train.validate import load_config
 from hfmeg.train.dataclass_io import ConfigError
 from hfmeg.train.validate import check_hub_login
 

@@ -1,11 +1,12 @@
-"""Package layering: a module imports only packages at or below its own level.
+"""Layering: a module imports only packages at or below its own level, and no modules import each other
+in a circle (inside a package too).
 
 The levels, lowest first: `errors` and `config`, then `data`, `parallel`, `models`,
 `checkpoint`, `optim`, `hub`, `plan`, `train`. `plan` sits below `train` because the
 trainer asks the planner for its layout (`--layout auto`) and counts MFU with the
 planner's FLOP formula (`plan/flops.py`); the planner needs nothing from the trainer.
 Every module of every package is parsed (not imported), and every import counts,
-including those inside functions, so a lazy import cannot hide a cycle.
+including those inside functions and under `TYPE_CHECKING`, so a lazy import cannot hide a cycle.
 """
 
 from __future__ import annotations
@@ -26,8 +27,14 @@ def _package(path: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def _imported_packages(path: Path) -> set[str]:
-    """The hfmeg packages `path` imports, resolved from absolute and relative imports."""
+def _module(path: Path) -> tuple[str, ...]:
+    parts = ("hfmeg", *path.relative_to(ROOT).with_suffix("").parts)
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def _imported_modules(path: Path) -> set[tuple[str, ...]]:
+    """The hfmeg modules (dotted parts) `path` imports, resolved from absolute and relative imports: for
+    `from X import name`, X.name where that is a module of its own, else X."""
     own = ["hfmeg", *path.relative_to(ROOT).with_suffix("").parts[:-1]]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -39,10 +46,20 @@ def _imported_packages(path: Path) -> set[str]:
             targets = [module] if node.module else [module + [alias.name] for alias in node.names]
         else:
             continue
-        for parts in targets:
-            if parts[:1] == ["hfmeg"] and len(parts) > 1:
-                found.add(parts[1])
+        if isinstance(node, ast.ImportFrom) and node.module:
+            targets = [t + [alias.name] if _exists(t + [alias.name]) else t for t in targets for alias in node.names]
+        found.update(tuple(parts) for parts in targets if parts[:1] == ["hfmeg"] and len(parts) > 1)
     return found
+
+
+def _exists(parts: list[str]) -> bool:
+    rel = Path(*parts[1:])
+    return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
+
+
+def _imported_packages(path: Path) -> set[str]:
+    """The hfmeg packages `path` imports."""
+    return {parts[1] for parts in _imported_modules(path)}
 
 
 def test_no_module_imports_a_package_above_its_own():
@@ -60,3 +77,22 @@ def test_no_module_imports_a_package_above_its_own():
 def test_every_package_has_a_level():
     packages = {_package(p) for p in ROOT.rglob("*.py")} - {"__init__"}
     assert packages <= set(LEVELS), sorted(packages - set(LEVELS))
+
+
+def test_no_import_cycle_between_modules():
+    graph = {_module(p): _imported_modules(p) - {_module(p)} for p in ROOT.rglob("*.py")}
+    cycles, state = [], {}
+
+    def visit(node, stack):  # depth-first; a node met again while on the stack closes a cycle
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(".".join(m) for m in stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "\n".join(cycles)

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from helpers import make_ps
-from optim_harness import (CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, check_within_rounding, loss_distance,
-                           max_rel_diff, train, truth)
+from optim_harness import (CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, check_within_rounding,
+                           loss_distance, max_rel_diff, train, truth)
 from hfmeg.config import model_config_from_hf
 from hfmeg.errors import UnsupportedConfigError
 from hfmeg.models.decoder import ModelChunk

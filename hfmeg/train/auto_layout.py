@@ -28,7 +28,6 @@ import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,14 +38,9 @@ from ..plan.auto import choice_line, detect_cluster, report
 from ..plan.layout import PlanLayout
 from ..plan.search import Evaluation, Job, best_layout, evaluate
 from .checkpointing import find_resume, read_trainer_state
+from .config import AUTO_FIELDS, TrainConfig
 from .dataclass_io import build
 
-if TYPE_CHECKING:
-    from .config import TrainConfig
-
-# What `--layout auto` sets, in the order `apply_layout` reads them off a PlanLayout.
-AUTO_FIELDS = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.sequence_parallel", "parallel.schedule",
-               "train.micro_batch_size", "model.recompute", "parallel.ep", "parallel.cp")
 REPORT_STEPS = 5
 
 

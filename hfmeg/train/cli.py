@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from ..errors import HfmegError
-from .config import TrainConfig, load_config
+from .config import TrainConfig
+from .validate import check_hub_login, load_config
 from .dataclass_io import ConfigError
-from .validate import check_hub_login
 
 QUIET_RANK_EXIT_DELAY_S = 3.0  # how long ranks other than 0 wait before exiting on a config error
 

@@ -1,7 +1,7 @@
 """`TrainConfig`: every setting of a run, typed, in one tree.
 
-Filled from a YAML file plus command-line overrides (`load_config`), checked as a
-whole before any work (`validate.py`), printed at start and saved as
+Filled from a YAML file plus command-line overrides and checked as a whole before
+any work (`validate.load_config`), printed at start and saved as
 `train_config.json` with every checkpoint. The optimizer, LR and data sections are
 those packages' own configs, and the parallel section is a `ParallelConfig` (with
 the schedule and layer split added), so there is one source of truth. Defaults that
@@ -24,8 +24,7 @@ from ..data.config import DataConfig
 from ..optim.config import OptimizerConfig
 from ..optim.lr_schedule import LRScheduleConfig
 from ..parallel.state import ParallelConfig
-from .dataclass_io import ConfigError, build, load_yaml, set_dotted, to_dict
-from .validate import validate
+from .dataclass_io import to_dict
 
 
 @dataclass
@@ -90,6 +89,12 @@ class LoopArgs:
     shared_layers_until: int = 0
 
 
+# What `parallel.layout: auto` sets (train/auto_layout.py), in the order it reads them off the
+# planner's layout; validation refuses any of them set by hand beside it.
+AUTO_FIELDS = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.sequence_parallel", "parallel.schedule",
+               "train.micro_batch_size", "model.recompute", "parallel.ep", "parallel.cp")
+
+
 @dataclass
 class CheckpointArgs:
     out: str = "out/run"
@@ -129,21 +134,3 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
-
-
-def load_config(yaml_path: str | Path | None, overrides: dict[str, Any],
-                world_size: int | None = None) -> tuple[TrainConfig, list[str]]:
-    """The YAML file (if any) with dotted overrides (`{"optim.lr": 1e-4}`) applied on top, validated.
-
-    Returns the config and the validation's warnings; `world_size` defaults to `$WORLD_SIZE` (1). The
-    overrides are the command line: validation tells them from the YAML's defaults."""
-    data = load_yaml(yaml_path) if yaml_path else {}
-    for key, value in overrides.items():
-        if value is not None:
-            set_dotted(data, key, value)
-    cfg = build(TrainConfig, data)
-    if not cfg.model.path and cfg.model.init == "pretrained":
-        raise ConfigError("model.path is required (--model)")
-    if not cfg.data.sources:
-        raise ConfigError("data.sources is empty (--data)")
-    return cfg, validate(cfg, world_size, {k for k, v in overrides.items() if v is not None})

@@ -6,7 +6,8 @@ evaluation against eval data, `--resume`, a writable `--out`, and
 `--push-to-hub`'s repo id and token; it raises `ConfigError` with one line naming the
 field at the first problem and returns the warnings (e.g. a warm-up as long as the
 run). It reads no model or data and makes no network call, so
-`load_config` runs it on every rank: a bad config stops every rank the same way
+`load_config` (the YAML file plus the command line's overrides, built and validated)
+runs it on every rank: a bad config stops every rank the same way
 before they join a process group or download a model. `check_hub_login` is the one
 network check (whoami), with a short timeout: where the Hub cannot be reached the
 check is skipped, said so, and never hangs.
@@ -19,14 +20,11 @@ import os
 import threading
 from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..checkpoint.mp_layout import is_mp_folder
-from .auto_layout import AUTO_FIELDS
-from .dataclass_io import ConfigError
-
-if TYPE_CHECKING:
-    from .config import TrainConfig
+from .config import AUTO_FIELDS, TrainConfig
+from .dataclass_io import ConfigError, build, load_yaml, set_dotted
 
 WHOAMI_TIMEOUT_S = 10.0
 
@@ -256,3 +254,21 @@ def check_hub_login(repo_id: str, timeout: float = WHOAMI_TIMEOUT_S) -> str:
         return f"push to hub: {repo_id} as {name}"
     reason = type(error).__name__ if error is not None else f"no answer in {timeout:g} s"
     return f"push to hub: could not reach the Hub to check the token ({reason}); checked again at upload time"
+
+
+def load_config(yaml_path: str | Path | None, overrides: dict[str, Any],
+                world_size: int | None = None) -> tuple[TrainConfig, list[str]]:
+    """The YAML file (if any) with dotted overrides (`{"optim.lr": 1e-4}`) applied on top, validated.
+
+    Returns the config and the validation's warnings; `world_size` defaults to `$WORLD_SIZE` (1). The
+    overrides are the command line: validation tells them from the YAML's defaults."""
+    data = load_yaml(yaml_path) if yaml_path else {}
+    for key, value in overrides.items():
+        if value is not None:
+            set_dotted(data, key, value)
+    cfg = build(TrainConfig, data)
+    if not cfg.model.path and cfg.model.init == "pretrained":
+        raise ConfigError("model.path is required (--model)")
+    if not cfg.data.sources:
+        raise ConfigError("data.sources is empty (--data)")
+    return cfg, validate(cfg, world_size, {k for k, v in overrides.items() if v is not None})
