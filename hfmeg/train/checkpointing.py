@@ -79,15 +79,18 @@ class RunCheckpoints:
         replace_dir(tmp, self.hf_source)
 
     def save(self, step: int, chunks, ps, opt, trainer_state: dict[str, Any], *,
-             pp_layers: list[int] | None) -> Path:
-        """Collective: every rank calls it. Returns the checkpoint's iteration folder."""
+             pp_layers: list[int] | None, write_model: Callable = write_model_shard) -> Path:
+        """Collective: every rank calls it. Returns the checkpoint's iteration folder.
+
+        `write_model(chunks, ps, layout, folder)` writes the model's part (a LoRA run writes
+        its adapter shards instead, `peft_run.py`)."""
         # Checked on every rank (the folder is shared), so that all stop here rather than some in a barrier.
         if not (self.hf_source / "config.json").is_file():
             raise CheckpointError(f"{self.hf_source}: no config.json; it was copied at the start of the run and "
                                   "must stay while the run lasts")
         layout = chunks_layout(chunks, ps, step, pp_layers=pp_layers)
         with staged_save(layout, ps, self.root, self.hf_source) as folder:
-            write_model_shard(chunks, ps, layout, folder)
+            write_model(chunks, ps, layout, folder)
             save_optimizer_state(opt, folder / OPTIM_DIR)
             (folder / RNG_DIR).mkdir(exist_ok=True)
             _rng_file(folder).write_text(json.dumps(rng_state(ps.device)))

@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoTokenizer
 from ..checkpoint.convert import mp_to_hf
 from ..checkpoint.hf_reader import HFCheckpoint
 from ..checkpoint.load import load_chunks
-from ..checkpoint.mp_layout import HF_DIR, is_mp_folder, resolve_iteration_dir
+from ..checkpoint.mp_layout import HF_DIR, MPLayout, is_mp_folder, resolve_iteration_dir
 from ..checkpoint.mp_reader import MPCheckpoint
 from ..checkpoint.tensor_source import TensorSource
 from ..data import build_data, build_eval_data
@@ -58,6 +58,7 @@ from .auto_layout import LayoutReport, resolve_layout
 from .checkpointing import RunCheckpoints, load_trainer_state, read_trainer_state
 from .config import TrainConfig
 from .metrics import MetricsLog, read_metrics, tensorboard_available
+from .peft_run import PeftRun
 from .rng import seed_all
 from .run_lock import lock_run
 from .stop import GracefulStop, LauncherWatch
@@ -128,7 +129,12 @@ class Trainer:
         self.resume_dir = self.checkpoints.resume_dir
         saved = read_trainer_state(self.resume_dir) if self.resume_dir is not None else {}
         self.step = saved.get("step", 0)
+        self.peft = PeftRun(cfg.peft, cfg.model.path, cfg.train.seed) if cfg.peft.enabled else None
         self.chunks, hf_side_dir = self._load_model(self.resume_dir)
+        if self.peft is not None:  # before the optimizer: only the adapters are trainable
+            self.peft.prepare(self.chunks, self.resume_dir, MPLayout.rank_dir_of(self.ps.tp_rank, self.ps.pp_rank,
+                                                                                  self.ps.pp))
+            self.peft_base = self.peft.base_reference(self.ps, saved.get("peft_base") if saved else None)
         if self.is_logger:
             self.checkpoints.pin_hf_source(hf_side_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(hf_side_dir))
@@ -157,7 +163,8 @@ class Trainer:
         """This rank's chunks, from `checkpoint` (an iteration folder) or the configured model, with
         shared layers while `shared`; and the folder of the HF side files (config, tokenizer)."""
         m = self.cfg.model
-        source = checkpoint
+        # A LoRA checkpoint holds adapters, not the frozen base: that is read from model.path (PeftRun.prepare).
+        source = checkpoint if self.cfg.peft.method == "none" else None
         if source is None and is_mp_folder(Path(m.path)):
             source = Path(m.path)
         if source is not None:
@@ -309,8 +316,12 @@ class Trainer:
 
     def save(self) -> Path:
         state = {"data": self.data.state_dict(), "config": self.cfg.to_dict(), "shared_layers": self.layers_shared}
+        writer = {}
+        if self.peft is not None:
+            state["peft_base"] = self.peft_base
+            writer = {"write_model": self.peft.write_shard}
         folder = self.checkpoints.save(self.step, self.chunks, self.ps, self.opt, state,
-                                       pp_layers=self.cfg.parallel.pp_layers)
+                                       pp_layers=self.cfg.parallel.pp_layers, **writer)
         self.last_save = (self.step, folder)
         return folder
 
@@ -321,7 +332,11 @@ class Trainer:
         if checkpoint is None:
             return None
         hf = self.out / "hf"
-        mp_to_hf(checkpoint, hf, overwrite=True)
+        if self.peft is not None:
+            adapter, hf = self.peft.export(checkpoint, self.out)
+            print(f"LoRA adapter (PEFT format): {adapter}; merged model: {hf}")
+        else:
+            mp_to_hf(checkpoint, hf, overwrite=True)
         logged = read_metrics(self.out / "metrics.jsonl")
         rows = [r for r in logged if "loss" in r]
         final = {k: rows[-1][k] for k in ("step", "loss", "grad_norm", "tokens_per_s")} if rows else {}

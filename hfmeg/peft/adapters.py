@@ -1,0 +1,211 @@
+"""LoRA adapters on the tensor-parallel layers, and the table that names their tensors in PEFT's format.
+
+For a base layer `y = W x`, LoRA adds `scale * B A dropout(x)` with `A` `[r, in]`,
+`B` `[out, r]` trained and `W` frozen. On the TP layers (the consensus layout):
+
+- column-parallel base (`W` split along the output): `A` is whole on every TP rank and
+  `B` is split along the output like `W`, so each rank adds its own output features
+  and nothing is communicated. `A`'s gradient is `sum_out B^T g x^T` over this rank's
+  outputs only, a partial sum, so its role is `sequence_parallel` (summed over TP by
+  the gradient machinery, `parallel/roles.py`).
+- row-parallel base (`W` split along the input): `A` is split along the input like
+  `W`, and `B` is whole. `B (A_r x_r)` is this rank's partial output, added to the
+  base's partial output before the one reduction that sums both (`parallel/layers.py`);
+  `B`'s gradient sees only `A_r x_r`, so it is partial too (`sequence_parallel`).
+
+Megatron fuses HF projections into one base (QKV per KV group, gate/up); each HF
+projection keeps an adapter of its own (`q_proj`, `k_proj`, `v_proj`; `gate_proj`,
+`up_proj`), so an export gives each of them exactly its A and B. The fused output is
+rebuilt in the base's local order: per KV group `[q heads; k; v]`, `[gate; up]`, with
+zeros for a projection not targeted.
+
+Every adapter tensor is one HF tensor (`AdapterTensor.hf`, PEFT's key) sliced by one
+kind: `rows` (dim 0 over TP), `cols` (dim 1 over TP) or `replicated`. A fresh `A` is
+drawn as `peft` draws it (Kaiming-uniform, a = sqrt(5)) in its full HF shape from a
+generator seeded by the run seed and the tensor's name, then sliced, so every layout
+starts from the same adapter; `B` starts at zero, so the model starts as the base.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import CheckpointError, UnsupportedConfigError
+from ..models.decoder import ModelChunk
+from ..parallel.roles import ParamRole, add_param
+from ..parallel.state import ParallelState
+from .config import PeftConfig
+
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One HF projection inside a base layer: its name, HF module path and full output size."""
+    name: str
+    module: str  # HF module path, e.g. model.layers.3.self_attn.q_proj
+    out_features: int
+
+
+@dataclass(frozen=True)
+class AdapterTensor:
+    local: str  # the chunk's parameter name
+    hf: str  # PEFT's key in adapter_model.safetensors
+    kind: str  # rows | cols | replicated
+
+
+class LoraPair(nn.Module):
+    """A and B of one HF projection, sliced for this TP rank as the module docstring says."""
+
+    def __init__(self, in_local: int, out_local: int, r: int, column: bool, dropout: float):
+        super().__init__()
+        partial = ParamRole("weight", sequence_parallel=True, adapter=True)
+        add_param(self, "lora_A", r, in_local, role=partial if column else ParamRole("weight", tp_dim=1, adapter=True))
+        add_param(self, "lora_B", out_local, r, role=ParamRole("weight", tp_dim=0, adapter=True) if column else partial)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
+
+
+class LoraAdapter(nn.Module):
+    """The LoRA update of one TP base layer: one `LoraPair` per targeted HF projection fused in it.
+
+    `groups`: how many blocks the base's local output interleaves its projections in
+    (the local KV groups for QKV, 1 for gate/up or a single projection)."""
+
+    def __init__(self, projections: list[Projection], targeted: set[str], in_local: int, column: bool,
+                 groups: int, cfg: PeftConfig, tp: int):
+        super().__init__()
+        self.groups, self.scale = groups, cfg.scale
+        self.widths = [(p.name, p.out_features // tp if column else p.out_features) for p in projections]
+        for p, (_, out_local) in zip(projections, self.widths):
+            if p.name in targeted:
+                self.add_module(p.name, LoraPair(in_local, out_local, cfg.r, column, cfg.dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = [self.get_submodule(name)(x) if hasattr(self, name) else x.new_zeros(*x.shape[:-1], width)
+                  for name, width in self.widths]
+        if len(blocks) == 1:
+            return blocks[0] * self.scale
+        fused = torch.cat([t.unflatten(-1, (self.groups, -1)) for t in blocks], dim=-1).flatten(-2)
+        return fused * self.scale
+
+
+@dataclass(frozen=True)
+class _Base:
+    """A base layer of a decoder layer that can carry an adapter."""
+    local: str  # module path in the chunk, e.g. layers.3.attn.qkv
+    projections: list[Projection]
+    column: bool
+    groups: int  # local output blocks (see LoraAdapter)
+
+
+def _bases(chunk: ModelChunk) -> list[_Base]:
+    cfg, tp = chunk.cfg, chunk.ps.tp
+    q, kv, h, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.ffn_size
+    out = []
+    for i in chunk.layer_ids:
+        a, m, L = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
+        out += [_Base(L + "attn.qkv", [Projection("q_proj", a + "q_proj", q), Projection("k_proj", a + "k_proj", kv),
+                                      Projection("v_proj", a + "v_proj", kv)], True, cfg.num_kv_heads // tp),
+                _Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1),
+                _Base(L + "mlp.fc1", [Projection("gate_proj", m + "gate_proj", f),
+                                      Projection("up_proj", m + "up_proj", f)], True, 1),
+                _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
+    return out
+
+
+def check_model(chunk_cfg, cfg: PeftConfig) -> None:
+    """Refuse, naming the field, a model LoRA is not built for here (before any weight is read)."""
+    if chunk_cfg.arch != "llama" or not chunk_cfg.gated_mlp:
+        raise UnsupportedConfigError(f"peft.method: {cfg.method} is built for LLaMA-family models (fused QKV, "
+                                     f"gate/up); this is a {chunk_cfg.model_type} model")
+    if chunk_cfg.moe is not None:
+        raise UnsupportedConfigError(f"peft.method: {cfg.method} on MoE models ({chunk_cfg.model_type}) is not "
+                                     "built yet (per-expert adapters under EP)")
+
+
+def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
+    """Freeze `chunk`'s base and give every targeted base layer its (uninitialised) adapter.
+
+    Call it after the base weights are loaded and before the data-parallel wrapper and the
+    optimizer are built, so they see only the adapters as trainable."""
+    check_model(chunk.cfg, cfg)
+    for p in chunk.parameters():
+        p.requires_grad_(False)
+    targeted = set(cfg.targets())
+    weight = next(chunk.parameters())
+    for base in _bases(chunk):
+        if not targeted & {p.name for p in base.projections}:
+            continue
+        layer = chunk.get_submodule(base.local)
+        adapter = LoraAdapter(base.projections, targeted, layer.weight.shape[1], base.column, base.groups, cfg,
+                              chunk.ps.tp)
+        layer.adapter = adapter.to(device=weight.device, dtype=weight.dtype)
+
+
+def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
+    """Every adapter tensor of `chunk`: its parameter name, PEFT key and split kind."""
+    out = []
+    for base in _bases(chunk):
+        adapter = chunk.get_submodule(base.local).adapter
+        for p in base.projections:
+            if adapter is None or not hasattr(adapter, p.name):
+                continue
+            local = f"{base.local}.adapter.{p.name}."
+            hf = f"{PEFT_PREFIX}{p.module}."
+            out += [AdapterTensor(local + "lora_A", hf + "lora_A.weight", "replicated" if base.column else "cols"),
+                    AdapterTensor(local + "lora_B", hf + "lora_B.weight", "rows" if base.column else "replicated")]
+    return out
+
+
+def slice_for_rank(t: torch.Tensor, kind: str, ps: ParallelState) -> torch.Tensor:
+    """This TP rank's slice of the full HF adapter tensor `t`."""
+    if kind == "replicated":
+        return t
+    return t.chunk(ps.tp, dim=0 if kind == "rows" else 1)[ps.tp_rank].contiguous()
+
+
+def join_slices(slices: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """The full HF adapter tensor from all TP ranks' slices (in TP-rank order)."""
+    if kind == "replicated":
+        return slices[0]
+    return torch.cat(slices, dim=0 if kind == "rows" else 1)
+
+
+def fresh_a(name: str, r: int, in_features: int, seed: int) -> torch.Tensor:
+    """A new full `A` `[r, in]`: peft's Kaiming-uniform (a = sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)),
+    drawn from a generator of the run seed and the tensor's name (the same on every layout)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    bound = 1.0 / math.sqrt(in_features)
+    return torch.empty(r, in_features).uniform_(-bound, bound, generator=g)
+
+
+@torch.no_grad()
+def initialise(chunk: ModelChunk, cfg: PeftConfig, seed: int, hf_tensors=None) -> None:
+    """Fill the adapters of `chunk`: from `hf_tensors` (PEFT key -> full tensor, e.g. an adapter folder
+    `init_from` names) or fresh (`fresh_a`, B = 0)."""
+    params = dict(chunk.named_parameters())
+    for t in adapter_tensors(chunk):
+        p = params[t.local]
+        if hf_tensors is not None:
+            if t.hf not in hf_tensors:
+                raise CheckpointError(f"adapter has no tensor {t.hf}; adapters on only some layers are not "
+                                      "supported (peft.init_from)")
+            full = hf_tensors[t.hf]
+        elif t.local.endswith("lora_B"):
+            full = None
+        else:
+            in_full = p.shape[1] * (chunk.ps.tp if t.kind == "cols" else 1)
+            full = fresh_a(t.hf, cfg.r, in_full, seed)
+        if full is None:
+            p.zero_()
+        else:
+            p.copy_(slice_for_rank(full, t.kind, chunk.ps))

@@ -1,0 +1,52 @@
+"""A merged HF folder: the base's weights with every LoRA update folded in, `W + scale B A`.
+
+Streamed one base weight file at a time (`safe_open`): each targeted projection's
+weight gets `(B @ A) * scale` added, computed in fp32 and cast back to the base's
+dtype, as `peft`'s `merge_and_unload` does; every other tensor and every other file
+(config, tokenizer, generation config, the shard index) is copied verbatim, so
+`AutoModelForCausalLM.from_pretrained` loads the folder alone.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..checkpoint.atomic import atomic_output_dir
+from ..errors import CheckpointError
+from .adapters import PEFT_PREFIX
+
+
+def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], scale: float, out: Path, *,
+                  overwrite: bool = True) -> Path:
+    """Write `base` (an HF folder) with the PEFT `tensors` merged in to `out`, atomically."""
+    base = Path(base)
+    updates = {k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight": k
+               for k in tensors if k.endswith(".lora_A.weight")}
+    merged = set()
+    with atomic_output_dir(out, overwrite=overwrite, inputs=(base,)) as tmp:
+        for path in sorted(base.iterdir()):
+            if path.suffix == ".safetensors":
+                weights = {}
+                with safe_open(str(path), "pt") as f:
+                    meta = f.metadata()
+                    for name in f.keys():
+                        w = f.get_tensor(name)
+                        if name in updates:
+                            a = tensors[updates[name]].float()
+                            b = tensors[updates[name].replace(".lora_A.", ".lora_B.")].float()
+                            w = (w.float() + (b @ a) * scale).to(w.dtype)
+                            merged.add(name)
+                        weights[name] = w
+                save_file(weights, str(tmp / path.name), metadata=meta)
+            elif path.is_file() and path.suffix != ".bin":
+                shutil.copy2(path, tmp / path.name)
+        missing = sorted(set(updates) - merged)
+        if missing:
+            raise CheckpointError(f"{base}: no base weight {missing[0]} for its adapter (the adapter was trained on "
+                                  "another model)")
+    return Path(out)

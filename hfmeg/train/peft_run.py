@@ -1,0 +1,75 @@
+"""A LoRA run's side of the trainer: adapters on the loaded base, their checkpoints and their export.
+
+- Start: the base is loaded from `model.path` as for full fine-tuning, then every chunk
+  is frozen and gets its adapters (`peft/adapters.py`) before the optimizer is built,
+  so only adapters get main grads, fp32 masters and Adam moments. They start from the
+  resumed checkpoint's shards, else from `peft.init_from` (a PEFT adapter folder, whose
+  r, alpha, targets and rslora then rule), else fresh (A drawn from `train.seed`, B = 0).
+- Checkpoints hold each rank's adapter shard in place of its model shard, and the trainer
+  state holds the base's reference: `model.path` and the sha256 of its weight files
+  (`base_fingerprint`, computed by rank 0). A resume against a base whose hash changed
+  is refused in one line on every rank.
+- Export (rank 0, end of run): `<out>/adapter` is the PEFT adapter folder, `<out>/hf` the
+  base with the adapters merged in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..checkpoint.hub_source import resolve_hf_source
+from ..errors import CheckpointError
+from ..peft.adapter_files import assemble, base_fingerprint, read_adapter_shard, read_peft_folder, \
+    write_adapter_shard, write_peft_folder
+from ..peft.adapters import attach, initialise
+from ..peft.config import PeftConfig
+from ..peft.merge import merge_into_hf
+
+ADAPTER_DIR = "adapter"
+
+
+class PeftRun:
+    def __init__(self, cfg: PeftConfig, base: str, seed: int):
+        self.base, self.seed = base, seed
+        self.init_tensors = None
+        if cfg.init_from:
+            folder_cfg, self.init_tensors = read_peft_folder(resolve_hf_source(cfg.init_from, weights=False))
+            cfg = replace(cfg, r=folder_cfg.r, alpha=folder_cfg.alpha, target_modules=folder_cfg.target_modules,
+                          use_rslora=folder_cfg.use_rslora)
+        self.cfg = cfg
+
+    def prepare(self, chunks, resume: Path | None, layout_dir: str | None) -> None:
+        """Freeze `chunks`, attach their adapters and fill them (see the module docstring)."""
+        for chunk in chunks:
+            attach(chunk, self.cfg)
+            initialise(chunk, self.cfg, self.seed, None if resume is not None else self.init_tensors)
+        if resume is not None:
+            read_adapter_shard(chunks, resume / layout_dir)
+
+    def base_reference(self, ps, saved: dict | None) -> dict:
+        """The base's reference for the trainer state; refuses (on every rank) a base that changed since `saved`."""
+        ref = [None]
+        if ps.rank == 0:
+            folder = resolve_hf_source(self.base)
+            ref[0] = {"path": self.base, "sha256": base_fingerprint(folder)}
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(ref, src=0)
+        if saved is not None and saved.get("sha256") != ref[0]["sha256"]:
+            raise CheckpointError(f"model.path {self.base}: its weights differ from the base the checkpoint's "
+                                  f"adapters were trained on (sha256 {ref[0]['sha256'][:12]}… vs "
+                                  f"{str(saved.get('sha256'))[:12]}…); resume with that base")
+        return ref[0]
+
+    @staticmethod
+    def write_shard(chunks, ps, layout, folder: Path) -> None:
+        write_adapter_shard(chunks, ps, folder / layout.rank_dir(ps.tp_rank, ps.pp_rank))
+
+    def export(self, checkpoint: Path, out: Path) -> tuple[Path, Path]:
+        """Rank 0: `<out>/adapter` (PEFT folder) and `<out>/hf` (merged), from the checkpoint's shards."""
+        tensors = assemble(checkpoint)
+        adapter = write_peft_folder(out / ADAPTER_DIR, tensors, self.cfg, self.base)
+        merged = merge_into_hf(resolve_hf_source(self.base), tensors, self.cfg.scale, out / "hf")
+        return adapter, merged
