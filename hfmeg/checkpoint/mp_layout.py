@@ -142,11 +142,7 @@ class MPLayout:
         return rank_chunks(self.chunks, pp_rank)
 
     def rank_dir(self, tp_rank: int, pp_rank: int) -> str:
-        return self.rank_dir_of(tp_rank, pp_rank, self.pp)
-
-    @staticmethod
-    def rank_dir_of(tp_rank: int, pp_rank: int, pp: int) -> str:
-        return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+        return f"mp_rank_{tp_rank:02d}" if self.pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..checkpoint.hub_source import resolve_hf_source
+from ..checkpoint.load import check_layout
+from ..checkpoint.mp_layout import MPLayout
 from ..errors import CheckpointError
 from ..peft.adapter_files import assemble, base_fingerprint, read_adapter_shard, read_peft_folder, \
     write_adapter_shard, write_peft_folder
@@ -41,13 +43,15 @@ class PeftRun:
                           use_rslora=folder_cfg.use_rslora)
         self.cfg = cfg
 
-    def prepare(self, chunks, resume: Path | None, layout_dir: str | None) -> None:
+    def prepare(self, chunks, ps, resume: Path | None) -> None:
         """Freeze `chunks`, attach their adapters and fill them (see the module docstring)."""
         for chunk in chunks:
             attach(chunk, self.cfg)
             initialise(chunk, self.cfg, self.seed, None if resume is not None else self.init_tensors)
         if resume is not None:
-            read_adapter_shard(chunks, resume / layout_dir)
+            layout = MPLayout.read(resume)
+            check_layout(layout, ps, resume)
+            read_adapter_shard(chunks, resume / layout.rank_dir(ps.tp_rank, ps.pp_rank))
 
     def base_reference(self, ps, saved: dict | None) -> dict:
         """The base's reference for the trainer state; refuses (on every rank) a base that changed since `saved`."""

@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoTokenizer
 from ..checkpoint.convert import mp_to_hf
 from ..checkpoint.hf_reader import HFCheckpoint
 from ..checkpoint.load import load_chunks
-from ..checkpoint.mp_layout import HF_DIR, MPLayout, is_mp_folder, resolve_iteration_dir
+from ..checkpoint.mp_layout import HF_DIR, is_mp_folder, resolve_iteration_dir
 from ..checkpoint.mp_reader import MPCheckpoint
 from ..checkpoint.tensor_source import TensorSource
 from ..data import build_data, build_eval_data
@@ -132,9 +132,8 @@ class Trainer:
         self.peft = PeftRun(cfg.peft, cfg.model.path, cfg.train.seed) if cfg.peft.enabled else None
         self.chunks, hf_side_dir = self._load_model(self.resume_dir)
         if self.peft is not None:  # before the optimizer: only the adapters are trainable
-            self.peft.prepare(self.chunks, self.resume_dir, MPLayout.rank_dir_of(self.ps.tp_rank, self.ps.pp_rank,
-                                                                                  self.ps.pp))
             self.peft_base = self.peft.base_reference(self.ps, saved.get("peft_base") if saved else None)
+            self.peft.prepare(self.chunks, self.ps, self.resume_dir)
         if self.is_logger:
             self.checkpoints.pin_hf_source(hf_side_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(hf_side_dir))
