@@ -4,20 +4,26 @@ One 4-process gloo world per model family runs TP in {1, 2} x PP in {1, 2} (DP f
 the rest; every replica runs the same batch, so no DP sum is involved), with and
 without rank-stabilised scaling. The adapter is one `peft` made with both A and B
 random (`init_lora_weights=False`), read through `peft.init_from`'s path, so every
-adapter gradient is non-zero and the import is exercised too. Gradients of TP-split
+adapter gradient is non-zero and the import is exercised too; at TP2 x PP2 the imported
+shards are written and exported back, bit for bit the file `peft` wrote. Gradients of TP-split
 adapter tensors are gathered with the same `join_slices` the export uses.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
 
 from helpers import make_ps
 from hfmeg.models.generate import full_logits
 from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
+from hfmeg.peft.adapter_files import WEIGHTS_FILE, assemble, write_adapter_shard, write_peft_folder
 from peft_helpers import full_adapter_grads, hfmeg_chunks, make_base_and_adapter, peft_adapter_grads, peft_reference, \
     rel_diff
 
@@ -45,12 +51,21 @@ def _check(cases, ids):
         ref_logits, ref_loss, ref_grads, effect = _reference(base, adapter, ids, labels)
         for tp, pp in LAYOUTS:
             ps = make_ps(tp=tp, pp=pp)
-            chunks, _ = hfmeg_chunks(base, adapter, ps)
+            chunks, cfg = hfmeg_chunks(base, adapter, ps)
             logits = full_logits(chunks, ps, ids)
             mb = [dict(input_ids=ids, labels=labels)]
             loss = forward_backward(chunks, ps, mb, schedule="1f1b", num_tokens=int((labels != -100).sum()))
             sync_sequence_parallel_grads(chunks, ps)
             grads = full_adapter_grads(chunks, ps)
+            if (tp, pp) == (2, 2):  # a peft-made adapter, imported onto TP2 x PP2 shards and exported back
+                shards = Path(adapter + "_shards")
+                write_adapter_shard(chunks, ps, shards / f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}")
+                dist.barrier()
+                if ps.rank == 0:
+                    back = write_peft_folder(Path(adapter + "_back"), assemble(shards), cfg, str(base))
+                    source, again = (load_file(str(Path(f) / WEIGHTS_FILE)) for f in (adapter, back))
+                    exact = source.keys() == again.keys() and all(torch.equal(source[k], again[k]) for k in source)
+                    assert exact, "import + export is not bit-exact"
             report.append(dict(
                 case=adapter, tp=tp, pp=pp, effect=effect,
                 logit_diff=None if logits is None else (logits - ref_logits).abs().max().item(),
