@@ -32,9 +32,8 @@ from hfmeg.peft.adapter_files import WEIGHTS_FILE, assemble
 from hfmeg.peft.adapters import attach, initialise
 from hfmeg.peft.config import PeftConfig
 from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, ParallelArgs, TrainConfig, load_config
-from hfmeg.train.metrics import read_metrics
-from hfmeg.train.trainer import Trainer
 from peft_helpers import hfmeg_chunks
+from test_train import _losses, _run
 from tiny_models import ASSETS
 
 ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
@@ -68,15 +67,6 @@ def _config(out: Path, base: Path, adapter: Path, *, tp=1, pp=1, steps=STEPS, sa
         checkpoint=CheckpointArgs(out=str(out), save_every=save_every, resume=resume, keep_last=2),
         tensorboard=False,
     )
-
-
-def _run(cfg: TrainConfig):
-    r = Trainer(cfg).run()
-    return r.hf_folder, r.checkpoint
-
-
-def _losses(out: Path) -> list[float]:
-    return [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
 def _peft_adamw_losses(cfg: TrainConfig, adapter: Path) -> list[float]:
