@@ -7,13 +7,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
+from tiny_models import save_tiny
 from transformers import AutoModelForCausalLM
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.peft.adapter_files import read_peft_folder
 from hfmeg.peft.adapters import adapter_tensors, attach, initialise, join_slices
-from tiny_models import save_tiny
 
 
 def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = False, targets="all-linear",

@@ -16,16 +16,27 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import make_ps
+from peft_helpers import (
+    full_adapter_grads,
+    hfmeg_chunks,
+    make_base_and_adapter,
+    peft_adapter_grads,
+    peft_reference,
+    rel_diff,
+)
 from safetensors.torch import load_file
 
-from helpers import make_ps
 from hfmeg.models.generate import full_logits
 from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
-from hfmeg.peft.adapter_files import WEIGHTS_FILE, assemble, write_adapter_shard, write_peft_folder
-from peft_helpers import full_adapter_grads, hfmeg_chunks, make_base_and_adapter, peft_adapter_grads, peft_reference, \
-    rel_diff
+from hfmeg.peft.adapter_files import (
+    WEIGHTS_FILE,
+    assemble,
+    write_adapter_shard,
+    write_peft_folder,
+)
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 # fp32 sums of <= 300 products of O(1) terms: differences of a few 1e-6; the bound is 1e-4.

@@ -14,11 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_ps, stories_or_skip
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft_helpers import hfmeg_chunks
 from safetensors.torch import load_file, save_file
+from test_train import _losses, _run
+from tiny_models import ASSETS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import make_ps, stories_or_skip
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.data import DataConfig, SourceConfig, build_data
@@ -31,10 +34,14 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.peft.adapter_files import WEIGHTS_FILE, assemble
 from hfmeg.peft.adapters import attach, initialise
 from hfmeg.peft.config import PeftConfig
-from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, ParallelArgs, TrainConfig, load_config
-from peft_helpers import hfmeg_chunks
-from test_train import _losses, _run
-from tiny_models import ASSETS
+from hfmeg.train.config import (
+    CheckpointArgs,
+    LoopArgs,
+    ModelArgs,
+    ParallelArgs,
+    TrainConfig,
+    load_config,
+)
 
 ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
 STEPS = 20

@@ -24,8 +24,14 @@ from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.load import check_layout
 from ..checkpoint.mp_layout import MPLayout
 from ..errors import CheckpointError
-from ..peft.adapter_files import assemble, base_fingerprint, read_adapter_shard, read_peft_folder, \
-    write_adapter_shard, write_peft_folder
+from ..peft.adapter_files import (
+    assemble,
+    base_fingerprint,
+    read_adapter_shard,
+    read_peft_folder,
+    write_adapter_shard,
+    write_peft_folder,
+)
 from ..peft.adapters import attach, initialise
 from ..peft.config import PeftConfig
 from ..peft.merge import merge_into_hf
