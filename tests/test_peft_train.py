@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,7 @@ from hfmeg.train.config import (
 )
 
 ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
 
 
@@ -190,3 +193,27 @@ def test_bad_peft_settings_name_the_field(override, field, tmp_path):
     with pytest.raises(HfmegError) as e:
         load_config(None, {**base, **override}, world_size=1)
     assert str(e.value).startswith(field) and "\n" not in str(e.value)
+
+
+def test_recipe_runs_with_peft_lora(start, tmp_path):
+    """recipes/sft_llama13b.py --peft lora on CPU: a short run that writes both exports."""
+    base, _ = start
+    out = tmp_path / "recipe"
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft_llama13b.py"), "--model", str(base),
+                           "--data", str(ALPACA), "--peft", "lora", "--peft-r", "4", "--tp", "1", "--max-steps", "4",
+                           "--seq-len", "64", "--global-batch-size", "4", "--lr", "1e-2", "--warmup-steps", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(_losses(out)) == 4
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 32 and config["lora_dropout"] == 0.05  # the YAML's
+    assert (out / "hf" / "config.json").is_file()
+
+
+def test_recipe_refuses_a_bad_rank_in_one_line(start, tmp_path):
+    base, _ = start
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft_llama13b.py"), "--model", str(base),
+                           "--data", str(ALPACA), "--peft", "lora", "--peft-r", "0", "--tp", "1",
+                           "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: peft.r: must be an integer >= 1, got 0"], proc.stderr
