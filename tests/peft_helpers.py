@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny
 from transformers import AutoModelForCausalLM
 
@@ -16,17 +17,29 @@ from hfmeg.peft.adapter_files import read_peft_folder
 from hfmeg.peft.adapters import adapter_tensors, attach, initialise, join_slices
 
 
-def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = False, targets="all-linear",
-                          seed: int = 0) -> tuple[Path, Path]:
-    """A tiny random base (transformers' save_pretrained) and a LoRA adapter `peft` made for it with
-    `init_lora_weights=False`: A and B both random, so every adapter gradient is non-zero."""
-    base = save_tiny(kind, root / f"{kind}_base", seed=seed)
+def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = False, dora: bool = False,
+                          targets="all-linear", seed: int = 0) -> tuple[Path, Path]:
+    """A tiny random base (transformers' save_pretrained) and a LoRA (or DoRA) adapter `peft` made for it
+    with `init_lora_weights=False`: A and B both random, so every adapter gradient is non-zero. DoRA's
+    magnitudes are then scaled by random factors in [0.5, 1.5), so that they differ from the row norms
+    they start at and the magnitude's effect is tested too."""
+    base = root / f"{kind}_base"
+    if not base.is_dir():
+        save_tiny(kind, base, seed=seed)
     torch.manual_seed(seed + 1)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
-                     init_lora_weights=False, task_type="CAUSAL_LM")
-    adapter = root / f"{kind}_adapter{'_rs' if rslora else ''}"
+                     use_dora=dora, init_lora_weights=False, task_type="CAUSAL_LM")
+    adapter = root / f"{kind}_adapter{'_rs' if rslora else ''}{'_dora' if dora else ''}"
     get_peft_model(model, cfg).save_pretrained(adapter)
+    if dora:
+        path = adapter / "adapter_model.safetensors"
+        tensors = load_file(str(path))
+        g = torch.Generator().manual_seed(seed + 2)
+        for k, v in tensors.items():
+            if k.endswith("lora_magnitude_vector"):
+                tensors[k] = v * (0.5 + torch.rand(v.shape, generator=g))
+        save_file(tensors, str(path), metadata={"format": "pt"})
     return base, adapter
 
 
@@ -37,7 +50,8 @@ def peft_reference(base: Path, adapter: Path, trainable: bool = True):
 
 def peft_adapter_grads(model) -> dict[str, torch.Tensor]:
     """The reference's adapter gradients under PEFT's file keys (adapter name dropped)."""
-    return {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return {n.replace(".default", "").replace("lora_magnitude_vector.weight", "lora_magnitude_vector"): p.grad
+            for n, p in model.named_parameters() if p.requires_grad}
 
 
 def hfmeg_chunks(base: Path, adapter: Path, ps, **options):

@@ -10,8 +10,8 @@ written (they are frozen): the checkpoint's trainer state references them instea
 
 PEFT folder. `adapter_config.json` (the fields `peft.LoraConfig` reads) plus
 `adapter_model.safetensors` keyed `base_model.model.<module>.lora_A.weight` /
-`lora_B.weight`, which `peft.PeftModel.from_pretrained(base, folder)` loads.
-`read_peft_folder` accepts one that `peft` itself wrote (LoRA only) and says in one
+`lora_B.weight` (/ `lora_magnitude_vector` for DoRA), which `peft.PeftModel.from_pretrained(base, folder)` loads.
+`read_peft_folder` accepts a LoRA or DoRA one that `peft` itself wrote and says in one
 line what does not fit.
 """
 
@@ -91,7 +91,7 @@ def adapter_config(cfg: PeftConfig, base: str, targets: list[str]) -> dict:
     """`adapter_config.json` for `cfg` (the fields `peft.LoraConfig` reads)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": cfg.r,
             "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": targets, "bias": "none",
-            "use_rslora": cfg.use_rslora, "use_dora": False, "modules_to_save": cfg.modules_to_save or None,
+            "use_rslora": cfg.use_rslora, "use_dora": cfg.method == "dora", "modules_to_save": cfg.modules_to_save or None,
             "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True}
 
 
@@ -115,8 +115,6 @@ def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]
         raise CheckpointError(f"{path}: unreadable ({e}); peft.init_from must name a PEFT adapter folder") from e
     if raw.get("peft_type") != "LORA":
         raise UnsupportedConfigError(f"{path}: peft_type {raw.get('peft_type')!r}; only LORA adapters are read")
-    if raw.get("use_dora"):
-        raise UnsupportedConfigError(f"{path}: use_dora is true; DoRA adapters are not built yet")
     if raw.get("bias", "none") != "none" or raw.get("fan_in_fan_out"):
         raise UnsupportedConfigError(f"{path}: bias {raw.get('bias')!r} / fan_in_fan_out are not supported")
     if raw.get("modules_to_save"):
@@ -128,7 +126,7 @@ def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]
     # (`initialise` refuses an adapter that leaves some layers' projections out).
     with safe_open(str(weights), "pt") as f:
         targets = sorted({k.split(".")[-3] for k in f.keys() if k.endswith(".lora_A.weight")})
-    cfg = PeftConfig(method="lora", r=int(raw["r"]), alpha=float(raw["lora_alpha"]),
+    cfg = PeftConfig(method="dora" if raw.get("use_dora") else "lora", r=int(raw["r"]), alpha=float(raw["lora_alpha"]),
                      dropout=float(raw.get("lora_dropout", 0.0)), target_modules=targets,
                      use_rslora=bool(raw.get("use_rslora", False)))
     cfg.check()

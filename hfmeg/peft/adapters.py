@@ -1,7 +1,8 @@
 """LoRA adapters on the tensor-parallel layers, and the table that names their tensors in PEFT's format.
 
 For a base layer `y = W x`, LoRA adds `scale * B A dropout(x)` with `A` `[r, in]`,
-`B` `[out, r]` trained and `W` frozen. On the TP layers (the consensus layout):
+`B` `[out, r]` trained and `W` frozen; DoRA also trains a magnitude per output feature
+(`LoraAdapter`). On the TP layers (the consensus layout):
 
 - column-parallel base (`W` split along the output): `A` is whole on every TP rank and
   `B` is split along the output like `W`, so each rank adds its own output features
@@ -33,6 +34,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -61,41 +63,98 @@ class AdapterTensor:
 
 
 class LoraPair(nn.Module):
-    """A and B of one HF projection, sliced for this TP rank as the module docstring says."""
+    """A and B of one HF projection (and DoRA's magnitude), sliced for this TP rank as the module docstring says."""
 
-    def __init__(self, in_local: int, out_local: int, r: int, column: bool, dropout: float):
+    def __init__(self, in_local: int, out_local: int, out_full: int, r: int, column: bool, cfg: PeftConfig):
         super().__init__()
         partial = ParamRole("weight", sequence_parallel=True, adapter=True)
-        add_param(self, "lora_A", r, in_local, role=partial if column else ParamRole("weight", tp_dim=1, adapter=True))
-        add_param(self, "lora_B", out_local, r, role=ParamRole("weight", tp_dim=0, adapter=True) if column else partial)
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        split = {"A": ParamRole("weight", tp_dim=1, adapter=True), "B": ParamRole("weight", tp_dim=0, adapter=True)}
+        add_param(self, "lora_A", r, in_local, role=partial if column else split["A"])
+        add_param(self, "lora_B", out_local, r, role=split["B"] if column else partial)
+        if cfg.method == "dora":  # one magnitude per output feature: split like B's rows, or whole and partial
+            add_param(self, "lora_magnitude_vector", out_local if column else out_full,
+                      role=ParamRole("weight", tp_dim=0, adapter=True) if column else partial)
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)
+    @property
+    def dora(self) -> bool:
+        return hasattr(self, "lora_magnitude_vector")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B A dropout(x), dropout(x))."""
+        dropped = self.dropout(x)
+        return F.linear(F.linear(dropped, self.lora_A), self.lora_B), dropped
+
+
+def _row_norm(w: torch.Tensor, column: bool, ps: ParallelState) -> torch.Tensor:
+    """The norm of each output row of the full matrix whose local slice is `w` (a row-parallel slice
+    holds only some columns of each row: the squared partial norms are summed over TP)."""
+    sq = w.float().square().sum(dim=1)
+    if not column and ps.tp > 1:
+        dist.all_reduce(sq, group=ps.tp_group)
+    return sq.sqrt().to(w.dtype)
 
 
 class LoraAdapter(nn.Module):
-    """The LoRA update of one TP base layer: one `LoraPair` per targeted HF projection fused in it.
+    """The LoRA (or DoRA) update of one TP base layer: one `LoraPair` per targeted HF projection fused in it.
 
     `groups`: how many blocks the base's local output interleaves its projections in
-    (the local KV groups for QKV, 1 for gate/up or a single projection)."""
+    (the local KV groups for QKV, 1 for gate/up or a single projection).
+
+    DoRA (as `peft` computes it): with `n` the row norms of `W + scale B A` (no gradient:
+    the DoRA paper's section 4.3) and `m` the trained magnitude, the output is
+    `(m / n) (W x + scale B A x)`, added to the base's `W x` as
+    `(m / n - 1) W x + (m / n) scale B A x`. Under TP a column-parallel base holds whole
+    rows, so its `n` is local; a row-parallel base holds a slice of every row, so its
+    squared row norms are summed over TP (`_row_norm`). Every term is linear in the
+    rank's partial `W x` and `B A x`, so the base's one reduction still sums them.
+    """
 
     def __init__(self, projections: list[Projection], targeted: set[str], in_local: int, column: bool,
-                 groups: int, cfg: PeftConfig, tp: int):
+                 groups: int, cfg: PeftConfig, ps: ParallelState):
         super().__init__()
-        self.groups, self.scale = groups, cfg.scale
-        self.widths = [(p.name, p.out_features // tp if column else p.out_features) for p in projections]
+        self.groups, self.scale, self.column, self.ps = groups, cfg.scale, column, ps
+        self.widths = [(p.name, p.out_features // ps.tp if column else p.out_features) for p in projections]
         for p, (_, out_local) in zip(projections, self.widths):
             if p.name in targeted:
-                self.add_module(p.name, LoraPair(in_local, out_local, cfg.r, column, cfg.dropout))
+                self.add_module(p.name, LoraPair(in_local, out_local, p.out_features, cfg.r, column, cfg))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        blocks = [self.get_submodule(name)(x) if hasattr(self, name) else x.new_zeros(*x.shape[:-1], width)
-                  for name, width in self.widths]
-        if len(blocks) == 1:
-            return blocks[0] * self.scale
-        fused = torch.cat([t.unflatten(-1, (self.groups, -1)) for t in blocks], dim=-1).flatten(-2)
-        return fused * self.scale
+    def _blocks(self, t: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        """Each projection's part of the fused output features of `t` along `dim`, in `widths` order."""
+        per_group = [w // self.groups for _, w in self.widths]
+        parts = t.unflatten(dim, (self.groups, -1)).split(per_group, dim=dim + 1)
+        return [part.flatten(dim, dim + 1) for part in parts]
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ys, ws = self._blocks(y, y.dim() - 1), self._blocks(weight, 0)
+        out = []
+        for (name, width), y_p, w_p in zip(self.widths, ys, ws):
+            pair = getattr(self, name, None)
+            if pair is None:
+                out.append(x.new_zeros(*x.shape[:-1], width))
+                continue
+            lora, dropped = pair(x)
+            if not pair.dora:
+                out.append(lora * self.scale)
+                continue
+            with torch.no_grad():
+                norm = _row_norm(w_p + self.scale * (pair.lora_B @ pair.lora_A), self.column, self.ps)
+            ratio = pair.lora_magnitude_vector / norm
+            if dropped is not x:  # the base term sees the dropped-out input too, as in peft
+                y_p = F.linear(dropped, w_p)
+            out.append((ratio - 1) * y_p + ratio * lora * self.scale)
+        if len(out) == 1:
+            return out[0]
+        return torch.cat([t.unflatten(-1, (self.groups, -1)) for t in out], dim=-1).flatten(-2)
+
+    @torch.no_grad()
+    def reset_magnitudes(self, weight: torch.Tensor) -> None:
+        """DoRA's initial magnitude: the row norms of `W + scale B A` (the update starts as plain LoRA's)."""
+        for (name, _), w_p in zip(self.widths, self._blocks(weight, 0)):
+            pair = getattr(self, name, None)
+            if pair is not None and pair.dora:
+                pair.lora_magnitude_vector.copy_(
+                    _row_norm(w_p + self.scale * (pair.lora_B @ pair.lora_A), self.column, self.ps))
 
 
 @dataclass(frozen=True)
@@ -147,7 +206,7 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
             continue
         layer = chunk.get_submodule(base.local)
         adapter = LoraAdapter(base.projections, targeted, layer.weight.shape[1], base.column, base.groups, cfg,
-                              chunk.ps.tp)
+                              chunk.ps)
         layer.adapter = adapter.to(device=weight.device, dtype=weight.dtype)
 
 
@@ -163,6 +222,9 @@ def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
             hf = f"{PEFT_PREFIX}{p.module}."
             out += [AdapterTensor(local + "lora_A", hf + "lora_A.weight", "replicated" if base.column else "cols"),
                     AdapterTensor(local + "lora_B", hf + "lora_B.weight", "rows" if base.column else "replicated")]
+            if getattr(adapter, p.name).dora:
+                out.append(AdapterTensor(local + "lora_magnitude_vector", hf + "lora_magnitude_vector",
+                                         "rows" if base.column else "replicated"))
     return out
 
 
@@ -191,7 +253,7 @@ def fresh_a(name: str, r: int, in_features: int, seed: int) -> torch.Tensor:
 @torch.no_grad()
 def initialise(chunk: ModelChunk, cfg: PeftConfig, seed: int, hf_tensors=None) -> None:
     """Fill the adapters of `chunk`: from `hf_tensors` (PEFT key -> full tensor, e.g. an adapter folder
-    `init_from` names) or fresh (`fresh_a`, B = 0)."""
+    `init_from` names) or fresh (`fresh_a`, B = 0, DoRA's magnitude the row norms of `W + scale B A`)."""
     params = dict(chunk.named_parameters())
     for t in adapter_tensors(chunk):
         p = params[t.local]
@@ -199,13 +261,14 @@ def initialise(chunk: ModelChunk, cfg: PeftConfig, seed: int, hf_tensors=None) -
             if t.hf not in hf_tensors:
                 raise CheckpointError(f"adapter has no tensor {t.hf}; adapters on only some layers are not "
                                       "supported (peft.init_from)")
-            full = hf_tensors[t.hf]
-        elif t.local.endswith("lora_B"):
-            full = None
-        else:
+            p.copy_(slice_for_rank(hf_tensors[t.hf], t.kind, chunk.ps))
+        elif t.local.endswith("lora_A"):
             in_full = p.shape[1] * (chunk.ps.tp if t.kind == "cols" else 1)
-            full = fresh_a(t.hf, cfg.r, in_full, seed)
-        if full is None:
-            p.zero_()
+            p.copy_(slice_for_rank(fresh_a(t.hf, cfg.r, in_full, seed), t.kind, chunk.ps))
         else:
-            p.copy_(slice_for_rank(full, t.kind, chunk.ps))
+            p.zero_()
+    if hf_tensors is None and cfg.method == "dora":
+        for base in _bases(chunk):
+            layer = chunk.get_submodule(base.local)
+            if layer.adapter is not None:
+                layer.adapter.reset_magnitudes(layer.weight)

@@ -3,7 +3,8 @@
 The fields mean what `peft.LoraConfig`'s fields of the same name mean, so a run's
 section and the exported `adapter_config.json` say the same thing:
 
-- `method`: `none` (full fine-tuning), `lora`; `dora` is refused until it is built.
+- `method`: `none` (full fine-tuning), `lora`, or `dora` (weight-decomposed LoRA: a trained
+  magnitude per output feature, `use_dora` in peft).
 - `r`, `alpha`: the rank and the scale numerator; the update is `(alpha / r) B A x`, or
   `(alpha / sqrt(r)) B A x` with `use_rslora` (rank-stabilised LoRA).
 - `dropout`: applied to the adapter's input only, as `peft` does.
@@ -58,9 +59,6 @@ class PeftConfig:
         """Refuse, naming the field, what cannot be run (the model-dependent checks are in `adapters.attach`)."""
         if not self.enabled:
             return
-        if self.method == "dora":
-            raise UnsupportedConfigError("peft.method: dora is not built yet (its column norm under TP is not "
-                                         "proven here); use lora")
         if not (isinstance(self.r, int) and self.r >= 1):
             raise UnsupportedConfigError(f"peft.r: must be an integer >= 1, got {self.r!r}")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):

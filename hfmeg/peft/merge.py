@@ -1,4 +1,5 @@
-"""A merged HF folder: the base's weights with every LoRA update folded in, `W + scale B A`.
+"""A merged HF folder: the base's weights with every LoRA update folded in, `W + scale B A`
+(DoRA: that, each row rescaled to its trained magnitude).
 
 Streamed one base weight file at a time (`safe_open`): each targeted projection's
 weight gets `(B @ A) * scale` added, computed in fp32 and cast back to the base's
@@ -21,6 +22,15 @@ from ..errors import CheckpointError
 from .adapters import PEFT_PREFIX
 
 
+def _merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, magnitude: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """`W + scale B A`; with DoRA's `magnitude` m, that times m / (its row norms)."""
+    full = w.float() + (b @ a) * scale
+    if magnitude is not None:
+        full = full * (magnitude.float() / torch.linalg.norm(full, dim=1)).unsqueeze(1)
+    return full.to(w.dtype)
+
+
 def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], scale: float, out: Path, *,
                   overwrite: bool = True) -> Path:
     """Write `base` (an HF folder) with the PEFT `tensors` merged in to `out`, atomically."""
@@ -39,7 +49,8 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], scale: float, ou
                         if name in updates:
                             a = tensors[updates[name]].float()
                             b = tensors[updates[name].replace(".lora_A.", ".lora_B.")].float()
-                            w = (w.float() + (b @ a) * scale).to(w.dtype)
+                            w = _merged(w, a, b, tensors.get(updates[name].replace(".lora_A.weight",
+                                                                                   ".lora_magnitude_vector")), scale)
                             merged.add(name)
                         weights[name] = w
                 save_file(weights, str(tmp / path.name), metadata=meta)
