@@ -1,6 +1,7 @@
 """LoRA and DoRA on the TP x PP layers vs `peft` on transformers (fp32): logits, loss, every adapter gradient.
 
-One 4-process gloo world per model family runs TP in {1, 2} x PP in {1, 2} (DP fills
+One 4-process gloo world per model family runs TP in {1, 2} x PP in {1, 2}, and TP2 with
+sequence parallelism (DP fills
 the rest; every replica runs the same batch, so no DP sum is involved), LoRA and DoRA,
 with and without rank-stabilised scaling (DoRA's row-parallel norm needs the TP sum). The adapter is one `peft` made with both A and B
 random (`init_lora_weights=False`), read through `peft.init_from`'s path, so every
@@ -35,7 +36,7 @@ from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.peft.adapter_files import WEIGHTS_FILE, assemble, read_peft_folder, write_adapter_shard, write_peft_folder
 from hfmeg.peft.merge import merge_into_hf
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (2, 1, True), (2, 2, True)]  # tp, pp, sp
 # fp32 sums of <= 300 products of O(1) terms: differences of a few 1e-6; the issue's bound is 1e-4.
 TOL = 1e-4
 
@@ -58,15 +59,15 @@ def _check(cases, ids):
     for base, adapter in cases:
         ref_logits, ref_loss, ref_grads, effect = _reference(base, adapter, ids, labels)
         names[adapter] = sorted(ref_grads)
-        for tp, pp in LAYOUTS:
-            ps = make_ps(tp=tp, pp=pp)
+        for tp, pp, sp in LAYOUTS:
+            ps = make_ps(tp=tp, pp=pp, sp=sp)
             chunks, cfg = hfmeg_chunks(base, adapter, ps)
             logits = full_logits(chunks, ps, ids)
             mb = [dict(input_ids=ids, labels=labels)]
             loss = forward_backward(chunks, ps, mb, schedule="1f1b", num_tokens=int((labels != -100).sum()))
             sync_sequence_parallel_grads(chunks, ps)
             grads = full_adapter_grads(chunks, ps)
-            if (tp, pp) == (2, 2):  # a peft-made adapter, imported onto TP2 x PP2 shards and exported back
+            if (tp, pp, sp) == (2, 2, False):  # a peft-made adapter, imported onto TP2 x PP2 shards and exported back
                 shards = Path(adapter + "_shards")
                 write_adapter_shard(chunks, ps, shards / f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}")
                 dist.barrier()
@@ -76,7 +77,7 @@ def _check(cases, ids):
                     exact = source.keys() == again.keys() and all(torch.equal(source[k], again[k]) for k in source)
                     assert exact, "import + export is not bit-exact"
             report.append(dict(
-                case=adapter, tp=tp, pp=pp, effect=effect,
+                case=adapter, tp=tp, pp=pp, sp=sp, effect=effect,
                 logit_diff=None if logits is None else (logits - ref_logits).abs().max().item(),
                 loss_diff=None if loss is None else abs(loss - ref_loss),
                 grad_rel=max(rel_diff(g, ref_grads[k]) for k, g in grads.items()), grads=sorted(grads)))
@@ -90,10 +91,10 @@ def test_lora_and_dora_match_peft(kind, tmp_path):
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     results = spawn(_check, 4, [(str(b), str(a)) for b, a in cases], ids)
     names = results[0][1]
-    for (tp, pp) in LAYOUTS:
+    for (tp, pp, sp) in LAYOUTS:
         for base, adapter in cases:
             rows = [row for rank, (rep, _) in enumerate(results) for row in rep
-                    if row["tp"] == tp and row["pp"] == pp and row["case"] == str(adapter)]
+                    if (row["tp"], row["pp"], row["sp"]) == (tp, pp, sp) and row["case"] == str(adapter)]
             assert all(r["effect"] > 1e-2 for r in rows), "the adapter must change the logits for the test to bite"
             assert any(r["logit_diff"] is not None for r in rows)
             for r in rows:
