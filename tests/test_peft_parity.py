@@ -1,12 +1,12 @@
 """LoRA and DoRA on the TP x PP layers vs `peft` on transformers (fp32): logits, loss, every adapter gradient.
 
-One 4-process gloo world per model family runs TP in {1, 2} x PP in {1, 2}, and TP2 with
-sequence parallelism (DP fills
+One 4-process gloo world per model family runs TP in {1, 2} x PP in {1, 2}, TP4, and TP2 and
+TP4 with sequence parallelism (DP fills
 the rest; every replica runs the same batch, so no DP sum is involved), LoRA and DoRA,
 with and without rank-stabilised scaling (DoRA's row-parallel norm needs the TP sum). The adapter is one `peft` made with both A and B
 random (`init_lora_weights=False`), read through `peft.init_from`'s path, so every
-adapter gradient is non-zero and the import is exercised too; at TP2 x PP2 the imported
-shards are written and exported back, bit for bit the file `peft` wrote. Gradients of TP-split
+adapter gradient is non-zero and the import is exercised too; at TP2 x PP2 and TP4 the
+imported shards are written and exported back, bit for bit the file `peft` wrote. Gradients of TP-split
 adapter tensors are gathered with the same `join_slices` the export uses.
 """
 
@@ -36,7 +36,8 @@ from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.peft.adapter_files import WEIGHTS_FILE, assemble, read_peft_folder, write_adapter_shard, write_peft_folder
 from hfmeg.peft.merge import merge_into_hf
 
-LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (2, 1, True), (2, 2, True)]  # tp, pp, sp
+LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (2, 1, True), (2, 2, True),
+           (4, 1, False), (4, 1, True)]  # tp, pp, sp
 # fp32 sums of <= 300 products of O(1) terms: differences of a few 1e-6; the issue's bound is 1e-4.
 TOL = 1e-4
 
@@ -67,12 +68,12 @@ def _check(cases, ids):
             loss = forward_backward(chunks, ps, mb, schedule="1f1b", num_tokens=int((labels != -100).sum()))
             sync_sequence_parallel_grads(chunks, ps)
             grads = full_adapter_grads(chunks, ps)
-            if (tp, pp, sp) == (2, 2, False):  # a peft-made adapter, imported onto TP2 x PP2 shards and exported back
-                shards = Path(adapter + "_shards")
+            if not sp and (tp, pp) in ((2, 2), (4, 1)):  # a peft-made adapter imported onto shards, exported back
+                shards = Path(f"{adapter}_shards_tp{tp}pp{pp}")
                 write_adapter_shard(chunks, ps, shards / f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}")
                 dist.barrier()
                 if ps.rank == 0:
-                    back = write_peft_folder(Path(adapter + "_back"), assemble(shards), cfg, str(base))
+                    back = write_peft_folder(Path(f"{shards}_back"), assemble(shards), cfg, str(base))
                     source, again = (load_file(str(Path(f) / WEIGHTS_FILE)) for f in (adapter, back))
                     exact = source.keys() == again.keys() and all(torch.equal(source[k], again[k]) for k in source)
                     assert exact, "import + export is not bit-exact"
