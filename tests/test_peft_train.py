@@ -148,6 +148,15 @@ def test_lora_training_matches_peft_and_exports(start, tmp_path):
     assert (ours - with_adapter).abs().max() <= 1e-4
     assert (merged - with_adapter).abs().max() <= 1e-4
     AutoTokenizer.from_pretrained(out / "hf")
+    # The offline converter gives the same two folders from the checkpoint alone.
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mp_to_hf.py"), "--mp", str(out / "checkpoints"),
+                           "--out", str(tmp_path / "conv"), "--merge", str(tmp_path / "conv_merged")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    again = load_file(str(tmp_path / "conv" / WEIGHTS_FILE))
+    assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in again)
+    merged_files = [load_file(str(d / "model.safetensors")) for d in (out / "hf", tmp_path / "conv_merged")]
+    assert all(torch.equal(merged_files[0][k], merged_files[1][k]) for k in merged_files[0])
 
 
 def test_resume_is_exact_and_refuses_a_changed_base(start, tmp_path):
@@ -163,6 +172,11 @@ def test_resume_is_exact_and_refuses_a_changed_base(start, tmp_path):
     save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(Exception, match="differ from the base the checkpoint's adapters were trained on"):
         spawn(_run, 4, _config(tmp_path / "split", base, adapter0, tp=2, steps=8, resume="auto"))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mp_to_hf.py"), "--mp",
+                           str(tmp_path / "split" / "checkpoints"), "--out", str(tmp_path / "a"), "--merge",
+                           str(tmp_path / "m")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "has changed" in proc.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "m").exists()
 
 
 def test_only_adapters_get_main_grads_masters_and_moments(start):

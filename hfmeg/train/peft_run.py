@@ -5,8 +5,8 @@
   so only adapters get main grads, fp32 masters and Adam moments. They start from the
   resumed checkpoint's shards, else from `peft.init_from` (a PEFT adapter folder, whose
   r, alpha, targets and rslora then rule), else fresh (A drawn from `train.seed`, B = 0).
-- Checkpoints hold each rank's adapter shard in place of its model shard, and the trainer
-  state holds the base's reference: `model.path` and the sha256 of its weight files
+- Checkpoints hold each rank's adapter shard in place of its model shard, and (in
+  `adapter.json` and the trainer state) the base's reference: `model.path` and the sha256 of its weight files
   (`base_fingerprint`, computed by rank 0). A resume against a base whose hash changed
   is refused in one line on every rank.
 - Export (rank 0, end of run): `<out>/adapter` is the PEFT adapter folder, `<out>/hf` the
@@ -24,17 +24,10 @@ from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.load import check_layout
 from ..checkpoint.mp_layout import MPLayout
 from ..errors import CheckpointError
-from ..peft.adapter_files import (
-    assemble,
-    base_fingerprint,
-    read_adapter_shard,
-    read_peft_folder,
-    write_adapter_shard,
-    write_peft_folder,
-)
+from ..peft.adapter_files import base_fingerprint, read_adapter_shard, read_peft_folder, write_adapter_shard
 from ..peft.adapters import attach, initialise
 from ..peft.config import PeftConfig
-from ..peft.merge import merge_into_hf
+from ..peft.export import export_checkpoint, write_info
 
 ADAPTER_DIR = "adapter"
 
@@ -73,13 +66,14 @@ class PeftRun:
                                   f"{str(saved.get('sha256'))[:12]}…); resume with that base")
         return ref[0]
 
-    @staticmethod
-    def write_shard(chunks, ps, layout, folder: Path) -> None:
+    def write_shard(self, chunks, ps, layout, folder: Path, base: dict) -> None:
+        """A training checkpoint's model part: this rank's adapter shard, and (rank 0) `adapter.json`."""
         write_adapter_shard(chunks, ps, folder / layout.rank_dir(ps.tp_rank, ps.pp_rank))
+        if ps.rank == 0:
+            write_info(folder, self.cfg, base)
 
-    def export(self, checkpoint: Path, out: Path) -> tuple[Path, Path]:
+    @staticmethod
+    def export(checkpoint: Path, out: Path) -> tuple[Path, Path]:
         """Rank 0: `<out>/adapter` (PEFT folder) and `<out>/hf` (merged), from the checkpoint's shards."""
-        tensors = assemble(checkpoint)
-        adapter = write_peft_folder(out / ADAPTER_DIR, tensors, self.cfg, self.base)
-        merged = merge_into_hf(resolve_hf_source(self.base), tensors, self.cfg.scale, out / "hf")
-        return adapter, merged
+        merged = out / "hf"
+        return export_checkpoint(checkpoint, out / ADAPTER_DIR, merged=merged, overwrite=True), merged

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -318,7 +319,7 @@ class Trainer:
         writer = {}
         if self.peft is not None:
             state["peft_base"] = self.peft_base
-            writer = {"write_model": self.peft.write_shard}
+            writer = {"write_model": partial(self.peft.write_shard, base=self.peft_base)}
         folder = self.checkpoints.save(self.step, self.chunks, self.ps, self.opt, state,
                                        pp_layers=self.cfg.parallel.pp_layers, **writer)
         self.last_save = (self.step, folder)
