@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -54,9 +55,10 @@ def peft_adapter_grads(model) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters() if p.requires_grad}
 
 
-def hfmeg_chunks(base: Path, adapter: Path, ps, **options):
+def hfmeg_chunks(base: Path, adapter: Path, ps, dropout: float = 0.0, **options):
     """This rank's chunks of `base` with the adapter `peft` wrote in `adapter` on them."""
     cfg, tensors = read_peft_folder(adapter)
+    cfg = replace(cfg, dropout=dropout)
     chunks = load_chunks(HFCheckpoint(base), ps, **options)
     for chunk in chunks:
         attach(chunk, cfg)

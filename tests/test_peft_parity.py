@@ -118,3 +118,38 @@ def test_dora_merge_matches_peft_on_the_base(tmp_path):
         got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(ids).logits
     # fp32 rounding of the merged weights (~1e-7 relative) through 2 layers; the contract's bound is 1e-4.
     assert (got - want).abs().max() <= TOL
+
+
+def _dropout_run(base, adapter, ids):
+    """Loss and full adapter gradients with adapter dropout 0.3 at TP1 and TP2 (same generator state)."""
+    labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
+    out = {}
+    for tp in (1, 2):
+        ps = make_ps(tp=tp)
+        chunks, cfg = hfmeg_chunks(base, adapter, ps, dropout=0.3)
+        torch.manual_seed(7)
+        loss = forward_backward(chunks, ps, [dict(input_ids=ids, labels=labels)], schedule="1f1b",
+                                num_tokens=int((labels != -100).sum()))
+        sync_sequence_parallel_grads(chunks, ps)
+        chunks[0].eval()
+        with torch.no_grad():
+            plain = full_logits(chunks, ps, ids)
+        chunks[0].train()
+        torch.manual_seed(7)
+        with torch.no_grad():
+            dropped = full_logits(chunks, ps, ids)
+        out[tp] = (loss, full_adapter_grads(chunks, ps), (dropped - plain).abs().max().item())
+    return out
+
+
+def test_adapter_dropout_masks_do_not_depend_on_tp(tmp_path):
+    """Adapter dropout draws one mask over the full input whatever the TP layout (a row-parallel base's
+    shards use disjoint parts of it), so TP2 computes what TP1 does with the same generator state."""
+    base, adapter = make_base_and_adapter(tmp_path, "llama3")
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = spawn(_dropout_run, 2, str(base), str(adapter), ids)[0]
+    (loss1, grads1, effect), (loss2, grads2, _) = out[1], out[2]
+    assert effect > 1e-2, "dropout must change the output for the test to bite"
+    # Same masks, sums in another order: fp32 rounding only; the parity bound is 1e-4.
+    assert abs(loss1 - loss2) <= 1e-5 * abs(loss1)
+    assert grads1.keys() == grads2.keys() and max(rel_diff(grads2[k], grads1[k]) for k in grads1) <= TOL

@@ -62,10 +62,32 @@ class AdapterTensor:
     kind: str  # rows | cols | replicated
 
 
+class InputDropout(nn.Module):
+    """Dropout on an adapter's input whose mask does not depend on the TP layout.
+
+    The mask is drawn for the full input features from the rank's generator (the same
+    state on every TP rank: the trainer seeds them alike) and, for a row-parallel base
+    whose input is split, this rank's columns of it are used. So every TP rank of a
+    column-parallel base drops the same elements, a row-parallel base's shards drop
+    disjoint parts of one full mask, and a TP2 run draws exactly the masks a TP1 run
+    does, like `peft`'s one `nn.Dropout` over the whole input."""
+
+    def __init__(self, p: float, tp: int, tp_rank: int, split_input: bool):
+        super().__init__()
+        self.p, self.parts, self.part = p, (tp if split_input else 1), (tp_rank if split_input else 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        full = x.new_empty(*x.shape[:-1], x.shape[-1] * self.parts).bernoulli_(1 - self.p)
+        return x * full.chunk(self.parts, dim=-1)[self.part] / (1 - self.p)
+
+
 class LoraPair(nn.Module):
     """A and B of one HF projection (and DoRA's magnitude), sliced for this TP rank as the module docstring says."""
 
-    def __init__(self, in_local: int, out_local: int, out_full: int, r: int, column: bool, cfg: PeftConfig):
+    def __init__(self, in_local: int, out_local: int, out_full: int, r: int, column: bool, cfg: PeftConfig,
+                 ps: ParallelState):
         super().__init__()
         partial = ParamRole("weight", sequence_parallel=True, adapter=True)
         split = {"A": ParamRole("weight", tp_dim=1, adapter=True), "B": ParamRole("weight", tp_dim=0, adapter=True)}
@@ -74,7 +96,7 @@ class LoraPair(nn.Module):
         if cfg.method == "dora":  # one magnitude per output feature: split like B's rows, or whole and partial
             add_param(self, "lora_magnitude_vector", out_local if column else out_full,
                       role=ParamRole("weight", tp_dim=0, adapter=True) if column else partial)
-        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.dropout = InputDropout(cfg.dropout, ps.tp, ps.tp_rank, not column) if cfg.dropout > 0 else nn.Identity()
 
     @property
     def dora(self) -> bool:
@@ -117,7 +139,7 @@ class LoraAdapter(nn.Module):
         self.widths = [(p.name, p.out_features // ps.tp if column else p.out_features) for p in projections]
         for p, (_, out_local) in zip(projections, self.widths):
             if p.name in targeted:
-                self.add_module(p.name, LoraPair(in_local, out_local, p.out_features, cfg.r, column, cfg))
+                self.add_module(p.name, LoraPair(in_local, out_local, p.out_features, cfg.r, column, cfg, ps))
 
     def _blocks(self, t: torch.Tensor, dim: int) -> list[torch.Tensor]:
         """Each projection's part of the fused output features of `t` along `dim`, in `widths` order."""
