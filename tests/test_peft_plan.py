@@ -10,19 +10,33 @@ not compared: the planner keeps full fine-tuning's count for them (docs/peft.md)
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import replace
+from pathlib import Path
 
-from helpers import make_ps
+import pytest
+
+from helpers import make_ps, stories_or_skip
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
+from hfmeg.errors import LayoutError
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.optim.distributed_optimizer import DistributedOptimizer
 from hfmeg.parallel.launch import spawn
 from hfmeg.peft.adapters import attach, initialise
 from hfmeg.peft.config import PeftConfig
 from hfmeg.plan.cli import main
+from hfmeg.plan.hardware import ClusterSpec, gpu_spec
 from hfmeg.plan.layout import PlanLayout
 from hfmeg.plan.memory import stage_memory
-from tiny_models import save_tiny
+from hfmeg.plan.models import resolve_model
+from hfmeg.plan.profile import default_profile
+from hfmeg.plan.search import Job, best_layout
+from hfmeg.train import cli
+from tiny_models import ASSETS, save_tiny
+
+ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
+SFT = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "sft_llama13b.yaml"
 
 PEFTS = [PeftConfig(method="lora", r=4, target_modules=["all-linear"]),
          PeftConfig(method="dora", r=8, target_modules=["q_proj", "v_proj", "down_proj"])]
@@ -75,3 +89,30 @@ def test_plan_with_peft(capsys):
     assert lora["optimizer_state"] < full["optimizer_state"] / 50  # 62.6e6 adapter vs 13.0e9 parameters
     assert main([*args, "--peft", "lora", "--peft-r", "0"]) == 2
     assert capsys.readouterr().err.strip() == "hfmeg plan: peft.r: must be an integer >= 1, got 0"
+
+
+def test_lora_fits_where_full_fine_tuning_does_not():
+    """LLaMA-2-13B on one 80 GB GPU: full fine-tuning fits no layout; LoRA does (the frozen base in bf16)."""
+    spec = gpu_spec("h100")
+    cluster = ClusterSpec(spec, 1, 8)
+    job = Job(resolve_model("llama2-13b"), cluster, default_profile("h100", spec.peak_flops, spec.hbm_bytes_per_s),
+              8, 2048, 2)
+    with pytest.raises(LayoutError):
+        best_layout(job)
+    lora = best_layout(replace(job, peft=PeftConfig(method="lora", r=16, target_modules=["all-linear"])))
+    assert lora.memory.total <= cluster.usable_memory and lora.memory.frozen_weights > 24 * 2**30
+
+
+def _auto_lora(argv):
+    return cli.main("test", SFT, argv)
+
+
+def test_layout_auto_with_lora_trains(tmp_path, capfd):
+    model = stories_or_skip()
+    out = tmp_path / "run"
+    argv = ["--model", str(model), "--data", str(ALPACA), "--layout", "auto", "--peft", "lora", "--seq-len", "64",
+            "--global-batch-size", "4", "--max-steps", "3", "--lr", "1e-2", "--warmup-steps", "1",
+            "--out", str(out), "--set", "tensorboard=false"]
+    assert spawn(_auto_lora, 2, argv) == [0, 0]
+    assert re.search(r"^layout auto: \S+ \(the fastest that fits; 2 x cpu, ", capfd.readouterr().out, re.M)
+    assert (out / "adapter" / "adapter_config.json").is_file()

@@ -196,8 +196,6 @@ def _peft(cfg: TrainConfig) -> None:
                           "HF base (folder or Hub id), which the exported adapter names as its base")
     if cfg.train.shared_layers_until:
         raise ConfigError("peft.method: train.shared_layers_until is for pretraining; set it to 0 with LoRA")
-    if cfg.parallel.layout == "auto":
-        raise ConfigError("parallel.layout: auto does not count LoRA's memory yet; give tp/pp with --layout manual")
 
 
 def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collection[str] = ()) -> list[str]:
