@@ -19,7 +19,8 @@ from hfmeg.peft.adapters import adapter_tensors, attach, initialise, join_slices
 
 
 def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = False, dora: bool = False,
-                          targets="all-linear", seed: int = 0) -> tuple[Path, Path]:
+                          targets="all-linear", modules_to_save: list[str] | None = None,
+                          seed: int = 0) -> tuple[Path, Path]:
     """A tiny random base (transformers' save_pretrained) and a LoRA (or DoRA) adapter `peft` made for it
     with `init_lora_weights=False`: A and B both random, so every adapter gradient is non-zero. DoRA's
     magnitudes are then scaled by random factors in [0.5, 1.5), so that they differ from the row norms
@@ -30,8 +31,8 @@ def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = Fa
     torch.manual_seed(seed + 1)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
-                     use_dora=dora, init_lora_weights=False, task_type="CAUSAL_LM")
-    adapter = root / f"{kind}_adapter{'_rs' if rslora else ''}{'_dora' if dora else ''}"
+                     use_dora=dora, init_lora_weights=False, task_type="CAUSAL_LM", modules_to_save=modules_to_save)
+    adapter = root / f"{kind}_adapter{'_rs' if rslora else ''}{'_dora' if dora else ''}{'_save' if modules_to_save else ''}"
     get_peft_model(model, cfg).save_pretrained(adapter)
     if dora:
         path = adapter / "adapter_model.safetensors"
@@ -51,8 +52,14 @@ def peft_reference(base: Path, adapter: Path, trainable: bool = True):
 
 def peft_adapter_grads(model) -> dict[str, torch.Tensor]:
     """The reference's adapter gradients under PEFT's file keys (adapter name dropped)."""
-    return {n.replace(".default", "").replace("lora_magnitude_vector.weight", "lora_magnitude_vector"): p.grad
-            for n, p in model.named_parameters() if p.requires_grad}
+    names = {".default": "", "lora_magnitude_vector.weight": "lora_magnitude_vector", ".modules_to_save": ""}
+    out = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            for old, new in names.items():
+                n = n.replace(old, new)
+            out[n] = p.grad
+    return out
 
 
 def hfmeg_chunks(base: Path, adapter: Path, ps, dropout: float = 0.0, **options):
@@ -76,7 +83,7 @@ def full_adapter_grads(chunks, ps) -> dict[str, torch.Tensor]:
             parts = [torch.empty_like(g) for _ in range(ps.tp)] if ps.tp > 1 else [g]
             if ps.tp > 1:
                 dist.all_gather(parts, g, group=ps.tp_group)
-            out[t.hf] = join_slices(parts, t.kind)
+            out[t.hf] = join_slices(parts, t.kind, t.vocab)
     return out
 
 

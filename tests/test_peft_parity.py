@@ -3,7 +3,8 @@
 One 4-process gloo world per model family runs TP in {1, 2} x PP in {1, 2}, TP4, and TP2 and
 TP4 with sequence parallelism (DP fills
 the rest; every replica runs the same batch, so no DP sum is involved), LoRA and DoRA,
-with and without rank-stabilised scaling (DoRA's row-parallel norm needs the TP sum). The adapter is one `peft` made with both A and B
+with and without rank-stabilised scaling (DoRA's row-parallel norm needs the TP sum), and
+LoRA with the (vocab-parallel) embedding and LM head trained in full (`modules_to_save`). The adapter is one `peft` made with both A and B
 random (`init_lora_weights=False`), read through `peft.init_from`'s path, so every
 adapter gradient is non-zero and the import is exercised too; at TP2 x PP2 and TP4 the
 imported shards are written and exported back, bit for bit the file `peft` wrote. Gradients of TP-split
@@ -89,6 +90,7 @@ def _check(cases, ids):
 def test_lora_and_dora_match_peft(kind, tmp_path):
     cases = [make_base_and_adapter(tmp_path, kind, rslora=rs, dora=dora)
              for rs, dora in ((False, False), (True, False), (False, True), (True, True))]
+    cases.append(make_base_and_adapter(tmp_path, kind, modules_to_save=["embed_tokens", "lm_head"]))
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     results = spawn(_check, 4, [(str(b), str(a)) for b, a in cases], ids)
     names = results[0][1]
@@ -106,10 +108,12 @@ def test_lora_and_dora_match_peft(kind, tmp_path):
             assert sorted({g for r in rows for g in r["grads"]}) == names[str(adapter)], (tp, pp, adapter)
 
 
-def test_dora_merge_matches_peft_on_the_base(tmp_path):
-    """The merged folder of a DoRA adapter (rows rescaled to the magnitudes) loads alone and computes
-    what peft computes with the adapter on the base."""
-    base, adapter = make_base_and_adapter(tmp_path, "llama3", dora=True)
+@pytest.mark.parametrize("options", [dict(dora=True), dict(modules_to_save=["embed_tokens", "lm_head"])])
+def test_merge_matches_peft_on_the_base(options, tmp_path):
+    """The merged folder of a DoRA adapter (rows rescaled to the magnitudes), or of a LoRA one with modules
+    trained in full (they replace the base's), loads alone and computes what peft computes with the adapter
+    on the base."""
+    base, adapter = make_base_and_adapter(tmp_path, "llama3", **options)
     cfg, tensors = read_peft_folder(adapter)
     merged = merge_into_hf(base, tensors, cfg.scale, tmp_path / "merged")
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -208,7 +208,8 @@ def test_only_adapters_get_main_grads_masters_and_moments(start):
 
 @pytest.mark.parametrize("override, field", [
     ({"peft.r": 0}, "peft.r"), ({"peft.target_modules": ["qkv"]}, "peft.target_modules"),
-    ({"peft.alpha": 0}, "peft.alpha"), ({"peft.dropout": 1.5}, "peft.dropout")])
+    ({"peft.alpha": 0}, "peft.alpha"), ({"peft.dropout": 1.5}, "peft.dropout"),
+    ({"peft.modules_to_save": ["norm"]}, "peft.modules_to_save")])
 def test_bad_peft_settings_name_the_field(override, field, tmp_path):
     base = {"model.path": "some/model", "data.sources": [{"path": "x.json"}], "peft.method": "lora",
             "checkpoint.out": str(tmp_path / "o")}

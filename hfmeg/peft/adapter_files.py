@@ -48,7 +48,7 @@ def write_adapter_shard(chunks: list[ModelChunk], ps: ParallelState, rank_dir: P
         params = dict(chunk.named_parameters())
         for t in adapter_tensors(chunk):
             tensors[t.local] = params[t.local].detach().contiguous().cpu()
-            table[t.local] = [t.hf, t.kind]
+            table[t.local] = [t.hf, t.kind, t.vocab]
     rank_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(rank_dir / SHARD_FILE),
               metadata={"format": "pt", "tp_rank": str(ps.tp_rank), "tensors": json.dumps(table)})
@@ -73,7 +73,7 @@ def read_adapter_shard(chunks: list[ModelChunk], rank_dir: Path) -> None:
 def assemble(iter_dir: Path) -> dict[str, torch.Tensor]:
     """The full PEFT tensors (key -> tensor) from every rank's shard under `iter_dir`."""
     slices: dict[str, dict[int, torch.Tensor]] = {}
-    kinds: dict[str, str] = {}
+    kinds: dict[str, tuple[str, int | None]] = {}
     files = sorted(iter_dir.glob(f"mp_rank_*/{SHARD_FILE}"))
     if not files:
         raise CheckpointError(f"{iter_dir}: no mp_rank_*/{SHARD_FILE}; not a LoRA training checkpoint")
@@ -81,10 +81,10 @@ def assemble(iter_dir: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata()
             tp_rank = int(meta["tp_rank"])
-            for local, (hf, kind) in json.loads(meta["tensors"]).items():
+            for local, (hf, kind, vocab) in json.loads(meta["tensors"]).items():
                 slices.setdefault(hf, {})[tp_rank] = f.get_tensor(local)
-                kinds[hf] = kind
-    return {hf: join_slices([by_rank[r] for r in sorted(by_rank)], kinds[hf]) for hf, by_rank in slices.items()}
+                kinds[hf] = kind, vocab
+    return {hf: join_slices([by_rank[r] for r in sorted(by_rank)], *kinds[hf]) for hf, by_rank in slices.items()}
 
 
 def adapter_config(cfg: PeftConfig, base: str, targets: list[str]) -> dict:
@@ -98,7 +98,7 @@ def adapter_config(cfg: PeftConfig, base: str, targets: list[str]) -> dict:
 def write_peft_folder(out: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig, base: str, *,
                       overwrite: bool = True) -> Path:
     """Write a PEFT adapter folder atomically; `base` is the Hub id or folder of the base model."""
-    targets = sorted({k.split(".")[-3] for k in tensors})
+    targets = sorted({k.split(".")[-3] for k in tensors if ".lora_" in k})
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(cfg, base, targets), indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -117,8 +117,6 @@ def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]
         raise UnsupportedConfigError(f"{path}: peft_type {raw.get('peft_type')!r}; only LORA adapters are read")
     if raw.get("bias", "none") != "none" or raw.get("fan_in_fan_out"):
         raise UnsupportedConfigError(f"{path}: bias {raw.get('bias')!r} / fan_in_fan_out are not supported")
-    if raw.get("modules_to_save"):
-        raise UnsupportedConfigError(f"{path}: modules_to_save {raw['modules_to_save']} is not supported yet")
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{weights}: missing (a PEFT adapter folder holds {WEIGHTS_FILE})")
@@ -128,7 +126,7 @@ def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]
         targets = sorted({k.split(".")[-3] for k in f.keys() if k.endswith(".lora_A.weight")})
     cfg = PeftConfig(method="dora" if raw.get("use_dora") else "lora", r=int(raw["r"]), alpha=float(raw["lora_alpha"]),
                      dropout=float(raw.get("lora_dropout", 0.0)), target_modules=targets,
-                     use_rslora=bool(raw.get("use_rslora", False)))
+                     use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=list(raw.get("modules_to_save") or []))
     cfg.check()
     return cfg, load_file(str(weights))
 

@@ -42,7 +42,7 @@ from ..errors import CheckpointError, UnsupportedConfigError
 from ..models.decoder import ModelChunk
 from ..parallel.roles import ParamRole, add_param
 from ..parallel.state import ParallelState
-from .config import PeftConfig
+from .config import SAVABLE, PeftConfig
 
 PEFT_PREFIX = "base_model.model."
 
@@ -59,7 +59,8 @@ class Projection:
 class AdapterTensor:
     local: str  # the chunk's parameter name
     hf: str  # PEFT's key in adapter_model.safetensors
-    kind: str  # rows | cols | replicated
+    kind: str  # rows | cols | replicated | vocab (rows padded to the chunk's vocabulary, then split)
+    vocab: int | None = None  # the unpadded rows of a `vocab` tensor
 
 
 class InputDropout(nn.Module):
@@ -208,6 +209,9 @@ def check_model(chunk_cfg, cfg: PeftConfig) -> None:
     if chunk_cfg.arch != "llama" or not chunk_cfg.gated_mlp:
         raise UnsupportedConfigError(f"peft.method: {cfg.method} is built for LLaMA-family models (fused QKV, "
                                      f"gate/up); this is a {chunk_cfg.model_type} model")
+    if "lm_head" in cfg.modules_to_save and chunk_cfg.tie_embeddings:
+        raise UnsupportedConfigError("peft.modules_to_save: lm_head is tied to embed_tokens in this model; "
+                                     "name embed_tokens alone")
     if chunk_cfg.moe is not None:
         raise UnsupportedConfigError(f"peft.method: {cfg.method} on MoE models ({chunk_cfg.model_type}) is not "
                                      "built yet (per-expert adapters under EP)")
@@ -221,6 +225,10 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
     check_model(chunk.cfg, cfg)
     for p in chunk.parameters():
         p.requires_grad_(False)
+    params = dict(chunk.named_parameters())
+    for module in cfg.modules_to_save:
+        if SAVABLE[module] in params:
+            params[SAVABLE[module]].requires_grad_(True)
     targeted = set(cfg.targets())
     weight = next(chunk.parameters())
     for base in _bases(chunk):
@@ -233,8 +241,12 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
 
 
 def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
-    """Every adapter tensor of `chunk`: its parameter name, PEFT key and split kind."""
-    out = []
+    """Every adapter tensor of `chunk` (and every `modules_to_save` one): its parameter name, PEFT key
+    and split kind."""
+    params = dict(chunk.named_parameters())
+    out = [AdapterTensor(local, f"{PEFT_PREFIX}{'model.' if hf == 'embed_tokens' else ''}{hf}.weight", "vocab",
+                         chunk.cfg.vocab_size)
+           for hf, local in SAVABLE.items() if local in params and params[local].requires_grad]
     for base in _bases(chunk):
         adapter = chunk.get_submodule(base.local).adapter
         for p in base.projections:
@@ -250,17 +262,23 @@ def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
     return out
 
 
-def slice_for_rank(t: torch.Tensor, kind: str, ps: ParallelState) -> torch.Tensor:
-    """This TP rank's slice of the full HF adapter tensor `t`."""
+def slice_for_rank(t: torch.Tensor, kind: str, ps: ParallelState, local_rows: int | None = None) -> torch.Tensor:
+    """This TP rank's slice of the full HF adapter tensor `t` (`vocab`: padded to `local_rows` per rank)."""
     if kind == "replicated":
         return t
+    if kind == "vocab":
+        padded = t.new_zeros(local_rows * ps.tp, *t.shape[1:])
+        padded[: t.shape[0]] = t
+        t, kind = padded, "rows"
     return t.chunk(ps.tp, dim=0 if kind == "rows" else 1)[ps.tp_rank].contiguous()
 
 
-def join_slices(slices: list[torch.Tensor], kind: str) -> torch.Tensor:
-    """The full HF adapter tensor from all TP ranks' slices (in TP-rank order)."""
+def join_slices(slices: list[torch.Tensor], kind: str, vocab: int | None = None) -> torch.Tensor:
+    """The full HF adapter tensor from all TP ranks' slices (in TP-rank order; `vocab`: padding removed)."""
     if kind == "replicated":
         return slices[0]
+    if kind == "vocab":
+        return torch.cat(slices, dim=0)[:vocab]
     return torch.cat(slices, dim=0 if kind == "rows" else 1)
 
 
@@ -283,7 +301,9 @@ def initialise(chunk: ModelChunk, cfg: PeftConfig, seed: int, hf_tensors=None) -
             if t.hf not in hf_tensors:
                 raise CheckpointError(f"adapter has no tensor {t.hf}; adapters on only some layers are not "
                                       "supported (peft.init_from)")
-            p.copy_(slice_for_rank(hf_tensors[t.hf], t.kind, chunk.ps))
+            p.copy_(slice_for_rank(hf_tensors[t.hf], t.kind, chunk.ps, p.shape[0]))
+        elif t.kind == "vocab":
+            continue  # a module trained in full starts from the base's weights
         elif t.local.endswith("lora_A"):
             in_full = p.shape[1] * (chunk.ps.tp if t.kind == "cols" else 1)
             p.copy_(slice_for_rank(fresh_a(t.hf, cfg.r, in_full, seed), t.kind, chunk.ps))

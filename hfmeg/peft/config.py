@@ -10,8 +10,8 @@ section and the exported `adapter_config.json` say the same thing:
 - `dropout`: applied to the adapter's input only, as `peft` does.
 - `target_modules`: HF projection names (`q_proj ... down_proj`), or `all-linear`
   (every projection of the decoder layers; never `lm_head`, as in `peft`).
-- `modules_to_save`: base modules trained in full beside the adapters; not built yet,
-  so refused.
+- `modules_to_save`: base modules trained in full beside the adapters (`embed_tokens`,
+  `lm_head`), saved whole in the adapter file as `peft` does.
 - `init_from`: a PEFT adapter folder to start from (its A and B), e.g. one `peft` made.
 """
 
@@ -26,6 +26,8 @@ from ..errors import UnsupportedConfigError
 # What `all-linear` stands for in a LLaMA-family decoder layer (peft excludes the output layer).
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
+# Base modules `modules_to_save` can train in full beside the adapters: HF name -> the chunk's parameter.
+SAVABLE = {"embed_tokens": "embed.weight", "lm_head": "lm_head.weight"}
 
 
 @dataclass
@@ -71,6 +73,7 @@ class PeftConfig:
         if unknown:
             raise UnsupportedConfigError(f"peft.target_modules: {unknown} match no adapted projection; the "
                                          f"targets are {list(LLAMA_PROJECTIONS)} or {ALL_LINEAR}")
-        if self.modules_to_save:
-            raise UnsupportedConfigError(f"peft.modules_to_save: {self.modules_to_save} is not supported yet; "
-                                         "leave it empty")
+        other = sorted(set(self.modules_to_save) - set(SAVABLE))
+        if other:
+            raise UnsupportedConfigError(f"peft.modules_to_save: {other} cannot be trained in full here; the "
+                                         f"modules are {list(SAVABLE)}")

@@ -3,7 +3,8 @@
 
 Streamed one base weight file at a time (`safe_open`): each targeted projection's
 weight gets `(B @ A) * scale` added, computed in fp32 and cast back to the base's
-dtype, as `peft`'s `merge_and_unload` does; every other tensor and every other file
+dtype, as `peft`'s `merge_and_unload` does; a module trained in full (`modules_to_save`) replaces the
+base's tensor; every other tensor and every other file
 (config, tokenizer, generation config, the shard index) is copied verbatim, so
 `AutoModelForCausalLM.from_pretrained` loads the folder alone.
 """
@@ -46,7 +47,10 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], scale: float, ou
                     meta = f.metadata()
                     for name in f.keys():
                         w = f.get_tensor(name)
-                        if name in updates:
+                        if PEFT_PREFIX + name in tensors:  # a module trained in full (modules_to_save)
+                            w = tensors[PEFT_PREFIX + name].to(w.dtype)
+                            merged.add(name)
+                        elif name in updates:
                             a = tensors[updates[name]].float()
                             b = tensors[updates[name].replace(".lora_A.", ".lora_B.")].float()
                             w = _merged(w, a, b, tensors.get(updates[name].replace(".lora_A.weight",
@@ -56,7 +60,8 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], scale: float, ou
                 save_file(weights, str(tmp / path.name), metadata=meta)
             elif path.is_file() and path.suffix != ".bin":
                 shutil.copy2(path, tmp / path.name)
-        missing = sorted(set(updates) - merged)
+        saved = {k.removeprefix(PEFT_PREFIX) for k in tensors if ".lora_" not in k}
+        missing = sorted((set(updates) | saved) - merged)
         if missing:
             raise CheckpointError(f"{base}: no base weight {missing[0]} for its adapter (the adapter was trained on "
                                   "another model)")
