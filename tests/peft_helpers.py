@@ -32,7 +32,8 @@ def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = Fa
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
                      use_dora=dora, init_lora_weights=False, task_type="CAUSAL_LM", modules_to_save=modules_to_save)
-    adapter = root / f"{kind}_adapter{'_rs' if rslora else ''}{'_dora' if dora else ''}{'_save' if modules_to_save else ''}"
+    tags = (("_rs", rslora), ("_dora", dora), ("_save", modules_to_save))
+    adapter = root / f"{kind}_adapter{''.join(tag for tag, on in tags if on)}"
     get_peft_model(model, cfg).save_pretrained(adapter)
     if dora:
         path = adapter / "adapter_model.safetensors"

@@ -1,14 +1,15 @@
 """LoRA and DoRA on the TP x PP layers vs `peft` on transformers (fp32): logits, loss, every adapter gradient.
 
-One 4-process gloo world per model family runs TP in {1, 2} x PP in {1, 2}, TP4, and TP2 and
-TP4 with sequence parallelism (DP fills
-the rest; every replica runs the same batch, so no DP sum is involved), LoRA and DoRA,
-with and without rank-stabilised scaling (DoRA's row-parallel norm needs the TP sum), and
-LoRA with the (vocab-parallel) embedding and LM head trained in full (`modules_to_save`). The adapter is one `peft` made with both A and B
-random (`init_lora_weights=False`), read through `peft.init_from`'s path, so every
-adapter gradient is non-zero and the import is exercised too; at TP2 x PP2 and TP4 the
-imported shards are written and exported back, bit for bit the file `peft` wrote. Gradients of TP-split
-adapter tensors are gathered with the same `join_slices` the export uses.
+One 4-process gloo world per model family runs TP in {1, 2} x PP in {1, 2}, TP4, and TP2
+and TP4 with sequence parallelism (DP fills the rest; every replica runs the same batch,
+so no DP sum is involved): LoRA and DoRA, with and without rank-stabilised scaling
+(DoRA's row-parallel norm needs the TP sum), and LoRA with the vocab-parallel embedding
+and LM head trained in full (`modules_to_save`). The adapter is one `peft` made with A
+and B both random (`init_lora_weights=False`), read through `peft.init_from`'s path, so
+every adapter gradient is non-zero and the import is exercised too; at TP2 x PP2 and TP4
+the imported shards are written and exported back, bit for bit the file `peft` wrote.
+Gradients of TP-split adapter tensors are gathered with the same `join_slices` the
+export uses.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from hfmeg.models.generate import full_logits
 from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
-from hfmeg.peft.adapter_files import WEIGHTS_FILE, assemble, read_peft_folder, write_adapter_shard, write_peft_folder
+from hfmeg.peft.adapter_files import (
+    WEIGHTS_FILE,
+    assemble,
+    read_peft_folder,
+    write_adapter_shard,
+    write_peft_folder,
+)
 from hfmeg.peft.merge import merge_into_hf
 
 LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (2, 1, True), (2, 2, True),

@@ -15,8 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from helpers import make_ps, stories_or_skip
+from tiny_models import ASSETS, save_tiny
+
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.errors import LayoutError
@@ -33,7 +34,6 @@ from hfmeg.plan.models import resolve_model
 from hfmeg.plan.profile import default_profile
 from hfmeg.plan.search import Job, best_layout
 from hfmeg.train import cli
-from tiny_models import ASSETS, save_tiny
 
 ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
 SFT = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "sft_llama13b.yaml"

@@ -149,8 +149,9 @@ def test_lora_training_matches_peft_and_exports(start, tmp_path):
     assert (merged - with_adapter).abs().max() <= 1e-4
     AutoTokenizer.from_pretrained(out / "hf")
     # The offline converter gives the same two folders from the checkpoint alone.
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mp_to_hf.py"), "--mp", str(out / "checkpoints"),
-                           "--out", str(tmp_path / "conv"), "--merge", str(tmp_path / "conv_merged")],
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mp_to_hf.py"), "--mp",
+                           str(out / "checkpoints"), "--out", str(tmp_path / "conv"),
+                           "--merge", str(tmp_path / "conv_merged")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     again = load_file(str(tmp_path / "conv" / WEIGHTS_FILE))

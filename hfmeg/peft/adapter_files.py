@@ -91,7 +91,8 @@ def adapter_config(cfg: PeftConfig, base: str, targets: list[str]) -> dict:
     """`adapter_config.json` for `cfg` (the fields `peft.LoraConfig` reads)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": cfg.r,
             "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": targets, "bias": "none",
-            "use_rslora": cfg.use_rslora, "use_dora": cfg.method == "dora", "modules_to_save": cfg.modules_to_save or None,
+            "use_rslora": cfg.use_rslora, "use_dora": cfg.method == "dora",
+            "modules_to_save": cfg.modules_to_save or None,
             "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True}
 
 
@@ -126,7 +127,8 @@ def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]
         targets = sorted({k.split(".")[-3] for k in f.keys() if k.endswith(".lora_A.weight")})
     cfg = PeftConfig(method="dora" if raw.get("use_dora") else "lora", r=int(raw["r"]), alpha=float(raw["lora_alpha"]),
                      dropout=float(raw.get("lora_dropout", 0.0)), target_modules=targets,
-                     use_rslora=bool(raw.get("use_rslora", False)), modules_to_save=list(raw.get("modules_to_save") or []))
+                     use_rslora=bool(raw.get("use_rslora", False)),
+                     modules_to_save=list(raw.get("modules_to_save") or []))
     cfg.check()
     return cfg, load_file(str(weights))
 

@@ -24,7 +24,12 @@ from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.load import check_layout
 from ..checkpoint.mp_layout import MPLayout
 from ..errors import CheckpointError
-from ..peft.adapter_files import base_fingerprint, read_adapter_shard, read_peft_folder, write_adapter_shard
+from ..peft.adapter_files import (
+    base_fingerprint,
+    read_adapter_shard,
+    read_peft_folder,
+    write_adapter_shard,
+)
 from ..peft.adapters import attach, initialise
 from ..peft.config import PeftConfig
 from ..peft.export import export_checkpoint, write_info
