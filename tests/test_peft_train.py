@@ -241,3 +241,20 @@ def test_recipe_refuses_a_bad_rank_in_one_line(start, tmp_path):
                            "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: peft.r: must be an integer >= 1, got 0"], proc.stderr
+
+
+def test_push_to_hub_uploads_the_adapter_with_a_card_naming_the_base(start, tmp_path, monkeypatch):
+    import hfmeg.hub
+    from test_train import _FakeHfApi
+
+    base, adapter0 = start
+    _FakeHfApi.log = tmp_path / "calls.jsonl"
+    monkeypatch.setattr(hfmeg.hub, "HfApi", _FakeHfApi)
+    cfg = _config(tmp_path / "run", base, adapter0, steps=2)
+    cfg.hub.push_to_hub = "me/tiny-lora"
+    spawn(_run, 1, cfg)
+    upload = [json.loads(line) for line in _FakeHfApi.log.read_text().splitlines()][1]
+    assert Path(upload["folder_path"]) == tmp_path / "run" / "adapter"
+    assert {"README.md", "adapter_config.json", WEIGHTS_FILE} <= set(upload["files"])
+    card = (tmp_path / "run" / "adapter" / "README.md").read_text()
+    assert "library_name: peft" in card and 'PeftModel.from_pretrained(base, "me/tiny-lora")' in card

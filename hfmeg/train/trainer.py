@@ -326,12 +326,13 @@ class Trainer:
         return folder
 
     def export(self, checkpoint: Path | None) -> Path | None:
-        """Rank 0 alone: convert the final checkpoint to `<out>/hf`, write the model card, push if asked.
+        """Rank 0 alone: convert the final checkpoint to `<out>/hf` (a LoRA run: also `<out>/adapter`), write
+        the model cards, push if asked (a LoRA run pushes its adapter).
 
         No collective may follow the final checkpoint (see the module docstring)."""
         if checkpoint is None:
             return None
-        hf = self.out / "hf"
+        hf, adapter = self.out / "hf", None
         if self.peft is not None:
             adapter, hf = self.peft.export(checkpoint, self.out)
             print(f"LoRA adapter (PEFT format): {adapter}; merged model: {hf}")
@@ -345,10 +346,12 @@ class Trainer:
             final["eval_loss"] = evals[-1]["eval_loss"]
         final["skipped_steps"] = self.opt.skipped_steps
         m = self.cfg.model
-        write_model_card(hf, base_model=m.source, data=[s.path for s in self.cfg.data.sources],
-                         config=self.cfg.to_dict(), metrics=final, repo_id=self.cfg.hub.push_to_hub,
-                         from_scratch=m.init == "random")
+        card = dict(base_model=m.source, data=[s.path for s in self.cfg.data.sources], config=self.cfg.to_dict(),
+                    metrics=final, repo_id=self.cfg.hub.push_to_hub)
+        write_model_card(hf, **card, from_scratch=m.init == "random")
+        if adapter is not None:  # a LoRA run publishes its adapter, which names the base it loads onto
+            write_model_card(adapter, **card, adapter=True)
         if self.cfg.hub.push_to_hub:
-            url = push_to_hub(hf, self.cfg.hub.push_to_hub, private=self.cfg.hub.private)
+            url = push_to_hub(adapter or hf, self.cfg.hub.push_to_hub, private=self.cfg.hub.private)
             print(f"pushed to {url}")
         return hf
