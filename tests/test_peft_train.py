@@ -160,6 +160,24 @@ def test_lora_training_matches_peft_and_exports(start, tmp_path):
     assert all(torch.equal(merged_files[0][k], merged_files[1][k]) for k in merged_files[0])
 
 
+def test_dora_training_matches_peft(start, tmp_path):
+    """DoRA (its magnitudes trained, the row-parallel norm summed over TP) at TP2 x PP2 vs peft + AdamW."""
+    base, _ = start
+    torch.manual_seed(0)
+    adapter0 = tmp_path / "dora0"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                   LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True,
+                              task_type="CAUSAL_LM")).save_pretrained(adapter0)
+    ref = _peft_adamw_losses(_config(tmp_path / "ref", base, adapter0), adapter0)
+    spawn(_run, 4, _config(tmp_path / "tp2pp2", base, adapter0, tp=2, pp=2))
+    ours = _losses(tmp_path / "tp2pp2")
+    assert len(ours) == STEPS and ref[-1] < ref[0]
+    for x, y in zip(ours, ref):
+        assert abs(x - y) <= 1e-4 * abs(y), (ours, ref)  # as for LoRA
+    config = json.loads((tmp_path / "tp2pp2" / "adapter" / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
+
+
 def test_resume_is_exact_and_refuses_a_changed_base(start, tmp_path):
     base0, adapter0 = start
     base = tmp_path / "base"

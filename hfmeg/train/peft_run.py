@@ -4,7 +4,7 @@
   is frozen and gets its adapters (`peft/adapters.py`) before the optimizer is built,
   so only adapters get main grads, fp32 masters and Adam moments. They start from the
   resumed checkpoint's shards, else from `peft.init_from` (a PEFT adapter folder, whose
-  r, alpha, targets and rslora then rule), else fresh (A drawn from `train.seed`, B = 0).
+  method (LoRA or DoRA), r, alpha, targets, rslora and modules_to_save then rule), else fresh (A drawn from `train.seed`, B = 0).
 - Checkpoints hold each rank's adapter shard in place of its model shard, and (in
   `adapter.json` and the trainer state) the base's reference: `model.path` and the sha256 of its weight files
   (`base_fingerprint`, computed by rank 0). A resume against a base whose hash changed
@@ -43,8 +43,9 @@ class PeftRun:
         self.init_tensors = None
         if cfg.init_from:
             folder_cfg, self.init_tensors = read_peft_folder(resolve_hf_source(cfg.init_from, weights=False))
-            cfg = replace(cfg, r=folder_cfg.r, alpha=folder_cfg.alpha, target_modules=folder_cfg.target_modules,
-                          use_rslora=folder_cfg.use_rslora)
+            cfg = replace(cfg, method=folder_cfg.method, r=folder_cfg.r, alpha=folder_cfg.alpha,
+                          target_modules=folder_cfg.target_modules, use_rslora=folder_cfg.use_rslora,
+                          modules_to_save=folder_cfg.modules_to_save)
         self.cfg = cfg
 
     def prepare(self, chunks, ps, resume: Path | None) -> None:
