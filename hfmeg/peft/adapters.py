@@ -148,6 +148,11 @@ class LoraAdapter(nn.Module):
         parts = t.unflatten(dim, (self.groups, -1)).split(per_group, dim=dim + 1)
         return [part.flatten(dim, dim + 1) for part in parts]
 
+    @torch.no_grad()
+    def _norm(self, pair: LoraPair, w_p: torch.Tensor) -> torch.Tensor:
+        """DoRA's `n`: the full row norms of `W + scale B A` for one projection (no gradient)."""
+        return _row_norm(w_p + self.scale * (pair.lora_B @ pair.lora_A), self.column, self.ps)
+
     def forward(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ys, ws = self._blocks(y, y.dim() - 1), self._blocks(weight, 0)
         out = []
@@ -160,9 +165,7 @@ class LoraAdapter(nn.Module):
             if not pair.dora:
                 out.append(lora * self.scale)
                 continue
-            with torch.no_grad():
-                norm = _row_norm(w_p + self.scale * (pair.lora_B @ pair.lora_A), self.column, self.ps)
-            ratio = pair.lora_magnitude_vector / norm
+            ratio = pair.lora_magnitude_vector / self._norm(pair, w_p)
             if dropped is not x:  # the base term sees the dropped-out input too, as in peft
                 y_p = F.linear(dropped, w_p)
             out.append((ratio - 1) * y_p + ratio * lora * self.scale)
@@ -176,8 +179,7 @@ class LoraAdapter(nn.Module):
         for (name, _), w_p in zip(self.widths, self._blocks(weight, 0)):
             pair = getattr(self, name, None)
             if pair is not None and pair.dora:
-                pair.lora_magnitude_vector.copy_(
-                    _row_norm(w_p + self.scale * (pair.lora_B @ pair.lora_A), self.column, self.ps))
+                pair.lora_magnitude_vector.copy_(self._norm(pair, w_p))
 
 
 @dataclass(frozen=True)
