@@ -97,19 +97,21 @@ def _cell(v: Any) -> str:
 
 def write_model_card(folder: Path, *, base_model: str, data: list[str], config: dict[str, Any],
                      metrics: dict[str, Any], repo_id: str | None = None, diverged: bool = False,
-                     from_scratch: bool = False) -> Path:
+                     from_scratch: bool = False, adapter: bool = False) -> Path:
     """Write `README.md` with YAML front matter the Hub understands, plus the run's facts.
 
     `repo_id`: the Hub repo being pushed to (its name is the title); `diverged`: the run
     stopped on non-finite gradients (so does a non-finite final loss); `from_scratch`: the
     weights started random, and `base_model` only gave the architecture and tokenizer, so
-    it is named as such and claimed neither as the base model nor for its license."""
+    it is named as such and claimed neither as the base model nor for its license; `adapter`: the
+    folder is a PEFT adapter (LoRA/DoRA) that loads onto `base_model` with `peft`."""
     base = public_name(base_model)
     datasets = [d for d in dict.fromkeys(hub_id(p) for p in data) if d]
     loss = metrics.get("loss")
     diverged = diverged or (isinstance(loss, float) and not math.isfinite(loss))
-    meta: dict[str, Any] = {"library_name": "transformers",
-                            "tags": ["hfmeg", "pretrained-from-scratch" if from_scratch else "fine-tuned"]}
+    meta: dict[str, Any] = {"library_name": "peft" if adapter else "transformers",
+                            "tags": ["hfmeg", "pretrained-from-scratch" if from_scratch else "fine-tuned"]
+                            + (["lora"] if adapter else [])}
     if hub_id(base_model) and not from_scratch:
         meta["base_model"] = hub_id(base_model)
     if datasets:
@@ -144,15 +146,25 @@ def write_model_card(folder: Path, *, base_model: str, data: list[str], config: 
         "## Use",
         "",
         "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'model = AutoModelForCausalLM.from_pretrained("{repo_id or "<this folder>"}")',
-        f'tokenizer = AutoTokenizer.from_pretrained("{repo_id or "<this folder>"}")',
+        *(_adapter_use(base_model, repo_id) if adapter else [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo_id or "<this folder>"}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id or "<this folder>"}")']),
         "```",
         "",
     ]
     path = folder / "README.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _adapter_use(base_model: str, repo_id: str | None) -> list[str]:
+    base = hub_id(base_model) or "<the base model's folder>"
+    return ["from peft import PeftModel",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+            f'model = PeftModel.from_pretrained(base, "{repo_id or "<this folder>"}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{base}")']
 
 
 def push_to_hub(folder: Path, repo_id: str, *, private: bool = False, api: HfApi | None = None,

@@ -2,7 +2,7 @@
 in a circle (inside a package too).
 
 The levels, lowest first: `errors` and `config`, then `data`, `parallel`, `models`,
-`checkpoint`, `optim`, `hub`, `plan`, `train`. `plan` sits below `train` because the
+`checkpoint`, `peft` (adapters on the model, saved in checkpoint formats), `optim`, `hub`, `plan`, `train`. `plan` sits below `train` because the
 trainer asks the planner for its layout (`--layout auto`) and counts MFU with the
 planner's FLOP formula (`plan/flops.py`); the planner needs nothing from the trainer.
 Every module of every package is parsed (not imported), and every import counts,
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import hfmeg
 
-LEVELS = {"errors": 0, "config": 0, "data": 1, "parallel": 2, "models": 3, "checkpoint": 4, "optim": 5,
-          "hub": 6, "plan": 7, "train": 8}
+LEVELS = {"errors": 0, "config": 0, "data": 1, "parallel": 2, "models": 3, "checkpoint": 4, "peft": 5,
+          "optim": 6, "hub": 7, "plan": 8, "train": 9}
 ROOT = Path(hfmeg.__file__).parent
 
 

@@ -11,6 +11,13 @@ Sequence parallelism changes only where the TP collectives sit: a column-paralle
 layer all-gathers its input along the sequence instead of copying it, and a
 row-parallel layer reduce-scatters its output along the sequence instead of
 all-reducing it. Between those two points activations are `[seq/tp, batch, hidden]`.
+
+Column- and row-parallel layers take an optional `adapter` (a LoRA/DoRA update,
+`hfmeg/peft`): `adapter(x, y, weight)` is given the input exactly as this rank's matmul
+sees it (after the column layer's gather/copy; the row layer's input shard), that
+matmul's output `y = x W^T` without bias and this rank's weight, and returns what is
+added to `y` before any reduction and before the bias, so base and adapter share the
+one collective.
 """
 
 from __future__ import annotations
@@ -47,10 +54,15 @@ class ColumnParallelLinear(nn.Module):
             add_param(self, "bias", out_features // ps.tp, role=ParamRole("bias", tp_dim=0))
         else:
             self.bias = None
+        self.adapter: nn.Module | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sequence(x, self.ps) if self.ps.sequence_parallel else copy_to_tp(x, self.ps)
-        return F.linear(x, self.weight, self.bias)
+        if self.adapter is None:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        y = y + self.adapter(x, y, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(nn.Module):
@@ -71,9 +83,12 @@ class RowParallelLinear(nn.Module):
             add_param(self, "bias", out_features, role=ParamRole("bias", sequence_parallel=ps.sequence_parallel))
         else:
             self.bias = None
+        self.adapter: nn.Module | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
+        if self.adapter is not None:  # before the reduction: one collective sums both partial outputs
+            y = y + self.adapter(x, y, self.weight)
         y = reduce_scatter_to_sequence(y, self.ps) if self.ps.sequence_parallel else reduce_from_tp(y, self.ps)
         return y + self.bias if self.bias is not None else y
 

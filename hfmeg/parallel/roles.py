@@ -25,6 +25,10 @@ read one record instead of matching names or ad-hoc attributes:
   over the expert-data-parallel group (`data_parallel.py`); consumers find them by this
   flag, never by name. The router and Qwen2-MoE's
   shared expert are not experts in this sense: every rank holds them.
+- `adapter`: a low-rank adapter weight (`hfmeg/peft`): trained while the base is frozen,
+  saved and exported apart from the base. Its layout is said by the other fields: a
+  LoRA factor held whole on every TP rank sees only this rank's share of the base's
+  output (column-parallel A) or input (row-parallel B), so it is `sequence_parallel`.
 
 Nothing here assumes the list of fields is closed.
 
@@ -55,6 +59,7 @@ class ParamRole:
     tied: str | None = None
     tied_copy: bool = False
     expert: bool = False
+    adapter: bool = False
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tp_dim is not None:

@@ -20,6 +20,7 @@ import json
 import sys
 
 from ..errors import HfmegError, LayoutError
+from ..peft.config import PeftConfig
 from . import published, scaling
 from .calibrate import calibrate
 from .hardware import GPUS, ClusterSpec, gpu_spec
@@ -44,6 +45,11 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     ap.add_argument("--optimizer", choices=("overlapped", "distributed", "ddp"), default="overlapped")
     ap.add_argument("--profile", help="calibration JSON (default: the GPU kind's assumed profile)")
+    ap.add_argument("--peft", choices=("none", "lora", "dora"), default="none",
+                    help="count a LoRA/DoRA run's memory: frozen base, adapters trained (docs/peft.md)")
+    ap.add_argument("--peft-r", type=int, default=8, help="LoRA rank (with --peft)")
+    ap.add_argument("--peft-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"],
+                    help="HF projection names or all-linear (with --peft)")
     for flag in ("--peak-tflops", "--memory-gb", "--hbm-gbps", "--nvlink-gbps"):
         ap.add_argument(flag, type=float, help="GPU numbers (required for --gpu custom; override otherwise)")
 
@@ -78,7 +84,10 @@ def _job(a) -> tuple[Job, list[str]]:
                     nvlink_gbps=a.nvlink_gbps)
     cluster = ClusterSpec(spec, a.gpus, a.gpus_per_node, inter_node_bytes_per_s=a.inter_node_gbps * 1e9 / 8)
     prof = load_profile(a.profile) if a.profile else default_profile(a.gpu, spec.peak_flops, spec.hbm_bytes_per_s)
-    return Job(resolve_model(a.model), cluster, prof, a.global_batch_size, a.seq_len, DTYPE_BYTES[a.dtype]), defaulted
+    peft = PeftConfig(method=a.peft, r=a.peft_r, target_modules=a.peft_targets)
+    peft.check()
+    return Job(resolve_model(a.model), cluster, prof, a.global_batch_size, a.seq_len, DTYPE_BYTES[a.dtype],
+               peft=peft if peft.enabled else None), defaulted
 
 
 def _row(i, ev: Evaluation) -> str:
@@ -93,7 +102,8 @@ HEADER = f"{'#':>3} {'layout':<44} {'GiB/GPU':>8} {'step s':>8} {'tok/s/GPU':>9}
 def _explain(ev: Evaluation) -> None:
     m, t = ev.memory, ev.time
     print(f"{ev.layout.name()}  (schedule {ev.layout.schedule}, stage {m.stage} is the fullest)")
-    for key in ("param_buffer", "grad_buffer", "optimizer_state", "activations", "transient", "total"):
+    for key in ("param_buffer", "grad_buffer", "optimizer_state", "frozen_weights", "activations", "transient",
+                "total"):
         print(f"  memory {key:<16} {getattr(m, key) / GIB:>9.2f} GiB")
     for key in ("compute_s", "tp_comm_s", "ep_comm_s", "p2p_s", "bubble_s", "dp_exposed_s", "optimizer_s", "step_s"):
         print(f"  time   {key:<16} {getattr(t, key):>9.4f} s")

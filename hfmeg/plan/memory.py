@@ -16,6 +16,10 @@
   the micro-batches the schedule keeps in flight. In-flight counts come from the
   schedule's plan itself (`schedules.plan`), so GPipe, 1F1B's pp - r and the
   interleaved warm-up are exact by construction, uneven layer splits included.
+- LoRA/DoRA (`peft`): the meta chunk gets its adapters (`peft.adapters.attach`, which
+  freezes the base), so buffers, main grads and optimizer state count the adapters only,
+  and the frozen base is counted apart (`frozen_weights`, model dtype, no fp32 copy).
+  Activations are still full fine-tuning's count (not re-measured with adapters).
 - Transients the saved-tensor meter cannot see: one layer recomputed in backward,
   and the chunked cross-entropy's fp32 logits (forward and backward hold two
   `chunk_tokens x V/tp` buffers) plus a head-weight-sized gradient in the model
@@ -38,6 +42,8 @@ from ..parallel.buffers import bucket_parts, plan_buckets
 from ..parallel.layout import rank_chunks, split_layers
 from ..parallel.roles import named_roles
 from ..parallel.schedules import plan
+from ..peft.adapters import attach
+from ..peft.config import PeftConfig
 from .activations import Shape, chunk_bytes, received_input_bytes, recompute_transient_bytes
 from .layout import PlanLayout
 
@@ -59,11 +65,12 @@ class Memory:
     expert_padded: int = 0  # of `params`' padded elements, those in expert buckets (summed over expert-DP, not DP)
     expert_buckets: int = 0  # of `buckets`, the expert buckets
     tp_summed: int = 0  # owned gradient elements summed over TP after the DP sum (SP norms, MoE weights)
+    frozen_weights: int = 0  # bytes of parameters no optimizer holds (a LoRA run's base)
 
     @property
     def measurable(self) -> int:
-        """What the CPU check measures: saved-tensor meter peak + optimizer buffers and state."""
-        return self.param_buffer + self.grad_buffer + self.optimizer_state + self.activations
+        """What the CPU check measures: saved-tensor meter peak + optimizer buffers and state (+ a frozen base)."""
+        return self.param_buffer + self.grad_buffer + self.optimizer_state + self.activations + self.frozen_weights
 
     @property
     def total(self) -> int:
@@ -83,6 +90,7 @@ class _Elements:
     buckets: int
     expert_buckets: int
     tp_summed: int  # owned elements of sequence-parallel-role parameters (summed over TP when TP > 1)
+    frozen: int = 0  # elements that do not require grad (a LoRA run's base)
 
     def __add__(self, o: "_Elements") -> "_Elements":
         return _Elements(*(a + b for a, b in zip(asdict(self).values(), asdict(o).values())))
@@ -96,12 +104,13 @@ def _cfg_key(cfg: ModelConfig) -> str:
 
 
 def _chunk_elements(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool, post: bool,
-                    bucket_size: int) -> _Elements:
+                    bucket_size: int, peft: PeftConfig | None) -> _Elements:
     # Dense layers are alike, so the count depends on how many; MoE models mix dense and sparse layers.
     which = tuple(cfg.is_sparse(i) for i in layers) if cfg.moe else len(layers)
-    key = (_cfg_key(cfg), lay.tp, lay.sp, lay.ep, which, pre, post, lay.pp, _shards(lay), bucket_size)
+    key = (_cfg_key(cfg), lay.tp, lay.sp, lay.ep, which, pre, post, lay.pp, _shards(lay), bucket_size,
+           repr(peft) if peft is not None and peft.enabled else None)
     if key not in _ELEMENTS:
-        _ELEMENTS[key] = _count_chunk(cfg, lay, layers, pre, post, bucket_size)
+        _ELEMENTS[key] = _count_chunk(cfg, lay, layers, pre, post, bucket_size, peft)
     return _ELEMENTS[key]
 
 
@@ -113,14 +122,17 @@ def _shards(lay: PlanLayout) -> tuple[int, int | None]:
 
 
 def _count_chunk(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool, post: bool,
-                 bucket_size: int) -> _Elements:
+                 bucket_size: int, peft: PeftConfig | None) -> _Elements:
     # construction reads only these
     ps = SimpleNamespace(tp=lay.tp, tp_rank=0, sequence_parallel=lay.sp, ep=lay.ep, ep_rank=0, ep_group=None,
                          cp=1)  # the parameters are the same at any CP
     with torch.device("meta"):
         chunk = ModelChunk(cfg, ps, layers, pre_process=pre, post_process=post)
+        if peft is not None and peft.enabled:
+            attach(chunk, peft)
     named = [(n, p, r) for n, p, r in named_roles(chunk) if p.requires_grad][::-1]
-    total = _Elements(sum(p.numel() for _, p, _ in named), 0, 0, 0, 0, 0)
+    frozen = sum(p.numel() for p in chunk.parameters() if not p.requires_grad)
+    total = _Elements(sum(p.numel() for _, p, _ in named), 0, 0, 0, 0, 0, frozen)
     for part, shards, expert in bucket_parts(named, *_shards(lay)):
         buckets = plan_buckets(part, lay.pp, bucket_size, shards, 0, 0, expert)
         padded = sum(b.size for b in buckets)
@@ -155,7 +167,7 @@ def plan_shape(lay: PlanLayout, seq_len: int, dtype_bytes: int, dense_mask: bool
 
 
 def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: int, seq_len: int,
-                 dtype_bytes: int = 2, opt: OptimizerConfig | None = None) -> Memory:
+                 dtype_bytes: int = 2, opt: OptimizerConfig | None = None, peft: PeftConfig | None = None) -> Memory:
     opt = opt or OptimizerConfig(mode=lay.optimizer)
     shards, expert_shards = _shards(lay)
     shape = plan_shape(lay, seq_len, dtype_bytes)
@@ -163,7 +175,7 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
     el = _Elements(0, 0, 0, 0, 0, 0)
     per_chunk = []
     for s in specs:
-        el += _chunk_elements(cfg, lay, s.layers, s.pre_process, s.post_process, opt.bucket_size)
+        el += _chunk_elements(cfg, lay, s.layers, s.pre_process, s.post_process, opt.bucket_size, peft)
         held = chunk_bytes(cfg, shape, s.layers, s.pre_process, s.post_process)
         per_chunk.append(held + (0 if s.pre_process else received_input_bytes(cfg, shape)))
     activations = _in_flight_peak(lay, pp_rank, lay.microbatches(global_batch), per_chunk)
@@ -175,12 +187,12 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
     dense = el.padded - el.expert_padded
     state = 12 * (dense // shards + el.expert_padded // (expert_shards or shards))
     return Memory(pp_rank, el.params, dtype_bytes * el.padded, 4 * el.padded, state, activations, transient,
-                  el.buckets, el.expert_padded, el.expert_buckets, el.tp_summed)
+                  el.buckets, el.expert_padded, el.expert_buckets, el.tp_summed, dtype_bytes * el.frozen)
 
 
 def stage_memories(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,
-                   opt: OptimizerConfig | None = None) -> list[Memory]:
-    return [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt) for r in range(lay.pp)]
+                   opt: OptimizerConfig | None = None, peft: PeftConfig | None = None) -> list[Memory]:
+    return [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt, peft) for r in range(lay.pp)]
 
 
 def memory(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,

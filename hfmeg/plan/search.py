@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..errors import HfmegError, LayoutError
+from ..peft.config import PeftConfig
 from .hardware import ClusterSpec
 from .layout import PlanLayout, check_layout
 from .memory import Memory, stage_memories
@@ -52,12 +53,15 @@ class Job:
     dtype_bytes: int = 2
     attention: str = "flash"  # the attention kernels timed (step_time.ATTENTION_KERNELS): hfmeg's are flash
     grad_accumulation: bool = True  # the per-micro-batch pass into the main grads (step_time): hfmeg's runtime
+    # LoRA/DoRA: memory counts the adapters as trainable and the base as frozen (memory.py); the step time
+    # is still full fine-tuning's (an over-estimate: no base weight gradients are computed)
+    peft: PeftConfig | None = None
 
 
 def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
     """Memory and step time of one layout; LayoutError when it cannot run or does not fit."""
     check_layout(job.cfg, lay, job.cluster.gpus, job.global_batch, job.seq_len)
-    stages = stage_memories(job.cfg, lay, job.global_batch, job.seq_len, job.dtype_bytes)
+    stages = stage_memories(job.cfg, lay, job.global_batch, job.seq_len, job.dtype_bytes, peft=job.peft)
     mem = max(stages, key=lambda m: m.total)
     if mem.total > job.cluster.usable_memory:
         raise LayoutError(f"out of memory: needs {mem.total / GIB:.1f} GiB per GPU, "

@@ -69,9 +69,10 @@ STATE_FILE = "trainer_state.json"
 OPTIM_DIR = "optim"
 RNG_DIR = "rng"
 HF_SOURCE_DIR = "hf_source"
-# trainer_state.json: field -> type; `shared_layers` is absent from checkpoints older than layer sharing.
-STATE_FIELDS = {"step": int, "data": dict, "config": dict, "shared_layers": bool}
-STATE_OPTIONAL = {"shared_layers"}
+# trainer_state.json: field -> type; `shared_layers` is absent from checkpoints older than layer sharing,
+# `peft_base` (the base's path and sha256) from all but LoRA/DoRA runs'.
+STATE_FIELDS = {"step": int, "data": dict, "config": dict, "shared_layers": bool, "peft_base": dict}
+STATE_OPTIONAL = {"shared_layers", "peft_base"}
 # Temporary names of saves and exports (mp_save.staged_save, atomic.replace_dir / atomic_output_dir,
 # pin_hf_source, mp_layout.write_latest): what a run that died in the middle of writing leaves.
 STALE_PATTERNS = {"checkpoints": (".iter_*.tmp", ".iter_*.old-*", f".{LATEST_FILE}.tmp"),
@@ -197,15 +198,18 @@ class RunCheckpoints:
         replace_dir(tmp, self.hf_source)
 
     def save(self, step: int, chunks, ps, opt, trainer_state: dict[str, Any], *,
-             pp_layers: list[int] | None) -> Path:
-        """Collective: every rank calls it. Returns the checkpoint's iteration folder."""
+             pp_layers: list[int] | None, write_model: Callable = write_model_shard) -> Path:
+        """Collective: every rank calls it. Returns the checkpoint's iteration folder.
+
+        `write_model(chunks, ps, layout, folder)` writes the model's part (a LoRA run writes
+        its adapter shards instead, `peft_run.py`)."""
         # Checked on every rank (the folder is shared), so that all stop here rather than some in a barrier.
         if not (self.hf_source / "config.json").is_file():
             raise CheckpointError(f"{self.hf_source}: no config.json; it was copied at the start of the run and "
                                   "must stay while the run lasts")
         layout = chunks_layout(chunks, ps, step, pp_layers=pp_layers)
         with staged_save(layout, ps, self.root, self.hf_source, check=incomplete) as folder:
-            write_model_shard(chunks, ps, layout, folder)
+            write_model(chunks, ps, layout, folder)
             save_optimizer_state(opt, folder / OPTIM_DIR)
             (folder / RNG_DIR).mkdir(exist_ok=True)
             _rng_file(folder).write_text(json.dumps(rng_state(ps.device)))

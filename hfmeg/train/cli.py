@@ -44,6 +44,8 @@ FLAGS = {
     "--schedule": ("parallel.schedule", str, "gpipe | 1f1b | interleaved"),
     "--layout": ("parallel.layout", str, "manual | auto (the planner picks tp, pp, vpp, SP, schedule, micro-batch, "
                  "recompute)"),
+    "--peft": ("peft.method", str, "none | lora (train LoRA adapters on a frozen base; docs/peft.md)"),
+    "--peft-r": ("peft.r", int, "LoRA rank"),
     "--seq-len": ("data.seq_len", int, "tokens per packed row"),
     "--micro-batch-size": ("train.micro_batch_size", int, "rows per micro-batch"),
     "--global-batch-size": ("train.global_batch_size", int, "rows per optimizer step, all DP ranks"),
@@ -131,6 +133,7 @@ def fit_to_model(cfg: TrainConfig) -> None:
     vs the router's loss)."""
     from ..config import check_cp, check_ep, load_hf_config, model_config_from_hf
     from ..models.shared_layers import check_shareable
+    from ..peft.adapters import check_model
 
     if not torch.cuda.is_available() and cfg.model.compile:
         _say("model.compile: torch.compile kernels are for GPUs; running eagerly on CPU")
@@ -141,6 +144,8 @@ def fit_to_model(cfg: TrainConfig) -> None:
         return  # an MP checkpoint folder (the model's chunks check it), or an error the trainer reports in full
     check_ep(model_cfg, cfg.parallel.ep)
     check_cp(model_cfg, cfg.parallel.cp)
+    if cfg.peft.enabled:
+        check_model(model_cfg, cfg.peft)
     if cfg.train.shared_layers_until:
         check_shareable(model_cfg, cfg.parallel.pp)
     max_pos = model_cfg.max_positions

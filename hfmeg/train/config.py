@@ -24,6 +24,7 @@ from ..data.config import DataConfig
 from ..optim.config import OptimizerConfig
 from ..optim.lr_schedule import LRScheduleConfig
 from ..parallel.state import ParallelConfig
+from ..peft.config import PeftConfig
 from .dataclass_io import to_dict
 
 
@@ -117,6 +118,7 @@ class TrainConfig:
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr: LRScheduleConfig = field(default_factory=LRScheduleConfig)  # total_steps defaults to train.max_steps
     data: DataConfig = field(default_factory=DataConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)  # method none: full fine-tuning
     train: LoopArgs = field(default_factory=LoopArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     hub: HubArgs = field(default_factory=HubArgs)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,7 @@ from .auto_layout import LayoutReport, resolve_layout
 from .checkpointing import STATE_FILE, RunCheckpoints, load_trainer_state, read_trainer_state
 from .config import TrainConfig
 from .metrics import METRICS_FILE, MetricsLog, last_losses, read_metrics, tensorboard_available
+from .peft_run import PeftRun
 from .rng import seed_all
 from .run_lock import lock_run
 from .stop import GracefulStop, LauncherWatch
@@ -145,7 +147,10 @@ class Trainer:
         try:  # every rank reads its own part of the checkpoint; they agree before the next collective
             saved = read_trainer_state(self.resume_dir) if self.resume_dir is not None else {}
             self.step = saved.get("step", 0)
+            self.peft = PeftRun(cfg.peft, cfg.model.path, cfg.train.seed) if cfg.peft.enabled else None
             self.chunks, hf_side_dir = self._load_model(self.resume_dir)
+            if self.peft is not None:  # before the optimizer: only the adapters are trainable
+                self.peft.prepare(self.chunks, self.ps, self.resume_dir)
             if self.is_logger:
                 self.checkpoints.pin_hf_source(hf_side_dir)
         except HfmegError as e:
@@ -153,6 +158,12 @@ class Trainer:
         except OSError as e:  # e.g. a full disk under pin_hf_source
             error = CheckpointError(f"{e.filename or self.out}: {e.strerror or e}")
         agree(error, self.ps.device)
+        if self.peft is not None:
+            try:  # a collective: rank 0 fingerprints the base for every rank
+                self.peft_base = self.peft.base_reference(self.ps, saved.get("peft_base") if saved else None)
+            except HfmegError as e:
+                error = e
+            agree(error, self.ps.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(hf_side_dir))
         self.opt = DistributedOptimizer(self.chunks, self.ps, cfg.optim)
         loop = cfg.train
@@ -183,7 +194,8 @@ class Trainer:
         """This rank's chunks, from `checkpoint` (an iteration folder) or the configured model, with
         shared layers while `shared`; and the folder of the HF side files (config, tokenizer)."""
         m = self.cfg.model
-        source = checkpoint
+        # A LoRA checkpoint holds adapters, not the frozen base: that is read from model.path (PeftRun.prepare).
+        source = checkpoint if self.cfg.peft.method == "none" else None
         if source is None and is_mp_folder(Path(m.path)):
             source = Path(m.path)
         if source is not None:
@@ -338,8 +350,12 @@ class Trainer:
 
     def save(self) -> Path:
         state = {"data": self.data.state_dict(), "config": self.cfg.to_dict(), "shared_layers": self.layers_shared}
+        writer = {}
+        if self.peft is not None:
+            state["peft_base"] = self.peft_base
+            writer = {"write_model": partial(self.peft.write_shard, base=self.peft_base)}
         folder = self.checkpoints.save(self.step, self.chunks, self.ps, self.opt, state,
-                                       pp_layers=self.cfg.parallel.pp_layers)
+                                       pp_layers=self.cfg.parallel.pp_layers, **writer)
         self.last_save = (self.step, folder)
         return folder
 
@@ -360,16 +376,21 @@ class Trainer:
         return self.out / "hf" if done and (self.out / "hf" / "config.json").is_file() else None
 
     def export(self, checkpoint: Path | None) -> Path | None:
-        """Rank 0 alone: convert the final checkpoint to `<out>/hf`, write the model card, push if asked.
+        """Rank 0 alone: convert the final checkpoint to `<out>/hf` (a LoRA run: also `<out>/adapter`), write
+        the model cards, push if asked (a LoRA run pushes its adapter).
 
         No collective may follow the final checkpoint (see the module docstring). Last, the
         export record names the step (and the Hub repo) it finished for: a run that dies before
         it is exported again by the next run on this `<out>` (`_unexported_final`)."""
         if checkpoint is None:
             return None
-        hf = self.out / "hf"
+        hf, adapter = self.out / "hf", None
         (self.out / EXPORT_RECORD).unlink(missing_ok=True)
-        mp_to_hf(checkpoint, hf, overwrite=True)
+        if self.peft is not None:
+            adapter, hf = self.peft.export(checkpoint, self.out)
+            print(f"LoRA adapter (PEFT format): {adapter}; merged model: {hf}")
+        else:
+            mp_to_hf(checkpoint, hf, overwrite=True)
         logged = read_metrics(self.out / METRICS_FILE)
         rows = [r for r in logged if "loss" in r]
         final = {k: rows[-1][k] for k in ("step", "loss", "grad_norm", "tokens_per_s")} if rows else {}
@@ -378,11 +399,13 @@ class Trainer:
             final["eval_loss"] = evals[-1]["eval_loss"]
         final["skipped_steps"] = self.opt.skipped_steps
         m = self.cfg.model
-        write_model_card(hf, base_model=m.source, data=[s.path for s in self.cfg.data.sources],
-                         config=self.cfg.to_dict(), metrics=final, repo_id=self.cfg.hub.push_to_hub,
-                         from_scratch=m.init == "random")
+        card = dict(base_model=m.source, data=[s.path for s in self.cfg.data.sources], config=self.cfg.to_dict(),
+                    metrics=final, repo_id=self.cfg.hub.push_to_hub)
+        write_model_card(hf, **card, from_scratch=m.init == "random")
+        if adapter is not None:  # a LoRA run publishes its adapter, which names the base it loads onto
+            write_model_card(adapter, **card, adapter=True)
         if self.cfg.hub.push_to_hub:
-            url = push_to_hub(hf, self.cfg.hub.push_to_hub, private=self.cfg.hub.private)
+            url = push_to_hub(adapter or hf, self.cfg.hub.push_to_hub, private=self.cfg.hub.private)
             print(f"pushed to {url}")
         record = {"step": self.step, "pushed_to": self.cfg.hub.push_to_hub}
         write_text_atomic(self.out / EXPORT_RECORD, json.dumps(record))

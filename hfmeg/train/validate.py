@@ -195,6 +195,21 @@ def _hub(cfg: TrainConfig) -> None:
                           "before training (the upload happens at the end of the run)")
 
 
+def _peft(cfg: TrainConfig) -> None:
+    """LoRA's own fields (`PeftConfig.check`), and what it is not combined with yet."""
+    p = cfg.peft
+    p.check()
+    if not p.enabled:
+        return
+    if cfg.model.init == "random":
+        raise ConfigError("peft.method: adapters train on a pretrained base; model.init is random")
+    if is_mp_folder(Path(cfg.model.path)):
+        raise ConfigError(f"peft.method: model.path {cfg.model.path} is an hfmeg shard folder; LoRA runs read the "
+                          "HF base (folder or Hub id), which the exported adapter names as its base")
+    if cfg.train.shared_layers_until:
+        raise ConfigError("peft.method: train.shared_layers_until is for pretraining; set it to 0 with LoRA")
+
+
 def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collection[str] = ()) -> list[str]:
     """Raise `ConfigError` at the first invalid setting; return warnings (one line each).
 
@@ -209,6 +224,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collec
                               "--layout auto")
         _layout(cfg, world)
     _init(cfg)
+    _peft(cfg)
     _eval(cfg)
     _resume(cfg)
     _out(cfg)

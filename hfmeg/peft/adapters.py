@@ -1,0 +1,318 @@
+"""LoRA adapters on the tensor-parallel layers, and the table that names their tensors in PEFT's format.
+
+For a base layer `y = W x`, LoRA adds `scale * B A dropout(x)` with `A` `[r, in]`,
+`B` `[out, r]` trained and `W` frozen; DoRA also trains a magnitude per output feature
+(`LoraAdapter`). On the TP layers (the consensus layout):
+
+- column-parallel base (`W` split along the output): `A` is whole on every TP rank and
+  `B` is split along the output like `W`, so each rank adds its own output features
+  and nothing is communicated. `A`'s gradient is `sum_out B^T g x^T` over this rank's
+  outputs only, a partial sum, so its role is `sequence_parallel` (summed over TP by
+  the gradient machinery, `parallel/roles.py`).
+- row-parallel base (`W` split along the input): `A` is split along the input like
+  `W`, and `B` is whole. `B (A_r x_r)` is this rank's partial output, added to the
+  base's partial output before the one reduction that sums both (`parallel/layers.py`);
+  `B`'s gradient sees only `A_r x_r`, so it is partial too (`sequence_parallel`).
+
+Megatron fuses HF projections into one base (QKV per KV group, gate/up); each HF
+projection keeps an adapter of its own (`q_proj`, `k_proj`, `v_proj`; `gate_proj`,
+`up_proj`), so an export gives each of them exactly its A and B. The fused output is
+rebuilt in the base's local order: per KV group `[q heads; k; v]`, `[gate; up]`, with
+zeros for a projection not targeted.
+
+Every adapter tensor is one HF tensor (`AdapterTensor.hf`, PEFT's key) sliced by one
+kind: `rows` (dim 0 over TP), `cols` (dim 1 over TP) or `replicated`. A fresh `A` is
+drawn as `peft` draws it (Kaiming-uniform, a = sqrt(5)) in its full HF shape from a
+generator seeded by the run seed and the tensor's name, then sliced, so every layout
+starts from the same adapter; `B` starts at zero, so the model starts as the base.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import CheckpointError, UnsupportedConfigError
+from ..models.decoder import ModelChunk
+from ..parallel.roles import ParamRole, add_param
+from ..parallel.state import ParallelState
+from .config import SAVABLE, PeftConfig
+
+PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One HF projection inside a base layer: its name, HF module path and full output size."""
+    name: str
+    module: str  # HF module path, e.g. model.layers.3.self_attn.q_proj
+    out_features: int
+
+
+@dataclass(frozen=True)
+class AdapterTensor:
+    local: str  # the chunk's parameter name
+    hf: str  # PEFT's key in adapter_model.safetensors
+    kind: str  # rows | cols | replicated | vocab (rows padded to the chunk's vocabulary, then split)
+    vocab: int | None = None  # the unpadded rows of a `vocab` tensor
+
+
+class InputDropout(nn.Module):
+    """Dropout on an adapter's input whose mask does not depend on the TP layout.
+
+    The mask is drawn for the full input features from the rank's generator (the same
+    state on every TP rank: the trainer seeds them alike) and, for a row-parallel base
+    whose input is split, this rank's columns of it are used. So every TP rank of a
+    column-parallel base drops the same elements, a row-parallel base's shards drop
+    disjoint parts of one full mask, and a TP2 run draws exactly the masks a TP1 run
+    does, like `peft`'s one `nn.Dropout` over the whole input."""
+
+    def __init__(self, p: float, tp: int, tp_rank: int, split_input: bool):
+        super().__init__()
+        self.p, self.parts, self.part = p, (tp if split_input else 1), (tp_rank if split_input else 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        full = x.new_empty(*x.shape[:-1], x.shape[-1] * self.parts).bernoulli_(1 - self.p)
+        return x * full.chunk(self.parts, dim=-1)[self.part] / (1 - self.p)
+
+
+class LoraPair(nn.Module):
+    """A and B of one HF projection (and DoRA's magnitude), sliced for this TP rank as the module docstring says."""
+
+    def __init__(self, in_local: int, out_local: int, out_full: int, r: int, column: bool, cfg: PeftConfig,
+                 ps: ParallelState):
+        super().__init__()
+        partial = ParamRole("weight", sequence_parallel=True, adapter=True)
+        split = {"A": ParamRole("weight", tp_dim=1, adapter=True), "B": ParamRole("weight", tp_dim=0, adapter=True)}
+        add_param(self, "lora_A", r, in_local, role=partial if column else split["A"])
+        add_param(self, "lora_B", out_local, r, role=split["B"] if column else partial)
+        if cfg.method == "dora":  # one magnitude per output feature: split like B's rows, or whole and partial
+            add_param(self, "lora_magnitude_vector", out_local if column else out_full,
+                      role=ParamRole("weight", tp_dim=0, adapter=True) if column else partial)
+        self.dropout = InputDropout(cfg.dropout, ps.tp, ps.tp_rank, not column) if cfg.dropout > 0 else nn.Identity()
+
+    @property
+    def dora(self) -> bool:
+        return hasattr(self, "lora_magnitude_vector")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B A dropout(x), dropout(x))."""
+        dropped = self.dropout(x)
+        return F.linear(F.linear(dropped, self.lora_A), self.lora_B), dropped
+
+
+def _row_norm(w: torch.Tensor, column: bool, ps: ParallelState) -> torch.Tensor:
+    """The norm of each output row of the full matrix whose local slice is `w` (a row-parallel slice
+    holds only some columns of each row: the squared partial norms are summed over TP)."""
+    sq = w.float().square().sum(dim=1)
+    if not column and ps.tp > 1:
+        dist.all_reduce(sq, group=ps.tp_group)
+    return sq.sqrt().to(w.dtype)
+
+
+class LoraAdapter(nn.Module):
+    """The LoRA (or DoRA) update of one TP base layer: one `LoraPair` per targeted HF projection fused in it.
+
+    `groups`: how many blocks the base's local output interleaves its projections in
+    (the local KV groups for QKV, 1 for gate/up or a single projection).
+
+    DoRA (as `peft` computes it): with `n` the row norms of `W + scale B A` (no gradient:
+    the DoRA paper's section 4.3) and `m` the trained magnitude, the output is
+    `(m / n) (W x + scale B A x)`, added to the base's `W x` as
+    `(m / n - 1) W x + (m / n) scale B A x`. Under TP a column-parallel base holds whole
+    rows, so its `n` is local; a row-parallel base holds a slice of every row, so its
+    squared row norms are summed over TP (`_row_norm`). Every term is linear in the
+    rank's partial `W x` and `B A x`, so the base's one reduction still sums them.
+    """
+
+    def __init__(self, projections: list[Projection], targeted: set[str], in_local: int, column: bool,
+                 groups: int, cfg: PeftConfig, ps: ParallelState):
+        super().__init__()
+        self.groups, self.scale, self.column, self.ps = groups, cfg.scale, column, ps
+        self.widths = [(p.name, p.out_features // ps.tp if column else p.out_features) for p in projections]
+        for p, (_, out_local) in zip(projections, self.widths):
+            if p.name in targeted:
+                self.add_module(p.name, LoraPair(in_local, out_local, p.out_features, cfg.r, column, cfg, ps))
+
+    def _blocks(self, t: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        """Each projection's part of the fused output features of `t` along `dim`, in `widths` order."""
+        per_group = [w // self.groups for _, w in self.widths]
+        parts = t.unflatten(dim, (self.groups, -1)).split(per_group, dim=dim + 1)
+        return [part.flatten(dim, dim + 1) for part in parts]
+
+    @torch.no_grad()
+    def _norm(self, pair: LoraPair, w_p: torch.Tensor) -> torch.Tensor:
+        """DoRA's `n`: the full row norms of `W + scale B A` for one projection (no gradient)."""
+        return _row_norm(w_p + self.scale * (pair.lora_B @ pair.lora_A), self.column, self.ps)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ys, ws = self._blocks(y, y.dim() - 1), self._blocks(weight, 0)
+        out = []
+        for (name, width), y_p, w_p in zip(self.widths, ys, ws):
+            pair = getattr(self, name, None)
+            if pair is None:
+                out.append(x.new_zeros(*x.shape[:-1], width))
+                continue
+            lora, dropped = pair(x)
+            if not pair.dora:
+                out.append(lora * self.scale)
+                continue
+            ratio = pair.lora_magnitude_vector / self._norm(pair, w_p)
+            if dropped is not x:  # the base term sees the dropped-out input too, as in peft
+                y_p = F.linear(dropped, w_p)
+            out.append((ratio - 1) * y_p + ratio * lora * self.scale)
+        if len(out) == 1:
+            return out[0]
+        return torch.cat([t.unflatten(-1, (self.groups, -1)) for t in out], dim=-1).flatten(-2)
+
+    @torch.no_grad()
+    def reset_magnitudes(self, weight: torch.Tensor) -> None:
+        """DoRA's initial magnitude: the row norms of `W + scale B A` (the update starts as plain LoRA's)."""
+        for (name, _), w_p in zip(self.widths, self._blocks(weight, 0)):
+            pair = getattr(self, name, None)
+            if pair is not None and pair.dora:
+                pair.lora_magnitude_vector.copy_(self._norm(pair, w_p))
+
+
+@dataclass(frozen=True)
+class _Base:
+    """A base layer of a decoder layer that can carry an adapter."""
+    local: str  # module path in the chunk, e.g. layers.3.attn.qkv
+    projections: list[Projection]
+    column: bool
+    groups: int  # local output blocks (see LoraAdapter)
+
+
+def _bases(chunk: ModelChunk) -> list[_Base]:
+    cfg, tp = chunk.cfg, chunk.ps.tp
+    q, kv, h, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.ffn_size
+    out = []
+    for i in chunk.layer_ids:
+        a, m, L = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
+        out += [_Base(L + "attn.qkv", [Projection("q_proj", a + "q_proj", q), Projection("k_proj", a + "k_proj", kv),
+                                      Projection("v_proj", a + "v_proj", kv)], True, cfg.num_kv_heads // tp),
+                _Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1),
+                _Base(L + "mlp.fc1", [Projection("gate_proj", m + "gate_proj", f),
+                                      Projection("up_proj", m + "up_proj", f)], True, 1),
+                _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
+    return out
+
+
+def check_model(chunk_cfg, cfg: PeftConfig) -> None:
+    """Refuse, naming the field, a model LoRA is not built for here (before any weight is read)."""
+    if chunk_cfg.arch != "llama" or not chunk_cfg.gated_mlp:
+        raise UnsupportedConfigError(f"peft.method: {cfg.method} is built for LLaMA-family models (fused QKV, "
+                                     f"gate/up); this is a {chunk_cfg.model_type} model")
+    if "lm_head" in cfg.modules_to_save and chunk_cfg.tie_embeddings:
+        raise UnsupportedConfigError("peft.modules_to_save: lm_head is tied to embed_tokens in this model; "
+                                     "name embed_tokens alone")
+    if chunk_cfg.moe is not None:
+        raise UnsupportedConfigError(f"peft.method: {cfg.method} on MoE models ({chunk_cfg.model_type}) is not "
+                                     "built yet (per-expert adapters under EP)")
+
+
+def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
+    """Freeze `chunk`'s base and give every targeted base layer its (uninitialised) adapter.
+
+    Call it after the base weights are loaded and before the data-parallel wrapper and the
+    optimizer are built, so they see only the adapters as trainable."""
+    check_model(chunk.cfg, cfg)
+    for p in chunk.parameters():
+        p.requires_grad_(False)
+    params = dict(chunk.named_parameters())
+    for module in cfg.modules_to_save:
+        if SAVABLE[module] in params:
+            params[SAVABLE[module]].requires_grad_(True)
+    targeted = set(cfg.targets())
+    weight = next(chunk.parameters())
+    for base in _bases(chunk):
+        if not targeted & {p.name for p in base.projections}:
+            continue
+        layer = chunk.get_submodule(base.local)
+        adapter = LoraAdapter(base.projections, targeted, layer.weight.shape[1], base.column, base.groups, cfg,
+                              chunk.ps)
+        layer.adapter = adapter.to(device=weight.device, dtype=weight.dtype)
+
+
+def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
+    """Every adapter tensor of `chunk` (and every `modules_to_save` one): its parameter name, PEFT key
+    and split kind."""
+    params = dict(chunk.named_parameters())
+    out = [AdapterTensor(local, f"{PEFT_PREFIX}{'model.' if hf == 'embed_tokens' else ''}{hf}.weight", "vocab",
+                         chunk.cfg.vocab_size)
+           for hf, local in SAVABLE.items() if local in params and params[local].requires_grad]
+    for base in _bases(chunk):
+        adapter = chunk.get_submodule(base.local).adapter
+        for p in base.projections:
+            if adapter is None or not hasattr(adapter, p.name):
+                continue
+            local = f"{base.local}.adapter.{p.name}."
+            hf = f"{PEFT_PREFIX}{p.module}."
+            out += [AdapterTensor(local + "lora_A", hf + "lora_A.weight", "replicated" if base.column else "cols"),
+                    AdapterTensor(local + "lora_B", hf + "lora_B.weight", "rows" if base.column else "replicated")]
+            if getattr(adapter, p.name).dora:
+                out.append(AdapterTensor(local + "lora_magnitude_vector", hf + "lora_magnitude_vector",
+                                         "rows" if base.column else "replicated"))
+    return out
+
+
+def slice_for_rank(t: torch.Tensor, kind: str, ps: ParallelState, local_rows: int | None = None) -> torch.Tensor:
+    """This TP rank's slice of the full HF adapter tensor `t` (`vocab`: padded to `local_rows` per rank)."""
+    if kind == "replicated":
+        return t
+    if kind == "vocab":
+        padded = t.new_zeros(local_rows * ps.tp, *t.shape[1:])
+        padded[: t.shape[0]] = t
+        t, kind = padded, "rows"
+    return t.chunk(ps.tp, dim=0 if kind == "rows" else 1)[ps.tp_rank].contiguous()
+
+
+def join_slices(slices: list[torch.Tensor], kind: str, vocab: int | None = None) -> torch.Tensor:
+    """The full HF adapter tensor from all TP ranks' slices (in TP-rank order; `vocab`: padding removed)."""
+    if kind == "replicated":
+        return slices[0]
+    if kind == "vocab":
+        return torch.cat(slices, dim=0)[:vocab]
+    return torch.cat(slices, dim=0 if kind == "rows" else 1)
+
+
+def fresh_a(name: str, r: int, in_features: int, seed: int) -> torch.Tensor:
+    """A new full `A` `[r, in]`: peft's Kaiming-uniform (a = sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)),
+    drawn from a generator of the run seed and the tensor's name (the same on every layout)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    bound = 1.0 / math.sqrt(in_features)
+    return torch.empty(r, in_features).uniform_(-bound, bound, generator=g)
+
+
+@torch.no_grad()
+def initialise(chunk: ModelChunk, cfg: PeftConfig, seed: int, hf_tensors=None) -> None:
+    """Fill the adapters of `chunk`: from `hf_tensors` (PEFT key -> full tensor, e.g. an adapter folder
+    `init_from` names) or fresh (`fresh_a`, B = 0, DoRA's magnitude the row norms of `W + scale B A`)."""
+    params = dict(chunk.named_parameters())
+    for t in adapter_tensors(chunk):
+        p = params[t.local]
+        if hf_tensors is not None:
+            if t.hf not in hf_tensors:
+                raise CheckpointError(f"adapter has no tensor {t.hf}; adapters on only some layers are not "
+                                      "supported (peft.init_from)")
+            p.copy_(slice_for_rank(hf_tensors[t.hf], t.kind, chunk.ps, p.shape[0]))
+        elif t.kind == "vocab":
+            continue  # a module trained in full starts from the base's weights
+        elif t.local.endswith("lora_A"):
+            in_full = p.shape[1] * (chunk.ps.tp if t.kind == "cols" else 1)
+            p.copy_(slice_for_rank(fresh_a(t.hf, cfg.r, in_full, seed), t.kind, chunk.ps))
+        else:
+            p.zero_()
+    if hf_tensors is None and cfg.method == "dora":
+        for base in _bases(chunk):
+            layer = chunk.get_submodule(base.local)
+            if layer.adapter is not None:
+                layer.adapter.reset_magnitudes(layer.weight)

@@ -1,0 +1,79 @@
+"""`PeftConfig`: the `peft.*` section of a run, in `peft`'s own vocabulary.
+
+The fields mean what `peft.LoraConfig`'s fields of the same name mean, so a run's
+section and the exported `adapter_config.json` say the same thing:
+
+- `method`: `none` (full fine-tuning), `lora`, or `dora` (weight-decomposed LoRA: a trained
+  magnitude per output feature, `use_dora` in peft).
+- `r`, `alpha`: the rank and the scale numerator; the update is `(alpha / r) B A x`, or
+  `(alpha / sqrt(r)) B A x` with `use_rslora` (rank-stabilised LoRA).
+- `dropout`: applied to the adapter's input only, as `peft` does.
+- `target_modules`: HF projection names (`q_proj ... down_proj`), or `all-linear`
+  (every projection of the decoder layers; never `lm_head`, as in `peft`).
+- `modules_to_save`: base modules trained in full beside the adapters (`embed_tokens`,
+  `lm_head`), saved whole in the adapter file as `peft` does.
+- `init_from`: a PEFT adapter folder to start from (its A and B), e.g. one `peft` made.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import UnsupportedConfigError
+
+# What `all-linear` stands for in a LLaMA-family decoder layer (peft excludes the output layer).
+LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = "all-linear"
+# Base modules `modules_to_save` can train in full beside the adapters: HF name -> the chunk's parameter.
+SAVABLE = {"embed_tokens": "embed.weight", "lm_head": "lm_head.weight"}
+
+
+@dataclass
+class PeftConfig:
+    method: Literal["none", "lora", "dora"] = "none"
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    use_rslora: bool = False
+    modules_to_save: list[str] = field(default_factory=list)
+    init_from: str = ""  # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def scale(self) -> float:
+        """What B A x is multiplied by (peft's `scaling`)."""
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+    def targets(self) -> tuple[str, ...]:
+        """The targeted HF projection names, `all-linear` expanded, in the decoder's order."""
+        wanted = set(self.target_modules)
+        if ALL_LINEAR in wanted:
+            return LLAMA_PROJECTIONS
+        return tuple(p for p in LLAMA_PROJECTIONS if p in wanted)
+
+    def check(self) -> None:
+        """Refuse, naming the field, what cannot be run (the model-dependent checks are in `adapters.attach`)."""
+        if not self.enabled:
+            return
+        if not (isinstance(self.r, int) and self.r >= 1):
+            raise UnsupportedConfigError(f"peft.r: must be an integer >= 1, got {self.r!r}")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            raise UnsupportedConfigError(f"peft.alpha: must be a finite number > 0, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise UnsupportedConfigError(f"peft.dropout: must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules:
+            raise UnsupportedConfigError("peft.target_modules: empty; name HF projections (q_proj ...) or all-linear")
+        unknown = sorted(set(self.target_modules) - set(LLAMA_PROJECTIONS) - {ALL_LINEAR})
+        if unknown:
+            raise UnsupportedConfigError(f"peft.target_modules: {unknown} match no adapted projection; the "
+                                         f"targets are {list(LLAMA_PROJECTIONS)} or {ALL_LINEAR}")
+        other = sorted(set(self.modules_to_save) - set(SAVABLE))
+        if other:
+            raise UnsupportedConfigError(f"peft.modules_to_save: {other} cannot be trained in full here; the "
+                                         f"modules are {list(SAVABLE)}")

@@ -1,0 +1,85 @@
+"""A LoRA run's side of the trainer: adapters on the loaded base, their checkpoints and their export.
+
+- Start: the base is loaded from `model.path` as for full fine-tuning, then every chunk
+  is frozen and gets its adapters (`peft/adapters.py`) before the optimizer is built,
+  so only adapters get main grads, fp32 masters and Adam moments. They start from the
+  resumed checkpoint's shards, else from `peft.init_from` (a PEFT adapter folder, whose
+  method (LoRA or DoRA), r, alpha, targets, rslora and modules_to_save then rule), else fresh (A drawn from `train.seed`, B = 0).
+- Checkpoints hold each rank's adapter shard in place of its model shard, and (in
+  `adapter.json` and the trainer state) the base's reference: `model.path` and the sha256 of its weight files
+  (`base_fingerprint`, computed by rank 0). A resume against a base whose hash changed
+  is refused in one line on every rank.
+- Export (rank 0, end of run): `<out>/adapter` is the PEFT adapter folder, `<out>/hf` the
+  base with the adapters merged in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..checkpoint.hub_source import resolve_hf_source
+from ..checkpoint.load import check_layout
+from ..checkpoint.mp_layout import MPLayout
+from ..errors import CheckpointError
+from ..peft.adapter_files import (
+    base_fingerprint,
+    read_adapter_shard,
+    read_peft_folder,
+    write_adapter_shard,
+)
+from ..peft.adapters import attach, initialise
+from ..peft.config import PeftConfig
+from ..peft.export import export_checkpoint, write_info
+
+ADAPTER_DIR = "adapter"
+
+
+class PeftRun:
+    def __init__(self, cfg: PeftConfig, base: str, seed: int):
+        self.base, self.seed = base, seed
+        self.init_tensors = None
+        if cfg.init_from:
+            folder_cfg, self.init_tensors = read_peft_folder(resolve_hf_source(cfg.init_from, weights=False))
+            cfg = replace(cfg, method=folder_cfg.method, r=folder_cfg.r, alpha=folder_cfg.alpha,
+                          target_modules=folder_cfg.target_modules, use_rslora=folder_cfg.use_rslora,
+                          modules_to_save=folder_cfg.modules_to_save)
+        self.cfg = cfg
+
+    def prepare(self, chunks, ps, resume: Path | None) -> None:
+        """Freeze `chunks`, attach their adapters and fill them (see the module docstring)."""
+        for chunk in chunks:
+            attach(chunk, self.cfg)
+            initialise(chunk, self.cfg, self.seed, None if resume is not None else self.init_tensors)
+        if resume is not None:
+            layout = MPLayout.read(resume)
+            check_layout(layout, ps, resume)
+            read_adapter_shard(chunks, resume / layout.rank_dir(ps.tp_rank, ps.pp_rank))
+
+    def base_reference(self, ps, saved: dict | None) -> dict:
+        """The base's reference for the trainer state; refuses (on every rank) a base that changed since `saved`."""
+        ref = [None]
+        if ps.rank == 0:
+            folder = resolve_hf_source(self.base)
+            ref[0] = {"path": self.base, "sha256": base_fingerprint(folder)}
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(ref, src=0)
+        if saved is not None and saved.get("sha256") != ref[0]["sha256"]:
+            raise CheckpointError(f"model.path {self.base}: its weights differ from the base the checkpoint's "
+                                  f"adapters were trained on (sha256 {ref[0]['sha256'][:12]}… vs "
+                                  f"{str(saved.get('sha256'))[:12]}…); resume with that base")
+        return ref[0]
+
+    def write_shard(self, chunks, ps, layout, folder: Path, base: dict) -> None:
+        """A training checkpoint's model part: this rank's adapter shard, and (rank 0) `adapter.json`."""
+        write_adapter_shard(chunks, ps, folder / layout.rank_dir(ps.tp_rank, ps.pp_rank))
+        if ps.rank == 0:
+            write_info(folder, self.cfg, base)
+
+    @staticmethod
+    def export(checkpoint: Path, out: Path) -> tuple[Path, Path]:
+        """Rank 0: `<out>/adapter` (PEFT folder) and `<out>/hf` (merged), from the checkpoint's shards."""
+        merged = out / "hf"
+        return export_checkpoint(checkpoint, out / ADAPTER_DIR, merged=merged, overwrite=True), merged

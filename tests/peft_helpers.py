@@ -1,0 +1,93 @@
+"""What the LoRA tests share: a tiny base with a `peft`-made adapter, and hfmeg chunks carrying it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from tiny_models import save_tiny
+from transformers import AutoModelForCausalLM
+
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
+from hfmeg.peft.adapter_files import read_peft_folder
+from hfmeg.peft.adapters import adapter_tensors, attach, initialise, join_slices
+
+
+def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = False, dora: bool = False,
+                          targets="all-linear", modules_to_save: list[str] | None = None,
+                          seed: int = 0) -> tuple[Path, Path]:
+    """A tiny random base (transformers' save_pretrained) and a LoRA (or DoRA) adapter `peft` made for it
+    with `init_lora_weights=False`: A and B both random, so every adapter gradient is non-zero. DoRA's
+    magnitudes are then scaled by random factors in [0.5, 1.5), so that they differ from the row norms
+    they start at and the magnitude's effect is tested too."""
+    base = root / f"{kind}_base"
+    if not base.is_dir():
+        save_tiny(kind, base, seed=seed)
+    torch.manual_seed(seed + 1)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
+                     use_dora=dora, init_lora_weights=False, task_type="CAUSAL_LM", modules_to_save=modules_to_save)
+    tags = (("_rs", rslora), ("_dora", dora), ("_save", modules_to_save))
+    adapter = root / f"{kind}_adapter{''.join(tag for tag, on in tags if on)}"
+    get_peft_model(model, cfg).save_pretrained(adapter)
+    if dora:
+        path = adapter / "adapter_model.safetensors"
+        tensors = load_file(str(path))
+        g = torch.Generator().manual_seed(seed + 2)
+        for k, v in tensors.items():
+            if k.endswith("lora_magnitude_vector"):
+                tensors[k] = v * (0.5 + torch.rand(v.shape, generator=g))
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return base, adapter
+
+
+def peft_reference(base: Path, adapter: Path, trainable: bool = True):
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="sdpa")
+    return PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
+
+
+def peft_adapter_grads(model) -> dict[str, torch.Tensor]:
+    """The reference's adapter gradients under PEFT's file keys (adapter name dropped)."""
+    names = {".default": "", "lora_magnitude_vector.weight": "lora_magnitude_vector", ".modules_to_save": ""}
+    out = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            for old, new in names.items():
+                n = n.replace(old, new)
+            out[n] = p.grad
+    return out
+
+
+def hfmeg_chunks(base: Path, adapter: Path, ps, dropout: float = 0.0, **options):
+    """This rank's chunks of `base` with the adapter `peft` wrote in `adapter` on them."""
+    cfg, tensors = read_peft_folder(adapter)
+    cfg = replace(cfg, dropout=dropout)
+    chunks = load_chunks(HFCheckpoint(base), ps, **options)
+    for chunk in chunks:
+        attach(chunk, cfg)
+        initialise(chunk, cfg, seed=0, hf_tensors=tensors)
+    return chunks, cfg
+
+
+def full_adapter_grads(chunks, ps) -> dict[str, torch.Tensor]:
+    """This rank's stage's adapter gradients as full PEFT-keyed tensors (gathered over TP)."""
+    out = {}
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        for t in adapter_tensors(chunk):
+            g = params[t.local].grad.contiguous()
+            parts = [torch.empty_like(g) for _ in range(ps.tp)] if ps.tp > 1 else [g]
+            if ps.tp > 1:
+                dist.all_gather(parts, g, group=ps.tp_group)
+            out[t.hf] = join_slices(parts, t.kind, t.vocab)
+    return out
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to max |b| (the tests' gradient measure)."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()

@@ -1,0 +1,30 @@
+"""tools/bench_peft.py at tiny size on gloo: the output contract and the byte counts it must give
+(timings are reported, never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def test_bench_peft_reports_both_modes():
+    out = subprocess.run([sys.executable, str(TOOLS / "bench_peft.py"), "--world", "2", "--tp", "2", "--hidden", "128",
+                          "--layers", "2", "--seq", "16", "--vocab", "256", "--r", "4", "--steps", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    full, lora = r["by_mode"]["full"], r["by_mode"]["lora"]
+    # Per TP rank, r = 4, h = 128 (2 heads, 2 KV heads, 64 wide), ffn 320, 2 layers; column bases: A whole,
+    # B halved; row bases: A halved, B whole.
+    h, f, q = 128, 320, 128
+    per_layer = 4 * ((h + q // 2) + 2 * (h + q // 2) + (q // 2 + h) + 2 * (h + f // 2) + (f // 2 + h))
+    assert lora["trainable_params"] == 2 * per_layer
+    for row in (full, lora):  # fp32 master + two moments, one DP rank: 12 bytes per trainable element
+        assert row["opt_state_bytes"] == 12 * row["trainable_params"]
+        assert row["tokens_per_s"] > 0 and row["peak_rss_bytes"] > 0
+    assert full["trainable_params"] * 2 >= r["params"]  # full: every weight (TP halves most of them)
+    assert r["lora_vs_full_tokens_per_s"] == lora["tokens_per_s"] / full["tokens_per_s"]

@@ -1,0 +1,118 @@
+"""The planner's LoRA memory (`hfmeg plan --peft lora`) against what a LoRA run allocates on gloo ranks.
+
+Real chunks of a tiny LLaMA get their adapters and the distributed optimizer, as the
+trainer builds them; the planner counts the same rank on meta tensors. Buffers, main
+grads, optimizer state and the frozen base must agree to the byte (both come from the
+same layers and bucket planner, so any difference is a counting error). Activations are
+not compared: the planner keeps full fine-tuning's count for them (docs/peft.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from helpers import make_ps, stories_or_skip
+from tiny_models import ASSETS, save_tiny
+
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
+from hfmeg.errors import LayoutError
+from hfmeg.optim.config import OptimizerConfig
+from hfmeg.optim.distributed_optimizer import DistributedOptimizer
+from hfmeg.parallel.launch import spawn
+from hfmeg.peft.adapters import attach, initialise
+from hfmeg.peft.config import PeftConfig
+from hfmeg.plan.cli import main
+from hfmeg.plan.hardware import ClusterSpec, gpu_spec
+from hfmeg.plan.layout import PlanLayout
+from hfmeg.plan.memory import stage_memory
+from hfmeg.plan.models import resolve_model
+from hfmeg.plan.profile import default_profile
+from hfmeg.plan.search import Job, best_layout
+from hfmeg.train import cli
+
+ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
+SFT = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "sft_llama13b.yaml"
+
+PEFTS = [PeftConfig(method="lora", r=4, target_modules=["all-linear"]),
+         PeftConfig(method="dora", r=8, target_modules=["q_proj", "v_proj", "down_proj"])]
+LAYOUTS = [(2, 1), (1, 2)]  # tp, pp on 2 ranks
+OPT = OptimizerConfig(mode="overlapped", bucket_size=3000)  # small buckets: padding per bucket is exercised
+
+
+def _allocated(folder):
+    out = []
+    for tp, pp in LAYOUTS:
+        for peft in PEFTS:
+            ps = make_ps(tp=tp, pp=pp)
+            chunks = load_chunks(HFCheckpoint(folder), ps)
+            for chunk in chunks:
+                attach(chunk, peft)
+                initialise(chunk, peft, seed=0)
+            opt = DistributedOptimizer(chunks, ps, OPT)
+            out.append(dict(
+                tp=tp, pp=pp, method=peft.method, pp_rank=ps.pp_rank,
+                param_buffer=sum(g.param_buffer.numel() * g.param_buffer.element_size() for g in opt.groups),
+                grad_buffer=sum(g.grad_buffer.numel() * g.grad_buffer.element_size() for g in opt.groups),
+                optimizer_state=opt.state_bytes(),
+                frozen=sum(p.numel() * p.element_size() for c in chunks for p in c.parameters()
+                           if not p.requires_grad)))
+    return out
+
+
+def test_planner_counts_lora_memory_exactly(tmp_path):
+    folder = save_tiny("llama3", tmp_path / "m", num_hidden_layers=3)
+    cfg = load_chunks(HFCheckpoint(folder), make_ps())[0].cfg
+    rows = [row for rank in spawn(_allocated, 2, str(folder)) for row in rank]
+    assert len(rows) == 2 * len(LAYOUTS) * len(PEFTS)
+    for row in rows:
+        peft = next(p for p in PEFTS if p.method == row["method"])
+        m = stage_memory(cfg, PlanLayout(row["tp"], row["pp"], 1, 1), row["pp_rank"], 2, 16, 4, OPT, peft)
+        assert (m.param_buffer, m.grad_buffer, m.optimizer_state, m.frozen_weights) == (
+            row["param_buffer"], row["grad_buffer"], row["optimizer_state"], row["frozen"]), row
+        full = stage_memory(cfg, PlanLayout(row["tp"], row["pp"], 1, 1), row["pp_rank"], 2, 16, 4, OPT)
+        assert m.frozen_weights == full.params * 4 and m.grad_buffer < full.grad_buffer / 5
+
+
+def test_plan_with_peft(capsys):
+    args = ["plan", "--model", "llama2-13b", "--gpu", "h100", "--gpus", "8", "--global-batch-size", "8",
+            "--seq-len", "4096", "--tp", "4", "--recompute", "selective", "--json"]
+    assert main(args) == 0
+    full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
+    assert main([*args, "--peft", "lora", "--peft-r", "16", "--peft-targets", "all-linear"]) == 0
+    lora = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
+    assert lora["frozen_weights"] == 2 * full["params"]  # the whole base in bf16, no fp32 copy
+    assert lora["optimizer_state"] < full["optimizer_state"] / 50  # 62.6e6 adapter vs 13.0e9 parameters
+    assert main([*args, "--peft", "lora", "--peft-r", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "hfmeg plan: peft.r: must be an integer >= 1, got 0"
+
+
+def test_lora_fits_where_full_fine_tuning_does_not():
+    """LLaMA-2-13B on one 80 GB GPU: full fine-tuning fits no layout; LoRA does (the frozen base in bf16)."""
+    spec = gpu_spec("h100")
+    cluster = ClusterSpec(spec, 1, 8)
+    job = Job(resolve_model("llama2-13b"), cluster, default_profile("h100", spec.peak_flops, spec.hbm_bytes_per_s),
+              8, 2048, 2)
+    with pytest.raises(LayoutError):
+        best_layout(job)
+    lora = best_layout(replace(job, peft=PeftConfig(method="lora", r=16, target_modules=["all-linear"])))
+    assert lora.memory.total <= cluster.usable_memory and lora.memory.frozen_weights > 24 * 2**30
+
+
+def _auto_lora(argv):
+    return cli.main("test", SFT, argv)
+
+
+def test_layout_auto_with_lora_trains(tmp_path, capfd):
+    model = stories_or_skip()
+    out = tmp_path / "run"
+    argv = ["--model", str(model), "--data", str(ALPACA), "--layout", "auto", "--peft", "lora", "--seq-len", "64",
+            "--global-batch-size", "4", "--max-steps", "3", "--lr", "1e-2", "--warmup-steps", "1",
+            "--out", str(out), "--set", "tensorboard=false"]
+    assert spawn(_auto_lora, 2, argv) == [0, 0]
+    assert re.search(r"^layout auto: \S+ \(the fastest that fits; 2 x cpu, ", capfd.readouterr().out, re.M)
+    assert (out / "adapter" / "adapter_config.json").is_file()

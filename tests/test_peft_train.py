@@ -1,0 +1,171 @@
+"""LoRA and DoRA runs of the trainer vs `peft` + AdamW, and the exports `peft` and transformers load.
+
+The base is stories260K (a real LLaMA) on alpaca_en_demo.json, one example per row
+(`packing: false`, so the transformers reference needs no document mask), fp32. The
+adapter starts from one `peft` made (`peft.init_from`: its default init, B = 0), so
+the reference starts from the same adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_ps, stories_or_skip
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft_helpers import hfmeg_chunks
+from safetensors.torch import load_file
+from test_train import _losses, _run
+from tiny_models import ASSETS
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hfmeg.data import DataConfig, SourceConfig, build_data
+from hfmeg.models.generate import full_logits
+from hfmeg.optim.config import OptimizerConfig
+from hfmeg.optim.lr_schedule import LRScheduleConfig, lr_at
+from hfmeg.parallel.launch import spawn
+from hfmeg.peft.adapter_files import WEIGHTS_FILE, assemble
+from hfmeg.peft.config import PeftConfig
+from hfmeg.train.config import (
+    CheckpointArgs,
+    LoopArgs,
+    ModelArgs,
+    ParallelArgs,
+    TrainConfig,
+)
+
+ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    """(base, a fresh peft adapter for it)."""
+    base = stories_or_skip()
+    if not ALPACA.is_file():
+        pytest.skip(f"{ALPACA} is absent")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("lora") / "adapter0"
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                     task_type="CAUSAL_LM")).save_pretrained(folder)
+    return base, folder
+
+
+def _config(out: Path, base: Path, adapter: Path, *, tp=1, pp=1, steps=STEPS, save_every=0, resume="none",
+            schedule_steps=None) -> TrainConfig:
+    return TrainConfig(
+        model=ModelArgs(path=str(base), dtype="fp32"),
+        parallel=ParallelArgs(tp=tp, pp=pp),
+        optim=OptimizerConfig(lr=1e-2, weight_decay=0.01, eps=1e-8, grad_clip=1.0),
+        lr=LRScheduleConfig(warmup_steps=2, total_steps=schedule_steps or steps, min_lr=1e-3),
+        data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=64, packing=False),
+        peft=PeftConfig(method="lora", init_from=str(adapter)),
+        train=LoopArgs(micro_batch_size=1, global_batch_size=4, max_steps=steps),
+        checkpoint=CheckpointArgs(out=str(out), save_every=save_every, resume=resume, keep_last=2),
+        tensorboard=False,
+    )
+
+
+def _peft_adamw_losses(cfg: TrainConfig, adapter: Path) -> list[float]:
+    """Single process: transformers + peft + torch.optim.AdamW on the trainer's own batches (one DP rank)."""
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
+                                                                           attn_implementation="sdpa"),
+                                      adapter, is_trainable=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optim
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    data = build_data(cfg.data, AutoTokenizer.from_pretrained(cfg.model.path), dp_rank=0, dp_size=1,
+                      micro_batch_size=1, global_batch_size=cfg.train.global_batch_size)
+    losses = []
+    try:
+        for step in range(cfg.train.max_steps):
+            batch = next(data)
+            total = 0.0
+            for mb in batch.microbatches:
+                logits = model(input_ids=mb["input_ids"], position_ids=mb.get("position_ids")).logits
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten(),
+                                                         reduction="sum") / batch.num_tokens
+                loss.backward()
+                total += loss.item()
+            torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, o.lr, cfg.lr)
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+    finally:
+        data.close()
+    return losses
+
+
+def test_lora_training_matches_peft_and_exports(start, tmp_path):
+    base, adapter0 = start
+    ref = _peft_adamw_losses(_config(tmp_path / "ref", base, adapter0), adapter0)
+    spawn(_run, 4, _config(tmp_path / "tp2pp2", base, adapter0, tp=2, pp=2))
+    spawn(_run, 4, _config(tmp_path / "tp2dp2", base, adapter0, tp=2))
+    for run in ("tp2pp2", "tp2dp2"):
+        ours = _losses(tmp_path / run)
+        assert len(ours) == STEPS
+        # fp32 sums over ~250 tokens, orders differing by layout: ~1e-6 relative; the issue's bound is 1e-4.
+        for x, y in zip(ours, ref):
+            assert abs(x - y) <= 1e-4 * abs(y), (run, ours, ref)
+    assert ref[-1] < ref[0]
+
+    out = tmp_path / "tp2pp2"
+    ckpt = sorted((out / "checkpoints").glob("iter_*"))[-1]
+    assert not list(ckpt.glob("mp_rank_*/model.safetensors")), "a LoRA checkpoint holds adapters, not the base"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["peft_base"]["path"] == str(base) and len(state["peft_base"]["sha256"]) == 64
+    # The PEFT folder holds exactly the checkpoint's adapters, and peft loads it onto the base.
+    exported = load_file(str(out / "adapter" / WEIGHTS_FILE))
+    trained = assemble(ckpt)
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
+    assert not all(torch.equal(exported[k], v) for k, v in load_file(str(adapter0 / WEIGHTS_FILE)).items())
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["base_model_name_or_path"] == str(base)
+    ids = torch.tensor([[1, 365, 1122, 263, 931, 29892, 727, 471]]) % 512
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                               out / "adapter")
+        with_adapter = peft_model(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)(ids).logits
+    chunks, _ = hfmeg_chunks(base, out / "adapter", make_ps())
+    ours = full_logits(chunks, make_ps(), ids)
+    # fp32 logits of a 5-layer model: rounding differences ~1e-6; the contract's bound is 1e-4.
+    assert (ours - with_adapter).abs().max() <= 1e-4
+    assert (merged - with_adapter).abs().max() <= 1e-4
+    AutoTokenizer.from_pretrained(out / "hf")
+    # The offline converter gives the same two folders from the checkpoint alone.
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mp_to_hf.py"), "--mp",
+                           str(out / "checkpoints"), "--out", str(tmp_path / "conv"),
+                           "--merge", str(tmp_path / "conv_merged")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    again = load_file(str(tmp_path / "conv" / WEIGHTS_FILE))
+    assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in again)
+    merged_files = [load_file(str(d / "model.safetensors")) for d in (out / "hf", tmp_path / "conv_merged")]
+    assert all(torch.equal(merged_files[0][k], merged_files[1][k]) for k in merged_files[0])
+
+
+def test_dora_training_matches_peft(start, tmp_path):
+    """DoRA (its magnitudes trained, the row-parallel norm summed over TP) at TP2 x PP2 vs peft + AdamW."""
+    base, _ = start
+    torch.manual_seed(0)
+    adapter0 = tmp_path / "dora0"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                   LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True,
+                              task_type="CAUSAL_LM")).save_pretrained(adapter0)
+    ref = _peft_adamw_losses(_config(tmp_path / "ref", base, adapter0), adapter0)
+    spawn(_run, 4, _config(tmp_path / "tp2pp2", base, adapter0, tp=2, pp=2))
+    ours = _losses(tmp_path / "tp2pp2")
+    assert len(ours) == STEPS and ref[-1] < ref[0]
+    for x, y in zip(ours, ref):
+        assert abs(x - y) <= 1e-4 * abs(y), (ours, ref)  # as for LoRA
+    config = json.loads((tmp_path / "tp2pp2" / "adapter" / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
