@@ -143,6 +143,15 @@ def test_warm_up_as_long_as_the_run_is_a_warning():
                         "optim.lr 2e-05"]
 
 
+def test_powersgd_without_data_parallel_ranks_is_a_warning():
+    base = {"model.path": "m", "data.sources": [{"path": "d.json"}], "optim.compression": "powersgd",
+            "parallel.tp": 2, "parallel.pp": 2}
+    _, warnings = load_config(SFT, base, world_size=4)
+    assert warnings == ["warning: optim.compression: powersgd compresses the data-parallel gradient reduction, and "
+                        "parallel.tp x parallel.pp = 4 processes leave one data-parallel rank: it does nothing here"]
+    assert load_config(SFT, base, world_size=8)[1] == []  # DP 2: something to compress
+
+
 def test_hub_login_check_rejects_a_bad_token_and_skips_when_unreachable(monkeypatch):
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError

@@ -25,7 +25,7 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.peft.adapter_files import WEIGHTS_FILE
 from hfmeg.peft.adapters import attach, initialise
 from hfmeg.peft.config import PeftConfig
-from hfmeg.train.config import load_config
+from hfmeg.train.validate import load_config
 from test_peft_train import ALPACA, ROOT, _config, start  # noqa: F401 - `start` is a fixture
 from test_train import _losses, _run
 

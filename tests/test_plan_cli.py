@@ -69,6 +69,8 @@ def test_ranked_table_from_a_bare_config_json(small, capsys):
     steps = [float(r.split()[3]) for r in rows]
     assert steps == sorted(steps)
     assert "rejected" in out and "plain data parallelism" in out
+    rules = [line.split(" (e.g. ")[0] for line in out.splitlines() if re.match(r"^\s+\d+ x ", line)]
+    assert rules and not any(re.search(r"\bN\b", rule) for rule in rules), rules  # rules, not placeholders
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -108,6 +108,15 @@ def candidates(job: Job, optimizer: str = "overlapped") -> list[PlanLayout]:
     return out
 
 
+def _rule(message: str) -> str:
+    """The rule a rejection states, without its numbers, so that one rule is one reason:
+    "global batch 6 is not divisible by DP x micro-batch = 4 x 1" -> "global batch is not divisible by DP x
+    micro-batch" (`search` keeps one case with its numbers beside it)."""
+    for numbers in (r" = \d+( x \d+)*", r" \(\d+\)", r" \d+\b"):
+        message = re.sub(numbers, "", message)
+    return message
+
+
 def search(job: Job, optimizer: str = "overlapped") -> tuple[list[Evaluation], Counter, dict[str, str]]:
     """(fitting layouts, fastest first; rejection counts by reason; one example layout per reason)."""
     fits, reasons, examples = [], Counter(), {}
@@ -115,7 +124,7 @@ def search(job: Job, optimizer: str = "overlapped") -> tuple[list[Evaluation], C
         try:
             fits.append(evaluate(job, lay))
         except HfmegError as e:
-            reason = re.sub(r"\d+", "N", str(e).split(":")[0])  # one reason per rule, whatever the numbers
+            reason = _rule(str(e).split(":")[0])
             reasons[reason] += 1
             examples.setdefault(reason, f"{lay.name()}: {e}")
     fits.sort(key=lambda ev: ev.time.step_s)

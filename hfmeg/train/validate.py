@@ -230,6 +230,11 @@ def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collec
     _out(cfg)
     _hub(cfg)
     warnings = []
+    p = cfg.parallel
+    if cfg.optim.compression == "powersgd" and p.layout != "auto" and world == p.tp * p.pp:
+        warnings.append(f"warning: optim.compression: powersgd compresses the data-parallel gradient reduction, and "
+                        f"parallel.tp x parallel.pp = {world} processes leave one data-parallel rank: it does nothing "
+                        "here")
     if cfg.lr.warmup_steps >= cfg.train.max_steps:
         warnings.append(f"warning: lr.warmup_steps {cfg.lr.warmup_steps} >= train.max_steps {cfg.train.max_steps}: "
                         f"the learning rate never reaches optim.lr {cfg.optim.lr:g}")
