@@ -25,6 +25,7 @@ from hfmeg.train.checkpointing import STATE_FILE, find_resume, incomplete
 from hfmeg.train.metrics import read_metrics
 from hfmeg.train.trainer import EXPORT_RECORD, Trainer
 from test_train import ALPACA, ROOT, _assets, _config
+from tiny_models import save_tiny
 
 RECIPE = ROOT / "recipes" / "sft_llama13b.py"
 
@@ -219,3 +220,16 @@ def test_damaged_checkpoints_and_a_full_disk_are_one_line_from_all_ranks(tmp_pat
     assert f"{full}/checkpoints/.iter_0000004.tmp/mp_rank_01/model.safetensors: " in line
     assert "No space left on device" in line
     assert _iters(full) == [2] and not (full / "checkpoints" / ".iter_0000004.tmp").exists()
+
+
+def test_a_run_that_fails_at_start_is_one_line_and_leaves_nothing(tmp_path):
+    """A wrong --model path, and a TP that does not divide the KV heads (found when the shards are cut)."""
+    stories = _assets()
+    model = save_tiny("llama3", tmp_path / "kv1", num_attention_heads=4, num_key_value_heads=1)
+    for tokenizer_file in stories.glob("tok*"):
+        shutil.copy(tokenizer_file, model)
+    for path, line in ((tmp_path / "nowhere", f"error: {tmp_path / 'nowhere'}: no such folder"),
+                       (model, "error: config.json field num_key_value_heads: 1 is not divisible by TP=2")):
+        out = tmp_path / "runs" / path.name
+        assert _one_error(*_workers(_args(path, out, 2), 2)) == line
+        assert not (tmp_path / "runs").exists()  # no lock, no copied HF files, no folder

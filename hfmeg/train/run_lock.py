@@ -35,11 +35,14 @@ class RunLock:
     def __init__(self, out: Path):
         self.path = Path(out) / LOCK_FILE
         self._fd: int | None = None
+        self.created: list[Path] = []
 
     def acquire(self) -> str | None:
         """Take the lock or raise `RunLockedError` naming the holder; returns a note on a stale lock taken over."""
+        out = self.path.parent.absolute()
+        self.created = [d for d in (out, *out.parents) if not d.exists()]  # innermost first
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            out.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise RunLockedError(f"{self.path}: cannot create the run's lock file ({e.strerror or e})") from e
@@ -59,12 +62,21 @@ class RunLock:
             return f"{self.path}: took over the lock of a run that is gone ({_describe(previous)})"
         return None
 
-    def release(self) -> None:
+    def release(self, *, forget: bool = False) -> None:
+        """End the hold. `forget`: the run never started (it failed at start-up), so it leaves nothing: the
+        lock file goes, and the folders taking it created if they are empty again."""
         if self._fd is None:
             return
         os.ftruncate(self._fd, 0)  # an empty file: the run ended cleanly, nothing to take over
+        if forget:
+            self.path.unlink(missing_ok=True)  # before the flock goes, so no other run can hold this file
         os.close(self._fd)  # closing the only descriptor releases the flock
         self._fd = None
+        for folder in self.created if forget else ():
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: something else lives there
+                break
 
 
 def _read(fd: int) -> dict | None:

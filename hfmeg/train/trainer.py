@@ -32,6 +32,7 @@ optimizer unshared through a checkpoint (the checkpoint records the phase it was
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from functools import partial
 from dataclasses import dataclass
@@ -61,12 +62,12 @@ from ..parallel.pipeline import forward_backward
 from ..parallel.state import ParallelState, join_world
 from ..plan.flops import mfu, peak_flops
 from .auto_layout import LayoutReport, resolve_layout
-from .checkpointing import STATE_FILE, RunCheckpoints, load_trainer_state, read_trainer_state
+from .checkpointing import HF_SOURCE_DIR, STATE_FILE, RunCheckpoints, load_trainer_state, read_trainer_state
 from .config import TrainConfig
 from .metrics import METRICS_FILE, MetricsLog, last_losses, read_metrics, tensorboard_available
 from .peft_run import PeftRun
 from .rng import seed_all
-from .run_lock import lock_run
+from .run_lock import LOCK_FILE, lock_run
 from .stop import GracefulStop, LauncherWatch
 from .summary import RunSummary
 
@@ -129,9 +130,17 @@ class Trainer:
                     print(note, flush=True)
             self._setup()
         except BaseException:
-            if self.lock is not None:
-                self.lock.release()
+            if self.lock is not None:  # a run that failed at start-up leaves no trace of itself
+                started = self._started()
+                if not started:
+                    shutil.rmtree(self.out / HF_SOURCE_DIR, ignore_errors=True)
+                self.lock.release(forget=not started)
             raise
+
+    def _started(self) -> bool:
+        """Whether `<out>` holds anything of a run (checkpoints, metrics, an export) beyond what start-up
+        writes: the lock and the copied HF side files."""
+        return any(p.name not in (LOCK_FILE, HF_SOURCE_DIR) for p in self.out.iterdir())
 
     def _setup(self) -> None:
         cfg = self.cfg
