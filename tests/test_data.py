@@ -219,6 +219,8 @@ def test_bad_data_is_counted_and_named(tmp_path):
     assert rep.first["empty_response"] == f"{path}:6: empty field 'output'"
     assert rep.first["overlong"].startswith(f"{path}:8: 187 tokens > seq_len 64; no response token left")
     assert "malformed_json: 2" in rep.summary()
+    _, again = run_data(SourceConfig(str(path)), rows=8, seq_len=64, packing=False)  # four epochs: same records
+    assert again.counts == rep.counts
     with pytest.raises(DataError, match=f"{path}:2: malformed JSON"):
         run_data(SourceConfig(str(path)), seq_len=64, bad_data="fail")
     with pytest.raises(DataError, match="m.jsonl:2: missing field .output. \\(missing_field"):

@@ -97,7 +97,8 @@ def documents(cfg: DataConfig, fmt: Formatter, sources: list[Source], raws: Iter
 
 
 def consume(item: Item, packer: Packer, report: DataReport) -> None:
-    if item.problem:
+    # A bad record is counted once: met again in a later epoch of its source, it is the same record.
+    if item.problem and item.position.epochs[item.source] == 0:
         report.bad(item.problem[0], item.where, item.problem[1])
     for d in item.docs:
         packer.add(d)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from ..checkpoint.atomic import write_text_atomic
@@ -255,7 +256,8 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> RunResult:
         try:
-            summary = self._train()
+            with logging_redirect_tqdm():  # warnings (e.g. the data's) on lines of their own, above the bar
+                summary = self._train()
             if self.is_logger and summary.stopped_by is None:
                 final = summary.checkpoint or self._unexported_final()
                 summary.hf = self.export(final) if final is not None else self._exported()
