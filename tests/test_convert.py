@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
+import time
 
 import pytest
 import torch
@@ -22,7 +24,8 @@ from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.mp_layout import LATEST_FILE, MPLayout
 from hfmeg.checkpoint.mp_reader import MPCheckpoint
 from hfmeg.checkpoint.reshard import reshard_mp
-from hfmeg.errors import CheckpointError, LayoutError
+from hfmeg.plan.models import resolve_model
+from hfmeg.errors import CheckpointError, LayoutError, UnsupportedConfigError
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +133,7 @@ def test_hub_id_uses_snapshot_download_and_local_folder_bypasses_it(monkeypatch,
     src = stories_or_skip()
     calls = []
 
-    def fake_download(repo_id, allow_patterns):
+    def fake_download(repo_id, allow_patterns, local_files_only):
         calls.append((repo_id, allow_patterns))
         return str(src)
 
@@ -150,8 +153,32 @@ def test_hub_offline_without_cache_is_one_clear_error(monkeypatch, tmp_path):
 
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(CheckpointError, match="not a local folder, and fetching it from the Hub failed"):
+    with pytest.raises(CheckpointError, match="nor in the local Hugging Face cache, and HF_HUB_OFFLINE is set"):
         hf_to_mp("someone/not-cached", tmp_path / "mp", tp=1, pp=1)
+    assert not (tmp_path / "mp").exists()
+
+
+def closed_port() -> int:
+    """A local TCP port nobody listens on: a connect to it is refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_hub_is_one_clear_error_at_once(monkeypatch, tmp_path):
+    """Offline without HF_HUB_OFFLINE, huggingface_hub would retry for about half a minute; the probe
+    answers within its own timeout, and the model name that was not found is in the line."""
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hub_constants, "ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match="someone/not-cached: .* 127.0.0.1 cannot be reached"):
+        hf_to_mp("someone/not-cached", tmp_path / "mp", tp=1, pp=1)
+    with pytest.raises(UnsupportedConfigError, match="someone/not-cached: .* cannot be reached.*built-in names"):
+        resolve_model("someone/not-cached")
+    assert time.monotonic() - start < 2 * hub_source.PROBE_TIMEOUT_S
     assert not (tmp_path / "mp").exists()
 
 

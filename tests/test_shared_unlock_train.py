@@ -187,7 +187,7 @@ def test_moe_models_are_refused_naming_the_field(_one_process, capsys, tmp_path)
 def test_random_init_fetches_only_config_and_tokenizer_from_the_hub(monkeypatch, tmp_path):
     asked = []
 
-    def fake_download(repo_id, allow_patterns):
+    def fake_download(repo_id, allow_patterns, local_files_only):
         asked.append(allow_patterns)
         return str(tmp_path)
 

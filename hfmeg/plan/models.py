@@ -15,8 +15,9 @@ from pathlib import Path
 
 from transformers import AutoConfig, GPT2Config, LlamaConfig
 
+from ..checkpoint.hub_source import cached_or_reachable
 from ..config import ModelConfig, load_hf_config, model_config_from_hf
-from ..errors import UnsupportedConfigError
+from ..errors import CheckpointError, UnsupportedConfigError
 
 _LLAMA2 = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
 BUILTIN = {
@@ -42,10 +43,15 @@ def _from_json(path: Path):
 def _from_hub(repo_id: str):
     from huggingface_hub import hf_hub_download
 
+    def fetch(local_files_only: bool) -> Path:
+        return Path(hf_hub_download(repo_id, "config.json", local_files_only=local_files_only))
+
     try:
-        return _from_json(Path(hf_hub_download(repo_id, "config.json")))
+        return _from_json(cached_or_reachable(f"--model {repo_id}", fetch))
     except UnsupportedConfigError:
         raise
+    except CheckpointError as e:  # the Hub cannot be reached: say what would have worked instead
+        raise UnsupportedConfigError(f"{e}; built-in names: {', '.join(BUILTIN)}") from None
     except Exception as e:  # noqa: BLE001 - every Hub failure becomes one clear line
         first = (str(e).strip().splitlines() or [""])[0]
         raise UnsupportedConfigError(f"--model {repo_id}: not a built-in name ({', '.join(BUILTIN)}), folder or "
