@@ -44,7 +44,7 @@ FLAGS = {
     "--schedule": ("parallel.schedule", str, "gpipe | 1f1b | interleaved"),
     "--layout": ("parallel.layout", str, "manual | auto (the planner picks tp, pp, vpp, SP, schedule, micro-batch, "
                  "recompute)"),
-    "--peft": ("peft.method", str, "none | lora (train LoRA adapters on a frozen base; docs/peft.md)"),
+    "--peft": ("peft.method", str, "none | lora | dora (train adapters on a frozen base; docs/peft.md)"),
     "--peft-r": ("peft.r", int, "LoRA rank"),
     "--seq-len": ("data.seq_len", int, "tokens per packed row"),
     "--micro-batch-size": ("train.micro_batch_size", int, "rows per micro-batch"),
