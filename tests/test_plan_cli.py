@@ -150,7 +150,9 @@ def test_model_that_fits_nowhere_and_unknown_models(capsys, tmp_path, monkeypatc
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: the env var is too late
-    assert "fetching its config.json failed" in _fail(capsys, ["--model", "nobody/no-such-model-xyz", *JOB])
+    line = _fail(capsys, ["--model", "nobody/no-such-model-xyz", *JOB])
+    assert "not a local folder nor in the local Hugging Face cache" in line and "HF_HUB_OFFLINE is set" in line
+    assert "built-in names: gpt-3.6b" in line
     assert "no such folder or file" in _fail(capsys, ["--model", str(tmp_path / "missing.json"), *JOB])
 
 
