@@ -69,9 +69,11 @@ class ParallelAttention(nn.Module):
         s, b = qkv.shape[:2]
         d = self.cfg.head_dim
         qkv = qkv.view(s, b, self.groups, self.rep + 2, d).permute(1, 2, 3, 0, 4)  # [b, g, rep+2, s, d]
-        q = qkv[:, :, : self.rep].reshape(b, self.groups * self.rep, s, d)
-        k = qkv[:, :, self.rep]
-        v = qkv[:, :, self.rep + 1]
+        # One split, not three slices: a slice's backward zero-fills a gradient the size of the whole QKV
+        # output and copies its part in; split's backward concatenates the three parts once.
+        q, k, v = qkv.split([self.rep, 1, 1], dim=2)
+        q = q.reshape(b, self.groups * self.rep, s, d)
+        k, v = k.squeeze(2), v.squeeze(2)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
