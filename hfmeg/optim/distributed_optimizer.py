@@ -68,7 +68,8 @@ class DistributedOptimizer:
             raise UnsupportedConfigError("optimizer field compression_start_step: must be set with compression "
                                          "powersgd (TrainConfig derives it from train.max_steps)")
         self.data_parallel = dp = DataParallel(self.chunks, ps, cfg.mode, cfg.bucket_size,
-                                               cfg.powersgd_rank if powersgd else None, cfg.min_compression_rate)
+                                               cfg.powersgd_rank if powersgd else None, cfg.min_compression_rate,
+                                               cfg.grad_accumulation_fusion)
         self.shards, self.groups, self.buckets = dp.shards, dp.groups, dp.buckets
         device = self.groups[0].param_buffer.device
 
@@ -178,11 +179,10 @@ class DistributedOptimizer:
     def step(self) -> StepResult:
         self.wait_params()  # a step without a forward in between must not race the last all-gather
         self.data_parallel.finish_grad_sync()
-        if self.scaler is not None:
-            torch._foreach_mul_(self._shard_grads, 1.0 / self.scaler.scale)
-        norm = global_norm(self._norm_grads, self._norm_group, self._norm_reduce, self.master.device)
-        skipped = not math.isfinite(norm)
         scale = self.loss_scale
+        # The norm of the unscaled gradients is the scaled norm / scale: no pass over the gradients to unscale.
+        norm = global_norm(self._norm_grads, self._norm_group, self._norm_reduce, self.master.device) / scale
+        skipped = not math.isfinite(norm)
         if self.scaler is not None:
             self.scaler.update(skipped)
         if skipped:
@@ -190,9 +190,7 @@ class DistributedOptimizer:
             log.warning("non-finite gradient norm (%s) at loss scale %g: step skipped (%d so far)",
                         norm, scale, self.skipped_steps)
         else:
-            coef = clip_coefficient(norm, self.cfg.grad_clip)
-            if coef < 1.0:
-                torch._foreach_mul_(self._shard_grads, coef)
+            self._scale_grads(clip_coefficient(norm, self.cfg.grad_clip) / scale)
             serial = self.cfg.mode == "distributed"
             for b in self.data_parallel.forward_order:
                 if b.index in self.optimizers:
@@ -206,6 +204,19 @@ class DistributedOptimizer:
             self.data_parallel.drop_compression_state()
         self.set_iteration(self.iteration + 1)
         return StepResult(norm, skipped, scale)
+
+    def _scale_grads(self, factor: float) -> None:
+        """Have this step's AdamW see every gradient times `factor` (the clip coefficient over the loss scale).
+
+        The fused AdamW divides each gradient by its `grad_scale` as it reads it (torch's hook for
+        GradScaler), so the factor costs no pass over the gradients; the foreach AdamW has no such
+        input, and the gradients are multiplied in place first."""
+        if self.cfg.impl == "fused":
+            grad_scale = torch.tensor(1.0 / factor, device=self.master.device) if factor != 1.0 else None
+            for adamw in self.optimizers.values():
+                adamw.grad_scale = grad_scale
+        elif factor != 1.0:
+            torch._foreach_mul_(self._shard_grads, factor)
 
     # -- parameters ----------------------------------------------------------------------
     def publish_params(self) -> None:
