@@ -1,8 +1,9 @@
 """The LM head + cross-entropy backward in bf16 (parallel/linear_cross_entropy.py).
 
 The weight gradient's products are fp32 and go straight into an fp32 `main_grad`
-(what the optimizer's grad buffers hold), never rounded to bf16 on the way. The
-fp32 path keeps its own tests (tests/test_tp_parity.py).
+(what the optimizer's grad buffers hold, reached through the weight's `GradSink`),
+never rounded to bf16 on the way. The fp32 path keeps its own tests
+(tests/test_tp_parity.py, tests/test_wgrad_fusion.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from helpers import make_ps
 from hfmeg.parallel.linear_cross_entropy import linear_cross_entropy
+from hfmeg.parallel.wgrad import GradSink
 
 V, H, T = 96, 32, 24
 
@@ -23,6 +25,13 @@ def _inputs():
     target = torch.randint(0, V, (T,), generator=g)
     target[3] = -100
     return x, w, target
+
+
+def _sink(w, main_grad):
+    """Give `w` a main grad the way the DP wrapper does; returns the list its landings are counted in."""
+    landed = []
+    w.grad_sink = GradSink(main_grad, lambda: landed.append(1))
+    return landed
 
 
 def _reference(x, w, target):
@@ -37,12 +46,12 @@ def _reference(x, w, target):
 def test_bf16_weight_gradient_lands_unrounded_in_fp32_main_grad():
     ps = make_ps(world=1)
     x, w, target = _inputs()
-    w.main_grad = torch.full((V, H), 0.5)  # what earlier micro-batches left there
+    main_grad = torch.full((V, H), 0.5)  # what earlier micro-batches left there
+    landed = _sink(w, main_grad)
     linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
-    w.main_grad.add_(w.grad)  # what grad_sync's hook does with the gradient autograd hands it
     grad_x, grad_w = _reference(x, w, target)
-    assert not w.grad.any()  # everything went into main_grad already
-    torch.testing.assert_close(w.main_grad.double() - 0.5, grad_w, rtol=1e-5, atol=1e-6)
+    assert w.grad is None and landed == [1]  # everything went into main_grad, announced once
+    torch.testing.assert_close(main_grad.double() - 0.5, grad_w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad.double(), grad_x, rtol=1e-2, atol=1e-3)  # bf16 output
 
 
@@ -62,8 +71,9 @@ def test_bf16_weight_gradient_in_fp32_main_grad_on_cuda():
     x, w, target = _inputs()
     x, target = x.detach().cuda().requires_grad_(), target.cuda()
     w = torch.nn.Parameter(w.detach().cuda())
-    w.main_grad = torch.zeros(V, H, device="cuda")
+    main_grad = torch.zeros(V, H, device="cuda")
+    landed = _sink(w, main_grad)
     linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
     _, grad_w = _reference(x, w, target)
-    assert not w.grad.any()
-    torch.testing.assert_close(w.main_grad.double(), grad_w, rtol=1e-4, atol=1e-5)
+    assert w.grad is None and landed == [1]
+    torch.testing.assert_close(main_grad.double(), grad_w, rtol=1e-4, atol=1e-5)

@@ -45,6 +45,8 @@ class OptimizerConfig:
     no_decay_biases: bool = True
     no_decay_embeddings: bool = False  # embed.weight, pos_embed.weight, lm_head.weight (role kind `embedding`)
     bucket_size: int = 40_000_000  # elements per gradient bucket (before DP padding)
+    # Layers write weight gradients straight into the fp32 main grads (hfmeg.parallel.wgrad); off: autograd + hooks.
+    grad_accumulation_fusion: bool = True
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still computed)
     impl: Literal["foreach", "fused"] = "fused"  # torch.optim.AdamW implementation (fused: one pass, 4x foreach on CPU)
     # fp16 dynamic loss scaling (used only when the model has fp16 parameters)

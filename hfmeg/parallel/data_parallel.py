@@ -14,7 +14,8 @@ model chunks (the idea of Megatron's DDP wrapper and of torchtitan's `fully_shar
   (`sum_group`). At EP = 1 that group is the DP group, so experts stay in the
   ordinary buckets and nothing changes. PowerSGD compresses each bucket's sum over
   that bucket's group.
-- Backward (grad_sync.py): per-parameter hooks accumulate into `main_grad`; on a
+- Backward (grad_sync.py): the layers write weight gradients into `main_grad` (`fuse_wgrad`,
+  wgrad.py), per-parameter hooks accumulate the rest; on a
   step's last micro-batch, a bucket's reduce-scatter (all-reduce in `ddp`) starts as
   soon as its last gradient lands, while autograd computes earlier layers.
 - PowerSGD (powersgd.py), when configured and switched on for a step
@@ -55,10 +56,11 @@ MODES = ("ddp", "distributed", "overlapped")
 
 class DataParallel:
     """`powersgd_rank`: compress DP sums at this rank once `set_compression(True)` (None: never).
-    With one DP rank there is nothing to sum, so no compressor is built."""
+    With one DP rank there is nothing to sum, so no compressor is built. `fuse_wgrad`: gradient-
+    accumulation fusion (wgrad.py); False leaves every gradient to autograd and the hooks."""
 
     def __init__(self, chunks: list[nn.Module], ps: ParallelState, mode: str, bucket_size: int,
-                 powersgd_rank: int | None = None, min_compression_rate: float = 2.0):
+                 powersgd_rank: int | None = None, min_compression_rate: float = 2.0, fuse_wgrad: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.chunks, self.ps, self.mode = list(chunks), ps, mode
@@ -73,7 +75,7 @@ class DataParallel:
         summed = [b for b in self.buckets if self.sum_group(b).size > 1]  # EP = DP: experts are not summed
         self.compressor = PowerSGD(summed, lambda b: self.sum_group(b).group, self.shard_rank, powersgd_rank,
                                    min_compression_rate) if powersgd_rank is not None and summed else None
-        self.grad_sync = GradSync(self.groups, len(self.chunks), mode, self.sum_group, self.compressor)
+        self.grad_sync = GradSync(self.groups, len(self.chunks), mode, self.sum_group, self.compressor, fuse_wgrad)
         # Forward order: chunk by chunk, and inside a chunk the reverse of gradient-ready order.
         self.forward_order = sorted(self.buckets, key=lambda b: (b.chunk, -b.index))
         self._sp_grads = [self.owned(b, b.grad_buf)[lo:hi] for b in self.buckets

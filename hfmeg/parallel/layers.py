@@ -23,7 +23,6 @@ one collective.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .comm import (
@@ -35,6 +34,7 @@ from .comm import (
 from .linear_cross_entropy import linear_cross_entropy
 from .roles import ParamRole, add_param
 from .state import ParallelState
+from .wgrad import embedding, linear
 
 
 class ColumnParallelLinear(nn.Module):
@@ -59,8 +59,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sequence(x, self.ps) if self.ps.sequence_parallel else copy_to_tp(x, self.ps)
         if self.adapter is None:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight)
         y = y + self.adapter(x, y, self.weight)
         return y if self.bias is None else y + self.bias
 
@@ -86,7 +86,7 @@ class RowParallelLinear(nn.Module):
         self.adapter: nn.Module | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.adapter is not None:  # before the reduction: one collective sums both partial outputs
             y = y + self.adapter(x, y, self.weight)
         y = reduce_scatter_to_sequence(y, self.ps) if self.ps.sequence_parallel else reduce_from_tp(y, self.ps)
@@ -108,7 +108,7 @@ class ReplicatedLinear(nn.Module):
         add_param(self, "weight", out_features, in_features, role=role)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -116,11 +116,13 @@ class VocabParallelEmbedding(nn.Module):
 
     Takes token ids `[b, s]`, returns `[s, b, h]` (or `[s/tp, b, h]` under SP): each
     rank looks up the ids in its range, zeros the rest, and the TP sum fills in all.
+    `fuse_grad`: the weight gradient goes straight into its main grad (wgrad.py); False
+    when this stage's LM head reads the same weight.
     """
 
-    def __init__(self, padded_vocab: int, hidden: int, ps: ParallelState, tied: bool = False):
+    def __init__(self, padded_vocab: int, hidden: int, ps: ParallelState, tied: bool = False, fuse_grad: bool = True):
         super().__init__()
-        self.ps = ps
+        self.ps, self.fuse_grad = ps, fuse_grad
         self.per_rank = padded_vocab // ps.tp
         self.start = ps.tp_rank * self.per_rank
         # `tied`: the LM head of the last stage is a copy of this weight (summed over the embedding group).
@@ -130,10 +132,10 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.t()  # [s, b]: sequence-first layout
         if self.ps.tp == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight, self.fuse_grad)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = embedding(local.masked_fill(outside, 0), self.weight, self.fuse_grad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.ps.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.ps)
@@ -141,17 +143,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def vocab_parallel_head(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None, ps: ParallelState,
-                        vocab_size: int, chunk_tokens: int) -> torch.Tensor:
+                        vocab_size: int, chunk_tokens: int, fuse_grad: bool = True) -> torch.Tensor:
     """Project `x` `[s, b, h]` (`[s/tp, b, h]` under SP) on this rank's vocab rows `weight` `[V/tp, h]`.
 
     Without labels: this rank's logits `[b, s, V/tp]`. With labels `[b, s]`: the
     per-token loss `[b, s]`, from the chunked vocab-parallel cross-entropy that never
-    materialises the full logits (linear_cross_entropy.py).
+    materialises the full logits (linear_cross_entropy.py). `fuse_grad`: as the embedding's.
     """
     x = gather_from_sequence(x, ps) if ps.sequence_parallel else copy_to_tp(x, ps)
     if labels is None:
-        return F.linear(x, weight).transpose(0, 1)
-    return linear_cross_entropy(x, weight, labels.t(), ps, vocab_size, chunk_tokens).t()
+        return linear(x, weight).transpose(0, 1)
+    return linear_cross_entropy(x, weight, labels.t(), ps, vocab_size, chunk_tokens, fuse_grad).t()
 
 
 class VocabParallelHead(nn.Module):

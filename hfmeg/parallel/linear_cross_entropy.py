@@ -17,11 +17,12 @@ Columns past the real vocabulary (padding) are masked to -inf.
 Low-precision (bf16/fp16) weights: the softmax gradient is formed in fp32, then
 rounded once to the weight dtype so that both backward GEMMs run on the tensor
 cores with fp32 accumulation (no fp32 copy of the head weight). The weight
-gradient's products are written in fp32 (`_add_product_fp32`) and summed into
-`weight.main_grad` directly where the optimizer keeps an fp32 main gradient, so
-the head's gradient is never rounded to bf16 on its way there; autograd then gets
-a zero gradient for the weight, which the grad-sync hook adds as it adds any other.
-The fp32 path is unchanged (fp32 GEMMs, bit-identical to before).
+gradient's products are written in fp32 (`wgrad.add_product`), in row blocks so the
+CPU's fp32 temporaries stay small next to the `[V/tp, h]` gradient. Where the DP
+wrapper keeps an fp32 main gradient they go straight into it (gradient-accumulation
+fusion, wgrad.py: no gradient is returned for the weight, and the head's gradient is
+never rounded to bf16 on its way there); otherwise into an fp32 buffer returned in
+the weight's dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .state import ParallelState
+from .wgrad import add_product, sink_of
 
 
 def _chunk_logits(x: torch.Tensor, w: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
@@ -40,19 +42,11 @@ def _chunk_logits(x: torch.Tensor, w: torch.Tensor, vocab_start: int, vocab_size
     return z
 
 
-def _add_product_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: int = 4096) -> None:
-    """`acc += a @ b` for low-precision `a`, `b` into fp32 `acc`, the product never rounded below fp32.
-
-    In blocks of `rows` output rows, so the fp32 temporaries stay small next to the
-    `[V/tp, h]` gradient. CUDA GEMMs write fp32 from bf16 inputs (`out_dtype`); CPUs
-    have no such kernel, so there the same bf16 values are multiplied as fp32.
-    """
+def _add_rows(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: int = 4096) -> None:
+    """`acc += a @ b` in fp32, `rows` output rows at a time (see the module docstring)."""
     for lo in range(0, acc.shape[0], rows):
         r = slice(lo, lo + rows)
-        if acc.is_cuda:
-            acc[r] += torch.mm(a[r], b, out_dtype=torch.float32)
-        else:
-            acc[r].addmm_(a[r].float(), b.float())
+        add_product(acc[r], a[r], b)
 
 
 def _local_target(target: torch.Tensor, vocab_start: int, n_local: int):
@@ -63,7 +57,7 @@ def _local_target(target: torch.Tensor, vocab_start: int, n_local: int):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, target, ps, vocab_size, chunk_tokens):
+    def forward(ctx, x, w, target, ps, vocab_size, chunk_tokens, sink):
         n_local = w.shape[0]
         vocab_start = ps.tp_rank * n_local
         tp = ps.tp > 1
@@ -83,7 +77,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse[sl] = m + sums[0].log()
             z_t[sl] = sums[1]
         ctx.save_for_backward(x, w, target, lse)
-        ctx.ps, ctx.vocab_size, ctx.chunk_tokens = ps, vocab_size, chunk_tokens
+        ctx.ps, ctx.vocab_size, ctx.chunk_tokens, ctx.sink = ps, vocab_size, chunk_tokens, sink
         return lse - z_t
 
     @staticmethod
@@ -93,10 +87,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n_local = w.shape[0]
         vocab_start = ps.tp_rank * n_local
         low = w.dtype != torch.float32
-        main_grad = getattr(w, "main_grad", None)
-        into_main = low and main_grad is not None and main_grad.dtype == torch.float32
+        sink = ctx.sink
         grad_x = torch.empty_like(x)
-        grad_w = main_grad if into_main else torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        grad_w = sink.main_grad if sink is not None else torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         for lo in range(0, x.shape[0], ctx.chunk_tokens):
             sl = slice(lo, lo + ctx.chunk_tokens)
             z = _chunk_logits(x[sl], w, vocab_start, ctx.vocab_size)
@@ -107,28 +100,32 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if low:
                 d = d.to(w.dtype)
                 grad_x[sl] = d @ w
-                _add_product_fp32(grad_w, d.t(), x[sl])
             else:
                 grad_x[sl] = (d @ w.float()).to(x.dtype)
-                grad_w.addmm_(d.t(), x[sl].float())
+            _add_rows(grad_w, d.t(), x[sl])
         # Each TP rank holds a vocabulary slice, so its grad_x is partial; the caller's
         # copy-to-TP / sequence-gather backward sums it over TP.
-        return grad_x, torch.zeros_like(w) if into_main else grad_w.to(w.dtype), None, None, None, None
+        if sink is not None:
+            sink.landed()
+            return grad_x, None, None, None, None, None, None
+        return grad_x, grad_w.to(w.dtype), None, None, None, None, None
 
 
 def linear_cross_entropy(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ps: ParallelState, vocab_size: int,
-    chunk_tokens: int = 4096,
+    chunk_tokens: int = 4096, fuse_grad: bool = True,
 ) -> torch.Tensor:
     """Per-token fp32 loss of `x @ weight.T` against `target` (-100 ignored).
 
     `x` is `[..., h]` (already copied/gathered for TP), `weight` this rank's
-    `[V_pad/tp, h]` slice; the loss has `x`'s leading shape.
+    `[V_pad/tp, h]` slice; the loss has `x`'s leading shape. `fuse_grad`: write the weight
+    gradient into its main grad where it has one (wgrad.py).
     """
     lead = x.shape[:-1]
     flat_t = target.reshape(-1)
     ignore = flat_t < 0
     loss = _LinearCrossEntropy.apply(
-        x.reshape(-1, x.shape[-1]), weight, flat_t.masked_fill(ignore, 0), ps, vocab_size, chunk_tokens
+        x.reshape(-1, x.shape[-1]), weight, flat_t.masked_fill(ignore, 0), ps, vocab_size, chunk_tokens,
+        sink_of(weight, fuse_grad),
     )
     return loss.masked_fill(ignore, 0.0).reshape(lead)
