@@ -35,7 +35,6 @@ The last line is a summary with each row's median tokens/s as a ratio to hfmeg's
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
