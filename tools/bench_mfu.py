@@ -88,32 +88,34 @@ OPTIM = OptimizerConfig(mode="overlapped", impl="fused", lr=3e-4, beta1=0.9, bet
                         weight_decay=0.1, grad_clip=1.0)
 
 
-def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def shape_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The flags every training-throughput bench shares: shapes, Mixtral experts, compile, dtype, peak, seed."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--tiny", action="store_true",
                    help="CPU smoke test: tiny shapes on the CPU, also on a GPU machine (the default without a GPU)")
-    p.add_argument("--trainer-path", action="store_true",
-                   help="packed SFT rows with position_ids/segment_ids, as the recipe feeds the trainer")
     for name in ("layers", "hidden", "ffn", "heads", "vocab", "seq", "micro-batch-size", "grad-accum", "steps",
                  "warmup"):
         p.add_argument(f"--{name}", type=at_least(0 if name == "warmup" else 1), default=None)
     p.add_argument("--experts", type=at_least(1), default=None,
                    help="a Mixtral with this many experts per layer, each of FFN --ffn (default: dense LLaMA)")
     p.add_argument("--top-k", type=at_least(1), default=None, help="experts per token with --experts (default 2)")
-    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="Inductor for hfmeg's norm/RoPE/SwiGLU (default: on with CUDA)")
-    p.add_argument("--hf-compile", action="store_true", help="torch.compile the transformers model too")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense peak per device (default: detected)")
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    return p
+
+
+def resolve_args(p: argparse.ArgumentParser, a: argparse.Namespace, cuda: bool | None = None,
+                 defaults: dict | None = None) -> argparse.Namespace:
+    """Fill the shape defaults of the device (`defaults` overrides the GPU's) and check the flags together."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     if not (a.tiny or cuda):
-        print("bench_mfu: no GPU, running the tiny smoke shapes (LLaMA-7B shapes need a GPU: run it there)",
+        print(f"{p.prog}: no GPU, running the tiny smoke shapes (LLaMA-7B shapes need a GPU: run it there)",
               file=sys.stderr)
         a.tiny = True
-    for k, v in (TINY if a.tiny else SEVEN_B).items():
+    for k, v in (TINY if a.tiny else {**SEVEN_B, **(defaults or {})}).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.hidden % a.heads:
@@ -126,6 +128,30 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
         if a.top_k > a.experts:
             p.error(f"--top-k {a.top_k} is more than --experts {a.experts}")
     return a
+
+
+def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
+    p = shape_parser("bench_mfu", __doc__.split("\n")[0])
+    p.add_argument("--trainer-path", action="store_true",
+                   help="packed SFT rows with position_ids/segment_ids, as the recipe feeds the trainer")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    p.add_argument("--hf-compile", action="store_true", help="torch.compile the transformers model too")
+    return resolve_args(p, p.parse_args(argv), cuda)
+
+
+def bench_device(a) -> torch.device:
+    cuda = torch.cuda.is_available() and not a.tiny  # --tiny is the CPU smoke test, on a GPU machine too
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def settings(a, device: torch.device) -> tuple[torch.dtype, dict]:
+    """Resolve the device-dependent defaults (dtype, compile) in `a`; return the dtype and the run's shapes."""
+    dtype = parse_dtype(a.dtype or ("bf16" if device.type == "cuda" else "fp32"))
+    a.compile = device.type == "cuda" if a.compile is None else a.compile
+    shapes = dict(layers=a.layers, hidden=a.hidden, ffn=a.ffn, heads=a.heads, vocab=a.vocab, seq=a.seq,
+                  experts=a.experts, top_k=a.top_k, micro_batch_size=a.micro_batch_size, grad_accum=a.grad_accum,
+                  steps=a.steps, warmup=a.warmup)
+    return dtype, shapes
 
 
 def hf_config(shapes: dict) -> LlamaConfig | MixtralConfig:
@@ -186,19 +212,24 @@ def _measure(step, a, device) -> SideResult:
     return SideResult(losses, tokens, seconds, peak)
 
 
+def fused_adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """torch's fused AdamW with OPTIM's hyper-parameters on `model`'s parameters, in whatever dtype they are."""
+    named = list(model.named_parameters())
+    # Same weight-decay exclusion as hfmeg's OptimizerConfig: norms only.
+    groups = [{"params": [p for n, p in named if "norm" not in n]},
+              {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps,
+                             weight_decay=OPTIM.weight_decay, fused=True)
+
+
 def run_hf(model, batches, a, device) -> SideResult:
     """The anchor: transformers' own loss (it shifts labels), fused AdamW on the bf16 parameters."""
     if a.recompute == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     forward = torch.compile(model) if a.hf_compile else model
-    named = list(model.named_parameters())
-    params = [p for _, p in named]
-    # Same weight-decay exclusion as hfmeg's OptimizerConfig: norms only.
-    groups = [{"params": [p for n, p in named if "norm" not in n]},
-              {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps,
-                            weight_decay=OPTIM.weight_decay, fused=True)
+    params = list(model.parameters())
+    opt = fused_adamw(model)
 
     def step(i):
         total = torch.zeros((), device=device)
@@ -266,19 +297,14 @@ def make_batches(a, device) -> list[list[dict[str, torch.Tensor]]]:
     return out
 
 
-def _peak(a, device: torch.device) -> float | None:
+def peak_flops_of(a, device: torch.device) -> float | None:
     return a.peak_tflops * 1e12 if a.peak_tflops is not None else peak_flops(device)
 
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    cuda = torch.cuda.is_available() and not a.tiny  # --tiny is the CPU smoke test, on a GPU machine too
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dtype = parse_dtype(a.dtype or ("bf16" if device.type == "cuda" else "fp32"))
-    a.compile = device.type == "cuda" if a.compile is None else a.compile
-    shapes = dict(layers=a.layers, hidden=a.hidden, ffn=a.ffn, heads=a.heads, vocab=a.vocab, seq=a.seq,
-                  experts=a.experts, top_k=a.top_k, micro_batch_size=a.micro_batch_size, grad_accum=a.grad_accum,
-                  steps=a.steps, warmup=a.warmup)
+    device = bench_device(a)
+    dtype, shapes = settings(a, device)
     hf_cfg = hf_config(shapes)
     cfg = model_config_from_hf(hf_cfg)
     batches = make_batches(a, device)
@@ -294,7 +320,7 @@ def main(argv=None) -> dict:
     del source
     _free(device)
 
-    peak = _peak(a, device)
+    peak = peak_flops_of(a, device)
     flops_per_token = training_flops(cfg, 1, a.seq) / a.seq
     timed_tokens = a.steps * a.grad_accum * a.micro_batch_size * a.seq
     tps = {"hfmeg": timed_tokens / ours.seconds, "hf": timed_tokens / hf.seconds}

@@ -8,13 +8,16 @@
 #                                   # and 13B layer shapes under each recompute mode
 #   bash tools/gpu_checklist.sh 3   # a Mixtral (8 experts, top-2) vs transformers, with and without full
 #                                   # recompute, and the planner against those runs
+#   bash tools/gpu_checklist.sh 4   # peers side by side (tools/bench_peers.py): hfmeg, transformers (eager and
+#                                   # compiled), torchtitan, Megatron-Core on 4 LLaMA-7B layers and a 1-layer
+#                                   # Mixtral; JSON lines into docs/measurements/ (wheels: tools/peer_wheels.sh)
 #
 # Logs and JSON go to $OUT (default out/gpu). Wheels in .whl/ (missing packages, carried to the
 # machine) are installed into /tmp/site first; the assets are looked for in .gpu/assets when
 # ../shared/assets is absent. Every step has its own time limit so that a hang costs one step,
 # not the part. LAYERS (default 16) sets the 7B-shape layers of the MFU runs.
 set -u
-part=${1:?usage: gpu_checklist.sh 1|2|3}
+part=${1:?usage: gpu_checklist.sh 1|2|3|4}
 OUT=${OUT:-out/gpu}
 PY=${PY:-python3}
 LAYERS=${LAYERS:-16}
@@ -94,6 +97,20 @@ part3() {
   kind=$("$PY" -c "import torch; from hfmeg.plan.hardware import gpu_kind
 p = torch.cuda.get_device_properties(0); print(gpu_kind(p.name, p.total_memory))")
   "$PY" tools/check_plan_gpu.py "$OUT/moe.jsonl" --profile "$OUT/gpu_profile.json" --gpu "$kind"
+}
+
+part4() {
+  "$PY" -c "import importlib.metadata as m
+for d in ('torch', 'transformers', 'torchtitan', 'megatron-core', 'transformer-engine', 'apex'):
+    try: print(d, m.version(d))
+    except m.PackageNotFoundError: print(d, 'not installed')"
+  # Only the JSON lines are kept (the table and skip lines are in the log); a peer that is absent stays a skipped row.
+  step "peers, 4 LLaMA-7B layers, 3 rounds" 330 "$PY" tools/bench_peers.py --layers 4 --steps 4 --warmup 2 \
+    | tee "$OUT/peers.log" | grep '^{' >docs/measurements/gpu_bench_peers.jsonl
+  step "peers, 1 Mixtral layer (8 experts, top-2), 3 rounds" 240 "$PY" tools/bench_peers.py --layers 1 --ffn 14336 \
+    --experts 8 --top-k 2 --steps 3 --warmup 2 --systems hfmeg,transformers,torchtitan,megatron-core \
+    | tee "$OUT/peers_moe.log" | grep '^{' >docs/measurements/gpu_bench_peers_moe.jsonl
+  cat "$OUT/peers.log" "$OUT/peers_moe.log" | grep -v '^{'
 }
 
 "part$part" 2>&1 | tee "$OUT/part$part.log"
