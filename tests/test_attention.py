@@ -153,3 +153,33 @@ def test_packed_rows_on_cuda_match_the_cpu_dense_path(tmp_path, heads):
             losses.append(chunk(ids.to(device), labels=labels.to(device), position_ids=pos.to(device),
                                 segment_ids=SEGMENTS.to(device)).cpu())
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_executor_decides_single_document_rows_on_the_host(tmp_path, monkeypatch):
+    """The pipeline passes `segment_ids` only for micro-batches with packed rows, so the model never reads
+    a bool back from the device to find out (the check runs on the host tensor, before any copy)."""
+    import hfmeg.models.decoder as decoder
+    from hfmeg.parallel.pipeline import forward_backward
+
+    seen = []
+    real = decoder.plan_document_mask
+    monkeypatch.setattr(decoder, "plan_document_mask", lambda seg, flex: seen.append(seg) or real(seg, flex=flex))
+    ps = make_ps(world=1)
+    chunks = load_chunks(HFCheckpoint(save_tiny("llama3", tmp_path / "m")), ps)
+    ids = torch.randint(0, 300, (2, 200))
+    packed = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(200).expand(2, 200),
+              "segment_ids": SEGMENTS}
+    single = {**packed, "segment_ids": torch.full((2, 200), 1)}
+    forward_backward(chunks, ps, [single, packed], schedule="1f1b", num_tokens=800, forward_only=True)
+    assert seen[0] is None and torch.equal(seen[1], SEGMENTS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_planning_a_packed_mask_on_the_gpu_makes_no_host_sync():
+    seg = SEGMENTS.cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert plan(seg, flex=False).dense is not None
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from .formats import Doc
 
@@ -98,3 +99,9 @@ def _doc_in(x: dict[str, Any]) -> Doc:
     target = np.zeros(len(ids), dtype=bool)
     target[np.asarray(x["target"], dtype=np.int64)] = True
     return Doc(ids, target)
+
+
+def single_document(segment_ids: torch.Tensor) -> bool:
+    """Whether every row of `segment_ids` `[b, s]` is one document (no mask needed; a host sync if the
+    ids are on a device)."""
+    return bool((segment_ids == segment_ids[:, :1]).all())

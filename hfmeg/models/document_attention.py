@@ -7,9 +7,11 @@ it compute every block, although most blocks of a packed causal row are empty.
 `plan` looks at the micro-batch once (per chunk forward, not per layer) and picks:
 
 - every row one document (or no `segment_ids`): plain causal SDPA (`is_causal=True`,
-  flash on GPUs, blocks above the diagonal skipped). Deciding it reads one bool from
-  the device, a host sync per micro-batch; a data pipeline that already knows its
-  rows are single documents avoids it by passing `segment_ids=None`;
+  flash on GPUs, blocks above the diagonal skipped). The pipeline executor decides it on
+  the host, where the micro-batch is made, and passes no `segment_ids` for such rows
+  (`single_document`); `plan` checks again only ids that live on the host, as reading a
+  bool from a device tensor would stall the host once per chunk and micro-batch (ids
+  given on a GPU get a mask, which computes the same function);
 - packed rows on CUDA with heads of at least 16 dimensions (`flex_applies`):
   `flex_attention` with a `BlockMask` built from `segment_ids`:
   blocks outside every document are skipped, blocks wholly inside one are computed
@@ -38,6 +40,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from ..data.packing import single_document
 
 
 @dataclass(frozen=True)
@@ -98,8 +102,8 @@ def flex_applies(device: torch.device, head_dim: int) -> bool:
 
 
 def plan(segment_ids: torch.Tensor | None, flex: bool) -> DocumentMask | None:
-    """The mask for a micro-batch; None means plain causal attention."""
-    if segment_ids is None or bool((segment_ids == segment_ids[:, :1]).all()):
+    """The mask for a micro-batch; None means plain causal attention (see the module doc)."""
+    if segment_ids is None or (not segment_ids.is_cuda and single_document(segment_ids)):
         return None
     if flex:
         return DocumentMask(block=document_block_mask(segment_ids))

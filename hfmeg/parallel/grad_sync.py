@@ -53,8 +53,10 @@ from .wgrad import GradSink
 
 
 class GradSync:
+    """`uses`: by `id(param)`, how many modules hold a parameter held by more than one (wgrad.GradSink)."""
+
     def __init__(self, groups: list[BufferGroup], num_chunks: int, mode: str, sum_group: Callable[[Bucket], SumGroup],
-                 compressor: PowerSGD | None = None, fuse_wgrad: bool = True):
+                 compressor: PowerSGD | None = None, fuse_wgrad: bool = True, uses: dict[int, int] | None = None):
         self.groups, self.mode, self.sum_group = groups, mode, sum_group
         self.compressor = compressor
         self.compress = False  # this step's DP sums go through `compressor`
@@ -75,7 +77,8 @@ class GradSync:
                 if fuse_wgrad:
                     # A weak reference: the sink lives on the parameter, and must not keep it alive.
                     s.param.grad_sink = GradSink(s.param.main_grad,
-                                                 lambda p=weakref.ref(s.param), hook=hook: hook(p(), True))
+                                                 lambda p=weakref.ref(s.param), hook=hook: hook(p(), True),
+                                                 uses=(uses or {}).get(id(s.param), 1))
 
     def set_last_microbatch(self, chunk_index: int, is_last: bool) -> None:
         """Announce whether the next backward of chunk `chunk_index` is its last micro-batch of the step."""
@@ -97,7 +100,10 @@ class GradSync:
     def _on_grad(self, bucket: Bucket, p, fused: bool) -> None:
         sink = getattr(p, "grad_sink", None)
         if fused:
-            sink.announced = True
+            sink.written += 1
+            if sink.written < sink.uses:  # more modules hold this weight: wait for their writes
+                return
+            sink.written, sink.announced = 0, True
         elif sink is not None and sink.announced:
             # Autograd's hook after a fused write: torch runs post-accumulate hooks for a None gradient too.
             sink.announced = False

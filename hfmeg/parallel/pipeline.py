@@ -38,6 +38,7 @@ from typing import Protocol
 
 import torch
 
+from ..data.packing import single_document
 from ..errors import LayoutError
 from .p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from .schedules import Action, Step, plan
@@ -68,11 +69,22 @@ def _to_device(mb: dict, device: torch.device) -> dict:
             for k, v in mb.items() if v is not None}
 
 
+def _without_unpacked_segments(mb: dict) -> dict:
+    seg = mb.get("segment_ids")
+    if seg is None or seg.is_cuda or not single_document(seg):
+        return mb
+    return {k: v for k, v in mb.items() if k != "segment_ids"}
+
+
 class _Executor:
     def __init__(self, chunks, ps: ParallelState, microbatches, num_tokens, grad_sync, timeline, forward_only,
                  loss_scale=1.0):
         self.chunks, self.ps = chunks, ps
-        self.mbs = [_to_device(mb, ps.device) for mb in microbatches]  # every copy queued before any compute
+        # Every copy queued before any compute. Rows of one document each need no document mask: decided
+        # here, on the host, so the model never reads it back from the device (models/document_attention.py).
+        # Under CP every rank must pass its ids alike: the model all-gathers them.
+        self.mbs = [_to_device(_without_unpacked_segments(mb) if ps.cp == 1 else mb, ps.device)
+                    for mb in microbatches]
         self.num_tokens, self.grad_sync, self.timeline = num_tokens, grad_sync, timeline
         self.forward_only, self.loss_scale = forward_only, loss_scale
         self.n_chunks = ps.pp * len(chunks)

@@ -21,10 +21,12 @@ weight (torch still runs the weight's post-accumulate hook, with no gradient; th
 ignores that call, `GradSink.announced`). A weight without a sink (no DP wrapper: generation, layer tests; a frozen
 LoRA base has no gradient at all) takes autograd's ordinary path.
 
-A weight read twice in one backward (the tied embedding and LM head when one stage holds
-both) must not fuse: each use would announce it and its bucket could be reduced before the
-second use has added to it. Autograd sums such uses before its one AccumulateGrad, so those
-layers pass `fuse=False` and stay on the ordinary path.
+A weight several modules hold (shared-unlock's shared layers, models/shared_layers.py) is
+written once per module in a backward; its sink counts the writes (`uses`) and the weight is
+announced once, after the last, so its bucket is never reduced before every use has added
+to it. The tied embedding and LM head on one stage share a weight through a function call,
+not a module attribute, so no count sees it: those layers pass `fuse=False` and stay on
+autograd's path, which sums both uses before its one AccumulateGrad.
 """
 
 from __future__ import annotations
@@ -40,11 +42,14 @@ import torch.nn.functional as F
 class GradSink:
     """Where a fused backward puts one weight's gradient.
 
-    `announced`: `landed` ran and autograd's own hook for the weight has not yet (the DP
-    wrapper's bookkeeping, so the weight is counted once per backward)."""
+    `uses`: fused writes per backward (the modules holding the weight); `landed` announces the
+    weight at the last of them. `written`, `announced`: the DP wrapper's bookkeeping (the
+    writes so far; announced, and autograd's own hook for the weight not run yet)."""
 
     main_grad: torch.Tensor
     landed: Callable[[], None]
+    uses: int = 1
+    written: int = 0
     announced: bool = False
 
 

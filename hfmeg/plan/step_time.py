@@ -95,10 +95,11 @@ from .profile import Profile
 ADAMW_BYTES_PER_ELEMENT = 36
 
 
-def grad_accumulate_bytes(dtype_bytes: int) -> int:
-    """Bytes moved per parameter element when one micro-batch's gradient joins the main grad: the new
-    gradient read (the parameters' dtype), the fp32 main grad read and written."""
-    return dtype_bytes + 4 + 4
+def grad_accumulate_bytes(dtype_bytes: int, fused: bool) -> int:
+    """Bytes moved per parameter element when one micro-batch's gradient joins the main grad: the fp32 main
+    grad read and written, and without gradient-accumulation fusion (parallel/wgrad.py) the gradient the
+    GEMM wrote in the parameters' dtype read back (fused, the GEMM adds into the main grad itself)."""
+    return 4 + 4 + (0 if fused else dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -291,7 +292,8 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
         comm_l += sum(stage.ends_comm(s.pre_process, s.post_process) for s in mine)
         ends = (prof.ends_overhead_s / 2 * sum(s.pre_process + s.post_process for s in mine)
                 + prof.microbatch_overhead_s * len(mine)) * slow
-        grads = grad_accumulation * memories[r].param_buffer / dtype_bytes * grad_accumulate_bytes(dtype_bytes) \
+        grads = grad_accumulation * memories[r].param_buffer / dtype_bytes \
+            * grad_accumulate_bytes(dtype_bytes, opt.grad_accumulation_fusion) \
             / prof.memory_bytes_per_s * slow
         fwd = stage.with_fixed(fwd_l + (head_f if post else 0.0), ends / 3)
         bwd = stage.with_fixed(bwd_l + (head_b if post else 0.0) + grads, 2 * ends / 3)
