@@ -18,18 +18,13 @@ needs its split sizes: exactly one read per layer forward, none in the backward.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import make_ps
-from hfmeg.config import model_config_from_hf
+from helpers import make_ps, moe_layer
 from hfmeg.models.grouped_linear import GroupedLinear, _fits
-from hfmeg.models.kernels import Kernels
-from hfmeg.models.moe import MoELayer
 from hfmeg.parallel.launch import spawn
-from tiny_models import tiny_config
 
 U = 2.0 ** -24
 
@@ -70,18 +65,6 @@ def test_grouped_linear_matches_per_expert_loop(k, n):
     assert torch.equal(dw[1], torch.zeros(n, k))  # an expert without tokens: a zero gradient, not none
 
 
-def _layer(ep=1, ep_rank=0, ep_group=None, hidden=32, ffn=16):
-    """A Qwen3-MoE layer (8 experts, top-2) with random weights; sizes that fit `_grouped_mm` by default."""
-    cfg = model_config_from_hf(tiny_config("qwen3_moe", num_experts=8, hidden_size=hidden, moe_intermediate_size=ffn))
-    ps = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=True, ep=ep, ep_rank=ep_rank, ep_group=ep_group)
-    layer = MoELayer(cfg, ps, Kernels())
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.2)
-    return layer
-
-
 @contextmanager
 def _counting_host_reads(raise_on_read: bool):
     """Count (or refuse) every Python-level read of a tensor's value on the host."""
@@ -113,7 +96,7 @@ def _counting_host_reads(raise_on_read: bool):
 
 
 def test_moe_layer_reads_nothing_on_the_host_at_ep1():
-    layer = _layer()
+    layer = moe_layer()
     x = torch.randn(6, 2, 32, requires_grad=True)
     with _counting_host_reads(raise_on_read=True):
         y = layer(x)
@@ -123,7 +106,7 @@ def test_moe_layer_reads_nothing_on_the_host_at_ep1():
 
 def _reads_at_ep2():
     ps = make_ps(ep=2)
-    layer = _layer(ep=2, ep_rank=ps.ep_rank, ep_group=ps.ep_group)
+    layer = moe_layer(ep=2, ep_rank=ps.ep_rank, ep_group=ps.ep_group)
     torch.manual_seed(2 + ps.rank)
     x = torch.randn(5, 1, 32, requires_grad=True)
     with _counting_host_reads(raise_on_read=False) as forward:

@@ -10,8 +10,8 @@ embedding, the LM head, or this rank's TP shard of one) is compressed at rank
 k = min(rank, m, n) when that pays, (m * n) / (k * (m + n)) >= min_compression_rate:
 its DP sum then moves (m + n) * k elements instead of m * n. Vectors (norms, biases)
 and matrices that would not pay are summed exactly, inside the same flat all-reduce
-as the P factors. Other shapes do not occur in these models; they too would be summed
-exactly (a conv kernel would pay if reshaped into a matrix, which nothing here does).
+as the P factors. Other shapes are summed exactly too: the grouped MoE experts' stacked
+`[E_local, m, n]` weights (each expert's matrix could be compressed on its own; not done yet).
 A bucket with nothing to compress keeps the plain reduce-scatter.
 
 One bucket, on DP rank i (grad_sync.py launches it when the bucket's last gradient
