@@ -27,7 +27,8 @@ backward never wait for the device (where the GEMMs' sizes fit the kernel, see t
 An expert no token chose is an empty group: its weight gradient is zero, and since all
 experts are one parameter, every rank's backward fills the same parameters in the same
 order for the data-parallel wrapper's per-bucket hooks. On disk each expert is still a
-tensor of its own under its global index (`parallel/stored_names.py`), as HF names them.
+tensor of its own under its global index (`parallel/stored_names.py`), the names shard
+files had before the experts were stacked, so those files still load.
 
 Expert parallelism (EP): EP rank j builds only its `E / ep` experts, the contiguous block
 `expert_dispatch.local_experts`, stored under their global indices so checkpoint names do
