@@ -1,14 +1,18 @@
-"""Helpers every kind of test shares: a rank's `ParallelState` and the stories260K asset."""
+"""Helpers every kind of test shares: a rank's `ParallelState`, a random MoE layer and the stories260K asset."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from tiny_models import STORIES
+from tiny_models import STORIES, tiny_config
 
+from hfmeg.config import model_config_from_hf
+from hfmeg.models.kernels import Kernels
+from hfmeg.models.moe import MoELayer
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 
 
@@ -25,6 +29,18 @@ def make_ps(tp: int = 1, pp: int = 1, vpp: int = 1, sp: bool = False, *, ep: int
         rank = 0
     return ParallelState(ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sp, ep=ep, cp=cp), rank, world,
                          torch.device(device))
+
+
+def moe_layer(ep: int = 1, ep_rank: int = 0, ep_group=None, hidden: int = 32, ffn: int = 16) -> MoELayer:
+    """A Qwen3-MoE layer (8 experts, top-2, TP 1) with random weights, on CPU in fp32."""
+    cfg = model_config_from_hf(tiny_config("qwen3_moe", num_experts=8, hidden_size=hidden, moe_intermediate_size=ffn))
+    ps = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=True, ep=ep, ep_rank=ep_rank, ep_group=ep_group)
+    layer = MoELayer(cfg, ps, Kernels())
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.2)
+    return layer
 
 
 def stories_or_skip() -> Path:

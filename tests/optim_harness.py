@@ -19,6 +19,7 @@ from hfmeg.optim import DistributedOptimizer, OptimizerConfig, no_weight_decay
 from hfmeg.parallel.context import shard_microbatch
 from hfmeg.parallel.roles import named_roles
 from hfmeg.parallel.state import ParallelState
+from hfmeg.parallel.stored_names import stored_tensors
 
 ROWS, SEQ, VOCAB = 4, 16, 300  # rows per micro-batch of the global batch
 
@@ -69,7 +70,7 @@ def reference(folder, cfg: OptimizerConfig, ga: int, steps: int, ps1: ParallelSt
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in named}
+    return losses, {n: t.detach().clone() for n, t in stored_tensors(model).items()}
 
 
 # The parity bound, from the arithmetic rather than one machine: the same AdamW run in float64 is
@@ -180,7 +181,7 @@ def train(chunk, opt, ps, ga: int, steps: int, first_step: int = 0) -> list[floa
 def max_rel_diff(chunk, ps: ParallelState, ref: dict[str, torch.Tensor]) -> tuple[float, float, int]:
     """Worst per-tensor ||ours - ref|| / ||ref|| and max|ours - ref| / max|ref| over this rank's
     parameters (against TP slices of ref), and how many tensors were compared."""
-    params = dict(chunk.named_parameters())
+    params = stored_tensors(chunk)
     worst, worst_max, n = 0.0, 0.0, 0
     for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process, chunk.experts):
         if rule.tied:  # the last stage's copy of the tied embedding

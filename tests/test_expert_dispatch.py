@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hfmeg.errors import LayoutError
+from hfmeg.models.grouped_linear import grouped_linear
 from hfmeg.parallel.expert_dispatch import TokenDispatcher
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.state import ParallelConfig, ParallelState
@@ -39,13 +40,11 @@ def test_ep_must_divide_dp():
 
 
 def _moe(x, experts, weights, w, dispatcher):
-    """Run the routed copies of `x` through this rank's linear experts `w` and combine them per token."""
+    """Run the routed copies of `x` through this rank's linear experts `w` (`[E_local, H, H]`, y = x w_e^T)
+    and combine them per token."""
     d = dispatcher.dispatch(x, experts)
-    outs, start = [], 0
-    for e, n in enumerate(d.tokens_per_expert):
-        outs.append(d.rows[start:start + n] @ w[e])
-        start += n
-    y = dispatcher.combine(torch.cat(outs), d)[torch.argsort(d.order)].view(x.shape[0], experts.shape[1], -1)
+    y = dispatcher.combine(grouped_linear(d.rows, w, d.offsets), d)[torch.argsort(d.order)]
+    y = y.view(x.shape[0], experts.shape[1], -1)
     return (y * weights.unsqueeze(-1)).sum(1)
 
 

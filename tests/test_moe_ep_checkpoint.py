@@ -32,6 +32,7 @@ from hfmeg.checkpoint.mp_reader import MPCheckpoint
 from hfmeg.checkpoint.mp_save import chunks_layout, staged_save, write_model_shard
 from hfmeg.optim.state_io import load_optimizer_state, save_optimizer_state
 from hfmeg.parallel.launch import spawn
+from hfmeg.parallel.stored_names import stored_tensors
 from hfmeg.train.checkpointing import STATE_FILE
 from hfmeg.train.reshard_checkpoint import reshard_training_checkpoint
 from optim_harness import CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, train
@@ -78,8 +79,8 @@ def _save_export_resume(folder: Path, out: Path):
         mp_to_hf(saved, out / "hf_ep2")
         mp_to_hf(saved_ep1, out / "hf_ep1")
     dist.barrier()
-    exported = dict(build_rank_chunk(out / "hf_ep2", make_ps(ep=1)).named_parameters())
-    exact = all(torch.equal(p, exported[n]) for n, p in chunk.named_parameters())
+    exported = stored_tensors(build_rank_chunk(out / "hf_ep2", make_ps(ep=1)))
+    exact = all(torch.equal(t, exported[n]) for n, t in stored_tensors(chunk).items())
     if dist.get_rank() == 0:
         reshard_training_checkpoint(saved, out / "tp2", tp=2, pp=1)
     dist.barrier()

@@ -37,6 +37,7 @@ from hfmeg.models.moe import MoELayer
 from hfmeg.parallel.data_parallel import DataParallel
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
+from hfmeg.parallel.stored_names import stored_tensors
 from tiny_models import MOE_KINDS, save_tiny
 
 # (tp, pp, sp, ep)
@@ -110,9 +111,9 @@ def _grad_diff(chunks, ps, ref_grads):
     """(worst relative gradient difference, HF names compared) of this rank's finished gradients."""
     worst, seen = 0.0, set()
     for chunk in chunks:
-        params = dict(chunk.named_parameters())
+        grads = stored_tensors(chunk, lambda p: p.main_grad)
         for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process, chunk.experts):
-            for name, g in to_hf(rule, _gather_tp(params[rule.local].main_grad, ps), chunk.cfg).items():
+            for name, g in to_hf(rule, _gather_tp(grads[rule.local], ps), chunk.cfg).items():
                 ref = ref_grads[name]
                 worst = max(worst, ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item())
                 seen.add(name)
@@ -178,9 +179,9 @@ def _pipelines(folder, mbs):
     chunk = load_chunks(HFCheckpoint(folder), one)[0]
     num_tokens = sum(int((m["labels"] != -100).sum()) for m in mbs)
     ref_loss = forward_backward([chunk], one, mbs, schedule="1f1b", num_tokens=num_tokens)
-    params = dict(chunk.named_parameters())
+    grads = stored_tensors(chunk, lambda p: p.grad)
     ref_grads = {name: g for rule in chunk_rules(chunk.cfg, chunk.layer_ids, True, True, chunk.experts)
-                 for name, g in to_hf(rule, [params[rule.local].grad], chunk.cfg).items()}
+                 for name, g in to_hf(rule, [grads[rule.local]], chunk.cfg).items()}
     rows = []
     for case in PIPELINES:
         ps = make_ps(tp=case.tp, pp=case.pp, vpp=case.vpp, sp=case.sp)

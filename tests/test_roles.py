@@ -3,7 +3,9 @@
 `checkpoint.rules` says how each tensor is split over TP (its split kind); the role the
 layer declared must say the same: column/row/vocab splits shard one dim, `replicated`
 shards none. Chunks are built on the meta device (construction reads only the TP size,
-rank and the SP flag), as TP=2 with SP, and as the two ends of a PP=2 tied model.
+rank and the SP flag), as TP=2 with SP, and as the two ends of a PP=2 tied model. The
+grouped MoE experts are one stacked parameter per layer stored as one tensor per expert
+(`parallel/stored_names.py`): each stored tensor has its parameter's role.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from hfmeg.config import model_config_from_hf
 from hfmeg.models.decoder import ModelChunk
 from hfmeg.optim import OptimizerConfig, no_weight_decay
 from hfmeg.parallel.roles import ParamRole, named_roles, role_of
+from hfmeg.parallel.stored_names import stored_slices
 from tests.tiny_models import MOE_KINDS, tiny_config
 
 FAMILIES = ["llama3", "llama_tied", "mistral", "qwen2", "gpt2", *MOE_KINDS]
@@ -36,8 +39,9 @@ def _chunk(kind: str, pre: bool, post: bool, sp: bool = True) -> ModelChunk:
 def test_roles_match_split_kinds(kind, ends):
     chunk = _chunk(kind, *ends)
     rules = {r.local: r for r in chunk_rules(chunk.cfg, chunk.layer_ids, *ends)}
-    roles = {name: role for name, _, role in named_roles(chunk)}
-    assert list(roles) == [n for n, _ in chunk.named_parameters()]
+    assert [name for name, _, _ in named_roles(chunk)] == [n for n, _ in chunk.named_parameters()]
+    slices = stored_slices(chunk)
+    roles = {s: role for name, _, role in named_roles(chunk) for s in slices.get(name, [name])}
     assert set(roles) == set(rules)
     for name, role in roles.items():
         rule = rules[name]

@@ -33,6 +33,7 @@ from ..errors import CheckpointError, LayoutError
 from ..models.decoder import ModelChunk
 from ..parallel.layout import ChunkSpec, rank_chunks, split_layers
 from ..parallel.state import ParallelState
+from ..parallel.stored_names import stored_tensors
 from .hf_reader import HFCheckpoint
 from .mp_layout import DTYPES, MPLayout
 from .mp_reader import MPCheckpoint
@@ -98,7 +99,7 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
     with torch.device(ps.device):
         chunk = ModelChunk(cfg, ps, spec.layers, pre_process=spec.pre_process, post_process=spec.post_process,
                            vocab_multiple=vocab_multiple, **options)
-    params = dict(chunk.named_parameters())
+    params = stored_tensors(chunk)  # grouped experts: one view per expert, under its per-expert name
     rules = chunk_rules(cfg, spec.layers, spec.pre_process, spec.post_process, chunk.experts)
     unmatched = set(params) ^ {r.local for r in rules}
     if unmatched:

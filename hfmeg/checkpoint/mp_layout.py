@@ -11,7 +11,8 @@
 ```
 
 A rank file holds all of that rank's virtual chunks. Tensor names are the model
-chunk's own parameter names, which carry GLOBAL layer indices
+chunk's stored names (its parameter names; one per expert for the stacked MoE experts,
+`parallel/stored_names.py`), which carry GLOBAL layer indices
 (`layers.7.attn.qkv.weight`, `embed.weight`, `final_norm.weight`, `lm_head.weight`),
 so they never collide between the virtual chunks of one rank; `hfmeg_layout.json`
 says which layers each chunk holds. Every value is that TP rank's slice exactly as
@@ -19,7 +20,8 @@ says which layers each chunk holds. Every value is that TP rank's slice exactly 
 gate/up fused per rank). With tied embeddings the last stage also stores its copy
 of the embedding as `lm_head.weight`, so both end stages hold it.
 
-MoE experts are not TP-split and carry their global index (`layers.3.mlp.experts.5.fc1.weight`),
+MoE experts are not TP-split and carry their global index (`layers.3.mlp.experts.5.fc1.weight`: one
+slice of the layer's stacked expert weight, `parallel/stored_names.py`),
 so a rank folder holds every expert of its layers whatever EP size saved it. An expert-
 parallel run writes them where they are: `model.safetensors` from EP rank 0 (everything
 but the other EP ranks' experts), and each other EP rank's experts E..F in

@@ -38,6 +38,7 @@ from ..parallel.agree import agree
 from ..parallel.params_ready import wait_params_ready
 from ..parallel.roles import named_roles
 from ..parallel.state import ParallelState
+from ..parallel.stored_names import stored_slices, stored_tensors
 from .atomic import replace_dir
 from .mp_layout import (EXPERT_FILE, HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, iteration_dir_name,
                         write_latest)
@@ -127,10 +128,11 @@ def write_model_shard(chunks: list[ModelChunk], ps: ParallelState, layout: MPLay
     wait_params_ready(chunks)
     if ps.edp_rank == 0:
         cfg = chunks[0].cfg
-        experts = {name for c in chunks for name, _, role in named_roles(c) if role.expert}
+        experts = {s for c in chunks for s in _expert_names(c)}
         # remove_duplicate=False: layers sharing one Parameter (models/shared_layers.py) each write theirs.
-        params = [(rule.local, dict(c.named_parameters(remove_duplicate=False))[rule.local])
+        params = [(rule.local, tensors[rule.local])
                   for c, s in zip(chunks, layout.rank_chunks(ps.pp_rank))
+                  for tensors in [stored_tensors(c, remove_duplicate=False)]
                   for rule in chunk_rules(cfg, s.layers, s.pre_process, s.post_process, c.experts)
                   if ps.ep_rank == 0 or rule.local in experts]
         mine = chunks[0].experts
@@ -140,3 +142,9 @@ def write_model_shard(chunks: list[ModelChunk], ps: ParallelState, layout: MPLay
             for n, p in params:
                 writer.write(n, p)
     return rank_dir
+
+
+def _expert_names(chunk: ModelChunk) -> set[str]:
+    """The stored names of `chunk`'s routed-expert tensors (found by role: one per expert of a stacked weight)."""
+    slices = stored_slices(chunk)
+    return {s for name, _, role in named_roles(chunk) if role.expert for s in slices.get(name, [name])}

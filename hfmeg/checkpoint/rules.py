@@ -19,7 +19,12 @@ Split kinds:
 
 MoE layers (Mixtral `block_sparse_moe.*`, Qwen `mlp.*`) map the router (`gate`) and
 every expert's tensors one to one, by expert index, so each tensor travels alone
-(streaming) and the names carry the global expert index. Their rules state the HF
+(streaming) and the names carry the global expert index. The model holds a rank's
+experts stacked (`models/moe.py` `GroupedExperts`), but the hfmeg names here, and so
+the shard files, stay per expert (`layers.N.mlp.experts.E.fc1.weight`): each is one
+slice of the stacked weight (`parallel/stored_names.py`). That keeps folders written
+before the experts were stacked readable, and a folder written at any EP size holds
+each expert once, so EP resharding needs nothing new. Their rules state the HF
 shapes (`shapes`), which the split kind alone does not imply. A checkpoint that
 stores the experts stacked, as transformers holds them in memory
 (`mlp.experts.gate_up_proj` `[E, 2F, H]` = each expert's [gate; up], and

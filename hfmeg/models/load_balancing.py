@@ -65,7 +65,8 @@ def add_router_sums(received: torch.Tensor | None, stats: list[RouterStats], num
                                                                    device=device)
     counts = torch.stack([s.tokens_per_expert for s in stats]).sum(0)
     prob_sum = torch.stack([s.prob_sum for s in stats]).sum(0)
-    rows = torch.tensor([sum(s.rows for s in stats)], dtype=torch.float64, device=device)
+    # A fill, not a copy from the host: on a GPU `torch.tensor(..., device=)` would wait for the device.
+    rows = counts.new_full((1,), sum(s.rows for s in stats), dtype=torch.float64)
     own = torch.cat([prob_sum.double(), counts.double(), rows])
     return own if received is None else received + own
 

@@ -14,14 +14,25 @@ Routing, as transformers computes it for these families:
    `sigmoid(shared_expert_gate(x))`.
 
 Dispatch (`parallel/expert_dispatch.py`): the (token, slot) pairs are sorted by expert
-once (a stable argsort), so each expert's tokens are one contiguous block and the
-experts run one after another on their blocks. Every expert runs, on an empty block if
-no token chose it, so every expert weight gets a gradient (zero) in every backward and
-the data-parallel wrapper's per-bucket hooks fire in the same order on every rank.
+once (a stable argsort), so each expert's tokens are one contiguous block; the per-expert
+counts and their running ends (the group offsets) are computed on the device.
+
+Grouped experts (`GroupedExperts`): this rank's routed experts are two stacked weights,
+`fc1` `[E_local, 2F, H]` (each expert's [gate; up], the rows of HF's gate then up) and
+`fc2` `[E_local, H, F]`. All routed rows go through `fc1` as one grouped GEMM
+(`models/grouped_linear.py`: group g is expert g's block), SwiGLU runs once over all of
+them (one shape per call), and `fc2` is a second grouped GEMM; the backward is grouped
+GEMMs too. Nothing reads the counts on the host, so at EP = 1 a MoE layer's forward and
+backward never wait for the device (where the GEMMs' sizes fit the kernel, see there).
+An expert no token chose is an empty group: its weight gradient is zero, and since all
+experts are one parameter, every rank's backward fills the same parameters in the same
+order for the data-parallel wrapper's per-bucket hooks. On disk each expert is still a
+tensor of its own under its global index (`parallel/stored_names.py`), the names shard
+files had before the experts were stacked, so those files still load.
 
 Expert parallelism (EP): EP rank j builds only its `E / ep` experts, the contiguous block
-`expert_dispatch.local_experts`, still keyed by their global index so parameter and
-checkpoint names do not depend on the layout. Each rank routes its own tokens, the
+`expert_dispatch.local_experts`, stored under their global indices so checkpoint names do
+not depend on the layout. Each rank routes its own tokens, the
 dispatcher sends every routed copy to the rank holding its expert (all-to-all over the
 EP group) and brings the outputs back in the same expert-sorted order as at EP = 1;
 weighting and the per-token sum are then the same code, so EP = 1 is the plain sort
@@ -57,8 +68,10 @@ from ..config import ModelConfig
 from ..parallel.comm import gather_tokens, split_tokens
 from ..parallel.expert_dispatch import Dispatched, TokenDispatcher, local_experts
 from ..parallel.layers import ReplicatedLinear
-from ..parallel.roles import ParamRole
+from ..parallel.roles import ParamRole, add_param
 from ..parallel.state import ParallelState
+from ..parallel.stored_names import set_stored_names
+from .grouped_linear import grouped_linear
 from .kernels import Kernels
 
 # Replicated, used on this rank's tokens only: partial gradients, summed over TP.
@@ -76,7 +89,8 @@ class RouterStats:
 
 
 class GatedExpert(nn.Module):
-    """A SwiGLU MLP held whole (not TP-split): `fc1` `[2F, H]` = [gate; up], `fc2` `[H, F]`."""
+    """A SwiGLU MLP held whole (not TP-split): `fc1` `[2F, H]` = [gate; up], `fc2` `[H, F]` (Qwen2-MoE's
+    shared expert, which every token goes through)."""
 
     def __init__(self, hidden: int, ffn: int, role: ParamRole, kernels: Kernels):
         super().__init__()
@@ -87,6 +101,24 @@ class GatedExpert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc1(x).chunk(2, dim=-1)
         return self.fc2(self.kernels.swiglu(gate, up))
+
+
+class GroupedExperts(nn.Module):
+    """This rank's routed experts `experts` (global indices), stacked: `fc1` `[E_local, 2F, H]` (each expert's
+    [gate; up]) and `fc2` `[E_local, H, F]`, stored per expert as `{e}.fc1.weight` and `{e}.fc2.weight`."""
+
+    def __init__(self, experts: range, hidden: int, ffn: int, kernels: Kernels):
+        super().__init__()
+        self.kernels = kernels
+        add_param(self, "fc1", len(experts), 2 * ffn, hidden, role=_EXPERT)
+        add_param(self, "fc2", len(experts), hidden, ffn, role=_EXPERT)
+        for name in ("fc1", "fc2"):
+            set_stored_names(self, name, [f"{e}.{name}.weight" for e in experts])
+
+    def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows `[R, h]` sorted by expert, expert g's block ending at `offsets[g]`: their outputs `[R, h]`."""
+        gate, up = grouped_linear(rows, self.fc1, offsets).chunk(2, dim=-1)
+        return grouped_linear(self.kernels.swiglu(gate, up), self.fc2, offsets)
 
 
 class MoELayer(nn.Module):
@@ -103,10 +135,7 @@ class MoELayer(nn.Module):
         h = cfg.hidden_size
         self.router = ReplicatedLinear(h, m.num_experts, _PARTIAL)
         self.dispatcher = TokenDispatcher(m.num_experts, ps.ep, ps.ep_group)
-        self.local_experts = local_experts(m.num_experts, ps.ep, ps.ep_rank)
-        # Keyed by the global expert index, so names stay the same when experts are spread over ranks.
-        self.experts = nn.ModuleDict({str(e): GatedExpert(h, m.expert_ffn_size, _EXPERT, kernels)
-                                      for e in self.local_experts})
+        self.experts = GroupedExperts(local_experts(m.num_experts, ps.ep, ps.ep_rank), h, m.expert_ffn_size, kernels)
         if m.shared_expert_ffn_size:
             self.shared = GatedExpert(h, m.shared_expert_ffn_size, _PARTIAL, kernels)
             self.shared_gate = ReplicatedLinear(h, 1, _PARTIAL)
@@ -138,9 +167,7 @@ class MoELayer(nn.Module):
         return out
 
     def _experts(self, x: torch.Tensor, d: Dispatched, weights: torch.Tensor) -> torch.Tensor:
-        blocks = d.rows.split(d.tokens_per_expert)
-        y = torch.cat([self.experts[str(e)](block) for e, block in zip(self.local_experts, blocks)])
-        y = self.dispatcher.combine(y, d) * weights.reshape(-1)[d.order].unsqueeze(-1)
+        y = self.dispatcher.combine(self.experts(d.rows, d.offsets), d) * weights.reshape(-1)[d.order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, d.token, y.to(x.dtype))
 
 

@@ -43,6 +43,7 @@ from safetensors import SafetensorError, safe_open
 from ..checkpoint.atomic import save_tensors
 from ..errors import CheckpointError, HfmegError
 from ..parallel.agree import agree
+from ..parallel.stored_names import stored_slices
 from .distributed_optimizer import DistributedOptimizer
 
 log = logging.getLogger("hfmeg.optim")
@@ -52,15 +53,25 @@ STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
 def _pieces(opt: DistributedOptimizer, primary_only: bool = False) -> list[list]:
-    """[name, lo, hi, offset] of every parameter piece this rank holds (`primary_only`: that it writes)."""
+    """[name, lo, hi, offset] of every parameter piece this rank holds (`primary_only`: that it writes),
+    by stored name: a piece of a stacked parameter becomes pieces of its slices (parallel/stored_names.py)."""
     dp, out = opt.data_parallel, []
+    stacked = [stored_slices(c) for c in dp.chunks]
     for b in opt.buckets:
         if primary_only and not dp.primary(b):
             continue
         rank = dp.shard_rank(b)
         base = opt.offsets[b.index] - rank * b.shard_size
         for slot, lo, hi in b.segments(rank):
-            out.append([slot.name, lo, hi, base + slot.offset + lo])
+            slices = stacked[b.chunk].get(slot.name)
+            if slices is None:
+                out.append([slot.name, lo, hi, base + slot.offset + lo])
+                continue
+            per = slot.numel // len(slices)
+            for j, name in enumerate(slices):
+                a, z = max(lo, j * per), min(hi, (j + 1) * per)
+                if a < z:
+                    out.append([name, a - j * per, z - j * per, base + slot.offset + a])
     return out
 
 

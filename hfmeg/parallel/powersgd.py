@@ -10,8 +10,9 @@ embedding, the LM head, or this rank's TP shard of one) is compressed at rank
 k = min(rank, m, n) when that pays, (m * n) / (k * (m + n)) >= min_compression_rate:
 its DP sum then moves (m + n) * k elements instead of m * n. Vectors (norms, biases)
 and matrices that would not pay are summed exactly, inside the same flat all-reduce
-as the P factors. Other shapes do not occur in these models; they too would be summed
-exactly (a conv kernel would pay if reshaped into a matrix, which nothing here does).
+as the P factors. A stack of matrices `[B, m, n]` (the grouped MoE experts' weights,
+`models/moe.py`) is B matrices compressed alike, each with its own P and Q. Other shapes
+do not occur in these models; they too would be summed exactly.
 A bucket with nothing to compress keeps the plain reduce-scatter.
 
 One bucket, on DP rank i (grad_sync.py launches it when the bucket's last gradient
@@ -77,25 +78,30 @@ from .buffers import Bucket, Slot
 
 
 def compression_rank(shape: torch.Size, rank: int, min_compression_rate: float) -> int:
-    """The rank k a gradient of `shape` is compressed at, or 0 when it is summed exactly."""
-    if len(shape) != 2:
+    """The rank k a gradient of `shape` (a matrix, or a stack of them) is compressed at, or 0 when it is summed
+    exactly."""
+    if len(shape) not in (2, 3):
         return 0
-    m, n = shape
+    m, n = shape[-2:]
     k = min(rank, m, n)
     return k if m * n >= min_compression_rate * k * (m + n) else 0
 
 
 class _Matrix:
-    """One compressed gradient: its main grad (m x n) and views of its P (m x k) and Q (n x k)."""
+    """One compressed gradient, a stack of B matrices (B = 1 for a plain matrix): its main grad `[B, m, n]` and
+    views of its P `[B, m, k]` and Q `[B, n, k]`."""
 
     def __init__(self, slot: Slot, p: torch.Tensor, q: torch.Tensor):
-        self.slot, self.grad, self.p, self.q = slot, slot.param.main_grad, p, q
+        self.slot, self.p, self.q = slot, p, q
+        self.grad = slot.param.main_grad.view(p.shape[0], p.shape[1], -1)
 
     def rows_of_sum(self, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the flattened decompressed sum P Q^T, computing only their rows."""
-        n = self.grad.shape[1]
-        r0, r1 = lo // n, -(-hi // n)
-        return (self.p[r0:r1] @ self.q.T).view(-1)[lo - r0 * n : hi - r0 * n]
+        m, n = self.grad.shape[1:]
+        r0, r1 = lo // n, -(-hi // n)  # rows of the stack seen as [B·m, n]
+        rows = [self.p[b, max(r0 - b * m, 0) : min(r1 - b * m, m)] @ self.q[b].T
+                for b in range(r0 // m, -(-r1 // m))]
+        return torch.cat(rows).view(-1)[lo - r0 * n : hi - r0 * n]
 
 
 class _Plan:
@@ -104,17 +110,19 @@ class _Plan:
     def __init__(self, bucket: Bucket, ranks: dict[str, int], group, shard: int):
         self.bucket, self.group, self.shard = bucket, group, shard
         device = bucket.grad_buf.device
-        shapes = {s.name: s.param.shape for s in bucket.slots}
+        shapes = {s.name: (-1, *s.param.shape[-2:]) for s in bucket.slots}  # [B, m, n]: a matrix is B = 1
         compressed = [s for s in bucket.slots if s.name in ranks]
         exact = [s for s in bucket.slots if s.name not in ranks]
-        p_sizes = [shapes[s.name][0] * ranks[s.name] for s in compressed]
-        q_sizes = [shapes[s.name][1] * ranks[s.name] for s in compressed]
+        stacks = {s.name: s.numel // (shapes[s.name][1] * shapes[s.name][2]) for s in compressed}
+        p_sizes = [stacks[s.name] * shapes[s.name][1] * ranks[s.name] for s in compressed]
+        q_sizes = [stacks[s.name] * shapes[s.name][2] * ranks[s.name] for s in compressed]
         # round 1 sends [P of every matrix, then every exactly summed gradient]; round 2 every Q
         self.round1 = torch.zeros(sum(p_sizes) + sum(s.numel for s in exact), device=device)
         self.q = torch.zeros(sum(q_sizes), device=device)
         ps = self.round1.split(p_sizes + [s.numel for s in exact])
         qs = self.q.split(q_sizes)
-        self.matrices = {s.name: _Matrix(s, p.view(shapes[s.name][0], -1), q.view(shapes[s.name][1], -1))
+        self.matrices = {s.name: _Matrix(s, p.view(stacks[s.name], shapes[s.name][1], -1),
+                                         q.view(stacks[s.name], shapes[s.name][2], -1))
                          for s, p, q in zip(compressed, ps, qs)}
         self.exact = {s.name: (s, v) for s, v in zip(exact, ps[len(compressed):])}  # name -> (slot, its sum)
         self.residual = torch.zeros(bucket.shard_size, device=device)  # E_i where this rank's shard gets the sum
@@ -132,8 +140,8 @@ class _Plan:
     def second_round(self) -> None:
         for mat in self.matrices.values():
             mat.p.copy_(torch.linalg.qr(mat.p).Q)
-            torch.matmul(mat.grad.T, mat.p, out=mat.q)
-            mat.grad.addmm_(mat.p, mat.q.T, alpha=-1.0)  # M_i -> E_i
+            torch.matmul(mat.grad.mT, mat.p, out=mat.q)
+            mat.grad.baddbmm_(mat.p, mat.q.mT, alpha=-1.0)  # M_i -> E_i
 
     def write_sum(self) -> None:
         """Put this rank's shard of the sum into the owned gradient shard, its residual aside."""
@@ -238,6 +246,7 @@ class PowerSGD:
         """Q and the residual E_i of every compressed matrix, between steps, by `<chunk>/<parameter>`."""
         out = {}
         for b, mat in self.matrices():
-            out[f"{b.chunk}/{mat.slot.name}/q"] = mat.q
-            out[f"{b.chunk}/{mat.slot.name}/residual"] = mat.grad
+            # Shaped by the parameter (a plain matrix's Q is [n, k]), so files from before stacks existed still load.
+            out[f"{b.chunk}/{mat.slot.name}/q"] = mat.q.view(*mat.slot.param.shape[:-2], *mat.q.shape[1:])
+            out[f"{b.chunk}/{mat.slot.name}/residual"] = mat.slot.param.main_grad
         return out

@@ -20,7 +20,7 @@ read one record instead of matching names or ad-hoc attributes:
   than the owner's: they are not counted again in the global norm.
 - `kind`: what the tensor is, for weight-decay exclusion (`weight`, `bias`, `norm`,
   `norm_bias`, `embedding`).
-- `expert`: one routed expert's weight (`models/moe.py`). Under expert parallelism each
+- `expert`: a routed expert weight (`models/moe.py`: a rank's experts stacked in one parameter). Under expert parallelism each
   EP rank holds only some experts, and their gradients are summed, sharded and gathered
   over the expert-data-parallel group (`data_parallel.py`); consumers find them by this
   flag, never by name. The router and Qwen2-MoE's

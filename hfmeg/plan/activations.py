@@ -25,7 +25,8 @@ Per layer, recompute `none`:
   token and slot indices (16·nk), the weights gathered per row (nk·(4 if the combine
   is fp32, else e)), and per routed row the gathered input, FC1's output, the
   activation's output, the SwiGLU product, the expert output and the weighted output
-  (e·nk·(3h + 4F)); a shared expert adds a gated MLP on n tokens plus its sigmoid
+  (e·nk·(3h + 4F)), and the int32 group offsets both grouped GEMMs keep (one tensor,
+  4·E/EP); a shared expert adds a gated MLP on n tokens plus its sigmoid
   gate and output (e·n·(4F_s + 1 + h)). Dense layers of an MoE model count as above.
   With expert parallelism (EP > 1, parallel/expert_dispatch.py) the expert rows are the
   R rows this rank receives, not its own n·k: the expert-major reindexing of the
@@ -117,7 +118,8 @@ def _moe(cfg: ModelConfig, x: Shape) -> int:
     k, f = m.top_k, m.expert_ffn_size
     routing = 4 * n * m.num_experts + 12 * n * k + (4 * n if m.norm_topk_prob else 0) + 16 * n * k \
         + n * k * (4 if m.combine_fp32 else e)
-    experts = e * n * k * (3 * h + 4 * f) + (16 * n * k if x.ep > 1 else 0)  # R = n·k received rows
+    offsets = 4 * (m.num_experts // x.ep)  # the grouped GEMMs' int32 offsets, one tensor kept by fc1's and fc2's
+    experts = e * n * k * (3 * h + 4 * f) + offsets + (16 * n * k if x.ep > 1 else 0)  # R = n·k received rows
     shared = e * n * (4 * m.shared_expert_ffn_size + 1 + h) if m.shared_expert_ffn_size else 0
     return e * x.local_seq * x.micro_batch * h + routing + experts + shared
 
