@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from helpers import make_ps, moe_layer
-from hfmeg.models.grouped_linear import GroupedLinear, _fits
+from hfmeg.models.grouped_linear import _fits, grouped_linear
+from hfmeg.parallel.wgrad import GradSink
 from hfmeg.parallel.launch import spawn
 
 U = 2.0 ** -24
@@ -39,8 +40,11 @@ def _loop(x, w, counts):
     return torch.cat([xg @ w[g].T for g, xg in enumerate(x.split(counts))])
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["autograd", "into_main_grad"])
 @pytest.mark.parametrize("k,n", [(32, 48), (5, 7)], ids=["grouped_mm", "fallback"])
-def test_grouped_linear_matches_per_expert_loop(k, n):
+def test_grouped_linear_matches_per_expert_loop(k, n, fused):
+    """`fused`: the weight has an fp32 main grad (parallel/wgrad.py), which takes the weight gradient
+    (added onto what it held) and is announced once; autograd then gets none."""
     torch.manual_seed(0)
     counts = [3, 0, 9, 1]  # an expert without tokens included
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
@@ -49,8 +53,15 @@ def test_grouped_linear_matches_per_expert_loop(k, n):
     dy = torch.randn(sum(counts), n)
     assert _fits(x) == _fits(w.transpose(1, 2)) == (k % 4 == 0)  # which path runs
 
-    y = GroupedLinear.apply(x, w, offs)
-    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    landed, held = [], torch.randn(w.shape)
+    if fused:
+        w.grad_sink = GradSink(held.clone(), lambda: landed.append(1))
+    y = grouped_linear(x, w, offs)
+    y.backward(dy)
+    dx, dw = x.grad, w.grad
+    if fused:
+        assert dw is None and landed == [1]
+        dw = w.grad_sink.main_grad - held
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     yr = _loop(xr, wr, counts)
     dxr, dwr = torch.autograd.grad(yr, (xr, wr), dy)
@@ -61,6 +72,8 @@ def test_grouped_linear_matches_per_expert_loop(k, n):
     dw_bound = torch.stack([_bound(dg.T, xg, max(len(xg), 1)) for dg, xg in zip(dys, xs)])
     assert ((y - yr).abs() <= y_bound).all()
     assert ((dx - dxr).abs() <= dx_bound).all()
+    if fused:  # adding onto `held` and taking it off again: two more roundings, each of at most u·|sum|
+        dw_bound = dw_bound + 2 * U * (held.double().abs() + dwr.detach().double().abs())
     assert ((dw - dwr).abs() <= dw_bound).all()
     assert torch.equal(dw[1], torch.zeros(n, k))  # an expert without tokens: a zero gradient, not none
 

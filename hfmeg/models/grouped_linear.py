@@ -14,10 +14,11 @@ CPU for these layouts, so `GroupedLinear` states the three products itself. An e
 gives zero rows and a zero weight gradient, so every expert's weight gets a gradient in
 every backward (the data-parallel hooks fire alike on every rank).
 
-The weight gradient is formed in one place, `expert_wgrad`, so that accumulating it
-straight into an fp32 main gradient can be wired there. It asks the kernel for an fp32
-result where the kernel offers one (`_fp32_wgrad`); torch 2.13 offers it only for fp32
-inputs, and the result is cast to the weight's dtype as autograd expects.
+The weight gradient is formed in one place, `expert_wgrad`. It asks the kernel for an fp32
+result where the kernel offers one (`_fp32_wgrad`; torch 2.13 offers it only for fp32
+inputs). Where the weight has an fp32 main grad (gradient-accumulation fusion,
+parallel/wgrad.py) it is added there and announced, and autograd gets no weight gradient;
+otherwise it is cast to the weight's dtype as autograd expects.
 
 Fallback: `_grouped_mm` needs every operand's non-unit stride to be a multiple of 16
 bytes (and on GPUs a 16-byte aligned start), e.g. K and N multiples of 4 in fp32, 8 in
@@ -35,6 +36,7 @@ from functools import cache
 
 import torch
 
+from ..parallel.wgrad import GradSink, sink_of
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what `_grouped_mm` takes
 
@@ -89,9 +91,10 @@ class GroupedLinear(torch.autograd.Function):
     """`y` `[R, N]` with `y_g = x_g w_g^T`: rows `x` `[R, K]` grouped by `offs`, stacked weight `w` `[G, N, K]`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, sink: GradSink | None) -> torch.Tensor:
         x = x.contiguous()
         ctx.save_for_backward(x, w, offs)
+        ctx.sink = sink
         return grouped_rows(x, w.transpose(1, 2), offs)
 
     @staticmethod
@@ -99,9 +102,14 @@ class GroupedLinear(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         dy = dy.contiguous()  # autograd may hand over an expanded (zero-stride) gradient
         dx = grouped_rows(dy, w, offs) if ctx.needs_input_grad[0] else None
-        dw = expert_wgrad(dy, x, offs).to(w.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        dw = None
+        if ctx.sink is not None:
+            ctx.sink.main_grad.add_(expert_wgrad(dy, x, offs))
+            ctx.sink.landed()
+        elif ctx.needs_input_grad[1]:
+            dw = expert_wgrad(dy, x, offs).to(w.dtype)
+        return dx, dw, None, None
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return GroupedLinear.apply(x, w, offs)
+    return GroupedLinear.apply(x, w, offs, sink_of(w))
