@@ -112,7 +112,8 @@ def test_cp_step_time_terms_equal_their_formula(recompute):
         # the core is recomputed. A ring of n ranks inside a node: (n-1)/n of the 2e.b.nkv.s.d bytes
         # gathered, at NVLink x the profile's link efficiency, plus (n-1) latencies.
         kv_bytes = 2 * e * b * nkv * s * d
-        ring = (n - 1) / n * kv_bytes / (spec.intra_node_bytes_per_s * 0.8) + (n - 1) * ClusterSpec(spec, n).intra_node_latency_s
+        latency = ClusterSpec(spec, n).intra_node_latency_s
+        ring = (n - 1) / n * kv_bytes / (spec.intra_node_bytes_per_s * 0.8) + (n - 1) * latency
         kv = m * L * (2 + (recompute != "none")) * ring
         assert math.isclose(t.tp_comm_s, kv, rel_tol=1e-9, abs_tol=1e-15), (n, t.tp_comm_s, kv)
     # The split: every rank computes 1/n of CP 1's work (tokens and causal attention pairs alike).
