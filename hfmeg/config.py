@@ -303,6 +303,16 @@ def check_cp(cfg: ModelConfig, cp: int) -> None:
                  "its part of the sequence); set it false or use cp 1")
 
 
+def check_window(cfg: ModelConfig, seq_len: int) -> None:
+    """Raise if rows of `seq_len` tokens are longer than the model's sliding window: windowed attention is
+    not implemented, and up to the window it is plain causal attention (also under CP, whose mask spans the
+    whole row). Checked at start-up on data.seq_len and again by every attention on its row."""
+    w = cfg.sliding_window
+    _require(w is None or seq_len <= w, "sliding_window",
+             f"sequence length {seq_len} exceeds the sliding window {w}; windowed attention is not supported "
+             f"(use data.seq_len <= {w})")
+
+
 def check_ep(cfg: ModelConfig, ep: int) -> None:
     """Raise if `cfg`'s routed experts cannot be spread evenly over `ep` expert-parallel ranks."""
     if cfg.moe is None and ep > 1:

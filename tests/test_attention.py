@@ -183,3 +183,45 @@ def test_planning_a_packed_mask_on_the_gpu_makes_no_host_sync():
         assert plan(seg, flex=False).dense is not None
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _split_block_mask_matches_dense(device: str) -> None:
+    """Each CP rank's flex block mask (`split_block_mask`: its queries over the gathered keys) against the dense
+    split mask: element by element, and through `attend` forward and backward (flex vs SDPA), with documents of
+    lengths that cross the 128-token blocks and the 2·CP chunk boundaries, and without documents."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from hfmeg.models.document_attention import plan_split, split_causal_mask
+    from hfmeg.parallel.context import gathered_index, token_index
+
+    s, b, heads, kv_heads, d = 1024, 2, 8, 2, 64
+    lengths = ((300, 77, 129, 400, 118), (1024,))  # row 2: one document
+    seg = torch.cat([torch.repeat_interleave(torch.arange(1, len(n) + 1), torch.tensor(n)).unsqueeze(0)
+                     for n in lengths]).to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for cp in (2, 4):
+        kv_index = gathered_index(s, cp, device)
+        for rank in range(cp):
+            q_index = token_index(s, cp, rank, device)
+            for segs in ((seg.index_select(1, q_index), seg.index_select(1, kv_index)), (None, None)):
+                block = plan_split(q_index, kv_index, *segs, flex=True, dtype=torch.float32)
+                dense = plan_split(q_index, kv_index, *segs, flex=False, dtype=torch.float32)
+                rows = b if segs[0] is not None else 1
+                elements = create_mask(block.block.mask_mod, rows, None, len(q_index), s, device=device)
+                assert torch.equal(elements, split_causal_mask(q_index, kv_index, *segs)), (cp, rank)
+                q = torch.randn(b, heads, len(q_index), d, device=device, generator=gen, requires_grad=True)
+                k, v = (torch.randn(b, kv_heads, s, d, device=device, generator=gen, requires_grad=True)
+                        for _ in range(2))
+                outs = []
+                for mask in (block, dense):
+                    o = attend(q, k, v, mask, d ** -0.5, gqa=True)
+                    grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+                    outs.append((o, *grads))
+                for got, ref in zip(*outs):  # fp32, two kernels' summation orders
+                    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max().clamp_min(1.0), (cp, rank)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_split_block_mask_equals_the_dense_split_mask_on_the_gpu():
+    _split_block_mask_matches_dense("cuda")

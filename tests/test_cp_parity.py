@@ -1,16 +1,23 @@
 """Context parallelism: fp32 logits, loss and every gradient equal one process's.
 
-One 4-process gloo world runs CP4 (selective recompute), CP2 x TP2 (sequence
-parallelism, full recompute), CP2 x PP2 (1F1B through `forward_backward`) and CP2
-(x DP2), for LLaMA-3 and GPT-2 tiny checkpoints, and CP2 x PP2 x VPP2 under the
-interleaved schedule, on rows packed with several
-documents and padding, and on plain rows. The reference is the same checkpoint in one
-process (`world=1`), whose own parity with transformers is tests/test_tp_parity.py's
-and, for packed rows, tests/test_attention.py's. Gradients are compared per HF tensor,
-rebuilt from TP shards by the conversion's own `to_hf`.
+Two gloo worlds, one spawn each, run every layout of a list in turn on rows packed with
+several documents and padding and on plain rows, for LLaMA-3 (GQA, RoPE) and GPT-2 (MHA,
+learned positions, biases, LayerNorm, tied embeddings) tiny checkpoints:
+
+- 4 ranks (`LAYOUTS_4`): CP4 (selective recompute), CP2 x TP2 (sequence parallelism, full
+  recompute), CP2 x PP2 (1F1B through `forward_backward`) and CP2 (x DP2);
+- 8 ranks (`LAYOUTS_8`, 4-layer models): CP4 x TP2 + SP, CP4 x PP2 under GPipe, CP2 x TP2 + SP
+  x PP2 under 1F1B, and CP2 x PP2 x VPP2 (x DP2) under the interleaved schedule, the pipelined
+  ones over two micro-batches of one row.
+
+The reference is the same checkpoint in one process (`world=1`), whose own parity with
+transformers is tests/test_tp_parity.py's and, for packed rows, tests/test_attention.py's.
+Gradients are compared per HF tensor, rebuilt from TP shards by the conversion's own `to_hf`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -27,10 +34,25 @@ from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.roles import named_roles
 from tiny_models import save_tiny
 
-# (tp, cp, pp, sp, recompute) in a world of 4; CP2 alone leaves DP = 2 (both DP ranks get the same rows).
-# Recompute reruns the K/V all-gather in backward (selective: the attention core; full: the layer).
-LAYOUTS = [(1, 4, 1, False, "selective"), (2, 2, 1, True, "full"), (1, 2, 2, False, "none"),
-           (1, 2, 1, False, "none")]
+
+class Layout(NamedTuple):
+    """One case; DP is what the world leaves (every DP rank gets the same rows)."""
+
+    tp: int
+    cp: int
+    pp: int = 1
+    sp: bool = False
+    recompute: str = "none"  # selective / full rerun the K/V all-gather in backward
+    vpp: int = 1
+    schedule: str = "1f1b"
+    micro: int = 1  # micro-batches the two rows are cut into
+
+
+LAYOUTS_4 = [Layout(1, 4, recompute="selective"), Layout(2, 2, sp=True, recompute="full"), Layout(1, 2, 2),
+             Layout(1, 2)]
+LAYOUTS_8 = [Layout(2, 4, sp=True, recompute="selective"), Layout(1, 4, 2, schedule="gpipe", micro=2),
+             Layout(2, 2, 2, sp=True, recompute="full", micro=2),
+             Layout(1, 2, 2, vpp=2, schedule="interleaved", micro=2)]
 SEQ = 32  # 8 chunks of 4 at CP4
 
 
@@ -81,84 +103,92 @@ def _reference(folder, mb, ntok):
     return logits, loss.item(), _hf_grads(chunk, make_ps(world=1))
 
 
-def _run_layouts(folder):
+def _logits(chunks, ps, local: dict) -> torch.Tensor | None:
+    """This rank's tokens' logits (its TP part): the model chunks in virtual order, the hidden states
+    sent from stage to stage; None where the last model chunk is not this rank's."""
+    kwargs = {k: local[k] for k in ("position_ids", "segment_ids") if k in local}
+    b, s = local["input_ids"].shape
+    x, last = local["input_ids"], len(chunks) * ps.pp - 1
+    for m in range(ps.pp_rank, last + 1, ps.pp):  # model chunk m = v * pp + pp_rank is chunks[v]
+        if m > 0:
+            x = torch.empty(s // ps.tp if ps.sequence_parallel else s, b, chunks[0].cfg.hidden_size)
+            dist.recv(x, ps.prev_rank)
+        x = chunks[m // ps.pp](x, **kwargs).detach()
+        if m < last:
+            dist.send(x.contiguous(), ps.next_rank)
+    return x if ps.pp_rank == (last % ps.pp) else None
+
+
+def _one_layout(folder, lay: Layout, mb: dict, ntok: int, ref_logits, ref_loss, ref_grads) -> dict:
+    ps = make_ps(tp=lay.tp, cp=lay.cp, pp=lay.pp, vpp=lay.vpp, sp=lay.sp)
+    chunks = load_chunks(HFCheckpoint(folder), ps, recompute=lay.recompute)
+    row = dict(layout=lay, rank=ps.rank, last_stage=ps.is_last_stage)
+    logits = _logits(chunks, ps, shard_microbatch(mb, ps))  # this rank's tokens, against the same of the reference
+    if logits is not None:
+        logits = torch.cat(_gather(logits, ps.tp_group, ps.tp), dim=-1)[..., : chunks[0].cfg.vocab_size]
+        mine = ref_logits.index_select(1, token_index(SEQ, lay.cp, ps.cp_rank))
+        row["logit_diff"] = (logits - mine).abs().max().item()
+    rows = mb["input_ids"].shape[0] // lay.micro
+    micro = [shard_microbatch({k: v[i * rows:(i + 1) * rows] for k, v in mb.items()}, ps) for i in range(lay.micro)]
+    loss = forward_backward(chunks, ps, micro, schedule=lay.schedule, num_tokens=ntok)
+    box = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+    dist.all_reduce(box, group=ps.cp_group)  # each CP rank holds its tokens' share of the sum
+    sync_sequence_parallel_grads(chunks, ps)
+    grads = {}
+    for chunk in chunks:
+        for p in chunk.parameters():  # partial sums over tokens, as DP replicas' are
+            dist.all_reduce(p.grad, group=ps.cp_group)
+        for _, p, role in named_roles(chunk):  # tied embeddings with PP: the stages' copies sum (roles.py)
+            if role.tied and ps.pp > 1:
+                dist.all_reduce(p.grad, group=ps.embedding_group)
+        grads.update(_hf_grads(chunk, ps))
+    if ps.is_last_stage:
+        row["loss_diff"] = abs(box.item() - ref_loss)
+    row["grad_rel"] = max(((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item()
+                          for n, g in grads.items())
+    row["grads"] = sorted(grads)
+    return row
+
+
+def _run_layouts(folders: dict[str, str], layouts: list[Layout]) -> list[dict]:
+    """Every (model, batch, layout) case in turn on this rank; a row per case."""
     report = []
-    for name, mb in (("packed", _packed_batch()), ("plain", _plain_batch())):
-        ntok = int((mb["labels"] != -100).sum())
-        ref_logits, ref_loss, ref_grads = _reference(folder, mb, ntok)
-        for tp, cp, pp, sp, recompute in LAYOUTS:
-            ps = make_ps(tp=tp, cp=cp, pp=pp, sp=sp)
-            chunk = load_chunks(HFCheckpoint(folder), ps, recompute=recompute)[0]
-            row = dict(batch=name, tp=tp, cp=cp, pp=pp, sp=sp, rank=ps.rank)
-            if pp == 1:  # the logits of this rank's tokens, against the same positions of the reference
-                local = shard_microbatch(mb, ps)
-                kwargs = {k: local[k] for k in ("position_ids", "segment_ids") if k in local}
-                logits = torch.cat(_gather(chunk(local["input_ids"], **kwargs), ps.tp_group, ps.tp), dim=-1)
-                mine = ref_logits.index_select(1, token_index(SEQ, cp, ps.cp_rank))
-                row["logit_diff"] = (logits[..., : chunk.cfg.vocab_size] - mine).abs().max().item()
-            loss = forward_backward([chunk], ps, [shard_microbatch(mb, ps)], schedule="1f1b", num_tokens=ntok)
-            box = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
-            dist.all_reduce(box, group=ps.cp_group)  # each CP rank holds its tokens' share of the sum
-            sync_sequence_parallel_grads([chunk], ps)
-            for p in chunk.parameters():  # partial sums over tokens, as DP replicas' are
-                dist.all_reduce(p.grad, group=ps.cp_group)
-            for _, p, role in named_roles(chunk):  # tied embeddings with PP: the stages' copies sum (roles.py)
-                if role.tied and ps.pp > 1:
-                    dist.all_reduce(p.grad, group=ps.embedding_group)
-            grads = _hf_grads(chunk, ps)
-            if ps.is_last_stage:
-                row["loss_diff"] = abs(box.item() - ref_loss)
-            row["grad_rel"] = max(((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item()
-                                  for n, g in grads.items())
-            row["grads"] = sorted(grads)
-            report.append(row)
-    return report, sorted(ref_grads)
+    for kind, folder in folders.items():
+        for name, mb in (("packed", _packed_batch()), ("plain", _plain_batch())):
+            ntok = int((mb["labels"] != -100).sum())
+            ref_logits, ref_loss, ref_grads = _reference(folder, mb, ntok)
+            for lay in layouts:
+                row = _one_layout(folder, lay, mb, ntok, ref_logits, ref_loss, ref_grads)
+                report.append(dict(row, kind=kind, batch=name, all_grads=sorted(ref_grads)))
+    return report
 
 
-@pytest.mark.parametrize("kind", ["llama3", "gpt2"])  # GQA + RoPE; MHA + learned positions, biases, LayerNorm
-def test_cp_parity_with_one_process(tiny_checkpoints, kind):
-    results = spawn(_run_layouts, 4, str(tiny_checkpoints[kind]))
-    all_names = results[0][1]
-    covered = {}
-    for report, _ in results:
+def _check(results: list[list[dict]], layouts: list[Layout], kinds) -> None:
+    covered, losses = {}, set()
+    for report in results:
         for row in report:
             # fp32 sums of the same terms in another order: ~1e-6 here; the contract's bounds.
             assert row.get("logit_diff", 0.0) <= 1e-4, row
             assert row.get("loss_diff", 0.0) <= 1e-5, row
             assert row["grad_rel"] <= 1e-4, row
-            key = (row["batch"], row["tp"], row["cp"], row["pp"])
-            covered.setdefault(key, set()).update(row["grads"])
-            assert "logit_diff" in row or row["pp"] > 1, row
-    assert len(covered) == 2 * len(LAYOUTS)
-    for key, names in covered.items():
-        assert sorted(names) == all_names, key  # every gradient was compared, on some stage
-    assert any("loss_diff" in row for report, _ in results for row in report)
+            assert ("logit_diff" in row) == ("loss_diff" in row) == row["last_stage"], row
+            key = (row["kind"], row["batch"], row["layout"])
+            covered.setdefault(key, (row["all_grads"], set()))[1].update(row["grads"])
+            if "loss_diff" in row:
+                losses.add(key)
+    assert len(covered) == 2 * len(kinds) * len(layouts)
+    for key, (every, names) in covered.items():
+        assert sorted(names) == every, key  # every gradient was compared, on some stage
+    assert losses == set(covered)  # and every case's loss, on its last stage
 
 
-def _interleaved(folder):
-    """CP2 x PP2 with two virtual chunks per rank, the interleaved 1F1B schedule, two micro-batches of one row."""
-    mb = _packed_batch()
-    ntok = int((mb["labels"] != -100).sum())
-    _, ref_loss, ref_grads = _reference(folder, mb, ntok)
-    ps = make_ps(cp=2, pp=2, vpp=2)
-    chunks = load_chunks(HFCheckpoint(folder), ps)
-    micro = [shard_microbatch({k: v[i:i + 1] for k, v in mb.items()}, ps) for i in range(2)]
-    loss = forward_backward(chunks, ps, micro, schedule="interleaved", num_tokens=ntok)
-    box = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
-    dist.all_reduce(box, group=ps.cp_group)
-    grads = {}
-    for chunk in chunks:
-        for p in chunk.parameters():
-            dist.all_reduce(p.grad, group=ps.cp_group)
-        grads.update(_hf_grads(chunk, ps))
-    worst = max(((g - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12)).item()
-                for n, g in grads.items())
-    return abs(box.item() - ref_loss) if ps.is_last_stage else 0.0, worst, sorted(grads), sorted(ref_grads)
+@pytest.mark.parametrize("kind", ["llama3", "gpt2"])
+def test_cp_parity_with_one_process(tiny_checkpoints, kind):
+    _check(spawn(_run_layouts, 4, {kind: str(tiny_checkpoints[kind])}, LAYOUTS_4), LAYOUTS_4, [kind])
 
 
-def test_cp_parity_under_the_interleaved_schedule(tmp_path):
-    folder = save_tiny("llama3", tmp_path / "llama4", num_hidden_layers=4)  # 2 stages x 2 virtual chunks
-    results = spawn(_interleaved, 4, str(folder))
-    for loss_diff, grad_rel, _, _ in results:
-        assert loss_diff <= 1e-5 and grad_rel <= 1e-4, (loss_diff, grad_rel)
-    assert sorted({n for *_, names, _ in results for n in names}) == results[0][3]  # every gradient compared
+def test_cp_parity_on_eight_ranks_with_tp_pp_and_every_schedule(tmp_path):
+    """CP4 x TP2, CP4 x PP2, CP2 x TP2 x PP2 and CP2 x PP2 x VPP2: both models in one spawn of 8 ranks."""
+    kinds = ("llama3", "gpt2")
+    folders = {k: str(save_tiny(k, tmp_path / k, num_hidden_layers=4)) for k in kinds}  # 2 stages x 2 chunks
+    _check(spawn(_run_layouts, 8, folders, LAYOUTS_8), LAYOUTS_8, kinds)

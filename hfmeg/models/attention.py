@@ -25,8 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig
-from ..errors import UnsupportedConfigError
+from ..config import ModelConfig, check_window
 from ..parallel.context import gather_kv
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.state import ParallelState
@@ -54,11 +53,7 @@ class ParallelAttention(nn.Module):
                 recompute_core: bool = False):
         qkv = self.qkv(x)  # [s, b, groups * (rep + 2) * d]
         s = qkv.shape[0] * self.ps.cp  # the row's length: under CP the queries are a part of it
-        if self.cfg.sliding_window is not None and s > self.cfg.sliding_window:
-            raise UnsupportedConfigError(
-                f"config.json field sliding_window: sequence length {s} exceeds the sliding window "
-                f"{self.cfg.sliding_window}; windowed attention is not supported"
-            )
+        check_window(self.cfg, s)
         if recompute_core:
             o = checkpoint(self._core, qkv, rope, docs, use_reentrant=False)
         else:
