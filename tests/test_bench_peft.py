@@ -1,5 +1,5 @@
-"""tools/bench_peft.py at tiny size on gloo: the output contract and the byte counts it must give
-(timings are reported, never asserted)."""
+"""tools/bench_peft.py at tiny size on gloo: the output contract and the byte counts it must give, for
+hfmeg's full and LoRA modes and the peft + transformers anchor (timings are reported, never asserted)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_bench_peft_reports_both_modes():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    full, lora = r["by_mode"]["full"], r["by_mode"]["lora"]
+    full, lora, anchor = r["by_mode"]["full"], r["by_mode"]["lora"], r["by_mode"]["peft"]
     # Per TP rank, r = 4, h = 128 (2 heads, 2 KV heads, 64 wide), ffn 320, 2 layers; column bases: A whole,
     # B halved; row bases: A halved, B whole.
     h, f, q = 128, 320, 128
@@ -25,6 +25,12 @@ def test_bench_peft_reports_both_modes():
     assert lora["trainable_params"] == 2 * per_layer
     for row in (full, lora):  # fp32 master + two moments, one DP rank: 12 bytes per trainable element
         assert row["opt_state_bytes"] == 12 * row["trainable_params"]
-        assert row["tokens_per_s"] > 0 and row["peak_rss_bytes"] > 0
+        assert row["tokens_per_s"] > 0 and row["peak_bytes"] > 0
     assert full["trainable_params"] * 2 >= r["params"]  # full: every weight (TP halves most of them)
     assert r["lora_vs_full_tokens_per_s"] == lora["tokens_per_s"] / full["tokens_per_s"]
+    # The peft anchor: the same adapters unsplit (one process), torch AdamW's two moments (no fp32 master).
+    full_per_layer = 4 * ((h + q) + 2 * (h + q) + (q + h) + 2 * (h + f) + (f + h))
+    assert anchor["trainable_params"] == 2 * full_per_layer and anchor["opt_state_bytes"] == 8 * 2 * full_per_layer
+    assert anchor["tokens_per_s"] > 0 and anchor["peak_bytes"] > 0
+    assert r["lora_vs_peft_tokens_per_s"] == lora["tokens_per_s"] / anchor["tokens_per_s"]
+    assert r["lora_vs_peft_peak"] == lora["peak_bytes"] / anchor["peak_bytes"]

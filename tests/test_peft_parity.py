@@ -1,12 +1,12 @@
 """LoRA and DoRA on the TP x PP layers vs `peft` on transformers (fp32): logits, loss, every adapter gradient.
 
 One 4-process gloo world per model family runs TP in {1, 2} x PP in {1, 2}, TP4, and TP2
-and TP4 with sequence parallelism (DP fills the rest; every replica runs the same batch,
+and TP4 with sequence parallelism (an 8-process one TP4 x PP2, with and without SP, for LLaMA) (DP fills the rest; every replica runs the same batch,
 so no DP sum is involved): LoRA and DoRA, with and without rank-stabilised scaling
 (DoRA's row-parallel norm needs the TP sum), and LoRA with the vocab-parallel embedding
 and LM head trained in full (`modules_to_save`). The adapter is one `peft` made with A
 and B both random (`init_lora_weights=False`), read through `peft.init_from`'s path, so
-every adapter gradient is non-zero and the import is exercised too; at TP2 x PP2 and TP4
+every adapter gradient is non-zero and the import is exercised too; at TP2 x PP2, TP4 and TP4 x PP2
 the imported shards are written and exported back, bit for bit the file `peft` wrote.
 Gradients of TP-split adapter tensors are gathered with the same `join_slices` the
 export uses.
@@ -62,13 +62,13 @@ def _reference(base, adapter, ids, labels):
     return logits.detach(), loss.item(), peft_adapter_grads(model), (logits - plain).abs().max().item()
 
 
-def _check(cases, ids):
+def _check(cases, ids, layouts=LAYOUTS):
     labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
     report, names = [], {}
     for base, adapter in cases:
         ref_logits, ref_loss, ref_grads, effect = _reference(base, adapter, ids, labels)
         names[adapter] = sorted(ref_grads)
-        for tp, pp, sp in LAYOUTS:
+        for tp, pp, sp in layouts:
             ps = make_ps(tp=tp, pp=pp, sp=sp)
             chunks, cfg = hfmeg_chunks(base, adapter, ps)
             logits = full_logits(chunks, ps, ids)
@@ -76,7 +76,7 @@ def _check(cases, ids):
             loss = forward_backward(chunks, ps, mb, schedule="1f1b", num_tokens=int((labels != -100).sum()))
             sync_sequence_parallel_grads(chunks, ps)
             grads = full_adapter_grads(chunks, ps)
-            if not sp and (tp, pp) in ((2, 2), (4, 1)):  # a peft-made adapter imported onto shards, exported back
+            if not sp and (tp, pp) in ((2, 2), (4, 1), (4, 2)):  # a peft-made adapter imported onto shards, exported back
                 shards = Path(f"{adapter}_shards_tp{tp}pp{pp}")
                 write_adapter_shard(chunks, ps, shards / f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}")
                 dist.barrier()
@@ -100,8 +100,20 @@ def test_lora_and_dora_match_peft(kind, tmp_path):
     cases.append(make_base_and_adapter(tmp_path, kind, modules_to_save=["embed_tokens", "lm_head"]))
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     results = spawn(_check, 4, [(str(b), str(a)) for b, a in cases], ids)
+    _assert_parity(results, cases, LAYOUTS)
+
+
+def test_lora_and_dora_match_peft_at_tp4_pp2(tmp_path):
+    """8 ranks, TP4 x PP2 with and without SP: every stage holds a quarter of each projection."""
+    cases = [make_base_and_adapter(tmp_path, "llama3", dora=dora) for dora in (False, True)]
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    layouts = [(4, 2, False), (4, 2, True)]
+    _assert_parity(spawn(_check, 8, [(str(b), str(a)) for b, a in cases], ids, layouts), cases, layouts)
+
+
+def _assert_parity(results, cases, layouts):
     names = results[0][1]
-    for (tp, pp, sp) in LAYOUTS:
+    for (tp, pp, sp) in layouts:
         for base, adapter in cases:
             rows = [row for rank, (rep, _) in enumerate(results) for row in rep
                     if (row["tp"], row["pp"], row["sp"]) == (tp, pp, sp) and row["case"] == str(adapter)]

@@ -15,15 +15,25 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from helpers import make_ps, stories_or_skip
 from tiny_models import ASSETS, save_tiny
+from transformers import LlamaConfig
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
+
+from hfmeg.config import model_config_from_hf
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.errors import LayoutError
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.optim.distributed_optimizer import DistributedOptimizer
+from hfmeg.models.decoder import ModelChunk
+from hfmeg.parallel.activation_meter import SavedTensorMeter
 from hfmeg.parallel.launch import spawn
+from hfmeg.parallel.layout import rank_chunks, split_layers
+from hfmeg.parallel.pipeline import forward_backward
+from hfmeg.parallel.state import ParallelConfig, ParallelState
 from hfmeg.peft.adapters import attach, initialise
 from hfmeg.peft.config import PeftConfig
 from hfmeg.plan.cli import main
@@ -116,3 +126,52 @@ def test_layout_auto_with_lora_trains(tmp_path, capfd):
     assert spawn(_auto_lora, 2, argv) == [0, 0]
     assert re.search(r"^layout auto: \S+ \(the fastest that fits; 2 x cpu, ", capfd.readouterr().out, re.M)
     assert (out / "adapter" / "adapter_config.json").is_file()
+
+
+SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+               vocab_size=32000, max_position_embeddings=4096)  # LLaMA-2-7B's layer and vocabulary shapes
+
+
+def _measured_lora(cfg, lay: PlanLayout, global_batch: int, seq: int, peft: PeftConfig) -> dict:
+    """One LoRA step of the runtime at `lay`, fp32 on CPU: the saved-tensor meter's activation peak (as the
+    planner's own measurements take it, plan/measure.py), the optimizer's buffers and state, the frozen base."""
+    ps = ParallelState(ParallelConfig(tp=lay.tp, pp=lay.pp, sequence_parallel=lay.sp), dist.get_rank(),
+                       dist.get_world_size(), torch.device("cpu"))
+    torch.manual_seed(0)
+    chunks = [ModelChunk(cfg, ps, s.layers, pre_process=s.pre_process, post_process=s.post_process)
+              for s in rank_chunks(split_layers(cfg.num_layers, lay.pp, lay.vpp), ps.pp_rank)]
+    with torch.no_grad():
+        for chunk in chunks:
+            for p in chunk.parameters():
+                p.normal_(0.0, 0.02)
+            attach(chunk, peft)
+            initialise(chunk, peft, seed=0)
+    opt = DistributedOptimizer(chunks, ps, OPT)
+    g = torch.Generator().manual_seed(0)
+    mbs = [dict(input_ids=(ids := torch.randint(0, cfg.vocab_size, (lay.micro_batch, seq), generator=g)),
+                labels=ids) for _ in range(lay.microbatches(global_batch))]
+    meter = SavedTensorMeter(chunks)
+    with meter.hooks():
+        forward_backward(chunks, ps, mbs, schedule="1f1b", num_tokens=global_batch * seq, grad_sync=opt)
+    opt.step()
+    return dict(pp_rank=ps.pp_rank, activations=meter.peak, optimizer_state=opt.state_bytes(),
+                buffers=sum(g.param_buffer.numel() * g.param_buffer.element_size()
+                            + g.grad_buffer.numel() * g.grad_buffer.element_size() for g in opt.groups),
+                frozen=sum(p.numel() * p.element_size() for c in chunks for p in c.parameters()
+                           if not p.requires_grad))
+
+
+def test_planner_predicts_lora_memory_at_7b_shapes_within_5_percent():
+    """LLaMA-2-7B's layer shapes (2 of its 32 layers, its 32000 vocabulary) with LoRA r 16 on every projection,
+    TP2 + SP on 2 gloo ranks, seq 512: the planner's per-rank memory against what one runtime step holds."""
+    cfg = model_config_from_hf(LlamaConfig(**SEVEN_B, num_hidden_layers=2))
+    lay, peft, seq = PlanLayout(2, 1, 1, 1), PeftConfig(method="lora", r=16, target_modules=["all-linear"]), 512
+    for row in spawn(_measured_lora, 2, cfg, lay, 2, seq, peft, timeout_s=600):
+        m = stage_memory(cfg, lay, row["pp_rank"], 2, seq, 4, OPT, peft)
+        measured = row["activations"] + row["buffers"] + row["optimizer_state"] + row["frozen"]
+        assert (m.param_buffer + m.grad_buffer, m.optimizer_state, m.frozen_weights) == (
+            row["buffers"], row["optimizer_state"], row["frozen"])  # counted from the same layers: exact
+        print(f"7B-shape LoRA rank memory: planned {m.measurable / 2**20:.1f} MiB, measured "
+              f"{measured / 2**20:.1f} MiB; activations planned {m.activations / 2**20:.1f} MiB, measured "
+              f"{row['activations'] / 2**20:.1f} MiB")
+        assert abs(m.measurable - measured) <= 0.05 * measured, (m, row)

@@ -23,13 +23,18 @@ from test_train import _losses, _run
 from tiny_models import ASSETS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
+from hfmeg.checkpoint.mp_layout import MPLayout
 from hfmeg.data import DataConfig, SourceConfig, build_data
 from hfmeg.models.generate import full_logits
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig, lr_at
 from hfmeg.parallel.launch import spawn
-from hfmeg.peft.adapter_files import WEIGHTS_FILE, assemble
+from hfmeg.peft.adapter_files import WEIGHTS_FILE, assemble, read_adapter_shard
+from hfmeg.peft.adapters import attach
 from hfmeg.peft.config import PeftConfig
+from hfmeg.peft.export import read_info
 from hfmeg.train.config import (
     CheckpointArgs,
     LoopArgs,
@@ -169,3 +174,36 @@ def test_dora_training_matches_peft(start, tmp_path):
         assert abs(x - y) <= 1e-4 * abs(y), (ours, ref)  # as for LoRA
     config = json.loads((tmp_path / "tp2pp2" / "adapter" / "adapter_config.json").read_text())
     assert config["use_dora"] is True
+
+
+def _logits_from_shards(base: Path, ckpt: Path, ids: torch.Tensor):
+    """hfmeg's logits with the adapters of a TP4 checkpoint's own shards on the base (each rank its shard)."""
+    ps = make_ps(tp=4)
+    chunks = load_chunks(HFCheckpoint(base), ps)
+    cfg, _ = read_info(ckpt)
+    for chunk in chunks:
+        attach(chunk, cfg)
+    read_adapter_shard(chunks, ckpt / MPLayout.read(ckpt).rank_dir(ps.tp_rank, ps.pp_rank))
+    with torch.no_grad():
+        return full_logits(chunks, ps, ids)
+
+
+def test_exports_of_a_tp4_run_load_in_peft_and_transformers(start, tmp_path):
+    """A LoRA run at TP4 (the adapters' row-parallel A and column-parallel B in quarters): its adapter folder
+    loads with PeftModel.from_pretrained and computes what hfmeg computes with the TP4 shards; its merged
+    folder loads with AutoModelForCausalLM alone and computes what peft computes with the adapter."""
+    base, adapter0 = start
+    out = tmp_path / "tp4"
+    spawn(_run, 4, _config(out, base, adapter0, tp=4, steps=3))
+    ckpt = sorted((out / "checkpoints").glob("iter_*"))[-1]
+    ids = torch.tensor([[1, 365, 1122, 263, 931, 29892, 727, 471]]) % 512
+    ours = spawn(_logits_from_shards, 4, base, ckpt, ids)[0]
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        with_adapter = PeftModel.from_pretrained(plain, out / "adapter")(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)(ids).logits
+        effect = (with_adapter - AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(ids).logits).abs()
+    assert effect.max() > 1e-3, "three steps must move the adapter for the test to bite"
+    # fp32 logits of a 5-layer model, TP4 sums in another order: ~1e-6; the contract's bound is 1e-4.
+    assert (ours - with_adapter).abs().max() <= 1e-4
+    assert (merged - with_adapter).abs().max() <= 1e-4

@@ -7,10 +7,17 @@ fp32 on CPU. `full` trains every weight; `lora` freezes the base and trains rank
 `--r` adapters on every projection (`all-linear`), as `--peft lora` does. Reported
 per mode: the median step time of the slowest rank, tokens/s, trainable parameters,
 this rank's fp32 optimizer state and main-gradient bytes, and the peak RSS (max over
-ranks). The last line printed is one JSON object; with no arguments it runs a small
+ranks). The anchor, `peft`, trains the same model with `peft` LoRA on transformers (same
+r, alpha, all-linear targets, the same tokens: every DP rank's micro-batches, and
+AdamW) in one process, so on a GPU `--world 1` compares hfmeg's LoRA with peft's on the
+same device in the same run. The last line printed is one JSON object (with the
+LoRA / peft ratios of tokens/s and peak memory); with no arguments it runs a small
 CPU shape in a minute or so.
 
     .venv/bin/python tools/bench_peft.py --world 2 --tp 2 --hidden 512 --layers 4 --r 16
+    # one GPU, LLaMA-2-7B layer shapes (bf16; peak = CUDA bytes allocated)
+    .venv/bin/python tools/bench_peft.py --device cuda --world 1 --tp 1 --hidden 4096 --ffn 11008 --layers 4 \
+        --vocab 32000 --seq 4096 --microbatches 4 --r 16
 """
 
 from __future__ import annotations
@@ -38,21 +45,79 @@ from hfmeg.parallel.state import ParallelConfig, ParallelState
 from hfmeg.peft.adapters import attach, initialise
 from hfmeg.peft.config import PeftConfig
 
-MODES = ("full", "lora")
+MODES = ("full", "lora", "peft")
+
+
+def _device(a) -> torch.device:
+    return torch.device("cuda", dist.get_rank()) if a.device == "cuda" else torch.device("cpu")
+
+
+def _peak(a, device: torch.device) -> torch.Tensor:
+    """This rank's peak memory: CUDA bytes allocated on a GPU, RSS on the CPU."""
+    if device.type == "cuda":
+        return torch.tensor([float(torch.cuda.max_memory_allocated(device))])
+    return torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])  # Linux: KiB
+
+
+def _microbatches(a, dp_rank: int) -> list[dict]:
+    """DP rank `dp_rank`'s micro-batches: the same tokens in every mode."""
+    g = torch.Generator().manual_seed(dp_rank)
+    return [dict(input_ids=(ids := torch.randint(0, a.vocab, (1, a.seq), generator=g)), labels=ids)
+            for _ in range(a.microbatches)]
+
+
+def _peft_rank(folder: str, a) -> dict:
+    """The anchor: `peft` LoRA on transformers in one process (one GPU), the same r, alpha, targets, tokens
+    (every DP rank's micro-batches) and AdamW, the loss summed over tokens / their count as hfmeg's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    device = _device(a)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=_dtype(a), attn_implementation="sdpa").to(device)
+    model = get_peft_model(model, LoraConfig(r=a.r, lora_alpha=2 * a.r, target_modules="all-linear",
+                                             task_type="CAUSAL_LM"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=device.type == "cuda")
+    dp = a.world // (a.tp * a.pp)
+    mbs = [mb for d in range(dp) for mb in _microbatches(a, d)]
+    ntok = a.seq * len(mbs)
+    times = []
+    for _ in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        for mb in mbs:
+            logits = model(input_ids=mb["input_ids"].to(device)).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                     mb["labels"].to(device).flatten(), reduction="sum") / ntok
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times[a.warmup:])
+    return dict(step_s=step_s, tokens_per_s=ntok / step_s, peak_bytes=int(_peak(a, device).item()),
+                trainable_params=sum(p.numel() for p in params), opt_state_bytes=sum(
+                    t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim()),
+                main_grad_bytes=sum(p.numel() * p.element_size() for p in params))
+
+
+def _dtype(a) -> torch.dtype:
+    return torch.bfloat16 if a.device == "cuda" else torch.float32
 
 
 def _rank(mode: str, folder: str, a) -> dict:
-    ps = ParallelState(ParallelConfig(tp=a.tp, pp=a.pp), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
-    chunks = load_chunks(HFCheckpoint(folder), ps)
+    if mode == "peft":
+        return _peft_rank(folder, a)
+    device = _device(a)
+    ps = ParallelState(ParallelConfig(tp=a.tp, pp=a.pp), dist.get_rank(), dist.get_world_size(), device)
+    chunks = load_chunks(HFCheckpoint(folder), ps, dtype=_dtype(a))
     if mode == "lora":
         cfg = PeftConfig(method="lora", r=a.r, alpha=2.0 * a.r, target_modules=["all-linear"])
         for chunk in chunks:
             attach(chunk, cfg)
             initialise(chunk, cfg, seed=0)
     opt = DistributedOptimizer(chunks, ps, OptimizerConfig(lr=1e-3))
-    g = torch.Generator().manual_seed(ps.dp_rank)
-    mbs = [dict(input_ids=(ids := torch.randint(0, a.vocab, (1, a.seq), generator=g)), labels=ids)
-           for _ in range(a.microbatches)]
+    mbs = [{k: v.to(device) for k, v in mb.items()} for mb in _microbatches(a, ps.dp_rank)]
     ntok = a.seq * a.microbatches * ps.dp
     times = []
     for step in range(a.warmup + a.steps):
@@ -60,13 +125,15 @@ def _rank(mode: str, folder: str, a) -> dict:
         forward_backward(chunks, ps, mbs, schedule="1f1b", num_tokens=ntok, grad_sync=opt)
         opt.step()
         opt.wait_params()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     timed = torch.tensor(times[a.warmup:])
     dist.all_reduce(timed, op=dist.ReduceOp.MAX)
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])  # Linux: KiB
-    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    peak = _peak(a, device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     step_s = statistics.median(timed.tolist())
-    return dict(step_s=step_s, tokens_per_s=ntok / step_s, peak_rss_bytes=int(rss.item()),
+    return dict(step_s=step_s, tokens_per_s=ntok / step_s, peak_bytes=int(peak.item()),
                 trainable_params=sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad),
                 opt_state_bytes=opt.state_bytes(),
                 main_grad_bytes=sum(gr.grad_buffer.numel() * gr.grad_buffer.element_size() for gr in opt.groups))
@@ -86,24 +153,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--r", type=at_least(1), default=16, help="LoRA rank")
     ap.add_argument("--steps", type=at_least(1), default=5)
     ap.add_argument("--warmup", type=at_least(0), default=1)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: bf16 on one GPU per rank (peak = CUDA bytes allocated); cpu: fp32 (peak = RSS)")
     a = ap.parse_args(argv)
+    if a.device == "cuda" and a.world != 1:
+        ap.error("--device cuda runs --world 1 (all three modes on the same GPU, one after the other)")
     if a.world % (a.tp * a.pp) or a.hidden % 64 or (a.hidden // 64) % a.tp:
         ap.error("--tp x --pp must divide --world, and --tp the head count (--hidden / 64)")
     if a.layers < a.pp:
         ap.error("--layers must be >= --pp")
     with tempfile.TemporaryDirectory() as tmp:
         params = make_model(Path(tmp), a)
-        rows = {mode: spawn(_rank, a.world, mode, tmp, a)[0] for mode in MODES}
-    print(f"{'mode':6} {'step s':>8} {'tok/s':>9} {'trainable':>11} {'opt+grad MiB':>13} {'peak RSS MiB':>13}")
+        # peft + transformers runs in one process: the whole batch, on one GPU (or CPU process)
+        rows = {mode: spawn(_rank, 1 if mode == "peft" else a.world, mode, tmp, a, timeout_s=1800)[0]
+                for mode in MODES}
+    peak = "peak CUDA MiB" if a.device == "cuda" else "peak RSS MiB"
+    print(f"{'mode':6} {'step s':>8} {'tok/s':>9} {'trainable':>11} {'opt+grad MiB':>13} {peak:>13}")
     for mode, r in rows.items():
         state = (r["opt_state_bytes"] + r["main_grad_bytes"]) / 2**20
         print(f"{mode:6} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['trainable_params']:11,} {state:13.2f} "
-              f"{r['peak_rss_bytes'] / 2**20:13.1f}")
-    full, lora = rows["full"], rows["lora"]
-    print(json.dumps(dict(world=a.world, tp=a.tp, pp=a.pp, hidden=a.hidden, layers=a.layers, seq=a.seq, r=a.r,
-                          params=params, by_mode=rows,
+              f"{r['peak_bytes'] / 2**20:13.1f}")
+    full, lora, anchor = rows["full"], rows["lora"], rows["peft"]
+    print(json.dumps(dict(device=a.device, world=a.world, tp=a.tp, pp=a.pp, hidden=a.hidden, layers=a.layers,
+                          seq=a.seq, r=a.r, params=params, by_mode=rows,
                           lora_vs_full_tokens_per_s=lora["tokens_per_s"] / full["tokens_per_s"],
-                          lora_vs_full_peak_rss=lora["peak_rss_bytes"] / full["peak_rss_bytes"])))
+                          lora_vs_full_peak=lora["peak_bytes"] / full["peak_bytes"],
+                          lora_vs_peft_tokens_per_s=lora["tokens_per_s"] / anchor["tokens_per_s"],
+                          lora_vs_peft_peak=lora["peak_bytes"] / anchor["peak_bytes"])))
     return 0
 
 

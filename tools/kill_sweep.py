@@ -6,8 +6,9 @@
 For each kill point the job (the SFT recipe, fp32, on the CPU) starts in a fresh `--out`, is killed
 with SIGKILL (its whole process group) when the point's file appears, and is started again with
 the same command (`--resume auto`), which must finish. A point passes when the finished run exits 0,
-its exported `hf/` holds exactly the tensors of an uninterrupted run's (resume is bit-exact on the
-CPU), `metrics.jsonl` holds every step once, `latest` names the final step, and no temporary
+its exported `hf/` (and, with `--peft lora|dora`, `adapter/`) holds exactly the tensors of an
+uninterrupted run's (resume is bit-exact on the CPU), `metrics.jsonl` holds every step once with the
+uninterrupted run's losses, bit for bit, `latest` names the final step, and no temporary
 folder is left. A point whose file never appeared (the run finished first) is reported as missed.
 
 Points are files the job writes, watched every 2 ms: a checkpoint's temporary folder, its optimizer
@@ -50,11 +51,11 @@ POINTS = {
 }
 
 
-def command(model: Path, data: Path, out: Path) -> list[str]:
+def command(model: Path, data: Path, out: Path, peft: str = "none") -> list[str]:
     return [sys.executable, str(RECIPE), "--model", str(model), "--data", str(data), "--tp", "1", "--seq-len", "64",
             "--global-batch-size", "4", "--max-steps", str(STEPS), "--save-every", str(EVERY), "--keep-last", "2",
             "--eval-every", "0", "--resume", "auto", "--out", str(out), "--dtype", "fp32",
-            "--set", "tensorboard=false"]
+            "--set", "tensorboard=false", "--peft", peft]
 
 
 def run(cmd: list[str], out: Path, *, kill_at: str | None = None, kill_after: float | None = None,
@@ -85,15 +86,23 @@ def tensors(hf: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
-def check(out: Path, reference: dict[str, torch.Tensor]) -> list[str]:
-    """What is wrong with a finished run's `out` (empty: nothing)."""
+def losses(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def check(out: Path, reference: dict[str, dict[str, torch.Tensor]], ref_losses: list) -> list[str]:
+    """What is wrong with a finished run's `out` (empty: nothing); `reference`: the uninterrupted run's
+    exported folders (`hf/`, and `adapter/` for a LoRA run) by name."""
     problems = []
-    got = tensors(out / "hf") if (out / "hf").is_dir() else {}
-    if got.keys() != reference.keys() or any(not torch.equal(got[k], reference[k]) for k in reference):
-        problems.append("hf/ differs from the uninterrupted run's")
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for folder, want in reference.items():
+        got = tensors(out / folder) if (out / folder).is_dir() else {}
+        if got.keys() != want.keys() or any(not torch.equal(got[k], want[k]) for k in want):
+            problems.append(f"{folder}/ differs from the uninterrupted run's")
+    steps = [step for step, _ in losses(out)]
     if steps != list(range(1, STEPS + 1)):
         problems.append(f"metrics.jsonl steps {steps}")
+    elif losses(out) != ref_losses:
+        problems.append("the losses differ from the uninterrupted run's")
     latest = (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip()
     if latest != str(STEPS):
         problems.append(f"latest names {latest}")
@@ -110,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "kill_sweep", help="work folder (replaced)")
     ap.add_argument("--points", default=",".join(POINTS), help=f"comma-separated, of: {', '.join(POINTS)}")
     ap.add_argument("--seed", type=int, default=0, help="seeds the random kill moment")
+    ap.add_argument("--peft", default="none", choices=("none", "lora", "dora"),
+                    help="a LoRA/DoRA job (its adapter/ is compared too)")
     args = ap.parse_args(argv)
     points = [p for p in args.points.split(",") if p]
     unknown = [p for p in points if p not in POINTS]
@@ -122,22 +133,23 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     shutil.rmtree(args.out, ignore_errors=True)
     ref_out = args.out / "reference"
-    code, seconds = run(command(args.model, args.data, ref_out), ref_out)
+    code, seconds = run(command(args.model, args.data, ref_out, args.peft), ref_out)
     if code != 0:
         print(f"error: the uninterrupted run failed (exit {code})", file=sys.stderr)
         return 1
-    reference = tensors(ref_out / "hf")
+    reference = {folder: tensors(ref_out / folder) for folder in ("hf", "adapter") if (ref_out / folder).is_dir()}
+    ref_losses = losses(ref_out)
     rng = random.Random(args.seed)
     rows = []
     for name in points:
         out = args.out / name
-        cmd = command(args.model, args.data, out)
+        cmd = command(args.model, args.data, out, args.peft)
         after = rng.uniform(0.1, 0.6) * seconds if POINTS[name] is None else None
         code, at = run(cmd, out, kill_at=POINTS[name], kill_after=after)
         killed = code is None
         if killed:
             code, _ = run(cmd, out)
-        problems = ([] if code == 0 else [f"exit {code}"]) + check(out, reference)
+        problems = ([] if code == 0 else [f"exit {code}"]) + check(out, reference, ref_losses)
         row = dict(point=name, killed=killed, at_s=round(at, 2), ok=not problems,
                    problems=problems)
         rows.append(row)

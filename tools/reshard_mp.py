@@ -4,7 +4,8 @@
 
 A training checkpoint (one with trainer_state.json) is resharded whole: model,
 optimizer state, step and data position, so `--resume` continues the run at the new
-layout (hfmeg/train/reshard_checkpoint.py).
+layout (hfmeg/train/reshard_checkpoint.py); a LoRA/DoRA one moves its adapter shards and their
+optimizer state (the base it references is not in it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from hfmeg.checkpoint.cli import add_layout_args, add_output_args, run_cli
-from hfmeg.checkpoint.mp_reader import MPCheckpoint
+from hfmeg.checkpoint.mp_layout import resolve_iteration_dir
 from hfmeg.checkpoint.reshard import reshard_mp
 from hfmeg.train.checkpointing import STATE_FILE
 from hfmeg.train.reshard_checkpoint import reshard_training_checkpoint
@@ -30,17 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     def run():
-        source = MPCheckpoint(args.mp, args.iteration)
-        if not (source.folder / STATE_FILE).is_file():
+        folder = resolve_iteration_dir(args.mp, args.iteration)
+        if not (folder / STATE_FILE).is_file():
             return reshard_mp(args.mp, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, pp_layers=args.pp_layers,
                               dtype=args.dtype, overwrite=args.overwrite, iteration=args.iteration)
         out = reshard_training_checkpoint(args.mp, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
                                           pp_layers=args.pp_layers, dtype=args.dtype, overwrite=args.overwrite,
                                           iteration=args.iteration)
-        step = json.loads((source.folder / STATE_FILE).read_text()).get("step")
+        step = json.loads((folder / STATE_FILE).read_text()).get("step")
         after.append(f"training checkpoint (step {step}): model, optimizer state, step and data position "
                      f"resharded; continue with --tp {args.tp} --pp {args.pp} --vpp {args.vpp} "
-                     f"--resume {Path(args.out) / source.folder.name}")
+                     f"--resume {Path(args.out) / folder.name}")
         return out
 
     after: list[str] = []  # said after run_cli's "wrote ..." line

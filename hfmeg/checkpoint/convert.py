@@ -129,8 +129,9 @@ def write_mp_checkpoint(source, cfg: ModelConfig, layout: MPLayout, hf_side_dir:
 
 
 def hf_to_mp(hf: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None,
-             dtype: str = "auto", vocab_multiple: int = 128, overwrite: bool = False) -> Path:
-    """Convert an HF folder (or Hub id) into the MP shard layout at `out`."""
+             dtype: str = "auto", vocab_multiple: int = 128, overwrite: bool = False,
+             extra: Callable[[Path], None] | None = None) -> Path:
+    """Convert an HF folder (or Hub id) into the MP shard layout at `out` (`extra`: as `write_mp_checkpoint`)."""
     folder = resolve_hf_source(hf)
     target = parse_dtype(dtype)
     source = HFCheckpoint(folder)
@@ -138,7 +139,7 @@ def hf_to_mp(hf: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1,
     with config_errors_name(folder):
         layout = MPLayout.build(cfg, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, vocab_multiple=vocab_multiple)
     return write_mp_checkpoint(source, cfg, layout, folder, out, dtype=target, overwrite=overwrite,
-                               inputs=(folder,))
+                               inputs=(folder,), extra=extra)
 
 
 def mp_to_hf(mp: str | Path, out: str | Path, *, dtype: str = "auto", max_shard_size: str | int = "5GB",

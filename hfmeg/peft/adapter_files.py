@@ -70,8 +70,11 @@ def read_adapter_shard(chunks: list[ModelChunk], rank_dir: Path) -> None:
                 params[t.local].copy_(saved[t.local])
 
 
-def assemble(iter_dir: Path) -> dict[str, torch.Tensor]:
-    """The full PEFT tensors (key -> tensor) from every rank's shard under `iter_dir`."""
+def assemble(iter_dir: Path, value=None) -> dict[str, torch.Tensor]:
+    """The full PEFT tensors (key -> tensor) from every rank's shard under `iter_dir`.
+
+    `value(rank_dir, local, saved)`: what to join in place of each saved tensor (one shaped like it,
+    e.g. its optimizer state when a checkpoint is resharded)."""
     slices: dict[str, dict[int, torch.Tensor]] = {}
     kinds: dict[str, tuple[str, int | None]] = {}
     files = sorted(iter_dir.glob(f"mp_rank_*/{SHARD_FILE}"))
@@ -82,7 +85,8 @@ def assemble(iter_dir: Path) -> dict[str, torch.Tensor]:
             meta = f.metadata()
             tp_rank = int(meta["tp_rank"])
             for local, (hf, kind, vocab) in json.loads(meta["tensors"]).items():
-                slices.setdefault(hf, {})[tp_rank] = f.get_tensor(local)
+                saved = f.get_tensor(local)
+                slices.setdefault(hf, {})[tp_rank] = saved if value is None else value(path.parent, local, saved)
                 kinds[hf] = kind, vocab
     return {hf: join_slices([by_rank[r] for r in sorted(by_rank)], *kinds[hf]) for hf, by_rank in slices.items()}
 
@@ -99,7 +103,8 @@ def adapter_config(cfg: PeftConfig, base: str, targets: list[str]) -> dict:
 def write_peft_folder(out: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig, base: str, *,
                       overwrite: bool = True) -> Path:
     """Write a PEFT adapter folder atomically; `base` is the Hub id or folder of the base model."""
-    targets = sorted({k.split(".")[-3] for k in tensors if ".lora_" in k})
+    # the projection of each A (a DoRA magnitude's key is one part shorter: `...q_proj.lora_magnitude_vector`)
+    targets = sorted({k.split(".")[-3] for k in tensors if k.endswith(".lora_A.weight")})
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(cfg, base, targets), indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})

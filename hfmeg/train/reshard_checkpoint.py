@@ -13,6 +13,8 @@
   the resumed run reads whichever phase it is in (models/shared_layers.py);
 - `trainer_state.json` (step, data position, config) is copied verbatim: which rows
   form global batch k does not depend on the layout.
+A LoRA/DoRA checkpoint (adapter shards, `adapter.json`) moves only its adapters and their optimizer
+state (`_reshard_adapters`); the base it references is not in it.
 Per-rank RNG states are not carried (the ranks are not the same ones); the resumed
 ranks keep their seeded state, which a run without dropout does not use.
 Memory: one old pipeline stage's state of one kind, plus one new rank's.
@@ -27,14 +29,26 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..checkpoint.atomic import save_tensors
-from ..checkpoint.convert import config_errors_name, write_mp_checkpoint, write_mp_shards
-from ..checkpoint.mp_layout import RANK_FILE, MPLayout, parse_dtype
+from ..checkpoint.atomic import atomic_output_dir, save_tensors
+from ..checkpoint.convert import config_errors_name, load_model_config, write_mp_checkpoint, write_mp_shards
+from ..checkpoint.mp_layout import (
+    HF_DIR,
+    RANK_FILE,
+    MPLayout,
+    copy_hf_side_files,
+    iteration_dir_name,
+    parse_dtype,
+    resolve_iteration_dir,
+    write_latest,
+)
 from ..checkpoint.mp_reader import MPCheckpoint, rank_rules
 from ..checkpoint.st_stream import read_tensor
 from ..errors import CheckpointError
 from ..models.shared_layers import shared_name
 from ..optim.state_io import STATE, read_meta
+from ..peft.adapter_files import assemble
+from ..peft.export import INFO_FILE, is_adapter_checkpoint, read_info
+from ..peft.layout_shards import local_tensors, rank_adapters, write_layout_shards
 from .checkpointing import OPTIM_DIR, STATE_FILE, read_trainer_state
 
 
@@ -101,22 +115,86 @@ def _write_optimizer(source: MPCheckpoint, layout: MPLayout, iter_dir: Path) -> 
         names = [rule.local for rule in rank_rules(source.cfg, layout, p)]
         for t in range(layout.tp):
             files = {s: work / s / layout.rank_dir(t, p) / RANK_FILE for s in STATE}
-            flats = {s: torch.cat([read_tensor(files[s], n).reshape(-1) for n in names]) for s in STATE}
-            pieces, off = [], 0
-            for n in names:
-                numel = read_tensor(files["master"], n).numel()
-                pieces.append([n, 0, numel, off])
-                off += numel
-            meta = {**old_meta, "dp": 1, "tp": layout.tp, "pp": layout.pp, "pieces": pieces}
-            save_tensors(flats, iter_dir / OPTIM_DIR / f"optim_pp{p:03d}_tp{t:02d}_dp000.safetensors",
-                         {"hfmeg_optimizer": json.dumps(meta)})
+            _save_optimizer_shard(iter_dir, p, t, layout, old_meta,
+                                  {n: {s: read_tensor(files[s], n) for s in STATE} for n in names})
     shutil.rmtree(work)
+
+
+def _save_optimizer_shard(iter_dir: Path, p: int, t: int, layout: MPLayout, old_meta: dict,
+                          states: dict[str, dict[str, torch.Tensor]]) -> None:
+    """One new rank's optimizer shard (DP=1): parameter name -> {master, exp_avg, exp_avg_sq}, in order."""
+    flats = {s: torch.cat([v[s].reshape(-1) for v in states.values()]) for s in STATE}
+    pieces, off = [], 0
+    for n, v in states.items():
+        numel = v["master"].numel()
+        pieces.append([n, 0, numel, off])
+        off += numel
+    meta = {**old_meta, "dp": 1, "tp": layout.tp, "pp": layout.pp, "pieces": pieces}
+    save_tensors(flats, iter_dir / OPTIM_DIR / f"optim_pp{p:03d}_tp{t:02d}_dp000.safetensors",
+                 {"hfmeg_optimizer": json.dumps(meta)})
+
+
+def _reshard_adapters(folder: Path, out: str | Path, *, tp: int, pp: int, vpp: int, pp_layers: list[int] | None,
+                      overwrite: bool) -> Path:
+    """A LoRA training checkpoint at TP x PP (x VPP): its adapter shards and their optimizer state.
+
+    The base is not in the checkpoint (it is read from the path `adapter.json` records, checked by its
+    hash at resume), so only adapter tensors move: each is joined into its full PEFT tensor
+    (`adapter_files.assemble`), its fp32 master and moments likewise (the old ranks' DP pieces joined by
+    name, then the TP slices by the same split kinds), and all of them are cut for the new ranks by the
+    trainer's own adapter code (`peft/layout_shards.py`). Values are moved, never recomputed."""
+    old = MPLayout.read(folder)
+    model_cfg = load_model_config(folder / HF_DIR)
+    cfg, _ = read_info(folder)
+    with config_errors_name(folder / HF_DIR):
+        layout = MPLayout.build(model_cfg, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers,
+                                vocab_multiple=old.vocab_multiple, dtype=old.dtype, iteration=old.iteration)
+    coords = {old.rank_dir(t, p): (t, p) for p in range(old.pp) for t in range(old.tp)}
+    stages: dict[tuple[str, int], list[dict[str, torch.Tensor]]] = {}
+
+    def state_of(kind: str):
+        def value(rank_dir: Path, local: str, saved: torch.Tensor) -> torch.Tensor:
+            t, p = coords[rank_dir.name]
+            if (kind, p) not in stages:
+                stages[(kind, p)] = _stage_state(folder / OPTIM_DIR, p, old.tp, kind)
+            flat = stages[(kind, p)][t].get(local)
+            if flat is None:
+                raise CheckpointError(f"{folder / OPTIM_DIR}: no optimizer state for {local} (pp rank {p}, "
+                                      f"tp rank {t})")
+            return flat.view(saved.shape)
+        return value
+
+    tensors = assemble(folder)
+    states = {s: assemble(folder, state_of(s)) for s in STATE}
+    old_meta = read_meta(next((folder / OPTIM_DIR).glob("optim_*.safetensors")))
+    with atomic_output_dir(out, overwrite=overwrite, inputs=(folder,)) as tmp:
+        iter_dir = tmp / iteration_dir_name(layout.iteration)
+        iter_dir.mkdir()
+        write_layout_shards(iter_dir, model_cfg, layout, cfg, tensors)
+        (iter_dir / OPTIM_DIR).mkdir()
+        per_state = [rank_adapters(model_cfg, layout, cfg, states[s]) for s in STATE]
+        for ranks in zip(*per_state):
+            ps = ranks[0][0]
+            named = [local_tensors(chunks) for _, chunks in ranks]
+            _save_optimizer_shard(iter_dir, ps.pp_rank, ps.tp_rank, layout, old_meta,
+                                  {n: {s: named[i][n] for i, s in enumerate(STATE)} for n in named[0]})
+        layout.write(iter_dir)
+        copy_hf_side_files(folder / HF_DIR, iter_dir / HF_DIR)
+        for name in (STATE_FILE, INFO_FILE):
+            shutil.copy2(folder / name, iter_dir / name)
+        write_latest(tmp, layout.iteration)
+    return Path(out)
 
 
 def reshard_training_checkpoint(mp: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1,
                                 pp_layers: list[int] | None = None, dtype: str = "auto", overwrite: bool = False,
                                 iteration: int | None = None) -> Path:
     """Write the training checkpoint `mp` at layout TP x PP (x VPP) to `out` (same iteration number)."""
+    folder = resolve_iteration_dir(mp, iteration)
+    if is_adapter_checkpoint(folder):
+        if not (folder / STATE_FILE).is_file():
+            raise CheckpointError(f"{folder}: not a training checkpoint (no {STATE_FILE})")
+        return _reshard_adapters(folder, out, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, overwrite=overwrite)
     source = MPCheckpoint(mp, iteration)
     state_file = source.folder / STATE_FILE
     if not state_file.is_file():
