@@ -368,10 +368,14 @@ def _print_table(r: dict) -> None:
     print(f"speedup (hfmeg / hf): {r['speedup']:.3f}")
 
 
-if __name__ == "__main__":
+def run_main(main, tool: str, hint: str) -> None:
+    """Run a bench's `main`; running out of GPU memory is one line saying what to try, exit 2."""
     try:
         main()
     except torch.cuda.OutOfMemoryError as e:
-        print(f"bench_mfu: out of GPU memory ({str(e).splitlines()[0]}); try fewer --layers or --recompute full",
-              file=sys.stderr)
+        print(f"{tool}: out of GPU memory ({str(e).splitlines()[0]}); {hint}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    run_main(main, "bench_mfu", "try fewer --layers or --recompute full")

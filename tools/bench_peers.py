@@ -56,7 +56,7 @@ from hfmeg.models.random_init import random_hf_model
 from hfmeg.plan.flops import mfu, training_flops
 from bench_args import at_least
 from bench_mfu import (OPTIM, SideResult, _free, _measure, bench_device, fused_adamw, hf_config, make_batches,
-                       peak_flops_of, resolve_args, run_hf, run_hfmeg, settings, shape_parser)
+                       peak_flops_of, resolve_args, run_hf, run_hfmeg, run_main, settings, shape_parser)
 
 FLOP_CONVENTION = ("Megatron-LM: 6 x matmul parameters a token goes through (+ LM head) + 12 s l h attention "
                    "(full s x s scores, not the causal half); recompute not counted")
@@ -466,9 +466,4 @@ def _print_table(rows: list[dict], summary: dict) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except torch.cuda.OutOfMemoryError as e:
-        print(f"bench_peers: out of GPU memory ({str(e).splitlines()[0]}); try fewer --layers or --systems",
-              file=sys.stderr)
-        sys.exit(2)
+    run_main(main, "bench_peers", "try fewer --layers or --systems")
