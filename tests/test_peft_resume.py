@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 from helpers import stories_or_skip
 from safetensors.torch import load_file, save_file
