@@ -28,10 +28,10 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
   behind the stage's device work the same way;
 - recompute: `full` runs each layer's forward again, `selective` the attention core;
 - gradient accumulation: every micro-batch's weight gradients are added into the
-  fp32 main grads, a pass over all the stage's parameters at streaming bandwidth:
-  with bf16 parameters the hook reads the new gradient and reads and writes the
-  main grad (2 + 4 + 4 bytes); with fp32 ones `param.grad` is the main grad and
-  autograd adds in place (4 + 4 + 4) (`parallel/grad_sync.py`);
+  fp32 main grads, a pass over all the stage's parameters at streaming bandwidth
+  (`grad_accumulate_bytes`): fused (`optim.grad_accumulation_fusion`, parallel/wgrad.py)
+  the GEMM reads and writes the main grad (4 + 4 bytes); without, the hook also reads the
+  gradient the GEMM wrote in the parameters' dtype (`parallel/grad_sync.py`);
 - TP collectives: per layer two all-reduces forward and two backward (with SP the
   same bytes as all-gather + reduce-scatter pairs, times the profile's measured
   `sequence_parallel_comm`), ring cost on the TP link; on
