@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.peft.adapter_files import read_peft_folder
+from hfmeg.parallel.stored_names import stored_tensors
 from hfmeg.peft.adapters import adapter_tensors, attach, initialise, join_slices
 
 
@@ -74,17 +75,28 @@ def hfmeg_chunks(base: Path, adapter: Path, ps, dropout: float = 0.0, **options)
     return chunks, cfg
 
 
-def full_adapter_grads(chunks, ps) -> dict[str, torch.Tensor]:
-    """This rank's stage's adapter gradients as full PEFT-keyed tensors (gathered over TP)."""
-    out = {}
+def full_adapter_grads(chunks, ps, of=lambda p: p.grad) -> dict[str, torch.Tensor]:
+    """This rank's stage's adapter gradients (`of(parameter)`, e.g. its `main_grad`) as full PEFT-keyed tensors:
+    TP slices gathered over TP, expert pieces over the EP group, joined as the export joins them."""
+    out, experts = {}, {}
     for chunk in chunks:
-        params = dict(chunk.named_parameters())
+        grads = stored_tensors(chunk, of)
         for t in adapter_tensors(chunk):
-            g = params[t.local].grad.contiguous()
+            g = grads[t.local].contiguous()
+            if t.expert is not None:
+                experts.setdefault(t.hf, (t.kind, {}))[1][t.expert[0]] = g
+                continue
             parts = [torch.empty_like(g) for _ in range(ps.tp)] if ps.tp > 1 else [g]
             if ps.tp > 1:
                 dist.all_gather(parts, g, group=ps.tp_group)
             out[t.hf] = join_slices(parts, t.kind, t.vocab)
+    if getattr(ps, "ep", 1) > 1:
+        every = [None] * ps.ep
+        dist.all_gather_object(every, experts, group=ps.ep_group)
+        experts = {hf: (kind, {e: g for rank in every for e, g in rank[hf][1].items()}) for hf, (kind, _) in
+                   experts.items()}
+    for hf, (kind, pieces) in experts.items():
+        out[hf] = join_slices([pieces[e] for e in sorted(pieces)], kind)
     return out
 
 

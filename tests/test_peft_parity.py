@@ -134,7 +134,7 @@ def test_merge_matches_peft_on_the_base(options, tmp_path):
     on the base."""
     base, adapter = make_base_and_adapter(tmp_path, "llama3", **options)
     cfg, tensors = read_peft_folder(adapter)
-    merged = merge_into_hf(base, tensors, cfg.scale, tmp_path / "merged")
+    merged = merge_into_hf(base, tensors, cfg, tmp_path / "merged")
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = peft_reference(base, adapter, trainable=False)(ids).logits

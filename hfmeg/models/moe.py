@@ -114,11 +114,19 @@ class GroupedExperts(nn.Module):
         add_param(self, "fc2", len(experts), hidden, ffn, role=_EXPERT)
         for name in ("fc1", "fc2"):
             set_stored_names(self, name, [f"{e}.{name}.weight" for e in experts])
+        # LoRA on each stacked weight (`hfmeg/peft/adapters.py` ExpertLora): `(rows, offsets)` -> its update.
+        self.fc1_lora: nn.Module | None = None
+        self.fc2_lora: nn.Module | None = None
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Rows `[R, h]` sorted by expert, expert g's block ending at `offsets[g]`: their outputs `[R, h]`."""
-        gate, up = grouped_linear(rows, self.fc1, offsets).chunk(2, dim=-1)
-        return grouped_linear(self.kernels.swiglu(gate, up), self.fc2, offsets)
+        h = grouped_linear(rows, self.fc1, offsets)
+        if self.fc1_lora is not None:
+            h = h + self.fc1_lora(rows, offsets)
+        gate, up = h.chunk(2, dim=-1)
+        act = self.kernels.swiglu(gate, up)
+        out = grouped_linear(act, self.fc2, offsets)
+        return out if self.fc2_lora is None else out + self.fc2_lora(act, offsets)
 
 
 class MoELayer(nn.Module):

@@ -17,7 +17,8 @@ Column- and row-parallel layers take an optional `adapter` (a LoRA/DoRA update,
 sees it (after the column layer's gather/copy; the row layer's input shard), that
 matmul's output `y = x W^T` without bias and this rank's weight, and returns what is
 added to `y` before any reduction and before the bias, so base and adapter share the
-one collective.
+one collective. `ReplicatedLinear` (the MoE router) takes one the same way; it has no
+collective.
 """
 
 from __future__ import annotations
@@ -106,9 +107,11 @@ class ReplicatedLinear(nn.Module):
         if role.tp_dim is not None:
             raise ValueError("a replicated linear's weight is not TP-split")
         add_param(self, "weight", out_features, in_features, role=role)
+        self.adapter: nn.Module | None = None  # see the module docstring (the MoE router's LoRA)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        y = linear(x, self.weight)
+        return y if self.adapter is None else y + self.adapter(x, y, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -25,6 +25,20 @@ kind: `rows` (dim 0 over TP), `cols` (dim 1 over TP) or `replicated`. A fresh `A
 drawn as `peft` draws it (Kaiming-uniform, a = sqrt(5)) in its full HF shape from a
 generator seeded by the run seed and the tensor's name, then sliced, so every layout
 starts from the same adapter; `B` starts at zero, so the model starts as the base.
+
+MoE models (Mixtral, Qwen3-MoE). transformers v5 holds a layer's experts stacked
+(`mlp.experts.gate_up_proj` `[E, 2F, H]`, `down_proj` `[E, H, F]`) and `peft` (0.21) adapts
+them with LoRA on those parameters (`ParamWrapper`): per expert e an `A_e` `[r, in]` and a
+`B_e` `[out, r]`, kept in two PEFT tensors, `lora_A` `[E r, in]` (expert-major rows) and
+`lora_B` `[out, r E]` (column `k E + e` is expert e's column k). hfmeg's grouped experts
+(`models/moe.py`) are the same stacks per EP rank, so each targeted one gets an `ExpertLora`:
+A `[E_local, r, in]` and B `[E_local, out, r]` of this rank's experts, role `expert` +
+`adapter` (reduced over expert-DP like the experts), applied to the expert-sorted rows as
+two more grouped GEMMs. On disk each expert's A and B are tensors of their own under
+their global index (`parallel/stored_names.py`), so EP resharding and resumes move them
+one by one; the export stacks them into peft's two tensors (kinds `expert_A`/`expert_B`).
+The router (`gate.weight`) gets a plain LoRA held whole on every TP rank (its input is the
+rank's token share: both factors' gradients are partial, `sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -40,9 +54,12 @@ from torch import nn
 
 from ..errors import CheckpointError, UnsupportedConfigError
 from ..models.decoder import ModelChunk
+from ..models.grouped_linear import grouped_linear
+from ..models.moe import MoELayer
 from ..parallel.roles import ParamRole, add_param
 from ..parallel.state import ParallelState
-from .config import SAVABLE, PeftConfig
+from ..parallel.stored_names import set_stored_names, stored_tensors
+from .config import ATTENTION, EXPERT_TARGETS, FUSED, SAVABLE, PeftConfig
 
 PEFT_PREFIX = "base_model.model."
 
@@ -59,8 +76,9 @@ class Projection:
 class AdapterTensor:
     local: str  # the chunk's parameter name
     hf: str  # PEFT's key in adapter_model.safetensors
-    kind: str  # rows | cols | replicated | vocab (rows padded to the chunk's vocabulary, then split)
+    kind: str  # rows | cols | replicated | vocab (rows padded to the chunk's vocabulary, then split) | expert_A | expert_B
     vocab: int | None = None  # the unpadded rows of a `vocab` tensor
+    expert: tuple[int, int] | None = None  # (e, E): an `expert_*` tensor is expert e's piece of a stack of E
 
 
 class InputDropout(nn.Module):
@@ -88,12 +106,12 @@ class LoraPair(nn.Module):
     """A and B of one HF projection (and DoRA's magnitude), sliced for this TP rank as the module docstring says."""
 
     def __init__(self, in_local: int, out_local: int, out_full: int, r: int, column: bool, cfg: PeftConfig,
-                 ps: ParallelState):
+                 ps: ParallelState, replicated: bool = False):
         super().__init__()
         partial = ParamRole("weight", sequence_parallel=True, adapter=True)
         split = {"A": ParamRole("weight", tp_dim=1, adapter=True), "B": ParamRole("weight", tp_dim=0, adapter=True)}
         add_param(self, "lora_A", r, in_local, role=partial if column else split["A"])
-        add_param(self, "lora_B", out_local, r, role=split["B"] if column else partial)
+        add_param(self, "lora_B", out_local, r, role=partial if replicated else split["B"] if column else partial)
         if cfg.method == "dora":  # one magnitude per output feature: split like B's rows, or whole and partial
             add_param(self, "lora_magnitude_vector", out_local if column else out_full,
                       role=ParamRole("weight", tp_dim=0, adapter=True) if column else partial)
@@ -134,13 +152,15 @@ class LoraAdapter(nn.Module):
     """
 
     def __init__(self, projections: list[Projection], targeted: set[str], in_local: int, column: bool,
-                 groups: int, cfg: PeftConfig, ps: ParallelState):
+                 groups: int, cfg: PeftConfig, ps: ParallelState, replicated: bool = False):
         super().__init__()
         self.groups, self.scale, self.column, self.ps = groups, cfg.scale, column, ps
-        self.widths = [(p.name, p.out_features // ps.tp if column else p.out_features) for p in projections]
+        split = column and not replicated  # `replicated`: a ReplicatedLinear base (the MoE router)
+        self.widths = [(p.name, p.out_features // ps.tp if split else p.out_features) for p in projections]
         for p, (_, out_local) in zip(projections, self.widths):
             if p.name in targeted:
-                self.add_module(p.name, LoraPair(in_local, out_local, p.out_features, cfg.r, column, cfg, ps))
+                self.add_module(p.name, LoraPair(in_local, out_local, p.out_features, cfg.r, column, cfg, ps,
+                                                 replicated))
 
     def _blocks(self, t: torch.Tensor, dim: int) -> list[torch.Tensor]:
         """Each projection's part of the fused output features of `t` along `dim`, in `widths` order."""
@@ -182,6 +202,40 @@ class LoraAdapter(nn.Module):
                 pair.lora_magnitude_vector.copy_(self._norm(pair, w_p))
 
 
+_EXPERT_ADAPTER = ParamRole("weight", sequence_parallel=True, expert=True, adapter=True)
+
+
+class ExpertLora(nn.Module):
+    """LoRA on one stacked expert weight `[E_local, out, in]` of a rank's grouped experts: A `[E_local, r, in]`,
+    B `[E_local, out, r]`, stored per expert as `{e}.lora_A`, `{e}.lora_B`. `forward(rows, offsets)` gives
+    `scale B_e A_e x` for each expert's block of rows, as two grouped GEMMs (`models/grouped_linear.py`).
+    No dropout: peft's LoRA on parameters has none (refused in `check_model`)."""
+
+    def __init__(self, experts: range, r: int, in_features: int, out_features: int, scale: float):
+        super().__init__()
+        self.scale = scale
+        add_param(self, "lora_A", len(experts), r, in_features, role=_EXPERT_ADAPTER)
+        add_param(self, "lora_B", len(experts), out_features, r, role=_EXPERT_ADAPTER)
+        for name in ("lora_A", "lora_B"):
+            set_stored_names(self, name, [f"{e}.{name}" for e in experts])
+
+    def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return grouped_linear(grouped_linear(rows, self.lora_A, offsets), self.lora_B, offsets) * self.scale
+
+
+def _moe_layers(chunk: ModelChunk) -> list[tuple[int, MoELayer]]:
+    return [(int(i), layer.mlp) for i, layer in chunk.layers.items() if isinstance(layer.mlp, MoELayer)]
+
+
+def _expert_keys(i: int, params: tuple[str, ...]) -> dict[str, str]:
+    """PEFT key prefix of each targeted expert/router parameter of layer i: peft wraps gate_up_proj first, so
+    with down_proj targeted too gate_up_proj's wrapper is the inner one (`experts.base_layer`)."""
+    m = f"{PEFT_PREFIX}model.layers.{i}.mlp."
+    keys = {"gate.weight": m + "gate.", "down_proj": m + "experts.",
+            "gate_up_proj": m + ("experts.base_layer." if "down_proj" in params else "experts.")}
+    return {p: keys[p] for p in params}
+
+
 @dataclass(frozen=True)
 class _Base:
     """A base layer of a decoder layer that can carry an adapter."""
@@ -192,6 +246,8 @@ class _Base:
 
 
 def _bases(chunk: ModelChunk) -> list[_Base]:
+    """The TP base layers that can carry an adapter (on an MoE model: attention only, as peft maps the MLP
+    names to the experts; the experts and the router are `_moe_layers`)."""
     cfg, tp = chunk.cfg, chunk.ps.tp
     q, kv, h, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.ffn_size
     out = []
@@ -199,10 +255,11 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
         a, m, L = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
         out += [_Base(L + "attn.qkv", [Projection("q_proj", a + "q_proj", q), Projection("k_proj", a + "k_proj", kv),
                                       Projection("v_proj", a + "v_proj", kv)], True, cfg.num_kv_heads // tp),
-                _Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1),
-                _Base(L + "mlp.fc1", [Projection("gate_proj", m + "gate_proj", f),
+                _Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1)]
+        if cfg.moe is None:
+            out += [_Base(L + "mlp.fc1", [Projection("gate_proj", m + "gate_proj", f),
                                       Projection("up_proj", m + "up_proj", f)], True, 1),
-                _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
+                    _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
     return out
 
 
@@ -214,9 +271,30 @@ def check_model(chunk_cfg, cfg: PeftConfig) -> None:
     if "lm_head" in cfg.modules_to_save and chunk_cfg.tie_embeddings:
         raise UnsupportedConfigError("peft.modules_to_save: lm_head is tied to embed_tokens in this model; "
                                      "name embed_tokens alone")
-    if chunk_cfg.moe is not None:
-        raise UnsupportedConfigError(f"peft.method: {cfg.method} on MoE models ({chunk_cfg.model_type}) is not "
-                                     "built yet (per-expert adapters under EP)")
+    wanted = set(cfg.target_modules) - {"all-linear"}
+    if chunk_cfg.moe is None:
+        unmatched = sorted(wanted - set(cfg.targets()))
+    elif chunk_cfg.model_type not in EXPERT_TARGETS:
+        raise UnsupportedConfigError(f"peft.method: {cfg.method} on {chunk_cfg.model_type} (shared expert) is not "
+                                     f"built; MoE LoRA covers {sorted(EXPERT_TARGETS)}")
+    else:
+        names = EXPERT_TARGETS[chunk_cfg.model_type]
+        unmatched = sorted(wanted - set(ATTENTION) - set(names) - set(names.values()))
+        pair = FUSED[chunk_cfg.model_type]
+        if len(wanted & set(pair)) == 1:
+            raise UnsupportedConfigError(f"peft.target_modules: {sorted(wanted & set(pair))[0]} without "
+                                         f"{sorted(set(pair) - wanted)[0]}: they are one fused gate_up_proj (as "
+                                         "peft refuses it)")
+        if cfg.moe_targets()[1]:
+            if cfg.method == "dora":
+                raise UnsupportedConfigError("peft.method: dora is not supported on MoE experts (nor on the router; "
+                                             "peft's LoRA on parameters has no DoRA): target attention only")
+            if cfg.dropout:
+                raise UnsupportedConfigError("peft.dropout: must be 0 with MoE experts or the router targeted "
+                                             "(peft's LoRA on parameters has no dropout)")
+    if unmatched:
+        raise UnsupportedConfigError(f"peft.target_modules: {unmatched} match nothing in this "
+                                     f"{chunk_cfg.model_type} model")
 
 
 def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
@@ -231,20 +309,34 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
     for module in cfg.modules_to_save:
         if SAVABLE[module] in params:
             params[SAVABLE[module]].requires_grad_(True)
-    targeted = set(cfg.targets())
+    moe = chunk.cfg.moe
+    targeted = set(cfg.targets()) if moe is None else set(cfg.moe_targets()[0])
     weight = next(chunk.parameters())
+    place = dict(device=weight.device, dtype=weight.dtype)
     for base in _bases(chunk):
         if not targeted & {p.name for p in base.projections}:
             continue
         layer = chunk.get_submodule(base.local)
         adapter = LoraAdapter(base.projections, targeted, layer.weight.shape[1], base.column, base.groups, cfg,
                               chunk.ps)
-        layer.adapter = adapter.to(device=weight.device, dtype=weight.dtype)
+        layer.adapter = adapter.to(**place)
+    if moe is None:
+        return
+    wanted = cfg.moe_targets()[1]
+    h, f = chunk.cfg.hidden_size, moe.expert_ffn_size
+    for i, layer in _moe_layers(chunk):
+        if "gate.weight" in wanted:
+            router = [Projection("gate", f"model.layers.{i}.mlp.gate", moe.num_experts)]
+            layer.router.adapter = LoraAdapter(router, {"gate"}, h, True, 1, cfg, chunk.ps, replicated=True).to(**place)
+        for param, (name, n_in, n_out) in (("gate_up_proj", ("fc1", h, 2 * f)), ("down_proj", ("fc2", f, h))):
+            if param in wanted:
+                lora = ExpertLora(chunk.experts, cfg.param_rank(param)[0], n_in, n_out, cfg.param_scale(param))
+                setattr(layer.experts, f"{name}_lora", lora.to(**place))
 
 
 def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
-    """Every adapter tensor of `chunk` (and every `modules_to_save` one): its parameter name, PEFT key
-    and split kind."""
+    """Every adapter tensor of `chunk` (and every `modules_to_save` one): its stored name (`stored_tensors`),
+    PEFT key and split kind."""
     params = dict(chunk.named_parameters())
     out = [AdapterTensor(local, f"{PEFT_PREFIX}{'model.' if hf == 'embed_tokens' else ''}{hf}.weight", "vocab",
                          chunk.cfg.vocab_size)
@@ -261,13 +353,33 @@ def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
             if getattr(adapter, p.name).dora:
                 out.append(AdapterTensor(local + "lora_magnitude_vector", hf + "lora_magnitude_vector",
                                          "rows" if base.column else "replicated"))
+    for i, layer in _moe_layers(chunk):
+        loras = {"gate_up_proj": getattr(layer.experts, "fc1_lora", None),
+                 "down_proj": getattr(layer.experts, "fc2_lora", None)}
+        keys = _expert_keys(i, tuple(p for p in ("gate.weight", "gate_up_proj", "down_proj")
+                                     if loras.get(p) is not None or (p == "gate.weight" and layer.router.adapter)))
+        if "gate.weight" in keys:
+            local = f"layers.{i}.mlp.router.adapter.gate."
+            out += [AdapterTensor(local + f, keys["gate.weight"] + f + ".weight", "replicated")
+                    for f in ("lora_A", "lora_B")]
+        for param, name in (("gate_up_proj", "fc1_lora"), ("down_proj", "fc2_lora")):
+            if param in keys:
+                out += [AdapterTensor(f"layers.{i}.mlp.experts.{name}.{e}.{f}", f"{keys[param]}{f}.weight",
+                                      f"expert_{f[-1]}", expert=(e, chunk.cfg.moe.num_experts))
+                        for f in ("lora_A", "lora_B") for e in chunk.experts]
     return out
 
 
-def slice_for_rank(t: torch.Tensor, kind: str, ps: ParallelState, local_rows: int | None = None) -> torch.Tensor:
-    """This TP rank's slice of the full HF adapter tensor `t` (`vocab`: padded to `local_rows` per rank)."""
+def slice_for_rank(t: torch.Tensor, kind: str, ps: ParallelState, local_rows: int | None = None,
+                   expert: tuple[int, int] | None = None) -> torch.Tensor:
+    """This TP rank's slice of the full HF adapter tensor `t` (`vocab`: padded to `local_rows` per rank;
+    `expert_A`/`expert_B`: expert `expert[0]`'s piece of peft's stack of `expert[1]`, see the module docstring)."""
     if kind == "replicated":
         return t
+    if kind == "expert_A":  # [E r, in]: expert-major rows
+        return t.unflatten(0, (expert[1], -1))[expert[0]].contiguous()
+    if kind == "expert_B":  # [out, r E]: column k E + e
+        return t.unflatten(1, (-1, expert[1]))[:, :, expert[0]].contiguous()
     if kind == "vocab":
         padded = t.new_zeros(local_rows * ps.tp, *t.shape[1:])
         padded[: t.shape[0]] = t
@@ -276,9 +388,14 @@ def slice_for_rank(t: torch.Tensor, kind: str, ps: ParallelState, local_rows: in
 
 
 def join_slices(slices: list[torch.Tensor], kind: str, vocab: int | None = None) -> torch.Tensor:
-    """The full HF adapter tensor from all TP ranks' slices (in TP-rank order; `vocab`: padding removed)."""
+    """The full HF adapter tensor from all TP ranks' slices (in TP-rank order; `vocab`: padding removed), or
+    from all experts' pieces (`expert_*`: in expert order)."""
     if kind == "replicated":
         return slices[0]
+    if kind == "expert_A":
+        return torch.cat(slices, dim=0)
+    if kind == "expert_B":
+        return torch.stack(slices, dim=2).flatten(1)
     if kind == "vocab":
         return torch.cat(slices, dim=0)[:vocab]
     return torch.cat(slices, dim=0 if kind == "rows" else 1)
@@ -296,19 +413,22 @@ def fresh_a(name: str, r: int, in_features: int, seed: int) -> torch.Tensor:
 def initialise(chunk: ModelChunk, cfg: PeftConfig, seed: int, hf_tensors=None) -> None:
     """Fill the adapters of `chunk`: from `hf_tensors` (PEFT key -> full tensor, e.g. an adapter folder
     `init_from` names) or fresh (`fresh_a`, B = 0, DoRA's magnitude the row norms of `W + scale B A`)."""
-    params = dict(chunk.named_parameters())
+    params = stored_tensors(chunk)
     for t in adapter_tensors(chunk):
         p = params[t.local]
         if hf_tensors is not None:
             if t.hf not in hf_tensors:
                 raise CheckpointError(f"adapter has no tensor {t.hf}; adapters on only some layers are not "
                                       "supported (peft.init_from)")
-            p.copy_(slice_for_rank(hf_tensors[t.hf], t.kind, chunk.ps, p.shape[0]))
+            p.copy_(slice_for_rank(hf_tensors[t.hf], t.kind, chunk.ps, p.shape[0], t.expert))
         elif t.kind == "vocab":
             continue  # a module trained in full starts from the base's weights
+        elif t.kind == "expert_A":  # peft draws the whole [E r, in] stack
+            full = fresh_a(t.hf, p.shape[0] * t.expert[1], p.shape[1], seed)
+            p.copy_(slice_for_rank(full, t.kind, chunk.ps, expert=t.expert))
         elif t.local.endswith("lora_A"):
             in_full = p.shape[1] * (chunk.ps.tp if t.kind == "cols" else 1)
-            p.copy_(slice_for_rank(fresh_a(t.hf, cfg.r, in_full, seed), t.kind, chunk.ps))
+            p.copy_(slice_for_rank(fresh_a(t.hf, p.shape[0], in_full, seed), t.kind, chunk.ps))
         else:
             p.zero_()
     if hf_tensors is None and cfg.method == "dora":

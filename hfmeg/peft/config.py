@@ -9,7 +9,10 @@ section and the exported `adapter_config.json` say the same thing:
   `(alpha / sqrt(r)) B A x` with `use_rslora` (rank-stabilised LoRA).
 - `dropout`: applied to the adapter's input only, as `peft` does.
 - `target_modules`: HF projection names (`q_proj ... down_proj`), or `all-linear`
-  (every projection of the decoder layers; never `lm_head`, as in `peft`).
+  (every projection of the decoder layers; never `lm_head`, as in `peft`). On MoE models
+  (Mixtral, Qwen3-MoE) the experts' and router's names as `peft` reads them on
+  transformers v5 (`EXPERT_TARGETS`): `w1`+`w3` / `gate_proj`+`up_proj` (the fused
+  `gate_up_proj`, at rank 2r and alpha 2 alpha), `w2` / `down_proj`, `gate` (the router).
 - `modules_to_save`: base modules trained in full beside the adapters (`embed_tokens`,
   `lm_head`), saved whole in the adapter file as `peft` does.
 - `init_from`: a PEFT adapter folder to start from (its A and B), e.g. one `peft` made.
@@ -28,6 +31,21 @@ LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 ALL_LINEAR = "all-linear"
 # Base modules `modules_to_save` can train in full beside the adapters: HF name -> the chunk's parameter.
 SAVABLE = {"embed_tokens": "embed.weight", "lm_head": "lm_head.weight"}
+ATTENTION = LLAMA_PROJECTIONS[:4]
+# MoE models (transformers v5 stacks the experts: `mlp.experts.gate_up_proj` [E, 2F, H], `down_proj` [E, H, F];
+# the router `mlp.gate.weight`): peft (0.21) adapts them with LoRA on those parameters (`target_parameters`),
+# and maps the per-expert module names of transformers v4 to them (`_MOE_TARGET_MODULE_MAPPING`). Target
+# name -> the parameter it adapts; its own parameter names are accepted too (a peft folder lists them).
+EXPERT_TARGETS = {
+    "mixtral": {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj", "gate": "gate.weight"},
+    "qwen3_moe": {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
+                  "gate": "gate.weight"},
+}
+EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate.weight")
+_TO_PARAM = {name: param for names in EXPERT_TARGETS.values() for name, param in names.items()}
+# peft fuses w1 and w3 (gate_proj and up_proj) into one LoRA on gate_up_proj of rank 2r (alpha 2 alpha);
+# naming one of the pair alone is refused, as peft refuses it.
+FUSED = {"mixtral": ("w1", "w3"), "qwen3_moe": ("gate_proj", "up_proj")}
 
 
 @dataclass
@@ -57,6 +75,24 @@ class PeftConfig:
             return LLAMA_PROJECTIONS
         return tuple(p for p in LLAMA_PROJECTIONS if p in wanted)
 
+    def moe_targets(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(the attention projections, the expert/router parameters of `EXPERT_PARAMS`) targeted on an MoE
+        model (each family's names are checked in `adapters.check_model`); as in peft, a dense layer's MLP of
+        such a model is not adapted."""
+        wanted = set(self.target_modules)
+        if ALL_LINEAR in wanted:
+            return ATTENTION, EXPERT_PARAMS
+        params = {_TO_PARAM.get(t, t) for t in wanted}
+        return tuple(p for p in ATTENTION if p in wanted), tuple(p for p in EXPERT_PARAMS if p in params)
+
+    def param_rank(self, param: str) -> tuple[int, float]:
+        """(rank, alpha) of the LoRA on an expert/router parameter (peft's rank_pattern for gate_up_proj)."""
+        return (2 * self.r, 2 * self.alpha) if param == "gate_up_proj" else (self.r, self.alpha)
+
+    def param_scale(self, param: str) -> float:
+        r, alpha = self.param_rank(param)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
     def check(self) -> None:
         """Refuse, naming the field, what cannot be run (the model-dependent checks are in `adapters.attach`)."""
         if not self.enabled:
@@ -69,10 +105,13 @@ class PeftConfig:
             raise UnsupportedConfigError(f"peft.dropout: must be in [0, 1), got {self.dropout!r}")
         if not self.target_modules:
             raise UnsupportedConfigError("peft.target_modules: empty; name HF projections (q_proj ...) or all-linear")
-        unknown = sorted(set(self.target_modules) - set(LLAMA_PROJECTIONS) - {ALL_LINEAR})
+        known = set(LLAMA_PROJECTIONS) | {ALL_LINEAR} | set(EXPERT_PARAMS)
+        known |= {n for names in EXPERT_TARGETS.values() for n in names}
+        unknown = sorted(set(self.target_modules) - known)
         if unknown:
             raise UnsupportedConfigError(f"peft.target_modules: {unknown} match no adapted projection; the "
-                                         f"targets are {list(LLAMA_PROJECTIONS)} or {ALL_LINEAR}")
+                                         f"targets are {list(LLAMA_PROJECTIONS)} or {ALL_LINEAR} (MoE models: "
+                                         "also w1 w2 w3 gate, gate_up_proj down_proj gate.weight)")
         other = sorted(set(self.modules_to_save) - set(SAVABLE))
         if other:
             raise UnsupportedConfigError(f"peft.modules_to_save: {other} cannot be trained in full here; the "

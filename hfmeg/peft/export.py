@@ -59,5 +59,5 @@ def export_checkpoint(iter_dir: Path, out: Path, *, merged: Path | None = None,
     folder = checked_base(base, iter_dir) if merged is not None else None
     written = write_peft_folder(out, tensors, cfg, base["path"], overwrite=overwrite)
     if folder is not None:
-        merge_into_hf(folder, tensors, cfg.scale, merged, overwrite=overwrite)
+        merge_into_hf(folder, tensors, cfg, merged, overwrite=overwrite)
     return written

@@ -25,15 +25,22 @@ from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.mp_layout import HF_DIR, MPLayout
 from ..errors import CheckpointError
 from ..models.decoder import ModelChunk
+from ..parallel.stored_names import stored_tensors
 from .adapter_files import base_fingerprint, write_adapter_shard
 from .adapters import adapter_tensors, attach, initialise
 from .config import PeftConfig
 from .export import write_info
 
 
-def _full_shape(local: torch.Size, kind: str, tp: int, vocab: int | None) -> tuple[int, ...]:
-    """The full HF shape of an adapter tensor whose TP slice is `local` (the inverse of `slice_for_rank`)."""
+def _full_shape(local: torch.Size, kind: str, tp: int, vocab: int | None,
+                expert: tuple[int, int] | None = None) -> tuple[int, ...]:
+    """The full HF shape of an adapter tensor whose TP slice (or expert piece) is `local` (the inverse of
+    `slice_for_rank`)."""
     rows, *rest = local
+    if kind == "expert_A":
+        return (rows * expert[1], *rest)
+    if kind == "expert_B":
+        return (rows, rest[0] * expert[1])
     if kind == "rows":
         return (rows * tp, *rest)
     if kind == "cols":
@@ -57,18 +64,20 @@ def rank_adapters(model_cfg, layout: MPLayout, cfg: PeftConfig,
                     chunk = ModelChunk(model_cfg, ps, spec.layers, pre_process=spec.pre_process,
                                        post_process=spec.post_process, vocab_multiple=layout.vocab_multiple)
                     attach(chunk, cfg)
+                dtype = next(iter(tensors.values())).dtype
+                for module in chunk.modules():  # the trainable (adapter) parameters only; the base stays on meta
+                    for name, meta in list(module.named_parameters(recurse=False)):
+                        if meta.requires_grad:
+                            module._parameters[name] = nn.Parameter(torch.empty(meta.shape, dtype=dtype))
+                views = stored_tensors(chunk)
                 for a in adapter_tensors(chunk):
                     if a.hf not in tensors:
                         raise CheckpointError(f"no tensor {a.hf}: the adapter does not cover every targeted "
                                               "projection of this model")
-                    owner, _, name = a.local.rpartition(".")
-                    module = chunk.get_submodule(owner)
-                    meta = getattr(module, name)
-                    if tuple(tensors[a.hf].shape) != _full_shape(meta.shape, a.kind, layout.tp, a.vocab):
+                    need = _full_shape(views[a.local].shape, a.kind, layout.tp, a.vocab, a.expert)
+                    if tuple(tensors[a.hf].shape) != need:
                         raise CheckpointError(f"tensor {a.hf} has shape {list(tensors[a.hf].shape)}, this model "
-                                              f"needs {list(_full_shape(meta.shape, a.kind, layout.tp, a.vocab))}")
-                    module._parameters[name] = nn.Parameter(
-                        torch.empty(meta.shape, dtype=tensors[a.hf].dtype), requires_grad=meta.requires_grad)
+                                              f"needs {list(need)}")
                     used.add(a.hf)
                 initialise(chunk, cfg, seed=0, hf_tensors=tensors)
                 chunks.append(chunk)
@@ -83,7 +92,7 @@ def local_tensors(chunks: list[ModelChunk]) -> dict[str, torch.Tensor]:
     """The chunks' adapter tensors under their parameter names, in the order `adapter_tensors` gives."""
     out = {}
     for chunk in chunks:
-        params = dict(chunk.named_parameters())
+        params = stored_tensors(chunk)
         out.update({a.local: params[a.local].detach() for a in adapter_tensors(chunk)})
     return out
 

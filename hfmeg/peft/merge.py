@@ -7,6 +7,12 @@ dtype, as `peft`'s `merge_and_unload` does; a module trained in full (`modules_t
 base's tensor; every other tensor and every other file
 (config, tokenizer, generation config, the shard index) is copied verbatim, so
 `AutoModelForCausalLM.from_pretrained` loads the folder alone.
+
+MoE adapters (peft's LoRA on the stacked experts and the router, `adapters.py`) give each
+expert e the update `scale B_e A_e`; it goes into whichever names the base stores: the
+stacked `mlp.experts.gate_up_proj` / `down_proj`, or one tensor per expert (Mixtral
+`block_sparse_moe.experts.e.w1/w3/w2`, Qwen `mlp.experts.e.gate_proj/up_proj/down_proj`:
+gate_up's first F rows to the gate, the rest to up).
 """
 
 from __future__ import annotations
@@ -21,6 +27,43 @@ from safetensors.torch import save_file
 from ..checkpoint.atomic import atomic_output_dir
 from ..errors import CheckpointError
 from .adapters import PEFT_PREFIX
+from .config import PeftConfig
+
+
+def _expert_deltas(tensors: dict[str, torch.Tensor], cfg: PeftConfig, names: set[str]) -> dict[str, torch.Tensor]:
+    """{base tensor name: its fp32 update} for the MoE experts' and router's adapters in `tensors`, named as the
+    base (`names`: every tensor name in its files) stores them."""
+    out = {}
+    for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
+        module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        layer, _, rest = module.partition(".mlp.")
+        if rest not in ("gate", "experts", "experts.base_layer"):
+            continue
+        a, b = tensors[key].float(), tensors[key.replace(".lora_A.", ".lora_B.")].float()
+        moe = f"{layer}.block_sparse_moe." if f"{layer}.block_sparse_moe.gate.weight" in names else f"{layer}.mlp."
+        if rest == "gate":
+            out[moe + "gate.weight"] = (b @ a) * cfg.scale
+            continue
+        params = cfg.moe_targets()[1]
+        param = "gate_up_proj" if rest.endswith("base_layer") or "down_proj" not in params else "down_proj"
+        rank = cfg.param_rank(param)[0]
+        experts = a.shape[0] // rank
+        a = a.unflatten(0, (experts, rank))  # [E, r, in]
+        b = b.unflatten(1, (rank, experts)).permute(2, 0, 1)  # [E, out, r]
+        delta = (b @ a) * cfg.param_scale(param)  # [E, out, in]
+        if f"{layer}.mlp.experts.{param}" in names:  # stored stacked, as transformers holds it
+            out[f"{layer}.mlp.experts.{param}"] = delta
+            continue
+        mixtral = moe.endswith("block_sparse_moe.")
+        for e in range(experts):
+            p = f"{moe}experts.{e}."
+            if param == "down_proj":
+                out[p + ("w2" if mixtral else "down_proj") + ".weight"] = delta[e]
+            else:
+                gate, up = delta[e].chunk(2, dim=0)
+                out[p + ("w1" if mixtral else "gate_proj") + ".weight"] = gate
+                out[p + ("w3" if mixtral else "up_proj") + ".weight"] = up
+    return out
 
 
 def _merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, magnitude: torch.Tensor | None,
@@ -32,12 +75,18 @@ def _merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, magnitude: torch.
     return full.to(w.dtype)
 
 
-def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], scale: float, out: Path, *,
+def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig, out: Path, *,
                   overwrite: bool = True) -> Path:
-    """Write `base` (an HF folder) with the PEFT `tensors` merged in to `out`, atomically."""
-    base = Path(base)
+    """Write `base` (an HF folder) with the PEFT `tensors` of an adapter with settings `cfg` merged in to `out`,
+    atomically."""
+    base, scale = Path(base), cfg.scale
+    names = set()
+    for path in base.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            names.update(f.keys())
+    deltas = _expert_deltas(tensors, cfg, names)
     updates = {k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight": k
-               for k in tensors if k.endswith(".lora_A.weight")}
+               for k in tensors if k.endswith(".lora_A.weight") and ".mlp.experts" not in k and ".mlp.gate." not in k}
     merged = set()
     with atomic_output_dir(out, overwrite=overwrite, inputs=(base,)) as tmp:
         for path in sorted(base.iterdir()):
@@ -47,7 +96,10 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], scale: float, ou
                     meta = f.metadata()
                     for name in f.keys():
                         w = f.get_tensor(name)
-                        if PEFT_PREFIX + name in tensors:  # a module trained in full (modules_to_save)
+                        if name in deltas:
+                            w = (w.float() + deltas[name]).to(w.dtype)
+                            merged.add(name)
+                        elif PEFT_PREFIX + name in tensors:  # a module trained in full (modules_to_save)
                             w = tensors[PEFT_PREFIX + name].to(w.dtype)
                             merged.add(name)
                         elif name in updates:
@@ -61,7 +113,7 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], scale: float, ou
             elif path.is_file() and path.suffix != ".bin":
                 shutil.copy2(path, tmp / path.name)
         saved = {k.removeprefix(PEFT_PREFIX) for k in tensors if ".lora_" not in k}
-        missing = sorted((set(updates) | saved) - merged)
+        missing = sorted((set(updates) | saved | set(deltas)) - merged)
         if missing:
             raise CheckpointError(f"{base}: no base weight {missing[0]} for its adapter (the adapter was trained on "
                                   "another model)")
