@@ -89,3 +89,37 @@ def test_ep2_with_powersgd_resumes_exactly(tmp_path):
     spawn(_run, 4, replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto")))
     resumed = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert len(full) == 4 and resumed == full[2:]
+
+
+def test_lora_run_on_mixtral_at_ep2_tp2_exports_what_peft_and_transformers_load(tmp_path):
+    """The trainer end to end with LoRA on experts, router and attention (`all-linear`) at EP2 x TP2: the
+    adapter folder loads onto the base with peft and gives the merged folder's logits (which transformers
+    loads alone), and the run trained: the adapter's B factors, zero at start, moved."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from hfmeg.peft.config import PeftConfig
+
+    model = _mixtral_with_tokenizer(tmp_path)
+    cfg = TrainConfig(
+        model=ModelArgs(path=str(model), dtype="fp32"),
+        parallel=ParallelArgs(tp=2, ep=2, sequence_parallel=True),
+        optim=OptimizerConfig(lr=1e-2, eps=1e-5),
+        lr=LRScheduleConfig(warmup_steps=1, total_steps=STEPS),
+        data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=SEQ),
+        train=LoopArgs(micro_batch_size=1, global_batch_size=GBS, max_steps=STEPS, eval_every=0),
+        checkpoint=CheckpointArgs(out=str(tmp_path / "out"), save_every=0, keep_last=1),
+        peft=PeftConfig(method="lora", r=4, target_modules=["all-linear"]),
+        tensorboard=False,
+    )
+    hf = spawn(_run, 4, cfg)[0]
+    adapter = tmp_path / "out" / "adapter"
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    assert any("experts" in k for k in tensors) and any("mlp.gate" in k for k in tensors)
+    assert all(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(hf)(ids).logits
+        on_base = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), adapter)(ids).logits
+    torch.testing.assert_close(on_base, merged, rtol=0, atol=1e-4)  # the issue's bound, fp32 both
