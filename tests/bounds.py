@@ -27,18 +27,24 @@ def report(measured: float, bound: float, what: str) -> None:
 
 
 def within(measured: float, bound: float, what: str, row=None) -> None:
+    measured = float(measured)
     report(measured, bound, what)
     assert measured <= bound, (what, measured, bound, row)
 
 
-def assert_close(actual, expected, *, rtol: float, atol: float, what: str = "assert_close", **kw) -> None:
+def assert_close(actual, expected, *, rtol: float | None = None, atol: float | None = None, what: str = "assert_close",
+                 **kw) -> None:
     import torch
 
-    a, e = torch.as_tensor(actual).double(), torch.as_tensor(expected).double()
+    a, e = torch.as_tensor(actual), torch.as_tensor(expected)
+    if rtol is None and atol is None:  # torch's defaults for the dtype, as torch.testing.assert_close picks them
+        rtol, atol = {torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float32: (1.3e-6, 1e-5),
+                      torch.float64: (1e-7, 1e-7)}.get(a.dtype, (0.0, 0.0))
+    a, e = a.detach().cpu().double(), e.detach().cpu().double()
     if a.shape == e.shape and a.numel():
         ratio = ((a - e).abs() / (atol + rtol * e.abs())).max().item() if atol + rtol > 0 else float(
             not torch.equal(a, e))
-        report(ratio, 1.0, what)
+        report(ratio, 1.0, what + (f" {kw['msg']}" if isinstance(kw.get("msg"), str) else ""))
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, **kw)
 
 

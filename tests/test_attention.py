@@ -7,6 +7,7 @@ packed == unpacked losses are in tests/test_data_batches.py.
 
 from __future__ import annotations
 
+from bounds import assert_close
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -37,7 +38,7 @@ def test_flex_block_mask_forward_equals_dense_mask():
     with torch.no_grad():
         got = attend(q, k, v, flex, scale=0.25, gqa=True)
         want = attend(q, k, v, dense, scale=0.25, gqa=True)
-    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    assert_close(got, want, rtol=0, atol=2e-6)
 
 
 def test_single_document_rows_use_plain_causal_attention_with_the_same_result():
@@ -47,10 +48,10 @@ def test_single_document_rows_use_plain_causal_attention_with_the_same_result():
     q, k, v = _qkv(requires_grad=True)
     causal = attend(q, k, v, None, scale=0.25, gqa=True)
     masked = attend(q, k, v, DocumentMask(dense=document_causal_mask(one_doc)), scale=0.25, gqa=True)
-    torch.testing.assert_close(causal, masked, rtol=0, atol=1e-6)
+    assert_close(causal, masked, rtol=0, atol=1e-6)
     g = torch.randn_like(causal)
     for a, b in zip(torch.autograd.grad(causal, (q, k, v), g), torch.autograd.grad(masked, (q, k, v), g)):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert_close(a, b, rtol=0, atol=1e-5)
 
 
 def test_one_document_rows_with_segment_ids_match_transformers(tmp_path):
@@ -61,7 +62,7 @@ def test_one_document_rows_with_segment_ids_match_transformers(tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():
         got = chunk(ids, segment_ids=torch.ones_like(ids))[..., :300]
-        torch.testing.assert_close(got, ref(ids).logits, rtol=0, atol=1e-4)
+        assert_close(got, ref(ids).logits, rtol=0, atol=1e-4)
 
 
 def _layer_calls(chunk, ids, labels):
@@ -102,7 +103,7 @@ def test_selective_recompute_reruns_only_rope_and_attention(tmp_path):
     assert runs["full"][0] == {"qkv": 2 * layers, "out": 2 * layers, "core": 2 * layers}
     for mode in ("selective", "full"):
         for name, g in runs["none"][1].items():
-            torch.testing.assert_close(runs[mode][1][name], g, rtol=0, atol=0, msg=f"{mode} {name}")
+            assert_close(runs[mode][1][name], g, rtol=0, atol=0, msg=f"{mode} {name}")
     assert runs["full"][2] < runs["selective"][2] < runs["none"][2]
 
 
@@ -127,10 +128,10 @@ def test_flex_attention_forward_and_backward_equal_dense_mask_on_cuda():
         assert flex.block is not None
         got = attend(q, k, v, flex, scale=0.25, gqa=True)
         want = attend(q, k, v, DocumentMask(dense=document_causal_mask(seg)), scale=0.25, gqa=True)
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        assert_close(got, want, rtol=tol, atol=tol)
         g = torch.randn_like(got)
         for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
-            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+            assert_close(a, b, rtol=tol, atol=tol)
 
 
 def test_flex_only_where_it_has_a_kernel():
@@ -152,7 +153,7 @@ def test_packed_rows_on_cuda_match_the_cpu_dense_path(tmp_path, heads):
         with torch.no_grad():
             losses.append(chunk(ids.to(device), labels=labels.to(device), position_ids=pos.to(device),
                                 segment_ids=SEGMENTS.to(device)).cpu())
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-4)
+    assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-4)
 
 
 def test_the_executor_decides_single_document_rows_on_the_host(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ rebuilt from TP shards by the conversion's own `to_hf`.
 
 from __future__ import annotations
 
+from bounds import within
 import pytest
 import torch
 import torch.distributed as dist
@@ -123,9 +124,9 @@ def test_cp_parity_with_one_process(tiny_checkpoints, kind):
     for report, _ in results:
         for row in report:
             # fp32 sums of the same terms in another order: ~1e-6 here; the contract's bounds.
-            assert row.get("logit_diff", 0.0) <= 1e-4, row
-            assert row.get("loss_diff", 0.0) <= 1e-5, row
-            assert row["grad_rel"] <= 1e-4, row
+            within(row.get("logit_diff", 0.0), 1e-4, "logit_diff", row)
+            within(row.get("loss_diff", 0.0), 1e-5, "loss_diff", row)
+            within(row["grad_rel"], 1e-4, "grad_rel", row)
             key = (row["batch"], row["tp"], row["cp"], row["pp"])
             covered.setdefault(key, set()).update(row["grads"])
             assert "logit_diff" in row or row["pp"] > 1, row
@@ -160,5 +161,6 @@ def test_cp_parity_under_the_interleaved_schedule(tmp_path):
     folder = save_tiny("llama3", tmp_path / "llama4", num_hidden_layers=4)  # 2 stages x 2 virtual chunks
     results = spawn(_interleaved, 4, str(folder))
     for loss_diff, grad_rel, _, _ in results:
-        assert loss_diff <= 1e-5 and grad_rel <= 1e-4, (loss_diff, grad_rel)
+        within(loss_diff, 1e-5, "interleaved loss_diff", (loss_diff, grad_rel))
+        within(grad_rel, 1e-4, "interleaved grad_rel", (loss_diff, grad_rel))
     assert sorted({n for *_, names, _ in results for n in names}) == results[0][3]  # every gradient compared

@@ -8,6 +8,7 @@ never rounded to bf16 on the way. The fp32 path keeps its own tests
 
 from __future__ import annotations
 
+from bounds import assert_close
 import pytest
 import torch
 
@@ -51,8 +52,8 @@ def test_bf16_weight_gradient_lands_unrounded_in_fp32_main_grad():
     linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
     grad_x, grad_w = _reference(x, w, target)
     assert w.grad is None and landed == [1]  # everything went into main_grad, announced once
-    torch.testing.assert_close(main_grad.double() - 0.5, grad_w, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x.grad.double(), grad_x, rtol=1e-2, atol=1e-3)  # bf16 output
+    assert_close(main_grad.double() - 0.5, grad_w, rtol=1e-5, atol=1e-6)
+    assert_close(x.grad.double(), grad_x, rtol=1e-2, atol=1e-3)  # bf16 output
 
 
 def test_bf16_weight_without_main_grad_gets_its_gradient_from_autograd():
@@ -61,7 +62,7 @@ def test_bf16_weight_without_main_grad_gets_its_gradient_from_autograd():
     linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
     _, grad_w = _reference(x, w, target)
     assert w.grad.dtype == torch.bfloat16
-    torch.testing.assert_close(w.grad, grad_w.bfloat16(), rtol=8e-3, atol=0)  # one bf16 step: double rounding
+    assert_close(w.grad, grad_w.bfloat16(), rtol=8e-3, atol=0)  # one bf16 step: double rounding
 
 
 @pytest.mark.gpu
@@ -76,4 +77,4 @@ def test_bf16_weight_gradient_in_fp32_main_grad_on_cuda():
     linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
     _, grad_w = _reference(x, w, target)
     assert w.grad is None and landed == [1]
-    torch.testing.assert_close(main_grad.double(), grad_w, rtol=1e-4, atol=1e-5)
+    assert_close(main_grad.double(), grad_w, rtol=1e-4, atol=1e-5)

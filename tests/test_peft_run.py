@@ -6,6 +6,7 @@ The base and the starting adapter are conftest's `stories_lora`; the run config 
 
 from __future__ import annotations
 
+from bounds import within
 import json
 import shutil
 import subprocess
@@ -44,8 +45,9 @@ def test_resume_is_exact_and_refuses_a_changed_base(stories_lora, tmp_path):
     spawn(_run, 2, _config(tmp_path / "dp1", base, adapter0, tp=2, steps=6, resume=str(step3)))
     resumed = _losses(tmp_path / "dp1")
     assert len(resumed) == 3
-    for x, y in zip(resumed, straight[3:]):
-        assert abs(x - y) <= 1e-5 * abs(y), (resumed, straight)  # fp32 rounding of a reordered sum
+    # fp32 rounding of a reordered sum
+    within(max(abs(x - y) / abs(y) for x, y in zip(resumed, straight[3:])), 1e-5, "resume at DP1 loss rel",
+           (resumed, straight))
     weights = load_file(str(base / "model.safetensors"))
     weights["model.norm.weight"] = weights["model.norm.weight"] * 1.01
     save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})

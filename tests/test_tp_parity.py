@@ -8,6 +8,7 @@ rank rebuilds full-shape gradients from the TP shards through the same
 
 from __future__ import annotations
 
+from bounds import within, assert_close
 import pytest
 import torch
 import torch.distributed as dist
@@ -76,9 +77,9 @@ def _check_layouts(folder, ids):
 def _assert_report(results):
     report, n_ref = results[0]
     for row in report:
-        assert row["logit_diff"] <= 1e-4, row
-        assert row["loss_diff"] <= 1e-5, row
-        assert row["grad_rel"] <= 1e-4, row
+        within(row["logit_diff"], 1e-4, "logit_diff", row)
+        within(row["loss_diff"], 1e-5, "loss_diff", row)
+        within(row["grad_rel"], 1e-4, "grad_rel", row)
         assert row["n_grads"] == n_ref, f"compared {row['n_grads']} of {n_ref} gradients: {row}"
 
 
@@ -130,9 +131,9 @@ def _chunked_ce(folder, ids):
 def test_chunked_cross_entropy_equals_unchunked(tiny_checkpoints):
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     (loss_a, grads_a), (loss_b, grads_b) = spawn(_chunked_ce, 2, str(tiny_checkpoints["qwen2"]), ids)[0]
-    torch.testing.assert_close(torch.from_numpy(loss_a), torch.from_numpy(loss_b), rtol=1e-6, atol=1e-6)
+    assert_close(torch.from_numpy(loss_a), torch.from_numpy(loss_b), rtol=1e-6, atol=1e-6)
     for name in grads_a:
-        torch.testing.assert_close(torch.from_numpy(grads_a[name]), torch.from_numpy(grads_b[name]), rtol=1e-5,
+        assert_close(torch.from_numpy(grads_a[name]), torch.from_numpy(grads_b[name]), rtol=1e-5,
                                    atol=1e-7, msg=name)
 
 
@@ -151,6 +152,6 @@ def test_compiled_kernels_match_eager(tiny_checkpoints):
         loss = chunk(ids, labels=ids).sum()
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in chunk.named_parameters()}))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
+    assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
     for name, g in results[0][1].items():
-        torch.testing.assert_close(g, results[1][1][name], rtol=1e-5, atol=1e-6, msg=name)
+        assert_close(g, results[1][1][name], rtol=1e-5, atol=1e-6, msg=name)
