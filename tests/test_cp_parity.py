@@ -12,11 +12,11 @@ rebuilt from TP shards by the conversion's own `to_hf`.
 
 from __future__ import annotations
 
-from bounds import within
 import pytest
 import torch
 import torch.distributed as dist
 
+from bounds import within
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks

@@ -9,9 +9,9 @@ CP2 x DP2 `ddp`, the CP4 resume `overlapped` (from the `ddp` run's state).
 
 from __future__ import annotations
 
-from bounds import report
 from dataclasses import replace
 
+from bounds import report
 from hfmeg.parallel.launch import spawn
 from test_train import _assets, _config, _losses, _run
 

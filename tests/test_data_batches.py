@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from bounds import assert_close
 import json
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from bounds import assert_close
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks

@@ -4,7 +4,6 @@ memory), resharding, shape validation and `tools/verify_parity.py` on a tiny Qwe
 
 from __future__ import annotations
 
-from bounds import within
 import json
 import os
 import subprocess
@@ -16,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from bounds import within
 from convert_helpers import assert_same_tensors
 from helpers import make_ps
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf

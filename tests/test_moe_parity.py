@@ -20,7 +20,6 @@ one process running hfmeg's pipeline on the same micro-batches.
 
 from __future__ import annotations
 
-from bounds import within
 from dataclasses import dataclass
 
 import pytest
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from bounds import within
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks

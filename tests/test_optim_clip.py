@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bounds import assert_close
 import torch
 
+from bounds import assert_close
 from hfmeg.optim.clip import sum_of_squares
 
 

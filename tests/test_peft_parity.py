@@ -14,12 +14,12 @@ export uses.
 
 from __future__ import annotations
 
-from bounds import within
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from bounds import within
 from helpers import make_ps
 from peft_helpers import (
     full_adapter_grads,

@@ -6,7 +6,6 @@ The base and the starting adapter are conftest's `stories_lora`; the run config 
 
 from __future__ import annotations
 
-from bounds import within
 import json
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from bounds import within
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks

@@ -8,13 +8,13 @@ the reference starts from the same adapter.
 
 from __future__ import annotations
 
-from bounds import within
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from bounds import within
 from helpers import make_ps
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft_helpers import hfmeg_chunks

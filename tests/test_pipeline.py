@@ -12,13 +12,13 @@ that the ranks together covered every reference gradient.
 
 from __future__ import annotations
 
-from bounds import within
 import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from bounds import within
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks

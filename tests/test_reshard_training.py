@@ -3,9 +3,9 @@ resharded to TP=1 x PP=2, resumes and continues as the TP=2 run did (model, opti
 
 from __future__ import annotations
 
-from bounds import within
 import json
 
+from bounds import within
 from hfmeg.parallel.launch import spawn
 from test_train import _assets, _config, _losses, _run
 from tool_loader import load_tool

@@ -13,7 +13,6 @@ tokenizer) on the project's text sample, layers shared until step 3:
 
 from __future__ import annotations
 
-from bounds import within
 import json
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from bounds import within
 from helpers import stories_or_skip
 from hfmeg.checkpoint import hub_source
 from hfmeg.checkpoint.convert import mp_to_hf

@@ -8,12 +8,12 @@ rank rebuilds full-shape gradients from the TP shards through the same
 
 from __future__ import annotations
 
-from bounds import within, assert_close
 import pytest
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bounds import within, assert_close
 from helpers import make_ps, stories_or_skip
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks

@@ -6,7 +6,6 @@ alpaca_en_demo.json with short sequences so that each run takes seconds.
 
 from __future__ import annotations
 
-from bounds import within
 import json
 import os
 import signal
@@ -19,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bounds import within
 from helpers import stories_or_skip
 from hfmeg.data import DataConfig, SourceConfig
 from hfmeg.optim.config import OptimizerConfig

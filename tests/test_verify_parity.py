@@ -8,7 +8,6 @@ continuation against transformers; stories260K's continuation is real text.
 
 from __future__ import annotations
 
-from bounds import within
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from bounds import within
 from convert_helpers import LAYOUTS, make_sources
 from helpers import make_ps
 from hfmeg.checkpoint.convert import hf_to_mp

@@ -9,11 +9,11 @@ not cleared between steps, would miss the truth by about its own size.
 
 from __future__ import annotations
 
-from bounds import within
 import functools
 
 import pytest
 import torch
+from bounds import within
 from helpers import make_ps
 from optim_harness import FP32_EPS, ROUNDING_FACTOR, batch
 
