@@ -64,5 +64,8 @@ def _ratio(measured: float, bound: float) -> float:
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly
     for test, what, m, b in summary(sys.argv[1]):
         print(f"{_ratio(m, b):8.3f}  {m:10.3g} / {b:<10.3g} {test}  [{what}]")
