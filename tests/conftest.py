@@ -8,7 +8,7 @@ from hfmeg.parallel.state import BACKEND_ENV
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import RANDOM_KINDS, rewrite_config_v4, save_tiny  # noqa: E402
+from tiny_models import ASSETS, RANDOM_KINDS, rewrite_config_v4, save_tiny  # noqa: E402
 
 # CPU tests stay CPU on a GPU machine too: every ParallelState.from_env in this process and in
 # the torchrun / recipe subprocesses the tests start joins gloo; GPU tests ask for nccl themselves.
@@ -28,3 +28,24 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     out = {kind: save_tiny(kind, root / kind) for kind in RANDOM_KINDS}
     rewrite_config_v4(out["llama3"])  # v4 keys for one model; the others keep v5 keys
     return out
+
+
+@pytest.fixture(scope="session")
+def stories_lora(tmp_path_factory) -> tuple[Path, Path]:
+    """(stories260K, a fresh `peft` LoRA adapter for it: default init, B = 0), for the LoRA trainer tests
+    (test_peft_train.py, test_peft_run.py); skips where the assets are absent. Read-only: copy to change."""
+    import torch
+    from helpers import stories_or_skip
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = stories_or_skip()
+    alpaca = ASSETS / "data" / "alpaca_en_demo.json"
+    if not alpaca.is_file():
+        pytest.skip(f"{alpaca} is absent")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    folder = tmp_path_factory.mktemp("lora") / "adapter0"
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                     task_type="CAUSAL_LM")).save_pretrained(folder)
+    return base, folder

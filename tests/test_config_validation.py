@@ -202,7 +202,8 @@ def test_under_torchrun_a_config_error_is_one_line_and_workers_exit_2(tmp_path):
     if not torchrun.exists():
         pytest.skip("torchrun is not installed next to this interpreter")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", str(ROOT / "recipes" / "sft_llama13b.py"), *BASE,
+    # --standalone: a free rendezvous port, not torchrun's default 29500 (another suite on the host may hold it)
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(ROOT / "recipes" / "sft_llama13b.py"), *BASE,
                            "--lr", "-1e-3"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180)
     text = proc.stdout + proc.stderr
     assert [line for line in text.splitlines() if line.startswith("error:")] == [

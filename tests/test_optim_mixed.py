@@ -14,7 +14,9 @@ from hfmeg.errors import UnsupportedConfigError
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig, lr_at
 from hfmeg.parallel.launch import spawn
-from optim_harness import CFG, batch, build_rank_chunk, micro_step, reference, train
+from bounds import within
+from optim_harness import (CFG, batch, build_rank_chunk, check_within_rounding, loss_distance, micro_step, reference,
+                           train, truth)
 from tiny_models import save_tiny
 
 
@@ -73,7 +75,7 @@ def _forward_waits(folder):
     dopt.all_gather_async = LazyGather
     ps = make_ps()
     cfg = OptimizerConfig(**CFG)
-    ref_losses, _ = reference(folder, cfg, 2, 4, make_ps())
+    exact = truth(folder, cfg, 2, 4, make_ps())
     chunk = build_rank_chunk(folder, ps)
     chunk.register_forward_pre_hook(lambda *a: setattr(LazyGather, "in_forward", True))
     chunk.register_forward_hook(lambda *a: setattr(LazyGather, "in_forward", False))
@@ -81,7 +83,8 @@ def _forward_waits(folder):
     opt = DistributedOptimizer([chunk], ps, cfg)
     losses = train(chunk, opt, ps, 2, 4)
     order = [b.param_buf.data_ptr() for b in sorted(opt.buckets, key=lambda b: -b.index)]
-    return dict(ref=ref_losses, losses=losses, log=LazyGather.log, forward_order=order, n_buckets=len(opt.buckets))
+    return dict(loss_rel=loss_distance(losses, exact.losses), rounding=exact.rounding, partial_losses=ps.dp * 2,
+                log=LazyGather.log, forward_order=order, n_buckets=len(opt.buckets))
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +103,13 @@ def test_fp16_overflow_is_skipped_counted_and_backs_off(folder):
 def test_bf16_params_with_fp32_master_track_fp32_reference(folder):
     r = spawn(_bf16_vs_fp32, 2, folder)[0]
     assert r["master"] == torch.float32 and r["param"] == torch.bfloat16 and r["synced"]
-    assert max(abs(a - b) / b for a, b in zip(r["bf16"], r["ref"])) < 2e-2, r
+    within(max(abs(a - b) / b for a, b in zip(r["bf16"], r["ref"])), 2e-2, "bf16 params vs fp32 loss", r)
 
 
 def test_every_forward_after_step_waits_for_each_bucket_in_forward_order(folder):
     r = spawn(_forward_waits, 2, folder)[0]
-    assert max(abs(a - b) / b for a, b in zip(r["losses"], r["ref"])) <= 1e-6, r
+    # A stale bucket moves the loss by ~lr; a complete run is within fp32 rounding of the float64 run.
+    check_within_rounding(None, None, r["loss_rel"], r["rounding"], r["partial_losses"], r)
     # Steps 0..2 are each followed by a forward; the last step's gathers are never waited for.
     assert len(r["log"]) == 3 * r["n_buckets"] and r["n_buckets"] > 3
     assert all(in_fwd for _, in_fwd in r["log"]), "a bucket was waited for outside the forward"

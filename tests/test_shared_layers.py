@@ -6,7 +6,8 @@
 - shared for k steps, then unlocked through the optimizer state saved by name and
   reloaded with `shared_name`: the logits across the unlock are bit-identical, and the
   run matches a single-process torch AdamW reference that shares layers, then gives each
-  layer a clone of the parameters and of their AdamW state (within 1e-6).
+  layer a clone of the parameters and of their AdamW state (within fp32 rounding of the same reference run
+  in float64: `optim_harness.check_within_rounding`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from hfmeg.optim import DistributedOptimizer, OptimizerConfig, no_weight_decay
 from hfmeg.optim.state_io import load_optimizer_state, save_optimizer_state
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.roles import named_roles
-from optim_harness import CFG, ROWS, batch, build_rank_chunk, global_tokens, max_rel_diff, train
+from bounds import within
+from optim_harness import (CFG, FP32_EPS, ROWS, batch, build_rank_chunk, check_within_rounding, global_tokens,
+                           loss_distance, max_rel_diff, train, truth_of)
 from tiny_models import save_tiny
 
 LAYERS, SHARED_STEPS, MORE = 3, 3, 3
@@ -65,12 +68,21 @@ def _counts_and_grads(folder):
                 (chunk(ids[rows], labels=labels[rows]).sum() / ntok).backward()
                 opt.data_parallel.finish_grad_sync()
             per_layer = {n: p.main_grad for n, p in unshared.named_parameters()}
-            worst = 0.0
+            worst, bound = 0.0, float("inf")
             for name, p in shared.named_parameters():
-                want = sum(per_layer[f"layers.{i}.{name[len('layers.0.'):]}"] for i in range(LAYERS)) \
-                    if name.startswith("layers.") else per_layer[name]
-                worst = max(worst, ((p.main_grad - want).norm() / want.norm()).item())
-            out["grad_rel"] = worst
+                terms = [per_layer[f"layers.{i}.{name[len('layers.0.'):]}"] for i in range(LAYERS)] \
+                    if name.startswith("layers.") else [per_layer[name]]
+                want = sum(terms)
+                rel = ((p.main_grad - want).norm() / want.norm()).item()
+                # Both sides sum the same LAYERS x DP fp32 terms (the layers' weight gradients, each a GEMM's
+                # sum over the tokens, then over the DP ranks) in other orders: each sum of n terms rounds by
+                # <= (n - 1) eps of the sum of |terms|, per side; with the per-rank GEMMs' own accumulation
+                # order (fused into the main grad or not) another such sum. Relative to the result's norm.
+                n = LAYERS * ps.dp
+                allowed = 2 * (2 * n) * FP32_EPS * (sum(t.abs() for t in terms).norm() / want.norm()).item()
+                if rel / allowed > worst / bound:
+                    worst, bound = rel, allowed
+            out["grad_rel"], out["grad_bound"] = worst, bound
         for opt in (opt_s, opt_u):
             opt.data_parallel.grad_sync.remove_hooks()
     return out
@@ -84,7 +96,7 @@ def test_gradients_sum_and_state_is_one_nth(tmp_path):
         shared, unshared = out["state"]
         assert shared * LAYERS == unshared, out  # master weights and moments, over both DP ranks
         assert out["state_bytes"][0] < out["state_bytes"][1]
-        assert out["grad_rel"] <= 1e-6, out
+        within(out["grad_rel"], out["grad_bound"], "shared grad == sum of per-layer grads (k eps)", out)
 
 
 def _unshare(model: nn.Module, opt: torch.optim.AdamW) -> torch.optim.AdamW:
@@ -114,9 +126,9 @@ def _adamw(model: nn.Module) -> torch.optim.AdamW:
                              weight_decay=cfg.weight_decay)
 
 
-def _reference(folder):
+def _reference(folder, dtype=torch.float32):
     """Single-process AdamW: shared for SHARED_STEPS, unshared for MORE; per-step losses and the final weights."""
-    model = load_chunks(HFCheckpoint(folder), make_ps(world=1))[0]
+    model = load_chunks(HFCheckpoint(folder), make_ps(world=1), dtype=dtype)[0]
     share_layers(model)
     opt = _adamw(model)
     losses = []
@@ -154,16 +166,16 @@ def _shared_then_unlocked(folder, ckpt, tp):
         same = torch.equal(shared(ids), unshared(ids))
     opt_s.data_parallel.grad_sync.remove_hooks()
     losses += train(unshared, opt_u, ps, 1, MORE, first_step=SHARED_STEPS)
-    ref_losses, ref = _reference(folder)
+    exact = truth_of(_reference(folder, torch.float64), _reference(folder))
     opt_u.wait_params()
-    return same, losses, ref_losses, max_rel_diff(unshared, ps, ref)
+    rel, rel_max, n = max_rel_diff(unshared, ps, exact.params)
+    return dict(same=same, rel=rel, rel_max=rel_max, n=n, loss_rel=loss_distance(losses, exact.losses),
+                rounding=exact.rounding, dp=ps.dp)
 
 
 @pytest.mark.parametrize("tp", [1, 2])  # DP2, and TP2 with sequence parallelism
 def test_unlock_keeps_logits_and_continues_like_separate_copies(tmp_path, tp):
     folder = str(save_tiny("llama3", tmp_path / "m", num_hidden_layers=LAYERS))
-    for same, losses, ref_losses, (worst, worst_max, n) in spawn(_shared_then_unlocked, 2, folder,
-                                                                  str(tmp_path / "optim"), tp):
-        assert same  # the unlocked model computes exactly what the shared one did
-        assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-6, (losses, ref_losses)
-        assert worst <= 1e-6 and n > 0, (worst, worst_max)
+    for r in spawn(_shared_then_unlocked, 2, folder, str(tmp_path / "optim"), tp):
+        assert r["same"] and r["n"] > 0, r  # the unlocked model computes exactly what the shared one did
+        check_within_rounding(r["rel"], r["rel_max"], r["loss_rel"], r["rounding"], r["dp"], r)

@@ -31,7 +31,7 @@ from ..models.decoder import ModelChunk
 from ..parallel.params_ready import wait_params_ready
 from ..parallel.state import ParallelState
 from ..parallel.stored_names import stored_tensors
-from .adapters import PEFT_PREFIX, adapter_tensors, join_slices
+from .adapters import adapter_tensors, join_slices
 from .config import EXPERT_PARAMS, LLAMA_PROJECTIONS, PeftConfig
 
 SHARD_FILE = "adapter.safetensors"
