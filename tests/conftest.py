@@ -33,7 +33,7 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def stories_lora(tmp_path_factory) -> tuple[Path, Path]:
     """(stories260K, a fresh `peft` LoRA adapter for it: default init, B = 0), for the LoRA trainer tests
-    (test_peft_train.py, test_peft_run.py); skips where the assets are absent. Read-only: copy to change."""
+    (test_peft_train.py, test_peft_run.py, test_peft_reshard.py); skips where the assets are absent. Read-only: copy to change."""
     import torch
     from helpers import stories_or_skip
     from peft import LoraConfig, get_peft_model

@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 from peft_helpers import make_base_and_adapter
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_peft_train import _config, start  # noqa: F401, F811 - `start` is a fixture
+from test_peft_train import _config
 from test_train import _losses, _run
 from tiny_models import save_tiny
 from tool_loader import load_tool
@@ -41,8 +41,8 @@ def _optimizer_by_name(iter_dir) -> dict[str, dict[str, torch.Tensor]]:
     return {k: torch.cat([v for _, v in sorted(parts, key=lambda x: x[0])]) for k, parts in out.items()}
 
 
-def test_resharded_lora_checkpoint_resumes_and_exports_the_same_adapter(start, tmp_path):  # noqa: F811
-    base, adapter0 = start
+def test_resharded_lora_checkpoint_resumes_and_exports_the_same_adapter(stories_lora, tmp_path):
+    base, adapter0 = stories_lora
     reshard = load_tool("reshard_mp")
     spawn(_run, 4, _config(tmp_path / "a", base, adapter0, tp=2, pp=2, steps=6, save_every=3))
     straight = _losses(tmp_path / "a")
