@@ -31,8 +31,9 @@ BF16_U = 2.0**-8
 
 
 def _run(folder, tp, sp, mode, dtype, fuse, grad_dtype=torch.float32):
-    """(main grads of this rank's owned shards after step 0 and after step 1 as float64, bucket launch order,
-    per-micro-batch increments of step 0 (list over micro-batches of lists over buckets))."""
+    """(main grads of this rank's owned shards after step 0 and after step 1 as float64, (bucket launch order,
+    whether each backward launched what it should), per-micro-batch increments of step 0 (list over
+    micro-batches of lists over buckets), the largest main grad left after a step without backward)."""
     ps = make_ps(tp=tp, sp=sp)
     chunk = load_chunks(HFCheckpoint(folder), ps, dtype=dtype)[0]
     orig = data_parallel.build_groups
@@ -41,7 +42,7 @@ def _run(folder, tp, sp, mode, dtype, fuse, grad_dtype=torch.float32):
         dp = DataParallel([chunk], ps, mode, bucket_size=5000, fuse_wgrad=fuse)
     finally:
         data_parallel.build_groups = orig
-    launched = []
+    launched, during = [], []
     launch = dp.grad_sync._launch
     dp.grad_sync._launch = lambda b: (launched.append(b.index), launch(b))[1]
     rows = 4 // ps.dp
@@ -52,7 +53,11 @@ def _run(folder, tp, sp, mode, dtype, fuse, grad_dtype=torch.float32):
             ids, labels = batch(step, m)
             ids, labels = ids[ps.dp_rank * rows:][:rows], labels[ps.dp_rank * rows:][:rows]
             dp.set_last_microbatch(0, m == GA - 1)
+            before = len(launched)
             (chunk(ids, labels=labels).sum() / 100.0).backward()
+            # The last backward launches every bucket from the hooks, fused weights' too (wgrad.py: autograd
+            # runs their hook with no gradient); none waits for finish_grad_sync.
+            during.append(len(launched) - before == (len(dp.buckets) if m == GA - 1 else 0))
             if step == 0 and m < GA - 1:  # before the last micro-batch nothing is reduced yet
                 now = [b.grad_buf.double().clone() for b in dp.buckets]
                 increments.append([a - p for a, p in zip(now, prev)])
@@ -62,7 +67,7 @@ def _run(folder, tp, sp, mode, dtype, fuse, grad_dtype=torch.float32):
         dp.zero_grad()
     dp.finish_grad_sync()  # a step without backward: nothing stale may be reduced
     empty = max(b.grad_buf.abs().max().item() for b in dp.buckets)
-    return steps, launched, increments, empty
+    return steps, (launched, all(during)), increments, empty
 
 
 def _dist(a, b):
@@ -76,7 +81,7 @@ def _fp32_rank(folder, tp, sp, mode):
     fused, order_f, _, empty = _run(folder, tp, sp, mode, torch.float32, True)
     plain, order_p, _, _ = _run(folder, tp, sp, mode, torch.float32, False)
     truth, _, _, _ = _run(folder, tp, sp, mode, torch.float64, False, grad_dtype=torch.float64)
-    return dict(order=(order_f == order_p, order_f), empty=empty,
+    return dict(order=(order_f == order_p, order_f[0], order_f[1]), empty=empty,
                 fused=[_dist(f, t) for f, t in zip(fused, truth)],
                 plain=[_dist(p, t) for p, t in zip(plain, truth)])
 
@@ -89,7 +94,7 @@ def test_fused_main_grads_equal_autograd_within_fp32_rounding(tiny_checkpoints, 
     and the buckets are reduced in the same order. World 2: TP2 + SP, or DP2."""
     for rank, r in enumerate(spawn(_fp32_rank, 2, tiny_checkpoints[kind], tp, sp, mode)):
         row = (kind, tp, sp, mode, rank, r)
-        assert r["order"][0] and r["order"][1], row  # same launch order, and buckets were launched
+        assert all(r["order"]), row  # the same launch order, buckets launched, each in its backward
         assert r["empty"] == 0.0, row
         for (rel, rel_max), (p_rel, p_max) in zip(r["fused"], r["plain"]):
             within(rel, ROUNDING_FACTOR * p_rel + 4 * FP32_EPS, "fused rel", row)
@@ -116,3 +121,23 @@ def test_fused_bf16_main_grads_skip_only_the_bf16_rounding(tiny_checkpoints):
     for rank, rows in enumerate(spawn(_bf16_rank, 2, tiny_checkpoints["llama3"])):
         for diff, bound in rows:
             within(diff, bound, "bf16 fused vs unfused", (rank, diff, bound))
+
+
+def _traced(folder):
+    from hfmeg.parallel.data_parallel import DataParallel as Wrapper
+
+    ps = make_ps()
+    chunk = load_chunks(HFCheckpoint(folder), ps)[0]
+    Wrapper([chunk], ps, "overlapped", bucket_size=5000)
+    x = torch.randn(8, 2, chunk.cfg.hidden_size, requires_grad=True)
+    rope = chunk.rope(torch.arange(8).expand(2, 8), torch.float32)
+    layer = chunk.layers["0"]
+    assert layer.attn.qkv.weight.grad_sink is layer.attn.qkv.weight.main_grad  # fusion is on
+    explained = torch._dynamo.explain(layer)(x, rope, None)
+    return explained.graph_count, explained.graph_break_count
+
+
+def test_a_decoder_layer_with_fused_weight_gradients_traces_as_one_graph(tiny_checkpoints):
+    """Inside the DP wrapper, with every weight gradient fused, a decoder layer is one graph for torch.compile:
+    the main-grad writes are custom ops that declare what they mutate (wgrad.py), nothing dynamo breaks at."""
+    assert spawn(_traced, 1, tiny_checkpoints["llama3"]) == [(1, 0)]

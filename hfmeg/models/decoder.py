@@ -95,9 +95,7 @@ class ModelChunk(nn.Module):
         # The global indices of the routed experts this rank holds in each MoE layer (None: a dense model).
         self.experts = local_experts(cfg.moe.num_experts, ps.ep, ps.ep_rank) if cfg.moe is not None else None
         if pre_process:
-            # A weight this stage's head reads too takes autograd's path, which sums both uses (wgrad.py).
-            self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps, tied=cfg.tie_embeddings,
-                                                fuse_grad=not (cfg.tie_embeddings and post_process))
+            self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps, tied=cfg.tie_embeddings)
             if cfg.positions == "learned":
                 self.pos_embed = nn.Embedding(cfg.max_positions, cfg.hidden_size)
                 # Replicated; not sequence-parallel: `_embed` scatters its output, so each rank's gradient is full.
@@ -209,5 +207,4 @@ class ModelChunk(nn.Module):
         if hasattr(self, "lm_head"):
             return self.lm_head(x, labels, self.ce_chunk_tokens)
         # Tied embeddings with both ends here: the embedding's weight is the head.
-        return vocab_parallel_head(x, self.embed.weight, labels, self.ps, self.cfg.vocab_size, self.ce_chunk_tokens,
-                                   fuse_grad=False)
+        return vocab_parallel_head(x, self.embed.weight, labels, self.ps, self.cfg.vocab_size, self.ce_chunk_tokens)

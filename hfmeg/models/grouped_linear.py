@@ -16,9 +16,9 @@ every backward (the data-parallel hooks fire alike on every rank).
 
 The weight gradient is formed in one place, `expert_wgrad`. It asks the kernel for an fp32
 result where the kernel offers one (`_fp32_wgrad`; torch 2.13 offers it only for fp32
-inputs). Where the weight has an fp32 main grad (gradient-accumulation fusion,
-parallel/wgrad.py) it is added there and announced, and autograd gets no weight gradient;
-otherwise it is cast to the weight's dtype as autograd expects.
+inputs). Where the weight has a sink, its fp32 main grad (gradient-accumulation fusion,
+parallel/wgrad.py), it is added there and autograd gets no weight gradient; otherwise it
+is cast to the weight's dtype as autograd expects.
 
 Fallback: `_grouped_mm` needs every operand's non-unit stride to be a multiple of 16
 bytes (and on GPUs a 16-byte aligned start), e.g. K and N multiples of 4 in fp32, 8 in
@@ -36,7 +36,7 @@ from functools import cache
 
 import torch
 
-from ..parallel.wgrad import GradSink, sink_of
+from ..parallel.wgrad import sink_of
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what `_grouped_mm` takes
 
@@ -91,7 +91,7 @@ class GroupedLinear(torch.autograd.Function):
     """`y` `[R, N]` with `y_g = x_g w_g^T`: rows `x` `[R, K]` grouped by `offs`, stacked weight `w` `[G, N, K]`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, sink: GradSink | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
         x = x.contiguous()
         ctx.save_for_backward(x, w, offs)
         ctx.sink = sink
@@ -104,8 +104,7 @@ class GroupedLinear(torch.autograd.Function):
         dx = grouped_rows(dy, w, offs) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.sink is not None:
-            ctx.sink.main_grad.add_(expert_wgrad(dy, x, offs))
-            ctx.sink.landed()
+            ctx.sink.add_(expert_wgrad(dy, x, offs))
         elif ctx.needs_input_grad[1]:
             dw = expert_wgrad(dy, x, offs).to(w.dtype)
         return dx, dw, None, None

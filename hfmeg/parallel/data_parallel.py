@@ -39,8 +39,6 @@ no knowledge of names. The wrapper answers the pipeline schedules'
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -77,9 +75,7 @@ class DataParallel:
         summed = [b for b in self.buckets if self.sum_group(b).size > 1]  # EP = DP: experts are not summed
         self.compressor = PowerSGD(summed, lambda b: self.sum_group(b).group, self.shard_rank, powersgd_rank,
                                    min_compression_rate) if powersgd_rank is not None and summed else None
-        held = Counter(id(p) for c in self.chunks for _, p in c.named_parameters(remove_duplicate=False))
-        self.grad_sync = GradSync(self.groups, len(self.chunks), mode, self.sum_group, self.compressor, fuse_wgrad,
-                                  uses={i: n for i, n in held.items() if n > 1})
+        self.grad_sync = GradSync(self.groups, len(self.chunks), mode, self.sum_group, self.compressor, fuse_wgrad)
         # Forward order: chunk by chunk, and inside a chunk the reverse of gradient-ready order.
         self.forward_order = sorted(self.buckets, key=lambda b: (b.chunk, -b.index))
         self._sp_grads = [self.owned(b, b.grad_buf)[lo:hi] for b in self.buckets

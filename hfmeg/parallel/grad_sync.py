@@ -1,13 +1,16 @@
 """Gradient accumulation into the main-grad buffer and the bucketed DP reduction.
 
-A parameter's gradient reaches its fp32 `main_grad` one of two ways, and either way the
-bucket accounting below hears of it once per backward:
-- fused (wgrad.py; weights of the linear layers, embeddings and LM heads): the layer's
-  backward writes it into `main_grad` and calls the parameter's `grad_sink.landed()`;
-- through autograd (norms, biases, adapters, weights read twice): a post-accumulate-grad
-  hook. For parameters whose dtype matches the main-grad buffer, `param.grad` *is* the
-  `main_grad` view, so autograd adds in place and the hook has nothing to copy. Otherwise
-  (bf16/fp16 parameters) the hook adds `param.grad` into the fp32 `main_grad` and frees it.
+A parameter's gradient reaches its fp32 `main_grad` one of two ways:
+- fused (wgrad.py; weights of the linear layers, embeddings, LM heads and grouped experts):
+  the layer's backward adds it into the `grad_sink` this wrapper gave the parameter (its
+  `main_grad`) and hands autograd no gradient;
+- through autograd (norms, biases, adapters): for parameters whose dtype matches the
+  main-grad buffer, `param.grad` *is* the `main_grad` view, so autograd adds in place;
+  otherwise (bf16/fp16 parameters) the hook adds `param.grad` into the fp32 `main_grad` and
+  frees it.
+Either way autograd runs the parameter's post-accumulate-grad hook once per backward, after
+the parameter's last use (with no gradient when fused), and the hook does the bucket
+accounting below.
 
 Communication happens only on the last micro-batch of a step, which the caller
 announces per model chunk with `set_last_microbatch(chunk, is_last)` before each
@@ -49,14 +52,11 @@ import torch.distributed as dist
 from .bucket_comm import ScratchPool, SumGroup, is_gloo, reduce_scatter_async
 from .buffers import Bucket, BufferGroup
 from .powersgd import PowerSGD
-from .wgrad import GradSink
 
 
 class GradSync:
-    """`uses`: by `id(param)`, how many modules hold a parameter held by more than one (wgrad.GradSink)."""
-
     def __init__(self, groups: list[BufferGroup], num_chunks: int, mode: str, sum_group: Callable[[Bucket], SumGroup],
-                 compressor: PowerSGD | None = None, fuse_wgrad: bool = True, uses: dict[int, int] | None = None):
+                 compressor: PowerSGD | None = None, fuse_wgrad: bool = True):
         self.groups, self.mode, self.sum_group = groups, mode, sum_group
         self.compressor = compressor
         self.compress = False  # this step's DP sums go through `compressor`
@@ -72,13 +72,9 @@ class GradSync:
             for s in b.slots:
                 if s.param.dtype == s.param.main_grad.dtype:
                     s.param.grad = s.param.main_grad
-                hook = self._hook(b)
-                self._hooks.append(s.param.register_post_accumulate_grad_hook(hook))
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(self._hook(b)))
                 if fuse_wgrad:
-                    # A weak reference: the sink lives on the parameter, and must not keep it alive.
-                    s.param.grad_sink = GradSink(s.param.main_grad,
-                                                 lambda p=weakref.ref(s.param), hook=hook: hook(p(), True),
-                                                 uses=(uses or {}).get(id(s.param), 1))
+                    s.param.grad_sink = s.param.main_grad
 
     def set_last_microbatch(self, chunk_index: int, is_last: bool) -> None:
         """Announce whether the next backward of chunk `chunk_index` is its last micro-batch of the step."""
@@ -90,25 +86,15 @@ class GradSync:
         # keeping every model a process ever wrapped alive. So it holds a weak reference and a bucket index.
         owner, index = weakref.ref(self), bucket.index
 
-        def hook(p, fused: bool = False):
+        def hook(p):
             sync = owner()
             if sync is not None:
-                sync._on_grad(sync.buckets[index], p, fused)
+                sync._on_grad(sync.buckets[index], p)
 
         return hook
 
-    def _on_grad(self, bucket: Bucket, p, fused: bool) -> None:
-        sink = getattr(p, "grad_sink", None)
-        if fused:
-            sink.written += 1
-            if sink.written < sink.uses:  # more modules hold this weight: wait for their writes
-                return
-            sink.written, sink.announced = 0, True
-        elif sink is not None and sink.announced:
-            # Autograd's hook after a fused write: torch runs post-accumulate hooks for a None gradient too.
-            sink.announced = False
-            return
-        elif p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr():
+    def _on_grad(self, bucket: Bucket, p) -> None:
+        if p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr():  # None: fused, already there
             p.main_grad.add_(p.grad)
             p.grad = p.main_grad if p.dtype == p.main_grad.dtype else None
         if not self.is_last[bucket.chunk]:

@@ -119,13 +119,11 @@ class VocabParallelEmbedding(nn.Module):
 
     Takes token ids `[b, s]`, returns `[s, b, h]` (or `[s/tp, b, h]` under SP): each
     rank looks up the ids in its range, zeros the rest, and the TP sum fills in all.
-    `fuse_grad`: the weight gradient goes straight into its main grad (wgrad.py); False
-    when this stage's LM head reads the same weight.
     """
 
-    def __init__(self, padded_vocab: int, hidden: int, ps: ParallelState, tied: bool = False, fuse_grad: bool = True):
+    def __init__(self, padded_vocab: int, hidden: int, ps: ParallelState, tied: bool = False):
         super().__init__()
-        self.ps, self.fuse_grad = ps, fuse_grad
+        self.ps = ps
         self.per_rank = padded_vocab // ps.tp
         self.start = ps.tp_rank * self.per_rank
         # `tied`: the LM head of the last stage is a copy of this weight (summed over the embedding group).
@@ -135,10 +133,10 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.t()  # [s, b]: sequence-first layout
         if self.ps.tp == 1:
-            return embedding(ids, self.weight, self.fuse_grad)
+            return embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = embedding(local.masked_fill(outside, 0), self.weight, self.fuse_grad)
+        out = embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.ps.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.ps)
@@ -146,17 +144,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def vocab_parallel_head(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None, ps: ParallelState,
-                        vocab_size: int, chunk_tokens: int, fuse_grad: bool = True) -> torch.Tensor:
+                        vocab_size: int, chunk_tokens: int) -> torch.Tensor:
     """Project `x` `[s, b, h]` (`[s/tp, b, h]` under SP) on this rank's vocab rows `weight` `[V/tp, h]`.
 
     Without labels: this rank's logits `[b, s, V/tp]`. With labels `[b, s]`: the
     per-token loss `[b, s]`, from the chunked vocab-parallel cross-entropy that never
-    materialises the full logits (linear_cross_entropy.py). `fuse_grad`: as the embedding's.
+    materialises the full logits (linear_cross_entropy.py).
     """
     x = gather_from_sequence(x, ps) if ps.sequence_parallel else copy_to_tp(x, ps)
     if labels is None:
         return linear(x, weight).transpose(0, 1)
-    return linear_cross_entropy(x, weight, labels.t(), ps, vocab_size, chunk_tokens, fuse_grad).t()
+    return linear_cross_entropy(x, weight, labels.t(), ps, vocab_size, chunk_tokens).t()
 
 
 class VocabParallelHead(nn.Module):

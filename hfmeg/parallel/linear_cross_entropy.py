@@ -89,7 +89,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         low = w.dtype != torch.float32
         sink = ctx.sink
         grad_x = torch.empty_like(x)
-        grad_w = sink.main_grad if sink is not None else torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        grad_w = sink if sink is not None else torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         for lo in range(0, x.shape[0], ctx.chunk_tokens):
             sl = slice(lo, lo + ctx.chunk_tokens)
             z = _chunk_logits(x[sl], w, vocab_start, ctx.vocab_size)
@@ -106,26 +106,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Each TP rank holds a vocabulary slice, so its grad_x is partial; the caller's
         # copy-to-TP / sequence-gather backward sums it over TP.
         if sink is not None:
-            sink.landed()
             return grad_x, None, None, None, None, None, None
         return grad_x, grad_w.to(w.dtype), None, None, None, None, None
 
 
 def linear_cross_entropy(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ps: ParallelState, vocab_size: int,
-    chunk_tokens: int = 4096, fuse_grad: bool = True,
+    chunk_tokens: int = 4096,
 ) -> torch.Tensor:
     """Per-token fp32 loss of `x @ weight.T` against `target` (-100 ignored).
 
     `x` is `[..., h]` (already copied/gathered for TP), `weight` this rank's
-    `[V_pad/tp, h]` slice; the loss has `x`'s leading shape. `fuse_grad`: write the weight
-    gradient into its main grad where it has one (wgrad.py).
+    `[V_pad/tp, h]` slice; the loss has `x`'s leading shape. Where the weight has a sink (wgrad.py)
+    its gradient goes there.
     """
     lead = x.shape[:-1]
     flat_t = target.reshape(-1)
     ignore = flat_t < 0
     loss = _LinearCrossEntropy.apply(
         x.reshape(-1, x.shape[-1]), weight, flat_t.masked_fill(ignore, 0), ps, vocab_size, chunk_tokens,
-        sink_of(weight, fuse_grad),
+        sink_of(weight),
     )
     return loss.masked_fill(ignore, 0.0).reshape(lead)

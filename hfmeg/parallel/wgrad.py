@@ -7,55 +7,37 @@ written and read back, 4 B read and 4 B written, and each micro-batch's gradient
 to bf16 before it is summed. Here the backward GEMM accumulates into `main_grad` itself
 (`addmm` with beta 1, fp32 output from bf16 inputs on CUDA via `out_dtype`); the embedding
 does the same with `index_add_` (its dense `[V/tp, h]` gradient is never built), and the LM
-head's chunked cross-entropy (linear_cross_entropy.py) writes its products the same way.
+head's chunked cross-entropy (linear_cross_entropy.py) and the grouped experts
+(models/grouped_linear.py) write theirs the same way.
 
 The main grads are still zeroed once per step (4 B per element, against the 10 B saved per
 micro-batch): between steps they are state that others read — PowerSGD keeps its residuals
 there and checkpoints save them — so a step's first write overwriting stale values instead
 would make that state depend on the step before.
 
-A weight takes part by having a `GradSink` (attribute `grad_sink`), which the DP wrapper
-(grad_sync.py) gives every parameter it buffers. The fused backward returns no gradient
-for the weight and calls `GradSink.landed()`, the wrapper's bucket accounting for that
-weight (torch still runs the weight's post-accumulate hook, with no gradient; the wrapper
-ignores that call, `GradSink.announced`). A weight without a sink (no DP wrapper: generation, layer tests; a frozen
-LoRA base has no gradient at all) takes autograd's ordinary path.
+A weight takes part when the DP wrapper (grad_sync.py) has given it a `grad_sink`: the fp32
+tensor its gradient is added into (its `main_grad`). The fused backward returns no gradient
+for the weight. Autograd still runs the weight's AccumulateGrad node — once per backward,
+after every use of the weight, with no gradient — and with it the weight's post-accumulate
+hook, which is how the wrapper learns that the weight is done (grad_sync.py; a weight read
+twice, like tied embeddings or shared-unlock's shared layers, is announced once, after its
+last use, as autograd orders it). A weight without a sink (no DP wrapper: generation, layer
+tests; a frozen LoRA base has no gradient at all) takes autograd's ordinary path.
 
-A weight several modules hold (shared-unlock's shared layers, models/shared_layers.py) is
-written once per module in a backward; its sink counts the writes (`uses`) and the weight is
-announced once, after the last, so its bucket is never reduced before every use has added
-to it. The tied embedding and LM head on one stage share a weight through a function call,
-not a module attribute, so no count sees it: those layers pass `fuse=False` and stay on
-autograd's path, which sums both uses before its one AccumulateGrad.
+The writes are custom ops that declare the tensor they mutate (`hfmeg::linear_wgrad`,
+`hfmeg::embedding_wgrad`), and the sink is an input of the autograd function, so a compiled
+decoder layer traces the fused backward into its graph instead of breaking around it.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 
-@dataclass(eq=False)
-class GradSink:
-    """Where a fused backward puts one weight's gradient.
-
-    `uses`: fused writes per backward (the modules holding the weight); `landed` announces the
-    weight at the last of them. `written`, `announced`: the DP wrapper's bookkeeping (the
-    writes so far; announced, and autograd's own hook for the weight not run yet)."""
-
-    main_grad: torch.Tensor
-    landed: Callable[[], None]
-    uses: int = 1
-    written: int = 0
-    announced: bool = False
-
-
-def sink_of(weight: torch.Tensor, fuse: bool = True) -> GradSink | None:
-    """The weight's sink when its gradient is to be fused in this forward, else None."""
-    if not (fuse and weight.requires_grad and torch.is_grad_enabled()):
+def sink_of(weight: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 tensor the weight's gradient is to be added into in this forward, or None."""
+    if not (weight.requires_grad and torch.is_grad_enabled()):
         return None
     return getattr(weight, "grad_sink", None)
 
@@ -73,12 +55,36 @@ def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     out.addmm_(a, b)
 
 
+@torch.library.custom_op("hfmeg::linear_wgrad", mutates_args=("main_grad",))
+def linear_wgrad(main_grad: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
+    """`main_grad += g^T x` for `g` `[..., out]`, `x` `[..., in]`."""
+    add_product(main_grad, g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+
+
+@linear_wgrad.register_fake
+def _(main_grad, g, x) -> None:
+    return None
+
+
+@torch.library.custom_op("hfmeg::embedding_wgrad", mutates_args=("main_grad",))
+def embedding_wgrad(main_grad: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
+    """Row `ids[t]` of `main_grad` += `g[t]`, for every token t."""
+    main_grad.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]).to(main_grad.dtype))
+
+
+@embedding_wgrad.register_fake
+def _(main_grad, ids, g) -> None:
+    return None
+
+
 class _FusedLinear(torch.autograd.Function):
-    """`y = x W^T + b` whose backward adds `g^T x` into W's main grad and returns no W gradient."""
+    """`y = x W^T + b` whose backward adds `g^T x` into W's sink and returns no W gradient."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, sink):
         ctx.save_for_backward(x, weight)
+        # Not saved for backward: the sink is written in place by every micro-batch's backward, and a saved
+        # tensor's version check would refuse that.
         ctx.sink, ctx.has_bias = sink, bias is not None
         return F.linear(x, weight, bias)
 
@@ -86,42 +92,38 @@ class _FusedLinear(torch.autograd.Function):
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         grad_x = g @ weight if ctx.needs_input_grad[0] else None
-        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        add_product(ctx.sink.main_grad, g2.t(), x2)
-        ctx.sink.landed()
-        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        linear_wgrad(ctx.sink, g, x)
+        grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_b, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fuse: bool = True) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, with the weight gradient fused into its main grad where the weight has a sink."""
-    sink = sink_of(weight, fuse)
+    sink = sink_of(weight)
     if sink is None:
         return F.linear(x, weight, bias)
     return _FusedLinear.apply(x, weight, bias, sink)
 
 
 class _FusedEmbedding(torch.autograd.Function):
-    """Row lookup whose backward `index_add_`s the output gradient's rows into the weight's main grad."""
+    """Row lookup whose backward adds the output gradient's rows into the weight's sink."""
 
     @staticmethod
     def forward(ctx, ids, weight, sink):
         ctx.save_for_backward(ids)
-        ctx.sink = sink
+        ctx.sink = sink  # see _FusedLinear
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, g):
         (ids,) = ctx.saved_tensors
-        main = ctx.sink.main_grad
-        main.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]).to(main.dtype))
-        ctx.sink.landed()
+        embedding_wgrad(ctx.sink, ids, g)
         return None, None, None
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor, fuse: bool = True) -> torch.Tensor:
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.embedding`, with the weight gradient fused into its main grad where the weight has a sink."""
-    sink = sink_of(weight, fuse)
+    sink = sink_of(weight)
     if sink is None:
         return F.embedding(ids, weight)
     return _FusedEmbedding.apply(ids, weight, sink)
