@@ -143,8 +143,9 @@ def check_within_rounding(rel: float | None, rel_max: float | None, loss_rel: fl
                row)
 
 
-def build_rank_chunk(folder, ps: ParallelState, dtype=torch.float32):
-    return load_chunks(HFCheckpoint(folder), ps, dtype=dtype)[0]
+def build_rank_chunk(folder, ps: ParallelState, dtype=torch.float32, **options):
+    """This rank's chunk (`options`: ModelChunk's, e.g. compile_backend)."""
+    return load_chunks(HFCheckpoint(folder), ps, dtype=dtype, **options)[0]
 
 
 def micro_step(chunk, opt, ps: ParallelState, step: int, micro: int, ntok: int, is_last: bool) -> float:

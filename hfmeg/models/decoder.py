@@ -35,6 +35,7 @@ from ..parallel.comm import scatter_to_sequence
 from ..parallel.context import gather_segments, gathered_index, local_positions, token_index
 from ..parallel.expert_dispatch import local_experts
 from ..parallel.layers import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_head
+from ..parallel.params_ready import mark_compiled_block
 from ..parallel.roles import ParamRole, set_role
 from ..parallel.state import ParallelState
 from .attention import ParallelAttention
@@ -102,7 +103,18 @@ class ModelChunk(nn.Module):
                 set_role(self.pos_embed, "weight", ParamRole("embedding"))
         self.rope = RotaryEmbedding(cfg) if cfg.positions == "rope" else None
         kernels = Kernels(compile_backend)  # norm/RoPE/SwiGLU: eager, or fused by torch.compile
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, ps, i, kernels) for i in self.layer_ids})
+        self.layers = nn.ModuleDict()
+        for i in self.layer_ids:
+            # With a compile backend a dense layer's forward is one graph (norms, projections, RoPE, attention,
+            # MLP, residual adds, and in its backward the fused weight-gradient writes); its parameter waits stay
+            # outside, before it (params_ready.py): the forward, not the module, is compiled, so the module's
+            # hooks run eagerly around the graph. MoE layers keep the compiled kernels alone: their routed row
+            # counts change from micro-batch to micro-batch under EP, and torch 2.13 traces grouped GEMMs in bf16 only.
+            whole = compile_backend is not None and not cfg.is_sparse(i)
+            layer = self.layers[str(i)] = DecoderLayer(cfg, ps, i, Kernels(None) if whole else kernels)
+            if whole:
+                layer.forward = torch.compile(layer.forward, backend=compile_backend)
+                mark_compiled_block(layer)
         self.aux_loss: torch.Tensor | None = None  # see take_aux_loss
         if post_process:
             self.final_norm = make_norm(cfg, ps.sequence_parallel, kernels)

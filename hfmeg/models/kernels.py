@@ -3,7 +3,9 @@
 RMSNorm, RoPE and SwiGLU are memory-bound chains of elementwise ops; compiled, each
 becomes one fused kernel (Inductor emits Triton on GPUs) instead of 5-10 separate
 passes over the activations. `Kernels(None)` runs them eagerly (the default on CPU);
-`Kernels("inductor")` compiles each function once per process, with the same maths.
+`Kernels("inductor")` compiles each function once per process, with the same maths. With
+`model.compile` a dense decoder layer is compiled whole (models/decoder.py), these inside it;
+MoE layers and the final norm use these compiled kernels of their own.
 """
 
 from __future__ import annotations

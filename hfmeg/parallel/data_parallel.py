@@ -47,7 +47,7 @@ from .bucket_comm import SumGroup, all_gather_async
 from .buffers import Bucket, build_groups
 from .comm import all_reduce_coalesced
 from .grad_sync import GradSync
-from .params_ready import set_params_barrier
+from .params_ready import is_compiled_block, set_params_barrier
 from .powersgd import PowerSGD
 from .state import ParallelState
 
@@ -148,10 +148,17 @@ class DataParallel:
                 h.wait()
 
     def _register_forward_hooks(self) -> None:
+        """Before a module with parameters runs, wait for its buckets; a compiled block (params_ready.py) waits
+        for everything inside it, outside its graph."""
         bucket_of = {id(s.param): b.index for b in self.buckets for s in b.slots}
         for chunk in self.chunks:
+            block_of = {id(m): block for block in chunk.modules() if is_compiled_block(block) for m in block.modules()}
+            waiter: dict[int, tuple[nn.Module, set[int]]] = {}
             for module in chunk.modules():
-                wanted = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of},
-                                reverse=True)
-                if wanted:
-                    module.register_forward_pre_hook(lambda _m, _a, wanted=wanted: self.wait_params(wanted))
+                mine = {bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of}
+                if mine:
+                    owner = block_of.get(id(module), module)
+                    waiter.setdefault(id(owner), (owner, set()))[1].update(mine)
+            for owner, mine in waiter.values():
+                wanted = sorted(mine, reverse=True)
+                owner.register_forward_pre_hook(lambda _m, _a, wanted=wanted: self.wait_params(wanted))

@@ -34,3 +34,16 @@ def wait_params_ready(modules: Iterable[nn.Module]) -> None:
         wait = getattr(m, _ATTR, None)
         if wait is not None:
             wait()
+
+
+_BLOCK = "_hfmeg_compiled_block"
+
+
+def mark_compiled_block(module: nn.Module) -> None:
+    """Say that `module`'s forward is compiled as one graph: whoever waits for parameters before a module runs
+    waits for everything inside `module` before it instead (a wait inside the graph would be traced into it)."""
+    setattr(module, _BLOCK, True)
+
+
+def is_compiled_block(module: nn.Module) -> bool:
+    return getattr(module, _BLOCK, False)

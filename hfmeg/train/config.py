@@ -37,7 +37,7 @@ class ModelArgs:
     config_from: str = ""  # HF folder or Hub id (model.init random only)
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPUs, fp32 on CPU
     recompute: Literal["none", "full", "selective"] = "none"
-    compile: bool = False  # fuse RMSNorm/RoPE/SwiGLU with torch.compile (GPU)
+    compile: bool = False  # torch.compile each dense decoder layer's forward as one graph, MoE layers' norm/RoPE/SwiGLU (GPU)
     vocab_multiple: int = 128
     ce_chunk_tokens: int = 4096
 
