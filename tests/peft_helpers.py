@@ -24,8 +24,9 @@ def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = Fa
                           seed: int = 0) -> tuple[Path, Path]:
     """A tiny random base (transformers' save_pretrained) and a LoRA (or DoRA) adapter `peft` made for it
     with `init_lora_weights=False`: A and B both random, so every adapter gradient is non-zero. DoRA's
-    magnitudes are then scaled by random factors in [0.5, 1.5), so that they differ from the row norms
-    they start at and the magnitude's effect is tested too."""
+    magnitudes, and the weights of `modules_to_save` (which peft saves as copies of the base's), are then
+    scaled by random factors in [0.5, 1.5), so that they differ from what they start at and their loading
+    is tested too."""
     base = root / f"{kind}_base"
     if not base.is_dir():
         save_tiny(kind, base, seed=seed)
@@ -36,12 +37,12 @@ def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = Fa
     tags = (("_rs", rslora), ("_dora", dora), ("_save", modules_to_save))
     adapter = root / f"{kind}_adapter{''.join(tag for tag, on in tags if on)}"
     get_peft_model(model, cfg).save_pretrained(adapter)
-    if dora:
+    if dora or modules_to_save:
         path = adapter / "adapter_model.safetensors"
         tensors = load_file(str(path))
         g = torch.Generator().manual_seed(seed + 2)
         for k, v in tensors.items():
-            if k.endswith("lora_magnitude_vector"):
+            if k.endswith("lora_magnitude_vector") or ".lora_" not in k:
                 tensors[k] = v * (0.5 + torch.rand(v.shape, generator=g))
         save_file(tensors, str(path), metadata={"format": "pt"})
     return base, adapter

@@ -3,17 +3,22 @@
 transformers v5 stacks the experts and peft adapts them with LoRA on those parameters (`target_parameters`);
 the adapters here are made by `peft` itself (`init_lora_weights=False`: A and B random, so every gradient is
 non-zero) and read through `peft.init_from`'s path:
-- tiny Mixtral (all-linear: attention, router, experts; and q/v + w2 alone with rslora, the other PEFT key
-  nesting) and tiny Qwen3-MoE (all-linear; its dense layer 0 gets attention adapters only, as in peft),
-  one 4-process world: EP 1, 2, 4, EP2 x TP2 (SP) and EP2 x PP2: logits, loss (with the load-balancing term)
+- tiny Mixtral (all-linear: attention, router, experts; q/v + w2 alone with rslora, the other PEFT key
+  nesting; q + w1/w3 with the router in `modules_to_save`, trained in full), tiny Qwen3-MoE (all-linear; its
+  dense layer 0 gets attention adapters only, as in peft) and tiny Qwen2-MoE (all-linear, which peft takes there
+  as attention, the dense layer 0's MLP, the shared expert's gate/up/down and `shared_expert_gate`; and
+  `modules_to_save: [gate]`, which peft's suffix match takes as the router and `shared_expert_gate`), one 4-process
+  world: EP 1, 2, 4, EP2 x TP2 (SP) and EP2 x PP2: logits, loss (with the load-balancing term)
   and every adapter gradient, the experts' pieces gathered over EP and joined as the export joins them;
 - the shards written at EP2 (DP rank 0's file plus the other EP rank's experts file) export back bit-exact to
   the file peft wrote, the folder loads with `PeftModel.from_pretrained` to the same logits, and EP4 and EP1
   chunks read the EP2-written shards (the per-expert stored names) to the same values;
-- the merged folder (per-expert HF names) equals peft's adapter-on-base logits;
+- the merged folder (per-expert HF names, v4's `block_sparse_moe.gate` for a saved Mixtral router, the shared
+  expert) equals peft's adapter-on-base logits;
 - a few training steps at EP2 x DP2 (and EP2 x TP2) with the distributed optimizer vs one process of peft +
   torch AdamW: losses and every trained adapter tensor;
-- refusals: DoRA or dropout on experts, w1 without w3, a target that matches nothing, Qwen2-MoE.
+- refusals: DoRA or dropout on experts or the shared expert, w1 without w3, a target that matches nothing,
+  Qwen2-MoE's routed experts, a module both adapted and in modules_to_save, an MoE module_to_save the model lacks.
 """
 
 from __future__ import annotations
@@ -48,14 +53,15 @@ from hfmeg.peft.merge import merge_into_hf
 
 LAYOUTS = [(1, 1, False, 2), (1, 1, False, 1), (2, 1, True, 2), (1, 2, False, 2), (1, 1, False, 4)]  # tp pp sp ep
 TOL = 1e-4
-MIXTRAL_SUBSET = ["q_proj", "v_proj", "w2"]
+# per model kind, beyond all-linear: (targets, rslora, modules_to_save)
+MORE_CASES = {"mixtral": [(["q_proj", "v_proj", "w2"], True, None), (["q_proj", "w1", "w3"], False, ["gate"])],
+              "qwen2_moe": [(["q_proj", "gate_proj", "up_proj", "down_proj"], False, ["gate"])]}
 
 
 def _cases(root: Path, kind: str):
-    cases = [make_base_and_adapter(root, kind)]
-    if kind == "mixtral":
-        cases.append(make_base_and_adapter(root, kind, targets=MIXTRAL_SUBSET, rslora=True))
-    return cases
+    return [make_base_and_adapter(root, kind)] + [
+        make_base_and_adapter(root, kind, targets=t, rslora=rs, modules_to_save=save)
+        for t, rs, save in MORE_CASES.get(kind, [])]
 
 
 def _reference(base, adapter, ids):
@@ -108,7 +114,7 @@ def _check(cases, ids, refs):
     return rows
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_lora_matches_peft_under_ep(kind, tmp_path):
     cases = _cases(tmp_path, kind)
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -127,8 +133,10 @@ def test_moe_lora_matches_peft_under_ep(kind, tmp_path):
         assert any(r.get("reread") for rank in results for r in rank if r["case"] == str(adapter))
 
 
-def test_moe_merge_matches_peft_on_the_base(tmp_path):
-    base, adapter = make_base_and_adapter(tmp_path, "mixtral")
+@pytest.mark.parametrize("kind, case", [("mixtral", None), ("mixtral", 1), ("qwen2_moe", None)])
+def test_moe_merge_matches_peft_on_the_base(kind, case, tmp_path):
+    t, rs, save = MORE_CASES[kind][case] if case is not None else ("all-linear", False, None)
+    base, adapter = make_base_and_adapter(tmp_path, kind, targets=t, rslora=rs, modules_to_save=save)
     cfg, tensors = read_peft_folder(adapter)
     merged = merge_into_hf(base, tensors, cfg, tmp_path / "merged")
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -198,14 +206,26 @@ def test_moe_lora_refusals(tmp_path):
     llama = load_model_config(save_tiny("llama3", tmp_path / "l"))
     qwen2 = load_model_config(save_tiny("qwen2_moe", tmp_path / "q"))
     lora = PeftConfig(method="lora", target_modules=["all-linear"])
+    shared = replace(lora, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
     for model, cfg, field in [
         (mixtral, replace(lora, method="dora"), "peft.method: dora is not supported on MoE experts"),
         (mixtral, replace(lora, dropout=0.1), "peft.dropout"),
         (mixtral, replace(lora, target_modules=["w1", "w2"]), "peft.target_modules: w1 without w3"),
         (mixtral, replace(lora, target_modules=["q_proj", "gate_proj"]), "peft.target_modules: ['gate_proj']"),
         (llama, replace(lora, target_modules=["q_proj", "w1"]), "peft.target_modules: ['w1']"),
-        (qwen2, lora, "peft.method: lora on qwen2_moe"),
+        (qwen2, replace(lora, target_modules=["q_proj", "gate_up_proj"]),
+         "peft.target_modules: ['gate_up_proj'] on qwen2_moe"),
+        (qwen2, replace(shared, method="dora"), "peft.method: dora is not supported on the shared expert"),
+        (qwen2, replace(shared, dropout=0.1), "peft.dropout is not supported on the shared expert"),
+        (mixtral, replace(lora, modules_to_save=["gate"]), "peft.modules_to_save: ['gate'] and peft.target_modules "
+                                                           "both take ['gate.weight']"),
+        (qwen2, replace(lora, modules_to_save=["gate"]), "both take ['shared_expert_gate']"),
+        (llama, replace(lora, modules_to_save=["gate"]), "peft.modules_to_save: gate is not a module"),
+        (mixtral, replace(shared, modules_to_save=["shared_expert_gate"]),
+         "peft.modules_to_save: shared_expert_gate is not a module"),
     ]:
         with pytest.raises(UnsupportedConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
             check_model(model, cfg)
     check_model(mixtral, replace(lora, method="dora", target_modules=["q_proj", "v_proj"]))  # attention only
+    check_model(qwen2, replace(lora, method="dora", target_modules=["q_proj", "v_proj"]))
+    check_model(qwen2, replace(shared, modules_to_save=["gate"]))

@@ -32,7 +32,7 @@ from ..parallel.params_ready import wait_params_ready
 from ..parallel.state import ParallelState
 from ..parallel.stored_names import stored_tensors
 from .adapters import adapter_tensors, join_slices
-from .config import EXPERT_PARAMS, LLAMA_PROJECTIONS, PeftConfig
+from .config import EXPERT_PARAMS, LLAMA_PROJECTIONS, QWEN2_MOE_TARGETS, PeftConfig
 
 SHARD_FILE = "adapter.safetensors"
 EXPERT_SHARD_FILE = "adapter-experts-{first:03d}-{last:03d}.safetensors"  # an EP rank's experts first..last
@@ -132,8 +132,8 @@ def write_peft_folder(out: Path, tensors: dict[str, torch.Tensor], cfg: PeftConf
                       overwrite: bool = True) -> Path:
     """Write a PEFT adapter folder atomically; `base` is the Hub id or folder of the base model."""
     # the projection of each A (a DoRA magnitude's key is one part shorter: `...q_proj.lora_magnitude_vector`)
-    targets = sorted({k.split(".")[-3] for k in tensors if k.endswith(".lora_A.weight")} & set(LLAMA_PROJECTIONS))
-    moe = any(".mlp.experts." in k or ".mlp.gate." in k for k in tensors)
+    targets = sorted({k.split(".")[-3] for k in tensors if k.endswith(".lora_A.weight")} & set(QWEN2_MOE_TARGETS))
+    moe = any(".mlp.experts." in k or ".mlp.gate.lora_" in k for k in tensors)  # not a router in modules_to_save
     params = cfg.moe_targets()[1] if moe else ()
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(cfg, base, targets, params), indent=2) + "\n")

@@ -38,7 +38,15 @@ two more grouped GEMMs. On disk each expert's A and B are tensors of their own u
 their global index (`parallel/stored_names.py`), so EP resharding and resumes move them
 one by one; the export stacks them into peft's two tensors (kinds `expert_A`/`expert_B`).
 The router (`gate.weight`) gets a plain LoRA held whole on every TP rank (its input is the
-rank's token share: both factors' gradients are partial, `sequence_parallel`).
+rank's token share: both factors' gradients are partial, `sequence_parallel`). In
+`modules_to_save` instead (`gate`), the router's own weight trains in full, its role already
+`sequence_parallel`, and is saved whole under peft's key `...mlp.gate.weight`.
+
+Qwen2-MoE's shared expert (`models/moe.py` `GatedExpert`: `fc1` = [gate; up], `fc2`, and the
+1-output `shared_gate`, all `ReplicatedLinear`s that see this rank's tokens) gets the same
+`LoraAdapter` as a dense MLP, one `LoraPair` per HF projection (`shared_expert.gate_proj`,
+`up_proj`, `down_proj`, and `shared_expert_gate`), but every factor whole and partial
+(`sequence_parallel`), like the router's.
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ from ..models.moe import MoELayer
 from ..parallel.roles import ParamRole, add_param
 from ..parallel.state import ParallelState
 from ..parallel.stored_names import set_stored_names, stored_tensors
-from .config import ATTENTION, EXPERT_TARGETS, FUSED, SAVABLE, PeftConfig
+from .config import ATTENTION, EXPERT_TARGETS, FUSED, MOE_SAVABLE, QWEN2_MOE_TARGETS, SAVABLE, SHARED_GATE, PeftConfig
 
 PEFT_PREFIX = "base_model.model."
 
@@ -243,11 +251,13 @@ class _Base:
     projections: list[Projection]
     column: bool
     groups: int  # local output blocks (see LoraAdapter)
+    replicated: bool = False  # a `ReplicatedLinear` (Qwen2-MoE's shared expert): whole on every TP rank
 
 
 def _bases(chunk: ModelChunk) -> list[_Base]:
-    """The TP base layers that can carry an adapter (on an MoE model: attention only, as peft maps the MLP
-    names to the experts; the experts and the router are `_moe_layers`)."""
+    """The base layers that can carry a plain adapter: attention, a dense layer's MLP (not on Mixtral / Qwen3-MoE,
+    where peft maps the MLP names to the experts, which are `_moe_layers` with the router), Qwen2-MoE's shared
+    expert and its gate."""
     cfg, tp = chunk.cfg, chunk.ps.tp
     q, kv, h, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.ffn_size
     out = []
@@ -256,10 +266,16 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
         out += [_Base(L + "attn.qkv", [Projection("q_proj", a + "q_proj", q), Projection("k_proj", a + "k_proj", kv),
                                       Projection("v_proj", a + "v_proj", kv)], True, cfg.num_kv_heads // tp),
                 _Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1)]
-        if cfg.moe is None:
+        if not cfg.is_sparse(int(i)) and cfg.model_type not in EXPERT_TARGETS:
             out += [_Base(L + "mlp.fc1", [Projection("gate_proj", m + "gate_proj", f),
                                       Projection("up_proj", m + "up_proj", f)], True, 1),
                     _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
+        elif cfg.is_sparse(int(i)) and cfg.moe.shared_expert_ffn_size:
+            s, fs = m + "shared_expert.", cfg.moe.shared_expert_ffn_size
+            out += [_Base(L + "mlp.shared.fc1", [Projection("gate_proj", s + "gate_proj", fs),
+                                                 Projection("up_proj", s + "up_proj", fs)], True, 1, True),
+                    _Base(L + "mlp.shared.fc2", [Projection("down_proj", s + "down_proj", h)], True, 1, True),
+                    _Base(L + "mlp.shared_gate", [Projection(SHARED_GATE, m + SHARED_GATE, 1)], True, 1, True)]
     return out
 
 
@@ -271,12 +287,24 @@ def check_model(chunk_cfg, cfg: PeftConfig) -> None:
     if "lm_head" in cfg.modules_to_save and chunk_cfg.tie_embeddings:
         raise UnsupportedConfigError("peft.modules_to_save: lm_head is tied to embed_tokens in this model; "
                                      "name embed_tokens alone")
+    _check_saved(chunk_cfg, cfg)
     wanted = set(cfg.target_modules) - {"all-linear"}
     if chunk_cfg.moe is None:
         unmatched = sorted(wanted - set(cfg.targets()))
-    elif chunk_cfg.model_type not in EXPERT_TARGETS:
-        raise UnsupportedConfigError(f"peft.method: {cfg.method} on {chunk_cfg.model_type} (shared expert) is not "
-                                     f"built; MoE LoRA covers {sorted(EXPERT_TARGETS)}")
+    elif chunk_cfg.model_type not in EXPERT_TARGETS:  # Qwen2-MoE: peft's names are its nn.Linears only
+        experts = sorted(wanted - set(QWEN2_MOE_TARGETS) - {"w1", "w2", "w3"})
+        if experts:
+            raise UnsupportedConfigError(f"peft.target_modules: {experts} on {chunk_cfg.model_type}: peft reaches its "
+                                         "routed experts and router only through target_parameters (no v4-name "
+                                         "mapping for this model), which is not built; target attention, the shared "
+                                         "expert (gate_proj up_proj down_proj) and shared_expert_gate")
+        unmatched = sorted(wanted - set(QWEN2_MOE_TARGETS))
+        shared = set(cfg.module_targets(chunk_cfg.model_type)) - set(ATTENTION)
+        if shared and (cfg.method == "dora" or cfg.dropout):
+            field = "method: dora" if cfg.method == "dora" else "dropout"
+            raise UnsupportedConfigError(f"peft.{field} is not supported on the shared expert ({sorted(shared)} are "
+                                         "replicated layers fed each TP rank's own tokens; not proven there): target "
+                                         "attention only")
     else:
         names = EXPERT_TARGETS[chunk_cfg.model_type]
         unmatched = sorted(wanted - set(ATTENTION) - set(names) - set(names.values()))
@@ -297,6 +325,38 @@ def check_model(chunk_cfg, cfg: PeftConfig) -> None:
                                      f"{chunk_cfg.model_type} model")
 
 
+def _check_saved(chunk_cfg, cfg: PeftConfig) -> None:
+    """Refuse a `modules_to_save` an MoE module name the model lacks or a LoRA adapts too (peft refuses both)."""
+    moe = [m for m in cfg.modules_to_save if m in MOE_SAVABLE]
+    if not moe:
+        return
+    shared = chunk_cfg.moe is not None and bool(chunk_cfg.moe.shared_expert_ffn_size)
+    absent = [m for m in moe if chunk_cfg.moe is None or (m == SHARED_GATE and not shared)]
+    if absent:
+        raise UnsupportedConfigError(f"peft.modules_to_save: {absent[0]} is not a module of this "
+                                     f"{chunk_cfg.model_type} model")
+    lora = set(cfg.moe_targets()[1] if chunk_cfg.model_type in EXPERT_TARGETS else ())
+    lora |= set(cfg.module_targets(chunk_cfg.model_type)) & {SHARED_GATE}
+    saved = {"gate.weight"} if "gate" in moe else set()
+    saved |= {SHARED_GATE} if shared and moe else set()  # peft's suffix match: `gate` takes shared_expert_gate too
+    both = sorted(lora & saved)
+    if both:
+        raise UnsupportedConfigError(f"peft.modules_to_save: {moe} and peft.target_modules both take {both} (peft "
+                                     "cannot train a module in full that a LoRA adapts): drop it from one")
+
+
+def _moe_savable(chunk: ModelChunk) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(the chunk's parameter, its PEFT key, the `modules_to_save` names that take it) of each MoE router and shared
+    expert gate (peft matches names by suffix, so on Qwen2-MoE `gate` takes `shared_expert_gate` too)."""
+    out = []
+    for i, layer in _moe_layers(chunk):
+        m, L = f"{PEFT_PREFIX}model.layers.{i}.mlp.", f"layers.{i}.mlp."
+        out.append((L + "router.weight", m + "gate.weight", ("gate",)))
+        if hasattr(layer, "shared_gate"):
+            out.append((L + "shared_gate.weight", m + SHARED_GATE + ".weight", MOE_SAVABLE))
+    return out
+
+
 def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
     """Freeze `chunk`'s base and give every targeted base layer its (uninitialised) adapter.
 
@@ -307,10 +367,13 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
         p.requires_grad_(False)
     params = dict(chunk.named_parameters())
     for module in cfg.modules_to_save:
-        if SAVABLE[module] in params:
+        if SAVABLE.get(module) in params:
             params[SAVABLE[module]].requires_grad_(True)
+    for local, _, names in _moe_savable(chunk):  # the router's role is already partial over TP (`models/moe.py`)
+        if set(names) & set(cfg.modules_to_save):
+            params[local].requires_grad_(True)
     moe = chunk.cfg.moe
-    targeted = set(cfg.targets()) if moe is None else set(cfg.moe_targets()[0])
+    targeted = set(cfg.module_targets(chunk.cfg.model_type))
     weight = next(chunk.parameters())
     place = dict(device=weight.device, dtype=weight.dtype)
     for base in _bases(chunk):
@@ -318,9 +381,9 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
             continue
         layer = chunk.get_submodule(base.local)
         adapter = LoraAdapter(base.projections, targeted, layer.weight.shape[1], base.column, base.groups, cfg,
-                              chunk.ps)
+                              chunk.ps, base.replicated)
         layer.adapter = adapter.to(**place)
-    if moe is None:
+    if moe is None or chunk.cfg.model_type not in EXPERT_TARGETS:
         return
     wanted = cfg.moe_targets()[1]
     h, f = chunk.cfg.hidden_size, moe.expert_ffn_size
@@ -341,6 +404,7 @@ def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
     out = [AdapterTensor(local, f"{PEFT_PREFIX}{'model.' if hf == 'embed_tokens' else ''}{hf}.weight", "vocab",
                          chunk.cfg.vocab_size)
            for hf, local in SAVABLE.items() if local in params and params[local].requires_grad]
+    out += [AdapterTensor(local, hf, "replicated") for local, hf, _ in _moe_savable(chunk) if params[local].requires_grad]
     for base in _bases(chunk):
         adapter = chunk.get_submodule(base.local).adapter
         for p in base.projections:
@@ -348,8 +412,9 @@ def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
                 continue
             local = f"{base.local}.adapter.{p.name}."
             hf = f"{PEFT_PREFIX}{p.module}."
+            b_kind = "rows" if base.column and not base.replicated else "replicated"
             out += [AdapterTensor(local + "lora_A", hf + "lora_A.weight", "replicated" if base.column else "cols"),
-                    AdapterTensor(local + "lora_B", hf + "lora_B.weight", "rows" if base.column else "replicated")]
+                    AdapterTensor(local + "lora_B", hf + "lora_B.weight", b_kind)]
             if getattr(adapter, p.name).dora:
                 out.append(AdapterTensor(local + "lora_magnitude_vector", hf + "lora_magnitude_vector",
                                          "rows" if base.column else "replicated"))
@@ -421,8 +486,8 @@ def initialise(chunk: ModelChunk, cfg: PeftConfig, seed: int, hf_tensors=None) -
                 raise CheckpointError(f"adapter has no tensor {t.hf}; adapters on only some layers are not "
                                       "supported (peft.init_from)")
             p.copy_(slice_for_rank(hf_tensors[t.hf], t.kind, chunk.ps, p.shape[0], t.expert))
-        elif t.kind == "vocab":
-            continue  # a module trained in full starts from the base's weights
+        elif "lora_" not in t.hf:
+            continue  # a module trained in full (`modules_to_save`) starts from the base's weights
         elif t.kind == "expert_A":  # peft draws the whole [E r, in] stack
             full = fresh_a(t.hf, p.shape[0] * t.expert[1], p.shape[1], seed)
             p.copy_(slice_for_rank(full, t.kind, chunk.ps, expert=t.expert))

@@ -13,8 +13,13 @@ section and the exported `adapter_config.json` say the same thing:
   (Mixtral, Qwen3-MoE) the experts' and router's names as `peft` reads them on
   transformers v5 (`EXPERT_TARGETS`): `w1`+`w3` / `gate_proj`+`up_proj` (the fused
   `gate_up_proj`, at rank 2r and alpha 2 alpha), `w2` / `down_proj`, `gate` (the router).
+  Qwen2-MoE is not in peft's mapping: there the names mean what they mean to peft on that
+  model, plain LoRA on `nn.Linear`s (`QWEN2_MOE_TARGETS`): `gate_proj up_proj down_proj` are
+  the shared expert's (and a dense layer's MLP), `shared_expert_gate` its gate; `all-linear`
+  is attention + those.
 - `modules_to_save`: base modules trained in full beside the adapters (`embed_tokens`,
-  `lm_head`), saved whole in the adapter file as `peft` does.
+  `lm_head`; on MoE models `gate`, the router, and on Qwen2-MoE `shared_expert_gate`, which
+  peft's suffix match also takes for `gate`), saved whole in the adapter file as `peft` does.
 - `init_from`: a PEFT adapter folder to start from (its A and B), e.g. one `peft` made.
 """
 
@@ -43,6 +48,15 @@ EXPERT_TARGETS = {
 }
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate.weight")
 _TO_PARAM = {name: param for names in EXPERT_TARGETS.values() for name, param in names.items()}
+# Qwen2-MoE: peft (0.21) maps no v4 names onto its stacked experts (its own model type is not in transformers'
+# conversion table), so its names adapt `nn.Linear`s only: the shared expert's projections (and a dense layer's MLP)
+# and the shared expert's gate; `all-linear` is all of them with attention. Its routed experts and router are
+# reachable in peft only through explicit `target_parameters` (no w1 + w3 rank pattern), which is not built here.
+SHARED_GATE = "shared_expert_gate"
+QWEN2_MOE_TARGETS = LLAMA_PROJECTIONS + (SHARED_GATE,)
+# `modules_to_save` names of an MoE layer's replicated parts: the router (`gate`; on Qwen2-MoE peft's suffix match
+# takes `shared_expert_gate` with it) and the shared expert's gate.
+MOE_SAVABLE = ("gate", SHARED_GATE)
 # peft fuses w1 and w3 (gate_proj and up_proj) into one LoRA on gate_up_proj of rank 2r (alpha 2 alpha);
 # naming one of the pair alone is refused, as peft refuses it.
 FUSED = {"mixtral": ("w1", "w3"), "qwen3_moe": ("gate_proj", "up_proj")}
@@ -75,6 +89,15 @@ class PeftConfig:
             return LLAMA_PROJECTIONS
         return tuple(p for p in LLAMA_PROJECTIONS if p in wanted)
 
+    def module_targets(self, model_type: str | None = None) -> tuple[str, ...]:
+        """The HF module names adapted with plain LoRA on the TP (or replicated) layers of a `model_type` model:
+        `targets()` on a dense model, attention (`moe_targets`) on Mixtral / Qwen3-MoE, `QWEN2_MOE_TARGETS` on
+        Qwen2-MoE."""
+        if model_type == "qwen2_moe":
+            wanted = set(self.target_modules)
+            return QWEN2_MOE_TARGETS if ALL_LINEAR in wanted else tuple(t for t in QWEN2_MOE_TARGETS if t in wanted)
+        return self.moe_targets()[0] if model_type in EXPERT_TARGETS else self.targets()
+
     def moe_targets(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(the attention projections, the expert/router parameters of `EXPERT_PARAMS`) targeted on an MoE
         model (each family's names are checked in `adapters.check_model`); as in peft, a dense layer's MLP of
@@ -105,14 +128,15 @@ class PeftConfig:
             raise UnsupportedConfigError(f"peft.dropout: must be in [0, 1), got {self.dropout!r}")
         if not self.target_modules:
             raise UnsupportedConfigError("peft.target_modules: empty; name HF projections (q_proj ...) or all-linear")
-        known = set(LLAMA_PROJECTIONS) | {ALL_LINEAR} | set(EXPERT_PARAMS)
+        known = set(QWEN2_MOE_TARGETS) | {ALL_LINEAR} | set(EXPERT_PARAMS)
         known |= {n for names in EXPERT_TARGETS.values() for n in names}
         unknown = sorted(set(self.target_modules) - known)
         if unknown:
             raise UnsupportedConfigError(f"peft.target_modules: {unknown} match no adapted projection; the "
                                          f"targets are {list(LLAMA_PROJECTIONS)} or {ALL_LINEAR} (MoE models: "
-                                         "also w1 w2 w3 gate, gate_up_proj down_proj gate.weight)")
-        other = sorted(set(self.modules_to_save) - set(SAVABLE))
+                                         "also w1 w2 w3 gate, gate_up_proj down_proj gate.weight, "
+                                         f"{SHARED_GATE})")
+        other = sorted(set(self.modules_to_save) - set(SAVABLE) - set(MOE_SAVABLE))
         if other:
             raise UnsupportedConfigError(f"peft.modules_to_save: {other} cannot be trained in full here; the "
-                                         f"modules are {list(SAVABLE)}")
+                                         f"modules are {list(SAVABLE)} (MoE models: also {list(MOE_SAVABLE)})")

@@ -85,6 +85,14 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
         with safe_open(str(path), "pt") as f:
             names.update(f.keys())
     deltas = _expert_deltas(tensors, cfg, names)
+    # modules trained in full (`modules_to_save`), under the base's names: peft's key is transformers v5's module
+    # path, and a Mixtral file may store the router under v4's `block_sparse_moe.gate`
+    saved = {}
+    for k in tensors:
+        if ".lora_" not in k:
+            name = k.removeprefix(PEFT_PREFIX)
+            v4 = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+            saved[name if name in names or v4 not in names else v4] = k
     updates = {k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight": k
                for k in tensors if k.endswith(".lora_A.weight") and ".mlp.experts" not in k and ".mlp.gate." not in k}
     merged = set()
@@ -99,8 +107,8 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
                         if name in deltas:
                             w = (w.float() + deltas[name]).to(w.dtype)
                             merged.add(name)
-                        elif PEFT_PREFIX + name in tensors:  # a module trained in full (modules_to_save)
-                            w = tensors[PEFT_PREFIX + name].to(w.dtype)
+                        elif name in saved:  # a module trained in full (modules_to_save)
+                            w = tensors[saved[name]].to(w.dtype)
                             merged.add(name)
                         elif name in updates:
                             a = tensors[updates[name]].float()
@@ -112,8 +120,7 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
                 save_file(weights, str(tmp / path.name), metadata=meta)
             elif path.is_file() and path.suffix != ".bin":
                 shutil.copy2(path, tmp / path.name)
-        saved = {k.removeprefix(PEFT_PREFIX) for k in tensors if ".lora_" not in k}
-        missing = sorted((set(updates) | saved | set(deltas)) - merged)
+        missing = sorted((set(updates) | set(saved) | set(deltas)) - merged)
         if missing:
             raise CheckpointError(f"{base}: no base weight {missing[0]} for its adapter (the adapter was trained on "
                                   "another model)")
