@@ -172,11 +172,11 @@ def _logits_from_shards(base: Path, ckpt: Path, ids: torch.Tensor):
         return full_logits(chunks, ps, ids)
 
 
-def test_exports_of_a_tp4_run_load_in_peft_and_transformers(start, tmp_path):
+def test_exports_of_a_tp4_run_load_in_peft_and_transformers(stories_lora, tmp_path):
     """A LoRA run at TP4 (the adapters' row-parallel A and column-parallel B in quarters): its adapter folder
     loads with PeftModel.from_pretrained and computes what hfmeg computes with the TP4 shards; its merged
     folder loads with AutoModelForCausalLM alone and computes what peft computes with the adapter."""
-    base, adapter0 = start
+    base, adapter0 = stories_lora
     out = tmp_path / "tp4"
     spawn(_run, 4, _config(out, base, adapter0, tp=4, steps=3))
     ckpt = sorted((out / "checkpoints").glob("iter_*"))[-1]

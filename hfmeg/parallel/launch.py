@@ -17,6 +17,7 @@ caller's stdout and stderr, as a forked rank does).
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -66,7 +67,10 @@ def _worker(fn, rank, world_size, port, args, results):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
-        out = fn(*args)
+        # Pickled here, by value: the queue's own pickler would send a tensor's storage as a file descriptor
+        # that this process serves until it exits, and a parent that reads late (a loaded host) then finds
+        # the serving socket gone (FileNotFoundError).
+        out = pickle.dumps(fn(*args))
         dist.barrier()
         results.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -107,7 +111,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
                 continue
             if status == "error":
                 raise WorkerError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)  # our own rank's result (`_worker`)
     finally:
         for p in procs:
             p.join(timeout=5)
