@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import random
 import socket
 import time
 import traceback
@@ -37,9 +38,33 @@ class WorkerError(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port for a world's rendezvous, free now: a random one below the kernel's ephemeral range.
+
+    The port is released before rank 0 binds it. An ephemeral port (what binding port 0 gives) can be
+    taken in between as the source port of any outgoing connection, and a busy host (a test suite beside
+    another: hundreds of gloo connections) does that often enough to send a world to another job's store;
+    a random port outside that range is taken only by another caller of this function picking the same."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is crowded: let the kernel pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA range starts at 49152
+        return 49152
 
 
 def _cpu_only() -> None:
