@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.peft.adapter_files import read_peft_folder
+from hfmeg.peft.merge import merge_into_hf
 from hfmeg.parallel.stored_names import stored_tensors
 from hfmeg.peft.adapters import adapter_tensors, attach, initialise, join_slices
 
@@ -99,6 +100,18 @@ def full_adapter_grads(chunks, ps, of=lambda p: p.grad) -> dict[str, torch.Tenso
     for hf, (kind, pieces) in experts.items():
         out[hf] = join_slices([pieces[e] for e in sorted(pieces)], kind)
     return out
+
+
+def merged_vs_peft(base: Path, adapter: Path, out: Path) -> float:
+    """max |logits| difference between the folder `merge_into_hf` writes from `adapter` (loaded alone by
+    transformers) and peft's adapter on `base`, on one fixed batch."""
+    cfg, tensors = read_peft_folder(adapter)
+    merged = merge_into_hf(base, tensors, cfg, out)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = peft_reference(base, adapter, trainable=False)(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(ids).logits
+    return (got - want).abs().max().item()
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

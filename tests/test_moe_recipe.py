@@ -44,19 +44,24 @@ def _mixtral_with_tokenizer(tmp_path):
     return model
 
 
-def test_ep2_tp2_run_logs_expert_load_and_exports(tmp_path):
-    model = _mixtral_with_tokenizer(tmp_path)
-    cfg = TrainConfig(
+def _ep2_tp2(model, out, lr: float, **fields) -> TrainConfig:
+    """A 3-step EP2 x TP2 (SP) run of `model` into `out`, no checkpoints on the way; `fields`: more TrainConfig."""
+    return TrainConfig(
         model=ModelArgs(path=str(model), dtype="fp32"),
         parallel=ParallelArgs(tp=2, ep=2, sequence_parallel=True),
-        optim=OptimizerConfig(lr=1e-3, eps=1e-5),
+        optim=OptimizerConfig(lr=lr, eps=1e-5),
         lr=LRScheduleConfig(warmup_steps=1, total_steps=STEPS),
         data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=SEQ),
         train=LoopArgs(micro_batch_size=1, global_batch_size=GBS, max_steps=STEPS, eval_every=0),
-        checkpoint=CheckpointArgs(out=str(tmp_path / "out"), save_every=0, keep_last=1),
+        checkpoint=CheckpointArgs(out=str(out), save_every=0, keep_last=1),
         tensorboard=False,
+        **fields,
     )
-    hf = spawn(_run, 4, cfg)[0]
+
+
+def test_ep2_tp2_run_logs_expert_load_and_exports(tmp_path):
+    model = _mixtral_with_tokenizer(tmp_path)
+    hf = spawn(_run, 4, _ep2_tp2(model, tmp_path / "out", lr=1e-3))[0]
     rows = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert len(rows) == STEPS
     slots = 2 * SEQ * 2  # the last micro-batch of each of the 2 DP ranks: SEQ tokens x top-2
@@ -102,17 +107,7 @@ def test_lora_run_on_mixtral_at_ep2_tp2_exports_what_peft_and_transformers_load(
     from hfmeg.peft.config import PeftConfig
 
     model = _mixtral_with_tokenizer(tmp_path)
-    cfg = TrainConfig(
-        model=ModelArgs(path=str(model), dtype="fp32"),
-        parallel=ParallelArgs(tp=2, ep=2, sequence_parallel=True),
-        optim=OptimizerConfig(lr=1e-2, eps=1e-5),
-        lr=LRScheduleConfig(warmup_steps=1, total_steps=STEPS),
-        data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=SEQ),
-        train=LoopArgs(micro_batch_size=1, global_batch_size=GBS, max_steps=STEPS, eval_every=0),
-        checkpoint=CheckpointArgs(out=str(tmp_path / "out"), save_every=0, keep_last=1),
-        peft=PeftConfig(method="lora", r=4, target_modules=["all-linear"]),
-        tensorboard=False,
-    )
+    cfg = _ep2_tp2(model, tmp_path / "out", lr=1e-2, peft=PeftConfig(method="lora", r=4, target_modules=["all-linear"]))
     hf = spawn(_run, 4, cfg)[0]
     adapter = tmp_path / "out" / "adapter"
     tensors = load_file(adapter / "adapter_model.safetensors")

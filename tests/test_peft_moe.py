@@ -31,11 +31,10 @@ import torch
 import torch.distributed as dist
 from helpers import make_ps
 from optim_harness import CFG, batch, global_tokens, train
-from peft_helpers import (full_adapter_grads, hfmeg_chunks, make_base_and_adapter, peft_adapter_grads,
+from peft_helpers import (full_adapter_grads, hfmeg_chunks, make_base_and_adapter, merged_vs_peft, peft_adapter_grads,
                           peft_reference, rel_diff)
 from safetensors.torch import load_file
 from tiny_models import save_tiny
-from transformers import AutoModelForCausalLM
 
 from hfmeg.checkpoint.convert import load_model_config
 from hfmeg.errors import UnsupportedConfigError
@@ -45,11 +44,9 @@ from hfmeg.parallel.data_parallel import DataParallel
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.stored_names import stored_tensors
-from hfmeg.peft.adapter_files import (WEIGHTS_FILE, assemble, read_adapter_shard, read_peft_folder,
-                                      write_adapter_shard, write_peft_folder)
+from hfmeg.peft.adapter_files import (WEIGHTS_FILE, assemble, read_adapter_shard, write_adapter_shard, write_peft_folder)
 from hfmeg.peft.adapters import adapter_tensors, check_model
 from hfmeg.peft.config import PeftConfig
-from hfmeg.peft.merge import merge_into_hf
 
 LAYOUTS = [(1, 1, False, 2), (1, 1, False, 1), (2, 1, True, 2), (1, 2, False, 2), (1, 1, False, 4)]  # tp pp sp ep
 TOL = 1e-4
@@ -137,13 +134,7 @@ def test_moe_lora_matches_peft_under_ep(kind, tmp_path):
 def test_moe_merge_matches_peft_on_the_base(kind, case, tmp_path):
     t, rs, save = MORE_CASES[kind][case] if case is not None else ("all-linear", False, None)
     base, adapter = make_base_and_adapter(tmp_path, kind, targets=t, rslora=rs, modules_to_save=save)
-    cfg, tensors = read_peft_folder(adapter)
-    merged = merge_into_hf(base, tensors, cfg, tmp_path / "merged")
-    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = peft_reference(base, adapter, trainable=False)(ids).logits
-        got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(ids).logits
-    assert (got - want).abs().max() <= TOL
+    assert merged_vs_peft(base, adapter, tmp_path / "merged") <= TOL
 
 
 STEPS, GA = 4, 2
