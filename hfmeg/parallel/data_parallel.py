@@ -153,12 +153,11 @@ class DataParallel:
         bucket_of = {id(s.param): b.index for b in self.buckets for s in b.slots}
         for chunk in self.chunks:
             block_of = {id(m): block for block in chunk.modules() if is_compiled_block(block) for m in block.modules()}
-            waiter: dict[int, tuple[nn.Module, set[int]]] = {}
+            waits: dict[nn.Module, set[int]] = {}  # modules hash by identity
             for module in chunk.modules():
                 mine = {bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of}
                 if mine:
-                    owner = block_of.get(id(module), module)
-                    waiter.setdefault(id(owner), (owner, set()))[1].update(mine)
-            for owner, mine in waiter.values():
+                    waits.setdefault(block_of.get(id(module), module), set()).update(mine)
+            for owner, mine in waits.items():
                 wanted = sorted(mine, reverse=True)
                 owner.register_forward_pre_hook(lambda _m, _a, wanted=wanted: self.wait_params(wanted))
