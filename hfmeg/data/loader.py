@@ -25,8 +25,9 @@ and mixed across sources by weight (shuffle files offline when order matters).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice
 from typing import Any
 
@@ -203,6 +204,11 @@ class _Stream:
         self._epoch = [None] * len(self.pipe.sources)
 
 
+def _staged_next(stream: _Stream, stage: Callable[[StepBatch], StepBatch]) -> tuple[StepBatch, Consumed]:
+    batch, consumed = stream.next()
+    return stage(batch), consumed
+
+
 class TrainData:
     """Infinite, resumable iterator of this DP rank's `StepBatch`es (see the module docstring).
 
@@ -211,10 +217,15 @@ class TrainData:
     stream's state right after it, so `state_dict()` and `report` describe the
     batches CONSUMED, never the ones built ahead: the sequence and the saved states
     are the same with and without prefetching. `close()` stops the thread.
+
+    `stage`, if given, is applied to each batch where it is built (in the thread, with prefetch):
+    the trainer puts the micro-batches on its device and builds their attention masks there
+    (models/staging.py), ahead of the step as the batch itself is.
     """
 
     def __init__(self, cfg: DataConfig, tokenizer, *, dp_rank: int, dp_size: int, micro_batch_size: int,
-                 global_batch_size: int, cp_rank: int = 0, cp_size: int = 1):
+                 global_batch_size: int, cp_rank: int = 0, cp_size: int = 1,
+                 stage: Callable[[StepBatch], StepBatch] | None = None):
         if not cfg.sources:
             raise DataError("data.sources is empty: name at least one dataset")
         self.cfg = cfg
@@ -223,6 +234,7 @@ class TrainData:
         self.formatter = pipe.formatter
         # the producer thread references only the stream, so a dropped TrainData stops it when collected
         self._stream = _Stream(pipe)
+        self._produce = self._stream.next if stage is None else partial(_staged_next, self._stream, stage)
         self._consumed = self._snapshot()
         self._ahead: Prefetcher | None = None
 
@@ -245,10 +257,10 @@ class TrainData:
 
     def __next__(self) -> StepBatch:
         if not self.cfg.prefetch:
-            batch, self._consumed = self._stream.next()
+            batch, self._consumed = self._produce()
             return batch
         if self._ahead is None:
-            self._ahead = Prefetcher(self._stream.next, self.cfg.prefetch)
+            self._ahead = Prefetcher(self._produce, self.cfg.prefetch)
         batch, self._consumed = self._ahead.get()
         return batch
 

@@ -46,6 +46,7 @@ from .load_balancing import add_router_sums, empty_router_sums, load_balancing_l
 from .moe import MoELayer
 from .norm import make_norm
 from .rope import RotaryEmbedding
+from .staging import Stager, stage_microbatch
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 
@@ -129,6 +130,7 @@ class ModelChunk(nn.Module):
         *,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        docs: DocumentMask | None = None,
         labels: torch.Tensor | None = None,
         seq_len: int | None = None,
         received_sums: torch.Tensor | None = None,
@@ -137,7 +139,8 @@ class ModelChunk(nn.Module):
 
         `x` is token ids `[b, s]` on the first chunk, hidden states otherwise.
         `position_ids` / `segment_ids` `[b, s]` describe packed documents (defaults:
-        0..s-1, one document). Under context parallelism every `[b, s]` input holds this CP
+        0..s-1, one document); `docs`, the mask `stage` built ahead from `segment_ids`,
+        stands for them. Under context parallelism every `[b, s]` input holds this CP
         rank's tokens only (`parallel.context.shard_microbatch`), `s` the local count. Later
         chunks need `seq_len` under SP only when they receive no ids to read it from; it
         defaults from the inputs. `received_sums`: the
@@ -156,7 +159,8 @@ class ModelChunk(nn.Module):
             x = self._embed(x, position_ids)
         dtype = self._compute_dtype()
         rope = self.rope(position_ids, dtype) if self.rope is not None else None
-        docs = self._plan_mask(segment_ids, s, x.device, dtype)
+        if docs is None:
+            docs = self._plan_mask(segment_ids, s, x.device, dtype)
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, docs, use_reentrant=False)
@@ -181,6 +185,19 @@ class ModelChunk(nn.Module):
         kv_segments = gather_segments(segment_ids, ps) if segment_ids is not None else None
         return plan_split(token_index(row, ps.cp, ps.cp_rank, device), gathered_index(row, ps.cp, device),
                           segment_ids, kv_segments, flex, dtype)
+
+    @property
+    def uses_flex(self) -> bool:
+        """Whether packed rows are attended with flex_attention on this rank (else with a dense mask)."""
+        return flex_applies(self.ps.device, self.cfg.head_dim)
+
+    def stage(self, mb: dict) -> dict:
+        """A micro-batch on this rank's device with its attention decided (models/staging.py)."""
+        return stage_microbatch(mb, self.ps.device, self.uses_flex, self.ps.cp)
+
+    def stager(self) -> Stager:
+        """What stages this rank's batches in the data prefetch thread (models/staging.py)."""
+        return Stager(self.ps.device, self.uses_flex, self.ps.cp)
 
     @property
     def adds_aux_loss(self) -> bool:

@@ -4,16 +4,17 @@ A packed row holds several documents (`segment_ids`: i for document i, 0 for
 padding); a token attends to the earlier tokens of its own document only. The
 boolean `[b, 1, s, s]` mask that says so keeps SDPA off its flash kernels and makes
 it compute every block, although most blocks of a packed causal row are empty.
-`plan` looks at the micro-batch once (per chunk forward, not per layer) and picks:
+`plan` looks at the micro-batch once (not per layer) and picks:
 
 - every row one document (or no `segment_ids`): plain causal SDPA (`is_causal=True`,
-  flash on GPUs, blocks above the diagonal skipped). The pipeline executor decides it on
-  the host, where the micro-batch is made, and passes no `segment_ids` for such rows
+  flash on GPUs, blocks above the diagonal skipped). Staging (models/staging.py) decides
+  it on the host, where the micro-batch is made, and passes no `segment_ids` for such rows
   (`single_document`); `plan` checks again only ids that live on the host, as reading a
-  bool from a device tensor would stall the host once per chunk and micro-batch (ids
-  given on a GPU get a mask, which computes the same function);
+  bool from a device tensor would stall the host once per micro-batch (ids given on a GPU
+  get a mask, which computes the same function);
 - packed rows on CUDA with heads of at least 16 dimensions (`flex_applies`):
-  `flex_attention` with a `BlockMask` built from `segment_ids`:
+  `flex_attention` with a `BlockMask` built from `segment_ids` (by staging, ahead of the
+  step, where it can):
   blocks outside every document are skipped, blocks wholly inside one are computed
   without evaluating the mask, and GQA K/V heads are shared (`enable_gqa`), not
   repeated;
@@ -50,6 +51,12 @@ class DocumentMask:
 
     block: BlockMask | None = None
     dense: torch.Tensor | None = None  # [b, 1, s, s], True where attention is allowed (CP: additive, see plan_split)
+    reads: tuple[torch.Tensor, ...] = ()  # what the block mask's function reads (positions, document ids)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the attention reads through this mask (parallel/staging.py hands them across streams)."""
+        held = self.block.as_tuple() if self.block is not None else (self.dense,)
+        return [t for t in (*held, *self.reads) if isinstance(t, torch.Tensor)]
 
 
 def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -71,14 +78,14 @@ def split_causal_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments:
     return allowed.unsqueeze(1)
 
 
-def document_block_mask(segment_ids: torch.Tensor) -> BlockMask:
+def document_block_mask(segment_ids: torch.Tensor) -> DocumentMask:
     """The same mask as `document_causal_mask`, as a flex-attention block mask (one for all heads)."""
     index = torch.arange(segment_ids.shape[1], device=segment_ids.device)
     return split_block_mask(index, index, segment_ids, segment_ids)
 
 
 def split_block_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: torch.Tensor | None,
-                     kv_segments: torch.Tensor | None) -> BlockMask:
+                     kv_segments: torch.Tensor | None) -> DocumentMask:
     """The same mask as `split_causal_mask`, as a flex-attention block mask (one for all heads)."""
     b = q_segments.shape[0] if q_segments is not None else None
 
@@ -89,8 +96,10 @@ def split_block_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: 
         return (q_segments[batch, q] == kv_segments[batch, kv]) & causal
 
     # Compiled on CUDA: eager, it evaluates the mask function on every element of every block.
-    return create_block_mask(same_document_causal, b, None, len(q_index), len(kv_index), device=q_index.device,
-                             _compile=q_index.is_cuda)
+    block = create_block_mask(same_document_causal, b, None, len(q_index), len(kv_index), device=q_index.device,
+                              _compile=q_index.is_cuda)
+    reads = (q_index, kv_index) + ((q_segments, kv_segments) if q_segments is not None else ())
+    return DocumentMask(block=block, reads=reads)
 
 
 FLEX_MIN_HEAD_DIM = 16
@@ -106,7 +115,7 @@ def plan(segment_ids: torch.Tensor | None, flex: bool) -> DocumentMask | None:
     if segment_ids is None or (not segment_ids.is_cuda and single_document(segment_ids)):
         return None
     if flex:
-        return DocumentMask(block=document_block_mask(segment_ids))
+        return document_block_mask(segment_ids)
     return DocumentMask(dense=document_causal_mask(segment_ids))
 
 
@@ -118,7 +127,7 @@ def plan_split(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: torch.
     into such a tensor in every layer and saves that copy for backward, s/cp x s elements
     per layer; given one, it saves the tensor it was given, once per chunk."""
     if flex:
-        return DocumentMask(block=split_block_mask(q_index, kv_index, q_segments, kv_segments))
+        return split_block_mask(q_index, kv_index, q_segments, kv_segments)
     allowed = split_causal_mask(q_index, kv_index, q_segments, kv_segments)
     return DocumentMask(dense=torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
                         .masked_fill_(~allowed, float("-inf")))

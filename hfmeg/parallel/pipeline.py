@@ -38,7 +38,6 @@ from typing import Protocol
 
 import torch
 
-from ..data.packing import single_document
 from ..errors import LayoutError
 from .p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from .schedules import Action, Step, plan
@@ -59,32 +58,13 @@ def _backward_through(outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tens
     )
 
 
-def _to_device(mb: dict, device: torch.device) -> dict:
-    """A micro-batch's tensors on `device`. Host -> CUDA copies go through pinned memory with
-    `non_blocking`, so the host queues them and goes on launching kernels instead of waiting
-    (the caching host allocator keeps the pinned buffer alive until its copy is done)."""
-    if device.type != "cuda":
-        return {k: v.to(device) for k, v in mb.items() if v is not None}
-    return {k: (v if v.is_cuda or v.is_pinned() else v.pin_memory()).to(device, non_blocking=True)
-            for k, v in mb.items() if v is not None}
-
-
-def _without_unpacked_segments(mb: dict) -> dict:
-    seg = mb.get("segment_ids")
-    if seg is None or seg.is_cuda or not single_document(seg):
-        return mb
-    return {k: v for k, v in mb.items() if k != "segment_ids"}
-
-
 class _Executor:
     def __init__(self, chunks, ps: ParallelState, microbatches, num_tokens, grad_sync, timeline, forward_only,
                  loss_scale=1.0):
         self.chunks, self.ps = chunks, ps
-        # Every copy queued before any compute. Rows of one document each need no document mask: decided
-        # here, on the host, so the model never reads it back from the device (models/document_attention.py).
-        # Under CP every rank must pass its ids alike: the model all-gathers them.
-        self.mbs = [_to_device(_without_unpacked_segments(mb) if ps.cp == 1 else mb, ps.device)
-                    for mb in microbatches]
+        # Every copy queued and every mask that can be built ahead built before any compute, once per
+        # micro-batch (models/staging.py); micro-batches the trainer staged in its prefetch thread pass through.
+        self.mbs = [chunks[0].stage(mb) for mb in microbatches]
         self.num_tokens, self.grad_sync, self.timeline = num_tokens, grad_sync, timeline
         self.forward_only, self.loss_scale = forward_only, loss_scale
         self.n_chunks = ps.pp * len(chunks)
@@ -135,7 +115,7 @@ class _Executor:
             if sums is not None:
                 sums.requires_grad_(not self.forward_only)
         labels = mb["labels"] if chunk.post_process else None
-        kwargs = {k: mb[k] for k in ("position_ids", "segment_ids") if mb.get(k) is not None}
+        kwargs = {k: mb[k] for k in ("position_ids", "segment_ids", "docs") if mb.get(k) is not None}
         if sums is not None:
             kwargs["received_sums"] = sums
         sent = None

@@ -179,7 +179,9 @@ class Trainer:
         loop = cfg.train
         data_args = dict(dp_rank=self.ps.dp_rank, dp_size=self.ps.dp, micro_batch_size=loop.micro_batch_size,
                          global_batch_size=loop.global_batch_size, cp_rank=self.ps.cp_rank, cp_size=self.ps.cp)
-        self.data = build_data(cfg.data, self.tokenizer, **data_args)
+        # Micro-batches go to the device and get their attention masks in the data thread, ahead of their step.
+        self.stager = self.chunks[0].stager()
+        self.data = build_data(cfg.data, self.tokenizer, stage=self.stager, **data_args)
         self.data_args = data_args
         self.last_save: tuple[int, Path] | None = None  # (step, folder) of this run's newest checkpoint
         if self.resume_dir is not None:
@@ -292,7 +294,7 @@ class Trainer:
                 self.opt.set_lr(lr)
                 t0 = time.perf_counter()  # the step's time includes waiting for its data
                 batch = next(self.data)
-                local = forward_backward(self.chunks, ps, batch.microbatches, schedule=self.schedule,
+                local = forward_backward(self.chunks, ps, self.stager.take(batch), schedule=self.schedule,
                                          num_tokens=batch.num_tokens, grad_sync=self.opt,
                                          loss_scale=self.opt.loss_scale, sync_loss=False)
                 result = self.opt.step()
