@@ -164,14 +164,14 @@ def test_packed_rows_on_cuda_match_the_cpu_dense_path(tmp_path, heads):
 
 
 def test_the_executor_decides_single_document_rows_on_the_host(tmp_path, monkeypatch):
-    """The pipeline passes `segment_ids` only for micro-batches with packed rows, so the model never reads
-    a bool back from the device to find out (the check runs on the host tensor, before any copy)."""
-    import hfmeg.models.decoder as decoder
+    """Staging (models/staging.py) passes `segment_ids` only for micro-batches with packed rows, so the model
+    never reads a bool back from the device to find out (the check runs on the host tensor, before any copy)."""
+    import hfmeg.models.document_attention as document_attention
     from hfmeg.parallel.pipeline import forward_backward
 
     seen = []
-    real = decoder.plan_document_mask
-    monkeypatch.setattr(decoder, "plan_document_mask", lambda seg, flex: seen.append(seg) or real(seg, flex=flex))
+    real = document_attention.plan
+    monkeypatch.setattr(document_attention, "plan", lambda seg, flex: seen.append(seg) or real(seg, flex=flex))
     ps = make_ps(world=1)
     chunks = load_chunks(HFCheckpoint(save_tiny("llama3", tmp_path / "m")), ps)
     ids = torch.randint(0, 300, (2, 200))

@@ -107,7 +107,7 @@ def _reference(folder, mb, ntok):
 def _logits(chunks, ps, local: dict) -> torch.Tensor | None:
     """This rank's tokens' logits (its TP part): the model chunks in virtual order, the hidden states
     sent from stage to stage; None where the last model chunk is not this rank's."""
-    kwargs = {k: local[k] for k in ("position_ids", "segment_ids") if k in local}
+    kwargs = {k: local[k] for k in ("position_ids", "segment_ids", "row_segment_ids") if k in local}
     b, s = local["input_ids"].shape
     x, last = local["input_ids"], len(chunks) * ps.pp - 1
     for m in range(ps.pp_rank, last + 1, ps.pp):  # model chunk m = v * pp + pp_rank is chunks[v]

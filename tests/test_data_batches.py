@@ -144,8 +144,8 @@ def test_llama2_tokenizer_on_the_projects_own_sft_sample():
 
 
 def test_cp_ranks_hold_only_their_chunks_and_resume_at_another_cp(tmp_path):
-    """Each CP rank gets chunks r and 2cp-1-r of every row (seq_len / cp tokens); together they are the CP 1
-    rows, num_tokens is the global batch's, and the data state resumes at any CP size."""
+    """Each CP rank gets chunks r and 2cp-1-r of every row (seq_len / cp tokens) and the rows' document ids;
+    together they are the CP 1 rows, num_tokens is the global batch's, and the data state resumes at any CP size."""
     from hfmeg.data.batches import split_index
 
     cfg = mixed_config(tmp_path, seq_len=64)
@@ -168,6 +168,8 @@ def test_cp_ranks_hold_only_their_chunks_and_resume_at_another_cp(tmp_path):
                         assert b.microbatches[m][k].shape == (2, 64 // cp)
                         rebuilt[:, torch.from_numpy(split_index(64, cp, r))] = b.microbatches[m][k]
                     assert torch.equal(rebuilt, whole[k]), (cp, step, k)
+                # and every CP rank holds the whole rows' document ids, for the keys of its attention mask
+                assert all(torch.equal(b.microbatches[m]["row_segment_ids"], whole["segment_ids"]) for b in batches)
         state = ranks[0].state_dict()
     assert split_index(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]  # chunks 0 and 3 of 4
     assert split_index(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]

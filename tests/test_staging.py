@@ -2,20 +2,22 @@
 micro-batch, in the data prefetch thread, so the step builds no mask.
 
 On CPU the model attends packed rows with the dense mask (flex_attention has no backward there), so the
-flex block masks are staged here by a `Stager` told to (`flex=True`) and checked forward only; the CUDA
-test runs the trainer's own stager, forward and backward."""
+flex block masks are staged here by a `Stager` whose planner is told to (`flex=True`) and checked forward
+only; the CUDA test runs the trainer's own stager, forward and backward. Under CP the keys' document ids come
+from the whole rows a micro-batch carries: checked here without a process group, so with no collective."""
 
 from __future__ import annotations
 
 import copy
 import threading
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-import hfmeg.models.decoder as decoder
+import hfmeg.models.document_attention as document_attention
 import hfmeg.models.staging as staging
 from bounds import within
 from helpers import make_ps
@@ -23,8 +25,10 @@ from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.data import build_data
 from hfmeg.data.packing import single_document
-from hfmeg.models.document_attention import document_causal_mask
-from hfmeg.models.staging import Stager
+from hfmeg.errors import LayoutError
+from hfmeg.models.document_attention import MaskPlanner, document_causal_mask, split_causal_mask
+from hfmeg.models.staging import Stager, stage_microbatch
+from hfmeg.parallel.context import gathered_index, shard_microbatch, token_index
 from hfmeg.parallel.pipeline import forward_backward
 from optim_harness import FP32_EPS, ROUNDING_FACTOR
 from test_data import char_tokenizer
@@ -41,16 +45,29 @@ def _data(tmp_path, prefetch: int, stage=None):
 
 
 def _record_mask_builds(monkeypatch) -> list[str]:
-    """The names of the threads that build staged masks, in order."""
+    """The names of the threads that build flex block masks, in order."""
     threads = []
-    real = staging.plan
-    monkeypatch.setattr(staging, "plan", lambda seg, flex: threads.append(threading.current_thread().name)
-                        or real(seg, flex=flex))
+    real = document_attention.plan
+
+    def recorded(seg, flex):
+        if flex:
+            threads.append(threading.current_thread().name)
+        return real(seg, flex=flex)
+    monkeypatch.setattr(document_attention, "plan", recorded)
     return threads
 
 
-def _no_mask(segment_ids, flex):
-    assert segment_ids is None, "a mask was planned in the step"
+def _planner(flex: bool, cp: int = 1, cp_rank: int = 0) -> MaskPlanner:
+    return MaskPlanner(torch.device("cpu"), cp, cp_rank, flex, torch.float32)
+
+
+def _no_mask_in_step(real):
+    """`plan` for a step that must plan no mask; the data thread, building later batches meanwhile, may."""
+    def plan(segment_ids, flex):
+        in_step = threading.current_thread() is threading.main_thread()
+        assert not (in_step and segment_ids is not None), "a mask was planned in the step"
+        return real(segment_ids, flex=flex)
+    return plan
 
 
 def _loss(chunks, ps, mbs) -> float:
@@ -62,7 +79,7 @@ def test_staged_block_masks_are_built_in_the_data_thread_and_give_the_dense_mask
     ps = make_ps(world=1)
     chunks = load_chunks(HFCheckpoint(save_tiny("llama3", tmp_path / "m", num_attention_heads=4)), ps)
     exact = [copy.deepcopy(c).double() for c in chunks]
-    stager = Stager(ps.device, flex=True, cp=1)
+    stager = Stager(_planner(flex=True))
     ahead, plain = _data(tmp_path, prefetch=2, stage=stager), _data(tmp_path, prefetch=0)
     packed = single = 0
     for _ in range(3):
@@ -79,7 +96,7 @@ def test_staged_block_masks_are_built_in_the_data_thread_and_give_the_dense_mask
             elements = create_mask(mb["docs"].block.mask_mod, b, None, s, s)
             assert torch.equal(elements, document_causal_mask(ref["segment_ids"]))
         with monkeypatch.context() as step:  # the step plans no mask: every one came with its micro-batch
-            step.setattr(decoder, "plan_document_mask", _no_mask)
+            step.setattr(document_attention, "plan", _no_mask_in_step(document_attention.plan))
             got = _loss(chunks, ps, mbs)
         want, truth = _loss(chunks, ps, raw), _loss(exact, ps, raw)  # the dense mask, fp32 and float64
         # flex and SDPA sum the same softmax-weighted values in other blockings: each within rounding of the
@@ -91,26 +108,49 @@ def test_staged_block_masks_are_built_in_the_data_thread_and_give_the_dense_mask
     assert built_on and set(built_on) == {"hfmeg-data-prefetch"}  # and none in the step (MainThread)
 
 
-def test_staging_is_idempotent_and_leaves_dense_masks_and_cp_to_the_chunk():
+def test_staging_is_idempotent_and_leaves_dense_masks_to_the_chunk():
     seg = torch.tensor([[1] * 100 + [2] * 100 + [0] * 56])
     mb = {"input_ids": torch.zeros(1, SEQ, dtype=torch.long), "segment_ids": seg}
-    cpu = torch.device("cpu")
-    dense = staging.stage_microbatch(mb, cpu, flex=False, cp=1)
+    dense = stage_microbatch(mb, _planner(flex=False))
     assert "docs" not in dense and dense["segment_ids"] is seg  # built by the chunk, at use
-    cp = staging.stage_microbatch(mb, cpu, flex=True, cp=2)
-    assert "docs" not in cp and cp["segment_ids"] is seg  # needs the CP group's ids: a collective of the step
-    staged = staging.stage_microbatch(mb, cpu, flex=True, cp=1)
-    again = staging.stage_microbatch(staged, cpu, flex=True, cp=1)
+    staged = stage_microbatch(mb, _planner(flex=True))
+    again = stage_microbatch(staged, _planner(flex=True))
     assert again["docs"] is staged["docs"] and "segment_ids" not in again
-    one_doc = staging.stage_microbatch({**mb, "segment_ids": torch.ones(1, SEQ, dtype=torch.long)}, cpu, True, 1)
+    one_doc = stage_microbatch({**mb, "segment_ids": torch.ones(1, SEQ, dtype=torch.long)}, _planner(flex=True))
     assert set(one_doc) == {"input_ids"}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_masks_read_the_keys_documents_from_the_rows_with_no_collective(cp):
+    """Each CP rank's mask, staged (flex) and at use (dense), from the micro-batch `shard_microbatch` cuts: the
+    keys' ids it reads from the whole rows are what an all-gather of every rank's ids would give, and the mask
+    is the document-causal one of its queries over the gathered keys. No process group exists here."""
+    lengths = ((300, 77, 129, 400, 118), (1024,))  # documents crossing the 128-token blocks and the CP chunks
+    seg = torch.cat([torch.repeat_interleave(torch.arange(1, len(n) + 1), torch.tensor(n)).unsqueeze(0)
+                     for n in lengths])
+    s = seg.shape[1]
+    whole = {"input_ids": torch.zeros(2, s, dtype=torch.long), "segment_ids": seg}
+    shards = [shard_microbatch(whole, SimpleNamespace(cp=cp, cp_rank=r)) for r in range(cp)]  # reads no group
+    gathered = torch.cat([m["segment_ids"] for m in shards], dim=1)  # what the CP all-gather returned
+    kv_index = gathered_index(s, cp)
+    for r, mb in enumerate(shards):
+        assert torch.equal(mb["row_segment_ids"], seg)
+        q_index = token_index(s, cp, r)
+        want = split_causal_mask(q_index, kv_index, mb["segment_ids"], gathered)
+        staged = stage_microbatch(mb, _planner(flex=True, cp=cp, cp_rank=r))
+        assert set(staged) == {"input_ids", "position_ids", "docs"}  # the ids went into the mask
+        assert torch.equal(create_mask(staged["docs"].block.mask_mod, 2, None, s // cp, s), want)
+        dense = _planner(flex=False, cp=cp, cp_rank=r).mask(mb["segment_ids"], s // cp, mb["row_segment_ids"])
+        assert torch.equal(dense.dense == 0, want)  # additive: 0 where allowed, -inf elsewhere
+        with pytest.raises(LayoutError, match="row_segment_ids"):
+            _planner(flex=False, cp=cp, cp_rank=r).mask(mb["segment_ids"], s // cp)
 
 
 def test_the_trainer_data_is_staged_by_its_model(tmp_path):
     ps = make_ps(world=1)
     chunk = load_chunks(HFCheckpoint(save_tiny("llama3", tmp_path / "m")), ps)[0]
     stager = chunk.stager()
-    assert (stager.device, stager.flex, stager.cp) == (ps.device, chunk.uses_flex, ps.cp)
+    assert stager.planner == MaskPlanner(ps.device, ps.cp, ps.cp_rank, False, torch.float32)  # CPU: dense masks
     batch = next(_data(tmp_path, prefetch=0, stage=stager))
     assert isinstance(batch, staging.StagedBatch) and batch.ready is None  # CPU: no stream to wait on
 
@@ -124,7 +164,7 @@ def test_staging_on_a_side_stream_trains_as_staging_in_the_step(tmp_path, monkey
     ps = make_ps(world=1, device="cuda")
     chunks = load_chunks(HFCheckpoint(save_tiny("llama3", tmp_path / "m", num_attention_heads=4)), ps)
     stager = chunks[0].stager()
-    assert stager.flex and stager.stream is not None
+    assert stager.planner.flex and stager.stream is not None
     ahead, plain = _data(tmp_path, prefetch=2, stage=stager), _data(tmp_path, prefetch=0)
     for _ in range(3):
         results = []

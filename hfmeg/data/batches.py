@@ -16,8 +16,10 @@ needs no communication.
 
 Context parallelism (CP > 1): the CP ranks of a DP rank share its rows, and each
 keeps only its tokens of every row, the chunks `split_index` names (the load-balanced
-split of parallel/context.py), so the tensors a CP rank holds are `seq_len / cp` long.
-`num_tokens` is still the whole global batch's count.
+split of parallel/context.py), so the tensors a CP rank holds are `seq_len / cp` long,
+plus `row_segment_ids`, the whole rows' document ids `[b, seq_len]`: the attention mask of
+a rank's queries over every rank's keys needs the keys' documents, which the rank then
+reads here instead of all-gathering them. `num_tokens` is still the whole global batch's count.
 
 Packing is sequential (where a row ends depends on the length of every earlier
 document, known only once it is tokenised), so every rank still tokenises and
@@ -36,7 +38,8 @@ from ..errors import LayoutError
 from .formats import Doc
 from .packing import IGNORE, build_row
 
-KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
+KEYS = ("input_ids", "labels", "position_ids", "segment_ids")  # per token: under CP, this rank's tokens
+ROW_SEGMENTS = "row_segment_ids"  # under CP: the whole rows' document ids (module doc)
 
 
 @dataclass
@@ -77,5 +80,8 @@ def step_batch(rows: list[list[Doc]], seq_len: int, pad_id: int, dp_rank: int, d
     micro = []
     for i in range(0, per_rank, micro_batch_size):
         built = [build_row(docs, seq_len, pad_id) for docs in mine[i:i + micro_batch_size]]
-        micro.append({k: torch.from_numpy(np.stack([b[k][cols] for b in built])) for k in KEYS})
+        mb = {k: torch.from_numpy(np.stack([b[k][cols] for b in built])) for k in KEYS}
+        if cp_size > 1:
+            mb[ROW_SEGMENTS] = torch.from_numpy(np.stack([b["segment_ids"] for b in built]))
+        micro.append(mb)
     return StepBatch(micro, sum(int(d.target[1:].sum()) for docs in rows for d in docs))

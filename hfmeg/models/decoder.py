@@ -32,14 +32,14 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig, check_cp, check_ep, check_tp
 from ..parallel.comm import scatter_to_sequence
-from ..parallel.context import gather_segments, gathered_index, local_positions, token_index
+from ..parallel.context import local_positions
 from ..parallel.expert_dispatch import local_experts
 from ..parallel.layers import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_head
 from ..parallel.params_ready import mark_compiled_block
 from ..parallel.roles import ParamRole, set_role
 from ..parallel.state import ParallelState
 from .attention import ParallelAttention
-from .document_attention import DocumentMask, flex_applies, plan as plan_document_mask, plan_split
+from .document_attention import DocumentMask, MaskPlanner, flex_applies
 from .kernels import Kernels
 from .mlp import ParallelMLP
 from .load_balancing import add_router_sums, empty_router_sums, load_balancing_loss
@@ -130,6 +130,7 @@ class ModelChunk(nn.Module):
         *,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        row_segment_ids: torch.Tensor | None = None,
         docs: DocumentMask | None = None,
         labels: torch.Tensor | None = None,
         seq_len: int | None = None,
@@ -141,7 +142,8 @@ class ModelChunk(nn.Module):
         `position_ids` / `segment_ids` `[b, s]` describe packed documents (defaults:
         0..s-1, one document); `docs`, the mask `stage` built ahead from `segment_ids`,
         stands for them. Under context parallelism every `[b, s]` input holds this CP
-        rank's tokens only (`parallel.context.shard_microbatch`), `s` the local count. Later
+        rank's tokens only (`parallel.context.shard_microbatch`), `s` the local count, and
+        `row_segment_ids` `[b, s * cp]` the whole rows' document ids. Later
         chunks need `seq_len` under SP only when they receive no ids to read it from; it
         defaults from the inputs. `received_sums`: the
         router sums of the chunks before this one (see the module doc), read by a last
@@ -160,7 +162,7 @@ class ModelChunk(nn.Module):
         dtype = self._compute_dtype()
         rope = self.rope(position_ids, dtype) if self.rope is not None else None
         if docs is None:
-            docs = self._plan_mask(segment_ids, s, x.device, dtype)
+            docs = self.mask_planner().mask(segment_ids, s, row_segment_ids)
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, docs, use_reentrant=False)
@@ -174,30 +176,19 @@ class ModelChunk(nn.Module):
             self.aux_loss = moe.router_aux_loss_coef * load_balancing_loss(sums, moe.num_experts, self.ps)
         return self._head(x, labels)
 
-    def _plan_mask(self, segment_ids: torch.Tensor | None, s: int, device, dtype) -> DocumentMask | None:
-        """The attention mask of this micro-batch (models/document_attention.py); under CP, of this
-        rank's `s` queries over the gathered row (parallel/context.py)."""
-        flex = flex_applies(device, self.cfg.head_dim)
+    def mask_planner(self) -> MaskPlanner:
+        """How this rank attends packed rows: flex_attention or a dense mask, its CP split (document_attention.py)."""
         ps = self.ps
-        if ps.cp == 1:
-            return plan_document_mask(segment_ids, flex=flex)
-        row = s * ps.cp
-        kv_segments = gather_segments(segment_ids, ps) if segment_ids is not None else None
-        return plan_split(token_index(row, ps.cp, ps.cp_rank, device), gathered_index(row, ps.cp, device),
-                          segment_ids, kv_segments, flex, dtype)
-
-    @property
-    def uses_flex(self) -> bool:
-        """Whether packed rows are attended with flex_attention on this rank (else with a dense mask)."""
-        return flex_applies(self.ps.device, self.cfg.head_dim)
+        return MaskPlanner(ps.device, ps.cp, ps.cp_rank, flex_applies(ps.device, self.cfg.head_dim),
+                           self._compute_dtype())
 
     def stage(self, mb: dict) -> dict:
         """A micro-batch on this rank's device with its attention decided (models/staging.py)."""
-        return stage_microbatch(mb, self.ps.device, self.uses_flex, self.ps.cp)
+        return stage_microbatch(mb, self.mask_planner())
 
     def stager(self) -> Stager:
         """What stages this rank's batches in the data prefetch thread (models/staging.py)."""
-        return Stager(self.ps.device, self.uses_flex, self.ps.cp)
+        return Stager(self.mask_planner())
 
     @property
     def adds_aux_loss(self) -> bool:

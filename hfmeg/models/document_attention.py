@@ -42,7 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from ..data.batches import ROW_SEGMENTS
 from ..data.packing import single_document
+from ..errors import LayoutError
+from ..parallel.context import gathered_index, token_index
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,38 @@ def plan_split(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: torch.
     allowed = split_causal_mask(q_index, kv_index, q_segments, kv_segments)
     return DocumentMask(dense=torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
                         .masked_fill_(~allowed, float("-inf")))
+
+
+@dataclass(frozen=True)
+class MaskPlanner:
+    """How one rank's model attends packed rows (`ModelChunk.mask_planner`): the mask of a micro-batch,
+    and whether it is small enough to build before the step (models/staging.py)."""
+
+    device: torch.device
+    cp: int
+    cp_rank: int
+    flex: bool  # `flex_applies` to this model on this device
+    dtype: torch.dtype  # the compute dtype (CP's dense masks are additive in it)
+
+    def mask(self, segment_ids: torch.Tensor | None, s: int,
+             row_segment_ids: torch.Tensor | None = None) -> DocumentMask | None:
+        """The mask of a micro-batch of `s` tokens per row (under CP this rank's `s` of each row's `s * cp`,
+        `row_segment_ids` the whole rows' document ids: parallel/context.py); None: plain causal attention."""
+        if self.cp == 1:
+            return plan(segment_ids, flex=self.flex)
+        if segment_ids is not None and row_segment_ids is None:
+            raise LayoutError(f"under context parallelism a micro-batch with segment_ids needs {ROW_SEGMENTS}, "
+                              "the whole rows' document ids (data pipeline or parallel.context.shard_microbatch)")
+        row = s * self.cp
+        kv_index = gathered_index(row, self.cp, self.device)
+        kv_segments = row_segment_ids.index_select(1, kv_index) if row_segment_ids is not None else None
+        return plan_split(token_index(row, self.cp, self.cp_rank, self.device), kv_index, segment_ids, kv_segments,
+                          self.flex, self.dtype)
+
+    def builds_ahead(self, mb: dict) -> bool:
+        """Whether the mask of micro-batch `mb` is a flex block mask (small: built ahead; a dense one is
+        b·s² elements and built at use). Under CP every micro-batch has a mask, packed or not."""
+        return self.flex and (self.cp > 1 or mb.get("segment_ids") is not None)
 
 
 @cache

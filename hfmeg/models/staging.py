@@ -1,19 +1,20 @@
 """A step's micro-batches on the device, with what attention needs of their document ids, before the step.
 
 What the model reads from a micro-batch's `segment_ids` is decided here, once per micro-batch
-(not once per model chunk in its forward), from what the model attends with
-(`ModelChunk.uses_flex`, models/document_attention.py):
+(not once per model chunk in its forward), from how the rank's model attends
+(`ModelChunk.mask_planner`, models/document_attention.py):
 
 - every row one document: the micro-batch loses its `segment_ids` and the model runs plain
   causal attention. Decided on the host tensor, before the copy: reading a bool back from a
   device tensor would stall the host once per micro-batch.
-- packed rows, flex attention, CP 1: the flex `BlockMask` (key `docs`), built here from the
-  ids already on the device. A block mask is small (a few (s/128)² block indices per row),
-  so a whole step's worth can be built ahead.
-- packed rows otherwise: `segment_ids` go on, and each chunk builds the dense mask at its
+- packed rows under flex attention, and under CP every row (a CP rank's queries need the
+  split mask even in one document): the flex `BlockMask` (key `docs`), built here from the
+  ids already on the device (under CP the keys' ids come from the whole rows the
+  micro-batch carries, `row_segment_ids`, not from a collective). A block mask is small (a
+  few block indices per 128 × 128 block), so a whole step's worth can be built ahead.
+- packed rows otherwise: the ids go on, and each chunk builds the dense mask at its
   forward. That mask is b·s² elements: built ahead, a step would hold all of its
-  micro-batches' masks at once, where built at use it holds those in flight. Under CP the
-  keys' document ids are all-gathered over the CP group, a collective of the step itself.
+  micro-batches' masks at once, where built at use it holds those in flight.
 
 Two callers. The pipeline executor stages what it is given before any compute, through
 `ModelChunk.stage` (parallel/ sits below models/); staging is idempotent, so staged
@@ -32,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.batches import StepBatch
+from ..data.batches import ROW_SEGMENTS, StepBatch
 from ..data.packing import single_document
-from .document_attention import DocumentMask, plan
+from .document_attention import DocumentMask, MaskPlanner
 
 
 def to_device(mb: dict, device: torch.device) -> dict:
@@ -48,14 +49,16 @@ def to_device(mb: dict, device: torch.device) -> dict:
     return {k: move(v) for k, v in mb.items() if v is not None}
 
 
-def stage_microbatch(mb: dict, device: torch.device, flex: bool, cp: int) -> dict:
-    """The micro-batch on `device`, its attention decided (module doc); a staged one is returned as it is."""
+def stage_microbatch(mb: dict, planner: MaskPlanner) -> dict:
+    """The micro-batch on the planner's device, its attention decided (module doc); a staged one is returned
+    as it is."""
     seg = mb.get("segment_ids")
-    if cp == 1 and seg is not None and not seg.is_cuda and single_document(seg):
+    if planner.cp == 1 and seg is not None and not seg.is_cuda and single_document(seg):
         mb = {k: v for k, v in mb.items() if k != "segment_ids"}
-    mb = to_device(mb, device)
-    if flex and cp == 1 and mb.get("segment_ids") is not None:
-        mb["docs"] = plan(mb.pop("segment_ids"), flex=True)
+    mb = to_device(mb, planner.device)
+    if "docs" not in mb and planner.builds_ahead(mb):
+        s = mb["input_ids"].shape[1]
+        mb["docs"] = planner.mask(mb.pop("segment_ids", None), s, mb.pop(ROW_SEGMENTS, None))
     return mb
 
 
@@ -74,20 +77,19 @@ class StagedBatch(StepBatch):
 
 class Stager:
     """Stages a data pipeline's batches for one rank's model (module doc); `data.TrainData(stage=...)` calls it.
+    `ModelChunk.stager()` makes one."""
 
-    `device`, `flex`, `cp`: the rank's device, whether its model attends packed rows with flex_attention
-    (`ModelChunk.uses_flex`), its CP size; `ModelChunk.stager()` makes one."""
-
-    def __init__(self, device: torch.device, flex: bool, cp: int):
-        self.device, self.flex, self.cp = device, flex, cp
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    def __init__(self, planner: MaskPlanner):
+        self.planner = planner
+        self.device = planner.device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def __call__(self, batch: StepBatch) -> StagedBatch:
         with ExitStack() as on_side:
             if self.stream is not None:  # a thread starts on device 0 with the default stream: set both
                 on_side.enter_context(torch.cuda.device(self.device))
                 on_side.enter_context(torch.cuda.stream(self.stream))
-            mbs = [stage_microbatch(mb, self.device, self.flex, self.cp) for mb in batch.microbatches]
+            mbs = [stage_microbatch(mb, self.planner) for mb in batch.microbatches]
             ready = None
             if self.stream is not None:
                 ready = torch.cuda.Event()

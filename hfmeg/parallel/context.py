@@ -36,8 +36,11 @@ The cost is that the gathered K/V, `[b, kv_heads, s, d]`, is whole on every rank
 
 Packed documents: the mask of a local query block is built (models/document_attention.py)
 from the queries' sequence positions (`token_index`), the gathered keys' positions
-(`gathered_index`) and both sides' document ids (`gather_segments`): causal in the
-row's order and never across documents. The per-block computation is the model's own
+(`gathered_index`) and both sides' document ids: the queries' are the micro-batch's
+`segment_ids`, the keys' are read from the whole rows' ids it carries (`row_segment_ids`,
+set by the data pipeline and by `shard_microbatch`) in gathered order, with no collective,
+so the mask can be built before the step (models/staging.py). It is causal in the row's
+order and never crosses documents. The per-block computation is the model's own
 `attend` (SDPA with that mask, additive and built once per micro-batch; flex attention
 with a block mask on CUDA).
 """
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from ..data.batches import KEYS, split_index
+from ..data.batches import KEYS, ROW_SEGMENTS, split_index
 from .comm import all_gather_flat, conjugate_pair, reduce_scatter_flat
 from .state import ParallelState
 
@@ -62,7 +65,8 @@ def gathered_index(s: int, cp: int, device=None) -> torch.Tensor:
 
 
 def shard_microbatch(mb: dict, ps: ParallelState) -> dict:
-    """This CP rank's tokens of a whole-row micro-batch; position ids are added where absent.
+    """This CP rank's tokens of a whole-row micro-batch; position ids are added where absent, and with
+    document ids the whole rows' ones (`row_segment_ids`, see the module doc).
 
     The identity at CP = 1 (the micro-batch is returned as it is)."""
     if ps.cp == 1:
@@ -72,6 +76,8 @@ def shard_microbatch(mb: dict, ps: ParallelState) -> dict:
     out = dict(mb)
     if out.get("position_ids") is None:
         out["position_ids"] = torch.arange(s, device=index.device).expand(b, s)
+    if out.get("segment_ids") is not None:
+        out[ROW_SEGMENTS] = out["segment_ids"]
     for k in KEYS:  # every [b, s] tensor of a micro-batch
         if out.get(k) is not None:
             out[k] = out[k].index_select(1, index)
@@ -113,10 +119,3 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, ps: ParallelState) -> tuple[torc
     if ps.cp == 1:
         return k, v
     return _gather_kv(torch.stack((k, v)), ps).unbind(0)
-
-
-@torch.no_grad()
-def gather_segments(segment_ids: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """The document ids `[b, s]` of the gathered sequence, from every rank's `[b, s / cp]`."""
-    return _gather(segment_ids, ps, 1)
-

@@ -115,7 +115,8 @@ class _Executor:
             if sums is not None:
                 sums.requires_grad_(not self.forward_only)
         labels = mb["labels"] if chunk.post_process else None
-        kwargs = {k: mb[k] for k in ("position_ids", "segment_ids", "docs") if mb.get(k) is not None}
+        kwargs = {k: mb[k] for k in ("position_ids", "segment_ids", "row_segment_ids", "docs")
+                  if mb.get(k) is not None}
         if sums is not None:
             kwargs["received_sums"] = sums
         sent = None
