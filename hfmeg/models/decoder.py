@@ -162,7 +162,7 @@ class ModelChunk(nn.Module):
         dtype = self._compute_dtype()
         rope = self.rope(position_ids, dtype) if self.rope is not None else None
         if docs is None:
-            docs = self.mask_planner().mask(segment_ids, s, row_segment_ids)
+            docs = self.mask_planner(x.device).mask(segment_ids, s, row_segment_ids)
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, docs, use_reentrant=False)
@@ -176,11 +176,12 @@ class ModelChunk(nn.Module):
             self.aux_loss = moe.router_aux_loss_coef * load_balancing_loss(sums, moe.num_experts, self.ps)
         return self._head(x, labels)
 
-    def mask_planner(self) -> MaskPlanner:
-        """How this rank attends packed rows: flex_attention or a dense mask, its CP split (document_attention.py)."""
+    def mask_planner(self, device: torch.device | None = None) -> MaskPlanner:
+        """How this rank attends packed rows on `device` (default: the rank's): flex_attention or a dense mask,
+        its CP split (document_attention.py)."""
         ps = self.ps
-        return MaskPlanner(ps.device, ps.cp, ps.cp_rank, flex_applies(ps.device, self.cfg.head_dim),
-                           self._compute_dtype())
+        device = device or ps.device
+        return MaskPlanner(device, ps.cp, ps.cp_rank, flex_applies(device, self.cfg.head_dim), self._compute_dtype())
 
     def stage(self, mb: dict) -> dict:
         """A micro-batch on this rank's device with its attention decided (models/staging.py)."""

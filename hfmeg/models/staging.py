@@ -43,8 +43,10 @@ def to_device(mb: dict, device: torch.device) -> dict:
     copies go through pinned memory with `non_blocking`, so the host queues them and goes on launching kernels
     instead of waiting (the caching host allocator keeps the pinned buffer alive until its copy is done)."""
     def move(v):
-        if not isinstance(v, torch.Tensor) or device.type != "cuda":
-            return v.to(device) if isinstance(v, torch.Tensor) else v
+        if not isinstance(v, torch.Tensor):
+            return v
+        if device.type != "cuda":
+            return v.to(device)
         return (v if v.is_cuda or v.is_pinned() else v.pin_memory()).to(device, non_blocking=True)
     return {k: move(v) for k, v in mb.items() if v is not None}
 
@@ -81,13 +83,12 @@ class Stager:
 
     def __init__(self, planner: MaskPlanner):
         self.planner = planner
-        self.device = planner.device
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(planner.device) if planner.device.type == "cuda" else None
 
     def __call__(self, batch: StepBatch) -> StagedBatch:
         with ExitStack() as on_side:
             if self.stream is not None:  # a thread starts on device 0 with the default stream: set both
-                on_side.enter_context(torch.cuda.device(self.device))
+                on_side.enter_context(torch.cuda.device(self.planner.device))
                 on_side.enter_context(torch.cuda.stream(self.stream))
             mbs = [stage_microbatch(mb, self.planner) for mb in batch.microbatches]
             ready = None
@@ -100,7 +101,7 @@ class Stager:
         """The batch's micro-batches, safe to use on the calling thread's current stream."""
         ready = getattr(batch, "ready", None)
         if ready is not None:
-            stream = torch.cuda.current_stream(self.device)
+            stream = torch.cuda.current_stream(self.planner.device)
             stream.wait_event(ready)
             for t in _tensors(batch.microbatches):
                 t.record_stream(stream)

@@ -134,7 +134,7 @@ def _tiny_chunk(ps, device, ends: bool = False, experts: int = 0, recompute: str
     return chunk
 
 
-_TINY_PS = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False, ep=1, ep_rank=0, ep_group=None, cp=1)
+_TINY_PS = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False, ep=1, ep_rank=0, ep_group=None, cp=1, cp_rank=0)
 
 
 def _fixed_costs(device, repeats: int) -> tuple[float, float, float, float, float, float]:
