@@ -8,15 +8,19 @@ never rounded to bf16 on the way. The fp32 path keeps its own tests
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from bounds import assert_close
+from bounds import assert_close, within
 
 from helpers import make_ps
 from hfmeg.parallel.linear_cross_entropy import linear_cross_entropy
 
 V, H, T = 96, 32, 24
+FP32_EPS = torch.finfo(torch.float32).eps
+CHUNK = 10  # tokens per chunk of the chunked cross-entropy
 
 
 def _inputs():
@@ -28,13 +32,53 @@ def _inputs():
     return x, w, target
 
 
-def _reference(x, w, target):
-    """fp64 maths on the same bf16 values: softmax - onehot in fp32, rounded once to bf16, as the GEMMs see it."""
+def _softmax_gradient(x, w, target) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax - onehot in fp32, and its fp32 rounding spread: how far another fp32 formula of it (the
+    kernel's exp(z - lse)) can land, absolutely."""
     z = (x.detach() @ w.detach().t()).float()
-    d = torch.softmax(z, -1) - torch.nn.functional.one_hot(target.clamp_min(0), V).float()
+    p = torch.softmax(z, -1)
+    d = p - torch.nn.functional.one_hot(target.clamp_min(0), V).float()
     d[target < 0] = 0
-    d = d.bfloat16().double()
+    # exp and the subtraction round within a few ulps; lse's own rounding (|lse| <= max|z| + log V) enters the
+    # exponent as an absolute error, i.e. relatively in p.
+    spread = p * FP32_EPS * (8 + 2 * (z.abs().max() + math.log(V)))
+    return d, torch.where(target[:, None] < 0, 0.0, spread + FP32_EPS * d.abs())
+
+
+def _reference(x, w, target):
+    """fp64 maths on the same bf16 values: the input and weight gradients of `_softmax_gradient` rounded once
+    to bf16, as the GEMMs see it."""
+    d = _softmax_gradient(x, w, target)[0].bfloat16().double()
     return d @ w.detach().double(), d.t() @ x.detach().double()
+
+
+def _check_unrounded_weight_gradient(main_grad: torch.Tensor, x, w, target, before: float = 0.0) -> None:
+    """`main_grad` (fp32, holding `before` until this backward added the weight gradient) against the float64
+    reference, within what the arithmetic allows (see the bound)."""
+    d32, spread = _softmax_gradient(x, w, target)
+    d = d32.bfloat16().double()
+    # The kernel forms the softmax as exp(z - lse), the reference with torch.softmax: within `spread`, which can
+    # move a d element that close to a bf16 rounding midpoint to the neighbouring bf16 value (one spacing); the
+    # fp32 GEMM sums T exact bf16 x bf16 products (T fp32 eps of their magnitudes). No bf16 rounding of the sum:
+    # that would be up to half a bf16 eps of every element, far above this bound where no d element may flip.
+    x64 = x.detach().double().abs()
+    # Each chunk of CHUNK tokens is added onto what main_grad holds, one rounding of at most an fp32 eps of it.
+    want, terms = d.t() @ x.detach().double(), d.abs().t() @ x64
+    bound = _bf16_ulp_if_it_may_round_the_other_way(d32, spread).double().t() @ x64 + T * FP32_EPS * terms \
+        + math.ceil(T / CHUNK) * FP32_EPS * (abs(before) + terms)
+    err = (main_grad.double() - before - want).abs()
+    within((err / bound).max().item(), 1.0, "bf16 LM head: fp32 main grad vs float64, per element / its bound")
+
+
+def _bf16_ulp_if_it_may_round_the_other_way(d32: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    """Per element, the bf16 spacing where a value `spread` away could round to the neighbouring bf16 value
+    (within `spread` of a rounding midpoint), else 0. bf16 keeps 8 significant bits: in [2^(e-1), 2^e) its
+    spacing is 2^(e-8), and round-to-nearest switches at the midpoints (k + 1/2) spacings."""
+    _, e = torch.frexp(d32)
+    ulp = torch.ldexp(torch.ones_like(d32), e - 8)
+    r = d32.abs() / ulp
+    to_midpoint = ((r - r.floor()) - 0.5).abs() * ulp
+    return torch.where(to_midpoint <= spread, ulp, 0.0)
 
 
 def test_bf16_weight_gradient_lands_unrounded_in_fp32_main_grad():
@@ -42,10 +86,10 @@ def test_bf16_weight_gradient_lands_unrounded_in_fp32_main_grad():
     x, w, target = _inputs()
     main_grad = torch.full((V, H), 0.5)  # what earlier micro-batches left there
     w.grad_sink = main_grad  # as the DP wrapper gives it
-    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
-    grad_x, grad_w = _reference(x, w, target)
+    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=CHUNK).sum().backward()
+    grad_x, _ = _reference(x, w, target)
     assert w.grad is None  # everything went into main_grad
-    assert_close(main_grad.double() - 0.5, grad_w, rtol=1e-5, atol=1e-6)
+    _check_unrounded_weight_gradient(main_grad, x, w, target, before=0.5)
     # bf16 output: its own rounding (<= half a bf16 eps = 3.9e-3 relative), the fp32 GEMM's (~V eps32, negligible),
     # and d's rounding to bf16, which an fp32 ulp of difference in the chunked softmax can move by one bf16 ulp
     # for a few terms: rtol 1e-2 ~ 1.3 bf16 eps, atol for outputs near 0 (measured/bound 0.33 on the 2-core VM).
@@ -55,7 +99,7 @@ def test_bf16_weight_gradient_lands_unrounded_in_fp32_main_grad():
 def test_bf16_weight_without_main_grad_gets_its_gradient_from_autograd():
     ps = make_ps(world=1)
     x, w, target = _inputs()
-    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
+    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=CHUNK).sum().backward()
     _, grad_w = _reference(x, w, target)
     assert w.grad.dtype == torch.bfloat16
     # Each side rounds its sum to bf16 once (from fp32 here, from float64 there): at most one bf16 ulp apart,
@@ -72,7 +116,6 @@ def test_bf16_weight_gradient_in_fp32_main_grad_on_cuda():
     w = torch.nn.Parameter(w.detach().cuda())
     main_grad = torch.zeros(V, H, device="cuda")
     w.grad_sink = main_grad
-    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=10).sum().backward()
-    _, grad_w = _reference(x, w, target)
+    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=CHUNK).sum().backward()
     assert w.grad is None
-    assert_close(main_grad.double(), grad_w, rtol=1e-4, atol=1e-5)
+    _check_unrounded_weight_gradient(main_grad, x, w, target)

@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 import hfmeg.models.document_attention as document_attention
 import hfmeg.models.staging as staging
-from bounds import within
+from bounds import assert_close, within
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
@@ -159,7 +159,10 @@ def test_the_trainer_data_is_staged_by_its_model(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_staging_on_a_side_stream_trains_as_staging_in_the_step(tmp_path, monkeypatch):
     """The trainer's path on CUDA: the stager's copies and block masks on its side stream in the data thread,
-    the step's stream waiting on its event; loss and gradients as when the executor stages in the step."""
+    the step's stream waiting on its event; loss and gradients as when the executor stages in the step.
+    The same masks and kernels run: the loss is bit-equal; the gradients only differ where a kernel sums with
+    atomics in a varying order (SDPA's memory-efficient backward on one-document rows), each within fp32
+    rounding of the same sums: the fp32 tolerance of the flex-vs-dense GPU test (test_attention.py)."""
     built_on = _record_mask_builds(monkeypatch)
     ps = make_ps(world=1, device="cuda")
     chunks = load_chunks(HFCheckpoint(save_tiny("llama3", tmp_path / "m", num_attention_heads=4)), ps)
@@ -174,6 +177,8 @@ def test_staging_on_a_side_stream_trains_as_staging_in_the_step(tmp_path, monkey
             loss = forward_backward(chunks, ps, mbs, schedule="1f1b", num_tokens=10_000)
             results.append((loss, [p.grad.clone() for c in chunks for p in c.parameters()]))
         (l1, g1), (l2, g2) = results
-        assert l1 == l2 and all(torch.equal(a, b) for a, b in zip(g1, g2))  # the same masks, the same kernels
+        assert l1 == l2
+        for a, b in zip(g1, g2):
+            assert_close(a, b, rtol=2e-4, atol=2e-4)
     ahead.close()
     assert "hfmeg-data-prefetch" in built_on

@@ -212,7 +212,8 @@ class DistributedOptimizer:
         GradScaler), so the factor costs no pass over the gradients; the foreach AdamW has no such
         input, and the gradients are multiplied in place first."""
         if self.cfg.impl == "fused":
-            grad_scale = torch.tensor(1.0 / factor, device=self.master.device) if factor != 1.0 else None
+            # A fill kernel, not a host-to-device copy of a Python float.
+            grad_scale = torch.full((), 1.0 / factor, device=self.master.device) if factor != 1.0 else None
             for adamw in self.optimizers.values():
                 adamw.grad_scale = grad_scale
         elif factor != 1.0:

@@ -6,9 +6,13 @@ adds that into the fp32 `main_grad`: for a bf16 weight, per element and micro-ba
 written and read back, 4 B read and 4 B written, and each micro-batch's gradient rounded
 to bf16 before it is summed. Here the backward GEMM accumulates into `main_grad` itself
 (`addmm` with beta 1, fp32 output from bf16 inputs on CUDA via `out_dtype`); the embedding
-does the same with `index_add_` (its dense `[V/tp, h]` gradient is never built), and the LM
-head's chunked cross-entropy (linear_cross_entropy.py) and the grouped experts
-(models/grouped_linear.py) write theirs the same way.
+does the same with an accumulating `index_put_` (its dense `[V/tp, h]` gradient is never
+built; on CUDA that kernel sorts the ids and sums each row's tokens in a fixed order, where
+`index_add_`'s atomics would make the sums differ from run to run), and the LM head's
+chunked cross-entropy (linear_cross_entropy.py) and the grouped experts
+(models/grouped_linear.py) write theirs the same way; the grouped GEMM has no fp32 output for
+bf16 inputs in torch 2.13, so an expert's gradient is rounded to bf16 once per micro-batch
+before its add.
 
 The main grads are still zeroed once per step (4 B per element, against the 10 B saved per
 micro-batch): between steps they are state that others read — PowerSGD keeps its residuals
@@ -31,6 +35,8 @@ decoder layer traces the fused backward into its graph instead of breaking aroun
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 
@@ -42,14 +48,31 @@ def sink_of(weight: torch.Tensor) -> torch.Tensor | None:
     return getattr(weight, "grad_sink", None)
 
 
-def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """`out += a @ b` into fp32 `out`, the product never rounded below fp32.
+@cache
+def _fp32_accumulating_gemm() -> bool:
+    """Whether CUDA `addmm` adds bf16 products into an fp32 `self` (`out_dtype`; torch 2.10 and later:
+    earlier ones lack the argument or refuse an fp32 `self` for bf16 matrices). Asked once; the
+    refusal is a check before any kernel runs."""
+    out, a = torch.zeros(1, 1, device="cuda"), torch.zeros(1, 1, dtype=torch.bfloat16, device="cuda")
+    try:
+        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+    except (RuntimeError, TypeError):
+        return False
+    return True
 
-    CUDA GEMMs write fp32 from bf16/fp16 inputs (`out_dtype`); CPUs have no such kernel,
-    so there the same low-precision values are multiplied as fp32."""
+
+def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """`out += a @ b` into fp32 `out`, the product never rounded below fp32 where the kernel allows.
+
+    CUDA GEMMs write fp32 from bf16/fp16 inputs (`out_dtype`); where this torch's cannot add into
+    fp32, the product is rounded to the inputs' dtype once and added (the unfused path's rounding).
+    CPUs have no such kernel, so there the same low-precision values are multiplied as fp32."""
     if a.dtype != torch.float32:
         if out.is_cuda:
-            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            if _fp32_accumulating_gemm():
+                torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            else:
+                out.add_(a @ b)
             return
         a, b = a.float(), b.float()
     out.addmm_(a, b)
@@ -68,8 +91,8 @@ def _(main_grad, g, x) -> None:
 
 @torch.library.custom_op("hfmeg::embedding_wgrad", mutates_args=("main_grad",))
 def embedding_wgrad(main_grad: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> None:
-    """Row `ids[t]` of `main_grad` += `g[t]`, for every token t."""
-    main_grad.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]).to(main_grad.dtype))
+    """Row `ids[t]` of `main_grad` += `g[t]`, for every token t (in a fixed order: module doc)."""
+    main_grad.index_put_((ids.reshape(-1),), g.reshape(-1, g.shape[-1]).to(main_grad.dtype), accumulate=True)
 
 
 @embedding_wgrad.register_fake
