@@ -57,14 +57,19 @@ def check_batch_layout(global_batch_size: int, micro_batch_size: int, dp_size: i
                           f"micro_batch_size x DP = {micro_batch_size} x {dp_size}")
 
 
-def split_index(seq_len: int, cp: int, cp_rank: int) -> np.ndarray:
+def split_chunks(seq_len: int, cp: int, cp_rank: int) -> tuple[range, range]:
     """The row positions CP rank `cp_rank` holds: chunks `cp_rank` and `2cp-1-cp_rank` of `2cp` equal ones."""
     if seq_len % (2 * cp):
         raise LayoutError(f"data.seq_len: {seq_len} tokens do not split into 2 x CP = {2 * cp} equal chunks "
                           f"(parallel.cp {cp}); use a multiple of {2 * cp}")
     c = seq_len // (2 * cp)
-    first = np.arange(cp_rank * c, (cp_rank + 1) * c)
-    return np.concatenate([first, first + (2 * cp - 1 - 2 * cp_rank) * c])
+    late = 2 * cp - 1 - cp_rank
+    return range(cp_rank * c, (cp_rank + 1) * c), range(late * c, (late + 1) * c)
+
+
+def split_index(seq_len: int, cp: int, cp_rank: int) -> np.ndarray:
+    """`split_chunks` as one array of positions."""
+    return np.concatenate([np.arange(r.start, r.stop) for r in split_chunks(seq_len, cp, cp_rank)])
 
 
 def count_tokens(labels: np.ndarray | torch.Tensor) -> int:

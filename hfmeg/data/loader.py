@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import DataError
-from .batches import StepBatch, check_batch_layout, split_index, step_batch
+from .batches import StepBatch, check_batch_layout, split_chunks, step_batch
 from .config import DataConfig
 from .formats import BadRecord, Doc, Formatter
 from .mixing import Mixture, Position, single_pass
@@ -120,7 +120,7 @@ class _Pipeline:
                  cp_rank=0, cp_size=1):
         check_batch_layout(global_batch_size, micro_batch_size, dp_size, dp_rank)
         if cp_size > 1:
-            split_index(cfg.seq_len, cp_size, cp_rank)  # refuse a length the split cannot cut, before any data
+            split_chunks(cfg.seq_len, cp_size, cp_rank)  # refuse a length the split cannot cut, before any data
         self.cfg = cfg
         self.formatter = Formatter(cfg, tokenizer)
         self.sources = [Source(s) for s in sources]

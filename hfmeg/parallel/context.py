@@ -49,14 +49,15 @@ from __future__ import annotations
 
 import torch
 
-from ..data.batches import KEYS, ROW_SEGMENTS, split_index
+from ..data.batches import KEYS, ROW_SEGMENTS, split_chunks
 from .comm import all_gather_flat, conjugate_pair, reduce_scatter_flat
 from .state import ParallelState
 
 def token_index(s: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """The positions in the row of the tokens CP rank `rank` holds: chunks `rank` and `2cp-1-rank`
-    (the data pipeline's `split_index`, which cuts the rows it hands out the same way)."""
-    return torch.from_numpy(split_index(s, cp, rank)).to(device)
+    (the data pipeline's `split_chunks`, which cuts the rows it hands out the same way). Made on `device`
+    (no copy from the host, which on a GPU would wait for the stream)."""
+    return torch.cat([torch.arange(r.start, r.stop, device=device) for r in split_chunks(s, cp, rank)])
 
 
 def gathered_index(s: int, cp: int, device=None) -> torch.Tensor:
