@@ -229,6 +229,83 @@ def _split_block_mask_matches_dense(device: str) -> None:
                     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max().clamp_min(1.0), (cp, rank)
 
 
+def _tiles(block, which: str, shape) -> torch.Tensor:
+    """A BlockMask's partial (`kv`) or full (`full_kv`) key tiles per query tile, as booleans `[b, nq, nk]`."""
+    num, idx = getattr(block, f"{which}_num_blocks")[:, 0], getattr(block, f"{which}_indices")[:, 0]
+    out = torch.zeros(shape, dtype=torch.bool)
+    for r in range(shape[0]):
+        for i in range(shape[1]):
+            out[r, i, idx[r, i, : num[r, i]].long()] = True
+    return out
+
+
+def _check_tiles(q_index, kv_index, q_seg, kv_seg, exact_tiles: bool) -> None:
+    """The range-classified block mask against the per-element truth: the mask flex computes with it (full
+    tiles whole, partial tiles through the mask function, the rest skipped) is the dense mask, and its tiles
+    are create_block_mask's (which scans every element) where `exact_tiles`, else a superset of them."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    from hfmeg.models.document_attention import split_block_mask, split_causal_mask
+
+    sq, skv = len(q_index), len(kv_index)
+    b = q_seg.shape[0] if q_seg is not None else 1
+    block = split_block_mask(q_index, kv_index, q_seg, kv_seg).block
+    shape = (b, -(-sq // 128), -(-skv // 128))
+    partial, full = _tiles(block, "kv", shape), _tiles(block, "full_kv", shape)
+    assert not (partial & full).any()
+    elements = create_mask(block.mask_mod, b, None, sq, skv)[:, 0]
+    expand = lambda t: t.repeat_interleave(128, 1)[:, :sq].repeat_interleave(128, 2)[:, :, :skv]  # noqa: E731
+    flex_sees = expand(full) | (expand(partial) & elements)
+    assert torch.equal(flex_sees, split_causal_mask(q_index, kv_index, q_seg, kv_seg)[:, 0].expand(b, -1, -1))
+    scan = create_block_mask(block.mask_mod, b if q_seg is not None else None, None, sq, skv, device="cpu")
+    scanned = _tiles(scan, "kv", shape) | _tiles(scan, "full_kv", shape)
+    if exact_tiles:
+        assert torch.equal(partial | full, scanned)
+        whole = torch.zeros(shape, dtype=torch.bool)
+        whole[:, : sq // 128, : skv // 128] = True
+        assert torch.equal(full & whole, _tiles(scan, "full_kv", shape) & whole)
+    else:
+        assert not (scanned & ~(partial | full)).any()
+
+
+def test_block_mask_tiles_from_ranges_are_exact_on_packed_rows():
+    """Packed rows (consecutive documents, padding last), whole rows and CP splits whose chunks are whole
+    tiles: the tiles computed are exactly those a per-element scan finds, and the mask flex sees is exact."""
+    from hfmeg.parallel.context import gathered_index, token_index
+
+    index = torch.arange(200)
+    _check_tiles(index, index, SEGMENTS, SEGMENTS, exact_tiles=True)  # a short last tile
+    s = 1024
+    lengths = ((300, 77, 129, 400, 118), (1024,), (500, 400, 100, 24))
+    seg = torch.cat([torch.repeat_interleave(torch.arange(1, len(n) + 1), torch.tensor(n)).unsqueeze(0)
+                     for n in lengths])
+    seg[2, -24:] = 0  # padding
+    index = torch.arange(s)
+    _check_tiles(index, index, seg, seg, exact_tiles=True)
+    _check_tiles(index, index, None, None, exact_tiles=True)
+    for cp in (2, 4):  # chunks of 256 and 128 tokens
+        kv_index = gathered_index(s, cp)
+        for rank in range(cp):
+            q_index = token_index(s, cp, rank)
+            _check_tiles(q_index, kv_index, seg[:, q_index], seg[:, kv_index], exact_tiles=True)
+
+
+def test_block_mask_from_ranges_is_exact_for_any_ids_and_splits():
+    """Chunks that are not whole tiles (CP 4 over 1000 tokens: 125-token chunks) and ids in no order: the
+    mask is still exact, the tiles a superset of the scan's."""
+    from hfmeg.parallel.context import gathered_index, token_index
+
+    g = torch.Generator().manual_seed(0)
+    s, cp = 1000, 4
+    seg = torch.randint(0, 6, (2, s), generator=g).sort(dim=1).values
+    shuffled = torch.randperm(6, generator=g)[seg]  # the same documents, ids in no order
+    kv_index = gathered_index(s, cp)
+    for ids in (seg, shuffled):
+        for rank in range(cp):
+            q_index = token_index(s, cp, rank)
+            _check_tiles(q_index, kv_index, ids[:, q_index], ids[:, kv_index], exact_tiles=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_split_block_mask_equals_the_dense_split_mask_on_the_gpu():

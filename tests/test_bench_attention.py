@@ -31,6 +31,10 @@ def test_smoke_run_prints_one_json_line_per_path_and_document_count(capsys):
             assert r["ratio_vs_causal"] == 1.0
     kernels = {r["documents"]: r["kernel"] for r in lines if r["path"] == "document_causal"}
     assert kernels == {1: "sdpa causal", 5: "sdpa dense mask"}
+    packed = next(r for r in lines if r["path"] == "document_causal" and r["documents"] == 5)
+    assert packed["block_mask_ms"] > 0 and packed["create_block_mask_ms"] > 0
+    assert packed["block_mask_speedup"] == packed["create_block_mask_ms"] / packed["block_mask_ms"]
+    assert not any("block_mask_ms" in r for r in lines if r is not packed)
 
 
 def test_segment_ids_fill_the_row_with_the_asked_documents():

@@ -13,7 +13,10 @@ KV heads, head dim `--head-dim`, GQA shared, not repeated):
   CUDA, the dense mask on CPU (flex has no CPU backward in torch 2.13).
 
 Mask building (once per micro-batch, shared by all layers) is timed apart, as
-`mask_ms`. Timing: `--warmup` untimed calls, then `--steps` between two
+`mask_ms`. For packed rows the `document_causal` row also times the flex block mask alone:
+hfmeg's (`block_mask_ms`: tiles classified from their position and document-id ranges) and,
+in the same run, `create_block_mask` scanning every element as hfmeg built it before
+(`create_block_mask_ms`: compiled on CUDA, eager elsewhere). Timing: `--warmup` untimed calls, then `--steps` between two
 synchronisations. Ratios are against `sdpa_causal` at the same document count, and
 `speedup_vs_dense` of `document_causal` over `dense_mask`. One JSON line per row,
 then a table. GPU run (bf16, seq 4096, LLaMA-3-8B heads):
@@ -35,7 +38,10 @@ import numpy as np
 import torch
 
 from hfmeg.checkpoint.mp_layout import parse_dtype
-from hfmeg.models.document_attention import DocumentMask, attend, document_causal_mask, flex_applies, plan
+from torch.nn.attention.flex_attention import create_block_mask
+
+from hfmeg.models.document_attention import (DocumentMask, attend, document_block_mask, document_causal_mask,
+                                             flex_applies, plan)
 from bench_args import at_least
 
 GPU = dict(seq=4096, batch=1, heads=32, kv_heads=8, head_dim=128, steps=20, warmup=5, dtype="bf16")
@@ -94,6 +100,18 @@ def _timed(fn, a, device) -> float:
     return 1e3 * (time.perf_counter() - t0) / a.steps
 
 
+def _block_mask_builds(seg: torch.Tensor, a, device: torch.device) -> dict:
+    """Milliseconds to build the flex block mask of `seg`: hfmeg's, and create_block_mask's element scan."""
+    def same_document_causal(b, h, q, kv):
+        return (seg[b, q] == seg[b, kv]) & (q >= kv)
+
+    def scan():
+        return create_block_mask(same_document_causal, seg.shape[0], None, a.seq, a.seq, device=device,
+                                 _compile=device.type == "cuda")
+    ours, theirs = _timed(lambda: document_block_mask(seg), a, device), _timed(scan, a, device)
+    return dict(block_mask_ms=ours, create_block_mask_ms=theirs, block_mask_speedup=theirs / ours)
+
+
 def run(a, device: torch.device, dtype: torch.dtype) -> list[dict]:
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     rng = np.random.default_rng(a.seed)
@@ -123,6 +141,8 @@ def run(a, device: torch.device, dtype: torch.dtype) -> list[dict]:
                        tokens_per_s=a.batch * a.seq / (ms / 1e3))
             if path == "document_causal":
                 row["speedup_vs_dense"] = timings["dense_mask"][0] / ms
+                if n > 1:
+                    row.update(_block_mask_builds(seg, a, device))
                 row["kernel"] = ("sdpa causal" if plan(seg, flex=False) is None
                                  else "flex_attention" if flex_applies(device, a.head_dim) else "sdpa dense mask")
             rows.append(row)

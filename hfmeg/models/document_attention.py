@@ -40,7 +40,7 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..data.batches import ROW_SEGMENTS
 from ..data.packing import single_document
@@ -87,10 +87,48 @@ def document_block_mask(segment_ids: torch.Tensor) -> DocumentMask:
     return split_block_mask(index, index, segment_ids, segment_ids)
 
 
+TILE = 128  # flex_attention's block: a BlockMask says per (query tile, key tile) pair: skip, compute, or mask
+
+
+def _tile_ranges(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per TILE of the last dim of `values`: its min, its max, and whether the tile is whole (the last one
+    may be short: it is padded with its own last value, which moves neither)."""
+    n = values.shape[-1]
+    pad = -n % TILE
+    whole = torch.ones(-(-n // TILE), dtype=torch.bool, device=values.device)
+    if pad:
+        values = torch.cat([values, values[..., -1:].expand(*values.shape[:-1], pad)], dim=-1)
+        whole[-1] = False
+    tiles = values.unflatten(-1, (-1, TILE))
+    return tiles.amin(-1), tiles.amax(-1), whole
+
+
+def _tile_lists(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A BlockMask's form of the key tiles `chosen` `[b, 1, q tiles, kv tiles]` per query tile: their count,
+    and their indices first (ascending) in a row of all indices."""
+    count = chosen.sum(-1, dtype=torch.int32)
+    order = torch.argsort(chosen.to(torch.int8), dim=-1, descending=True, stable=True)
+    return count, order.to(torch.int32)
+
+
 def split_block_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: torch.Tensor | None,
                      kv_segments: torch.Tensor | None) -> DocumentMask:
-    """The same mask as `split_causal_mask`, as a flex-attention block mask (one for all heads)."""
-    b = q_segments.shape[0] if q_segments is not None else None
+    """The same mask as `split_causal_mask`, as a flex-attention block mask (one for all heads).
+
+    The tiles are classified from their ranges alone, with tensor ops and no compiler (so it can run in the
+    data thread, models/staging.py): from the min and max of each tile's row positions and document ids, a
+    (query tile, key tile) pair is
+    - skipped when no pair of tokens can be allowed: every key after every query, or the two tiles'
+      document-id ranges disjoint (no id in both);
+    - computed without the mask when every pair is: every key at or before every query, and both tiles
+      wholly in one and the same document (and neither tile short);
+    - computed with the mask function otherwise.
+    Both rules are sufficient conditions, so the mask is exact for any ids and positions; they are also
+    necessary (no tile computed that a per-element scan would skip) for rows of consecutive documents cut
+    into tiles of consecutive positions, as packing makes them (padding, id 0 after the last document, is
+    ranked last for the ranges). `create_block_mask` evaluates the mask function on every element instead:
+    compiled on a GPU (a few ms per micro-batch), eagerly `b·sq·skv` elements of memory."""
+    b = q_segments.shape[0] if q_segments is not None else 1
 
     def same_document_causal(batch, head, q, kv):
         causal = q_index[q] >= kv_index[kv]
@@ -98,9 +136,23 @@ def split_block_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: 
             return causal
         return (q_segments[batch, q] == kv_segments[batch, kv]) & causal
 
-    # Compiled on CUDA: eager, it evaluates the mask function on every element of every block.
-    block = create_block_mask(same_document_causal, b, None, len(q_index), len(kv_index), device=q_index.device,
-                              _compile=q_index.is_cuda)
+    q_lo, q_hi, q_whole = _tile_ranges(q_index)
+    kv_lo, kv_hi, kv_whole = _tile_ranges(kv_index)
+    empty = (kv_lo[None, :] > q_hi[:, None]).expand(b, -1, -1)
+    full = (kv_hi[None, :] <= q_lo[:, None]) & q_whole[:, None] & kv_whole[None, :]
+    if q_segments is not None:
+        def ranked(seg):  # padding (0) after every document, so ids rise along a packed row
+            return torch.where(seg == 0, torch.iinfo(seg.dtype).max, seg)
+        qs_lo, qs_hi, _ = _tile_ranges(ranked(q_segments))
+        ks_lo, ks_hi, _ = _tile_ranges(ranked(kv_segments))
+        empty = empty | (qs_hi[:, :, None] < ks_lo[:, None, :]) | (ks_hi[:, None, :] < qs_lo[:, :, None])
+        one_document = (qs_lo == qs_hi)[:, :, None] & (ks_lo == ks_hi)[:, None, :]
+        full = full & one_document & (qs_lo[:, :, None] == ks_lo[:, None, :])
+    full = full.expand(b, -1, -1) & ~empty
+    partial = ~empty & ~full
+    block = BlockMask.from_kv_blocks(*_tile_lists(partial.unsqueeze(1)), *_tile_lists(full.unsqueeze(1)),
+                                     BLOCK_SIZE=TILE, mask_mod=same_document_causal,
+                                     seq_lengths=(len(q_index), len(kv_index)))
     reads = (q_index, kv_index) + ((q_segments, kv_segments) if q_segments is not None else ())
     return DocumentMask(block=block, reads=reads)
 
