@@ -54,7 +54,7 @@ class DataConfig:
     eval_sources: list[SourceConfig] = field(default_factory=list)
     eval_holdout: int = 0  # first N records of the training mixture go to eval instead
     read_ahead: int = 64  # records rendered and tokenized per batch call
-    prefetch: int = 2  # global batches built ahead in a background thread (0: built when asked for)
+    prefetch: int = 2  # global batches built ahead in a thread; in training on the device, masks built (0: when asked for)
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
