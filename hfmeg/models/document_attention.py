@@ -57,7 +57,7 @@ class DocumentMask:
     reads: tuple[torch.Tensor, ...] = ()  # what the block mask's function reads (positions, document ids)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the attention reads through this mask (parallel/staging.py hands them across streams)."""
+        """Every tensor the attention reads through this mask (models/staging.py hands them across streams)."""
         held = self.block.as_tuple() if self.block is not None else (self.dense,)
         return [t for t in (*held, *self.reads) if isinstance(t, torch.Tensor)]
 

@@ -38,6 +38,7 @@ from typing import Protocol
 
 import torch
 
+from ..data.batches import ROW_SEGMENTS
 from ..errors import LayoutError
 from .p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from .schedules import Action, Step, plan
@@ -115,8 +116,7 @@ class _Executor:
             if sums is not None:
                 sums.requires_grad_(not self.forward_only)
         labels = mb["labels"] if chunk.post_process else None
-        kwargs = {k: mb[k] for k in ("position_ids", "segment_ids", "row_segment_ids", "docs")
-                  if mb.get(k) is not None}
+        kwargs = {k: mb[k] for k in ("position_ids", "segment_ids", ROW_SEGMENTS, "docs") if mb.get(k) is not None}
         if sums is not None:
             kwargs["received_sums"] = sums
         sent = None
