@@ -102,9 +102,11 @@ def hf_side_files(folder: Path) -> list[Path]:
 
 
 def copy_hf_side_files(src: Path, dst: Path) -> None:
+    """Copy the side files' bytes, not their mode: a read-only source (a Hub cache, a shared assets folder) must
+    not make the run's own copies read-only; they get the umask's mode like every file hfmeg writes."""
     dst.mkdir(parents=True, exist_ok=True)
     for path in hf_side_files(src):
-        shutil.copy2(path, dst / path.name)
+        shutil.copyfile(path, dst / path.name)
 
 
 @dataclass

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ..checkpoint.atomic import atomic_output_dir
+from ..checkpoint.atomic import atomic_output_dir, save_tensors
 from ..errors import CheckpointError, UnsupportedConfigError
 from ..models.decoder import ModelChunk
 from ..parallel.params_ready import wait_params_ready
@@ -60,8 +60,7 @@ def write_adapter_shard(chunks: list[ModelChunk], ps: ParallelState, rank_dir: P
     rank_dir.mkdir(parents=True, exist_ok=True)
     mine = chunks[0].experts
     name = SHARD_FILE if ep_rank == 0 else EXPERT_SHARD_FILE.format(first=mine[0], last=mine[-1])
-    save_file(tensors, str(rank_dir / name),
-              metadata={"format": "pt", "tp_rank": str(ps.tp_rank), "tensors": json.dumps(table)})
+    save_tensors(tensors, rank_dir / name, {"format": "pt", "tp_rank": str(ps.tp_rank), "tensors": json.dumps(table)})
 
 
 def _shard_files(rank_dir: Path) -> list[Path]:
@@ -137,7 +136,7 @@ def write_peft_folder(out: Path, tensors: dict[str, torch.Tensor], cfg: PeftConf
     params = cfg.moe_targets()[1] if moe else ()
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(cfg, base, targets, params), indent=2) + "\n")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_tensors({k: v.contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE, {"format": "pt"})
     return Path(out)
 def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]:
     """A PEFT LoRA adapter folder's settings and tensors (PEFT keys), checked."""

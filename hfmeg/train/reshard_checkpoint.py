@@ -181,7 +181,7 @@ def _reshard_adapters(folder: Path, out: str | Path, *, tp: int, pp: int, vpp: i
         layout.write(iter_dir)
         copy_hf_side_files(folder / HF_DIR, iter_dir / HF_DIR)
         for name in (STATE_FILE, INFO_FILE):
-            shutil.copy2(folder / name, iter_dir / name)
+            shutil.copyfile(folder / name, iter_dir / name)
         write_latest(tmp, layout.iteration)
     return Path(out)
 
@@ -205,7 +205,7 @@ def reshard_training_checkpoint(mp: str | Path, out: str | Path, *, tp: int, pp:
 
     def extra(iter_dir: Path) -> None:
         _write_optimizer(source, layout, iter_dir)
-        shutil.copy2(state_file, iter_dir / STATE_FILE)
+        shutil.copyfile(state_file, iter_dir / STATE_FILE)
 
     return write_mp_checkpoint(source, source.cfg, layout, source.hf_dir, out, dtype=parse_dtype(dtype),
                                overwrite=overwrite, inputs=(Path(mp),), extra=extra)
