@@ -148,6 +148,15 @@ class MPLayout:
     def rank_dir(self, tp_rank: int, pp_rank: int) -> str:
         return f"mp_rank_{tp_rank:02d}" if self.pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
+    def check_rank_dirs(self, iter_dir: Path) -> None:
+        """Refuse a rank folder this layout does not have (a save of another layout mixed in, e.g. a TP4 save's
+        mp_rank_03 in a TP2 folder): a reader that went by what is there would join the wrong ranks."""
+        want = {self.rank_dir(t, p) for p in range(self.pp) for t in range(self.tp)}
+        extra = sorted(p.name for p in iter_dir.glob("mp_rank_*") if p.name not in want)
+        if extra:
+            raise CheckpointError(f"{iter_dir / extra[0]}: a rank folder the layout does not have ({LAYOUT_FILE}: "
+                                  f"TP={self.tp} PP={self.pp}); the folder mixes saves of two layouts")
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT, "format_version": self.format_version, "architecture": self.architecture,

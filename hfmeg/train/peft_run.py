@@ -32,9 +32,32 @@ from ..peft.adapter_files import (
 )
 from ..peft.adapters import attach, initialise
 from ..peft.config import PeftConfig
-from ..peft.export import export_checkpoint, write_info
+from ..peft.export import INFO_FILE, export_checkpoint, is_adapter_checkpoint, read_info, write_info
 
 ADAPTER_DIR = "adapter"
+# The peft.* settings that shape or scale the adapters: a resume must keep them (dropout may change).
+RESUME_SETTINGS = ("r", "alpha", "target_modules", "use_rslora", "modules_to_save")
+
+
+def check_resume_settings(resume: Path, cfg: PeftConfig) -> None:
+    """Refuse, naming the setting, a resume whose `peft.*` differs from the run that saved `resume`: a full
+    fine-tune's checkpoint resumed with adapters or back (peft.method), or other ranks, targets, scale."""
+    if not is_adapter_checkpoint(resume):
+        if cfg.enabled:
+            raise CheckpointError(f"peft.method: {resume} was saved by a full fine-tune (peft.method none), but this "
+                                  f"run trains {cfg.method} adapters; resume with --peft none, or train adapters on "
+                                  "its model in another --out (--model it)")
+        return
+    saved, _ = read_info(resume)
+    if saved.method != cfg.method:
+        how = f"this run trains {cfg.method} adapters" if cfg.enabled else "this run is a full fine-tune"
+        raise CheckpointError(f"peft.method: {resume} was saved by a {saved.method} run (adapters on a frozen base, "
+                              f"{INFO_FILE}), but {how}; resume with --peft {saved.method}")
+    for name in RESUME_SETTINGS:
+        was, now = getattr(saved, name), getattr(cfg, name)
+        if (sorted(was) != sorted(now)) if isinstance(was, list) else was != now:
+            raise CheckpointError(f"peft.{name}: {resume / INFO_FILE} was saved with {was!r}, this run has {now!r}; "
+                                  "resume with the checkpoint's peft settings, or start a new run in another --out")
 
 
 class PeftRun:
@@ -53,10 +76,11 @@ class PeftRun:
         for chunk in chunks:
             attach(chunk, self.cfg)
             initialise(chunk, self.cfg, self.seed, None if resume is not None else self.init_tensors)
-        if resume is not None:
+        if resume is not None:  # every rank checks the folder's ranks and its own shard; the trainer agrees
             layout = MPLayout.read(resume)
             check_layout(layout, ps, resume)
-            read_adapter_shard(chunks, resume / layout.rank_dir(ps.tp_rank, ps.pp_rank))
+            layout.check_rank_dirs(resume)
+            read_adapter_shard(chunks, resume / layout.rank_dir(ps.tp_rank, ps.pp_rank), ps.tp_rank)
 
     def base_reference(self, ps, saved: dict | None) -> dict:
         """The base's reference for the trainer state; refuses (on every rank) a base that changed since `saved`."""
