@@ -187,3 +187,19 @@ def test_an_empty_trainer_state_under_torchrun_makes_every_rank_exit_2(lora_run,
                       "with --resume PATH"], proc.stderr[-3000:]
     assert proc.stderr.count("exitcode  : 2") == 2 and "SIGTERM" not in proc.stderr.split("Failures:")[-1], \
         proc.stderr[-3000:]
+
+
+def test_a_truncated_peft_adapter_is_one_line_on_import(lora_run, tmp_path, capsys):
+    base, adapter0, _, _ = lora_run
+    adapter = tmp_path / "adapter"
+    shutil.copytree(adapter0, adapter)
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    code = load_tool("convert_hf_to_mp").main(["--hf", str(base), "--out", str(tmp_path / "x"), "--tp", "2",
+                                               "--pp", "1", "--adapter", str(adapter)])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert code == 2 and err == [f"error: {weights}: cannot read the adapter weights, truncated or not safetensors "
+                                 "(SafetensorError: Error while deserializing header: incomplete metadata, file not "
+                                 "fully covered)"], err
+    assert "Traceback" not in captured.out + captured.err and not (tmp_path / "x").exists()

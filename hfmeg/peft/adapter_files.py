@@ -248,8 +248,12 @@ def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]
         raise CheckpointError(f"{weights}: missing (a PEFT adapter folder holds {WEIGHTS_FILE})")
     # peft may list targets as full module paths; the projections the tensors adapt are what counts
     # (`initialise` refuses an adapter that leaves some layers' projections out).
-    with safe_open(str(weights), "pt") as f:
-        targets = sorted({k.split(".")[-3] for k in f.keys() if k.endswith(".lora_A.weight")})
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{weights}: cannot read the adapter weights, truncated or not safetensors "
+                              f"({type(e).__name__}: {e})") from e
+    targets = sorted({k.split(".")[-3] for k in tensors if k.endswith(".lora_A.weight")})
     if raw.get("target_parameters"):  # an MoE adapter: LoRA on the stacked experts / the router
         targets = sorted(set(targets) & set(LLAMA_PROJECTIONS)) + _expert_params(raw, path)
     cfg = PeftConfig(method="dora" if raw.get("use_dora") else "lora", r=int(raw["r"]), alpha=float(raw["lora_alpha"]),
@@ -257,7 +261,7 @@ def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]
                      use_rslora=bool(raw.get("use_rslora", False)),
                      modules_to_save=list(raw.get("modules_to_save") or []))
     cfg.check()
-    return cfg, load_file(str(weights))
+    return cfg, tensors
 
 
 def _expert_params(raw: dict, path: Path) -> list[str]:

@@ -8,7 +8,9 @@
 - Checkpoints hold each rank's adapter shard in place of its model shard, and (in
   `adapter.json` and the trainer state) the base's reference: `model.path` and the sha256 of its weight files
   (`base_fingerprint`, computed by rank 0). A resume against a base whose hash changed
-  is refused in one line on every rank.
+  is refused in one line on every rank, and so is one with other `peft.*` settings (`check_resume_settings`,
+  a change of method named as such) or a damaged shard (`read_adapter_shard`: every rank checks its own file
+  and the folder's rank folders; the trainer agrees on the first error).
 - Export (rank 0, end of run): `<out>/adapter` is the PEFT adapter folder, `<out>/hf` the
   base with the adapters merged in.
 """
@@ -25,6 +27,7 @@ from ..checkpoint.load import check_layout
 from ..checkpoint.mp_layout import MPLayout
 from ..errors import CheckpointError
 from ..peft.adapter_files import (
+    SHARD_FILE,
     base_fingerprint,
     read_adapter_shard,
     read_peft_folder,
@@ -43,6 +46,9 @@ def check_resume_settings(resume: Path, cfg: PeftConfig) -> None:
     """Refuse, naming the setting, a resume whose `peft.*` differs from the run that saved `resume`: a full
     fine-tune's checkpoint resumed with adapters or back (peft.method), or other ranks, targets, scale."""
     if not is_adapter_checkpoint(resume):
+        if any(resume.glob(f"mp_rank_*/{SHARD_FILE}")):
+            raise CheckpointError(f"{resume / INFO_FILE}: missing; the checkpoint holds adapter shards but not their "
+                                  "settings and base")
         if cfg.enabled:
             raise CheckpointError(f"peft.method: {resume} was saved by a full fine-tune (peft.method none), but this "
                                   f"run trains {cfg.method} adapters; resume with --peft none, or train adapters on "
