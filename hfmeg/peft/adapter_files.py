@@ -8,6 +8,12 @@ full PEFT tensors from the files alone, with no model built. The base weights ar
 written (they are frozen): the checkpoint's trainer state references them instead
 (`base_fingerprint`).
 
+Every read is checked first, so damage is one line naming the file (`CheckpointError`), never a
+traceback or a half-width adapter: `check_adapter_shards` (the converters, `reshard_mp.py`, the export)
+holds a checkpoint to its layout (no rank folder the layout lacks, every rank's shard present, headers
+readable, written by that TP rank, exactly the tensors and shapes that rank's chunks, built on the meta
+device, carry); `read_adapter_shard` (a resuming rank) holds its own shard to its live chunks.
+
 PEFT folder. `adapter_config.json` (the fields `peft.LoraConfig` reads) plus
 `adapter_model.safetensors` keyed `base_model.model.<module>.lora_A.weight` /
 `lora_B.weight` (/ `lora_magnitude_vector` for DoRA), which `peft.PeftModel.from_pretrained(base, folder)` loads.
@@ -20,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-
 from types import SimpleNamespace
 from typing import Iterator
 
@@ -29,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from ..checkpoint.atomic import atomic_output_dir, save_tensors
-from ..checkpoint.convert import config_errors_name, load_model_config
+from ..checkpoint.convert import load_model_config
 from ..checkpoint.mp_layout import HF_DIR, MPLayout
 from ..errors import CheckpointError, UnsupportedConfigError
 from ..models.decoder import ModelChunk
@@ -117,12 +122,11 @@ def _check_tensors(rank_dir: Path, want: dict[str, tuple[int, ...]],
             raise CheckpointError(f"{path}: tensor {name} has shape {list(got)}, the layout implies {list(shape)}")
 
 
-def _read(path: Path, name: str) -> torch.Tensor:
+def _load(path: Path) -> dict[str, torch.Tensor]:
     try:
-        with safe_open(str(path), "pt") as f:
-            return f.get_tensor(name)
+        return load_file(str(path))
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: cannot read tensor {name} ({type(e).__name__}: {e})") from e
+        raise CheckpointError(f"{path}: cannot read the adapter shard ({type(e).__name__}: {e})") from e
 
 
 def read_adapter_shard(chunks: list[ModelChunk], rank_dir: Path, tp_rank: int) -> None:
@@ -134,11 +138,14 @@ def read_adapter_shard(chunks: list[ModelChunk], rank_dir: Path, tp_rank: int) -
         params = stored_tensors(chunk)
         want.update({t.local: tuple(params[t.local].shape) for t in adapter_tensors(chunk)})
     _check_tensors(rank_dir, want, found, exact=False)  # an EP rank holds only its own experts
+    saved = {}
+    for path in sorted({found[name][0] for name in want}):
+        saved.update(_load(path))
     with torch.no_grad():
         for chunk in chunks:
             params = stored_tensors(chunk)
             for t in adapter_tensors(chunk):
-                params[t.local].copy_(_read(found[t.local][0], t.local))
+                params[t.local].copy_(saved[t.local])
 
 
 def meta_rank_chunks(model_cfg, layout: MPLayout, cfg: PeftConfig) -> Iterator[tuple[SimpleNamespace,
@@ -166,8 +173,7 @@ def check_adapter_shards(iter_dir: Path, cfg: PeftConfig) -> MPLayout:
     tensors and shapes the layout and `cfg` (its `peft.*` settings) imply. Returns the layout."""
     layout = MPLayout.read(iter_dir)
     layout.check_rank_dirs(iter_dir)
-    with config_errors_name(iter_dir / HF_DIR):
-        model_cfg = load_model_config(iter_dir / HF_DIR)
+    model_cfg = load_model_config(iter_dir / HF_DIR)
     for ps, chunks in meta_rank_chunks(model_cfg, layout, cfg):
         rank_dir = iter_dir / layout.rank_dir(ps.tp_rank, ps.pp_rank)
         want = {}
@@ -191,9 +197,9 @@ def assemble(iter_dir: Path, value=None) -> dict[str, torch.Tensor]:
     for path in sorted(iter_dir.glob("mp_rank_*/adapter*.safetensors")):
         with safe_open(str(path), "pt") as f:
             meta = f.metadata()
-        tp_rank = int(meta["tp_rank"])
+        tp_rank, tensors = int(meta["tp_rank"]), _load(path)
         for local, (hf, kind, vocab, *expert) in json.loads(meta["tensors"]).items():
-            saved = _read(path, local)
+            saved = tensors[local]
             # TP slices are joined by TP rank, expert pieces by expert index
             index = expert[0][0] if expert and expert[0] is not None else tp_rank
             slices.setdefault(hf, {})[index] = saved if value is None else value(path.parent, local, saved)
