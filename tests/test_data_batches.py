@@ -173,3 +173,24 @@ def test_cp_ranks_hold_only_their_chunks_and_resume_at_another_cp(tmp_path):
         state = ranks[0].state_dict()
     assert split_index(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]  # chunks 0 and 3 of 4
     assert split_index(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_bad_records_in_the_eval_holdout_are_counted_like_training_ones(tmp_path):
+    """A malformed record among the held-out ones is reported by the training stream, eval on or off, once; with
+    bad_data: fail it stops the run as a training record would."""
+    tok = char_tokenizer()
+    path = str(write_jsonl(tmp_path / "r.jsonl", [RECORDS[0], '{"instruction": "broken"', *RECORDS[1:]]))
+    layout = dict(dp_rank=0, dp_size=1, micro_batch_size=1, global_batch_size=2)
+    cfg = DataConfig(sources=[SourceConfig(path)], seq_len=64, packing=False, eval_holdout=3)
+    data = build_data(cfg, tok, **layout)
+    next(data)
+    assert data.report.counts == {"malformed_json": 1}
+    assert data.report.first["malformed_json"].startswith(f"{path}:2: ")
+    assert data.report.first["malformed_json"].endswith("(eval hold-out)")
+    assert data.report.documents == 2  # only the training rows' documents are packed
+    evals = build_eval_data(cfg, tok, **layout)
+    list(evals)  # eval meets the same record, counted in its own pass's report, not announced again
+    assert evals.report.counts == {"malformed_json": 1} and not evals.report.announce
+    with pytest.raises(DataError, match=f"{path}:2: .*eval hold-out"):
+        next(build_data(DataConfig(sources=[SourceConfig(path)], seq_len=64, packing=False, eval_holdout=3,
+                                   bad_data="fail"), tok, **layout))

@@ -104,7 +104,7 @@ def _check(cases, ids, refs):
                         for p in c.parameters():
                             if p.requires_grad:
                                 p.zero_()
-                read_adapter_shard(chunks, shards / "mp_rank_00")
+                read_adapter_shard(chunks, shards / "mp_rank_00", 0)
                 row["reread"] = all(torch.equal(stored_tensors(c)[t.local], values[t.local])
                                     for c in chunks for t in adapter_tensors(c))
             rows.append(row)

@@ -167,7 +167,7 @@ def _logits_from_shards(base: Path, ckpt: Path, ids: torch.Tensor):
     cfg, _ = read_info(ckpt)
     for chunk in chunks:
         attach(chunk, cfg)
-    read_adapter_shard(chunks, ckpt / MPLayout.read(ckpt).rank_dir(ps.tp_rank, ps.pp_rank))
+    read_adapter_shard(chunks, ckpt / MPLayout.read(ckpt).rank_dir(ps.tp_rank, ps.pp_rank), ps.tp_rank)
     with torch.no_grad():
         return full_logits(chunks, ps, ids)
 

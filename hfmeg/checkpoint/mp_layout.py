@@ -102,9 +102,11 @@ def hf_side_files(folder: Path) -> list[Path]:
 
 
 def copy_hf_side_files(src: Path, dst: Path) -> None:
+    """Copy the side files' bytes, not their mode: a read-only source (a Hub cache, a shared assets folder) must
+    not make the run's own copies read-only; they get the umask's mode like every file hfmeg writes."""
     dst.mkdir(parents=True, exist_ok=True)
     for path in hf_side_files(src):
-        shutil.copy2(path, dst / path.name)
+        shutil.copyfile(path, dst / path.name)
 
 
 @dataclass
@@ -145,6 +147,15 @@ class MPLayout:
 
     def rank_dir(self, tp_rank: int, pp_rank: int) -> str:
         return f"mp_rank_{tp_rank:02d}" if self.pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+    def check_rank_dirs(self, iter_dir: Path) -> None:
+        """Refuse a rank folder this layout does not have (a save of another layout mixed in, e.g. a TP4 save's
+        mp_rank_03 in a TP2 folder): a reader that went by what is there would join the wrong ranks."""
+        want = {self.rank_dir(t, p) for p in range(self.pp) for t in range(self.tp)}
+        extra = sorted(p.name for p in iter_dir.glob("mp_rank_*") if p.name not in want)
+        if extra:
+            raise CheckpointError(f"{iter_dir / extra[0]}: a rank folder the layout does not have ({LAYOUT_FILE}: "
+                                  f"TP={self.tp} PP={self.pp}); the folder mixes saves of two layouts")
 
     def to_json(self) -> dict[str, Any]:
         return {

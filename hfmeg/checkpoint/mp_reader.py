@@ -91,6 +91,7 @@ class MPCheckpoint:
 
     def _check_rank_files(self) -> None:
         cfg, L = self.cfg, self.layout
+        L.check_rank_dirs(self.folder)
         for p in range(L.pp):
             rules = rank_rules(cfg, L, p)
             for t in range(L.tp):

@@ -162,11 +162,21 @@ class _Stream:
             pass
         return pos
 
+    def _hold_out(self) -> Position:
+        """`initial_position`, the held-out records read on the way: their problems are counted and reported
+        as training records' are, whether or not eval runs (EvalData does not report them again)."""
+        pipe, pos = self.pipe, self.initial_position()
+        held = islice(Mixture(pipe.sources, pipe.cfg.seed), pipe.cfg.eval_holdout)
+        for item in documents(pipe.cfg, pipe.formatter, pipe.sources, held):
+            if item.problem:
+                self.state.report.bad(item.problem[0], item.where, item.problem[1] + " (eval hold-out)")
+        return pos
+
     def next(self) -> tuple[StepBatch, Consumed]:
         """The next batch and a snapshot of the state right after it."""
         st, pipe = self.state, self.pipe
         if st.position is None:
-            st.position = self.initial_position()
+            st.position = self._hold_out()
         if self._items is None:
             raws = iter(Mixture(pipe.sources, pipe.cfg.seed, st.position))
             self._items = documents(pipe.cfg, pipe.formatter, pipe.sources, raws)
@@ -288,7 +298,8 @@ class EvalData(_Pipeline):
 
     The last global batch is filled with all-padding rows (no labels), so every DP
     rank gets the same number of micro-batches. Data problems are logged on the
-    first pass only (every pass meets the same ones); `report` counts the last pass.
+    first pass only (every pass meets the same ones), and not at all for the hold-out, whose problems the
+    training stream reports; `report` counts the last pass.
     """
 
     def __init__(self, cfg: DataConfig, tokenizer, *, dp_rank: int, dp_size: int, micro_batch_size: int,
@@ -298,7 +309,7 @@ class EvalData(_Pipeline):
         sources = cfg.eval_sources or cfg.sources
         super().__init__(cfg, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size, cp_rank,
                          cp_size)
-        self.report = DataReport(cfg.bad_data, announce=self.announce)
+        self.report = DataReport(cfg.bad_data, announce=self.announce and bool(cfg.eval_sources))
 
     def __iter__(self) -> Iterator[StepBatch]:
         cfg = self.cfg

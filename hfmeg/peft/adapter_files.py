@@ -8,6 +8,12 @@ full PEFT tensors from the files alone, with no model built. The base weights ar
 written (they are frozen): the checkpoint's trainer state references them instead
 (`base_fingerprint`).
 
+Every read is checked first, so damage is one line naming the file (`CheckpointError`), never a
+traceback or a half-width adapter: `check_adapter_shards` (the converters, `reshard_mp.py`, the export)
+holds a checkpoint to its layout (no rank folder the layout lacks, every rank's shard present, headers
+readable, written by that TP rank, exactly the tensors and shapes that rank's chunks, built on the meta
+device, carry); `read_adapter_shard` (a resuming rank) holds its own shard to its live chunks.
+
 PEFT folder. `adapter_config.json` (the fields `peft.LoraConfig` reads) plus
 `adapter_model.safetensors` keyed `base_model.model.<module>.lora_A.weight` /
 `lora_B.weight` (/ `lora_magnitude_vector` for DoRA), which `peft.PeftModel.from_pretrained(base, folder)` loads.
@@ -20,18 +26,22 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
-from ..checkpoint.atomic import atomic_output_dir
+from ..checkpoint.atomic import atomic_output_dir, save_tensors
+from ..checkpoint.convert import load_model_config
+from ..checkpoint.mp_layout import HF_DIR, MPLayout
 from ..errors import CheckpointError, UnsupportedConfigError
 from ..models.decoder import ModelChunk
 from ..parallel.params_ready import wait_params_ready
 from ..parallel.state import ParallelState
 from ..parallel.stored_names import stored_tensors
-from .adapters import adapter_tensors, join_slices
+from .adapters import adapter_tensors, attach, join_slices
 from .config import EXPERT_PARAMS, LLAMA_PROJECTIONS, QWEN2_MOE_TARGETS, PeftConfig
 
 SHARD_FILE = "adapter.safetensors"
@@ -60,35 +70,123 @@ def write_adapter_shard(chunks: list[ModelChunk], ps: ParallelState, rank_dir: P
     rank_dir.mkdir(parents=True, exist_ok=True)
     mine = chunks[0].experts
     name = SHARD_FILE if ep_rank == 0 else EXPERT_SHARD_FILE.format(first=mine[0], last=mine[-1])
-    save_file(tensors, str(rank_dir / name),
-              metadata={"format": "pt", "tp_rank": str(ps.tp_rank), "tensors": json.dumps(table)})
+    save_tensors(tensors, rank_dir / name, {"format": "pt", "tp_rank": str(ps.tp_rank), "tensors": json.dumps(table)})
 
 
 def _shard_files(rank_dir: Path) -> list[Path]:
     return sorted(rank_dir.glob("adapter*.safetensors"))
 
 
-def read_adapter_shard(chunks: list[ModelChunk], rank_dir: Path) -> None:
+def _shard_headers(rank_dir: Path, tp_rank: int) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Stored name -> (file, shape) over the adapter files of one rank folder, from their headers alone: refuses
+    a missing `adapter.safetensors`, an unreadable or truncated file, one that is not an hfmeg adapter shard, one
+    written by another TP rank, and a tensor in two files."""
+    if not (rank_dir / SHARD_FILE).is_file():
+        raise CheckpointError(f"{rank_dir / SHARD_FILE}: missing; the layout has this rank, and its adapters are "
+                              "in no other file")
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for path in _shard_files(rank_dir):
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            table, writer = json.loads(meta["tensors"]), int(meta["tp_rank"])
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: cannot read the adapter shard, truncated or not safetensors "
+                                  f"({type(e).__name__}: {e})") from e
+        except (KeyError, ValueError, TypeError):
+            raise CheckpointError(f"{path}: not an hfmeg adapter shard (its metadata lacks the tensors table or "
+                                  "the TP rank)") from None
+        if writer != tp_rank:
+            raise CheckpointError(f"{path}: written by TP rank {writer}, but it is in TP rank {tp_rank}'s folder")
+        if set(table) != set(shapes):
+            raise CheckpointError(f"{path}: its metadata does not list the tensors it holds")
+        for name, shape in shapes.items():
+            if name in found:
+                raise CheckpointError(f"{path}: tensor {name} is also in {found[name][0].name}")
+            found[name] = path, shape
+    return found
+
+
+def _check_tensors(rank_dir: Path, want: dict[str, tuple[int, ...]],
+                   found: dict[str, tuple[Path, tuple[int, ...]]], exact: bool) -> None:
+    """The rank's adapter files hold every tensor of `want` with its shape (and, `exact`, nothing else)."""
+    lacks, extra = sorted(set(want) - set(found)), sorted(set(found) - set(want)) if exact else []
+    if lacks or extra:
+        what = f"lacks tensor(s) {', '.join(lacks[:3])}" if lacks else f"has unexpected tensor(s) {', '.join(extra[:3])}"
+        raise CheckpointError(f"{rank_dir}: {what}; the checkpoint was saved with other peft.* settings or "
+                              "another model")
+    for name, shape in want.items():
+        path, got = found[name]
+        if got != tuple(shape):
+            raise CheckpointError(f"{path}: tensor {name} has shape {list(got)}, the layout implies {list(shape)}")
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot read the adapter shard ({type(e).__name__}: {e})") from e
+
+
+def read_adapter_shard(chunks: list[ModelChunk], rank_dir: Path, tp_rank: int) -> None:
     """Copy this rank's adapter tensors back from `rank_dir`'s adapter files (found by stored name, so the
-    experts may have been written at another EP size)."""
-    path = rank_dir / SHARD_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing; the checkpoint holds no adapters for this rank")
+    experts may have been written at another EP size), every file's header and every shape checked first."""
+    found = _shard_headers(rank_dir, tp_rank)
+    want = {}
+    for chunk in chunks:
+        params = stored_tensors(chunk)
+        want.update({t.local: tuple(params[t.local].shape) for t in adapter_tensors(chunk)})
+    _check_tensors(rank_dir, want, found, exact=False)  # an EP rank holds only its own experts
     saved = {}
-    for f in _shard_files(rank_dir):
-        saved.update(load_file(str(f)))
+    for path in sorted({found[name][0] for name in want}):
+        saved.update(_load(path))
     with torch.no_grad():
         for chunk in chunks:
             params = stored_tensors(chunk)
             for t in adapter_tensors(chunk):
-                if t.local not in saved or saved[t.local].shape != params[t.local].shape:
-                    raise CheckpointError(f"{path}: tensor {t.local} missing or of another shape; the checkpoint "
-                                          "was saved with other peft.* settings")
                 params[t.local].copy_(saved[t.local])
 
 
+def meta_rank_chunks(model_cfg, layout: MPLayout, cfg: PeftConfig) -> Iterator[tuple[SimpleNamespace,
+                                                                                   list[ModelChunk]]]:
+    """For every rank (TP fastest) of `layout`: a stand-in of its parallel state and its chunks on the meta
+    device with their adapters attached (what the trainer would build there, no memory held)."""
+    for p in range(layout.pp):
+        for t in range(layout.tp):
+            # what chunk construction and the shard writer read of a ParallelState
+            ps = SimpleNamespace(tp=layout.tp, tp_rank=t, pp_rank=p, dp_rank=0, sequence_parallel=False, ep=1,
+                                 ep_rank=0, ep_group=None, cp=1)
+            chunks = []
+            for spec in layout.rank_chunks(p):
+                with torch.device("meta"):
+                    chunk = ModelChunk(model_cfg, ps, spec.layers, pre_process=spec.pre_process,
+                                       post_process=spec.post_process, vocab_multiple=layout.vocab_multiple)
+                    attach(chunk, cfg)
+                chunks.append(chunk)
+            yield ps, chunks
+
+
+def check_adapter_shards(iter_dir: Path, cfg: PeftConfig) -> MPLayout:
+    """Check a LoRA checkpoint's shards against its layout before anything reads them: only the layout's rank
+    folders, each with its adapter file, headers readable, written by that TP rank, holding exactly the
+    tensors and shapes the layout and `cfg` (its `peft.*` settings) imply. Returns the layout."""
+    layout = MPLayout.read(iter_dir)
+    layout.check_rank_dirs(iter_dir)
+    model_cfg = load_model_config(iter_dir / HF_DIR)
+    for ps, chunks in meta_rank_chunks(model_cfg, layout, cfg):
+        rank_dir = iter_dir / layout.rank_dir(ps.tp_rank, ps.pp_rank)
+        want = {}
+        for chunk in chunks:
+            params = stored_tensors(chunk)
+            want.update({t.local: tuple(params[t.local].shape) for t in adapter_tensors(chunk)})
+        _check_tensors(rank_dir, want, _shard_headers(rank_dir, ps.tp_rank), exact=True)
+    return layout
+
+
 def assemble(iter_dir: Path, value=None) -> dict[str, torch.Tensor]:
-    """The full PEFT tensors (key -> tensor) from every rank's shard under `iter_dir`.
+    """The full PEFT tensors (key -> tensor) from every rank's shard under `iter_dir` (a checkpoint's shards are
+    checked against its layout first, `check_adapter_shards`).
 
     `value(rank_dir, local, saved)`: what to join in place of each saved tensor (one shaped like it,
     e.g. its optimizer state when a checkpoint is resharded)."""
@@ -99,13 +197,13 @@ def assemble(iter_dir: Path, value=None) -> dict[str, torch.Tensor]:
     for path in sorted(iter_dir.glob("mp_rank_*/adapter*.safetensors")):
         with safe_open(str(path), "pt") as f:
             meta = f.metadata()
-            tp_rank = int(meta["tp_rank"])
-            for local, (hf, kind, vocab, *expert) in json.loads(meta["tensors"]).items():
-                saved = f.get_tensor(local)
-                # TP slices are joined by TP rank, expert pieces by expert index
-                index = expert[0][0] if expert and expert[0] is not None else tp_rank
-                slices.setdefault(hf, {})[index] = saved if value is None else value(path.parent, local, saved)
-                kinds[hf] = kind, vocab
+        tp_rank, tensors = int(meta["tp_rank"]), _load(path)
+        for local, (hf, kind, vocab, *expert) in json.loads(meta["tensors"]).items():
+            saved = tensors[local]
+            # TP slices are joined by TP rank, expert pieces by expert index
+            index = expert[0][0] if expert and expert[0] is not None else tp_rank
+            slices.setdefault(hf, {})[index] = saved if value is None else value(path.parent, local, saved)
+            kinds[hf] = kind, vocab
     return {hf: join_slices([by_rank[r] for r in sorted(by_rank)], *kinds[hf]) for hf, by_rank in slices.items()}
 
 
@@ -137,7 +235,7 @@ def write_peft_folder(out: Path, tensors: dict[str, torch.Tensor], cfg: PeftConf
     params = cfg.moe_targets()[1] if moe else ()
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(cfg, base, targets, params), indent=2) + "\n")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_tensors({k: v.contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE, {"format": "pt"})
     return Path(out)
 def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]:
     """A PEFT LoRA adapter folder's settings and tensors (PEFT keys), checked."""
@@ -156,8 +254,12 @@ def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]
         raise CheckpointError(f"{weights}: missing (a PEFT adapter folder holds {WEIGHTS_FILE})")
     # peft may list targets as full module paths; the projections the tensors adapt are what counts
     # (`initialise` refuses an adapter that leaves some layers' projections out).
-    with safe_open(str(weights), "pt") as f:
-        targets = sorted({k.split(".")[-3] for k in f.keys() if k.endswith(".lora_A.weight")})
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{weights}: cannot read the adapter weights, truncated or not safetensors "
+                              f"({type(e).__name__}: {e})") from e
+    targets = sorted({k.split(".")[-3] for k in tensors if k.endswith(".lora_A.weight")})
     if raw.get("target_parameters"):  # an MoE adapter: LoRA on the stacked experts / the router
         targets = sorted(set(targets) & set(LLAMA_PROJECTIONS)) + _expert_params(raw, path)
     cfg = PeftConfig(method="dora" if raw.get("use_dora") else "lora", r=int(raw["r"]), alpha=float(raw["lora_alpha"]),
@@ -165,7 +267,7 @@ def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]
                      use_rslora=bool(raw.get("use_rslora", False)),
                      modules_to_save=list(raw.get("modules_to_save") or []))
     cfg.check()
-    return cfg, load_file(str(weights))
+    return cfg, tensors
 
 
 def _expert_params(raw: dict, path: Path) -> list[str]:

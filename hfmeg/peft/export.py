@@ -11,12 +11,14 @@ weights changed since training.
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
+from ..checkpoint.atomic import atomic_output_dir
 from ..checkpoint.hub_source import resolve_hf_source
 from ..errors import CheckpointError
-from .adapter_files import assemble, base_fingerprint, write_peft_folder
+from .adapter_files import assemble, base_fingerprint, check_adapter_shards, write_peft_folder
 from .config import PeftConfig
 from .merge import merge_into_hf
 
@@ -52,12 +54,19 @@ def checked_base(base: dict, where: Path) -> Path:
 
 def export_checkpoint(iter_dir: Path, out: Path, *, merged: Path | None = None,
                       overwrite: bool = False) -> Path:
-    """Write the PEFT adapter folder `out` (and the merged HF folder `merged`) from a LoRA checkpoint."""
+    """Write the PEFT adapter folder `out` (and the merged HF folder `merged`) from a LoRA checkpoint, its shards
+    checked first (`check_adapter_shards`). The pair is all-or-nothing: both are staged in temporary folders
+    and renamed into place only once both are written, so a failure in either leaves neither."""
     iter_dir = Path(iter_dir)
     cfg, base = read_info(iter_dir)
+    check_adapter_shards(iter_dir, cfg)
     tensors = assemble(iter_dir)
     folder = checked_base(base, iter_dir) if merged is not None else None
-    written = write_peft_folder(out, tensors, cfg, base["path"], overwrite=overwrite)
-    if folder is not None:
-        merge_into_hf(folder, tensors, cfg, merged, overwrite=overwrite)
-    return written
+    with ExitStack() as stack:
+        staged = stack.enter_context(atomic_output_dir(out, overwrite=overwrite, inputs=(iter_dir,)))
+        if folder is not None:
+            staged_merge = stack.enter_context(atomic_output_dir(merged, overwrite=overwrite,
+                                                                 inputs=(iter_dir, folder, Path(out))))
+            merge_into_hf(folder, tensors, cfg, staged_merge, overwrite=True)
+        write_peft_folder(staged, tensors, cfg, base["path"], overwrite=True)
+    return Path(out)

@@ -26,8 +26,8 @@ from ..checkpoint.mp_layout import HF_DIR, MPLayout
 from ..errors import CheckpointError
 from ..models.decoder import ModelChunk
 from ..parallel.stored_names import stored_tensors
-from .adapter_files import base_fingerprint, write_adapter_shard
-from .adapters import adapter_tensors, attach, initialise
+from .adapter_files import base_fingerprint, meta_rank_chunks, write_adapter_shard
+from .adapters import adapter_tensors, initialise
 from .config import PeftConfig
 from .export import write_info
 
@@ -53,35 +53,25 @@ def rank_adapters(model_cfg, layout: MPLayout, cfg: PeftConfig,
     """For every rank (TP fastest) of `layout`: (its stand-in parallel state, its chunks holding its slices of
     `tensors`, PEFT key -> full tensor, in their dtype). Refuses tensors that no rank takes."""
     used: set[str] = set()
-    for p in range(layout.pp):
-        for t in range(layout.tp):
-            # what chunk construction and the shard writer read of a ParallelState
-            ps = SimpleNamespace(tp=layout.tp, tp_rank=t, pp_rank=p, dp_rank=0, sequence_parallel=False, ep=1,
-                                 ep_rank=0, ep_group=None, cp=1)
-            chunks = []
-            for spec in layout.rank_chunks(p):
-                with torch.device("meta"):
-                    chunk = ModelChunk(model_cfg, ps, spec.layers, pre_process=spec.pre_process,
-                                       post_process=spec.post_process, vocab_multiple=layout.vocab_multiple)
-                    attach(chunk, cfg)
-                dtype = next(iter(tensors.values())).dtype
-                for module in chunk.modules():  # the trainable (adapter) parameters only; the base stays on meta
-                    for name, meta in list(module.named_parameters(recurse=False)):
-                        if meta.requires_grad:
-                            module._parameters[name] = nn.Parameter(torch.empty(meta.shape, dtype=dtype))
-                views = stored_tensors(chunk)
-                for a in adapter_tensors(chunk):
-                    if a.hf not in tensors:
-                        raise CheckpointError(f"no tensor {a.hf}: the adapter does not cover every targeted "
-                                              "projection of this model")
-                    need = _full_shape(views[a.local].shape, a.kind, layout.tp, a.vocab, a.expert)
-                    if tuple(tensors[a.hf].shape) != need:
-                        raise CheckpointError(f"tensor {a.hf} has shape {list(tensors[a.hf].shape)}, this model "
-                                              f"needs {list(need)}")
-                    used.add(a.hf)
-                initialise(chunk, cfg, seed=0, hf_tensors=tensors)
-                chunks.append(chunk)
-            yield ps, chunks
+    for ps, chunks in meta_rank_chunks(model_cfg, layout, cfg):
+        for chunk in chunks:
+            dtype = next(iter(tensors.values())).dtype
+            for module in chunk.modules():  # the trainable (adapter) parameters only; the base stays on meta
+                for name, meta in list(module.named_parameters(recurse=False)):
+                    if meta.requires_grad:
+                        module._parameters[name] = nn.Parameter(torch.empty(meta.shape, dtype=dtype))
+            views = stored_tensors(chunk)
+            for a in adapter_tensors(chunk):
+                if a.hf not in tensors:
+                    raise CheckpointError(f"no tensor {a.hf}: the adapter does not cover every targeted "
+                                          "projection of this model")
+                need = _full_shape(views[a.local].shape, a.kind, layout.tp, a.vocab, a.expert)
+                if tuple(tensors[a.hf].shape) != need:
+                    raise CheckpointError(f"tensor {a.hf} has shape {list(tensors[a.hf].shape)}, this model "
+                                          f"needs {list(need)}")
+                used.add(a.hf)
+            initialise(chunk, cfg, seed=0, hf_tensors=tensors)
+        yield ps, chunks
     unused = sorted(set(tensors) - used)
     if unused:
         raise CheckpointError(f"adapter tensor {unused[0]} (and {len(unused) - 1} more) adapts nothing in this "

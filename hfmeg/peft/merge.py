@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from ..checkpoint.atomic import atomic_output_dir
+from ..checkpoint.atomic import atomic_output_dir, save_tensors
 from ..errors import CheckpointError
 from .adapters import PEFT_PREFIX
 from .config import PeftConfig
@@ -117,9 +116,9 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
                                                                                    ".lora_magnitude_vector")), scale)
                             merged.add(name)
                         weights[name] = w
-                save_file(weights, str(tmp / path.name), metadata=meta)
+                save_tensors(weights, tmp / path.name, meta)
             elif path.is_file() and path.suffix != ".bin":
-                shutil.copy2(path, tmp / path.name)
+                shutil.copyfile(path, tmp / path.name)
         missing = sorted((set(updates) | set(saved) | set(deltas)) - merged)
         if missing:
             raise CheckpointError(f"{base}: no base weight {missing[0]} for its adapter (the adapter was trained on "

@@ -36,7 +36,7 @@ the previous checkpoint as the newest complete one.
   when a crash fell between a checkpoint's rename and its `latest` update), pruned as
   oldest only after the user chose that timeline (an explicit `--resume PATH` to an
   earlier checkpoint, or `overwrite`), which the run says at start;
-- temporary folders of saves and exports that died (`.iter_*.tmp`, `.hf.tmp-*`, ...)
+- temporary folders of saves and exports that died (`.iter_*.tmp`, `.hf.tmp-*`, `.adapter.tmp-*`, ...)
   are removed at start, by rank 0 holding the run's lock, which proves their
   writer gone (`remove_stale`).
 
@@ -73,10 +73,11 @@ HF_SOURCE_DIR = "hf_source"
 # `peft_base` (the base's path and sha256) from all but LoRA/DoRA runs'.
 STATE_FIELDS = {"step": int, "data": dict, "config": dict, "shared_layers": bool, "peft_base": dict}
 STATE_OPTIONAL = {"shared_layers", "peft_base"}
-# Temporary names of saves and exports (mp_save.staged_save, atomic.replace_dir / atomic_output_dir,
-# pin_hf_source, mp_layout.write_latest): what a run that died in the middle of writing leaves.
+# Temporary names of saves and exports (mp_save.staged_save, atomic.replace_dir / atomic_output_dir's
+# `.NAME.tmp-PID` / `.NAME.old-PID` for any output: hf/, adapter/, hf_source/, pin_hf_source, write_text_atomic):
+# what a run that died in the middle of writing leaves.
 STALE_PATTERNS = {"checkpoints": (".iter_*.tmp", ".iter_*.old-*", f".{LATEST_FILE}.tmp"),
-                  ".": (".hf.tmp-*", ".hf.old-*", f".{HF_SOURCE_DIR}.tmp", f".{HF_SOURCE_DIR}.old-*", ".*.json.tmp")}
+                  ".": (".*.tmp-*", ".*.old-*", f".{HF_SOURCE_DIR}.tmp", ".*.json.tmp")}
 
 
 def _iteration(folder: Path) -> int | None:
@@ -235,8 +236,24 @@ class RunCheckpoints:
         return removed
 
 
+def rng_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
 def _rng_file(folder: Path) -> Path:
-    return folder / RNG_DIR / f"rank_{dist.get_rank():05d}.json"
+    return folder / RNG_DIR / rng_file_name(dist.get_rank())
+
+
+def rng_not_restored(folder: Path, world: int) -> str | None:
+    """Why a resume from `folder` at `world` ranks does not restore the random state the uninterrupted run
+    would have (None: it does): the checkpoint holds one state per rank of the world that saved it, and
+    a reshard to another pipeline split or a resume at another world size has none for this one."""
+    saved = len(list((folder / RNG_DIR).glob("rank_*.json")))
+    if saved == world:
+        return None
+    if saved == 0:
+        return f"{folder / RNG_DIR}: absent (resharded to another pipeline split, whose stages draw for other layers)"
+    return f"{folder / RNG_DIR}: holds {saved} ranks' random states, this run has {world} ranks (another DP size)"
 
 
 def check_trainer_state(state: Any, path: Path) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -158,6 +159,12 @@ def fit_to_model(cfg: TrainConfig) -> None:
     check_window(model_cfg, cfg.data.seq_len)  # every row is seq_len long (packed or padded)
 
 
+def _exit_together() -> None:
+    """Every rank found the same error and exits 2 itself: torchrun SIGTERMs the other workers as soon as one
+    exits, which would make the quiet ranks (or rank 0, before its line) die by a signal instead."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def main(description: str, default_config: Path, argv: list[str] | None = None) -> int:
     from .trainer import Trainer
 
@@ -169,6 +176,7 @@ def main(description: str, default_config: Path, argv: list[str] | None = None) 
             _say(check_hub_login(cfg.hub.push_to_hub))
         fit_to_model(cfg)
     except HfmegError as e:
+        _exit_together()
         if _is_rank0():
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:
@@ -179,6 +187,8 @@ def main(description: str, default_config: Path, argv: list[str] | None = None) 
     try:
         Trainer(cfg).run()  # rank 0 prints the run's summary, the exported folder included
     except HfmegError as e:
+        if e.agreed:
+            _exit_together()
         if e.agreed and not _is_rank0():  # every rank raised it together: rank 0 says it (see above)
             time.sleep(QUIET_RANK_EXIT_DELAY_S)
         else:

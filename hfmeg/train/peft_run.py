@@ -8,7 +8,9 @@
 - Checkpoints hold each rank's adapter shard in place of its model shard, and (in
   `adapter.json` and the trainer state) the base's reference: `model.path` and the sha256 of its weight files
   (`base_fingerprint`, computed by rank 0). A resume against a base whose hash changed
-  is refused in one line on every rank.
+  is refused in one line on every rank, and so is one with other `peft.*` settings (`check_resume_settings`,
+  a change of method named as such) or a damaged shard (`read_adapter_shard`: every rank checks its own file
+  and the folder's rank folders; the trainer agrees on the first error).
 - Export (rank 0, end of run): `<out>/adapter` is the PEFT adapter folder, `<out>/hf` the
   base with the adapters merged in.
 """
@@ -25,6 +27,7 @@ from ..checkpoint.load import check_layout
 from ..checkpoint.mp_layout import MPLayout
 from ..errors import CheckpointError
 from ..peft.adapter_files import (
+    SHARD_FILE,
     base_fingerprint,
     read_adapter_shard,
     read_peft_folder,
@@ -32,9 +35,35 @@ from ..peft.adapter_files import (
 )
 from ..peft.adapters import attach, initialise
 from ..peft.config import PeftConfig
-from ..peft.export import export_checkpoint, write_info
+from ..peft.export import INFO_FILE, export_checkpoint, is_adapter_checkpoint, read_info, write_info
 
 ADAPTER_DIR = "adapter"
+# The peft.* settings that shape or scale the adapters: a resume must keep them (dropout may change).
+RESUME_SETTINGS = ("r", "alpha", "target_modules", "use_rslora", "modules_to_save")
+
+
+def check_resume_settings(resume: Path, cfg: PeftConfig) -> None:
+    """Refuse, naming the setting, a resume whose `peft.*` differs from the run that saved `resume`: a full
+    fine-tune's checkpoint resumed with adapters or back (peft.method), or other ranks, targets, scale."""
+    if not is_adapter_checkpoint(resume):
+        if any(resume.glob(f"mp_rank_*/{SHARD_FILE}")):
+            raise CheckpointError(f"{resume / INFO_FILE}: missing; the checkpoint holds adapter shards but not their "
+                                  "settings and base")
+        if cfg.enabled:
+            raise CheckpointError(f"peft.method: {resume} was saved by a full fine-tune (peft.method none), but this "
+                                  f"run trains {cfg.method} adapters; resume with --peft none, or train adapters on "
+                                  "its model in another --out (--model it)")
+        return
+    saved, _ = read_info(resume)
+    if saved.method != cfg.method:
+        how = f"this run trains {cfg.method} adapters" if cfg.enabled else "this run is a full fine-tune"
+        raise CheckpointError(f"peft.method: {resume} was saved by a {saved.method} run (adapters on a frozen base, "
+                              f"{INFO_FILE}), but {how}; resume with --peft {saved.method}")
+    for name in RESUME_SETTINGS:
+        was, now = getattr(saved, name), getattr(cfg, name)
+        if (sorted(was) != sorted(now)) if isinstance(was, list) else was != now:
+            raise CheckpointError(f"peft.{name}: {resume / INFO_FILE} was saved with {was!r}, this run has {now!r}; "
+                                  "resume with the checkpoint's peft settings, or start a new run in another --out")
 
 
 class PeftRun:
@@ -53,10 +82,11 @@ class PeftRun:
         for chunk in chunks:
             attach(chunk, self.cfg)
             initialise(chunk, self.cfg, self.seed, None if resume is not None else self.init_tensors)
-        if resume is not None:
+        if resume is not None:  # every rank checks the folder's ranks and its own shard; the trainer agrees
             layout = MPLayout.read(resume)
             check_layout(layout, ps, resume)
-            read_adapter_shard(chunks, resume / layout.rank_dir(ps.tp_rank, ps.pp_rank))
+            layout.check_rank_dirs(resume)
+            read_adapter_shard(chunks, resume / layout.rank_dir(ps.tp_rank, ps.pp_rank), ps.tp_rank)
 
     def base_reference(self, ps, saved: dict | None) -> dict:
         """The base's reference for the trainer state; refuses (on every rank) a base that changed since `saved`."""

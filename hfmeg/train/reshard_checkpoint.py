@@ -15,8 +15,11 @@
   form global batch k does not depend on the layout.
 A LoRA/DoRA checkpoint (adapter shards, `adapter.json`) moves only its adapters and their optimizer
 state (`_reshard_adapters`); the base it references is not in it.
-Per-rank RNG states are not carried (the ranks are not the same ones); the resumed
-ranks keep their seeded state, which a run without dropout does not use.
+Per-rank RNG states (what LoRA dropout draws from) are carried where that keeps the resume exact
+(`_carry_rng`): the TP ranks of one pipeline stage and DP/CP index draw the same masks (`peft/adapters.py`
+`InputDropout`) from one state, so at another TP size each new rank takes its stage's state, for the same
+DP x CP size. At another pipeline split each stage would draw for other layers: no state is written, and the
+resumed run says in one line that its dropout masks differ from the uninterrupted run's.
 Memory: one old pipeline stage's state of one kind, plus one new rank's.
 """
 
@@ -46,10 +49,10 @@ from ..checkpoint.st_stream import read_tensor
 from ..errors import CheckpointError
 from ..models.shared_layers import shared_name
 from ..optim.state_io import STATE, read_meta
-from ..peft.adapter_files import assemble
+from ..peft.adapter_files import assemble, check_adapter_shards
 from ..peft.export import INFO_FILE, is_adapter_checkpoint, read_info
 from ..peft.layout_shards import local_tensors, rank_adapters, write_layout_shards
-from .checkpointing import OPTIM_DIR, STATE_FILE, read_trainer_state
+from .checkpointing import OPTIM_DIR, RNG_DIR, STATE_FILE, read_trainer_state, rng_file_name
 
 
 def _stage_state(folder: Path, pp_rank: int, tp: int, state: str) -> list[dict[str, torch.Tensor]]:
@@ -134,6 +137,25 @@ def _save_optimizer_shard(iter_dir: Path, p: int, t: int, layout: MPLayout, old_
                  {"hfmeg_optimizer": json.dumps(meta)})
 
 
+def _carry_rng(folder: Path, old: MPLayout, new: MPLayout, iter_dir: Path) -> None:
+    """Write `iter_dir/rng/` for `new` from `folder`'s, when the pipeline split is the same (module docstring);
+    the DP x CP size is the one the old files imply, which the resumed run must keep to use them."""
+    files = sorted((folder / RNG_DIR).glob("rank_*.json"))
+    if (old.pp, old.vpp, old.pp_layers) != (new.pp, new.vpp, new.pp_layers) or not files \
+            or len(files) % (old.tp * old.pp):
+        return
+    replicas = len(files) // (old.tp * old.pp)  # DP x CP
+    (iter_dir / RNG_DIR).mkdir()
+    for p in range(new.pp):
+        for m in range(replicas):
+            src = folder / RNG_DIR / rng_file_name(old.tp * (m + replicas * p))  # TP rank 0 of (m, p)
+            if not src.is_file():
+                raise CheckpointError(f"{src}: missing; {folder / RNG_DIR} holds {len(files)} RNG states, not "
+                                      "one per rank")
+            for t in range(new.tp):
+                shutil.copyfile(src, iter_dir / RNG_DIR / rng_file_name(t + new.tp * (m + replicas * p)))
+
+
 def _reshard_adapters(folder: Path, out: str | Path, *, tp: int, pp: int, vpp: int, pp_layers: list[int] | None,
                       overwrite: bool) -> Path:
     """A LoRA training checkpoint at TP x PP (x VPP): its adapter shards and their optimizer state.
@@ -143,9 +165,9 @@ def _reshard_adapters(folder: Path, out: str | Path, *, tp: int, pp: int, vpp: i
     (`adapter_files.assemble`), its fp32 master and moments likewise (the old ranks' DP pieces joined by
     name, then the TP slices by the same split kinds), and all of them are cut for the new ranks by the
     trainer's own adapter code (`peft/layout_shards.py`). Values are moved, never recomputed."""
-    old = MPLayout.read(folder)
-    model_cfg = load_model_config(folder / HF_DIR)
     cfg, _ = read_info(folder)
+    old = check_adapter_shards(folder, cfg)
+    model_cfg = load_model_config(folder / HF_DIR)
     with config_errors_name(folder / HF_DIR):
         layout = MPLayout.build(model_cfg, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers,
                                 vocab_multiple=old.vocab_multiple, dtype=old.dtype, iteration=old.iteration)
@@ -181,7 +203,8 @@ def _reshard_adapters(folder: Path, out: str | Path, *, tp: int, pp: int, vpp: i
         layout.write(iter_dir)
         copy_hf_side_files(folder / HF_DIR, iter_dir / HF_DIR)
         for name in (STATE_FILE, INFO_FILE):
-            shutil.copy2(folder / name, iter_dir / name)
+            shutil.copyfile(folder / name, iter_dir / name)
+        _carry_rng(folder, old, layout, iter_dir)
         write_latest(tmp, layout.iteration)
     return Path(out)
 
@@ -205,7 +228,8 @@ def reshard_training_checkpoint(mp: str | Path, out: str | Path, *, tp: int, pp:
 
     def extra(iter_dir: Path) -> None:
         _write_optimizer(source, layout, iter_dir)
-        shutil.copy2(state_file, iter_dir / STATE_FILE)
+        shutil.copyfile(state_file, iter_dir / STATE_FILE)
+        _carry_rng(source.folder, source.layout, layout, iter_dir)
 
     return write_mp_checkpoint(source, source.cfg, layout, source.hf_dir, out, dtype=parse_dtype(dtype),
                                overwrite=overwrite, inputs=(Path(mp),), extra=extra)

@@ -63,10 +63,11 @@ from ..parallel.pipeline import forward_backward
 from ..parallel.state import ParallelState, join_world
 from ..plan.flops import mfu, peak_flops
 from .auto_layout import LayoutReport, resolve_layout
-from .checkpointing import HF_SOURCE_DIR, STATE_FILE, RunCheckpoints, load_trainer_state, read_trainer_state
+from .checkpointing import (HF_SOURCE_DIR, STATE_FILE, RunCheckpoints, load_trainer_state, read_trainer_state,
+                            rng_not_restored)
 from .config import TrainConfig
 from .metrics import METRICS_FILE, MetricsLog, last_losses, read_metrics, tensorboard_available
-from .peft_run import PeftRun
+from .peft_run import PeftRun, check_resume_settings
 from .rng import seed_all
 from .run_lock import LOCK_FILE, lock_run
 from .stop import GracefulStop, LauncherWatch
@@ -158,6 +159,8 @@ class Trainer:
             saved = read_trainer_state(self.resume_dir) if self.resume_dir is not None else {}
             self.step = saved.get("step", 0)
             self.peft = PeftRun(cfg.peft, cfg.model.path, cfg.train.seed) if cfg.peft.enabled else None
+            if self.resume_dir is not None:  # a changed peft.* is named as such, not as a file it lacks
+                check_resume_settings(self.resume_dir, self.peft.cfg if self.peft is not None else cfg.peft)
             self.chunks, hf_side_dir = self._load_model(self.resume_dir)
             if self.peft is not None:  # before the optimizer: only the adapters are trainable
                 self.peft.prepare(self.chunks, self.ps, self.resume_dir)
@@ -193,6 +196,10 @@ class Trainer:
             agree(error, self.ps.device)
             if self.is_logger:
                 print(f"resuming from {self.resume_dir} (step {self.step})")
+                not_restored = rng_not_restored(self.resume_dir, dist.get_world_size())
+                if not_restored and self.peft is not None and self.peft.cfg.dropout > 0:
+                    print(f"resume not exact: {not_restored}; peft.dropout {self.peft.cfg.dropout} draws other masks "
+                          "than the uninterrupted run from here on", flush=True)
         self.model_cfg = self.chunks[0].cfg
         self.peak = peak_flops(self.ps.device)
 
