@@ -1,12 +1,13 @@
 """Model card and Hub upload for an exported HF folder.
 
 The card is written to be published: its title is the Hub repo's name when pushing
-(else the base model's name + "fine-tuned"); the base model and the datasets appear
-as Hub ids when they came from the Hub (and then in the front matter the Hub links),
-local paths only by their final name, so no absolute local path is ever written; the
-license is carried from the base model's own card or config when one is known
-locally (no network). A run that diverged is marked as such and its numbers are not
-presented as a result.
+(else the base model's name + "fine-tuned"); its front matter is `huggingface_hub.ModelCardData`
+(the Hub's field names): `base_model` and `base_model_relation` (finetune / adapter) when the base
+has a Hub id (a local folder has none, and the Hub accepts only repo ids there), the datasets
+with Hub ids, the base's license when one is known locally (no network), `pipeline_tag` and
+`library_name`. Local paths appear only by their final name, so no absolute local path is ever
+written. The text says how the run trained (method, layout, dtype, prompt format) and what it
+measured; a run that diverged is marked as such and its numbers are not presented as a result.
 
 The upload goes through `huggingface_hub.HfApi` (`create_repo` + `upload_folder`).
 The token is whatever huggingface_hub finds (`HF_TOKEN`, `hf auth login`
