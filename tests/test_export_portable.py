@@ -28,6 +28,7 @@ from hfmeg.data import SourceConfig
 from hfmeg.data.formats import Formatter
 from hfmeg.parallel.launch import spawn
 from hfmeg.peft.adapter_files import CONFIG_FILE, WEIGHTS_FILE
+from hfmeg.peft.export import read_info
 from hfmeg.train.dataclass_io import ConfigError
 from hfmeg.train.validate import validate
 
@@ -48,6 +49,8 @@ def test_a_moved_adapter_loads_from_another_directory(stories_lora, tmp_path, mo
     run = Path.cwd() / "run"
     config = json.loads((run / "adapter" / CONFIG_FILE).read_text())
     assert config["base_model_name_or_path"] == str(Path.cwd() / "models" / "stories260K")
+    ckpt = sorted((run / "checkpoints").glob("iter_*"))[-1]  # so the converters find the base from anywhere too
+    assert read_info(ckpt)[1]["path"] == config["base_model_name_or_path"]
     moved = tmp_path / "elsewhere" / "my-adapter"
     shutil.move(run / "adapter", moved)
     (tmp_path / "other").mkdir()

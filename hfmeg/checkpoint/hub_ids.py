@@ -30,6 +30,11 @@ def hub_id(path: str) -> str | None:
     return None
 
 
+def absolute(path: str) -> str:
+    """`path` as any working directory finds it: a local path made absolute (symlinks kept), a Hub id as is."""
+    return os.path.abspath(os.path.expanduser(path)) if is_local(path) else path
+
+
 def portable_name(path: str) -> str:
-    """`path` as any working directory finds it: its Hub id, else its absolute path (symlinks kept)."""
-    return hub_id(path) or os.path.abspath(os.path.expanduser(path))
+    """`path` as any working directory or machine finds it: its Hub id, else its absolute path."""
+    return hub_id(path) or absolute(path)

@@ -6,11 +6,11 @@
   resumed checkpoint's shards, else from `peft.init_from` (a PEFT adapter folder, whose
   method (LoRA or DoRA), r, alpha, targets, rslora and modules_to_save then rule), else fresh (A drawn from `train.seed`, B = 0).
 - Checkpoints hold each rank's adapter shard in place of its model shard, and (in
-  `adapter.json` and the trainer state) the base's reference: `model.path` and the sha256 of its weight files
-  (`base_fingerprint`, computed by rank 0). A resume against a base whose hash changed
-  is refused in one line on every rank.
-- Export (rank 0, end of run): `<out>/adapter` is the PEFT adapter folder, `<out>/hf` the
-  base with the adapters merged in.
+  `adapter.json` and the trainer state) the base's reference: `model.path` (absolute when local)
+  and the sha256 of its weight files (`base_fingerprint`, computed by rank 0). A resume against
+  a base whose hash changed is refused in one line on every rank.
+- Export (rank 0, end of run): `<out>/adapter` is the PEFT adapter folder, naming its base by Hub id
+  or absolute path (`write_peft_folder`), `<out>/hf` the base with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..checkpoint.hub_ids import absolute
 from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.load import check_layout
 from ..checkpoint.mp_layout import MPLayout
@@ -63,7 +64,8 @@ class PeftRun:
         ref = [None]
         if ps.rank == 0:
             folder = resolve_hf_source(self.base)
-            ref[0] = {"path": self.base, "sha256": base_fingerprint(folder)}
+            # absolute: the converters read the base from the checkpoint, from whatever directory they run in
+            ref[0] = {"path": absolute(self.base), "sha256": base_fingerprint(folder)}
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(ref, src=0)
         if saved is not None and saved.get("sha256") != ref[0]["sha256"]:
