@@ -27,6 +27,7 @@ from huggingface_hub import HfApi, ModelCardData, try_to_load_from_cache
 from .checkpoint.hub_ids import hub_id, is_local
 from .errors import HfmegError
 
+
 def public_name(path: str) -> str:
     """What a card may say about `path`: its Hub id, else only its final name (never a local path)."""
     return hub_id(path) or Path(path).name or path
@@ -97,7 +98,7 @@ def _layout(layout: dict[str, Any]) -> str:
     return ", ".join([grid, *extras]) + (f"; optimizer mode {layout['optimizer']}" if "optimizer" in layout else "")
 
 
-def card_metadata(*, base_model: str, data: list[str], from_scratch: bool, adapter: bool,
+def _card_metadata(*, base_model: str, data: list[str], from_scratch: bool, adapter: bool,
                   method: str = "lora") -> ModelCardData:
     """The front matter the Hub reads: base model and relation (it builds the model tree from them), data sets,
     license, pipeline and library (`huggingface_hub.ModelCardData`, so the Hub's own field names)."""
@@ -127,7 +128,7 @@ def write_model_card(folder: Path, *, base_model: str, data: list[str], config: 
     base = public_name(base_model)
     loss = metrics.get("loss")
     diverged = diverged or (isinstance(loss, float) and not math.isfinite(loss))
-    meta = card_metadata(base_model=base_model, data=data, from_scratch=from_scratch, adapter=adapter,
+    meta = _card_metadata(base_model=base_model, data=data, from_scratch=from_scratch, adapter=adapter,
                          method=getattr(peft, "method", "lora"))
     shown = _public_config(config)
     if dtype and isinstance(shown.get("model"), dict):
