@@ -6,6 +6,10 @@ VENV        ?= .venv
 PY          := $(VENV)/bin/python
 TORCH_SPEC  ?= torch==2.13.0
 STAMP       := $(VENV)/.hfmeg-installed
+# the lowest transformers pyproject.toml allows, without torch: tests/test_tokenizer_lowest.py loads hfmeg's tokenizers with it
+LOWEST_VENV ?= .venv-lowest
+LOWEST_SPEC := $(shell sed -nE 's/^ *"transformers>=([0-9.]+).*/transformers==\1/p' pyproject.toml) jinja2
+LOWEST_STAMP := $(LOWEST_VENV)/.installed
 
 .PHONY: help demo test lint clean
 
@@ -25,11 +29,17 @@ demo: $(STAMP)  ## fine-tune a tiny LLaMA TP=2 x PP=2 on 4 CPU processes, export
 	@echo "hfmeg and its commands (accelerate, torchrun) live in $(VENV): run '. $(VENV)/bin/activate' first,"
 	@echo "or call them as $(VENV)/bin/accelerate, $(VENV)/bin/torchrun, $(VENV)/bin/python"
 
-test: $(STAMP)  ## the test suite (CPU; tests marked gpu run after the others when CUDA is there)
+$(LOWEST_STAMP): pyproject.toml
+	@echo "creating $(LOWEST_VENV) with $(LOWEST_SPEC) (no torch, about 250 MB) for tests/test_tokenizer_lowest.py"
+	@test -x $(LOWEST_VENV)/bin/python || python3 -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install -q $(LOWEST_SPEC)
+	@touch $(LOWEST_STAMP)
+
+test: $(STAMP) $(LOWEST_STAMP)  ## the test suite (CPU; tests marked gpu run after the others when CUDA is there)
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)  ## ruff over hfmeg, tests, tools, recipes and data (rules in pyproject.toml [tool.ruff])
 	$(PY) -m ruff check hfmeg tests tools recipes data
 
-clean:  ## remove .venv and out/
-	rm -rf $(VENV) out
+clean:  ## remove .venv, .venv-lowest and out/
+	rm -rf $(VENV) $(LOWEST_VENV) out

@@ -1,47 +1,31 @@
 """Model card and Hub upload for an exported HF folder.
 
 The card is written to be published: its title is the Hub repo's name when pushing
-(else the base model's name + "fine-tuned"); the base model and the datasets appear
-as Hub ids when they came from the Hub (and then in the front matter the Hub links),
-local paths only by their final name, so no absolute local path is ever written; the
-license is carried from the base model's own card or config when one is known
-locally (no network). A run that diverged is marked as such and its numbers are not
-presented as a result.
+(else the base model's name + "fine-tuned"); its front matter is `huggingface_hub.ModelCardData`
+(the Hub's field names): `base_model` and `base_model_relation` (finetune / adapter) when the base
+has a Hub id (a local folder has none, and the Hub accepts only repo ids there), the datasets
+with Hub ids, the base's license when one is known locally (no network), `pipeline_tag` and
+`library_name`. Local paths appear only by their final name, so no absolute local path is ever
+written. The text says how the run trained (method, layout, dtype, prompt format) and what it
+measured; a run that diverged is marked as such and its numbers are not presented as a result.
 
 The upload goes through `huggingface_hub.HfApi` (`create_repo` + `upload_folder`).
-The token is whatever huggingface_hub finds (`HF_TOKEN`, `huggingface-cli login`
-cache); hfmeg never reads, logs or writes it.
+The token is whatever huggingface_hub finds (`HF_TOKEN`, `hf auth login`
+cache); hfmeg never reads, logs or writes it. An adapter is pushed only when it names its base by Hub id.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
-from huggingface_hub import HfApi, try_to_load_from_cache
+from huggingface_hub import HfApi, ModelCardData, try_to_load_from_cache
 
-from .checkpoint.hub_source import REPO_ID
-
-# huggingface_hub's cache layout: .../models--<org>--<name>/snapshots/<commit>/
-_CACHED_SNAPSHOT = re.compile(r"(?:models|datasets)--(.+?)--(.+)")
-
-
-def _is_local(path: str) -> bool:
-    return Path(path).exists() or path.startswith(("/", ".", "~")) or any(c in path for c in "*?[")
-
-
-def hub_id(path: str) -> str | None:
-    """`path` as a Hub id: itself when it is one, the repo of a Hub cache snapshot folder, else None."""
-    if not _is_local(path) and REPO_ID.match(path):
-        return path
-    for part in reversed(Path(path).parts):
-        if m := _CACHED_SNAPSHOT.fullmatch(part):
-            return f"{m[1]}/{m[2]}"
-    return None
+from .checkpoint.hub_ids import hub_id, is_local
+from .errors import HfmegError
 
 
 def public_name(path: str) -> str:
@@ -86,7 +70,7 @@ def _public_config(value: Any) -> Any:
         return {k: _public_config(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_public_config(v) for v in value]
-    if isinstance(value, str) and ("/" in value or value.startswith("~")) and _is_local(value):
+    if isinstance(value, str) and ("/" in value or value.startswith("~")) and is_local(value):
         return public_name(value)
     return value
 
@@ -95,38 +79,79 @@ def _cell(v: Any) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
+def _method(peft: Any, from_scratch: bool) -> str:
+    """The training method in words: `peft` is the run's effective `PeftConfig` (None: every weight trained)."""
+    if peft is None:
+        return "pretraining from random weights" if from_scratch else "full fine-tuning (every weight trained)"
+    name = "DoRA" if peft.method == "dora" else "LoRA"
+    extras = ", rsLoRA" if peft.use_rslora else ""
+    extras += f", modules saved whole: {', '.join(peft.modules_to_save)}" if peft.modules_to_save else ""
+    return (f"{name} (r {peft.r}, alpha {peft.alpha:g}, dropout {peft.dropout:g}{extras}) on "
+            f"{', '.join(peft.target_modules)}; the base weights frozen")
+
+
+def _layout(layout: dict[str, Any]) -> str:
+    """`{"tp", "pp", "dp", "cp", "ep", "sequence_parallel", "optimizer"}` in words."""
+    grid = " × ".join(f"{k.upper()} {layout[k]}" for k in ("tp", "pp", "dp", "cp") if k in layout)
+    extras = [f"EP {layout['ep']}"] if layout.get("ep", 1) > 1 else []
+    extras += ["sequence parallel"] if layout.get("sequence_parallel") else []
+    return ", ".join([grid, *extras]) + (f"; optimizer mode {layout['optimizer']}" if "optimizer" in layout else "")
+
+
+def _card_metadata(*, base_model: str, data: list[str], from_scratch: bool, adapter: bool,
+                  method: str = "lora") -> ModelCardData:
+    """The front matter the Hub reads: base model and relation (it builds the model tree from them), data sets,
+    license, pipeline and library (`huggingface_hub.ModelCardData`, so the Hub's own field names)."""
+    base = None if from_scratch else hub_id(base_model)
+    datasets = [d for d in dict.fromkeys(hub_id(p) for p in data) if d]
+    return ModelCardData(
+        base_model=base, base_model_relation=("adapter" if adapter else "finetune") if base else None,
+        datasets=datasets or None, license=None if from_scratch else base_license(base_model),
+        pipeline_tag="text-generation", library_name="peft" if adapter else "transformers",
+        tags=["hfmeg", "pretrained-from-scratch" if from_scratch else "fine-tuned"] + ([method] if adapter else []))
+
+
 def write_model_card(folder: Path, *, base_model: str, data: list[str], config: dict[str, Any],
                      metrics: dict[str, Any], repo_id: str | None = None, diverged: bool = False,
-                     from_scratch: bool = False, adapter: bool = False) -> Path:
+                     from_scratch: bool = False, adapter: bool = False, peft: Any = None,
+                     layout: dict[str, Any] | None = None, dtype: str | None = None,
+                     prompt_format: str | None = None) -> Path:
     """Write `README.md` with YAML front matter the Hub understands, plus the run's facts.
 
     `repo_id`: the Hub repo being pushed to (its name is the title); `diverged`: the run
     stopped on non-finite gradients (so does a non-finite final loss); `from_scratch`: the
     weights started random, and `base_model` only gave the architecture and tokenizer, so
     it is named as such and claimed neither as the base model nor for its license; `adapter`: the
-    folder is a PEFT adapter (LoRA/DoRA) that loads onto `base_model` with `peft`."""
+    folder is a PEFT adapter (LoRA/DoRA) that loads onto `base_model` with `peft`; `peft`: the run's
+    effective `PeftConfig` (None: full training); `layout`: see `_layout`; `dtype`: what the run computed
+    in (`config`'s `model.dtype` may say `auto`); `prompt_format`: the chat template trained with, in words."""
     base = public_name(base_model)
-    datasets = [d for d in dict.fromkeys(hub_id(p) for p in data) if d]
     loss = metrics.get("loss")
     diverged = diverged or (isinstance(loss, float) and not math.isfinite(loss))
-    meta: dict[str, Any] = {"library_name": "peft" if adapter else "transformers",
-                            "tags": ["hfmeg", "pretrained-from-scratch" if from_scratch else "fine-tuned"]
-                            + (["lora"] if adapter else [])}
-    if hub_id(base_model) and not from_scratch:
-        meta["base_model"] = hub_id(base_model)
-    if datasets:
-        meta["datasets"] = datasets
-    if not from_scratch and (license_ := base_license(base_model)):
-        meta["license"] = license_
+    meta = _card_metadata(base_model=base_model, data=data, from_scratch=from_scratch, adapter=adapter,
+                         method=getattr(peft, "method", "lora"))
+    shown = _public_config(config)
+    if dtype and isinstance(shown.get("model"), dict):
+        shown["model"]["dtype"] = dtype
     title = (repo_id or f"{base} {'from scratch' if from_scratch else 'fine-tuned'}").split("/")[-1]
-    lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "", f"# {title}", ""]
+    lines = ["---", meta.to_yaml(), "---", "", f"# {title}", ""]
     if diverged:
         lines += ["> **This run diverged** (non-finite loss or gradients): these weights are a snapshot for "
                   "inspection, not a usable fine-tuned model.", ""]
+    origin = "" if meta.base_model or from_scratch else " (a local folder, not a Hub repo, so no `base_model` is declared)"
     lines += [
-        (f"Pretrained from random weights with the architecture and tokenizer of **{base}**, "
-         if from_scratch else f"Fine-tuned from **{base}** ") + "with hfmeg "
-        "(Megatron-style TP/SP/PP with an overlapped distributed optimizer).",
+        (f"Pretrained from random weights with the architecture and tokenizer of **{base}**{origin}, "
+         if from_scratch else f"Fine-tuned from **{base}**{origin} ") + "with hfmeg "
+        "(Megatron-style TP/SP/PP with an overlapped distributed optimizer)"
+        + (f"; this folder is the {'DoRA' if getattr(peft, 'method', '') == 'dora' else 'LoRA'} adapter, "
+           "loaded onto the base with `peft`." if adapter else "."),
+        "",
+        "## Training",
+        "",
+        f"- method: {_method(peft, from_scratch)}",
+        *([f"- layout: {_layout(layout)}"] if layout else []),
+        *([f"- dtype: {dtype}"] if dtype else []),
+        *([f"- prompt format: {prompt_format}"] if prompt_format else []),
         "",
         "## Data",
         *[f"- `{public_name(d)}`" for d in data],
@@ -140,7 +165,7 @@ def write_model_card(folder: Path, *, base_model: str, data: list[str], config: 
         "## Training configuration",
         "",
         "```json",
-        json.dumps(_public_config(config), indent=2, default=str),
+        json.dumps(shown, indent=2, default=str),
         "```",
         "",
         "## Use",
@@ -167,9 +192,22 @@ def _adapter_use(base_model: str, repo_id: str | None) -> list[str]:
             f'tokenizer = AutoTokenizer.from_pretrained("{base}")']
 
 
+class PushRefused(HfmegError):
+    """The folder would be useless or leak a local path on the Hub."""
+
+
 def push_to_hub(folder: Path, repo_id: str, *, private: bool = False, api: HfApi | None = None,
                 commit_message: str = "Upload model trained with hfmeg") -> str:
-    """Create `repo_id` if needed and upload `folder`; returns the commit URL."""
+    """Create `repo_id` if needed and upload `folder`; returns the commit URL.
+
+    A PEFT adapter folder is refused (before anything is sent) unless its `adapter_config.json` names
+    the base by Hub id: a local path would point nowhere for anyone who downloads it."""
+    config = Path(folder) / "adapter_config.json"
+    if config.is_file():
+        base = json.loads(config.read_text()).get("base_model_name_or_path") or ""
+        if hub_id(base) != base:
+            raise PushRefused(f"{config}: base_model_name_or_path {base!r} is not a Hub id, so the pushed adapter "
+                              "would name a base no one else can load; train on the base by its Hub id")
     api = api or HfApi()
     api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
     info = api.upload_folder(repo_id=repo_id, repo_type="model", folder_path=str(folder),

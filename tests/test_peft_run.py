@@ -1,5 +1,6 @@
 """LoRA runs of the trainer around the numerics: bit-exact resume (also at another DP size) and a changed
-base refused, optimizer bytes only for adapters, one-line config errors, the recipe, the Hub upload.
+base refused, optimizer bytes only for adapters, one-line config errors, the recipe (the Hub upload is
+test_export_portable.py's).
 
 The base and the starting adapter are conftest's `stories_lora`; the run config is test_peft_train.py's.
 """
@@ -10,7 +11,6 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -23,7 +23,6 @@ from hfmeg.errors import HfmegError
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.optim.distributed_optimizer import DistributedOptimizer
 from hfmeg.parallel.launch import spawn
-from hfmeg.peft.adapter_files import WEIGHTS_FILE
 from hfmeg.peft.adapters import attach, initialise
 from hfmeg.peft.config import PeftConfig
 from hfmeg.train.validate import load_config
@@ -113,20 +112,3 @@ def test_recipe_refuses_a_bad_rank_in_one_line(stories_lora, tmp_path):
                            "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: peft.r: must be an integer >= 1, got 0"], proc.stderr
-
-
-def test_push_to_hub_uploads_the_adapter_with_a_card_naming_the_base(stories_lora, tmp_path, monkeypatch):
-    import hfmeg.hub
-    from test_train import _FakeHfApi
-
-    base, adapter0 = stories_lora
-    _FakeHfApi.log = tmp_path / "calls.jsonl"
-    monkeypatch.setattr(hfmeg.hub, "HfApi", _FakeHfApi)
-    cfg = _config(tmp_path / "run", base, adapter0, steps=2)
-    cfg.hub.push_to_hub = "me/tiny-lora"
-    spawn(_run, 1, cfg)
-    upload = [json.loads(line) for line in _FakeHfApi.log.read_text().splitlines()][1]
-    assert Path(upload["folder_path"]) == tmp_path / "run" / "adapter"
-    assert {"README.md", "adapter_config.json", WEIGHTS_FILE} <= set(upload["files"])
-    card = (tmp_path / "run" / "adapter" / "README.md").read_text()
-    assert "library_name: peft" in card and 'PeftModel.from_pretrained(base, "me/tiny-lora")' in card

@@ -234,3 +234,6 @@ def test_pretrain_recipe_on_text(tmp_path):
     # Text: every position has a target except each document's last token (nothing follows it).
     assert len(rows) == 3 and 0.95 * 4 * 128 < rows[0]["tokens"] < 4 * 128
     assert json.loads((out / "train_config.json").read_text())["data"]["format"] == "text"
+    # plain text trains with no chat template, so the export records none (and its card says so)
+    assert "chat_template" not in json.loads((out / "hf" / "tokenizer_config.json").read_text())
+    assert "- prompt format: plain text, no chat template" in (out / "hf" / "README.md").read_text()

@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MixtralConfig, PreTrainedTokenizerFast
 
+from hfmeg.checkpoint.tokenizer_files import save_tokenizer
 from hfmeg.data import DEFAULT_CHAT_TEMPLATE, DataConfig, SourceConfig
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.optim.lr_schedule import LRScheduleConfig
@@ -44,7 +45,7 @@ def build_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
     tok.train_from_iterator(texts + ["### Instruction:\n", "### Response:\n"], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = DEFAULT_CHAT_TEMPLATE
-    fast.save_pretrained(folder)
+    save_tokenizer(fast, folder)  # loadable by transformers 4.x too
     return fast
 
 

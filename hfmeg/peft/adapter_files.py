@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 
 from ..checkpoint.atomic import atomic_output_dir, save_tensors
 from ..checkpoint.convert import load_model_config
+from ..checkpoint.hub_ids import portable_name
 from ..checkpoint.mp_layout import HF_DIR, MPLayout
 from ..errors import CheckpointError, UnsupportedConfigError
 from ..models.decoder import ModelChunk
@@ -228,13 +229,17 @@ GATE_UP_PATTERN = r".*\.gate_up_proj"  # peft's rank/alpha pattern key for the f
 
 def write_peft_folder(out: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig, base: str, *,
                       overwrite: bool = True) -> Path:
-    """Write a PEFT adapter folder atomically; `base` is the Hub id or folder of the base model."""
+    """Write a PEFT adapter folder atomically; `base` is the Hub id or folder of the base model.
+
+    The folder names its base as any working directory finds it (`portable_name`: the Hub id, also of a
+    folder in the HF cache, else the absolute path), so `AutoPeftModelForCausalLM` loads it from anywhere."""
     # the projection of each A (a DoRA magnitude's key is one part shorter: `...q_proj.lora_magnitude_vector`)
     targets = sorted({k.split(".")[-3] for k in tensors if k.endswith(".lora_A.weight")} & set(QWEN2_MOE_TARGETS))
     moe = any(".mlp.experts." in k or ".mlp.gate.lora_" in k for k in tensors)  # not a router in modules_to_save
     params = cfg.moe_targets()[1] if moe else ()
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
-        (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(cfg, base, targets, params), indent=2) + "\n")
+        config = adapter_config(cfg, portable_name(base), targets, params)
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_tensors({k: v.contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE, {"format": "pt"})
     return Path(out)
 def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]:

@@ -6,13 +6,13 @@
   resumed checkpoint's shards, else from `peft.init_from` (a PEFT adapter folder, whose
   method (LoRA or DoRA), r, alpha, targets, rslora and modules_to_save then rule), else fresh (A drawn from `train.seed`, B = 0).
 - Checkpoints hold each rank's adapter shard in place of its model shard, and (in
-  `adapter.json` and the trainer state) the base's reference: `model.path` and the sha256 of its weight files
-  (`base_fingerprint`, computed by rank 0). A resume against a base whose hash changed
+  `adapter.json` and the trainer state) the base's reference: `model.path` (absolute when local) and the sha256
+  of its weight files (`base_fingerprint`, computed by rank 0). A resume against a base whose hash changed
   is refused in one line on every rank, and so is one with other `peft.*` settings (`check_resume_settings`,
   a change of method named as such) or a damaged shard (`read_adapter_shard`: every rank checks its own file
   and the folder's rank folders; the trainer agrees on the first error).
-- Export (rank 0, end of run): `<out>/adapter` is the PEFT adapter folder, `<out>/hf` the
-  base with the adapters merged in.
+- Export (rank 0, end of run): `<out>/adapter` is the PEFT adapter folder, naming its base by Hub id
+  or absolute path (`write_peft_folder`), `<out>/hf` the base with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..checkpoint.hub_ids import absolute
 from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.load import check_layout
 from ..checkpoint.mp_layout import MPLayout
@@ -93,7 +94,8 @@ class PeftRun:
         ref = [None]
         if ps.rank == 0:
             folder = resolve_hf_source(self.base)
-            ref[0] = {"path": self.base, "sha256": base_fingerprint(folder)}
+            # absolute: the converters read the base from the checkpoint, from whatever directory they run in
+            ref[0] = {"path": absolute(self.base), "sha256": base_fingerprint(folder)}
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(ref, src=0)
         if saved is not None and saved.get("sha256") != ref[0]["sha256"]:

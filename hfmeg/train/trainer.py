@@ -47,10 +47,12 @@ from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.convert import mp_to_hf
 from ..checkpoint.hf_reader import HFCheckpoint
 from ..checkpoint.load import load_chunks
-from ..checkpoint.mp_layout import HF_DIR, is_mp_folder, resolve_iteration_dir
+from ..checkpoint.mp_layout import DTYPES, HF_DIR, is_mp_folder, resolve_iteration_dir
 from ..checkpoint.mp_reader import MPCheckpoint
 from ..checkpoint.tensor_source import TensorSource
+from ..checkpoint.tokenizer_files import make_portable
 from ..data import build_data, build_eval_data
+from ..data.formats import Formatter
 from ..errors import CheckpointError, DataError, HfmegError
 from ..hub import push_to_hub, write_model_card
 from ..models.moe import expert_load
@@ -74,6 +76,7 @@ from .stop import GracefulStop, LauncherWatch
 from .summary import RunSummary
 
 
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # what the card says a run computed in
 EXPORT_RECORD = "export.json"  # {"step", "pushed_to"} of the finished export in <out>/hf
 
 
@@ -395,9 +398,22 @@ class Trainer:
         done = record == {"step": self.step, "pushed_to": self.cfg.hub.push_to_hub}
         return self.out / "hf" if done and (self.out / "hf" / "config.json").is_file() else None
 
+    def _prompt_format(self) -> tuple[str | None, str]:
+        """The chat template to record in the export's tokenizer config (None: nothing to add) and, for the
+        card, which one the run trained with: the tokenizer's own, hfmeg's default (`data/formats.py`, for a
+        tokenizer that has none, recorded then), or none for plain text."""
+        if all(self.cfg.data.fields_of(s)[0] == "text" for s in self.cfg.data.sources):
+            return None, "plain text, no chat template (none was used in training, none recorded)"
+        template = Formatter(self.cfg.data, self.tokenizer).template
+        if template == self.tokenizer.chat_template:
+            return None, "the base tokenizer's own chat template"
+        return template, ("hfmeg's default chat template (`### Instruction:` / `### Response:`), which the base "
+                          "tokenizer lacked; recorded as this tokenizer's `chat_template`")
+
     def export(self, checkpoint: Path | None) -> Path | None:
         """Rank 0 alone: convert the final checkpoint to `<out>/hf` (a LoRA run: also `<out>/adapter`), write
-        the model cards, push if asked (a LoRA run pushes its adapter).
+        the model cards, push if asked (a LoRA run pushes its adapter). The exported tokenizer records the chat
+        template the run trained with and loads with every transformers version hfmeg allows (`make_portable`).
 
         No collective may follow the final checkpoint (see the module docstring). Last, the
         export record names the step (and the Hub repo) it finished for: a run that dies before
@@ -419,8 +435,14 @@ class Trainer:
             final["eval_loss"] = evals[-1]["eval_loss"]
         final["skipped_steps"] = self.opt.skipped_steps
         m = self.cfg.model
+        template, prompt_format = self._prompt_format()
+        make_portable(hf, chat_template=template)  # the export loads with AutoTokenizer as training rendered
+        p = self.cfg.parallel
+        layout = dict(tp=p.tp, pp=p.pp, dp=self.ps.dp, cp=p.cp, ep=p.ep, sequence_parallel=p.sequence_parallel,
+                      optimizer=self.cfg.optim.mode)
         card = dict(base_model=m.source, data=[s.path for s in self.cfg.data.sources], config=self.cfg.to_dict(),
-                    metrics=final, repo_id=self.cfg.hub.push_to_hub)
+                    metrics=final, repo_id=self.cfg.hub.push_to_hub, peft=self.peft and self.peft.cfg,
+                    layout=layout, dtype=DTYPE_NAMES[self.dtype], prompt_format=prompt_format)
         write_model_card(hf, **card, from_scratch=m.init == "random")
         if adapter is not None:  # a LoRA run publishes its adapter, which names the base it loads onto
             write_model_card(adapter, **card, adapter=True)

@@ -3,7 +3,7 @@
 `validate(cfg, world_size)` checks every numeric field's range, the batch and layout
 arithmetic (or, with `parallel.layout: auto`, what contradicts the planner's choice),
 evaluation against eval data, `--resume`, a writable `--out`, and
-`--push-to-hub`'s repo id and token; it raises `ConfigError` with one line naming the
+`--push-to-hub`'s repo id and token (and, for a LoRA run, a base named by Hub id); it raises `ConfigError` with one line naming the
 field at the first problem and returns the warnings (e.g. a warm-up as long as the
 run). It reads no model or data and makes no network call, so
 `load_config` (the YAML file plus the command line's overrides, built and validated)
@@ -22,6 +22,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.hub_ids import hub_id
 from ..checkpoint.mp_layout import is_mp_folder
 from .config import AUTO_FIELDS, TrainConfig
 from .dataclass_io import ConfigError, build, load_yaml, set_dotted
@@ -188,6 +189,9 @@ def _hub(cfg: TrainConfig) -> None:
         validate_repo_id(repo)
     except HFValidationError as e:
         raise ConfigError(f"hub.push_to_hub: {repo!r} is not a valid Hub repo id ({str(e).splitlines()[0]})") from None
+    if cfg.peft.enabled and hub_id(cfg.model.path) is None:  # the adapter names its base; others must find it
+        raise ConfigError(f"hub.push_to_hub: a LoRA run pushes its adapter, which must name its base by Hub id, "
+                          f"but model.path {cfg.model.path} is a local folder; give model.path as the base's Hub id")
     if is_offline_mode():
         raise ConfigError("hub.push_to_hub: HF_HUB_OFFLINE is set, so the upload at the end would fail")
     if not get_token():
