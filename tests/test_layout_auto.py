@@ -10,7 +10,6 @@ import json
 import math
 import re
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +33,7 @@ from hfmeg.train.metrics import read_metrics
 from tiny_models import ASSETS
 
 ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
-SFT = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "sft_llama13b.yaml"
+SFT = cli.recipe_config("sft_llama13b")
 
 
 def _cfg(layers=4, hidden=64):

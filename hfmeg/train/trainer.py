@@ -43,8 +43,6 @@ import torch.distributed as dist
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoTokenizer
 
-from ..checkpoint.atomic import write_text_atomic
-from ..checkpoint.convert import mp_to_hf
 from ..checkpoint.hf_reader import HFCheckpoint
 from ..checkpoint.load import load_chunks
 from ..checkpoint.mp_layout import HF_DIR, is_mp_folder, resolve_iteration_dir
@@ -52,7 +50,6 @@ from ..checkpoint.mp_reader import MPCheckpoint
 from ..checkpoint.tensor_source import TensorSource
 from ..data import build_data, build_eval_data
 from ..errors import CheckpointError, DataError, HfmegError
-from ..hub import push_to_hub, write_model_card
 from ..models.moe import expert_load
 from ..models.random_init import random_hf_model
 from ..models.shared_layers import share_layers, shared_name
@@ -65,7 +62,9 @@ from ..plan.flops import mfu, peak_flops
 from .auto_layout import LayoutReport, resolve_layout
 from .checkpointing import HF_SOURCE_DIR, STATE_FILE, RunCheckpoints, load_trainer_state, read_trainer_state
 from .config import TrainConfig
-from .metrics import METRICS_FILE, MetricsLog, last_losses, read_metrics, tensorboard_available
+from .dataclass_io import to_yaml
+from .export import EXPORT_RECORD, export_run
+from .metrics import METRICS_FILE, MetricsLog, last_losses, tensorboard_available
 from .peft_run import PeftRun
 from .rng import seed_all
 from .run_lock import LOCK_FILE, lock_run
@@ -73,7 +72,7 @@ from .stop import GracefulStop, LauncherWatch
 from .summary import RunSummary
 
 
-EXPORT_RECORD = "export.json"  # {"step", "pushed_to"} of the finished export in <out>/hf
+CONFIG_FILE = "config.yaml"  # the config the run trains with, as `hfmeg train --print-config` prints one
 
 
 class TrainingDiverged(HfmegError):
@@ -274,8 +273,8 @@ class Trainer:
     def _train(self) -> RunSummary:
         cfg, ps = self.cfg, self.ps
         if self.is_logger:
-            (self.out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
-            print(json.dumps(cfg.to_dict(), indent=2, default=str))
+            (self.out / CONFIG_FILE).write_text(to_yaml(cfg))
+            print(f"config: {self.out / CONFIG_FILE}", flush=True)
         summary = RunSummary(self.out, self.step, self.step, cfg.train.max_steps)
         metrics = MetricsLog(self.out, cfg.train.max_steps, self.step, cfg.tensorboard) if self.is_logger else None
         check = None if self.prediction is None else LayoutReport(self.prediction, self.step, cfg.train.max_steps,
@@ -389,37 +388,8 @@ class Trainer:
         return self.out / "hf" if done and (self.out / "hf" / "config.json").is_file() else None
 
     def export(self, checkpoint: Path | None) -> Path | None:
-        """Rank 0 alone: convert the final checkpoint to `<out>/hf` (a LoRA run: also `<out>/adapter`), write
-        the model cards, push if asked (a LoRA run pushes its adapter).
-
-        No collective may follow the final checkpoint (see the module docstring). Last, the
-        export record names the step (and the Hub repo) it finished for: a run that dies before
-        it is exported again by the next run on this `<out>` (`_unexported_final`)."""
+        """Rank 0 alone: `export_run` of the final checkpoint (`<out>/hf`, a LoRA run's `<out>/adapter`, the cards,
+        the push if asked). No collective may follow the final checkpoint (see the module docstring)."""
         if checkpoint is None:
             return None
-        hf, adapter = self.out / "hf", None
-        (self.out / EXPORT_RECORD).unlink(missing_ok=True)
-        if self.peft is not None:
-            adapter, hf = self.peft.export(checkpoint, self.out)
-            print(f"LoRA adapter (PEFT format): {adapter}; merged model: {hf}")
-        else:
-            mp_to_hf(checkpoint, hf, overwrite=True)
-        logged = read_metrics(self.out / METRICS_FILE)
-        rows = [r for r in logged if "loss" in r]
-        final = {k: rows[-1][k] for k in ("step", "loss", "grad_norm", "tokens_per_s")} if rows else {}
-        evals = [r for r in logged if "eval_loss" in r]
-        if evals:
-            final["eval_loss"] = evals[-1]["eval_loss"]
-        final["skipped_steps"] = self.opt.skipped_steps
-        m = self.cfg.model
-        card = dict(base_model=m.source, data=[s.path for s in self.cfg.data.sources], config=self.cfg.to_dict(),
-                    metrics=final, repo_id=self.cfg.hub.push_to_hub)
-        write_model_card(hf, **card, from_scratch=m.init == "random")
-        if adapter is not None:  # a LoRA run publishes its adapter, which names the base it loads onto
-            write_model_card(adapter, **card, adapter=True)
-        if self.cfg.hub.push_to_hub:
-            url = push_to_hub(adapter or hf, self.cfg.hub.push_to_hub, private=self.cfg.hub.private)
-            print(f"pushed to {url}")
-        record = {"step": self.step, "pushed_to": self.cfg.hub.push_to_hub}
-        write_text_atomic(self.out / EXPORT_RECORD, json.dumps(record))
-        return hf
+        return export_run(self.out, checkpoint, self.cfg, step=self.step, skipped_steps=self.opt.skipped_steps)

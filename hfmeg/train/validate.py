@@ -177,22 +177,25 @@ def _out(cfg: TrainConfig) -> None:
 
 
 def _hub(cfg: TrainConfig) -> None:
+    if cfg.hub.push_to_hub:
+        check_push_target(cfg.hub.push_to_hub)
+
+
+def check_push_target(repo: str) -> None:
+    """`repo` is a valid Hub repo id and a token is there to upload with (offline: no network call)."""
     from huggingface_hub import get_token
     from huggingface_hub.constants import is_offline_mode
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    repo = cfg.hub.push_to_hub
-    if not repo:
-        return
     try:
         validate_repo_id(repo)
     except HFValidationError as e:
         raise ConfigError(f"hub.push_to_hub: {repo!r} is not a valid Hub repo id ({str(e).splitlines()[0]})") from None
     if is_offline_mode():
-        raise ConfigError("hub.push_to_hub: HF_HUB_OFFLINE is set, so the upload at the end would fail")
+        raise ConfigError("hub.push_to_hub: HF_HUB_OFFLINE is set, so the upload would fail")
     if not get_token():
         raise ConfigError("hub.push_to_hub: no Hugging Face token found; set HF_TOKEN or run `hf auth login` "
-                          "before training (the upload happens at the end of the run)")
+                          "first (a run uploads at its end)")
 
 
 def _peft(cfg: TrainConfig) -> None:
