@@ -5,6 +5,7 @@
 
 Every token is trained on (`data.format: text`); long documents are split into
 `seq_len` pieces and packed. Defaults are in `hfmeg/train/recipes/pretrain_llama.yaml`.
+`hfmeg train --recipe pretrain_llama ...` is the same command.
 """
 
 import sys

@@ -11,6 +11,7 @@ runs in fp32 with gloo, e.g. with `--model ../shared/assets/models/stories260K
 --seq-len 256 --global-batch-size 16 --lr 3e-3 --warmup-steps 5 --eval-every 20`
 (a 260K-parameter model wants a far larger learning rate and a shorter warm-up than
 the 13B defaults, which would not leave their warm-up within 40 steps).
+`hfmeg train --recipe sft_llama13b ...` is the same command.
 """
 
 import sys

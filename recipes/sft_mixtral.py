@@ -9,6 +9,7 @@ arithmetic, including why one node of 8 x 80 GB cannot hold a full fine-tune, ar
 `hfmeg/train/recipes/sft_mixtral.yaml`. Any flag overrides them (`--ep`, `--pp`, ...); metrics.jsonl
 logs the min/max tokens per expert of every MoE layer at each step. Qwen2-MoE and Qwen3-MoE
 run with the same script and their own `--ep` (a divisor of both the DP size and the expert count).
+`hfmeg train --recipe sft_mixtral ...` is the same command.
 """
 
 import sys

@@ -188,7 +188,7 @@ def test_export_a_run_as_the_trainer_does(method, tmp_path, capsys, request):
         return
     # An earlier checkpoint (an interrupted run's last) exports with the metrics logged up to its step.
     assert hfmeg(["export", str(out / "checkpoints" / "iter_0000001")]) == 0
-    assert "step 1 of 2 (the run stopped early)" in capsys.readouterr().out
+    assert f"exporting {out / 'checkpoints' / 'iter_0000001'}: step 1 of 2\n" in capsys.readouterr().out
     assert json.loads((out / "export.json").read_text()) == {"step": 1, "pushed_to": None}
     losses = _losses(out)
     card = (out / "hf" / "README.md").read_text()

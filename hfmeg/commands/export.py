@@ -66,10 +66,8 @@ def export(args) -> Path:
     if note:
         print(note, file=sys.stderr)
     try:
-        step, last = state["step"], cfg.train.max_steps
-        print(f"exporting {iter_dir}: step {step} of {last}{'' if step >= last else ' (the run stopped early)'}",
-              flush=True)
-        return export_run(run, iter_dir, cfg, step=step, skipped_steps=skipped)
+        print(f"exporting {iter_dir}: step {state['step']} of {cfg.train.max_steps}", flush=True)
+        return export_run(run, iter_dir, cfg, step=state["step"], skipped_steps=skipped)
     finally:
         lock.release()
 
