@@ -22,7 +22,7 @@ from ..checkpoint.cli import run_cli
 from ..checkpoint.mp_layout import resolve_iteration_dir
 from ..errors import CheckpointError
 from ..optim.state_io import read_meta
-from ..train.checkpointing import OPTIM_DIR, read_trainer_state
+from ..train.checkpointing import OPTIM_DIR, STATE_FILE, read_trainer_state
 from ..train.config import TrainConfig
 from ..train.dataclass_io import ConfigError, build
 from ..train.export import export_run
@@ -55,7 +55,7 @@ def export(args) -> Path:
     try:
         cfg = build(TrainConfig, state["config"])
     except ConfigError as e:
-        raise ConfigError(f"{iter_dir / 'trainer_state.json'}: field config: {e}") from None
+        raise ConfigError(f"{iter_dir / STATE_FILE}: field config: {e}") from None
     cfg.hub.push_to_hub, cfg.hub.private = args.push_to_hub, args.private  # the card names the repo pushed to
     if args.push_to_hub:
         check_push_target(args.push_to_hub)

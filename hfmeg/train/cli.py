@@ -211,7 +211,8 @@ def main(description: str, default_config: Path | None, argv: list[str] | None =
     try:
         cfg = config_from_args(args)
         if args.print_config:  # validated; nothing read from the model or the Hub
-            print(to_yaml(cfg), end="")
+            if _is_rank0():
+                print(to_yaml(cfg), end="", flush=True)
             return 0
         if cfg.hub.push_to_hub and _is_rank0():  # rank 0 uploads, so only its view of the Hub matters
             _say(check_hub_login(cfg.hub.push_to_hub))
