@@ -199,6 +199,12 @@ def test_export_refusals_are_one_line(tmp_path, capsys):
     out = _trained_run(tmp_path)
     lone = tmp_path / "lone"
     shutil.copytree(out / "checkpoints" / "iter_0000002", lone)
+    other = tmp_path / "other"  # a run whose checkpoint records a config this hfmeg does not know
+    shutil.copytree(out, other)
+    state_file = other / "checkpoints" / "iter_0000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["config"]["optim"]["no_such_field"] = 1
+    state_file.write_text(json.dumps(state))
     before = {k: v for k, v in snapshot(out).items() if k != LOCK_FILE}
     lock = RunLock(out)
     lock.acquire()  # a live run on OUT
@@ -206,7 +212,8 @@ def test_export_refusals_are_one_line(tmp_path, capsys):
         cases = [(["export", str(out)], "already in use by another run"),
                  (["export", str(lone)], "not a checkpoint of a training run"),
                  (["export", str(out), "--iteration", "9"], "iteration folder iter_0000009 does not exist"),
-                 (["export", str(out), "--push-to-hub", "not a repo id"], "is not a valid Hub repo id")]
+                 (["export", str(out), "--push-to-hub", "not a repo id"], "is not a valid Hub repo id"),
+                 (["export", str(other)], f"{state_file}: field config: ")]
         for argv, expect in cases:
             assert hfmeg(argv) == 2, argv
             err = capsys.readouterr().err.strip().splitlines()
