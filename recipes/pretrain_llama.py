@@ -4,13 +4,13 @@
         --model meta-llama/Llama-2-7b-hf --data allenai/c4 --set data.sources.0.config=en
 
 Every token is trained on (`data.format: text`); long documents are split into
-`seq_len` pieces and packed. Defaults are in `recipes/configs/pretrain_llama.yaml`.
+`seq_len` pieces and packed. Defaults are in `hfmeg/train/recipes/pretrain_llama.yaml`.
+`hfmeg train --recipe pretrain_llama ...` is the same command.
 """
 
 import sys
-from pathlib import Path
 
-from hfmeg.train.cli import main
+from hfmeg.train.cli import main, recipe_config
 
 if __name__ == "__main__":
-    sys.exit(main(__doc__, Path(__file__).parent / "configs" / "pretrain_llama.yaml"))
+    sys.exit(main(__doc__, recipe_config("pretrain_llama")))

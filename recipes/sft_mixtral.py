@@ -6,15 +6,15 @@
 
 Defaults (TP=1 x PP=2 x DP=8 with EP=8, seq 4096, bf16, full recompute) and their memory
 arithmetic, including why one node of 8 x 80 GB cannot hold a full fine-tune, are in
-`recipes/configs/sft_mixtral.yaml`. Any flag overrides them (`--ep`, `--pp`, ...); metrics.jsonl
+`hfmeg/train/recipes/sft_mixtral.yaml`. Any flag overrides them (`--ep`, `--pp`, ...); metrics.jsonl
 logs the min/max tokens per expert of every MoE layer at each step. Qwen2-MoE and Qwen3-MoE
 run with the same script and their own `--ep` (a divisor of both the DP size and the expert count).
+`hfmeg train --recipe sft_mixtral ...` is the same command.
 """
 
 import sys
-from pathlib import Path
 
-from hfmeg.train.cli import main
+from hfmeg.train.cli import main, recipe_config
 
 if __name__ == "__main__":
-    sys.exit(main(__doc__, Path(__file__).parent / "configs" / "sft_mixtral.yaml"))
+    sys.exit(main(__doc__, recipe_config("sft_mixtral")))

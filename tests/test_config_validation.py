@@ -20,9 +20,9 @@ from hfmeg.train.dataclass_io import ConfigError
 from hfmeg.train.validate import check_hub_login
 
 ROOT = Path(__file__).resolve().parents[1]
-SFT = ROOT / "recipes" / "configs" / "sft_llama13b.yaml"
-PRETRAIN = ROOT / "recipes" / "configs" / "pretrain_llama.yaml"
-MIXTRAL = ROOT / "recipes" / "configs" / "sft_mixtral.yaml"
+SFT = cli.recipe_config("sft_llama13b")
+PRETRAIN = cli.recipe_config("pretrain_llama")
+MIXTRAL = cli.recipe_config("sft_mixtral")
 BASE = ["--model", "no/model", "--data", "no-data.json", "--tp", "1", "--out", "never-written"]
 
 

@@ -3,7 +3,7 @@
 A fenced block tagged ```` ```bash cpu ```` (docs/architecture.md, "Documentation conventions") holds commands
 a reader can run on a CPU machine. Each one is checked here without running it: its script's own argparse parser
 must accept every flag and value (the parser runs, then the script is stopped before it does anything), `hfmeg`
-commands likewise through `hfmeg.plan.cli.main`, and `make TARGET` must name a target (`make -n`). Every relative
+commands likewise through `hfmeg.commands.main.main` (the console script), and `make TARGET` must name a target (`make -n`). Every relative
 link and `#anchor` in README.md and docs/*.md must point at a file and heading that exist.
 """
 
@@ -43,7 +43,7 @@ for kind, target, argv in json.loads(sys.argv[1]):
     sys.path.insert(0, os.path.dirname(os.path.abspath(target)))  # as `python SCRIPT` does: tools import their siblings
     try:
         if kind == "hfmeg":
-            from hfmeg.plan.cli import main
+            from hfmeg.commands.main import main
             main(argv)
         else:
             runpy.run_path(target, run_name="__main__")

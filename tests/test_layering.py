@@ -2,7 +2,9 @@
 in a circle (inside a package too).
 
 The levels, lowest first: `errors` and `config`, then `data`, `parallel`, `models`,
-`checkpoint`, `peft` (adapters on the model, saved in checkpoint formats), `optim`, `hub`, `plan`, `train`. `plan` sits below `train` because the
+`checkpoint`, `peft` (adapters on the model, saved in checkpoint formats), `optim`, `hub`, `plan`, `train`, and
+at the top `commands` (the `hfmeg` console command, whose subcommands use every package) with `hfmeg/__main__.py`
+(`python -m hfmeg`). `plan` sits below `train` because the
 trainer asks the planner for its layout (`--layout auto`) and counts MFU with the
 planner's FLOP formula (`plan/flops.py`); the planner needs nothing from the trainer.
 Every module of every package is parsed (not imported), and every import counts,
@@ -17,7 +19,7 @@ from pathlib import Path
 import hfmeg
 
 LEVELS = {"errors": 0, "config": 0, "data": 1, "parallel": 2, "models": 3, "checkpoint": 4, "peft": 5,
-          "optim": 6, "hub": 7, "plan": 8, "train": 9}
+          "optim": 6, "hub": 7, "plan": 8, "train": 9, "commands": 10, "__main__": 10}
 ROOT = Path(hfmeg.__file__).parent
 
 

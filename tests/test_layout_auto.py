@@ -10,10 +10,10 @@ import json
 import math
 import re
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import LlamaConfig
 
 from helpers import stories_or_skip
@@ -34,7 +34,7 @@ from hfmeg.train.metrics import read_metrics
 from tiny_models import ASSETS
 
 ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
-SFT = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "sft_llama13b.yaml"
+SFT = cli.recipe_config("sft_llama13b")
 
 
 def _cfg(layers=4, hidden=64):
@@ -133,7 +133,7 @@ def test_recipe_trains_with_the_planned_layout_reports_it_and_keeps_it_on_resume
     printed = capfd.readouterr().out
     chosen = re.findall(r"^layout auto: (\S+) \(the fastest that fits; 4 x cpu, ", printed, re.M)
     assert len(chosen) == 1, printed
-    cfg = build(TrainConfig, json.loads((out / "train_config.json").read_text()))
+    cfg = build(TrainConfig, yaml.safe_load((out / "config.yaml").read_text()))
     assert layout_of(cfg, 4).name() == chosen[0]  # the YAML's tp 4 + selective recompute were replaced
     shards = json.loads((out / "checkpoints" / "iter_0000020" / "hfmeg_layout.json").read_text())
     assert (shards["tp"], shards["pp"], shards["vpp"]) == (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -46,7 +45,7 @@ from hfmeg.plan.search import Job, best_layout
 from hfmeg.train import cli
 
 ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
-SFT = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "sft_llama13b.yaml"
+SFT = cli.recipe_config("sft_llama13b")
 
 PEFTS = [PeftConfig(method="lora", r=4, target_modules=["all-linear"]),
          PeftConfig(method="dora", r=8, target_modules=["q_proj", "v_proj", "down_proj"])]
@@ -89,7 +88,7 @@ def test_planner_counts_lora_memory_exactly(tmp_path):
 
 
 def test_plan_with_peft(capsys):
-    args = ["plan", "--model", "llama2-13b", "--gpu", "h100", "--gpus", "8", "--global-batch-size", "8",
+    args = ["--model", "llama2-13b", "--gpu", "h100", "--gpus", "8", "--global-batch-size", "8",
             "--seq-len", "4096", "--tp", "4", "--recompute", "selective", "--json"]
     assert main(args) == 0
     full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]

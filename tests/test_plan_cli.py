@@ -10,6 +10,7 @@ import pytest
 from transformers import LlamaConfig, MixtralConfig
 
 from hfmeg.errors import HfmegError
+from hfmeg.commands.main import main as hfmeg  # the console script: `hfmeg plan ...`
 from hfmeg.plan.cli import main
 from hfmeg.plan.hardware import ClusterSpec, gpu_spec
 from hfmeg.plan.layout import PlanLayout, parse_layout
@@ -48,7 +49,7 @@ def _fail(capsys, argv) -> str:
 
 
 def test_one_layout_as_json(small, capsys):
-    argv = ["plan", "--model", str(small), *JOB, "--tp", "2", "--pp", "2", "--micro-batch-size", "2",
+    argv = ["--model", str(small), *JOB, "--tp", "2", "--pp", "2", "--micro-batch-size", "2",
             "--recompute", "selective", "--optimizer", "distributed", "--json"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -194,7 +195,7 @@ def test_overlap_hides_dp_communication_that_distributed_mode_exposes():
 
 def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
     out = tmp_path / "cpu.json"
-    assert main(["plan", "calibrate", "--max-n", "128", "--repeats", "1", "--out", str(out)]) == 0
+    assert hfmeg(["plan", "calibrate", "--max-n", "128", "--repeats", "1", "--out", str(out)]) == 0
     prof = load_profile(out)
     assert prof.cores >= 1 and prof.layer_overhead_s > 0 and prof.bucket_overhead_s >= 0
     assert [r for r, _, _ in prof.links][:3] == [2, 4, 8] and all(bw > 0 and lat >= 0 for _, bw, lat in prof.links)
@@ -206,7 +207,7 @@ def test_calibrate_writes_a_profile_the_planner_loads(tmp_path, capsys):
 
 
 def test_scaling_mode_reports_both_optimizers(capsys):
-    assert main(["plan", "scaling", "--gpus", "32,64", "--tp", "8"]) == 0
+    assert hfmeg(["plan", "scaling", "--gpus", "32,64", "--tp", "8"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["gpus"] for r in rows] == [32, 64]
     for r in rows:

@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hfmeg.train.trainer as trainer_module
+import hfmeg.train.export as export_module
 from hfmeg.parallel.launch import spawn, start_method
 from hfmeg.train.checkpointing import RunCheckpoints
-from hfmeg.train.dataclass_io import ConfigError
+from hfmeg.train.config import TrainConfig
+from hfmeg.train.dataclass_io import ConfigError, build
 from hfmeg.train.metrics import read_metrics, tensorboard_available
 from hfmeg.train.run_lock import LOCK_FILE, RunLock, RunLockedError
 from hfmeg.train.stop import LauncherGone, LauncherWatch
@@ -85,10 +87,13 @@ def test_resume_with_pruning_keeps_hf_files_and_says_where_it_resumed(tmp_path, 
     for label, path in (("metrics", "metrics.jsonl"), ("loss curve", "loss.png"),
                         ("checkpoint", "checkpoints/iter_0000006"), ("model", "hf")):
         assert f"  {label}: {out / path}\n" in summary, label
-    if not tensorboard_available():  # said once per run, and the printed config does not claim it
+    # The config is written to OUT/config.yaml, said in one line, not printed; it reads back to the run's config.
+    assert first.count(f"config: {out / 'config.yaml'}\n") == 1 and "keep_last" not in first
+    saved = build(TrainConfig, yaml.safe_load((out / "config.yaml").read_text()))  # this session's: 6 steps
+    assert saved.to_dict()["train"] == cfg.to_dict()["train"] and saved.train.max_steps == 6
+    if not tensorboard_available():  # said once per run, and the saved config does not claim it
         assert first.count("TensorBoard not installed: logs skipped") == 1
-        assert '"tensorboard": false' in first
-        assert json.loads((out / "train_config.json").read_text())["tensorboard"] is False
+        assert yaml.safe_load((out / "config.yaml").read_text())["tensorboard"] is False
 
 
 def test_pruning_after_resuming_from_an_earlier_checkpoint(tmp_path):
@@ -220,7 +225,7 @@ def test_the_export_is_not_inside_a_collective(tmp_path, monkeypatch):
     """Issue 13 #4: while rank 0 exports (and uploads), the other ranks have already returned."""
     model = _assets()
     marker = tmp_path / "rank1_returned"
-    real = trainer_module.mp_to_hf
+    real = export_module.mp_to_hf
 
     def slow_export(*args, **kwargs):
         deadline = time.time() + 300  # waits only until rank 1 has returned; generous for a loaded 2-core box
@@ -229,7 +234,7 @@ def test_the_export_is_not_inside_a_collective(tmp_path, monkeypatch):
         (tmp_path / "export_saw_rank1_done").write_text(str(marker.exists()))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "mp_to_hf", slow_export)
+    monkeypatch.setattr(export_module, "mp_to_hf", slow_export)
 
     def run_and_mark(cfg):
         result = Trainer(cfg).run()

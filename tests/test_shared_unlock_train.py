@@ -41,7 +41,7 @@ from tool_loader import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "data" / "text_sample.txt"
-PRETRAIN = ROOT / "recipes" / "configs" / "pretrain_llama.yaml"
+PRETRAIN = cli.recipe_config("pretrain_llama")
 UNTIL, STEPS = 3, 6
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bounds import within
@@ -80,7 +81,7 @@ def test_finetune_exports_a_working_model(tp, pp, world, tmp_path):
     assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses
     rows = read_metrics(out / "metrics.jsonl")
     assert set(rows[0]) >= {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "skipped"}
-    assert (out / "loss.png").is_file() and (out / "train_config.json").is_file()
+    assert (out / "loss.png").is_file() and (out / "config.yaml").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(hf)
     AutoTokenizer.from_pretrained(hf)
     card = (Path(hf) / "README.md").read_text()
@@ -233,7 +234,7 @@ def test_pretrain_recipe_on_text(tmp_path):
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     # Text: every position has a target except each document's last token (nothing follows it).
     assert len(rows) == 3 and 0.95 * 4 * 128 < rows[0]["tokens"] < 4 * 128
-    assert json.loads((out / "train_config.json").read_text())["data"]["format"] == "text"
+    assert yaml.safe_load((out / "config.yaml").read_text())["data"]["format"] == "text"
     # plain text trains with no chat template, so the export records none (and its card says so)
     assert "chat_template" not in json.loads((out / "hf" / "tokenizer_config.json").read_text())
     assert "- prompt format: plain text, no chat template" in (out / "hf" / "README.md").read_text()

@@ -1,77 +1,14 @@
-"""Check a converted MP checkpoint against transformers: logits and greedy generation.
+"""Check a converted MP checkpoint against transformers, logits and greedy generation: `hfmeg verify`.
 
     python tools/verify_parity.py --mp ckpt/llama7b-tp4pp2 --hf meta-llama/Llama-2-7b-hf
     torchrun --nproc-per-node 8 tools/verify_parity.py --mp ckpt/llama7b-tp4pp2 --hf ...
 
-Runs the sharded model on TP x PP processes: gloo workers it forks itself, or the
-torchrun/accelerate world it is started in (RANK and WORLD_SIZE set). Both sides run
-in fp32 on the same token ids (the checkpoint's tokenizer, else fixed ids). Prints
-`max_abs_logit_diff=<x>` and both greedy continuations; exits 1 when the difference
-is above --tol or the continuations differ, 2 on bad input.
+The command is hfmeg/commands/verify.py; `--help` describes it.
 """
 
-from __future__ import annotations
-
-import argparse
-import os
 import sys
 
-import torch.distributed as dist
-
-from hfmeg.checkpoint.cli import run_cli
-from hfmeg.checkpoint.hub_source import resolve_hf_source
-from hfmeg.checkpoint.mp_reader import MPCheckpoint
-from hfmeg.checkpoint.parity import compare, prompt_ids, reference_outputs, sharded_outputs
-from hfmeg.parallel.launch import spawn
-
-
-def _text(ids: list[int], tok) -> str:
-    return repr(tok.decode(ids)) if tok is not None else str(ids)
-
-
-def verify(args) -> int:
-    layout = MPCheckpoint(args.mp).layout  # validates every rank file here, not inside the workers
-    hf_dir = resolve_hf_source(args.hf)
-    ids, tok = prompt_ids(args.mp, args.prompt, layout.model_config["vocab_size"])
-    n, world = args.max_new_tokens, layout.tp * layout.pp
-    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if under_launcher:
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        world = dist.get_world_size()
-        ours = sharded_outputs(args.mp, ids, n)
-    elif world > 1:
-        ours = spawn(sharded_outputs, world, str(args.mp), ids, n)[0]
-    else:
-        ours = sharded_outputs(args.mp, ids, n)
-    rc = 0
-    if not under_launcher or dist.get_rank() == 0:
-        report = compare(ours, reference_outputs(hf_dir, ids, n), ids.shape[1], args.tol)
-        print(f"layout: TP={layout.tp} PP={layout.pp} VPP={layout.vpp} on {world} process(es); prompt {ids.shape[1]} tokens")
-        print(f"max_abs_logit_diff={report.max_abs_logit_diff:.3e}")
-        print(f"transformers greedy: {_text(report.reference, tok)}")
-        print(f"hfmeg greedy       : {_text(report.ours, tok)}")
-        print("PARITY OK" if report.ok else f"PARITY FAILED (tol {args.tol:g}, continuations "
-              f"{'equal' if report.ours == report.reference else 'differ'})")
-        rc = 0 if report.ok else 1
-    if under_launcher:
-        box = [rc]
-        dist.broadcast_object_list(box, src=0)
-        rc = box[0]
-        dist.destroy_process_group()
-    return rc
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mp", required=True, help="MP checkpoint folder")
-    ap.add_argument("--hf", required=True, help="HF folder or Hub id to compare with")
-    ap.add_argument("--prompt", default="Once upon a time", help="prompt text (needs a tokenizer in the checkpoint)")
-    ap.add_argument("--tol", type=float, default=1e-4, help="largest accepted max-abs logit difference")
-    ap.add_argument("--max-new-tokens", type=int, default=20, help="greedy continuation length")
-    args = ap.parse_args(argv)
-    return run_cli(lambda: verify(args))
-
+from hfmeg.commands.verify import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,14 +36,15 @@ SEED = dict(model="gpt-3.6b", gpu="a100-40", gpus=128, global_batch_size=512, se
 
 def _job_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", help="built-in name, HF folder, config.json or Hub id (default: the seed example)")
-    ap.add_argument("--gpu", help=f"{', '.join(GPUS)} or custom")
-    ap.add_argument("--gpus", type=int)
-    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpu", help=f"GPU kind: {', '.join(GPUS)} or custom")
+    ap.add_argument("--gpus", type=int, help="GPUs in the job")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: %(default)s)")
     ap.add_argument("--inter-node-gbps", type=float, default=100.0, help="network per node, Gbit/s, all NICs")
-    ap.add_argument("--global-batch-size", type=int)
-    ap.add_argument("--seq-len", type=int)
-    ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
-    ap.add_argument("--optimizer", choices=("overlapped", "distributed", "ddp"), default="overlapped")
+    ap.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence")
+    ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="training dtype (default: %(default)s)")
+    ap.add_argument("--optimizer", choices=("overlapped", "distributed", "ddp"), default="overlapped",
+                    help="optimizer mode (default: %(default)s)")
     ap.add_argument("--profile", help="calibration JSON (default: the GPU kind's assumed profile)")
     ap.add_argument("--peft", choices=("none", "lora", "dora"), default="none",
                     help="count a LoRA/DoRA run's memory: frozen base, adapters trained (docs/peft.md)")
@@ -54,22 +55,26 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
         ap.add_argument(flag, type=float, help="GPU numbers (required for --gpu custom; override otherwise)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hfmeg plan", description=__doc__.split("\n")[0])
+def _parser(prog: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                                 epilog=f"other modes, each with --help: {prog} calibrate (measure this machine's "
+                                 f"profile), {prog} scaling (overlapped vs distributed optimizer over GPU counts), "
+                                 f"{prog} published (predicted vs Megatron-LM's published A100 table)")
     _job_args(ap)
     ap.add_argument("--tp", type=int, help="evaluate this one layout (with --pp, --micro-batch-size ...)")
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (with --tp)")
+    ap.add_argument("--vpp", type=int, default=1, help="virtual pipeline chunks per rank (with --tp)")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE models; a divisor of DP and of "
                     "the expert count)")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks: each sequence split over them (long "
                     "sequences; 2 x CP divides --seq-len)")
-    ap.add_argument("--micro-batch-size", type=int, default=1)
-    ap.add_argument("--recompute", default="none")
-    ap.add_argument("--no-sequence-parallel", action="store_true")
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (with --tp)")
+    ap.add_argument("--recompute", default="none", help="none | selective | full (with --tp)")
+    ap.add_argument("--no-sequence-parallel", action="store_true", help="evaluate the layout without sequence "
+                    "parallelism (with --tp)")
     ap.add_argument("--explain", metavar="LAYOUT", help="breakdown of one layout, by the name the table prints")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
-    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--top", type=int, default=10, help="rows of the ranked table (default: %(default)s)")
     return ap
 
 
@@ -154,13 +159,13 @@ def _plan(a) -> int:
     return 0
 
 
-def _calibrate(argv) -> int:
-    ap = argparse.ArgumentParser(prog="hfmeg plan calibrate", description="measure this machine's profile")
+def _calibrate(argv, prog: str) -> int:
+    ap = argparse.ArgumentParser(prog=f"{prog} calibrate", description="measure this machine's profile")
     ap.add_argument("--device", default="cpu", help="cpu (gloo links too) or cuda[:N]")
     ap.add_argument("--peak-tflops", type=float, help="reference peak (GPU: its datasheet dense bf16 figure)")
     ap.add_argument("--max-n", type=int, help="largest square matmul")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (default: %(default)s)")
+    ap.add_argument("--out", required=True, help="profile JSON to write (pass it to --profile)")
     a = ap.parse_args(argv)
     prof = calibrate(a.device, a.peak_tflops and a.peak_tflops * 1e12, a.max_n, a.repeats)
     prof.save(a.out)
@@ -171,18 +176,16 @@ def _calibrate(argv) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "hfmeg plan") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["plan"]:  # the `hfmeg` console script: `hfmeg plan ...`
-        argv = argv[1:]
     try:
         if argv[:1] == ["calibrate"]:
-            return _calibrate(argv[1:])
+            return _calibrate(argv[1:], prog)
         if argv[:1] == ["scaling"]:
             return scaling.main(argv[1:])
         if argv[:1] == ["published"]:
             return published.main(argv[1:])
-        return _plan(_parser().parse_args(argv))
+        return _plan(_parser(prog).parse_args(argv))
     except HfmegError as e:
         print(f"hfmeg plan: {e}", file=sys.stderr)
         return 2

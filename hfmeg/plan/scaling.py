@@ -25,18 +25,22 @@ MODES = ("overlapped", "distributed")
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="hfmeg plan scaling", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="llama2-13b")
-    ap.add_argument("--gpu", default="h100")
-    ap.add_argument("--gpus", default="32,64,128,256,512")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--inter-node-gbps", type=float, default=4 * 200.0)
-    ap.add_argument("--global-batch-size", type=int, default=1024)
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--profile")
+    ap.add_argument("--model", default="llama2-13b", help="built-in name, HF folder, config.json or Hub id "
+                    "(default: %(default)s)")
+    ap.add_argument("--gpu", default="h100", help="GPU kind (default: %(default)s)")
+    ap.add_argument("--gpus", default="32,64,128,256,512", help="comma-separated GPU counts, one row each "
+                    "(default: %(default)s)")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: %(default)s)")
+    ap.add_argument("--inter-node-gbps", type=float, default=4 * 200.0,
+                    help="network per node, Gbit/s, all NICs (default: %(default)s)")
+    ap.add_argument("--global-batch-size", type=int, default=1024, help="sequences per step (default: %(default)s)")
+    ap.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default: %(default)s)")
+    ap.add_argument("--profile", help="calibration JSON (default: the GPU kind's assumed profile)")
     ap.add_argument("--tp", type=int, help="a fixed layout instead of the best one per mode")
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--micro-batch-size", type=int, default=1)
-    ap.add_argument("--recompute", default="selective")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages of the fixed layout (with --tp)")
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="micro-batch of the fixed layout (with --tp)")
+    ap.add_argument("--recompute", default="selective", help="none | selective | full, of the fixed layout "
+                    "(with --tp)")
     a = ap.parse_args(argv)
     cfg, spec = resolve_model(a.model), gpu_spec(a.gpu)
     prof = load_profile(a.profile) if a.profile else default_profile(a.gpu, spec.peak_flops, spec.hbm_bytes_per_s)

@@ -70,9 +70,10 @@ OPTIM_DIR = "optim"
 RNG_DIR = "rng"
 HF_SOURCE_DIR = "hf_source"
 # trainer_state.json: field -> type; `shared_layers` is absent from checkpoints older than layer sharing,
-# `peft_base` (the base's path and sha256) from all but LoRA/DoRA runs'.
-STATE_FIELDS = {"step": int, "data": dict, "config": dict, "shared_layers": bool, "peft_base": dict}
-STATE_OPTIONAL = {"shared_layers", "peft_base"}
+# `peft_base` (the base's path and sha256) from all but LoRA/DoRA runs', `dp` (the data-parallel size that
+# trained to this step, for the model card) from checkpoints older than the cards' layout line.
+STATE_FIELDS = {"step": int, "data": dict, "config": dict, "shared_layers": bool, "peft_base": dict, "dp": int}
+STATE_OPTIONAL = {"shared_layers", "peft_base", "dp"}
 # Temporary names of saves and exports (mp_save.staged_save, atomic.replace_dir / atomic_output_dir's
 # `.NAME.tmp-PID` / `.NAME.old-PID` for any output: hf/, adapter/, hf_source/, pin_hf_source, write_text_atomic):
 # what a run that died in the middle of writing leaves.

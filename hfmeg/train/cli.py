@@ -1,9 +1,13 @@
-"""The recipes' command line: a YAML config plus flags, each flag one dotted override.
+"""The training command line: a YAML config plus flags, each flag one dotted override.
 
-    recipes/sft_llama13b.py --model meta-llama/Llama-2-13b-hf --data tatsu-lab/alpaca \
+    hfmeg train --recipe sft_llama13b --model meta-llama/Llama-2-13b-hf --data tatsu-lab/alpaca \
         --tp 2 --pp 2 --max-steps 30 --out OUT --set optim.weight_decay=0.01
+    hfmeg train my_run.yaml --max-steps 100          # your own YAML config
+    recipes/sft_llama13b.py --model ... --data ...   # the same command line, the recipe's YAML built in
 
-Launch with `accelerate launch` or `torchrun`; a plain `python` run is a world of one.
+The built-in recipes' YAML configs ship inside the package (`recipes/*.yaml` beside this file), so an
+installed hfmeg runs them without a checkout. Launch with `accelerate launch` or `torchrun` (`-m hfmeg
+train ...`); a plain run is a world of one. `--print-config` prints the validated config as YAML and exits.
 Bad configs exit with code 2 and one line naming the field, printed by rank 0 only
 (every rank validates the same config and exits the same way). Under `torchrun` or
 `accelerate launch` the launcher itself then exits 1 with its ChildFailedError
@@ -25,8 +29,22 @@ import torch
 from ..errors import HfmegError
 from .config import TrainConfig
 from .validate import check_hub_login, load_config
-from .dataclass_io import ConfigError
+from .dataclass_io import ConfigError, to_yaml
 
+RECIPE_DIR = Path(__file__).parent / "recipes"  # package data (pyproject.toml), found by an installed hfmeg too
+RECIPES = {  # name -> what it trains; each is RECIPE_DIR / f"{name}.yaml"
+    "sft_llama13b": "supervised fine-tuning, LLaMA-2-13B on one node of 8 x 80 GB (TP4 x DP2, SP)",
+    "pretrain_llama": "continued pre-training of a LLaMA-family model on plain text",
+    "sft_mixtral": "supervised fine-tuning, Mixtral-8x7B on two nodes of 8 x 80 GB (PP2 x DP8, EP8)",
+}
+TRAIN_DESCRIPTION = """Train a model: a YAML config (CONFIG) or a built-in recipe (--recipe), plus flags that override it.
+
+  hfmeg train --recipe sft_llama13b --model meta-llama/Llama-2-13b-hf --data tatsu-lab/alpaca
+  torchrun --nproc-per-node 8 -m hfmeg train --recipe sft_llama13b --model ... --data ...
+  hfmeg train my_run.yaml --tp 2 --max-steps 100 --set optim.weight_decay=0.01
+
+built-in recipes:
+""" + "\n".join(f"  {name:<15} {text}" for name, text in RECIPES.items())
 QUIET_RANK_EXIT_DELAY_S = 3.0  # how long ranks other than 0 wait before exiting on a config error
 
 # flag -> (dotted config key, type, help)
@@ -83,9 +101,21 @@ def _attach_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
-def parser(description: str, default_config: Path) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(default_config), help="YAML config (default: %(default)s)")
+def recipe_config(name: str) -> Path:
+    """The YAML config of the built-in recipe `name` (a key of RECIPES)."""
+    return RECIPE_DIR / f"{name}.yaml"
+
+
+def parser(description: str, default_config: Path | None, prog: str | None = None) -> argparse.ArgumentParser:
+    """A recipe script's parser (`default_config`: its YAML, which `--config` replaces), or `hfmeg train`'s
+    (None: a CONFIG argument or `--recipe`)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if default_config is not None:
+        ap.add_argument("--config", default=str(default_config), help="YAML config (default: %(default)s)")
+    else:
+        which = ap.add_mutually_exclusive_group()
+        which.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config of the run")
+        which.add_argument("--recipe", choices=RECIPES, help="a built-in recipe's YAML config (listed above)")
     ap.add_argument("--data", action="append", help="data source (Hub id, file, folder or glob); repeatable")
     ap.add_argument("--format", help="data format: alpaca | messages | sharegpt | text")
     for flag, (key, typ, text) in FLAGS.items():
@@ -96,7 +126,20 @@ def parser(description: str, default_config: Path) -> argparse.ArgumentParser:
     ap.add_argument("--overwrite", action="store_true", default=None,
                     help="with --resume none: start over in an --out that holds checkpoints [checkpoint.overwrite]")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other dotted override")
+    ap.add_argument("--print-config", action="store_true",
+                    help="print the config as YAML and exit without training, once validated for this world size "
+                         "(WORLD_SIZE; 1 for a plain run); the model and the Hub are not read. A run writes the "
+                         "config it trains with to OUT/config.yaml")
     return ap
+
+
+def _config_file(args: argparse.Namespace) -> str | Path:
+    if args.config:
+        return args.config
+    if getattr(args, "recipe", None):
+        return recipe_config(args.recipe)
+    raise ConfigError(f"no config: pass a YAML file (hfmeg train CONFIG) or a built-in recipe "
+                      f"(--recipe {'|'.join(RECIPES)})")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -112,9 +155,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         if not sep:
             raise HfmegError(f"--set {item!r}: expected KEY=VALUE")
         overrides[key] = value
-    cfg, warnings = load_config(args.config, overrides)
-    for line in warnings:
-        _say(line)
+    cfg, warnings = load_config(_config_file(args), overrides)
+    for line in warnings:  # on stderr: stdout may be --print-config's YAML
+        _say(line, sys.stderr)
     return cfg
 
 
@@ -122,10 +165,10 @@ def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _say(line: str) -> None:
+def _say(line: str, file=None) -> None:
     """Print once per job: every rank checks the config, rank 0 speaks."""
     if _is_rank0():
-        print(line, flush=True)
+        print(line, file=file, flush=True)
 
 
 def fit_to_model(cfg: TrainConfig) -> None:
@@ -165,13 +208,19 @@ def _exit_together() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def main(description: str, default_config: Path, argv: list[str] | None = None) -> int:
+def main(description: str, default_config: Path | None, argv: list[str] | None = None,
+         prog: str | None = None) -> int:
+    """A recipe script (`default_config`: its YAML) or, with None, `hfmeg train`; returns the exit code."""
     from .trainer import Trainer
 
-    args = parser(description, default_config).parse_args(_attach_negative_values(sys.argv[1:] if argv is None
-                                                                                   else argv))
+    args = parser(description, default_config, prog).parse_args(
+        _attach_negative_values(sys.argv[1:] if argv is None else argv))
     try:
         cfg = config_from_args(args)
+        if args.print_config:  # validated; nothing read from the model or the Hub
+            if _is_rank0():
+                print(to_yaml(cfg), end="", flush=True)
+            return 0
         if cfg.hub.push_to_hub and _is_rank0():  # rank 0 uploads, so only its view of the Hub matters
             _say(check_hub_login(cfg.hub.push_to_hub))
         fit_to_model(cfg)
@@ -198,3 +247,8 @@ def main(description: str, default_config: Path, argv: list[str] | None = None) 
         print(f"error: {e.filename or cfg.checkpoint.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     return 0
+
+
+def train_command(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """`hfmeg train`: CONFIG or --recipe NAME, then the recipes' flags."""
+    return main(TRAIN_DESCRIPTION, None, argv, prog)

@@ -1,8 +1,8 @@
 """`TrainConfig`: every setting of a run, typed, in one tree.
 
 Filled from a YAML file plus command-line overrides and checked as a whole before
-any work (`validate.load_config`), printed at start and saved as
-`train_config.json` with every checkpoint. The optimizer, LR and data sections are
+any work (`validate.load_config`), saved as `<out>/config.yaml` at start and in the
+trainer state of every checkpoint. The optimizer, LR and data sections are
 those packages' own configs, and the parallel section is a `ParallelConfig` (with
 the schedule and layer split added), so there is one source of truth. Defaults that
 depend on other fields are derived here, once, from the typed config: the schedule

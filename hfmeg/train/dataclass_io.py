@@ -90,6 +90,11 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def to_yaml(obj: Any) -> str:
+    """A (nested) dataclass as YAML in field order, which `build` reads back to an equal one."""
+    return yaml.safe_dump(to_dict(obj), sort_keys=False)
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:

@@ -101,6 +101,12 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def rows_until(path: Path, step: int) -> list[dict[str, Any]]:
+    """The rows `path` logged up to `step`, without a last line a killed run left half-written ([] if no file)."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [row for line in lines if (row := _row(line)) is not None and row["step"] <= step]
+
+
 def last_losses(path: Path) -> tuple[float | None, float | None, int | None]:
     """The last train loss, and the last eval loss with its step, that `path` logged (None where none)."""
     rows = read_metrics(path) if path.is_file() else []

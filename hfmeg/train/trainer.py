@@ -43,18 +43,13 @@ import torch.distributed as dist
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoConfig, AutoTokenizer
 
-from ..checkpoint.atomic import write_text_atomic
-from ..checkpoint.convert import mp_to_hf
 from ..checkpoint.hf_reader import HFCheckpoint
 from ..checkpoint.load import load_chunks
 from ..checkpoint.mp_layout import DTYPES, HF_DIR, is_mp_folder, resolve_iteration_dir
 from ..checkpoint.mp_reader import MPCheckpoint
 from ..checkpoint.tensor_source import TensorSource
-from ..checkpoint.tokenizer_files import make_portable
 from ..data import build_data, build_eval_data
-from ..data.formats import Formatter
 from ..errors import CheckpointError, DataError, HfmegError
-from ..hub import push_to_hub, write_model_card
 from ..models.moe import expert_load
 from ..models.random_init import random_hf_model
 from ..models.shared_layers import share_layers, shared_name
@@ -68,7 +63,9 @@ from .auto_layout import LayoutReport, resolve_layout
 from .checkpointing import (HF_SOURCE_DIR, STATE_FILE, RunCheckpoints, load_trainer_state, read_trainer_state,
                             rng_not_restored)
 from .config import TrainConfig
-from .metrics import METRICS_FILE, MetricsLog, last_losses, read_metrics, tensorboard_available
+from .dataclass_io import to_yaml
+from .export import EXPORT_RECORD, export_run
+from .metrics import METRICS_FILE, MetricsLog, last_losses, tensorboard_available
 from .peft_run import PeftRun, check_resume_settings
 from .rng import seed_all
 from .run_lock import LOCK_FILE, lock_run
@@ -76,8 +73,8 @@ from .stop import GracefulStop, LauncherWatch
 from .summary import RunSummary
 
 
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # what the card says a run computed in
-EXPORT_RECORD = "export.json"  # {"step", "pushed_to"} of the finished export in <out>/hf
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+CONFIG_FILE = "config.yaml"  # the config the run trains with, as `hfmeg train --print-config` prints one
 
 
 class TrainingDiverged(HfmegError):
@@ -156,6 +153,7 @@ class Trainer:
         self.schedule = cfg.parallel.run_schedule
         seed_all(cfg.train.seed)
         self.dtype = cfg.model.torch_dtype(self.ps.device)
+        cfg.model.dtype = DTYPE_NAMES[self.dtype]  # `auto` resolved: config.yaml, the checkpoints and the card say it
         self.resume_dir = self.checkpoints.resume_dir
         saved, error = {}, None
         try:  # every rank reads its own part of the checkpoint; they agree before the next collective
@@ -284,8 +282,8 @@ class Trainer:
     def _train(self) -> RunSummary:
         cfg, ps = self.cfg, self.ps
         if self.is_logger:
-            (self.out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
-            print(json.dumps(cfg.to_dict(), indent=2, default=str))
+            (self.out / CONFIG_FILE).write_text(to_yaml(cfg))
+            print(f"config: {self.out / CONFIG_FILE}", flush=True)
         summary = RunSummary(self.out, self.step, self.step, cfg.train.max_steps)
         metrics = MetricsLog(self.out, cfg.train.max_steps, self.step, cfg.tensorboard) if self.is_logger else None
         check = None if self.prediction is None else LayoutReport(self.prediction, self.step, cfg.train.max_steps,
@@ -372,7 +370,8 @@ class Trainer:
         return total / max(n, 1)
 
     def save(self) -> Path:
-        state = {"data": self.data.state_dict(), "config": self.cfg.to_dict(), "shared_layers": self.layers_shared}
+        state = {"data": self.data.state_dict(), "config": self.cfg.to_dict(), "shared_layers": self.layers_shared,
+                 "dp": self.ps.dp}
         writer = {}
         if self.peft is not None:
             state["peft_base"] = self.peft_base
@@ -398,57 +397,10 @@ class Trainer:
         done = record == {"step": self.step, "pushed_to": self.cfg.hub.push_to_hub}
         return self.out / "hf" if done and (self.out / "hf" / "config.json").is_file() else None
 
-    def _prompt_format(self) -> tuple[str | None, str]:
-        """The chat template to record in the export's tokenizer config (None: nothing to add) and, for the
-        card, which one the run trained with: the tokenizer's own, hfmeg's default (`data/formats.py`, for a
-        tokenizer that has none, recorded then), or none for plain text."""
-        if all(self.cfg.data.fields_of(s)[0] == "text" for s in self.cfg.data.sources):
-            return None, "plain text, no chat template (none was used in training, none recorded)"
-        template = Formatter(self.cfg.data, self.tokenizer).template
-        if template == self.tokenizer.chat_template:
-            return None, "the base tokenizer's own chat template"
-        return template, ("hfmeg's default chat template (`### Instruction:` / `### Response:`), which the base "
-                          "tokenizer lacked; recorded as this tokenizer's `chat_template`")
-
     def export(self, checkpoint: Path | None) -> Path | None:
-        """Rank 0 alone: convert the final checkpoint to `<out>/hf` (a LoRA run: also `<out>/adapter`), write
-        the model cards, push if asked (a LoRA run pushes its adapter). The exported tokenizer records the chat
-        template the run trained with and loads with every transformers version hfmeg allows (`make_portable`).
-
-        No collective may follow the final checkpoint (see the module docstring). Last, the
-        export record names the step (and the Hub repo) it finished for: a run that dies before
-        it is exported again by the next run on this `<out>` (`_unexported_final`)."""
+        """Rank 0 alone: `export_run` of the final checkpoint (`<out>/hf`, a LoRA run's `<out>/adapter`, the cards,
+        the push if asked). No collective may follow the final checkpoint (see the module docstring)."""
         if checkpoint is None:
             return None
-        hf, adapter = self.out / "hf", None
-        (self.out / EXPORT_RECORD).unlink(missing_ok=True)
-        if self.peft is not None:
-            adapter, hf = self.peft.export(checkpoint, self.out)
-            print(f"LoRA adapter (PEFT format): {adapter}; merged model: {hf}")
-        else:
-            mp_to_hf(checkpoint, hf, overwrite=True)
-        logged = read_metrics(self.out / METRICS_FILE)
-        rows = [r for r in logged if "loss" in r]
-        final = {k: rows[-1][k] for k in ("step", "loss", "grad_norm", "tokens_per_s")} if rows else {}
-        evals = [r for r in logged if "eval_loss" in r]
-        if evals:
-            final["eval_loss"] = evals[-1]["eval_loss"]
-        final["skipped_steps"] = self.opt.skipped_steps
-        m = self.cfg.model
-        template, prompt_format = self._prompt_format()
-        make_portable(hf, chat_template=template)  # the export loads with AutoTokenizer as training rendered
-        p = self.cfg.parallel
-        layout = dict(tp=p.tp, pp=p.pp, dp=self.ps.dp, cp=p.cp, ep=p.ep, sequence_parallel=p.sequence_parallel,
-                      optimizer=self.cfg.optim.mode)
-        card = dict(base_model=m.source, data=[s.path for s in self.cfg.data.sources], config=self.cfg.to_dict(),
-                    metrics=final, repo_id=self.cfg.hub.push_to_hub, peft=self.peft and self.peft.cfg,
-                    layout=layout, dtype=DTYPE_NAMES[self.dtype], prompt_format=prompt_format)
-        write_model_card(hf, **card, from_scratch=m.init == "random")
-        if adapter is not None:  # a LoRA run publishes its adapter, which names the base it loads onto
-            write_model_card(adapter, **card, adapter=True)
-        if self.cfg.hub.push_to_hub:
-            url = push_to_hub(adapter or hf, self.cfg.hub.push_to_hub, private=self.cfg.hub.private)
-            print(f"pushed to {url}")
-        record = {"step": self.step, "pushed_to": self.cfg.hub.push_to_hub}
-        write_text_atomic(self.out / EXPORT_RECORD, json.dumps(record))
-        return hf
+        return export_run(self.out, checkpoint, self.cfg, step=self.step, skipped_steps=self.opt.skipped_steps,
+                          dp=self.ps.dp)

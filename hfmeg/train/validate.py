@@ -178,25 +178,29 @@ def _out(cfg: TrainConfig) -> None:
 
 
 def _hub(cfg: TrainConfig) -> None:
+    if cfg.hub.push_to_hub:
+        check_push_target(cfg.hub.push_to_hub, cfg.model.path if cfg.peft.enabled else None)
+
+
+def check_push_target(repo: str, adapter_base: str | None = None) -> None:
+    """`repo` is a valid Hub repo id and a token is there to upload with (offline: no network call);
+    `adapter_base`: a LoRA run's base, which the pushed adapter must name by Hub id."""
     from huggingface_hub import get_token
     from huggingface_hub.constants import is_offline_mode
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    repo = cfg.hub.push_to_hub
-    if not repo:
-        return
     try:
         validate_repo_id(repo)
     except HFValidationError as e:
         raise ConfigError(f"hub.push_to_hub: {repo!r} is not a valid Hub repo id ({str(e).splitlines()[0]})") from None
-    if cfg.peft.enabled and hub_id(cfg.model.path) is None:  # the adapter names its base; others must find it
+    if adapter_base is not None and hub_id(adapter_base) is None:  # the adapter names its base; others must find it
         raise ConfigError(f"hub.push_to_hub: a LoRA run pushes its adapter, which must name its base by Hub id, "
-                          f"but model.path {cfg.model.path} is a local folder; give model.path as the base's Hub id")
+                          f"but model.path {adapter_base} is a local folder; give model.path as the base's Hub id")
     if is_offline_mode():
-        raise ConfigError("hub.push_to_hub: HF_HUB_OFFLINE is set, so the upload at the end would fail")
+        raise ConfigError("hub.push_to_hub: HF_HUB_OFFLINE is set, so the upload would fail")
     if not get_token():
         raise ConfigError("hub.push_to_hub: no Hugging Face token found; set HF_TOKEN or run `hf auth login` "
-                          "before training (the upload happens at the end of the run)")
+                          "first (a run uploads at its end)")
 
 
 def _peft(cfg: TrainConfig) -> None:
