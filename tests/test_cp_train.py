@@ -37,9 +37,9 @@ def _tokens(out):
 
 
 def _state(checkpoint):
-    """What a checkpoint holds beside the tensors, less the run's own settings (which name its CP)."""
+    """What a checkpoint holds beside the tensors, less the run's own settings and DP size (which name its layout)."""
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    del state["config"]
+    del state["config"], state["dp"]
     return state, sorted(p.read_text() for p in (checkpoint / "rng").iterdir())
 
 
