@@ -94,7 +94,8 @@ def _layout(layout: dict[str, Any]) -> str:
     """`{"tp", "pp", "dp", "cp", "ep", "sequence_parallel", "optimizer"}` in words."""
     grid = " × ".join(f"{k.upper()} {layout[k]}" for k in ("tp", "pp", "dp", "cp") if k in layout)
     extras = [f"EP {layout['ep']}"] if layout.get("ep", 1) > 1 else []
-    extras += ["sequence parallel"] if layout.get("sequence_parallel") else []
+    # sequence parallelism splits the TP regions' activations: a run at TP 1 has none to split
+    extras += ["sequence parallel"] if layout.get("sequence_parallel") and layout.get("tp", 1) > 1 else []
     return ", ".join([grid, *extras]) + (f"; optimizer mode {layout['optimizer']}" if "optimizer" in layout else "")
 
 
