@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from ..config import ModelConfig, load_hf_config, model_config_from_hf
+from ..config import ModelConfig, load_hf_config
+from ..families import model_config_from_hf
 from ..errors import CheckpointError, UnsupportedConfigError
 from .atomic import atomic_output_dir
 from .hf_reader import HFCheckpoint
