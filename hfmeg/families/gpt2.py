@@ -64,5 +64,5 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[Tens
     return rules
 
 
-GPT2 = FamilySpec(("gpt2",), normalise, layer_rules, embedding="transformer.wte.weight", final_norm="transformer.ln_f",
+GPT2 = FamilySpec(("gpt2",), "GPT2LMHeadModel", normalise, layer_rules, embedding="transformer.wte.weight", final_norm="transformer.ln_f",
                   position_embedding="transformer.wpe.weight")

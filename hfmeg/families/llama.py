@@ -140,13 +140,13 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Exp
     return rules + (_moe_rules(cfg, i, experts, on_disk) if cfg.is_sparse(i) else [])
 
 
-def llama_layout(model_types: tuple[str, ...], normalise: Callable[[PretrainedConfig], ModelConfig], *,
-                 experts: ExpertNames | None = None, peft: PeftNames = PeftNames(PROJECTIONS)) -> FamilySpec:
+def llama_layout(model_types: tuple[str, ...], architecture: str, normalise: Callable[[PretrainedConfig], ModelConfig],
+                 *, experts: ExpertNames | None = None, peft: PeftNames = PeftNames(PROJECTIONS)) -> FamilySpec:
     """The spec of a family with the LLaMA weight layout."""
     def rules(cfg: ModelConfig, i: int, held: Collection[int]) -> list[TensorRule]:
         return layer_rules(cfg, i, held, experts or MLP)
-    return FamilySpec(model_types, normalise, rules, embedding="model.embed_tokens.weight", final_norm="model.norm",
+    return FamilySpec(model_types, architecture, normalise, rules, embedding="model.embed_tokens.weight", final_norm="model.norm",
                       experts=experts, peft=peft)
 
 
-LLAMA = llama_layout(("llama",), decoder_config)
+LLAMA = llama_layout(("llama",), "LlamaForCausalLM", decoder_config)

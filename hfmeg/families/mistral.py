@@ -11,4 +11,4 @@ def mistral_window(hf: PretrainedConfig) -> int | None:
     return getattr(hf, "sliding_window", None)
 
 
-MISTRAL = llama_layout(("mistral",), lambda hf: decoder_config(hf, window=mistral_window))
+MISTRAL = llama_layout(("mistral",), "MistralForCausalLM", lambda hf: decoder_config(hf, window=mistral_window))

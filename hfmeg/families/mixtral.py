@@ -27,7 +27,7 @@ def mixtral_moe(hf: PretrainedConfig) -> MoEConfig:
 
 
 MIXTRAL = llama_layout(
-    ("mixtral",), lambda hf: decoder_config(hf, window=mistral_window, moe=mixtral_moe),
+    ("mixtral",), "MixtralForCausalLM", lambda hf: decoder_config(hf, window=mistral_window, moe=mixtral_moe),
     experts=ExpertNames("block_sparse_moe.", "w1", "w3", "w2"),
     peft=PeftNames(ATTENTION, {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj", "gate": "gate.weight"},
                    fused=("w1", "w3")))

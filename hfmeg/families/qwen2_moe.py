@@ -36,4 +36,5 @@ def _normalise(hf: PretrainedConfig):
                           moe=lambda hf: qwen_moe(hf, getattr(hf, "shared_expert_intermediate_size", 0)))
 
 
-QWEN2_MOE = llama_layout(("qwen2_moe",), _normalise, experts=MLP, peft=PeftNames(PROJECTIONS + (SHARED_GATE,)))
+QWEN2_MOE = llama_layout(("qwen2_moe",), "Qwen2MoeForCausalLM", _normalise, experts=MLP,
+                         peft=PeftNames(PROJECTIONS + (SHARED_GATE,)))

@@ -11,6 +11,6 @@ from .qwen2_moe import qwen_moe
 from .spec import PeftNames
 
 QWEN3_MOE = llama_layout(
-    ("qwen3_moe",), lambda hf: decoder_config(hf, window=no_window, qk_norm=True, moe=qwen_moe), experts=MLP,
+    ("qwen3_moe",), "Qwen3MoeForCausalLM", lambda hf: decoder_config(hf, window=no_window, qk_norm=True, moe=qwen_moe), experts=MLP,
     peft=PeftNames(ATTENTION, {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
                                "gate": "gate.weight"}, fused=("gate_proj", "up_proj")))

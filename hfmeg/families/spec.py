@@ -65,6 +65,7 @@ class PeftNames:
 @dataclass(frozen=True)
 class FamilySpec:
     model_types: tuple[str, ...]
+    architecture: str  # the causal-LM class config.json's `architectures` names
     normalise: Callable[[PretrainedConfig], ModelConfig]  # refuses what hfmeg cannot run, naming the field
     # (cfg, layer, the experts a chunk holds) -> the rules of that decoder layer's tensors
     layer_rules: Callable[[ModelConfig, int, Collection[int]], list[TensorRule]]
