@@ -16,10 +16,11 @@ from .mistral import MISTRAL
 from .mixtral import MIXTRAL
 from .qwen2 import QWEN2
 from .qwen2_moe import QWEN2_MOE
+from .qwen3 import QWEN3
 from .qwen3_moe import QWEN3_MOE
 from .spec import FamilySpec
 
-FAMILIES = (LLAMA, MISTRAL, QWEN2, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT2)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT2)
 _BY_TYPE = {t: spec for spec in FAMILIES for t in spec.model_types}
 
 
