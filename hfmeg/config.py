@@ -1,6 +1,7 @@
 """The model config hfmeg computes with, normalised from a Hugging Face config.
 
-Every HF field that changes the maths is read here, once; everything downstream
+Every HF field that changes the maths is read once, by the model's family
+(`hfmeg/families`, `model_config_from_hf`), into `ModelConfig`; everything downstream
 (model, conversion, optimizer) reads `ModelConfig` and never the HF dict. Fields we
 cannot honour raise `UnsupportedConfigError` naming the field, at build time.
 
@@ -22,9 +23,6 @@ from transformers import AutoConfig, PretrainedConfig
 from .errors import UnsupportedConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-LLAMA_LIKE = ("llama", "mistral", "qwen2") + MOE_TYPES  # LLaMA weight names and block structure
-GELU_ACTS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
 @dataclass
@@ -50,13 +48,14 @@ class MoEConfig:
     # stacked per layer as transformers holds them in memory. Read from the checkpoint's tensor names, not
     # from config.json (`checkpoint.rules.with_expert_layout`), and kept so that export writes it back.
     fused_experts: bool = False
+    experts_field: str = "num_experts"  # the config.json field of the expert count (Mixtral: num_local_experts)
 
 
 @dataclass
 class ModelConfig:
     """Architecture of a decoder-only model, independent of any parallel layout."""
 
-    model_type: str  # HF model_type: llama | mistral | qwen2 | gpt2 | mixtral | qwen2_moe | qwen3_moe
+    model_type: str  # HF model_type, for messages and the layout JSON: its family (`hfmeg/families`) decides the rest
     hidden_size: int
     ffn_size: int
     num_layers: int
@@ -81,11 +80,6 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (before RoPE)
     moe: MoEConfig | None = None
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def arch(self) -> str:
-        """The weight-name family: 'llama' for llama/mistral/qwen2, else 'gpt2'."""
-        return "llama" if self.model_type in LLAMA_LIKE else "gpt2"
 
     def padded_vocab(self, tp: int, multiple: int = 128) -> int:
         """Vocabulary padded so that every TP rank holds `multiple`-aligned equal rows."""
@@ -124,7 +118,7 @@ class ModelConfig:
         if self.qk_norm:
             out["qk_norm"] = True
         if self.moe is not None:
-            out["moe"] = asdict(self.moe)
+            out["moe"] = {k: v for k, v in asdict(self.moe).items() if k != "experts_field"}  # a name, not maths
         return out
 
 
@@ -139,157 +133,32 @@ def load_hf_config(path: str | Path) -> PretrainedConfig:
         raise UnsupportedConfigError(f"{path / 'config.json'}: {e}") from e
 
 
-def _require(cond: bool, where: str, msg: str) -> None:
+def require(cond: bool, where: str, msg: str) -> None:
     if not cond:
         raise UnsupportedConfigError(f"config.json field {where}: {msg}")
 
 
-def _rope_check(hf: PretrainedConfig) -> None:
+def rope_check(hf: PretrainedConfig) -> None:
     params = getattr(hf, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
-    _require(
+    require(
         rope_type in SUPPORTED_ROPE_TYPES,
         "rope_parameters.rope_type",
         f"{rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})",
     )
-    _require(
+    require(
         params.get("partial_rotary_factor", 1.0) == 1.0,
         "partial_rotary_factor",
         "partial rotary embeddings are not supported",
     )
 
 
-def _from_llama_like(hf: PretrainedConfig) -> ModelConfig:
-    t = hf.model_type
-    _rope_check(hf)
-    act = getattr(hf, "hidden_act", "silu")
-    _require(act == "silu", "hidden_act", f"{act!r} is not supported for {t} (only 'silu')")
-    pretraining_tp = getattr(hf, "pretraining_tp", 1) or 1
-    _require(pretraining_tp == 1, "pretraining_tp", "only 1 is supported")
-    heads = hf.num_attention_heads
-    kv = getattr(hf, "num_key_value_heads", None) or heads
-    _require(heads % kv == 0, "num_key_value_heads", f"{kv} does not divide num_attention_heads={heads}")
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    sliding = None
-    if t in ("mistral", "mixtral"):
-        sliding = getattr(hf, "sliding_window", None)
-    if t in ("qwen2", "qwen2_moe", "qwen3_moe"):
-        _require(
-            not getattr(hf, "use_sliding_window", False),
-            "use_sliding_window",
-            f"{t} sliding-window attention changes results and is not supported",
-        )
-    attention_bias = bool(getattr(hf, "attention_bias", False))
-    qkv_bias = {"qwen2": True, "qwen2_moe": bool(getattr(hf, "qkv_bias", True))}.get(t, attention_bias)
-    out_bias = False if t in ("qwen2", "qwen2_moe") else attention_bias
-    return ModelConfig(
-        model_type=t,
-        hidden_size=hf.hidden_size,
-        ffn_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=head_dim,
-        vocab_size=hf.vocab_size,
-        max_positions=hf.max_position_embeddings,
-        norm="rms",
-        norm_eps=hf.rms_norm_eps,
-        activation="silu",
-        gated_mlp=True,
-        positions="rope",
-        qkv_bias=qkv_bias,
-        out_bias=out_bias,
-        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        sliding_window=sliding,
-        bos_token_id=getattr(hf, "bos_token_id", None),
-        qk_norm=t == "qwen3_moe",
-        moe=_moe_config(hf) if t in MOE_TYPES else None,
-        hf_config=hf,
-    )
-
-
-def _moe_config(hf: PretrainedConfig) -> MoEConfig:
-    """The MoE fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config, as their HF modeling code reads them."""
-    t = hf.model_type
-    mixtral = t == "mixtral"
-    experts_field = _experts_field(t)
-    experts, top_k = getattr(hf, experts_field), hf.num_experts_per_tok
-    _require(experts >= 1, experts_field, f"{experts}: a model without experts is not an MoE model")
-    _require(1 <= top_k <= experts, "num_experts_per_tok", f"{top_k} must be between 1 and {experts_field}={experts}")
-    if mixtral:
-        jitter = getattr(hf, "router_jitter_noise", 0.0) or 0.0
-        _require(jitter == 0, "router_jitter_noise", f"{jitter}: router jitter (random input noise) is not supported")
-        sparse = list(range(hf.num_hidden_layers))
-        return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=hf.intermediate_size,
-                         norm_topk_prob=True, sparse_layers=sparse, combine_fp32=True,
-                         router_aux_loss_coef=float(hf.router_aux_loss_coef),
-                         output_router_logits=bool(hf.output_router_logits))
-    step = hf.decoder_sparse_step
-    _require(step >= 1, "decoder_sparse_step", f"{step} must be at least 1")
-    dense = set(getattr(hf, "mlp_only_layers", None) or [])
-    sparse = [i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
-    shared = getattr(hf, "shared_expert_intermediate_size", 0) if t == "qwen2_moe" else 0
-    return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=hf.moe_intermediate_size,
-                     norm_topk_prob=bool(hf.norm_topk_prob), sparse_layers=sparse, combine_fp32=False,
-                     shared_expert_ffn_size=shared, router_aux_loss_coef=float(hf.router_aux_loss_coef),
-                     output_router_logits=bool(hf.output_router_logits))
-
-
-def _experts_field(model_type: str) -> str:
-    """The config.json field holding the number of routed experts."""
-    return "num_local_experts" if model_type == "mixtral" else "num_experts"
-
-
-def _from_gpt2(hf: PretrainedConfig) -> ModelConfig:
-    act = hf.activation_function
-    _require(act in GELU_ACTS, "activation_function", f"{act!r} is not supported")
-    _require(not getattr(hf, "add_cross_attention", False), "add_cross_attention", "not supported")
-    h = hf.n_embd
-    return ModelConfig(
-        model_type="gpt2",
-        hidden_size=h,
-        ffn_size=hf.n_inner or 4 * h,
-        num_layers=hf.n_layer,
-        num_heads=hf.n_head,
-        num_kv_heads=hf.n_head,
-        head_dim=h // hf.n_head,
-        vocab_size=hf.vocab_size,
-        max_positions=hf.n_positions,
-        norm="layer",
-        norm_eps=hf.layer_norm_epsilon,
-        activation="gelu_tanh" if GELU_ACTS[act] == "tanh" else "gelu",
-        gated_mlp=False,
-        positions="learned",
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
-        attn_scale_inverse_layer=bool(hf.scale_attn_by_inverse_layer_idx),
-        attn_scale_weights=bool(hf.scale_attn_weights),
-        bos_token_id=getattr(hf, "bos_token_id", None),
-        hf_config=hf,
-    )
-
-
-def model_config_from_hf(hf: PretrainedConfig) -> ModelConfig:
-    """Normalise a transformers config; raise UnsupportedConfigError for what we cannot run."""
-    t = getattr(hf, "model_type", None)
-    if t in LLAMA_LIKE:
-        return _from_llama_like(hf)
-    if t == "gpt2":
-        return _from_gpt2(hf)
-    raise UnsupportedConfigError(
-        f"config.json field model_type: {t!r} is not supported (supported: {', '.join(LLAMA_LIKE + ('gpt2',))})"
-    )
-
-
 def check_tp(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> None:
     """Raise if `cfg` cannot be split `tp` ways (heads, KV heads, FFN)."""
-    _require(cfg.num_heads % tp == 0, "num_attention_heads", f"{cfg.num_heads} is not divisible by TP={tp}")
-    _require(cfg.num_kv_heads % tp == 0, "num_key_value_heads", f"{cfg.num_kv_heads} is not divisible by TP={tp}")
+    require(cfg.num_heads % tp == 0, "num_attention_heads", f"{cfg.num_heads} is not divisible by TP={tp}")
+    require(cfg.num_kv_heads % tp == 0, "num_key_value_heads", f"{cfg.num_kv_heads} is not divisible by TP={tp}")
     if any(not cfg.is_sparse(i) for i in range(cfg.num_layers)):  # experts are not TP-split (models/moe.py)
-        _require(cfg.ffn_size % tp == 0, "intermediate_size", f"{cfg.ffn_size} is not divisible by TP={tp}")
+        require(cfg.ffn_size % tp == 0, "intermediate_size", f"{cfg.ffn_size} is not divisible by TP={tp}")
 
 
 def check_cp(cfg: ModelConfig, cp: int) -> None:
@@ -298,7 +167,7 @@ def check_cp(cfg: ModelConfig, cp: int) -> None:
     The router's load-balancing loss is a product of means over a forward's tokens; a CP
     rank sees only its share of them, so its loss would not be the model's."""
     if cp > 1 and cfg.moe is not None:
-        _require(not cfg.moe.output_router_logits, "output_router_logits",
+        require(not cfg.moe.output_router_logits, "output_router_logits",
                  f"the router's load-balancing loss is not supported with parallel.cp={cp} (each CP rank routes only "
                  "its part of the sequence); set it false or use cp 1")
 
@@ -308,7 +177,7 @@ def check_window(cfg: ModelConfig, seq_len: int) -> None:
     not implemented, and up to the window it is plain causal attention (also under CP, whose mask spans the
     whole row). Checked at start-up on data.seq_len and again by every attention on its row."""
     w = cfg.sliding_window
-    _require(w is None or seq_len <= w, "sliding_window",
+    require(w is None or seq_len <= w, "sliding_window",
              f"sequence length {seq_len} exceeds the sliding window {w}; windowed attention is not supported "
              f"(use data.seq_len <= {w})")
 
@@ -320,5 +189,5 @@ def check_ep(cfg: ModelConfig, ep: int) -> None:
                                      "use ep 1")
     if cfg.moe is not None:
         n = cfg.moe.num_experts
-        _require(n % ep == 0, _experts_field(cfg.model_type),
+        require(n % ep == 0, cfg.moe.experts_field,
                  f"{n} experts cannot be split evenly over parallel.ep={ep} (EP must divide the expert count)")

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from tiny_models import STORIES, tiny_config
 
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.models.kernels import Kernels
 from hfmeg.models.moe import MoELayer
 from hfmeg.parallel.state import ParallelConfig, ParallelState

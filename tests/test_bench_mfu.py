@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from transformers import LlamaConfig, MixtralConfig
 
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.plan.flops import training_flops
 from hfmeg.plan.profile import load_profile
 from tool_loader import load_tool

@@ -25,7 +25,7 @@ def test_moe_layers_count_the_router_and_the_routed_experts_only():
     """Mixtral-8x7B's shapes: a token goes through the router and 2 of the 8 experts, about 13B of 47B parameters."""
     from transformers import MixtralConfig
 
-    from hfmeg.config import model_config_from_hf
+    from hfmeg.families import model_config_from_hf
 
     cfg = model_config_from_hf(MixtralConfig())  # 4096 hidden, 14336 expert FFN, 8 experts, top-2, 32 layers
     h, f, s = 4096, 14336, 4096

@@ -8,7 +8,8 @@ import torch
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
-from hfmeg.config import load_hf_config, model_config_from_hf
+from hfmeg.config import load_hf_config
+from hfmeg.families import model_config_from_hf
 from hfmeg.errors import CheckpointError, LayoutError, UnsupportedConfigError
 from hfmeg.parallel.launch import spawn
 from tiny_models import save_tiny

@@ -1,7 +1,8 @@
 """Layering: a module imports only packages at or below its own level, and no modules import each other
 in a circle (inside a package too).
 
-The levels, lowest first: `errors` and `config`, then `data`, `parallel`, `models`,
+The levels, lowest first: `errors` and `config`, then `families` (one spec per model family, the only code that
+knows a `model_type`: a test below holds every other module to that), `data`, `parallel`, `models`,
 `checkpoint`, `peft` (adapters on the model, saved in checkpoint formats), `optim`, `hub`, `plan`, `train`, and
 at the top `commands` (the `hfmeg` console command, whose subcommands use every package) with `hfmeg/__main__.py`
 (`python -m hfmeg`). `plan` sits below `train` because the
@@ -17,9 +18,10 @@ import ast
 from pathlib import Path
 
 import hfmeg
+from hfmeg.families import FAMILIES
 
-LEVELS = {"errors": 0, "config": 0, "data": 1, "parallel": 2, "models": 3, "checkpoint": 4, "peft": 5,
-          "optim": 6, "hub": 7, "plan": 8, "train": 9, "commands": 10, "__main__": 10}
+LEVELS = {"errors": 0, "config": 0, "families": 1, "data": 2, "parallel": 3, "models": 4, "checkpoint": 5, "peft": 6,
+          "optim": 7, "hub": 8, "plan": 9, "train": 10, "commands": 11, "__main__": 11}
 ROOT = Path(hfmeg.__file__).parent
 
 
@@ -98,3 +100,33 @@ def test_no_import_cycle_between_modules():
         if node not in state:
             visit(node, [node])
     assert not cycles, "\n".join(cycles)
+
+
+def _keyed_by_family(node: ast.AST, types: set[str]) -> bool:
+    """Whether `node` names a model_type (`x.model_type`, `model_type`) or holds a model_type string."""
+    return any(isinstance(n, ast.Name) and n.id == "model_type" or isinstance(n, ast.Attribute) and n.attr == "model_type"
+               or isinstance(n, ast.Constant) and n.value in types for n in ast.walk(node))
+
+
+def test_only_families_branch_on_a_model_type():
+    """A family's knowledge lives in its spec: outside `hfmeg/families` no comparison or membership test, no
+    lookup and no dict key involves a model_type (asking `families.family_of` is the way)."""
+    types = {t for family in FAMILIES for t in family.model_types}
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if _package(path) == "families":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare):
+                suspects = [node.left, *node.comparators]
+            elif isinstance(node, ast.Subscript):
+                suspects = [node.slice]
+            elif isinstance(node, ast.Dict):
+                suspects = [k for k in node.keys if k is not None]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+                suspects = node.args[:1]
+            else:
+                continue
+            if any(_keyed_by_family(s, types) for s in suspects):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not found, "\n".join(found)

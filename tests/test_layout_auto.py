@@ -17,7 +17,7 @@ import yaml
 from transformers import LlamaConfig
 
 from helpers import stories_or_skip
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.errors import CheckpointError, UnsupportedConfigError
 from hfmeg.parallel.launch import spawn
 from hfmeg.plan.auto import choice_line, detect_cluster, report

@@ -25,7 +25,8 @@ from hfmeg.checkpoint.mp_reader import MPCheckpoint
 from hfmeg.checkpoint.parity import compare, reference_outputs, sharded_outputs
 from hfmeg.checkpoint.tensor_source import TensorSource
 from hfmeg.checkpoint.reshard import reshard_mp
-from hfmeg.config import load_hf_config, model_config_from_hf
+from hfmeg.config import load_hf_config
+from hfmeg.families import model_config_from_hf
 from hfmeg.errors import CheckpointError, UnsupportedConfigError
 from tiny_models import MOE_KINDS, save_tiny, tiny_config
 

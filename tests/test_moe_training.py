@@ -26,7 +26,7 @@ import torch
 from helpers import make_ps
 from optim_harness import (CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, check_within_rounding,
                            loss_distance, max_rel_diff, train, truth)
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.errors import UnsupportedConfigError
 from hfmeg.models.decoder import ModelChunk
 from hfmeg.parallel.launch import spawn

@@ -92,7 +92,7 @@ def _check(cases, ids, layouts=LAYOUTS):
     return report, names
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3"])
 def test_lora_and_dora_match_peft(kind, tmp_path):
     cases = [make_base_and_adapter(tmp_path, kind, rslora=rs, dora=dora)
              for rs, dora in ((False, False), (True, False), (False, True), (True, True))]
@@ -129,11 +129,12 @@ def _assert_parity(results, cases, layouts):
 
 
 @pytest.mark.parametrize("options", [dict(dora=True), dict(modules_to_save=["embed_tokens", "lm_head"])])
-def test_merge_matches_peft_on_the_base(options, tmp_path):
+@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+def test_merge_matches_peft_on_the_base(kind, options, tmp_path):
     """The merged folder of a DoRA adapter (rows rescaled to the magnitudes), or of a LoRA one with modules
     trained in full (they replace the base's), loads alone and computes what peft computes with the adapter
     on the base."""
-    base, adapter = make_base_and_adapter(tmp_path, "llama3", **options)
+    base, adapter = make_base_and_adapter(tmp_path, kind, **options)
     # fp32 rounding of the merged weights (~1e-7 relative) through 2 layers; the contract's bound is 1e-4.
     within(merged_vs_peft(base, adapter, tmp_path / "merged"), TOL, "merged logits max-abs", None)
 

@@ -22,7 +22,7 @@ from transformers import LlamaConfig
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.errors import LayoutError
 from hfmeg.optim.config import OptimizerConfig

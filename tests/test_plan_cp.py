@@ -20,7 +20,7 @@ import torch
 from transformers import LlamaConfig
 
 from helpers import make_ps
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.models.decoder import ModelChunk
 from hfmeg.parallel.activation_meter import SavedTensorMeter
 from hfmeg.parallel.launch import spawn

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from transformers import LlamaConfig, MixtralConfig
 
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.plan.hardware import ClusterSpec, GpuSpec
 from hfmeg.plan.layout import PlanLayout

@@ -7,7 +7,7 @@ import random
 
 from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.plan.layout import PlanLayout
 from hfmeg.plan.measure import Case, measure_cases

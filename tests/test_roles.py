@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hfmeg.checkpoint.rules import chunk_rules
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.models.decoder import ModelChunk
 from hfmeg.optim import OptimizerConfig, no_weight_decay
 from hfmeg.parallel.roles import ParamRole, named_roles, role_of

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
-                          Qwen2MoeConfig, Qwen3MoeConfig)
+                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES = ASSETS / "models" / "stories260K"
 
-# Every family `tiny_config` builds; llama_tied has tied embeddings and a vocabulary (32001)
-# that needs padding under every TP size.
-RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied")
+# Every dense family `tiny_config` builds; llama_tied has tied embeddings and a vocabulary (32001)
+# that needs padding under every TP size; qwen3 has QK-norm and a head_dim (16) that is not hidden / heads (8).
+RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied", "qwen3")
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
@@ -40,6 +40,8 @@ def tiny_config(kind: str, **overrides):
         cfg = MistralConfig(**_COMMON, sliding_window=None)
     elif kind == "qwen2":
         cfg = Qwen2Config(**_COMMON)
+    elif kind == "qwen3":
+        cfg = Qwen3Config(**_COMMON, head_dim=16)
     elif kind == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=300, n_positions=128)
     elif kind == "mixtral":

@@ -30,7 +30,7 @@ import torch
 from transformers import LlamaConfig
 
 from hfmeg.checkpoint.mp_layout import parse_dtype
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.models.decoder import RECOMPUTE_MODES, ModelChunk
 from hfmeg.parallel.activation_meter import SavedTensorMeter
 from hfmeg.parallel.launch import spawn

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig
 
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.models.decoder import ModelChunk
 from hfmeg.parallel.activation_meter import SavedTensorMeter
 from hfmeg.parallel.context import shard_microbatch

@@ -70,7 +70,7 @@ from transformers import LlamaConfig, MixtralConfig
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.mp_layout import parse_dtype
 from hfmeg.checkpoint.tensor_source import TensorSource
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.data.formats import Doc
 from hfmeg.data.packing import IGNORE, Packer, build_row
 from hfmeg.models.random_init import random_hf_model

@@ -32,7 +32,7 @@ from transformers import MixtralConfig
 
 from bench_args import at_least
 from bench_optimizer import timed
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.models.kernels import Kernels
 from hfmeg.models.moe import MoELayer
 from hfmeg.parallel.launch import spawn

@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hfmeg.checkpoint.tensor_source import TensorSource
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.data.packing import IGNORE
 from hfmeg.models.random_init import random_hf_model
 from hfmeg.plan.flops import mfu, training_flops

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.errors import HfmegError
 from hfmeg.models import ModelChunk
 from hfmeg.parallel.activation_meter import SavedTensorMeter

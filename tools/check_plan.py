@@ -27,7 +27,7 @@ import sys
 
 from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.errors import HfmegError
 from hfmeg.optim.config import OptimizerConfig
 from hfmeg.plan.auto import cpu_cluster

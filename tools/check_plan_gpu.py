@@ -23,7 +23,7 @@ import json
 import statistics
 import sys
 
-from hfmeg.config import model_config_from_hf
+from hfmeg.families import model_config_from_hf
 from hfmeg.errors import HfmegError
 from hfmeg.plan.hardware import ClusterSpec, gpu_spec
 from hfmeg.plan.layout import PlanLayout

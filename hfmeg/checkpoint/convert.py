@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from ..config import ModelConfig, load_hf_config, model_config_from_hf
+from ..config import ModelConfig, load_hf_config
+from ..families import FAMILIES, model_config_from_hf
 from ..errors import CheckpointError, UnsupportedConfigError
 from .atomic import atomic_output_dir
 from .hf_reader import HFCheckpoint
@@ -40,8 +41,7 @@ from .mp_reader import MPCheckpoint, local_shape, rank_rules
 from .rules import expected_hf_shape, rule_tensors, to_local, with_expert_layout
 from .st_stream import StreamingSafetensorsWriter, WriteBehind
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(family.architecture for family in FAMILIES)
 
 
 def load_model_config(folder: Path) -> ModelConfig:

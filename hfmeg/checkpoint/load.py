@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig, load_hf_config, model_config_from_hf
+from ..config import ModelConfig, load_hf_config
+from ..families import model_config_from_hf
 from ..errors import CheckpointError, LayoutError
+from ..families.spec import TensorRule
 from ..models.decoder import ModelChunk
 from ..parallel.layout import ChunkSpec, rank_chunks, split_layers
 from ..parallel.state import ParallelState
@@ -37,7 +39,7 @@ from ..parallel.stored_names import stored_tensors
 from .hf_reader import HFCheckpoint
 from .mp_layout import DTYPES, MPLayout
 from .mp_reader import MPCheckpoint
-from .rules import TensorRule, chunk_rules, expected_hf_shape, rule_tensors, to_local, with_expert_layout
+from .rules import chunk_rules, expected_hf_shape, rule_tensors, to_local, with_expert_layout
 from .tensor_source import TensorSource
 
 WeightSource = HFCheckpoint | TensorSource | MPCheckpoint

@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..config import ModelConfig, load_hf_config, model_config_from_hf
+from ..config import ModelConfig, load_hf_config
+from ..families import model_config_from_hf
 from ..errors import CheckpointError
+from ..families.spec import TensorRule
 from .mp_layout import HF_DIR, LAYOUT_FILE, MPLayout, rank_files, resolve_iteration_dir
-from .rules import TensorRule, chunk_rules, expected_hf_shape, to_hf, to_local, with_fused_experts
+from .rules import chunk_rules, expected_hf_shape, to_hf, to_local, with_fused_experts
 from .st_stream import CODE_DTYPES, read_tensor
 
 

@@ -4,7 +4,9 @@ Every parameter of a model chunk has a `TensorRule`: its hfmeg name, the HF name
 it is built from, and a split kind. `to_local` builds one TP rank's slice from the
 full HF tensors; `to_hf` rebuilds the HF tensors from all TP slices. Both are pure
 data movement (cat/split/reshape/transpose/pad), so HF -> shards -> HF is bit-exact.
-Loading, conversion and resharding all go through these two functions.
+Loading, conversion and resharding all go through these two functions. Which rules
+a model has, with which HF names, is its family's (`hfmeg/families`, `layer_rules`
+and the names around the layers); this module only assembles and applies them.
 
 Split kinds:
 - `replicated`: norms, biases after a row-parallel reduction, learned positions.
@@ -17,7 +19,7 @@ Split kinds:
 - `fused`: several HF tensors concatenated along dim 0, whole on every TP rank (an
   MoE expert's `[gate; up]`: experts are not TP-split, see `models/moe.py`).
 
-MoE layers (Mixtral `block_sparse_moe.*`, Qwen `mlp.*`) map the router (`gate`) and
+MoE layers (Mixtral `block_sparse_moe.*`, Qwen `mlp.*`: the family's `ExpertNames`) map the router (`gate`) and
 every expert's tensors one to one, by expert index, so each tensor travels alone
 (streaming) and the names carry the global expert index. The model holds a rank's
 experts stacked (`models/moe.py` `GroupedExperts`), but the hfmeg names here, and so
@@ -38,63 +40,15 @@ them into `[out, in]` on the way in and back on the way out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Collection, Iterable, Iterator
 
 import torch
 
 from ..config import ModelConfig
-
-
-@dataclass(frozen=True)
-class TensorRule:
-    local: str
-    hf: tuple[str, ...]
-    kind: str
-    transpose: bool = False
-    tied: bool = False  # a stage-local copy of the tied embedding: nothing to write back
-    shapes: tuple[tuple[int, ...], ...] | None = None  # HF shapes, where the kind does not imply them
-    expert: int | None = None  # the HF tensor stacks all experts on dim 0: this rule is expert `expert`'s slice
-
-
-def _llama_layer(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[TensorRule]:
-    p, L = f"model.layers.{i}.", f"layers.{i}."
-    a, m = p + "self_attn.", p + "mlp."
-    rules = [
-        TensorRule(L + "input_norm.weight", (p + "input_layernorm.weight",), "replicated"),
-        TensorRule(L + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"),
-        TensorRule(L + "attn.out.weight", (a + "o_proj.weight",), "cols"),
-        TensorRule(L + "post_attn_norm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
-    ]
-    if cfg.qk_norm:
-        d = (cfg.head_dim,)
-        rules += [TensorRule(L + "attn.q_norm.weight", (a + "q_norm.weight",), "replicated", shapes=(d,)),
-                  TensorRule(L + "attn.k_norm.weight", (a + "k_norm.weight",), "replicated", shapes=(d,))]
-    if not cfg.is_sparse(i):
-        rules += [
-            TensorRule(L + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up"),
-            TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols"),
-        ]
-    if cfg.qkv_bias:
-        rules.append(TensorRule(L + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv"))
-    if cfg.out_bias:
-        rules.append(TensorRule(L + "attn.out.bias", (a + "o_proj.bias",), "replicated"))
-    if cfg.mlp_bias:
-        rules.append(TensorRule(L + "mlp.fc1.bias", (m + "gate_proj.bias", m + "up_proj.bias"), "gate_up"))
-        rules.append(TensorRule(L + "mlp.fc2.bias", (m + "down_proj.bias",), "replicated"))
-    return rules + (_moe_rules(cfg, i, experts) if cfg.is_sparse(i) else [])
-
-
-def _expert_rules(local: str, hf: str, names: tuple[str, str, str], hidden: int, ffn: int) -> list[TensorRule]:
-    """One SwiGLU expert: `local.fc1` = [gate; up] from HF `hf + names[0|1]`, `local.fc2` = `hf + names[2]`."""
-    gate, up, down = (f"{hf}{n}.weight" for n in names)
-    return [TensorRule(local + "fc1.weight", (gate, up), "fused", shapes=((ffn, hidden), (ffn, hidden))),
-            TensorRule(local + "fc2.weight", (down,), "replicated", shapes=((hidden, ffn),))]
-
-
-def stacked_expert_names(i: int) -> tuple[str, str]:
-    """Layer i's stacked expert tensors, as transformers holds them: gate_up `[E, 2F, H]`, down `[E, H, F]`."""
-    return f"model.layers.{i}.mlp.experts.gate_up_proj", f"model.layers.{i}.mlp.experts.down_proj"
+from ..families import spec_of
+from ..families.llama import stacked_expert_names
+from ..families.spec import TensorRule
 
 
 def with_expert_layout(cfg: ModelConfig, names) -> ModelConfig:
@@ -108,76 +62,27 @@ def with_fused_experts(cfg: ModelConfig, fused: bool) -> ModelConfig:
     return replace(cfg, moe=replace(cfg.moe, fused_experts=fused)) if cfg.moe is not None else cfg
 
 
-def _moe_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[TensorRule]:
-    m, h = cfg.moe, cfg.hidden_size
-    L = f"layers.{i}.mlp."
-    if cfg.model_type == "mixtral" and not m.fused_experts:
-        p, names = f"model.layers.{i}.block_sparse_moe.", ("w1", "w3", "w2")
-    else:  # Qwen, and every family's in-memory names
-        p, names = f"model.layers.{i}.mlp.", ("gate_proj", "up_proj", "down_proj")
-    rules = [TensorRule(L + "router.weight", (p + "gate.weight",), "replicated", shapes=((m.num_experts, h),))]
-    if m.fused_experts:
-        E, f = m.num_experts, m.expert_ffn_size
-        gate_up, down = stacked_expert_names(i)
-        # All fc1 slices, then all fc2 slices: each stacked tensor is read once (rule_tensors).
-        rules += [TensorRule(f"{L}experts.{e}.fc1.weight", (gate_up,), "replicated", shapes=((E, 2 * f, h),),
-                             expert=e) for e in experts]
-        rules += [TensorRule(f"{L}experts.{e}.fc2.weight", (down,), "replicated", shapes=((E, h, f),), expert=e)
-                  for e in experts]
-    for e in () if m.fused_experts else experts:
-        rules += _expert_rules(f"{L}experts.{e}.", f"{p}experts.{e}.", names, h, m.expert_ffn_size)
-    if m.shared_expert_ffn_size:
-        rules += _expert_rules(L + "shared.", p + "shared_expert.", names, h, m.shared_expert_ffn_size)
-        rules.append(TensorRule(L + "shared_gate.weight", (p + "shared_expert_gate.weight",), "replicated",
-                                shapes=((1, h),)))
-    return rules
-
-
-def _gpt2_layer(i: int) -> list[TensorRule]:
-    p, L = f"transformer.h.{i}.", f"layers.{i}."
-    rules = []
-    for ours, theirs in (("input_norm", "ln_1"), ("post_attn_norm", "ln_2")):
-        for w in ("weight", "bias"):
-            rules.append(TensorRule(f"{L}{ours}.{w}", (f"{p}{theirs}.{w}",), "replicated"))
-    rules += [
-        TensorRule(L + "attn.qkv.weight", (p + "attn.c_attn.weight",), "qkv", transpose=True),
-        TensorRule(L + "attn.qkv.bias", (p + "attn.c_attn.bias",), "qkv"),
-        TensorRule(L + "attn.out.weight", (p + "attn.c_proj.weight",), "cols", transpose=True),
-        TensorRule(L + "attn.out.bias", (p + "attn.c_proj.bias",), "replicated"),
-        TensorRule(L + "mlp.fc1.weight", (p + "mlp.c_fc.weight",), "rows", transpose=True),
-        TensorRule(L + "mlp.fc1.bias", (p + "mlp.c_fc.bias",), "rows"),
-        TensorRule(L + "mlp.fc2.weight", (p + "mlp.c_proj.weight",), "cols", transpose=True),
-        TensorRule(L + "mlp.fc2.bias", (p + "mlp.c_proj.bias",), "replicated"),
-    ]
-    return rules
-
-
-def embedding_hf_name(cfg: ModelConfig) -> str:
-    return "model.embed_tokens.weight" if cfg.arch == "llama" else "transformer.wte.weight"
-
-
 def chunk_rules(cfg: ModelConfig, layers: Iterable[int], pre_process: bool, post_process: bool,
                 experts: Collection[int] | None = None) -> list[TensorRule]:
-    """Rules for every parameter of a chunk holding `layers` (global indices).
+    """Rules for every parameter of a chunk holding `layers` (global indices), from the family's spec.
 
     `experts`: the routed experts (global indices) the chunk holds in its MoE layers, an
     expert-parallel rank's share (`ModelChunk.experts`); None: all of them."""
-    emb = embedding_hf_name(cfg)
+    family = spec_of(cfg)
+    emb = family.embedding
     if experts is None and cfg.moe is not None:
         experts = range(cfg.moe.num_experts)
     rules: list[TensorRule] = []
     if pre_process:
         rules.append(TensorRule("embed.weight", (emb,), "vocab"))
         if cfg.positions == "learned":
-            rules.append(TensorRule("pos_embed.weight", ("transformer.wpe.weight",), "replicated"))
+            rules.append(TensorRule("pos_embed.weight", (family.position_embedding,), "replicated"))
     for i in layers:
-        rules += _llama_layer(cfg, i, experts) if cfg.arch == "llama" else _gpt2_layer(i)
+        rules += family.layer_rules(cfg, i, experts)
     if post_process:
-        if cfg.arch == "llama":
-            rules.append(TensorRule("final_norm.weight", ("model.norm.weight",), "replicated"))
-        else:
-            rules.append(TensorRule("final_norm.weight", ("transformer.ln_f.weight",), "replicated"))
-            rules.append(TensorRule("final_norm.bias", ("transformer.ln_f.bias",), "replicated"))
+        rules.append(TensorRule("final_norm.weight", (family.final_norm + ".weight",), "replicated"))
+        if cfg.norm == "layer":
+            rules.append(TensorRule("final_norm.bias", (family.final_norm + ".bias",), "replicated"))
         if not cfg.tie_embeddings:
             rules.append(TensorRule("lm_head.weight", ("lm_head.weight",), "vocab"))
         elif not pre_process:

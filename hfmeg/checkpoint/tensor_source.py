@@ -15,7 +15,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..config import ModelConfig, model_config_from_hf
+from ..config import ModelConfig
+from ..families import model_config_from_hf
 from ..errors import CheckpointError
 from .rules import with_expert_layout
 

@@ -38,12 +38,13 @@ from ..checkpoint.convert import load_model_config
 from ..checkpoint.hub_ids import portable_name
 from ..checkpoint.mp_layout import HF_DIR, MPLayout
 from ..errors import CheckpointError, UnsupportedConfigError
+from ..families.llama import PROJECTIONS
 from ..models.decoder import ModelChunk
 from ..parallel.params_ready import wait_params_ready
 from ..parallel.state import ParallelState
 from ..parallel.stored_names import stored_tensors
 from .adapters import adapter_tensors, attach, join_slices
-from .config import EXPERT_PARAMS, LLAMA_PROJECTIONS, QWEN2_MOE_TARGETS, PeftConfig
+from .config import EXPERT_PARAMS, MODULES, PeftConfig
 
 SHARD_FILE = "adapter.safetensors"
 EXPERT_SHARD_FILE = "adapter-experts-{first:03d}-{last:03d}.safetensors"  # an EP rank's experts first..last
@@ -234,7 +235,7 @@ def write_peft_folder(out: Path, tensors: dict[str, torch.Tensor], cfg: PeftConf
     The folder names its base as any working directory finds it (`portable_name`: the Hub id, also of a
     folder in the HF cache, else the absolute path), so `AutoPeftModelForCausalLM` loads it from anywhere."""
     # the projection of each A (a DoRA magnitude's key is one part shorter: `...q_proj.lora_magnitude_vector`)
-    targets = sorted({k.split(".")[-3] for k in tensors if k.endswith(".lora_A.weight")} & set(QWEN2_MOE_TARGETS))
+    targets = sorted({k.split(".")[-3] for k in tensors if k.endswith(".lora_A.weight")} & set(MODULES))
     moe = any(".mlp.experts." in k or ".mlp.gate.lora_" in k for k in tensors)  # not a router in modules_to_save
     params = cfg.moe_targets()[1] if moe else ()
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
@@ -266,7 +267,7 @@ def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]
                               f"({type(e).__name__}: {e})") from e
     targets = sorted({k.split(".")[-3] for k in tensors if k.endswith(".lora_A.weight")})
     if raw.get("target_parameters"):  # an MoE adapter: LoRA on the stacked experts / the router
-        targets = sorted(set(targets) & set(LLAMA_PROJECTIONS)) + _expert_params(raw, path)
+        targets = sorted(set(targets) & set(PROJECTIONS)) + _expert_params(raw, path)
     cfg = PeftConfig(method="dora" if raw.get("use_dora") else "lora", r=int(raw["r"]), alpha=float(raw["lora_alpha"]),
                      dropout=float(raw.get("lora_dropout", 0.0)), target_modules=targets,
                      use_rslora=bool(raw.get("use_rslora", False)),

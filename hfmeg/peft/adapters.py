@@ -67,7 +67,10 @@ from ..models.moe import MoELayer
 from ..parallel.roles import ParamRole, add_param
 from ..parallel.state import ParallelState
 from ..parallel.stored_names import set_stored_names, stored_tensors
-from .config import ATTENTION, EXPERT_TARGETS, FUSED, MOE_SAVABLE, QWEN2_MOE_TARGETS, SAVABLE, SHARED_GATE, PeftConfig
+from ..families import spec_of
+from ..families.llama import ATTENTION, layer_prefix
+from ..families.qwen2_moe import SHARED_GATE
+from .config import EXPERT_PARAMS, MOE_SAVABLE, SAVABLE, PeftConfig
 
 PEFT_PREFIX = "base_model.model."
 
@@ -238,7 +241,7 @@ def _moe_layers(chunk: ModelChunk) -> list[tuple[int, MoELayer]]:
 def _expert_keys(i: int, params: tuple[str, ...]) -> dict[str, str]:
     """PEFT key prefix of each targeted expert/router parameter of layer i: peft wraps gate_up_proj first, so
     with down_proj targeted too gate_up_proj's wrapper is the inner one (`experts.base_layer`)."""
-    m = f"{PEFT_PREFIX}model.layers.{i}.mlp."
+    m = f"{PEFT_PREFIX}{layer_prefix(i)}mlp."
     keys = {"gate.weight": m + "gate.", "down_proj": m + "experts.",
             "gate_up_proj": m + ("experts.base_layer." if "down_proj" in params else "experts.")}
     return {p: keys[p] for p in params}
@@ -259,14 +262,15 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
     where peft maps the MLP names to the experts, which are `_moe_layers` with the router), Qwen2-MoE's shared
     expert and its gate."""
     cfg, tp = chunk.cfg, chunk.ps.tp
+    experts_mapped = bool(spec_of(cfg).peft.experts)
     q, kv, h, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.ffn_size
     out = []
     for i in chunk.layer_ids:
-        a, m, L = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
+        a, m, L = f"{layer_prefix(i)}self_attn.", f"{layer_prefix(i)}mlp.", f"layers.{i}."
         out += [_Base(L + "attn.qkv", [Projection("q_proj", a + "q_proj", q), Projection("k_proj", a + "k_proj", kv),
                                       Projection("v_proj", a + "v_proj", kv)], True, cfg.num_kv_heads // tp),
                 _Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1)]
-        if not cfg.is_sparse(int(i)) and cfg.model_type not in EXPERT_TARGETS:
+        if not cfg.is_sparse(int(i)) and not experts_mapped:
             out += [_Base(L + "mlp.fc1", [Projection("gate_proj", m + "gate_proj", f),
                                       Projection("up_proj", m + "up_proj", f)], True, 1),
                     _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
@@ -281,7 +285,8 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
 
 def check_model(chunk_cfg, cfg: PeftConfig) -> None:
     """Refuse, naming the field, a model LoRA is not built for here (before any weight is read)."""
-    if chunk_cfg.arch != "llama" or not chunk_cfg.gated_mlp:
+    names = spec_of(chunk_cfg).peft
+    if names is None or not chunk_cfg.gated_mlp:
         raise UnsupportedConfigError(f"peft.method: {cfg.method} is built for LLaMA-family models (fused QKV, "
                                      f"gate/up); this is a {chunk_cfg.model_type} model")
     if "lm_head" in cfg.modules_to_save and chunk_cfg.tie_embeddings:
@@ -290,25 +295,24 @@ def check_model(chunk_cfg, cfg: PeftConfig) -> None:
     _check_saved(chunk_cfg, cfg)
     wanted = set(cfg.target_modules) - {"all-linear"}
     if chunk_cfg.moe is None:
-        unmatched = sorted(wanted - set(cfg.targets()))
-    elif chunk_cfg.model_type not in EXPERT_TARGETS:  # Qwen2-MoE: peft's names are its nn.Linears only
-        experts = sorted(wanted - set(QWEN2_MOE_TARGETS) - {"w1", "w2", "w3"})
+        unmatched = sorted(wanted - set(cfg.module_targets(names)))
+    elif not names.experts:  # Qwen2-MoE: peft's names are its nn.Linears only
+        experts = sorted(wanted & ({"gate"} | set(EXPERT_PARAMS)) - set(names.modules))
         if experts:
             raise UnsupportedConfigError(f"peft.target_modules: {experts} on {chunk_cfg.model_type}: peft reaches its "
                                          "routed experts and router only through target_parameters (no v4-name "
                                          "mapping for this model), which is not built; target attention, the shared "
                                          "expert (gate_proj up_proj down_proj) and shared_expert_gate")
-        unmatched = sorted(wanted - set(QWEN2_MOE_TARGETS))
-        shared = set(cfg.module_targets(chunk_cfg.model_type)) - set(ATTENTION)
+        unmatched = sorted(wanted - set(names.modules))
+        shared = set(cfg.module_targets(names)) - set(ATTENTION)
         if shared and (cfg.method == "dora" or cfg.dropout):
             field = "method: dora" if cfg.method == "dora" else "dropout"
             raise UnsupportedConfigError(f"peft.{field} is not supported on the shared expert ({sorted(shared)} are "
                                          "replicated layers fed each TP rank's own tokens; not proven there): target "
                                          "attention only")
     else:
-        names = EXPERT_TARGETS[chunk_cfg.model_type]
-        unmatched = sorted(wanted - set(ATTENTION) - set(names) - set(names.values()))
-        pair = FUSED[chunk_cfg.model_type]
+        unmatched = sorted(wanted - set(names.modules) - set(names.experts) - set(names.experts.values()))
+        pair = names.fused
         if len(wanted & set(pair)) == 1:
             raise UnsupportedConfigError(f"peft.target_modules: {sorted(wanted & set(pair))[0]} without "
                                          f"{sorted(set(pair) - wanted)[0]}: they are one fused gate_up_proj (as "
@@ -335,8 +339,9 @@ def _check_saved(chunk_cfg, cfg: PeftConfig) -> None:
     if absent:
         raise UnsupportedConfigError(f"peft.modules_to_save: {absent[0]} is not a module of this "
                                      f"{chunk_cfg.model_type} model")
-    lora = set(cfg.moe_targets()[1] if chunk_cfg.model_type in EXPERT_TARGETS else ())
-    lora |= set(cfg.module_targets(chunk_cfg.model_type)) & {SHARED_GATE}
+    names = spec_of(chunk_cfg).peft
+    lora = set(cfg.moe_targets()[1] if names.experts else ())
+    lora |= set(cfg.module_targets(names)) & {SHARED_GATE}
     saved = {"gate.weight"} if "gate" in moe else set()
     saved |= {SHARED_GATE} if shared and moe else set()  # peft's suffix match: `gate` takes shared_expert_gate too
     both = sorted(lora & saved)
@@ -350,7 +355,7 @@ def _moe_savable(chunk: ModelChunk) -> list[tuple[str, str, tuple[str, ...]]]:
     expert gate (peft matches names by suffix, so on Qwen2-MoE `gate` takes `shared_expert_gate` too)."""
     out = []
     for i, layer in _moe_layers(chunk):
-        m, L = f"{PEFT_PREFIX}model.layers.{i}.mlp.", f"layers.{i}.mlp."
+        m, L = f"{PEFT_PREFIX}{layer_prefix(i)}mlp.", f"layers.{i}.mlp."
         out.append((L + "router.weight", m + "gate.weight", ("gate",)))
         if hasattr(layer, "shared_gate"):
             out.append((L + "shared_gate.weight", m + SHARED_GATE + ".weight", MOE_SAVABLE))
@@ -373,7 +378,8 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
         if set(names) & set(cfg.modules_to_save):
             params[local].requires_grad_(True)
     moe = chunk.cfg.moe
-    targeted = set(cfg.module_targets(chunk.cfg.model_type))
+    peft_names = spec_of(chunk.cfg).peft
+    targeted = set(cfg.module_targets(peft_names))
     weight = next(chunk.parameters())
     place = dict(device=weight.device, dtype=weight.dtype)
     for base in _bases(chunk):
@@ -383,13 +389,13 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
         adapter = LoraAdapter(base.projections, targeted, layer.weight.shape[1], base.column, base.groups, cfg,
                               chunk.ps, base.replicated)
         layer.adapter = adapter.to(**place)
-    if moe is None or chunk.cfg.model_type not in EXPERT_TARGETS:
+    if moe is None or not peft_names.experts:
         return
     wanted = cfg.moe_targets()[1]
     h, f = chunk.cfg.hidden_size, moe.expert_ffn_size
     for i, layer in _moe_layers(chunk):
         if "gate.weight" in wanted:
-            router = [Projection("gate", f"model.layers.{i}.mlp.gate", moe.num_experts)]
+            router = [Projection("gate", f"{layer_prefix(i)}mlp.gate", moe.num_experts)]
             layer.router.adapter = LoraAdapter(router, {"gate"}, h, True, 1, cfg, chunk.ps, replicated=True).to(**place)
         for param, (name, n_in, n_out) in (("gate_up_proj", ("fc1", h, 2 * f)), ("down_proj", ("fc2", f, h))):
             if param in wanted:

@@ -11,10 +11,10 @@ section and the exported `adapter_config.json` say the same thing:
 - `target_modules`: HF projection names (`q_proj ... down_proj`), or `all-linear`
   (every projection of the decoder layers; never `lm_head`, as in `peft`). On MoE models
   (Mixtral, Qwen3-MoE) the experts' and router's names as `peft` reads them on
-  transformers v5 (`EXPERT_TARGETS`): `w1`+`w3` / `gate_proj`+`up_proj` (the fused
+  transformers v5 (the family's `PeftNames.experts`): `w1`+`w3` / `gate_proj`+`up_proj` (the fused
   `gate_up_proj`, at rank 2r and alpha 2 alpha), `w2` / `down_proj`, `gate` (the router).
   Qwen2-MoE is not in peft's mapping: there the names mean what they mean to peft on that
-  model, plain LoRA on `nn.Linear`s (`QWEN2_MOE_TARGETS`): `gate_proj up_proj down_proj` are
+  model, plain LoRA on `nn.Linear`s (its `PeftNames.modules`): `gate_proj up_proj down_proj` are
   the shared expert's (and a dense layer's MLP), `shared_expert_gate` its gate; `all-linear`
   is attention + those.
 - `modules_to_save`: base modules trained in full beside the adapters (`embed_tokens`,
@@ -30,36 +30,26 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import UnsupportedConfigError
+from ..families import FAMILIES
+from ..families.llama import ATTENTION, PROJECTIONS
+from ..families.qwen2_moe import SHARED_GATE
+from ..families.spec import PeftNames
 
-# What `all-linear` stands for in a LLaMA-family decoder layer (peft excludes the output layer).
-LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
 # Base modules `modules_to_save` can train in full beside the adapters: HF name -> the chunk's parameter.
 SAVABLE = {"embed_tokens": "embed.weight", "lm_head": "lm_head.weight"}
-ATTENTION = LLAMA_PROJECTIONS[:4]
 # MoE models (transformers v5 stacks the experts: `mlp.experts.gate_up_proj` [E, 2F, H], `down_proj` [E, H, F];
 # the router `mlp.gate.weight`): peft (0.21) adapts them with LoRA on those parameters (`target_parameters`),
-# and maps the per-expert module names of transformers v4 to them (`_MOE_TARGET_MODULE_MAPPING`). Target
-# name -> the parameter it adapts; its own parameter names are accepted too (a peft folder lists them).
-EXPERT_TARGETS = {
-    "mixtral": {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj", "gate": "gate.weight"},
-    "qwen3_moe": {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
-                  "gate": "gate.weight"},
-}
+# and maps the per-expert module names of transformers v4 to them (`_MOE_TARGET_MODULE_MAPPING`); each family's
+# spec says which names map to what (`PeftNames.experts`). Its own parameter names are accepted too (a peft folder
+# lists them).
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate.weight")
-_TO_PARAM = {name: param for names in EXPERT_TARGETS.values() for name, param in names.items()}
-# Qwen2-MoE: peft (0.21) maps no v4 names onto its stacked experts (its own model type is not in transformers'
-# conversion table), so its names adapt `nn.Linear`s only: the shared expert's projections (and a dense layer's MLP)
-# and the shared expert's gate; `all-linear` is all of them with attention. Its routed experts and router are
-# reachable in peft only through explicit `target_parameters` (no w1 + w3 rank pattern), which is not built here.
-SHARED_GATE = "shared_expert_gate"
-QWEN2_MOE_TARGETS = LLAMA_PROJECTIONS + (SHARED_GATE,)
+_TO_PARAM = {name: param for family in FAMILIES if family.peft for name, param in family.peft.experts.items()}
+# Every module name some family adapts with plain LoRA, in the decoder's order.
+MODULES = tuple(dict.fromkeys(m for family in FAMILIES if family.peft for m in family.peft.modules))
 # `modules_to_save` names of an MoE layer's replicated parts: the router (`gate`; on Qwen2-MoE peft's suffix match
 # takes `shared_expert_gate` with it) and the shared expert's gate.
 MOE_SAVABLE = ("gate", SHARED_GATE)
-# peft fuses w1 and w3 (gate_proj and up_proj) into one LoRA on gate_up_proj of rank 2r (alpha 2 alpha);
-# naming one of the pair alone is refused, as peft refuses it.
-FUSED = {"mixtral": ("w1", "w3"), "qwen3_moe": ("gate_proj", "up_proj")}
 
 
 @dataclass
@@ -82,21 +72,11 @@ class PeftConfig:
         """What B A x is multiplied by (peft's `scaling`)."""
         return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
 
-    def targets(self) -> tuple[str, ...]:
-        """The targeted HF projection names, `all-linear` expanded, in the decoder's order."""
+    def module_targets(self, names: PeftNames) -> tuple[str, ...]:
+        """The HF module names adapted with plain LoRA on the TP (or replicated) layers of a family that calls
+        them `names.modules`: those targeted, `all-linear` expanded, in the decoder's order."""
         wanted = set(self.target_modules)
-        if ALL_LINEAR in wanted:
-            return LLAMA_PROJECTIONS
-        return tuple(p for p in LLAMA_PROJECTIONS if p in wanted)
-
-    def module_targets(self, model_type: str | None = None) -> tuple[str, ...]:
-        """The HF module names adapted with plain LoRA on the TP (or replicated) layers of a `model_type` model:
-        `targets()` on a dense model, attention (`moe_targets`) on Mixtral / Qwen3-MoE, `QWEN2_MOE_TARGETS` on
-        Qwen2-MoE."""
-        if model_type == "qwen2_moe":
-            wanted = set(self.target_modules)
-            return QWEN2_MOE_TARGETS if ALL_LINEAR in wanted else tuple(t for t in QWEN2_MOE_TARGETS if t in wanted)
-        return self.moe_targets()[0] if model_type in EXPERT_TARGETS else self.targets()
+        return names.modules if ALL_LINEAR in wanted else tuple(t for t in names.modules if t in wanted)
 
     def moe_targets(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(the attention projections, the expert/router parameters of `EXPERT_PARAMS`) targeted on an MoE
@@ -128,12 +108,11 @@ class PeftConfig:
             raise UnsupportedConfigError(f"peft.dropout: must be in [0, 1), got {self.dropout!r}")
         if not self.target_modules:
             raise UnsupportedConfigError("peft.target_modules: empty; name HF projections (q_proj ...) or all-linear")
-        known = set(QWEN2_MOE_TARGETS) | {ALL_LINEAR} | set(EXPERT_PARAMS)
-        known |= {n for names in EXPERT_TARGETS.values() for n in names}
+        known = set(MODULES) | {ALL_LINEAR} | set(EXPERT_PARAMS) | set(_TO_PARAM)
         unknown = sorted(set(self.target_modules) - known)
         if unknown:
             raise UnsupportedConfigError(f"peft.target_modules: {unknown} match no adapted projection; the "
-                                         f"targets are {list(LLAMA_PROJECTIONS)} or {ALL_LINEAR} (MoE models: "
+                                         f"targets are {list(PROJECTIONS)} or {ALL_LINEAR} (MoE models: "
                                          "also w1 w2 w3 gate, gate_up_proj down_proj gate.weight, "
                                          f"{SHARED_GATE})")
         other = sorted(set(self.modules_to_save) - set(SAVABLE) - set(MOE_SAVABLE))

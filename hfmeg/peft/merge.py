@@ -10,9 +10,9 @@ base's tensor; every other tensor and every other file
 
 MoE adapters (peft's LoRA on the stacked experts and the router, `adapters.py`) give each
 expert e the update `scale B_e A_e`; it goes into whichever names the base stores: the
-stacked `mlp.experts.gate_up_proj` / `down_proj`, or one tensor per expert (Mixtral
-`block_sparse_moe.experts.e.w1/w3/w2`, Qwen `mlp.experts.e.gate_proj/up_proj/down_proj`:
-gate_up's first F rows to the gate, the rest to up).
+stacked `mlp.experts.gate_up_proj` / `down_proj`, or one tensor per expert as the family's
+checkpoints name them (its `ExpertNames`: Mixtral `block_sparse_moe.experts.e.w1/w3/w2`, Qwen
+`mlp.experts.e.gate_proj/up_proj/down_proj`): gate_up's first F rows to the gate, the rest to up.
 """
 
 from __future__ import annotations
@@ -24,14 +24,20 @@ import torch
 from safetensors import safe_open
 
 from ..checkpoint.atomic import atomic_output_dir, save_tensors
+from ..config import load_hf_config
 from ..errors import CheckpointError
+from ..families import family_of
+from ..families.llama import MLP
+from ..families.spec import ExpertNames
 from .adapters import PEFT_PREFIX
 from .config import PeftConfig
 
 
-def _expert_deltas(tensors: dict[str, torch.Tensor], cfg: PeftConfig, names: set[str]) -> dict[str, torch.Tensor]:
+def _expert_deltas(tensors: dict[str, torch.Tensor], cfg: PeftConfig, names: set[str],
+                   disk: ExpertNames) -> dict[str, torch.Tensor]:
     """{base tensor name: its fp32 update} for the MoE experts' and router's adapters in `tensors`, named as the
-    base (`names`: every tensor name in its files) stores them."""
+    base (`names`: every tensor name in its files) stores them: stacked, or per expert as its family's
+    checkpoints name them (`disk`)."""
     out = {}
     for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
         module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
@@ -39,7 +45,8 @@ def _expert_deltas(tensors: dict[str, torch.Tensor], cfg: PeftConfig, names: set
         if rest not in ("gate", "experts", "experts.base_layer"):
             continue
         a, b = tensors[key].float(), tensors[key.replace(".lora_A.", ".lora_B.")].float()
-        moe = f"{layer}.block_sparse_moe." if f"{layer}.block_sparse_moe.gate.weight" in names else f"{layer}.mlp."
+        per_expert = disk if f"{layer}.{disk.block}gate.weight" in names else MLP
+        moe = f"{layer}.{per_expert.block}"
         if rest == "gate":
             out[moe + "gate.weight"] = (b @ a) * cfg.scale
             continue
@@ -53,15 +60,14 @@ def _expert_deltas(tensors: dict[str, torch.Tensor], cfg: PeftConfig, names: set
         if f"{layer}.mlp.experts.{param}" in names:  # stored stacked, as transformers holds it
             out[f"{layer}.mlp.experts.{param}"] = delta
             continue
-        mixtral = moe.endswith("block_sparse_moe.")
         for e in range(experts):
             p = f"{moe}experts.{e}."
             if param == "down_proj":
-                out[p + ("w2" if mixtral else "down_proj") + ".weight"] = delta[e]
+                out[p + per_expert.down + ".weight"] = delta[e]
             else:
                 gate, up = delta[e].chunk(2, dim=0)
-                out[p + ("w1" if mixtral else "gate_proj") + ".weight"] = gate
-                out[p + ("w3" if mixtral else "up_proj") + ".weight"] = up
+                out[p + per_expert.gate + ".weight"] = gate
+                out[p + per_expert.up + ".weight"] = up
     return out
 
 
@@ -83,14 +89,15 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
     for path in base.glob("*.safetensors"):
         with safe_open(str(path), "pt") as f:
             names.update(f.keys())
-    deltas = _expert_deltas(tensors, cfg, names)
+    disk = family_of(load_hf_config(base).model_type).experts or MLP
+    deltas = _expert_deltas(tensors, cfg, names, disk)
     # modules trained in full (`modules_to_save`), under the base's names: peft's key is transformers v5's module
     # path, and a Mixtral file may store the router under v4's `block_sparse_moe.gate`
     saved = {}
     for k in tensors:
         if ".lora_" not in k:
             name = k.removeprefix(PEFT_PREFIX)
-            v4 = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+            v4 = name.replace(".mlp.gate.", f".{disk.block}gate.")
             saved[name if name in names or v4 not in names else v4] = k
     updates = {k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight": k
                for k in tensors if k.endswith(".lora_A.weight") and ".mlp.experts" not in k and ".mlp.gate." not in k}

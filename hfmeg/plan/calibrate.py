@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import LlamaConfig, MixtralConfig
 
-from ..config import model_config_from_hf
+from ..families import model_config_from_hf
 from ..models.decoder import ModelChunk
 from ..optim import DistributedOptimizer, OptimizerConfig
 from ..parallel.launch import spawn

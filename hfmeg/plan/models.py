@@ -16,7 +16,8 @@ from pathlib import Path
 from transformers import AutoConfig, GPT2Config, LlamaConfig
 
 from ..checkpoint.hub_source import cached_or_reachable
-from ..config import ModelConfig, load_hf_config, model_config_from_hf
+from ..config import ModelConfig, load_hf_config
+from ..families import model_config_from_hf
 from ..errors import CheckpointError, UnsupportedConfigError
 
 _LLAMA2 = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)

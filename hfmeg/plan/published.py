@@ -33,7 +33,7 @@ from dataclasses import replace
 
 from transformers import GPT2Config
 
-from ..config import model_config_from_hf
+from ..families import model_config_from_hf
 from ..errors import HfmegError
 from .hardware import ClusterSpec, gpu_spec
 from .layout import PlanLayout

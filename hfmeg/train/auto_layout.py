@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import load_hf_config, model_config_from_hf
+from ..config import load_hf_config
+from ..families import model_config_from_hf
 from ..errors import LayoutError
 from ..plan.auto import choice_line, detect_cluster, report
 from ..plan.layout import PlanLayout

@@ -175,7 +175,8 @@ def fit_to_model(cfg: TrainConfig) -> None:
     """CPU runs of a GPU recipe: no torch.compile (GPU kernels), and a sequence the model supports; and
     what only the model's config.json can refuse before any process group exists (EP vs the expert count, CP
     vs the router's loss)."""
-    from ..config import check_cp, check_ep, check_window, load_hf_config, model_config_from_hf
+    from ..config import check_cp, check_ep, check_window, load_hf_config
+    from ..families import model_config_from_hf
     from ..models.shared_layers import check_shareable
     from ..peft.adapters import check_model
 

@@ -1,0 +1,41 @@
+"""The model families hfmeg runs, one spec each (`spec.py`), and the registry that picks one by `model_type`.
+
+Adding a family: a module here with its `FamilySpec` (a LLaMA-layout family is `llama.llama_layout` with its
+config reader), its line in `FAMILIES`, and its tiny checkpoint in `tests/tiny_models.py` (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from ..config import ModelConfig
+from ..errors import UnsupportedConfigError
+from .gpt2 import GPT2
+from .llama import LLAMA
+from .mistral import MISTRAL
+from .mixtral import MIXTRAL
+from .qwen2 import QWEN2
+from .qwen2_moe import QWEN2_MOE
+from .qwen3 import QWEN3
+from .qwen3_moe import QWEN3_MOE
+from .spec import FamilySpec
+
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT2)
+_BY_TYPE = {t: spec for spec in FAMILIES for t in spec.model_types}
+
+
+def family_of(model_type: str | None) -> FamilySpec:
+    """The spec of HF `model_type`; refuses one hfmeg does not run, naming config.json's field."""
+    if model_type not in _BY_TYPE:
+        raise UnsupportedConfigError(f"config.json field model_type: {model_type!r} is not supported "
+                                     f"(supported: {', '.join(_BY_TYPE)})")
+    return _BY_TYPE[model_type]
+
+
+def spec_of(cfg: ModelConfig) -> FamilySpec:
+    return family_of(cfg.model_type)
+
+
+def model_config_from_hf(hf: PretrainedConfig) -> ModelConfig:
+    """Normalise a transformers config; raise UnsupportedConfigError for what we cannot run."""
+    return family_of(getattr(hf, "model_type", None)).normalise(hf)

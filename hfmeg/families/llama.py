@@ -1,0 +1,152 @@
+"""LLaMA, and the decoder every LLaMA-layout family shares (Mistral, Qwen2, the MoE families).
+
+`decoder_config` reads what all of them read; a family passes what differs (biases, its
+sliding-window rule, QK-norm, its MoE reader). `layer_rules` is the LLaMA weight layout:
+`model.layers.{i}.self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, the two RMSNorms, and
+an MoE layer's router and experts, per expert as `save_pretrained` writes them (named by
+the family's `ExpertNames`) or stacked as transformers holds them in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Collection
+
+from transformers import PretrainedConfig
+
+from ..config import ModelConfig, MoEConfig, require, rope_check
+from .spec import ExpertNames, FamilySpec, PeftNames, TensorRule
+
+# What `all-linear` stands for in a LLaMA-layout decoder layer (peft excludes the output layer).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION = PROJECTIONS[:4]
+MLP = ExpertNames("mlp.", "gate_proj", "up_proj", "down_proj")  # a dense MLP's, and Qwen's experts' names
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def stacked_expert_names(i: int) -> tuple[str, str]:
+    """Layer i's stacked expert tensors, as transformers holds them: gate_up `[E, 2F, H]`, down `[E, H, F]`."""
+    return f"{layer_prefix(i)}mlp.experts.gate_up_proj", f"{layer_prefix(i)}mlp.experts.down_proj"
+
+
+def no_window(hf: PretrainedConfig) -> None:
+    """Qwen's sliding window (`use_sliding_window`) is refused: it changes results."""
+    require(not getattr(hf, "use_sliding_window", False), "use_sliding_window",
+            f"{hf.model_type} sliding-window attention changes results and is not supported")
+
+
+def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bias: bool | None = None,
+                   window: Callable[[PretrainedConfig], int | None] = lambda hf: None, qk_norm: bool = False,
+                   moe: Callable[[PretrainedConfig], MoEConfig] | None = None) -> ModelConfig:
+    """A LLaMA-layout config; a bias left None follows `attention_bias`, `window` returns the sliding window
+    (or refuses one), `moe` reads the MoE fields."""
+    rope_check(hf)
+    t = hf.model_type
+    act = getattr(hf, "hidden_act", "silu")
+    require(act == "silu", "hidden_act", f"{act!r} is not supported for {t} (only 'silu')")
+    pretraining_tp = getattr(hf, "pretraining_tp", 1) or 1
+    require(pretraining_tp == 1, "pretraining_tp", "only 1 is supported")
+    heads = hf.num_attention_heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    require(heads % kv == 0, "num_key_value_heads", f"{kv} does not divide num_attention_heads={heads}")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    sliding = window(hf)
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    return ModelConfig(
+        model_type=t,
+        hidden_size=hf.hidden_size,
+        ffn_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        vocab_size=hf.vocab_size,
+        max_positions=hf.max_position_embeddings,
+        norm="rms",
+        norm_eps=hf.rms_norm_eps,
+        activation="silu",
+        gated_mlp=True,
+        positions="rope",
+        qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
+        out_bias=attention_bias if out_bias is None else out_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        sliding_window=sliding,
+        bos_token_id=getattr(hf, "bos_token_id", None),
+        qk_norm=qk_norm,
+        moe=moe(hf) if moe is not None else None,
+        hf_config=hf,
+    )
+
+
+def _expert_rules(local: str, hf: str, names: tuple[str, str, str], hidden: int, ffn: int) -> list[TensorRule]:
+    """One SwiGLU expert: `local.fc1` = [gate; up] from HF `hf + names[0|1]`, `local.fc2` = `hf + names[2]`."""
+    gate, up, down = (f"{hf}{n}.weight" for n in names)
+    return [TensorRule(local + "fc1.weight", (gate, up), "fused", shapes=((ffn, hidden), (ffn, hidden))),
+            TensorRule(local + "fc2.weight", (down,), "replicated", shapes=((hidden, ffn),))]
+
+
+def _moe_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: ExpertNames) -> list[TensorRule]:
+    m, h = cfg.moe, cfg.hidden_size
+    L = f"layers.{i}.mlp."
+    names = MLP if m.fused_experts else on_disk  # stacked experts: every family's in-memory names
+    p = layer_prefix(i) + names.block
+    rules = [TensorRule(L + "router.weight", (p + "gate.weight",), "replicated", shapes=((m.num_experts, h),))]
+    if m.fused_experts:
+        E, f = m.num_experts, m.expert_ffn_size
+        gate_up, down = stacked_expert_names(i)
+        # All fc1 slices, then all fc2 slices: each stacked tensor is read once (rule_tensors).
+        rules += [TensorRule(f"{L}experts.{e}.fc1.weight", (gate_up,), "replicated", shapes=((E, 2 * f, h),),
+                             expert=e) for e in experts]
+        rules += [TensorRule(f"{L}experts.{e}.fc2.weight", (down,), "replicated", shapes=((E, h, f),), expert=e)
+                  for e in experts]
+    for e in () if m.fused_experts else experts:
+        rules += _expert_rules(f"{L}experts.{e}.", f"{p}experts.{e}.", names.projections, h, m.expert_ffn_size)
+    if m.shared_expert_ffn_size:
+        rules += _expert_rules(L + "shared.", p + "shared_expert.", names.projections, h, m.shared_expert_ffn_size)
+        rules.append(TensorRule(L + "shared_gate.weight", (p + "shared_expert_gate.weight",), "replicated",
+                                shapes=((1, h),)))
+    return rules
+
+
+def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: ExpertNames = MLP) -> list[TensorRule]:
+    """Decoder layer i's rules; `on_disk`: how the family's checkpoints name per-expert tensors."""
+    p, L = layer_prefix(i), f"layers.{i}."
+    a, m = p + "self_attn.", p + "mlp."
+    rules = [
+        TensorRule(L + "input_norm.weight", (p + "input_layernorm.weight",), "replicated"),
+        TensorRule(L + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"),
+        TensorRule(L + "attn.out.weight", (a + "o_proj.weight",), "cols"),
+        TensorRule(L + "post_attn_norm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
+    ]
+    if cfg.qk_norm:
+        d = (cfg.head_dim,)
+        rules += [TensorRule(L + "attn.q_norm.weight", (a + "q_norm.weight",), "replicated", shapes=(d,)),
+                  TensorRule(L + "attn.k_norm.weight", (a + "k_norm.weight",), "replicated", shapes=(d,))]
+    if not cfg.is_sparse(i):
+        rules += [
+            TensorRule(L + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up"),
+            TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols"),
+        ]
+    if cfg.qkv_bias:
+        rules.append(TensorRule(L + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv"))
+    if cfg.out_bias:
+        rules.append(TensorRule(L + "attn.out.bias", (a + "o_proj.bias",), "replicated"))
+    if cfg.mlp_bias:
+        rules.append(TensorRule(L + "mlp.fc1.bias", (m + "gate_proj.bias", m + "up_proj.bias"), "gate_up"))
+        rules.append(TensorRule(L + "mlp.fc2.bias", (m + "down_proj.bias",), "replicated"))
+    return rules + (_moe_rules(cfg, i, experts, on_disk) if cfg.is_sparse(i) else [])
+
+
+def llama_layout(model_types: tuple[str, ...], architecture: str, normalise: Callable[[PretrainedConfig], ModelConfig],
+                 *, experts: ExpertNames | None = None, peft: PeftNames = PeftNames(PROJECTIONS)) -> FamilySpec:
+    """The spec of a family with the LLaMA weight layout."""
+    def rules(cfg: ModelConfig, i: int, held: Collection[int]) -> list[TensorRule]:
+        return layer_rules(cfg, i, held, experts or MLP)
+    return FamilySpec(model_types, architecture, normalise, rules, embedding="model.embed_tokens.weight", final_norm="model.norm",
+                      experts=experts, peft=peft)
+
+
+LLAMA = llama_layout(("llama",), "LlamaForCausalLM", decoder_config)
