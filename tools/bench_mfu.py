@@ -72,8 +72,9 @@ from hfmeg.checkpoint.mp_layout import parse_dtype
 from hfmeg.checkpoint.tensor_source import TensorSource
 from hfmeg.config import model_config_from_hf
 from hfmeg.data.formats import Doc
+from hfmeg.data.batches import rows_microbatch
 from hfmeg.data.microbatch import MicroBatch
-from hfmeg.data.packing import IGNORE, Packer, build_row
+from hfmeg.data.packing import IGNORE, Packer
 from hfmeg.models.random_init import random_hf_model
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.pipeline import forward_backward
@@ -275,8 +276,7 @@ def packed_microbatches(a, rng: np.random.Generator) -> MicroBatch:
         ids = rng.integers(1, a.vocab, n)
         target = np.arange(n) > n // 3  # the first third is the prompt
         packer.add(Doc(ids, target))
-    rows = [build_row(packer.take(), a.seq, 0) for _ in range(a.micro_batch_size)]
-    return MicroBatch(**{k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]})
+    return rows_microbatch([packer.take() for _ in range(a.micro_batch_size)], a.seq, 0)
 
 
 def make_batches(a, device) -> list[list[MicroBatch]]:

@@ -55,14 +55,17 @@ def check_batch_layout(global_batch_size: int, micro_batch_size: int, dp_size: i
                           f"micro_batch_size x DP = {micro_batch_size} x {dp_size}")
 
 
+def rows_microbatch(rows: list[list[Doc]], seq_len: int, pad_id: int) -> MicroBatch:
+    """Rows given as their documents, as one micro-batch of whole rows (`build_row` each)."""
+    built = [build_row(docs, seq_len, pad_id) for docs in rows]
+    return MicroBatch(**{k: torch.from_numpy(np.stack([b[k] for b in built])) for k in built[0]})
+
+
 def step_batch(rows: list[list[Doc]], seq_len: int, pad_id: int, dp_rank: int, dp_size: int,
                micro_batch_size: int, cp_rank: int = 0, cp_size: int = 1) -> StepBatch:
     """This DP rank's micro-batches of a global batch given as each row's documents (this CP rank's tokens)."""
     per_rank = len(rows) // dp_size
     mine = rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    micro = []
-    for i in range(0, per_rank, micro_batch_size):
-        built = [build_row(docs, seq_len, pad_id) for docs in mine[i:i + micro_batch_size]]
-        whole = MicroBatch(**{k: torch.from_numpy(np.stack([b[k] for b in built])) for k in built[0]})
-        micro.append(whole.shard(cp_rank, cp_size))
+    micro = [rows_microbatch(mine[i:i + micro_batch_size], seq_len, pad_id).shard(cp_rank, cp_size)
+             for i in range(0, per_rank, micro_batch_size)]
     return StepBatch(micro, sum(int(d.target[1:].sum()) for docs in rows for d in docs))
