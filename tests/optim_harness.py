@@ -17,7 +17,7 @@ from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf, to_local
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig, no_weight_decay
-from hfmeg.parallel.context import shard_microbatch
+from hfmeg.data.microbatch import MicroBatch
 from hfmeg.parallel.roles import named_roles
 from hfmeg.parallel.state import ParallelState
 from hfmeg.parallel.stored_names import stored_tensors
@@ -155,8 +155,8 @@ def micro_step(chunk, opt, ps: ParallelState, step: int, micro: int, ntok: int, 
     ids, labels = ids[ps.dp_rank * rows:(ps.dp_rank + 1) * rows], labels[ps.dp_rank * rows:(ps.dp_rank + 1) * rows]
     opt.set_last_microbatch(0, is_last)
     if ps.pp == 1:  # under context parallelism, this CP rank's tokens of each row
-        mb = shard_microbatch({"input_ids": ids, "labels": labels}, ps)
-        loss = chunk(mb["input_ids"], position_ids=mb.get("position_ids"), labels=mb["labels"]).sum() / ntok
+        mb = MicroBatch(input_ids=ids, labels=labels).shard(ps.cp_rank, ps.cp)
+        loss = chunk(mb.input_ids, position_ids=mb.position_ids, labels=mb.labels).sum() / ntok
         opt.scale_loss(loss).backward()
         return loss.item()
     s_local = SEQ // ps.tp if ps.sequence_parallel else SEQ

@@ -7,6 +7,8 @@ packed == unpacked losses are in tests/test_data_batches.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -16,6 +18,7 @@ from bounds import assert_close, within
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
+from hfmeg.data.microbatch import MicroBatch
 from hfmeg.models.document_attention import DocumentMask, attend, document_causal_mask, flex_applies, plan
 from hfmeg.parallel.activation_meter import SavedTensorMeter
 from optim_harness import FP32_EPS, ROUNDING_FACTOR
@@ -175,9 +178,9 @@ def test_the_executor_decides_single_document_rows_on_the_host(tmp_path, monkeyp
     ps = make_ps(world=1)
     chunks = load_chunks(HFCheckpoint(save_tiny("llama3", tmp_path / "m")), ps)
     ids = torch.randint(0, 300, (2, 200))
-    packed = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(200).expand(2, 200),
-              "segment_ids": SEGMENTS}
-    single = {**packed, "segment_ids": torch.full((2, 200), 1)}
+    packed = MicroBatch(input_ids=ids, labels=ids, position_ids=torch.arange(200).expand(2, 200),
+                        segment_ids=SEGMENTS)
+    single = replace(packed, segment_ids=torch.full((2, 200), 1))
     forward_backward(chunks, ps, [single, packed], schedule="1f1b", num_tokens=800, forward_only=True)
     assert seen[0] is None and torch.equal(seen[1], SEGMENTS)
 

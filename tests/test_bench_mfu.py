@@ -134,9 +134,8 @@ def test_packed_microbatches_are_the_recipes_rows():
     tool = _tool()
     a = tool.parse_args(["--tiny", "--seq", "256", "--micro-batch-size", "3"], cuda=False)
     mb = tool.packed_microbatches(a, np.random.default_rng(0))
-    assert {k: tuple(v.shape) for k, v in mb.items()} == {k: (3, 256) for k in
-                                                          ("input_ids", "labels", "position_ids", "segment_ids")}
-    seg, labels = mb["segment_ids"], mb["labels"]
+    assert [tuple(t.shape) for t in (mb.input_ids, mb.labels, mb.position_ids, mb.segment_ids)] == [(3, 256)] * 4
+    seg, labels = mb.segment_ids, mb.labels
     for row, lab in zip(seg, labels):
         docs = set(row.tolist()) - {0}
         assert 5 <= len(docs) <= 40  # ~14 documents per row

@@ -17,6 +17,7 @@ Gradients are compared per HF tensor, rebuilt from TP shards by the conversion's
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import NamedTuple
 
 import pytest
@@ -28,8 +29,8 @@ from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
+from hfmeg.data.microbatch import MicroBatch, token_index
 from hfmeg.parallel.comm import sync_sequence_parallel_grads
-from hfmeg.parallel.context import shard_microbatch, token_index
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.roles import named_roles
@@ -57,7 +58,7 @@ LAYOUTS_8 = [Layout(2, 4, sp=True, recompute="selective"), Layout(1, 4, 2, sched
 SEQ = 32  # 8 chunks of 4 at CP4
 
 
-def _packed_batch() -> dict:
+def _packed_batch() -> MicroBatch:
     """Two rows of 32: documents of 5, 11, 9, 7 tokens; and 20, 10 and 2 tokens of padding."""
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 300, (2, SEQ), generator=gen)
@@ -70,13 +71,18 @@ def _packed_batch() -> dict:
             pos[row, start:start + n] = torch.arange(n)
             labels[row, start:start + n - 1] = ids[row, start + 1:start + n]  # no target across documents
             start += n
-    return dict(input_ids=ids, labels=labels, position_ids=pos, segment_ids=seg)
+    return MicroBatch(input_ids=ids, labels=labels, position_ids=pos, segment_ids=seg)
 
 
-def _plain_batch() -> dict:
+def _plain_batch() -> MicroBatch:
     ids = torch.randint(0, 300, (2, SEQ), generator=torch.Generator().manual_seed(4))
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
-    return dict(input_ids=ids, labels=labels)
+    return MicroBatch(input_ids=ids, labels=labels)
+
+
+def _rows(mb: MicroBatch, rows: slice) -> MicroBatch:
+    """Rows `rows` of every tensor of `mb`."""
+    return replace(mb, **{f.name: t[rows] for f in fields(mb) if isinstance(t := getattr(mb, f.name), torch.Tensor)})
 
 
 def _gather(t: torch.Tensor, group, size: int, dim: int = 0) -> list[torch.Tensor]:
@@ -97,19 +103,20 @@ def _hf_grads(chunk, ps) -> dict[str, torch.Tensor]:
 
 def _reference(folder, mb, ntok):
     chunk = load_chunks(HFCheckpoint(folder), make_ps(world=1))[0]
-    kwargs = {k: mb[k] for k in ("position_ids", "segment_ids") if k in mb}
-    logits = chunk(mb["input_ids"], **kwargs)[..., : chunk.cfg.vocab_size].detach()
-    loss = chunk(mb["input_ids"], labels=mb["labels"], **kwargs).sum() / ntok
+    kwargs = dict(position_ids=mb.position_ids, segment_ids=mb.segment_ids)
+    logits = chunk(mb.input_ids, **kwargs)[..., : chunk.cfg.vocab_size].detach()
+    loss = chunk(mb.input_ids, labels=mb.labels, **kwargs).sum() / ntok
     loss.backward()
     return logits, loss.item(), _hf_grads(chunk, make_ps(world=1))
 
 
-def _logits(chunks, ps, local: dict) -> torch.Tensor | None:
+def _logits(chunks, ps, local: MicroBatch) -> torch.Tensor | None:
     """This rank's tokens' logits (its TP part): the model chunks in virtual order, the hidden states
     sent from stage to stage; None where the last model chunk is not this rank's."""
-    kwargs = {k: local[k] for k in ("position_ids", "segment_ids", "row_segment_ids") if k in local}
-    b, s = local["input_ids"].shape
-    x, last = local["input_ids"], len(chunks) * ps.pp - 1
+    kwargs = dict(position_ids=local.position_ids, segment_ids=local.segment_ids,
+                  row_segment_ids=local.row_segment_ids)
+    b, s = local.shape
+    x, last = local.input_ids, len(chunks) * ps.pp - 1
     for m in range(ps.pp_rank, last + 1, ps.pp):  # model chunk m = v * pp + pp_rank is chunks[v]
         if m > 0:
             x = torch.empty(s // ps.tp if ps.sequence_parallel else s, b, chunks[0].cfg.hidden_size)
@@ -120,17 +127,17 @@ def _logits(chunks, ps, local: dict) -> torch.Tensor | None:
     return x if ps.pp_rank == (last % ps.pp) else None
 
 
-def _one_layout(folder, lay: Layout, mb: dict, ntok: int, ref_logits, ref_loss, ref_grads) -> dict:
+def _one_layout(folder, lay: Layout, mb: MicroBatch, ntok: int, ref_logits, ref_loss, ref_grads) -> dict:
     ps = make_ps(tp=lay.tp, cp=lay.cp, pp=lay.pp, vpp=lay.vpp, sp=lay.sp)
     chunks = load_chunks(HFCheckpoint(folder), ps, recompute=lay.recompute)
     row = dict(layout=lay, rank=ps.rank, last_stage=ps.is_last_stage)
-    logits = _logits(chunks, ps, shard_microbatch(mb, ps))  # this rank's tokens, against the same of the reference
+    logits = _logits(chunks, ps, mb.shard(ps.cp_rank, ps.cp))  # this rank's tokens, against the reference's
     if logits is not None:
         logits = torch.cat(_gather(logits, ps.tp_group, ps.tp), dim=-1)[..., : chunks[0].cfg.vocab_size]
         mine = ref_logits.index_select(1, token_index(SEQ, lay.cp, ps.cp_rank))
         row["logit_diff"] = (logits - mine).abs().max().item()
-    rows = mb["input_ids"].shape[0] // lay.micro
-    micro = [shard_microbatch({k: v[i * rows:(i + 1) * rows] for k, v in mb.items()}, ps) for i in range(lay.micro)]
+    rows = mb.shape[0] // lay.micro
+    micro = [_rows(mb, slice(i * rows, (i + 1) * rows)).shard(ps.cp_rank, ps.cp) for i in range(lay.micro)]
     loss = forward_backward(chunks, ps, micro, schedule=lay.schedule, num_tokens=ntok)
     box = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
     dist.all_reduce(box, group=ps.cp_group)  # each CP rank holds its tokens' share of the sum
@@ -156,7 +163,7 @@ def _run_layouts(folders: dict[str, str], layouts: list[Layout]) -> list[dict]:
     report = []
     for kind, folder in folders.items():
         for name, mb in (("packed", _packed_batch()), ("plain", _plain_batch())):
-            ntok = int((mb["labels"] != -100).sum())
+            ntok = mb.label_tokens()
             ref_logits, ref_loss, ref_grads = _reference(folder, mb, ntok)
             for lay in layouts:
                 row = _one_layout(folder, lay, mb, ntok, ref_logits, ref_loss, ref_grads)

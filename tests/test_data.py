@@ -235,14 +235,14 @@ def test_overlong_truncate_drop_split(tmp_path):
     row = batch.microbatches[0]
     assert rep.counts == {"overlong": 1} and "136 tokens > seq_len 64; truncated" in rep.first["overlong"]
     x = char_tokenizer().convert_tokens_to_ids("x")
-    assert (row["segment_ids"] == 1).all() and (row["input_ids"][0, 35:] == x).all()
-    assert (row["labels"][0, :34] == -100).all() and (row["labels"][0, 34:63] == x).all()
-    assert row["labels"][0, 63] == -100  # the document's (truncated) end
+    assert (row.segment_ids == 1).all() and (row.input_ids[0, 35:] == x).all()
+    assert (row.labels[0, :34] == -100).all() and (row.labels[0, 34:63] == x).all()
+    assert row.labels[0, 63] == -100  # the document's (truncated) end
     with pytest.raises(DataError, match="136 tokens > seq_len 64; dropped"):
         run_data(src, seq_len=64, overlong="drop", bad_data="fail")
     text = SourceConfig(str(write_jsonl(tmp_path / "t.jsonl", [{"text": "y" * 150}])), format="text")
     batch, rep = run_data(text, seq_len=64, overlong="split", packing=False)
-    lengths = [int((m["segment_ids"] == 1).sum()) for m in batch.microbatches]
+    lengths = [int((m.segment_ids == 1).sum()) for m in batch.microbatches]
     assert lengths == [64, 64, 24, 64]  # 152 tokens -> 64 + 64 + 24; row 4 starts the next epoch
     assert rep.counts == {} and rep.documents == 6  # pieces read: the whole second epoch is in the packer
 
@@ -282,10 +282,10 @@ def test_text_with_the_stories260k_tokenizer():
     lines = own.read_text().splitlines()
     k = 0
     for m in batch.microbatches:
-        for ids, labels, seg in zip(m["input_ids"], m["labels"], m["segment_ids"]):
+        for ids, labels, seg in zip(m.input_ids, m.labels, m.segment_ids):
             for s in range(1, int(seg.max()) + 1):
                 doc, lab = ids[seg == s], labels[seg == s]
                 assert doc[0] == tok.bos_token_id and doc[-1] == tok.eos_token_id
                 assert tok.decode(doc[1:-1]) == lines[k] and torch.equal(lab[:-1], doc[1:])
                 k += 1
-    assert k >= 4 and int(batch.microbatches[0]["input_ids"].max()) < 512
+    assert k >= 4 and int(batch.microbatches[0].input_ids.max()) < 512

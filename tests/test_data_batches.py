@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,13 +12,14 @@ from bounds import assert_close
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
-from hfmeg.data import DataConfig, SourceConfig, build_data, build_eval_data
+from hfmeg.data import DataConfig, MicroBatch, SourceConfig, build_data, build_eval_data
+from hfmeg.data.microbatch import token_index
 from hfmeg.errors import DataError
 from test_data import RECORDS, bad_file, char_tokenizer, llama2_or_skip, write_jsonl
 from tiny_models import save_tiny
 
 OWN = Path(__file__).resolve().parents[1] / "data"
-KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
+KEYS = ("input_ids", "labels", "position_ids", "segment_ids")  # the per-token fields the data pipeline fills
 
 
 def mixed_config(tmp_path: Path, **kw) -> DataConfig:
@@ -43,8 +43,8 @@ def global_batches(cfg, dp: int, mbs: int, gbs: int, steps: int, state=None):
         batches = [next(d) for d in loaders]
         assert len({b.num_tokens for b in batches}) == 1
         micro = [m for b in batches for m in b.microbatches]
-        assert len(micro) == gbs // mbs and all(m["input_ids"].shape == (mbs, cfg.seq_len) for m in micro)
-        out.append(({k: torch.cat([m[k] for m in micro]) for k in KEYS}, batches[0].num_tokens))
+        assert len(micro) == gbs // mbs and all(m.shape == (mbs, cfg.seq_len) for m in micro)
+        out.append((MicroBatch(**{k: torch.cat([getattr(m, k) for m in micro]) for k in KEYS}), batches[0].num_tokens))
     states = [d.state_dict() for d in loaders]
     assert all(s == states[0] for s in states)  # the data state is layout-free: any rank may save it
     return out, states[0], loaders[0].report
@@ -53,9 +53,9 @@ def global_batches(cfg, dp: int, mbs: int, gbs: int, steps: int, state=None):
 def assert_same(a, b):
     assert len(a) == len(b)
     for (x, nx), (y, ny) in zip(a, b):
-        assert nx == ny == int((x["labels"] != -100).sum())
+        assert nx == ny == x.label_tokens()
         for k in KEYS:
-            assert torch.equal(x[k], y[k]), k
+            assert torch.equal(getattr(x, k), getattr(y, k)), k
 
 
 @pytest.mark.parametrize("kind", ["llama3", "gpt2"])
@@ -66,16 +66,16 @@ def test_packed_loss_equals_unpacked_document_losses(tmp_path, kind):
     cfg = DataConfig(sources=[SourceConfig(str(write_jsonl(tmp_path / "r.jsonl", RECORDS))),
                               SourceConfig(str(texts), format="text")], seq_len=120)
     ((row, _),), _, _ = global_batches(cfg, dp=1, mbs=2, gbs=2, steps=1)
-    seg = row["segment_ids"]
+    seg = row.segment_ids
     assert int(seg.max()) >= 3  # several documents per row
     with torch.no_grad():
-        packed = model(row["input_ids"], position_ids=row["position_ids"], segment_ids=seg, labels=row["labels"])
-        leaky = model(row["input_ids"], labels=row["labels"])  # no document mask: attention crosses documents
+        packed = model(row.input_ids, position_ids=row.position_ids, segment_ids=seg, labels=row.labels)
+        leaky = model(row.input_ids, labels=row.labels)  # no document mask: attention crosses documents
         assert (packed[seg == 0] == 0).all()
         total = torch.zeros(())
         for b in range(2):
             for k in range(1, int(seg[b].max()) + 1):
-                ids, labels = row["input_ids"][b][seg[b] == k], row["labels"][b][seg[b] == k]
+                ids, labels = row.input_ids[b][seg[b] == k], row.labels[b][seg[b] == k]
                 assert labels[-1] == -100 and torch.equal(ids[1:][labels[:-1] != -100], labels[labels != -100])
                 alone = model(ids[None], labels=labels[None])[0]
                 assert_close(packed[b][seg[b] == k], alone, atol=1e-5, rtol=1e-5)
@@ -90,7 +90,7 @@ def test_global_batch_is_the_same_for_dp_1_2_4(tmp_path):
         ref, state, _ = global_batches(cfg, dp=1, mbs=1, gbs=8, steps=3)
         assert_same(global_batches(cfg, dp=2, mbs=2, gbs=8, steps=3)[0], ref)
         assert_same(global_batches(cfg, dp=4, mbs=1, gbs=8, steps=3)[0], ref)
-        assert not torch.equal(ref[0][0]["input_ids"], ref[1][0]["input_ids"])
+        assert not torch.equal(ref[0][0].input_ids, ref[1][0].input_ids)
 
 
 def test_exact_resume_also_with_another_dp_size(tmp_path):
@@ -112,19 +112,19 @@ def test_eval_holdout_and_eval_sources(tmp_path):
     layout = dict(dp_size=2, micro_batch_size=1, global_batch_size=4)
 
     def firsts(batches):  # the instruction text of each row's first document
-        return ["".join(tok.convert_ids_to_tokens(m["input_ids"][0][m["segment_ids"][0] == 1].tolist()))
-                .split("\n")[1] for b in batches for m in b.microbatches if m["segment_ids"][0].max() > 0]
+        return ["".join(tok.convert_ids_to_tokens(m.input_ids[0][m.segment_ids[0] == 1].tolist()))
+                .split("\n")[1] for b in batches for m in b.microbatches if m.segment_ids[0].max() > 0]
 
     cfg = DataConfig(sources=[SourceConfig(path)], seq_len=64, packing=False, eval_holdout=5)
     evals = [list(build_eval_data(cfg, tok, dp_rank=r, **layout)) for r in range(2)]
     assert [len(e) for e in evals] == [2, 2]  # 5 rows + 3 empty rows, as 2 global batches
     assert firsts([evals[0][0], evals[1][0], evals[0][1], evals[1][1]]) == ["q0", "q1", "q2", "q3", "q4"]
-    assert evals[1][1].microbatches[1]["segment_ids"].max() == 0 and evals[0][1].num_tokens == 3  # "a4</s>"
+    assert evals[1][1].microbatches[1].segment_ids.max() == 0 and evals[0][1].num_tokens == 3  # "a4</s>"
     train = [next(build_data(cfg, tok, dp_rank=r, **layout)) for r in range(2)]
     assert firsts(train) == ["q5", "q6", "q0", "q1"]  # training starts after the holdout, then cycles
     cfg = DataConfig(sources=[SourceConfig(path)], eval_sources=[SourceConfig(path)], seq_len=300)
     (batch,) = build_eval_data(cfg, tok, dp_rank=0, dp_size=1, micro_batch_size=4, global_batch_size=4)
-    assert batch.microbatches[0]["segment_ids"][0].max() == 7 and batch.num_tokens == 7 * 3
+    assert batch.microbatches[0].segment_ids[0].max() == 7 and batch.num_tokens == 7 * 3
 
 
 def test_llama2_tokenizer_on_the_projects_own_sft_sample():
@@ -134,20 +134,18 @@ def test_llama2_tokenizer_on_the_projects_own_sft_sample():
     records = [json.loads(line) for line in (OWN / "sft_sample.jsonl").read_text().splitlines()]
     k = 0
     for m in batch.microbatches:
-        for ids, labels, seg in zip(m["input_ids"], m["labels"], m["segment_ids"]):
+        for ids, labels, seg in zip(m.input_ids, m.labels, m.segment_ids):
             for s in range(1, int(seg.max()) + 1):
                 targets = labels[seg == s]
                 assert tok.decode(targets[targets != -100]) == records[k]["output"] + "</s>"
                 assert ids[seg == s][0] == tok.bos_token_id
                 k += 1
-    assert k >= 4 and batch.num_tokens == int(np.sum([(m["labels"] != -100).sum() for m in batch.microbatches]))
+    assert k >= 4 and batch.num_tokens == sum(m.label_tokens() for m in batch.microbatches)
 
 
 def test_cp_ranks_hold_only_their_chunks_and_resume_at_another_cp(tmp_path):
     """Each CP rank gets chunks r and 2cp-1-r of every row (seq_len / cp tokens) and the rows' document ids;
     together they are the CP 1 rows, num_tokens is the global batch's, and the data state resumes at any CP size."""
-    from hfmeg.data.batches import split_index
-
     cfg = mixed_config(tmp_path, seq_len=64)
     tok = char_tokenizer()
     layout = dict(dp_rank=0, dp_size=1, micro_batch_size=2, global_batch_size=4)
@@ -163,16 +161,16 @@ def test_cp_ranks_hold_only_their_chunks_and_resume_at_another_cp(tmp_path):
             assert {b.num_tokens for b in batches} == {ref[step].num_tokens}
             for m, whole in enumerate(ref[step].microbatches):
                 for k in KEYS:
-                    rebuilt = torch.empty_like(whole[k])
+                    rebuilt = torch.empty_like(getattr(whole, k))
                     for r, b in enumerate(batches):
-                        assert b.microbatches[m][k].shape == (2, 64 // cp)
-                        rebuilt[:, torch.from_numpy(split_index(64, cp, r))] = b.microbatches[m][k]
-                    assert torch.equal(rebuilt, whole[k]), (cp, step, k)
+                        assert b.microbatches[m].shape == (2, 64 // cp)
+                        rebuilt[:, token_index(64, cp, r)] = getattr(b.microbatches[m], k)
+                    assert torch.equal(rebuilt, getattr(whole, k)), (cp, step, k)
                 # and every CP rank holds the whole rows' document ids, for the keys of its attention mask
-                assert all(torch.equal(b.microbatches[m]["row_segment_ids"], whole["segment_ids"]) for b in batches)
+                assert all(torch.equal(b.microbatches[m].row_segment_ids, whole.segment_ids) for b in batches)
         state = ranks[0].state_dict()
-    assert split_index(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]  # chunks 0 and 3 of 4
-    assert split_index(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert token_index(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]  # chunks 0 and 3 of 4
+    assert token_index(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
 
 
 def test_bad_records_in_the_eval_holdout_are_counted_like_training_ones(tmp_path):
@@ -194,3 +192,42 @@ def test_bad_records_in_the_eval_holdout_are_counted_like_training_ones(tmp_path
     with pytest.raises(DataError, match=f"{path}:2: .*eval hold-out"):
         next(build_data(DataConfig(sources=[SourceConfig(path)], seq_len=64, packing=False, eval_holdout=3,
                                    bad_data="fail"), tok, **layout))
+
+
+def test_microbatch_checks_its_shapes_and_splits_every_field_by_its_kind():
+    """`MicroBatch` (data/microbatch.py): a tensor of the wrong shape is refused by name; `shard` cuts the
+    per-token fields to the CP rank's chunks, makes positions, keeps the whole rows' document ids; a subclass
+    with its own fields (a preference batch's pair index per row) is split and moved with no new code."""
+    from dataclasses import dataclass, field
+
+    from hfmeg.data.microbatch import PER_ROW, PER_TOKEN, step_shape
+    from hfmeg.errors import LayoutError
+
+    ids = torch.arange(16).reshape(2, 8)
+    labels = torch.full((2, 8), -100)
+    labels[0, :3] = 1
+    with pytest.raises(LayoutError, match="micro-batch labels: shape \\(2, 7\\)"):
+        MicroBatch(input_ids=ids, labels=labels[:, 1:])
+    with pytest.raises(LayoutError, match="row_segment_ids: 1 rows"):
+        MicroBatch(input_ids=ids, labels=labels, row_segment_ids=ids[:1])
+    seg = torch.tensor([[1] * 5 + [2] * 3, [1] * 8])
+    whole = MicroBatch(input_ids=ids, labels=labels, segment_ids=seg)
+    assert whole.label_tokens() == 3 and whole.shard(0, 1) is whole
+    with pytest.raises(LayoutError, match="same \\[batch, seq\\] shape"):
+        step_shape([whole, MicroBatch(input_ids=ids[:1], labels=labels[:1])])
+
+    @dataclass(frozen=True, kw_only=True)
+    class Pairs(MicroBatch):
+        pair_index: torch.Tensor = field(metadata=PER_ROW)
+        document_pair: torch.Tensor = field(metadata=PER_TOKEN)
+
+    pairs = Pairs(input_ids=ids, labels=labels, segment_ids=seg, pair_index=torch.tensor([0, 0]),
+                  document_pair=seg - 1)
+    for r in range(2):
+        cols = token_index(8, 2, r)
+        for mb in (whole.shard(r, 2), pairs.shard(r, 2).to(torch.device("cpu"))):
+            assert mb.shape == (2, 4) and torch.equal(mb.input_ids, ids[:, cols])
+            assert torch.equal(mb.position_ids, cols.expand(2, 4)) and torch.equal(mb.segment_ids, seg[:, cols])
+            assert torch.equal(mb.row_segment_ids, seg)
+        assert type(mb) is Pairs and torch.equal(mb.pair_index, pairs.pair_index)
+        assert torch.equal(mb.document_pair, (seg - 1)[:, cols])

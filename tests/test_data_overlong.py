@@ -77,7 +77,7 @@ def test_a_huge_record_costs_what_a_seq_len_record_costs(tmp_path):
     row = next(data).microbatches[1]
     assert counter.chars < 2_000  # the record's first 8 x (64 + 64) characters, plus the small record
     assert max(len(t) for t in rendered) < 5_000  # its output was clipped to 4 x 8 x (64 + 64) before rendering
-    assert (row["segment_ids"] == 1).all() and int((row["labels"] != -100).sum()) == 29  # 35 prompt tokens
+    assert (row.segment_ids == 1).all() and int((row.labels != -100).sum()) == 29  # 35 prompt tokens
     assert data.report.counts == {"overlong": 1}
     assert "over 65 tokens > seq_len 64; truncated" in data.report.first["overlong"]
 

@@ -43,7 +43,7 @@ def test_prefetch_yields_the_same_batches_states_and_reports(tmp_path):
         a, b = next(plain), next(ahead)
         seen.append(a)
         assert a.num_tokens == b.num_tokens
-        assert all(torch.equal(x[k], y[k]) for x, y in zip(a.microbatches, b.microbatches) for k in KEYS)
+        assert all(torch.equal(getattr(x, k), getattr(y, k)) for x, y in zip(a.microbatches, b.microbatches) for k in KEYS)
         # the state is the one after the batch consumed, although the thread has built more by now
         assert ahead.state_dict() == plain.state_dict() and ahead.report == plain.report
         states.append(ahead.state_dict())
@@ -53,11 +53,11 @@ def test_prefetch_yields_the_same_batches_states_and_reports(tmp_path):
     resumed.load_state_dict(json.loads(json.dumps(states[2])))
     for a in seen[3:]:
         b = next(resumed)
-        assert all(torch.equal(x[k], y[k]) for x, y in zip(a.microbatches, b.microbatches) for k in KEYS)
+        assert all(torch.equal(getattr(x, k), getattr(y, k)) for x, y in zip(a.microbatches, b.microbatches) for k in KEYS)
     # and a live loader can be rewound: its thread is stopped and restarted
     ahead.load_state_dict(states[0])
     assert ahead.state_dict() == states[0] and len(prefetch_threads()) == 1
-    assert torch.equal(next(ahead).microbatches[0]["input_ids"], seen[1].microbatches[0]["input_ids"])
+    assert torch.equal(next(ahead).microbatches[0].input_ids, seen[1].microbatches[0].input_ids)
     assert len(prefetch_threads()) == 2
     for d in (plain, ahead, resumed):
         d.close()

@@ -33,6 +33,7 @@ from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
+from hfmeg.data.microbatch import MicroBatch
 from hfmeg.models.generate import full_logits, greedy_generate
 from hfmeg.models.moe import MoELayer
 from hfmeg.parallel.data_parallel import DataParallel
@@ -92,7 +93,7 @@ def _check_layouts(folder, ids, ref, prompt, layouts=LAYOUTS):
         # rank's share of the loss is 1/dp; the data-parallel wrapper sums the gradients (over DP, experts'
         # over expert-DP, and the partial ones of the router, experts and q/k norms over TP) as in training.
         wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)
-        loss = forward_backward(chunks, ps, [{"input_ids": ids, "labels": labels}], schedule="1f1b",
+        loss = forward_backward(chunks, ps, [MicroBatch(input_ids=ids, labels=labels)], schedule="1f1b",
                                 num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
         loss = loss * ps.dp if loss is not None else None
         wrapper.finish_grad_sync()
@@ -180,7 +181,7 @@ MICRO_BATCHES = 4  # the global batch
 
 def _pipelines(folder, mbs):
     one = make_ps(world=1)
-    num_tokens = sum(int((m["labels"] != -100).sum()) for m in mbs)
+    num_tokens = sum(m.label_tokens() for m in mbs)
 
     def reference(dtype):
         chunk = load_chunks(HFCheckpoint(folder), one, dtype=dtype)[0]
@@ -221,7 +222,7 @@ def test_moe_pipeline_micro_batches(tmp_path):
     """The aux loss's mean over micro-batches across stages: loss (and forward_only's) and every gradient."""
     folder = save_tiny("qwen2_moe", tmp_path / "qwen4", num_hidden_layers=4, layer_types=["full_attention"] * 4)
     g = torch.Generator().manual_seed(1)
-    mbs = [{"input_ids": ids, "labels": _labels(ids)}
+    mbs = [MicroBatch(input_ids=ids, labels=_labels(ids))
            for ids in torch.randint(0, 300, (MICRO_BATCHES, 2, 16), generator=g)]
     results = spawn(_pipelines, 4, str(folder), mbs)
     n_ref = results[0][1]

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
+from hfmeg.data.microbatch import MicroBatch
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
@@ -40,10 +41,10 @@ def folder(tmp_path_factory):
                          num_hidden_layers=4))
 
 
-def _microbatches(step: int, ps: ParallelState) -> list[dict]:
+def _microbatches(step: int, ps: ParallelState) -> list[MicroBatch]:
     rows = ROWS // ps.dp
     mine = slice(ps.dp_rank * rows, (ps.dp_rank + 1) * rows)
-    return [{"input_ids": ids[mine], "labels": labels[mine]}
+    return [MicroBatch(input_ids=ids[mine], labels=labels[mine])
             for ids, labels in (batch(step, m) for m in range(MICRO))]
 
 

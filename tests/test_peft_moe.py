@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from tiny_models import save_tiny
 
 from hfmeg.checkpoint.convert import load_model_config
+from hfmeg.data.microbatch import MicroBatch
 from hfmeg.errors import UnsupportedConfigError
 from hfmeg.models.generate import full_logits
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
@@ -79,7 +80,7 @@ def _check(cases, ids, refs):
             logits = full_logits(chunks, ps, ids)
             # every DP replica runs the same rows: the wrapper sums (experts over expert-DP, partial over TP)
             wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)
-            loss = forward_backward(chunks, ps, [dict(input_ids=ids, labels=labels)], schedule="1f1b",
+            loss = forward_backward(chunks, ps, [MicroBatch(input_ids=ids, labels=labels)], schedule="1f1b",
                                     num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
             wrapper.finish_grad_sync()
             grads = full_adapter_grads(chunks, ps, lambda p: getattr(p, "main_grad", p))

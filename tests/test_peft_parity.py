@@ -32,6 +32,7 @@ from peft_helpers import (
 )
 from safetensors.torch import load_file
 
+from hfmeg.data.microbatch import MicroBatch
 from hfmeg.models.generate import full_logits
 from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.launch import spawn
@@ -71,7 +72,7 @@ def _check(cases, ids, layouts=LAYOUTS):
             ps = make_ps(tp=tp, pp=pp, sp=sp)
             chunks, cfg = hfmeg_chunks(base, adapter, ps)
             logits = full_logits(chunks, ps, ids)
-            mb = [dict(input_ids=ids, labels=labels)]
+            mb = [MicroBatch(input_ids=ids, labels=labels)]
             loss = forward_backward(chunks, ps, mb, schedule="1f1b", num_tokens=int((labels != -100).sum()))
             sync_sequence_parallel_grads(chunks, ps)
             grads = full_adapter_grads(chunks, ps)
@@ -147,7 +148,7 @@ def _dropout_run(base, adapter, ids):
         ps = make_ps(tp=tp)
         chunks, cfg = hfmeg_chunks(base, adapter, ps, dropout=0.3)
         torch.manual_seed(7)
-        loss = forward_backward(chunks, ps, [dict(input_ids=ids, labels=labels)], schedule="1f1b",
+        loss = forward_backward(chunks, ps, [MicroBatch(input_ids=ids, labels=labels)], schedule="1f1b",
                                 num_tokens=int((labels != -100).sum()))
         sync_sequence_parallel_grads(chunks, ps)
         chunks[0].eval()

@@ -22,6 +22,7 @@ from transformers import LlamaConfig
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 
+from hfmeg.data.microbatch import MicroBatch
 from hfmeg.families import model_config_from_hf
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.errors import LayoutError
@@ -147,8 +148,8 @@ def _measured_lora(cfg, lay: PlanLayout, global_batch: int, seq: int, peft: Peft
             initialise(chunk, peft, seed=0)
     opt = DistributedOptimizer(chunks, ps, OPT)
     g = torch.Generator().manual_seed(0)
-    mbs = [dict(input_ids=(ids := torch.randint(0, cfg.vocab_size, (lay.micro_batch, seq), generator=g)),
-                labels=ids) for _ in range(lay.microbatches(global_batch))]
+    mbs = [MicroBatch(input_ids=(ids := torch.randint(0, cfg.vocab_size, (lay.micro_batch, seq), generator=g)),
+                      labels=ids) for _ in range(lay.microbatches(global_batch))]
     meter = SavedTensorMeter(chunks)
     with meter.hooks():
         forward_backward(chunks, ps, mbs, schedule="1f1b", num_tokens=global_batch * seq, grad_sync=opt)

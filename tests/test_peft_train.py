@@ -79,8 +79,8 @@ def _peft_adamw_losses(cfg: TrainConfig, adapter: Path) -> list[float]:
             batch = next(data)
             total = 0.0
             for mb in batch.microbatches:
-                logits = model(input_ids=mb["input_ids"], position_ids=mb.get("position_ids")).logits
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten(),
+                logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb.labels.flatten(),
                                                          reduction="sum") / batch.num_tokens
                 loss.backward()
                 total += loss.item()

@@ -23,6 +23,7 @@ from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
+from hfmeg.data.microbatch import MicroBatch
 from hfmeg.parallel.activation_meter import SavedTensorMeter
 from hfmeg.parallel.data_parallel import DataParallel
 from hfmeg.parallel.launch import spawn
@@ -59,7 +60,7 @@ def folders(tmp_path_factory):
     return out
 
 
-def _global_batch(vocab: int, n: int, b: int = 2, s: int = 8) -> list[dict]:
+def _global_batch(vocab: int, n: int, b: int = 2, s: int = 8) -> list[MicroBatch]:
     g = torch.Generator().manual_seed(n)
     mbs = []
     for _ in range(n):
@@ -67,7 +68,7 @@ def _global_batch(vocab: int, n: int, b: int = 2, s: int = 8) -> list[dict]:
         labels = torch.randint(0, vocab, (b, s), generator=g)
         labels[:, -1] = -100
         labels[0, :2] = -100  # uneven ignored tokens across micro-batches
-        mbs.append(dict(input_ids=ids, labels=labels))
+        mbs.append(MicroBatch(input_ids=ids, labels=labels))
     return mbs
 
 
@@ -80,10 +81,10 @@ def _hf_grads(chunk, shards_of) -> dict[str, torch.Tensor]:
     return out
 
 
-def _reference(folder: str, mbs: list[dict], num_tokens: int, dtype=torch.float32):
+def _reference(folder: str, mbs: list[MicroBatch], num_tokens: int, dtype=torch.float32):
     chunk = load_chunks(HFCheckpoint(folder), make_ps(world=1), dtype=dtype)[0]
-    ids = torch.cat([m["input_ids"] for m in mbs])
-    labels = torch.cat([m["labels"] for m in mbs])
+    ids = torch.cat([m.input_ids for m in mbs])
+    labels = torch.cat([m.labels for m in mbs])
     loss = chunk(ids, labels=labels).sum() / num_tokens
     loss.backward()
     return [loss.item()], _hf_grads(chunk, lambda g: [g])
@@ -110,7 +111,7 @@ def _run_cases(folders: dict, cases: list[Case]) -> list[dict]:
         chunks = load_chunks(HFCheckpoint(folder), ps, recompute=case.recompute)
         n_total = case.microbatches * ps.dp
         everything = _global_batch(chunks[0].cfg.vocab_size, n_total)
-        num_tokens = sum(int((m["labels"] != -100).sum()) for m in everything)
+        num_tokens = sum(m.label_tokens() for m in everything)
         if (folder, n_total) not in refs:
             # The float64 run is the truth; the fp32 one's distance from it is what rounding does here.
             refs[(folder, n_total)] = truth_of(_reference(folder, everything, num_tokens, torch.float64),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,12 +22,12 @@ from bounds import assert_close, within
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
-from hfmeg.data import build_data
+from hfmeg.data import MicroBatch, build_data
 from hfmeg.data.packing import single_document
 from hfmeg.errors import LayoutError
 from hfmeg.models.document_attention import MaskPlanner, document_causal_mask, split_causal_mask
 from hfmeg.models.staging import Stager, stage_microbatch
-from hfmeg.parallel.context import gathered_index, shard_microbatch, token_index
+from hfmeg.parallel.context import gathered_index, token_index
 from hfmeg.parallel.pipeline import forward_backward
 from optim_harness import FP32_EPS, ROUNDING_FACTOR
 from test_data import char_tokenizer
@@ -86,15 +85,15 @@ def test_staged_block_masks_are_built_in_the_data_thread_and_give_the_dense_mask
         raw = next(plain).microbatches
         mbs = stager.take(next(ahead))
         for mb, ref in zip(mbs, raw):
-            assert "segment_ids" not in mb and torch.equal(mb["input_ids"], ref["input_ids"])
-            if single_document(ref["segment_ids"]):  # plain causal: no ids, no mask
+            assert mb.segment_ids is None and torch.equal(mb.input_ids, ref.input_ids)
+            if single_document(ref.segment_ids):  # plain causal: no ids, no mask
                 single += 1
-                assert "docs" not in mb
+                assert mb.docs is None
                 continue
             packed += 1
-            b, s = ref["segment_ids"].shape
-            elements = create_mask(mb["docs"].block.mask_mod, b, None, s, s)
-            assert torch.equal(elements, document_causal_mask(ref["segment_ids"]))
+            b, s = ref.shape
+            elements = create_mask(mb.docs.block.mask_mod, b, None, s, s)
+            assert torch.equal(elements, document_causal_mask(ref.segment_ids))
         with monkeypatch.context() as step:  # the step plans no mask: every one came with its micro-batch
             step.setattr(document_attention, "plan", _no_mask_in_step(document_attention.plan))
             got = _loss(chunks, ps, mbs)
@@ -110,40 +109,43 @@ def test_staged_block_masks_are_built_in_the_data_thread_and_give_the_dense_mask
 
 def test_staging_is_idempotent_and_leaves_dense_masks_to_the_chunk():
     seg = torch.tensor([[1] * 100 + [2] * 100 + [0] * 56])
-    mb = {"input_ids": torch.zeros(1, SEQ, dtype=torch.long), "segment_ids": seg}
+    zeros = torch.zeros(1, SEQ, dtype=torch.long)
+    mb = MicroBatch(input_ids=zeros, labels=zeros, segment_ids=seg)
     dense = stage_microbatch(mb, _planner(flex=False))
-    assert "docs" not in dense and dense["segment_ids"] is seg  # built by the chunk, at use
+    assert dense.docs is None and dense.segment_ids is seg  # built by the chunk, at use
     staged = stage_microbatch(mb, _planner(flex=True))
     again = stage_microbatch(staged, _planner(flex=True))
-    assert again["docs"] is staged["docs"] and "segment_ids" not in again
-    one_doc = stage_microbatch({**mb, "segment_ids": torch.ones(1, SEQ, dtype=torch.long)}, _planner(flex=True))
-    assert set(one_doc) == {"input_ids"}
+    assert again.docs is staged.docs and again.segment_ids is None
+    one_doc = stage_microbatch(replace(mb, segment_ids=torch.ones(1, SEQ, dtype=torch.long)), _planner(flex=True))
+    assert one_doc.segment_ids is None and one_doc.docs is None  # plain causal attention
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_masks_read_the_keys_documents_from_the_rows_with_no_collective(cp):
-    """Each CP rank's mask, staged (flex) and at use (dense), from the micro-batch `shard_microbatch` cuts: the
+    """Each CP rank's mask, staged (flex) and at use (dense), from the micro-batch `MicroBatch.shard` cuts: the
     keys' ids it reads from the whole rows are what an all-gather of every rank's ids would give, and the mask
     is the document-causal one of its queries over the gathered keys. No process group exists here."""
     lengths = ((300, 77, 129, 400, 118), (1024,))  # documents crossing the 128-token blocks and the CP chunks
     seg = torch.cat([torch.repeat_interleave(torch.arange(1, len(n) + 1), torch.tensor(n)).unsqueeze(0)
                      for n in lengths])
     s = seg.shape[1]
-    whole = {"input_ids": torch.zeros(2, s, dtype=torch.long), "segment_ids": seg}
-    shards = [shard_microbatch(whole, SimpleNamespace(cp=cp, cp_rank=r)) for r in range(cp)]  # reads no group
-    gathered = torch.cat([m["segment_ids"] for m in shards], dim=1)  # what the CP all-gather returned
+    zeros = torch.zeros(2, s, dtype=torch.long)
+    whole = MicroBatch(input_ids=zeros, labels=zeros, segment_ids=seg)
+    shards = [whole.shard(r, cp) for r in range(cp)]  # reads no group
+    gathered = torch.cat([m.segment_ids for m in shards], dim=1)  # what the CP all-gather returned
     kv_index = gathered_index(s, cp)
     for r, mb in enumerate(shards):
-        assert torch.equal(mb["row_segment_ids"], seg)
+        assert torch.equal(mb.row_segment_ids, seg)
         q_index = token_index(s, cp, r)
-        want = split_causal_mask(q_index, kv_index, mb["segment_ids"], gathered)
+        want = split_causal_mask(q_index, kv_index, mb.segment_ids, gathered)
         staged = stage_microbatch(mb, _planner(flex=True, cp=cp, cp_rank=r))
-        assert set(staged) == {"input_ids", "position_ids", "docs"}  # the ids went into the mask
-        assert torch.equal(create_mask(staged["docs"].block.mask_mod, 2, None, s // cp, s), want)
-        dense = _planner(flex=False, cp=cp, cp_rank=r).mask(mb["segment_ids"], s // cp, mb["row_segment_ids"])
+        # the ids went into the mask
+        assert staged.segment_ids is None and staged.row_segment_ids is None and staged.position_ids is not None
+        assert torch.equal(create_mask(staged.docs.block.mask_mod, 2, None, s // cp, s), want)
+        dense = _planner(flex=False, cp=cp, cp_rank=r).mask(mb.segment_ids, s // cp, mb.row_segment_ids)
         assert torch.equal(dense.dense == 0, want)  # additive: 0 where allowed, -inf elsewhere
         with pytest.raises(LayoutError, match="row_segment_ids"):
-            _planner(flex=False, cp=cp, cp_rank=r).mask(mb["segment_ids"], s // cp)
+            _planner(flex=False, cp=cp, cp_rank=r).mask(mb.segment_ids, s // cp)
 
 
 def test_the_trainer_data_is_staged_by_its_model(tmp_path):

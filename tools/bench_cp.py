@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig
 
+from hfmeg.data.microbatch import MicroBatch
 from hfmeg.families import model_config_from_hf
 from hfmeg.models.decoder import ModelChunk
 from hfmeg.parallel.activation_meter import SavedTensorMeter
-from hfmeg.parallel.context import shard_microbatch
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 from hfmeg.plan.activations import Shape, chunk_bytes
@@ -62,17 +62,17 @@ def _rank(a, cp: int) -> dict:
     chunk = ModelChunk(model_config_from_hf(hf_config(a)), ps, range(a.layers), pre_process=True,
                        post_process=True)
     ids = torch.randint(0, 256, (1, a.seq), generator=torch.Generator().manual_seed(1))
-    mb = shard_microbatch({"input_ids": ids, "labels": ids}, ps)
+    mb = MicroBatch(input_ids=ids, labels=ids).shard(ps.cp_rank, ps.cp)
     meter = SavedTensorMeter([chunk])
     with meter.hooks():
-        loss = chunk(mb["input_ids"], position_ids=mb.get("position_ids"), labels=mb["labels"]).sum()
+        loss = chunk(mb.input_ids, position_ids=mb.position_ids, labels=mb.labels).sum()
     saved = meter.peak
     loss.backward()
     seconds = []
     for step in range(a.steps + 1):  # the first is a warm-up
         dist.barrier()
         t0 = time.perf_counter()
-        chunk(mb["input_ids"], position_ids=mb.get("position_ids"), labels=mb["labels"]).sum().backward()
+        chunk(mb.input_ids, position_ids=mb.position_ids, labels=mb.labels).sum().backward()
         dist.barrier()
         if step:
             seconds.append(time.perf_counter() - t0)

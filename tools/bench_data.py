@@ -73,8 +73,8 @@ def main() -> None:
             tokens = rows = 0
             for batch in data:
                 for m in batch.microbatches:
-                    tokens += int((m["segment_ids"] > 0).sum())
-                    rows += int((m["segment_ids"].amax(dim=1) > 0).sum())
+                    tokens += int((m.segment_ids > 0).sum())
+                    rows += int((m.segment_ids.amax(dim=1) > 0).sum())
             best = min(best, time.perf_counter() - t0)
         texts = [" ".join(str(v) for v in r.record.values()) for r in data.sources[0].records()]
         anchor = float("inf")

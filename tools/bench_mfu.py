@@ -72,7 +72,9 @@ from hfmeg.checkpoint.mp_layout import parse_dtype
 from hfmeg.checkpoint.tensor_source import TensorSource
 from hfmeg.families import model_config_from_hf
 from hfmeg.data.formats import Doc
-from hfmeg.data.packing import IGNORE, Packer, build_row
+from hfmeg.data.batches import rows_microbatch
+from hfmeg.data.microbatch import MicroBatch
+from hfmeg.data.packing import IGNORE, Packer
 from hfmeg.models.random_init import random_hf_model
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.pipeline import forward_backward
@@ -235,14 +237,14 @@ def run_hf(model, batches, a, device) -> SideResult:
         total = torch.zeros((), device=device)
         for mb in batches[i]:
             # transformers shifts labels itself: un-shift the pre-shifted ones (the last is always ignored).
-            labels = torch.cat([torch.full_like(mb["labels"][:, :1], IGNORE), mb["labels"][:, :-1]], dim=1)
-            loss = forward(input_ids=mb["input_ids"], labels=labels).loss / len(batches[i])
+            labels = torch.cat([torch.full_like(mb.labels[:, :1], IGNORE), mb.labels[:, :-1]], dim=1)
+            loss = forward(input_ids=mb.input_ids, labels=labels).loss / len(batches[i])
             loss.backward()
             total += loss.detach().float()
         torch.nn.utils.clip_grad_norm_(params, OPTIM.grad_clip, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return total.item(), sum(mb["input_ids"].numel() for mb in batches[i])
+        return total.item(), sum(mb.input_ids.numel() for mb in batches[i])
 
     return _measure(step, a, device)
 
@@ -254,18 +256,18 @@ def run_hfmeg(source, batches, a, device, dtype) -> SideResult:
                         compile_backend="inductor" if a.compile else None)[0]
     opt = DistributedOptimizer([chunk], ps, OPTIM)
     # The global batch's loss-token counts, read once here as the data pipeline hands them over.
-    num_tokens = [sum(int((mb["labels"] != IGNORE).sum()) for mb in mbs) for mbs in batches]
+    num_tokens = [sum(mb.label_tokens() for mb in mbs) for mbs in batches]
 
     def step(i):
         mbs = batches[i]
         loss = forward_backward([chunk], ps, mbs, schedule="1f1b", num_tokens=num_tokens[i], grad_sync=opt)
         opt.step()
-        return loss, sum(mb["input_ids"].numel() for mb in mbs)
+        return loss, sum(mb.input_ids.numel() for mb in mbs)
 
     return _measure(step, a, device)
 
 
-def packed_microbatches(a, rng: np.random.Generator) -> list[dict[str, torch.Tensor]]:
+def packed_microbatches(a, rng: np.random.Generator) -> MicroBatch:
     """`--micro-batch-size` rows packed as the recipe packs SFT data: prompt (no loss) + response documents."""
     packer = Packer(a.seq, packing=True, pad_id=0)
     mean = max(a.seq / 14, 4.0)
@@ -274,11 +276,10 @@ def packed_microbatches(a, rng: np.random.Generator) -> list[dict[str, torch.Ten
         ids = rng.integers(1, a.vocab, n)
         target = np.arange(n) > n // 3  # the first third is the prompt
         packer.add(Doc(ids, target))
-    rows = [build_row(packer.take(), a.seq, 0) for _ in range(a.micro_batch_size)]
-    return {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
+    return rows_microbatch([packer.take() for _ in range(a.micro_batch_size)], a.seq, 0)
 
 
-def make_batches(a, device) -> list[list[dict[str, torch.Tensor]]]:
+def make_batches(a, device) -> list[list[MicroBatch]]:
     """Global batch i: `--grad-accum` micro-batches of input_ids and pre-shifted labels (and packing ids)."""
     g = torch.Generator().manual_seed(a.seed + 1)
     rng = np.random.default_rng(a.seed + 1)
@@ -291,8 +292,8 @@ def make_batches(a, device) -> list[list[dict[str, torch.Tensor]]]:
                 mb = packed_microbatches(a, rng)
             else:
                 ids = torch.randint(0, a.vocab, (a.micro_batch_size, a.seq), generator=g)
-                mb = {"input_ids": ids, "labels": torch.cat([ids[:, 1:], ignore], dim=1)}
-            mbs.append({k: v.to(device) for k, v in mb.items()})
+                mb = MicroBatch(input_ids=ids, labels=torch.cat([ids[:, 1:], ignore], dim=1))
+            mbs.append(mb.to(device))
         out.append(mbs)
     return out
 
@@ -348,7 +349,7 @@ def main(argv=None) -> dict:
 
 def _documents_per_row(batches) -> float:
     """Mean documents per packed row (padding is not one)."""
-    rows = [seg for mbs in batches for mb in mbs for seg in mb["segment_ids"]]
+    rows = [seg for mbs in batches for mb in mbs for seg in mb.segment_ids]
     return sum(len(set(seg.tolist()) - {0}) for seg in rows) / len(rows)
 
 

@@ -84,7 +84,7 @@ class Bench:
 
     def global_tokens(self, i: int) -> int:
         """Loss tokens of global batch i: every system divides its summed loss by this."""
-        return sum(int((mb["labels"] != IGNORE).sum()) for mb in self.batches[i])
+        return sum(mb.label_tokens() for mb in self.batches[i])
 
 
 @dataclass
@@ -218,19 +218,19 @@ def _run_torchtitan(b: Bench) -> SideResult:
         total = torch.zeros((), device=b.device)
         n = b.global_tokens(i)
         for mb in b.batches[i]:
-            ids = mb["input_ids"]
+            ids = mb.input_ids
             positions = torch.arange(ids.shape[1], device=b.device).expand_as(ids)
             # as its trainer does per micro-batch: block-causal masks from the positions (one document per row)
             masks = model.get_attention_masks(positions) if flex else None
             logits = model(ids, positions=positions, attention_masks=masks)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(), ignore_index=IGNORE,
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), mb.labels.flatten(), ignore_index=IGNORE,
                                    reduction="sum") / n
             loss.backward()
             total += loss.detach()
         titan_dist.clip_grad_norm_(params, OPTIM.grad_clip, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return total.item(), sum(mb["input_ids"].numel() for mb in b.batches[i])
+        return total.item(), sum(mb.input_ids.numel() for mb in b.batches[i])
 
     return _measure(step, b.a, b.device)
 
@@ -296,7 +296,7 @@ def _run_megatron(b: Bench) -> SideResult:
 
     def forward_step(data, m):
         mb = next(data)
-        ids, labels = mb["input_ids"], mb["labels"]
+        ids, labels = mb.input_ids, mb.labels
         mask = labels != IGNORE
         positions = torch.arange(ids.shape[1], device=b.device).expand_as(ids)
         # Its vocabulary-parallel CE needs a valid id everywhere; the mask drops the ignored ones.
@@ -315,7 +315,7 @@ def _run_megatron(b: Bench) -> SideResult:
                                micro_batch_size=sh["micro_batch_size"], forward_only=False)
         opt.step()
         return (float(sum(o["loss"] for o in out)) / b.global_tokens(i),
-                sum(mb["input_ids"].numel() for mb in b.batches[i]))
+                sum(mb.input_ids.numel() for mb in b.batches[i]))
 
     return _measure(step, b.a, b.device)
 

@@ -38,6 +38,7 @@ from bench_optimizer import make_model
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
+from hfmeg.data.microbatch import MicroBatch
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
@@ -59,10 +60,10 @@ def _peak(a, device: torch.device) -> torch.Tensor:
     return torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])  # Linux: KiB
 
 
-def _microbatches(a, dp_rank: int) -> list[dict]:
+def _microbatches(a, dp_rank: int) -> list[MicroBatch]:
     """DP rank `dp_rank`'s micro-batches: the same tokens in every mode."""
     g = torch.Generator().manual_seed(dp_rank)
-    return [dict(input_ids=(ids := torch.randint(0, a.vocab, (1, a.seq), generator=g)), labels=ids)
+    return [MicroBatch(input_ids=(ids := torch.randint(0, a.vocab, (1, a.seq), generator=g)), labels=ids)
             for _ in range(a.microbatches)]
 
 
@@ -85,9 +86,10 @@ def _peft_rank(folder: str, a) -> dict:
     for _ in range(a.warmup + a.steps):
         t0 = time.perf_counter()
         for mb in mbs:
-            logits = model(input_ids=mb["input_ids"].to(device)).logits
+            mb = mb.to(device)
+            logits = model(input_ids=mb.input_ids).logits
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                     mb["labels"].to(device).flatten(), reduction="sum") / ntok
+                                                     mb.labels.flatten(), reduction="sum") / ntok
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -117,7 +119,7 @@ def _rank(mode: str, folder: str, a) -> dict:
             attach(chunk, cfg)
             initialise(chunk, cfg, seed=0)
     opt = DistributedOptimizer(chunks, ps, OptimizerConfig(lr=1e-3))
-    mbs = [{k: v.to(device) for k, v in mb.items()} for mb in _microbatches(a, ps.dp_rank)]
+    mbs = [mb.to(device) for mb in _microbatches(a, ps.dp_rank)]
     ntok = a.seq * a.microbatches * ps.dp
     times = []
     for step in range(a.warmup + a.steps):

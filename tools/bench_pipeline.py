@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hfmeg.data.microbatch import MicroBatch
 from hfmeg.families import model_config_from_hf
 from hfmeg.errors import HfmegError
 from hfmeg.models import ModelChunk
@@ -64,8 +65,8 @@ def _worker(args, schedules):
         chunks = [ModelChunk(cfg, ps, s.layers, pre_process=s.pre_process, post_process=s.post_process)
                   for s in rank_chunks(split_layers(cfg.num_layers, ps.pp, vpp), ps.pp_rank)]
         g = torch.Generator().manual_seed(0)
-        mbs = [dict(input_ids=torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g),
-                    labels=torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g))
+        mbs = [MicroBatch(input_ids=torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g),
+                          labels=torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g))
                for _ in range(args.microbatches)]
         tokens = args.microbatches * args.micro_batch * args.seq
         for _ in range(args.warmup):

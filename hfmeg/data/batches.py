@@ -3,9 +3,9 @@
 Global batch k is rows `k*G .. (k+1)*G - 1` of the one row stream, whatever the
 TP/PP/DP layout: every rank computes the same stream (the data pipeline is
 deterministic), DP rank r keeps rows `r*G/DP .. (r+1)*G/DP - 1` and splits them
-into micro-batches of `micro_batch_size` rows. TP ranks and PP stages of one
-replica share a DP rank and so get the same micro-batches; every stage needs
-`position_ids`/`segment_ids` (RoPE and the document mask), the first stage
+into micro-batches (`MicroBatch`, microbatch.py) of `micro_batch_size` rows. TP ranks
+and PP stages of one replica share a DP rank and so get the same micro-batches; every
+stage needs `position_ids`/`segment_ids` (RoPE and the document mask), the first stage
 `input_ids`, the last `labels`.
 
 `num_tokens` counts the non-ignored labels of the WHOLE global batch, which is the
@@ -15,15 +15,15 @@ of every row (a document's labels are its targets after its first token), so it
 needs no communication.
 
 Context parallelism (CP > 1): the CP ranks of a DP rank share its rows, and each
-keeps only its tokens of every row, the chunks `split_index` names (the load-balanced
-split of parallel/context.py), so the tensors a CP rank holds are `seq_len / cp` long,
-plus `row_segment_ids`, the whole rows' document ids `[b, seq_len]`: the attention mask of
+keeps only its tokens of every row (`MicroBatch.shard`, the load-balanced split of
+parallel/context.py), so the tensors a CP rank holds are `seq_len / cp` long, plus
+`row_segment_ids`, the whole rows' document ids `[b, seq_len]`: the attention mask of
 a rank's queries over every rank's keys needs the keys' documents, which the rank then
 reads here instead of all-gathering them. `num_tokens` is still the whole global batch's count.
 
 Packing is sequential (where a row ends depends on the length of every earlier
 document, known only once it is tokenised), so every rank still tokenises and
-packs the whole global batch, as lists of documents; only this rank's rows become
+packs the whole global batch, as lists of documents; only this DP rank's rows become
 arrays and tensors (`build_row`, `torch.from_numpy`), 1/DP of that work.
 """
 
@@ -36,15 +36,13 @@ import torch
 
 from ..errors import LayoutError
 from .formats import Doc
-from .packing import IGNORE, build_row
-
-KEYS = ("input_ids", "labels", "position_ids", "segment_ids")  # per token: under CP, this rank's tokens
-ROW_SEGMENTS = "row_segment_ids"  # under CP: the whole rows' document ids (module doc)
+from .microbatch import MicroBatch
+from .packing import build_row
 
 
 @dataclass
 class StepBatch:
-    microbatches: list[dict[str, torch.Tensor]]  # this DP rank's, each [micro_batch_size, seq_len] int64
+    microbatches: list[MicroBatch]  # this DP rank's, each [micro_batch_size, seq_len / cp]
     num_tokens: int  # non-ignored labels in the whole global batch
 
 
@@ -57,23 +55,10 @@ def check_batch_layout(global_batch_size: int, micro_batch_size: int, dp_size: i
                           f"micro_batch_size x DP = {micro_batch_size} x {dp_size}")
 
 
-def split_chunks(seq_len: int, cp: int, cp_rank: int) -> tuple[range, range]:
-    """The row positions CP rank `cp_rank` holds: chunks `cp_rank` and `2cp-1-cp_rank` of `2cp` equal ones."""
-    if seq_len % (2 * cp):
-        raise LayoutError(f"data.seq_len: {seq_len} tokens do not split into 2 x CP = {2 * cp} equal chunks "
-                          f"(parallel.cp {cp}); use a multiple of {2 * cp}")
-    c = seq_len // (2 * cp)
-    late = 2 * cp - 1 - cp_rank
-    return range(cp_rank * c, (cp_rank + 1) * c), range(late * c, (late + 1) * c)
-
-
-def split_index(seq_len: int, cp: int, cp_rank: int) -> np.ndarray:
-    """`split_chunks` as one array of positions."""
-    return np.concatenate([np.arange(r.start, r.stop) for r in split_chunks(seq_len, cp, cp_rank)])
-
-
-def count_tokens(labels: np.ndarray | torch.Tensor) -> int:
-    return int((labels != IGNORE).sum())
+def rows_microbatch(rows: list[list[Doc]], seq_len: int, pad_id: int) -> MicroBatch:
+    """Rows given as their documents, as one micro-batch of whole rows (`build_row` each)."""
+    built = [build_row(docs, seq_len, pad_id) for docs in rows]
+    return MicroBatch(**{k: torch.from_numpy(np.stack([b[k] for b in built])) for k in built[0]})
 
 
 def step_batch(rows: list[list[Doc]], seq_len: int, pad_id: int, dp_rank: int, dp_size: int,
@@ -81,12 +66,6 @@ def step_batch(rows: list[list[Doc]], seq_len: int, pad_id: int, dp_rank: int, d
     """This DP rank's micro-batches of a global batch given as each row's documents (this CP rank's tokens)."""
     per_rank = len(rows) // dp_size
     mine = rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    cols = split_index(seq_len, cp_size, cp_rank) if cp_size > 1 else slice(None)
-    micro = []
-    for i in range(0, per_rank, micro_batch_size):
-        built = [build_row(docs, seq_len, pad_id) for docs in mine[i:i + micro_batch_size]]
-        mb = {k: torch.from_numpy(np.stack([b[k][cols] for b in built])) for k in KEYS}
-        if cp_size > 1:
-            mb[ROW_SEGMENTS] = torch.from_numpy(np.stack([b["segment_ids"] for b in built]))
-        micro.append(mb)
+    micro = [rows_microbatch(mine[i:i + micro_batch_size], seq_len, pad_id).shard(cp_rank, cp_size)
+             for i in range(0, per_rank, micro_batch_size)]
     return StepBatch(micro, sum(int(d.target[1:].sum()) for docs in rows for d in docs))

@@ -4,7 +4,7 @@
                       micro_batch_size=mbs, global_batch_size=gbs,
                       cp_rank=ps.cp_rank, cp_size=ps.cp)  # optional: context parallelism
     for batch in data:            # one StepBatch per optimizer step, forever (sources cycle)
-        batch.microbatches        # this DP rank's micro-batches: dicts of [mbs, seq_len / cp] int64 tensors
+        batch.microbatches        # this DP rank's micro-batches: MicroBatch, [mbs, seq_len / cp] int64 tensors
         batch.num_tokens          # non-ignored labels of the whole global batch (loss normaliser)
     state = data.state_dict()     # JSON-able, identical on every rank; save with the checkpoint
     data.load_state_dict(state)   # the next batch is the one an uninterrupted run would yield
@@ -34,7 +34,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import DataError
-from .batches import StepBatch, check_batch_layout, split_chunks, step_batch
+from .batches import StepBatch, check_batch_layout, step_batch
+from .microbatch import split_chunks
 from .config import DataConfig
 from .formats import BadRecord, Doc, Formatter
 from .mixing import Mixture, Position, single_pass

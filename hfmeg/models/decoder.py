@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig, check_cp, check_ep, check_tp
+from ..data.microbatch import MicroBatch
 from ..parallel.comm import scatter_to_sequence
 from ..parallel.context import local_positions
 from ..parallel.expert_dispatch import local_experts
@@ -142,7 +143,7 @@ class ModelChunk(nn.Module):
         `position_ids` / `segment_ids` `[b, s]` describe packed documents (defaults:
         0..s-1, one document); `docs`, the mask `stage` built ahead from `segment_ids`,
         stands for them. Under context parallelism every `[b, s]` input holds this CP
-        rank's tokens only (`parallel.context.shard_microbatch`), `s` the local count, and
+        rank's tokens only (`MicroBatch.shard`), `s` the local count, and
         `row_segment_ids` `[b, s * cp]` the whole rows' document ids. Later
         chunks need `seq_len` under SP only when they receive no ids to read it from; it
         defaults from the inputs. `received_sums`: the
@@ -183,7 +184,7 @@ class ModelChunk(nn.Module):
         device = device or ps.device
         return MaskPlanner(device, ps.cp, ps.cp_rank, flex_applies(device, self.cfg.head_dim), self._compute_dtype())
 
-    def stage(self, mb: dict) -> dict:
+    def stage(self, mb: MicroBatch) -> MicroBatch:
         """A micro-batch on this rank's device with its attention decided (models/staging.py)."""
         return stage_microbatch(mb, self.mask_planner())
 

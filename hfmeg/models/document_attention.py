@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from ..data.batches import ROW_SEGMENTS
+from ..data.microbatch import MicroBatch, token_index
 from ..data.packing import single_document
 from ..errors import LayoutError
-from ..parallel.context import gathered_index, token_index
+from ..parallel.context import gathered_index
 
 
 @dataclass(frozen=True)
@@ -206,18 +206,18 @@ class MaskPlanner:
         if self.cp == 1:
             return plan(segment_ids, flex=self.flex)
         if segment_ids is not None and row_segment_ids is None:
-            raise LayoutError(f"under context parallelism a micro-batch with segment_ids needs {ROW_SEGMENTS}, "
-                              "the whole rows' document ids (data pipeline or parallel.context.shard_microbatch)")
+            raise LayoutError("under context parallelism a micro-batch with segment_ids needs row_segment_ids, "
+                              "the whole rows' document ids (MicroBatch.shard)")
         row = s * self.cp
         kv_index = gathered_index(row, self.cp, self.device)
         kv_segments = row_segment_ids.index_select(1, kv_index) if row_segment_ids is not None else None
         return plan_split(token_index(row, self.cp, self.cp_rank, self.device), kv_index, segment_ids, kv_segments,
                           self.flex, self.dtype)
 
-    def builds_ahead(self, mb: dict) -> bool:
+    def builds_ahead(self, mb: MicroBatch) -> bool:
         """Whether the mask of micro-batch `mb` is a flex block mask (small: built ahead; a dense one is
         b·s² elements and built at use). Under CP every micro-batch has a mask, packed or not."""
-        return self.flex and (self.cp > 1 or mb.get("segment_ids") is not None)
+        return self.flex and (self.cp > 1 or mb.segment_ids is not None)
 
 
 @cache

@@ -4,11 +4,11 @@ What the model reads from a micro-batch's `segment_ids` is decided here, once pe
 (not once per model chunk in its forward), from how the rank's model attends
 (`ModelChunk.mask_planner`, models/document_attention.py):
 
-- every row one document: the micro-batch loses its `segment_ids` and the model runs plain
+- every row one document: the micro-batch drops its `segment_ids` and the model runs plain
   causal attention. Decided on the host tensor, before the copy: reading a bool back from a
   device tensor would stall the host once per micro-batch.
 - packed rows under flex attention, and under CP every row (a CP rank's queries need the
-  split mask even in one document): the flex `BlockMask` (key `docs`), built here from the
+  split mask even in one document): the flex `BlockMask` (`MicroBatch.docs`), built here from the
   ids already on the device (under CP the keys' ids come from the whole rows the
   micro-batch carries, `row_segment_ids`, not from a collective). A block mask is small (a
   few block indices per 128 × 128 block), so a whole step's worth can be built ahead.
@@ -22,54 +22,34 @@ micro-batches pass through. The trainer stages in the data prefetch
 thread (`Stager`, `data.prefetch` steps ahead): on CUDA on a side stream, so the copies and the
 mask kernels overlap the step before and the step never waits on them. The step's stream
 waits on the staging event (`Stager.take`, no host sync) and every staged tensor is marked as
-used by that stream (`record_stream`): when the step drops it, the caching allocator then does
+used by that stream (`MicroBatch.record_stream`): when the step drops it, the caching allocator then does
 not hand its memory to the side stream while the step's kernels may still read it.
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..data.batches import ROW_SEGMENTS, StepBatch
+from ..data.batches import StepBatch
+from ..data.microbatch import MicroBatch
 from ..data.packing import single_document
-from .document_attention import DocumentMask, MaskPlanner
+from .document_attention import MaskPlanner
 
 
-def to_device(mb: dict, device: torch.device) -> dict:
-    """A micro-batch's tensors on `device` (other values, such as a staged mask, as they are). Host -> CUDA
-    copies go through pinned memory with `non_blocking`, so the host queues them and goes on launching kernels
-    instead of waiting (the caching host allocator keeps the pinned buffer alive until its copy is done)."""
-    def move(v):
-        if not isinstance(v, torch.Tensor):
-            return v
-        if device.type != "cuda":
-            return v.to(device)
-        return (v if v.is_cuda or v.is_pinned() else v.pin_memory()).to(device, non_blocking=True)
-    return {k: move(v) for k, v in mb.items() if v is not None}
-
-
-def stage_microbatch(mb: dict, planner: MaskPlanner) -> dict:
-    """The micro-batch on the planner's device, its attention decided (module doc); a staged one is returned
-    as it is."""
-    seg = mb.get("segment_ids")
+def stage_microbatch(mb: MicroBatch, planner: MaskPlanner) -> MicroBatch:
+    """The micro-batch on the planner's device (`MicroBatch.to`), its attention decided (module doc); a staged
+    one is returned as it is."""
+    seg = mb.segment_ids
     if planner.cp == 1 and seg is not None and not seg.is_cuda and single_document(seg):
-        mb = {k: v for k, v in mb.items() if k != "segment_ids"}
-    mb = to_device(mb, planner.device)
-    if "docs" not in mb and planner.builds_ahead(mb):
-        s = mb["input_ids"].shape[1]
-        mb["docs"] = planner.mask(mb.pop("segment_ids", None), s, mb.pop(ROW_SEGMENTS, None))
+        mb = replace(mb, segment_ids=None)
+    mb = mb.to(planner.device)
+    if mb.docs is None and planner.builds_ahead(mb):
+        mb = replace(mb, docs=planner.mask(mb.segment_ids, mb.shape[1], mb.row_segment_ids), segment_ids=None,
+                     row_segment_ids=None)
     return mb
-
-
-def _tensors(mbs: list[dict]) -> list[torch.Tensor]:
-    out = []
-    for mb in mbs:
-        for v in mb.values():
-            out.extend(v.tensors() if isinstance(v, DocumentMask) else [v])
-    return out
 
 
 @dataclass
@@ -97,12 +77,12 @@ class Stager:
                 ready.record(self.stream)
         return StagedBatch(mbs, batch.num_tokens, ready)
 
-    def take(self, batch: StepBatch) -> list[dict]:
+    def take(self, batch: StepBatch) -> list[MicroBatch]:
         """The batch's micro-batches, safe to use on the calling thread's current stream."""
         ready = getattr(batch, "ready", None)
         if ready is not None:
             stream = torch.cuda.current_stream(self.planner.device)
             stream.wait_event(ready)
-            for t in _tensors(batch.microbatches):
-                t.record_stream(stream)
+            for mb in batch.microbatches:
+                mb.record_stream(stream)
         return batch.microbatches

@@ -1,15 +1,16 @@
 """Context parallelism (CP): every sequence split over the `cp` ranks of a CP group.
 
 Load-balanced split. A sequence of `s` tokens is cut into `2 * cp` equal chunks and
-CP rank r holds chunks r and 2·cp−1−r, in that order (`token_index`). Under a causal
+CP rank r holds chunks r and 2·cp−1−r, in that order (`token_index`, with the micro-batch type
+in data/microbatch.py, which sits below this package). Under a causal
 mask the work of a query grows with its position, so pairing an early chunk with the
 matching late one gives every rank the same number of (query, key) pairs; a
 contiguous split would leave the last rank with 2·cp−1 times the first's.
 
 What follows the tokens. A micro-batch's `[b, s]` tensors (`input_ids`, `labels`,
-`position_ids`, `segment_ids`) are cut the same way, by the data pipeline
-(data/batches.py: a CP rank materialises only its chunks) or by `shard_microbatch`
-for a caller holding whole rows; the model and the pipeline schedule take a CP rank's
+`position_ids`, `segment_ids`) are cut the same way, by `MicroBatch.shard(cp_rank, cp)`
+(data/microbatch.py), which the data pipeline calls on the rows it builds and a caller
+holding whole rows calls itself; the model and the pipeline schedule take a CP rank's
 tokens (`forward_backward`'s micro-batches are `[b, s / cp]`). So each
 token keeps its label, its loss-mask entry and its RoPE position (the position ids
 are selected, never recomputed from the local index: RoPE rotates every token by its
@@ -38,7 +39,7 @@ Packed documents: the mask of a local query block is built (models/document_atte
 from the queries' sequence positions (`token_index`), the gathered keys' positions
 (`gathered_index`) and both sides' document ids: the queries' are the micro-batch's
 `segment_ids`, the keys' are read from the whole rows' ids it carries (`row_segment_ids`,
-set by the data pipeline and by `shard_microbatch`) in gathered order, with no collective,
+set by `MicroBatch.shard`) in gathered order, with no collective,
 so the mask can be built before the step (models/staging.py). It is causal in the row's
 order and never crosses documents. The per-block computation is the model's own
 `attend` (SDPA with that mask, additive and built once per micro-batch; flex attention
@@ -49,40 +50,14 @@ from __future__ import annotations
 
 import torch
 
-from ..data.batches import KEYS, ROW_SEGMENTS, split_chunks
+from ..data.microbatch import token_index
 from .comm import all_gather_flat, conjugate_pair, reduce_scatter_flat
 from .state import ParallelState
 
-def token_index(s: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """The positions in the row of the tokens CP rank `rank` holds: chunks `rank` and `2cp-1-rank`
-    (the data pipeline's `split_chunks`, which cuts the rows it hands out the same way). Made on `device`
-    (no copy from the host, which on a GPU would wait for the stream)."""
-    return torch.cat([torch.arange(r.start, r.stop, device=device) for r in split_chunks(s, cp, rank)])
-
 
 def gathered_index(s: int, cp: int, device=None) -> torch.Tensor:
-    """The row positions of an all-gathered sequence: every rank's tokens, in rank order."""
+    """The row positions of an all-gathered sequence: every rank's tokens, in rank order (`token_index`)."""
     return torch.cat([token_index(s, cp, r, device) for r in range(cp)])
-
-
-def shard_microbatch(mb: dict, ps: ParallelState) -> dict:
-    """This CP rank's tokens of a whole-row micro-batch; position ids are added where absent, and with
-    document ids the whole rows' ones (`row_segment_ids`, see the module doc).
-
-    The identity at CP = 1 (the micro-batch is returned as it is)."""
-    if ps.cp == 1:
-        return mb
-    b, s = mb["input_ids"].shape
-    index = token_index(s, ps.cp, ps.cp_rank, mb["input_ids"].device)
-    out = dict(mb)
-    if out.get("position_ids") is None:
-        out["position_ids"] = torch.arange(s, device=index.device).expand(b, s)
-    if out.get("segment_ids") is not None:
-        out[ROW_SEGMENTS] = out["segment_ids"]
-    for k in KEYS:  # every [b, s] tensor of a micro-batch
-        if out.get(k) is not None:
-            out[k] = out[k].index_select(1, index)
-    return out
 
 
 def local_positions(b: int, s_local: int, ps: ParallelState, device) -> torch.Tensor:

@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from ..data.batches import ROW_SEGMENTS
+from ..data.microbatch import MicroBatch, step_shape
 from ..errors import LayoutError
 from .p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from .schedules import Action, Step, plan
@@ -60,8 +60,8 @@ def _backward_through(outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tens
 
 
 class _Executor:
-    def __init__(self, chunks, ps: ParallelState, microbatches, num_tokens, grad_sync, timeline, forward_only,
-                 loss_scale=1.0):
+    def __init__(self, chunks, ps: ParallelState, microbatches: list[MicroBatch], num_tokens, grad_sync, timeline,
+                 forward_only, loss_scale=1.0):
         self.chunks, self.ps = chunks, ps
         # Every copy queued and every mask that can be built ahead built before any compute, once per
         # micro-batch (models/staging.py); micro-batches the trainer staged in its prefetch thread pass through.
@@ -70,7 +70,7 @@ class _Executor:
         self.forward_only, self.loss_scale = forward_only, loss_scale
         self.n_chunks = ps.pp * len(chunks)
         self.p2p = P2P(self.n_chunks)
-        b, s = self.mbs[0]["input_ids"].shape
+        b, s = self.mbs[0].shape
         self.seq_len = s
         local_s = s // ps.tp if ps.sequence_parallel else s
         self.shape = (local_s, b, chunks[0].cfg.hidden_size)
@@ -109,19 +109,18 @@ class _Executor:
         c = self.model_chunk(a.chunk)
         sums = None
         if chunk.pre_process:
-            x = mb["input_ids"]
+            x = mb.input_ids
         else:
             x, sums = self.inbox.pop(("F", a.chunk, a.microbatch))
             x.requires_grad_(not self.forward_only)
             if sums is not None:
                 sums.requires_grad_(not self.forward_only)
-        labels = mb["labels"] if chunk.post_process else None
-        kwargs = {k: mb[k] for k in ("position_ids", "segment_ids", ROW_SEGMENTS, "docs") if mb.get(k) is not None}
-        if sums is not None:
-            kwargs["received_sums"] = sums
+        labels = mb.labels if chunk.post_process else None
         sent = None
         with torch.set_grad_enabled(not self.forward_only):
-            out = chunk(x, labels=labels, seq_len=self.seq_len, **kwargs)
+            out = chunk(x, labels=labels, seq_len=self.seq_len, position_ids=mb.position_ids,
+                        segment_ids=mb.segment_ids, row_segment_ids=mb.row_segment_ids, docs=mb.docs,
+                        received_sums=sums)
             if chunk.post_process:
                 out = out.sum() / self.num_tokens
                 aux = chunk.take_aux_loss()
@@ -201,7 +200,7 @@ def _chunk_of(t: Transfer, ps: ParallelState) -> int:
 def forward_backward(
     chunks: list,
     ps: ParallelState,
-    microbatches: list[dict],
+    microbatches: list[MicroBatch],
     *,
     schedule: str,
     num_tokens: int,
@@ -215,9 +214,9 @@ def forward_backward(
 
     `chunks` are this rank's model chunks in virtual order (model chunk
     `v * pp + pp_rank` is `chunks[v]`); `microbatches` are this DP rank's
-    micro-batches (dicts with `input_ids` and `labels` `[b, s]`, optional
+    micro-batches (`MicroBatch`: `input_ids` and `labels` `[b, s]`, optional
     `position_ids`, `segment_ids`; under CP this rank's `s / cp` tokens of each row, as
-    `context.shard_microbatch` cuts them), the same list on every stage of a pipeline:
+    `MicroBatch.shard` cuts them), the same list on every stage of a pipeline:
     every stage reads the shape of `input_ids` and the positions / document ids
     (RoPE and the packed-document mask are applied in every layer).
     Gradients accumulate into `.grad`; `grad_sync` (the data-parallel wrapper, or the
@@ -237,11 +236,9 @@ def forward_backward(
     if num_tokens < 1:
         raise LayoutError(f"num_tokens must count at least one label token, got {num_tokens}")
     steps = plan(schedule, ps.pp, ps.pp_rank, ps.vpp, len(microbatches), forward_only)
-    s = microbatches[0]["input_ids"].shape[1]
+    s = step_shape(microbatches)[1]
     if ps.sequence_parallel and s % ps.tp:
         raise LayoutError(f"sequence length {s} (per CP rank) is not divisible by TP={ps.tp} (sequence parallelism)")
-    if any(mb["input_ids"].shape != microbatches[0]["input_ids"].shape for mb in microbatches):
-        raise LayoutError("all micro-batches of a step must have the same [batch, seq] shape")
     ex = _Executor(chunks, ps, microbatches, num_tokens, grad_sync, timeline, forward_only, loss_scale)
     ex.run(steps)
     if not ps.is_last_stage:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import LlamaConfig, MixtralConfig
 
+from ..data.microbatch import MicroBatch
 from ..families import model_config_from_hf
 from ..models.decoder import ModelChunk
 from ..optim import DistributedOptimizer, OptimizerConfig
@@ -234,7 +235,7 @@ def _executor_overheads(device_type: str, repeats: int) -> tuple[float, float]:
     chunk = _tiny_chunk(ps, device, ends=True)
     opt = DistributedOptimizer([chunk], ps, OptimizerConfig(bucket_size=10**9))
     ids = torch.randint(0, 128, (1, 8), device=device)
-    mbs = [dict(input_ids=ids, labels=ids)] * 4
+    mbs = [MicroBatch(input_ids=ids, labels=ids)] * 4
 
     def step(m: int) -> None:
         forward_backward([chunk], ps, mbs[:m], schedule="1f1b", num_tokens=8 * m, grad_sync=opt)

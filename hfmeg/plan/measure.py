@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ModelConfig
+from ..data.microbatch import MicroBatch
 from ..models.decoder import ModelChunk
 from ..optim import DistributedOptimizer, OptimizerConfig
 from ..parallel.activation_meter import SavedTensorMeter
@@ -40,12 +41,12 @@ class Case:
     label: str = ""
 
 
-def _batches(cfg: ModelConfig, n: int, rows: int, seq: int, seed: int) -> list[dict]:
+def _batches(cfg: ModelConfig, n: int, rows: int, seq: int, seed: int) -> list[MicroBatch]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         ids = torch.randint(0, cfg.vocab_size, (rows, seq), generator=g)
-        out.append(dict(input_ids=ids, labels=torch.cat([ids[:, 1:], torch.full((rows, 1), -100)], dim=1)))
+        out.append(MicroBatch(input_ids=ids, labels=torch.cat([ids[:, 1:], torch.full((rows, 1), -100)], dim=1)))
     return out
 
 
