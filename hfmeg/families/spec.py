@@ -55,11 +55,14 @@ class PeftNames:
     `modules`: the names adapted with plain LoRA on `nn.Linear`s, in the decoder's order (what `all-linear`
     stands for). `experts`: on families whose stacked experts peft maps (`target_parameters`), each target
     name -> the parameter it adapts (`gate_up_proj`, `down_proj`, the router `gate.weight`); `fused`: the two
-    names peft fuses into one LoRA on `gate_up_proj` (rank 2r)."""
+    names peft fuses into one LoRA on `gate_up_proj` (rank 2r). `unbuilt`: peft's names of modules hfmeg does
+    not adapt, refused by name (Phi-3's fused `qkv_proj` and `gate_up_proj`: one LoRA over all the fused rows,
+    which hfmeg's per-projection adapters are not), and with them `all-linear`, which would take them."""
 
     modules: tuple[str, ...]
     experts: dict[str, str] = field(default_factory=dict)
     fused: tuple[str, str] | None = None
+    unbuilt: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

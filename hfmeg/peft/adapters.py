@@ -70,7 +70,7 @@ from ..parallel.stored_names import set_stored_names, stored_tensors
 from ..families import spec_of
 from ..families.llama import ATTENTION, layer_prefix
 from ..families.qwen2_moe import SHARED_GATE
-from .config import EXPERT_PARAMS, MOE_SAVABLE, SAVABLE, PeftConfig
+from .config import ALL_LINEAR, EXPERT_PARAMS, MOE_SAVABLE, SAVABLE, PeftConfig
 
 PEFT_PREFIX = "base_model.model."
 
@@ -293,7 +293,12 @@ def check_model(chunk_cfg, cfg: PeftConfig) -> None:
         raise UnsupportedConfigError("peft.modules_to_save: lm_head is tied to embed_tokens in this model; "
                                      "name embed_tokens alone")
     _check_saved(chunk_cfg, cfg)
-    wanted = set(cfg.target_modules) - {"all-linear"}
+    unbuilt = sorted(set(cfg.target_modules) & {*names.unbuilt, ALL_LINEAR}) if names.unbuilt else []
+    if unbuilt:
+        raise UnsupportedConfigError(f"peft.target_modules: {unbuilt} on {chunk_cfg.model_type}: peft's LoRA on the "
+                                     f"fused {' and '.join(names.unbuilt)} (one A and B over all their rows) is not "
+                                     f"built; target {' '.join(names.modules)}")
+    wanted = set(cfg.target_modules) - {ALL_LINEAR}
     if chunk_cfg.moe is None:
         unmatched = sorted(wanted - set(cfg.module_targets(names)))
     elif not names.experts:  # Qwen2-MoE: peft's names are its nn.Linears only
