@@ -9,12 +9,11 @@ import torch
 import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
-from tiny_models import save_tiny, tiny_config
+from tiny_models import save_tiny
 from transformers import AutoModelForCausalLM
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
-from hfmeg.families import family_of
 from hfmeg.peft.adapter_files import read_peft_folder
 from hfmeg.peft.merge import merge_into_hf
 from hfmeg.parallel.stored_names import stored_tensors
@@ -22,16 +21,13 @@ from hfmeg.peft.adapters import adapter_tensors, attach, initialise, join_slices
 
 
 def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = False, dora: bool = False,
-                          targets=None, modules_to_save: list[str] | None = None,
+                          targets="all-linear", modules_to_save: list[str] | None = None,
                           seed: int = 0) -> tuple[Path, Path]:
     """A tiny random base (transformers' save_pretrained) and a LoRA (or DoRA) adapter `peft` made for it
     with `init_lora_weights=False`: A and B both random, so every adapter gradient is non-zero. DoRA's
     magnitudes, and the weights of `modules_to_save` (which peft saves as copies of the base's), are then
     scaled by random factors in [0.5, 1.5), so that they differ from what they start at and their loading
-    is tested too. `targets` default: `all-linear`, or on a family with modules LoRA is not built for (Phi-3's
-    fused projections) the ones it is."""
-    names = family_of(tiny_config(kind).model_type).peft
-    targets = targets or (list(names.modules) if names.unbuilt else "all-linear")
+    is tested too."""
     base = root / f"{kind}_base"
     if not base.is_dir():
         save_tiny(kind, base, seed=seed)
@@ -95,7 +91,7 @@ def full_adapter_grads(chunks, ps, of=lambda p: p.grad) -> dict[str, torch.Tenso
             parts = [torch.empty_like(g) for _ in range(ps.tp)] if ps.tp > 1 else [g]
             if ps.tp > 1:
                 dist.all_gather(parts, g, group=ps.tp_group)
-            out[t.hf] = join_slices(parts, t.kind, t.vocab)
+            out[t.hf] = join_slices(parts, t.kind, t.vocab, t.blocks)
     if getattr(ps, "ep", 1) > 1:
         every = [None] * ps.ep
         dist.all_gather_object(every, experts, group=ps.ep_group)

@@ -3,11 +3,9 @@
 Qwen3's sliding window is per layer (`layer_types`): a window on every layer is Mistral's (kept, rows
 longer than it refused at start-up), a window on some layers only is refused in one line naming the field
 (SmolLM3's too). SmolLM3's NoPE layers, Phi-3's partial rotary and LongRoPE tables against transformers', and
-Phi-3's LoRA refusals (its logits, gradients and round trips are in the parametrised parity tests)."""
+Phi-3's LoRA on its fused projections (logits, gradients and round trips are in the parametrised parity tests)."""
 
 from __future__ import annotations
-
-import re
 
 import pytest
 import torch
@@ -19,8 +17,6 @@ from hfmeg.errors import UnsupportedConfigError
 from hfmeg.families import family_of, model_config_from_hf
 from hfmeg.models.kernels import rope
 from hfmeg.models.rope import RotaryEmbedding
-from hfmeg.peft.adapters import check_model
-from hfmeg.peft.config import PeftConfig
 
 
 def test_qwen3_features():
@@ -112,16 +108,3 @@ def test_longrope_is_refused_under_cp():
     with pytest.raises(UnsupportedConfigError, match=r"^config.json field rope_parameters.rope_type: 'longrope' "):
         check_cp(model_config_from_hf(_longrope_config()), 2)
     check_cp(model_config_from_hf(_longrope_config()), 1)
-
-
-@pytest.mark.parametrize("targets, refused", [(["qkv_proj", "o_proj"], "['qkv_proj']"),
-                                              (["all-linear"], "['all-linear']"),
-                                              (["gate_up_proj"], "['gate_up_proj']")])
-def test_phi3_lora_on_the_fused_projections_is_refused(targets, refused):
-    cfg = PeftConfig(method="lora", target_modules=targets)
-    cfg.check()  # peft's names: known, refused only on the model that fuses them
-    with pytest.raises(UnsupportedConfigError, match=rf"^peft.target_modules: {re.escape(refused)} on phi3: peft's "
-                                                     r"LoRA on the fused qkv_proj and gate_up_proj .* target o_proj "
-                                                     r"down_proj$"):
-        check_model(model_config_from_hf(tiny_config("phi3")), cfg)
-    check_model(model_config_from_hf(tiny_config("phi3")), PeftConfig(method="lora", target_modules=["o_proj"]))

@@ -5,8 +5,8 @@ kinds `qkv` and `gate_up` from one HF tensor). RoPE may be partial (`partial_rot
 the first 3/4 of each head) and LongRoPE-scaled (the 128k variants); the sliding window (Phi-3-mini-4k: 2047 on
 every layer) is Mistral's.
 
-LoRA: `o_proj` and `down_proj` only. peft's LoRA on the fused `qkv_proj` / `gate_up_proj` is one A and one B over
-all the fused rows, which hfmeg's per-projection adapters are not; they (and `all-linear`) are refused by name."""
+LoRA under peft's names `qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`: on a fused one, as in peft, one A and one
+B over all its rows (`PeftNames.fused_bases`; B's rows are laid out like the fused weight's, `peft/adapters.py`)."""
 
 from __future__ import annotations
 
@@ -29,5 +29,6 @@ def fused_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[Tens
 
 PHI3 = replace(llama_layout(("phi3",), "Phi3ForCausalLM",
                             lambda hf: decoder_config(hf, window=mistral_window, partial_rotary=True),
-                            peft=PeftNames(("o_proj", "down_proj"), unbuilt=("qkv_proj", "gate_up_proj"))),
+                            peft=PeftNames(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+                                           fused_bases={"attn.qkv": "qkv_proj", "mlp.fc1": "gate_up_proj"})),
                layer_rules=fused_rules)

@@ -47,8 +47,6 @@ EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate.weight")
 _TO_PARAM = {name: param for family in FAMILIES if family.peft for name, param in family.peft.experts.items()}
 # Every module name some family adapts with plain LoRA, in the decoder's order.
 MODULES = tuple(dict.fromkeys(m for family in FAMILIES if family.peft for m in family.peft.modules))
-# peft's names of modules some family has but hfmeg does not adapt (refused by `adapters.check_model`, by name).
-UNBUILT = tuple(dict.fromkeys(m for family in FAMILIES if family.peft for m in family.peft.unbuilt))
 # `modules_to_save` names of an MoE layer's replicated parts: the router (`gate`; on Qwen2-MoE peft's suffix match
 # takes `shared_expert_gate` with it) and the shared expert's gate.
 MOE_SAVABLE = ("gate", SHARED_GATE)
@@ -110,7 +108,7 @@ class PeftConfig:
             raise UnsupportedConfigError(f"peft.dropout: must be in [0, 1), got {self.dropout!r}")
         if not self.target_modules:
             raise UnsupportedConfigError("peft.target_modules: empty; name HF projections (q_proj ...) or all-linear")
-        known = set(MODULES) | {ALL_LINEAR} | set(EXPERT_PARAMS) | set(_TO_PARAM) | set(UNBUILT)
+        known = set(MODULES) | {ALL_LINEAR} | set(EXPERT_PARAMS) | set(_TO_PARAM)
         unknown = sorted(set(self.target_modules) - known)
         if unknown:
             raise UnsupportedConfigError(f"peft.target_modules: {unknown} match no adapted projection; the "
