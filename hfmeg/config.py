@@ -181,8 +181,9 @@ def check_cp(cfg: ModelConfig, cp: int) -> None:
     """Raise if `cfg` has a feature context parallelism (parallel/context.py) would compute differently.
 
     LongRoPE switches to its long factors when a row's highest position passes the original context; a CP
-    rank holds only its part of the row's positions, so ranks could pick different factors. The router's load-balancing loss is a product of means over a forward's tokens; a CP
-    rank sees only its share of them, so its loss would not be the model's."""
+    rank holds only its part of the row's positions, so ranks could pick different factors. The router's
+    load-balancing loss is a product of means over a forward's tokens; a CP rank sees only its share of them,
+    so its loss would not be the model's."""
     rope_type = (getattr(cfg.hf_config, "rope_parameters", None) or {}).get("rope_type")
     require(cp == 1 or rope_type != "longrope", "rope_parameters.rope_type",
             f"'longrope' picks its factors by the row's highest position, which a CP rank does not see whole; "

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Collection
 
 from ..config import ModelConfig
-from .llama import layer_prefix, layer_rules, llama_layout, decoder_config
+from .llama import decoder_config, layer_prefix, layer_rules, llama_layout
 from .mistral import mistral_window
 from .spec import PeftNames, TensorRule
 
