@@ -22,7 +22,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .errors import UnsupportedConfigError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass
@@ -78,6 +78,8 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: sequences longer than this are refused
     bos_token_id: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (before RoPE)
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that apply no RoPE (`no_rope_layers` zeros)
+    partial_rotary_factor: float = 1.0  # Phi-3/4: RoPE rotates the first `rotary_dim` dims of each head only
     moe: MoEConfig | None = None
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
 
@@ -89,6 +91,14 @@ class ModelConfig:
     def attn_scale(self, layer: int) -> float:
         scale = 1.0 / math.sqrt(self.head_dim) if self.attn_scale_weights else 1.0
         return scale / (layer + 1) if self.attn_scale_inverse_layer else scale
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (transformers' `int(head_dim * partial_rotary_factor)`)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.positions == "rope" and layer not in self.nope_layers
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the mixture-of-experts block."""
@@ -114,9 +124,14 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         # Fields added after format version 1 appear only when set, so a dense model's
         # layout JSON (and the comparison with checkpoints written before them) is unchanged.
-        out = {k: v for k, v in self.__dict__.items() if k not in ("hf_config", "qk_norm", "moe")}
+        later = ("qk_norm", "moe", "nope_layers", "partial_rotary_factor")
+        out = {k: v for k, v in self.__dict__.items() if k != "hf_config" and k not in later}
         if self.qk_norm:
             out["qk_norm"] = True
+        if self.nope_layers:
+            out["nope_layers"] = list(self.nope_layers)
+        if self.partial_rotary_factor != 1.0:
+            out["partial_rotary_factor"] = self.partial_rotary_factor
         if self.moe is not None:
             out["moe"] = {k: v for k, v in asdict(self.moe).items() if k != "experts_field"}  # a name, not maths
         return out
@@ -138,7 +153,9 @@ def require(cond: bool, where: str, msg: str) -> None:
         raise UnsupportedConfigError(f"config.json field {where}: {msg}")
 
 
-def rope_check(hf: PretrainedConfig) -> None:
+def rope_check(hf: PretrainedConfig, *, partial: bool = False) -> float:
+    """Refuse a RoPE hfmeg does not compute; returns `partial_rotary_factor`, which only a family that
+    switches partial rotary on (`partial`) may set below 1."""
     params = getattr(hf, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     require(
@@ -146,11 +163,10 @@ def rope_check(hf: PretrainedConfig) -> None:
         "rope_parameters.rope_type",
         f"{rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})",
     )
-    require(
-        params.get("partial_rotary_factor", 1.0) == 1.0,
-        "partial_rotary_factor",
-        "partial rotary embeddings are not supported",
-    )
+    factor = params.get("partial_rotary_factor", 1.0)
+    require(factor == 1.0 or partial, "partial_rotary_factor",
+            f"partial rotary embeddings are not supported for {hf.model_type}")
+    return factor
 
 
 def check_tp(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> None:
@@ -164,8 +180,14 @@ def check_tp(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> N
 def check_cp(cfg: ModelConfig, cp: int) -> None:
     """Raise if `cfg` has a feature context parallelism (parallel/context.py) would compute differently.
 
-    The router's load-balancing loss is a product of means over a forward's tokens; a CP
-    rank sees only its share of them, so its loss would not be the model's."""
+    LongRoPE switches to its long factors when a row's highest position passes the original context; a CP
+    rank holds only its part of the row's positions, so ranks could pick different factors. The router's
+    load-balancing loss is a product of means over a forward's tokens; a CP rank sees only its share of them,
+    so its loss would not be the model's."""
+    rope_type = (getattr(cfg.hf_config, "rope_parameters", None) or {}).get("rope_type")
+    require(cp == 1 or rope_type != "longrope", "rope_parameters.rope_type",
+            f"'longrope' picks its factors by the row's highest position, which a CP rank does not see whole; "
+            f"not supported with parallel.cp={cp} (use cp 1)")
     if cp > 1 and cfg.moe is not None:
         require(not cfg.moe.output_router_logits, "output_router_logits",
                  f"the router's load-balancing loss is not supported with parallel.cp={cp} (each CP rank routes only "

@@ -91,7 +91,7 @@ def full_adapter_grads(chunks, ps, of=lambda p: p.grad) -> dict[str, torch.Tenso
             parts = [torch.empty_like(g) for _ in range(ps.tp)] if ps.tp > 1 else [g]
             if ps.tp > 1:
                 dist.all_gather(parts, g, group=ps.tp_group)
-            out[t.hf] = join_slices(parts, t.kind, t.vocab)
+            out[t.hf] = join_slices(parts, t.kind, t.vocab, t.blocks)
     if getattr(ps, "ep", 1) > 1:
         every = [None] * ps.ep
         dist.all_gather_object(every, experts, group=ps.ep_group)

@@ -1,15 +1,22 @@
 """Family specs (`hfmeg/families`): what a family's config reader decides that no round trip shows.
 
 Qwen3's sliding window is per layer (`layer_types`): a window on every layer is Mistral's (kept, rows
-longer than it refused at start-up), a window on some layers only is refused in one line naming the field."""
+longer than it refused at start-up), a window on some layers only is refused in one line naming the field
+(SmolLM3's too). SmolLM3's NoPE layers, Phi-3's partial rotary and LongRoPE tables against transformers', and
+Phi-3's LoRA on its fused projections (logits, gradients and round trips are in the parametrised parity tests)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_models import tiny_config
+from transformers import Phi3Config, SmolLM3Config
 
+from hfmeg.config import check_cp
 from hfmeg.errors import UnsupportedConfigError
 from hfmeg.families import family_of, model_config_from_hf
+from hfmeg.models.kernels import rope
+from hfmeg.models.rope import RotaryEmbedding
 
 
 def test_qwen3_features():
@@ -36,3 +43,68 @@ def test_unknown_model_type_is_one_line_naming_the_field():
     with pytest.raises(UnsupportedConfigError, match=r"^config.json field model_type: 'falcon' is not supported "
                                                      r"\(supported: llama, mistral, qwen2, qwen3, [^\n]*\)$"):
         family_of("falcon")
+
+
+def test_smollm3_nope_layers():
+    assert model_config_from_hf(tiny_config("smollm3")).nope_layers == (1,)  # no_rope_layer_interval 2
+    cfg = model_config_from_hf(tiny_config("smollm3", num_hidden_layers=8, no_rope_layers=[1, 1, 1, 0] * 2))
+    assert (cfg.nope_layers, cfg.uses_rope(2), cfg.uses_rope(3), cfg.tie_embeddings) == ((3, 7), True, False, True)
+    with pytest.raises(UnsupportedConfigError, match=r"^config.json field no_rope_layers: 3 entries for "):
+        model_config_from_hf(tiny_config("smollm3", no_rope_layers=[1, 0, 1]))
+
+
+def test_smollm3_window_on_the_nope_layers_only_is_refused():
+    """transformers puts SmolLM3's window on its NoPE layers; without use_sliding_window the window is unused."""
+    hf = SmolLM3Config(**{k: getattr(tiny_config("smollm3"), k) for k in ("hidden_size", "num_hidden_layers")},
+                       no_rope_layer_interval=2, use_sliding_window=True, sliding_window=32, pad_token_id=None)
+    with pytest.raises(UnsupportedConfigError, match=r"^config.json field layer_types: a sliding window on layers "
+                                                     r"\[1\] only: per-layer windows are not supported$"):
+        model_config_from_hf(hf)
+    hf.use_sliding_window = False
+    assert model_config_from_hf(hf).sliding_window is None
+
+
+def test_partial_rotary_is_phi3s_switch():
+    cfg = model_config_from_hf(tiny_config("phi3"))
+    assert (cfg.partial_rotary_factor, cfg.rotary_dim, cfg.num_kv_heads, cfg.nope_layers) == (0.75, 6, 4, ())
+    with pytest.raises(UnsupportedConfigError, match=r"^config.json field partial_rotary_factor: partial rotary "
+                                                     r"embeddings are not supported for llama$"):
+        model_config_from_hf(tiny_config("llama_tied", rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                        "partial_rotary_factor": 0.5}))
+
+
+def test_partial_rope_rotates_the_first_dims_as_transformers():
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+    q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 1, 5, 8)
+    cos, sin = torch.randn(2, 5, 6), torch.randn(2, 5, 6)
+    for ours, ref in zip((rope(q, cos, sin), rope(k, cos, sin)), apply_rotary_pos_emb(q, k, cos, sin)):
+        assert torch.equal(ours, ref)
+    assert torch.equal(rope(q, cos, sin)[..., 6:], q[..., 6:])
+
+
+def _longrope_config() -> Phi3Config:
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.5, 2.0], "long_factor": [3.0, 5.0, 9.0]}
+    return Phi3Config(hidden_size=64, num_attention_heads=8, num_hidden_layers=2, vocab_size=300, pad_token_id=None,
+                      max_position_embeddings=128, original_max_position_embeddings=16, rope_parameters=rope)
+
+
+def test_longrope_tables_match_transformers_short_and_long():
+    """Up to `original_max_position_embeddings` positions the short factors, past it the long ones, as
+    transformers' Phi-3 rotary embedding switches (both scaled by the same attention factor)."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    hf = _longrope_config()
+    ours, ref = RotaryEmbedding(model_config_from_hf(hf)), Phi3RotaryEmbedding(hf)
+    tables = {}
+    for n in (16, 24, 8):
+        pos = torch.arange(n)[None]
+        tables[n] = ours(pos, torch.float32)
+        for a, b in zip(tables[n], ref(torch.zeros(1), pos)):
+            assert torch.equal(a, b), n
+    assert not torch.equal(tables[24][0][:, :8], tables[8][0])  # the long set is in use past 16 positions
+
+
+def test_longrope_is_refused_under_cp():
+    with pytest.raises(UnsupportedConfigError, match=r"^config.json field rope_parameters.rope_type: 'longrope' "):
+        check_cp(model_config_from_hf(_longrope_config()), 2)
+    check_cp(model_config_from_hf(_longrope_config()), 1)

@@ -156,13 +156,14 @@ def test_chunked_cross_entropy_equals_unchunked(tiny_checkpoints):
         check_within_rounding(r["rel"], r["rel_max"], r["loss_rel"], r["rounding"], 1, r, runs=2)
 
 
-def test_compiled_kernels_match_eager(tiny_checkpoints):
+@pytest.mark.parametrize("kind", ["llama3", "smollm3", "phi3"])  # and layers without RoPE, RoPE on part of a head
+def test_compiled_kernels_match_eager(tiny_checkpoints, kind):
     """The torch.compile path traces norm/RoPE/SwiGLU into graphs with the same maths.
 
     `aot_eager` exercises Dynamo capture and the compiled autograd graph without
     Inductor's C++/Triton code generation (minutes on 2 CPU cores; GPUs use inductor).
     """
-    folder = str(tiny_checkpoints["llama3"])
+    folder = str(tiny_checkpoints[kind])
     ps = make_ps(world=1)
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(2))
     eager = _loss_and_grads(folder, ids, ps)

@@ -6,15 +6,17 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
-                          Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                          Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES = ASSETS / "models" / "stories260K"
 
 # Every dense family `tiny_config` builds; llama_tied has tied embeddings and a vocabulary (32001)
-# that needs padding under every TP size; qwen3 has QK-norm and a head_dim (16) that is not hidden / heads (8).
-RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied", "qwen3")
+# that needs padding under every TP size; qwen3 has QK-norm and a head_dim (16) that is not hidden / heads (8);
+# smollm3 skips RoPE on every 2nd layer (NoPE) and ties its embeddings; phi3 has fused GQA `qkv_proj` (8 query heads,
+# 4 KV heads: the fused tensor is not three equal parts) and `gate_up_proj`, and RoPE on 3/4 of each head.
+RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied", "qwen3", "smollm3", "phi3")
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
@@ -42,6 +44,11 @@ def tiny_config(kind: str, **overrides):
         cfg = Qwen2Config(**_COMMON)
     elif kind == "qwen3":
         cfg = Qwen3Config(**_COMMON, head_dim=16)
+    elif kind == "smollm3":
+        cfg = SmolLM3Config(**_COMMON, no_rope_layer_interval=2, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    elif kind == "phi3":
+        cfg = Phi3Config(**_COMMON, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
     elif kind == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=300, n_positions=128)
     elif kind == "mixtral":

@@ -14,7 +14,10 @@ Split kinds:
 - `cols`: split dim 1 (row-parallel input features: `o_proj`, `down_proj`).
 - `qkv`: Q, K, V fused per KV group, `[q heads of group g; k_g; v_g]` for each g,
   then split dim 0 so each rank owns whole groups (and GQA needs no communication).
-- `gate_up`: gate and up each split dim 0, then `[gate_r; up_r]` on rank r.
+  From three HF tensors, or from one HF tensor of `[q; k; v]` rows (GPT-2's `c_attn`,
+  Phi-3's `qkv_proj`), cut by their sizes (q: heads x d rows, k and v: kv heads x d each).
+- `gate_up`: gate and up each split dim 0, then `[gate_r; up_r]` on rank r; from two HF
+  tensors, or from one of `[gate; up]` rows (Phi-3's `gate_up_proj`), cut in halves.
 - `vocab`: rows padded with zeros to the padded vocabulary, then split dim 0.
 - `fused`: several HF tensors concatenated along dim 0, whole on every TP rank (an
   MoE expert's `[gate; up]`: experts are not TP-split, see `models/moe.py`).
@@ -99,6 +102,10 @@ def _qkv_fuse(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
+def _qkv_sizes(cfg: ModelConfig) -> list[int]:
+    return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+
+
 def _qkv_unfuse(cfg: ModelConfig, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
     g, d = cfg.num_kv_heads, cfg.head_dim
     rep = cfg.num_heads // g
@@ -126,10 +133,10 @@ def to_local(
     elif kind == "cols":
         out = hf[0].chunk(tp, dim=1)[tp_rank]
     elif kind == "qkv":
-        q, k, v = hf if len(hf) == 3 else hf[0].chunk(3, dim=0)
+        q, k, v = hf if len(hf) == 3 else hf[0].split(_qkv_sizes(cfg), dim=0)
         out = _qkv_fuse(cfg, q, k, v).chunk(tp, dim=0)[tp_rank]
     elif kind == "gate_up":
-        gate, up = hf
+        gate, up = hf if len(hf) == 2 else hf[0].chunk(2, dim=0)
         out = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
     elif kind == "fused":
         out = torch.cat(hf, dim=0)
@@ -179,6 +186,7 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
     elif kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
         outs = [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+        outs = outs if len(rule.hf) == 2 else [torch.cat(outs, dim=0)]
     elif kind == "vocab":
         outs = [torch.cat(shards, dim=0)[: cfg.vocab_size]]
     elif kind == "fused":
@@ -206,7 +214,7 @@ def expected_hf_shape(rule: TensorRule, index: int, cfg: ModelConfig) -> tuple[i
     if rule.kind == "qkv":
         out = (q + 2 * kv,) if len(rule.hf) == 1 else ((q, kv, kv)[index],)
     elif rule.kind == "gate_up":
-        out = (f,)
+        out = (f if len(rule.hf) == 2 else 2 * f,)
     elif rule.kind == "rows":
         out = (f,)
     else:  # cols: o_proj [h, q], down/c_proj [h, f]

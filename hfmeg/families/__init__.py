@@ -14,13 +14,15 @@ from .gpt2 import GPT2
 from .llama import LLAMA
 from .mistral import MISTRAL
 from .mixtral import MIXTRAL
+from .phi3 import PHI3
 from .qwen2 import QWEN2
 from .qwen2_moe import QWEN2_MOE
 from .qwen3 import QWEN3
 from .qwen3_moe import QWEN3_MOE
+from .smollm3 import SMOLLM3
 from .spec import FamilySpec
 
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT2)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT2)
 _BY_TYPE = {t: spec for spec in FAMILIES for t in spec.model_types}
 
 

@@ -39,10 +39,11 @@ def no_window(hf: PretrainedConfig) -> None:
 
 def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bias: bool | None = None,
                    window: Callable[[PretrainedConfig], int | None] = lambda hf: None, qk_norm: bool = False,
-                   moe: Callable[[PretrainedConfig], MoEConfig] | None = None) -> ModelConfig:
+                   moe: Callable[[PretrainedConfig], MoEConfig] | None = None,
+                   partial_rotary: bool = False) -> ModelConfig:
     """A LLaMA-layout config; a bias left None follows `attention_bias`, `window` returns the sliding window
-    (or refuses one), `moe` reads the MoE fields."""
-    rope_check(hf)
+    (or refuses one), `moe` reads the MoE fields, `partial_rotary` lets `partial_rotary_factor` be below 1."""
+    rotary = rope_check(hf, partial=partial_rotary)
     t = hf.model_type
     act = getattr(hf, "hidden_act", "silu")
     require(act == "silu", "hidden_act", f"{act!r} is not supported for {t} (only 'silu')")
@@ -76,6 +77,7 @@ def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bi
         sliding_window=sliding,
         bos_token_id=getattr(hf, "bos_token_id", None),
         qk_norm=qk_norm,
+        partial_rotary_factor=rotary,
         moe=moe(hf) if moe is not None else None,
         hf_config=hf,
     )

@@ -14,14 +14,14 @@ from .llama import decoder_config, llama_layout
 
 
 def layer_window(hf: PretrainedConfig) -> int | None:
+    """The window when `layer_types` puts it on every layer, None on none; refuses a window on some layers only."""
     window = getattr(hf, "sliding_window", None)  # transformers sets it to None without use_sliding_window
     types = list(getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
     require(set(types) <= {"full_attention", "sliding_attention"}, "layer_types",
             f"{sorted(set(types) - {'full_attention', 'sliding_attention'})} are not supported")
     windowed = [i for i, t in enumerate(types) if t == "sliding_attention"] if window is not None else []
     require(len(windowed) in (0, len(types)), "layer_types",
-            f"a sliding window on layers {windowed} only (use_sliding_window with max_window_layers="
-            f"{getattr(hf, 'max_window_layers', None)}): per-layer windows are not supported")
+            f"a sliding window on layers {windowed} only: per-layer windows are not supported")
     return window if windowed else None
 
 

@@ -55,11 +55,14 @@ class PeftNames:
     `modules`: the names adapted with plain LoRA on `nn.Linear`s, in the decoder's order (what `all-linear`
     stands for). `experts`: on families whose stacked experts peft maps (`target_parameters`), each target
     name -> the parameter it adapts (`gate_up_proj`, `down_proj`, the router `gate.weight`); `fused`: the two
-    names peft fuses into one LoRA on `gate_up_proj` (rank 2r)."""
+    names peft fuses into one LoRA on `gate_up_proj` (rank 2r). `fused_bases`: hfmeg's fused bases (`attn.qkv`,
+    `mlp.fc1`) that the family's HF checkpoints fuse too (Phi-3's `qkv_proj`, `gate_up_proj`) -> that module's
+    name: peft's LoRA there is one A and one B over all the fused rows, and so is hfmeg's (`peft/adapters.py`)."""
 
     modules: tuple[str, ...]
     experts: dict[str, str] = field(default_factory=dict)
     fused: tuple[str, str] | None = None
+    fused_bases: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

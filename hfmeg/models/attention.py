@@ -9,6 +9,9 @@ query and key head before RoPE. One weight serves all heads, so it is TP-replica
 each rank's gradient comes from its own heads only, so its role says
 `sequence_parallel` (summed over TP), with or without SP.
 
+A layer without RoPE (SmolLM3's NoPE layers, `cfg.uses_rope`) skips the rotation and attends
+with the raw Q and K; the decoder's one cos/sin table serves the other layers.
+
 Selective recompute checkpoints only the core (`_core`: RoPE + attention), as
 Megatron does: the QKV and output projections, and their TP/SP collectives, run
 once; backward keeps the fused QKV output and the core's output and recomputes the
@@ -41,6 +44,7 @@ class ParallelAttention(nn.Module):
         self.groups = cfg.num_kv_heads // ps.tp  # KV groups on this rank
         self.rep = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.scale = cfg.attn_scale(layer)
+        self.rotates = cfg.uses_rope(layer)
         d = cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias)
@@ -71,7 +75,7 @@ class ParallelAttention(nn.Module):
         k, v = k.squeeze(2), v.squeeze(2)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
+        if rope is not None and self.rotates:
             q, k = self.kernels.rope(q, *rope), self.kernels.rope(k, *rope)
         k, v = gather_kv(k, v, self.ps)  # the whole row's under context parallelism
         o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1)

@@ -29,8 +29,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[b, heads, s, d]` by cos/sin `[b, s, d]` (HF rotate-half convention)."""
+    """Rotate `x` `[b, heads, s, d]` by cos/sin `[b, s, r]` (HF rotate-half convention); with r < d (partial
+    rotary) the first r dims are rotated and the others pass unchanged, as transformers' Phi-3 does."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        rot, rest = x.split([r, x.shape[-1] - r], dim=-1)
+        return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
     return x * cos + _rotate_half(x) * sin
 
 

@@ -4,7 +4,12 @@ Frequencies come from `transformers`' own `ROPE_INIT_FUNCTIONS` for the scaled
 types (linear, dynamic NTK, llama3, yarn), so every scaling variant matches the
 reference by construction. Dynamic NTK depends on the sequence length: its
 frequencies are recomputed for `max(seq_len, max_position_embeddings)`, which is
-what HF computes on a fresh model.
+what HF computes on a fresh model. LongRoPE (Phi-3 128k) keeps two sets, its short and long
+factors, and takes the long one when the batch's highest position passes
+`original_max_position_embeddings`, as transformers' `dynamic_rope_update` does.
+
+With a partial rotary factor (Phi-4-mini: 0.75) the tables cover the first `cfg.rotary_dim`
+dims of a head only; `kernels.rope` leaves the rest as they are.
 """
 
 from __future__ import annotations
@@ -28,13 +33,16 @@ class RotaryEmbedding(nn.Module):
         self.rope_type = params.get("rope_type", "default")
         self.hf = hf
         if self.rope_type == "default":
-            inv_freq, self.scaling = _default_inv_freq(params.get("rope_theta", 10000.0), cfg.head_dim), 1.0
+            inv_freq, self.scaling = _default_inv_freq(params.get("rope_theta", 10000.0), cfg.rotary_dim), 1.0
         else:
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[self.rope_type](hf, None)
         # A plain attribute, not a buffer: `module.to(bf16)` must not round the frequencies.
         self.inv_freq = inv_freq.float()
+        if self.rope_type == "longrope":
+            self.original_max = params["original_max_position_embeddings"]
+            self.long_inv_freq = ROPE_INIT_FUNCTIONS["longrope"](hf, None, seq_len=self.original_max + 1)[0].float()
         # One copy per device, made on first use: a host-to-device copy every forward is a sync.
-        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+        self._inv_freq_on: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
     def _inv_freq_for(self, position_ids: torch.Tensor) -> torch.Tensor:
         if self.rope_type == "dynamic":  # only dynamic NTK reads the length (a host sync on GPUs)
@@ -42,13 +50,15 @@ class RotaryEmbedding(nn.Module):
             if seq_len > self.hf.max_position_embeddings:
                 inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.hf, position_ids.device, seq_len=seq_len)
                 return inv_freq.float()
-        device = position_ids.device
-        if device not in self._inv_freq_on:
-            self._inv_freq_on[device] = self.inv_freq.to(device)
-        return self._inv_freq_on[device]
+        # LongRoPE's long set past the original context (a host sync too)
+        long = self.rope_type == "longrope" and int(position_ids.max()) + 1 > self.original_max
+        key = (position_ids.device, long)
+        if key not in self._inv_freq_on:
+            self._inv_freq_on[key] = (self.long_inv_freq if long else self.inv_freq).to(key[0])
+        return self._inv_freq_on[key]
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape `[b, s, head_dim]` for `position_ids` `[b, s]`."""
+        """cos, sin of shape `[b, s, rotary_dim]` for `position_ids` `[b, s]`."""
         inv_freq = self._inv_freq_for(position_ids)
         freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -68,7 +68,7 @@ def write_adapter_shard(chunks: list[ModelChunk], ps: ParallelState, rank_dir: P
         for t in adapter_tensors(chunk):
             if ep_rank == 0 or t.expert is not None:
                 tensors[t.local] = params[t.local].detach().contiguous().cpu()
-                table[t.local] = [t.hf, t.kind, t.vocab, t.expert]
+                table[t.local] = [t.hf, t.kind, t.vocab, t.expert] + ([t.blocks] if t.blocks else [])
     rank_dir.mkdir(parents=True, exist_ok=True)
     mine = chunks[0].experts
     name = SHARD_FILE if ep_rank == 0 else EXPERT_SHARD_FILE.format(first=mine[0], last=mine[-1])
@@ -193,19 +193,20 @@ def assemble(iter_dir: Path, value=None) -> dict[str, torch.Tensor]:
     `value(rank_dir, local, saved)`: what to join in place of each saved tensor (one shaped like it,
     e.g. its optimizer state when a checkpoint is resharded)."""
     slices: dict[str, dict[int, torch.Tensor]] = {}
-    kinds: dict[str, tuple[str, int | None]] = {}
+    kinds: dict[str, tuple] = {}
     if not sorted(iter_dir.glob(f"mp_rank_*/{SHARD_FILE}")):
         raise CheckpointError(f"{iter_dir}: no mp_rank_*/{SHARD_FILE}; not a LoRA training checkpoint")
     for path in sorted(iter_dir.glob("mp_rank_*/adapter*.safetensors")):
         with safe_open(str(path), "pt") as f:
             meta = f.metadata()
         tp_rank, tensors = int(meta["tp_rank"]), _load(path)
-        for local, (hf, kind, vocab, *expert) in json.loads(meta["tensors"]).items():
+        for local, (hf, kind, vocab, *rest) in json.loads(meta["tensors"]).items():
             saved = tensors[local]
+            expert, blocks = (rest + [None, None])[:2]  # written later: absent from older shards
             # TP slices are joined by TP rank, expert pieces by expert index
-            index = expert[0][0] if expert and expert[0] is not None else tp_rank
+            index = expert[0] if expert is not None else tp_rank
             slices.setdefault(hf, {})[index] = saved if value is None else value(path.parent, local, saved)
-            kinds[hf] = kind, vocab
+            kinds[hf] = kind, vocab, blocks
     return {hf: join_slices([by_rank[r] for r in sorted(by_rank)], *kinds[hf]) for hf, by_rank in slices.items()}
 
 

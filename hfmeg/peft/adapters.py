@@ -18,7 +18,12 @@ Megatron fuses HF projections into one base (QKV per KV group, gate/up); each HF
 projection keeps an adapter of its own (`q_proj`, `k_proj`, `v_proj`; `gate_proj`,
 `up_proj`), so an export gives each of them exactly its A and B. The fused output is
 rebuilt in the base's local order: per KV group `[q heads; k; v]`, `[gate; up]`, with
-zeros for a projection not targeted.
+zeros for a projection not targeted. A family whose HF checkpoints fuse them too (Phi-3's
+`qkv_proj`, `gate_up_proj`: `PeftNames.fused_bases`) has, as in peft, one A and one B over
+all the fused rows: B's rows (and DoRA's magnitudes) are laid out like the base's
+(`blocks`: the HF tensor's parts cut into blocks and interleaved, per KV group or per TP
+rank, then split over TP, as `checkpoint/rules.py` does to the weight) and put back in
+peft's order on export.
 
 Every adapter tensor is one HF tensor (`AdapterTensor.hf`, PEFT's key) sliced by one
 kind: `rows` (dim 0 over TP), `cols` (dim 1 over TP) or `replicated`. A fresh `A` is
@@ -70,7 +75,7 @@ from ..parallel.stored_names import set_stored_names, stored_tensors
 from ..families import spec_of
 from ..families.llama import ATTENTION, layer_prefix
 from ..families.qwen2_moe import SHARED_GATE
-from .config import EXPERT_PARAMS, MOE_SAVABLE, SAVABLE, PeftConfig
+from .config import ALL_LINEAR, EXPERT_PARAMS, MOE_SAVABLE, SAVABLE, PeftConfig
 
 PEFT_PREFIX = "base_model.model."
 
@@ -90,6 +95,24 @@ class AdapterTensor:
     kind: str  # rows | cols | replicated | vocab (rows padded to the chunk's vocabulary, then split) | expert_A | expert_B
     vocab: int | None = None  # the unpadded rows of a `vocab` tensor
     expert: tuple[int, int] | None = None  # (e, E): an `expert_*` tensor is expert e's piece of a stack of E
+    blocks: Blocks | None = None  # a `rows` tensor of a fused base: its rows interleaved before the TP split
+
+
+# (n, part sizes): the rows of an HF tensor `[part 0; part 1; ...]` as a fused base holds them: each part cut
+# into n blocks, then `[part 0 block b; part 1 block b; ...]` for each b (n: the KV groups of a fused QKV, the TP
+# size of a fused gate/up, whose rank r holds `[gate_r; up_r]`).
+Blocks = tuple[int, tuple[int, ...]]
+
+
+def interleave(t: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    n, sizes = blocks
+    return torch.cat([part.unflatten(0, (n, -1)) for part in t.split(list(sizes))], dim=1).flatten(0, 1)
+
+
+def deinterleave(t: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    n, sizes = blocks
+    parts = t.unflatten(0, (n, -1)).split([s // n for s in sizes], dim=1)
+    return torch.cat([part.flatten(0, 1) for part in parts])
 
 
 class InputDropout(nn.Module):
@@ -255,6 +278,7 @@ class _Base:
     column: bool
     groups: int  # local output blocks (see LoraAdapter)
     replicated: bool = False  # a `ReplicatedLinear` (Qwen2-MoE's shared expert): whole on every TP rank
+    blocks: Blocks | None = None  # one projection over a whole fused base: how its rows sit in the base's
 
 
 def _bases(chunk: ModelChunk) -> list[_Base]:
@@ -262,17 +286,26 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
     where peft maps the MLP names to the experts, which are `_moe_layers` with the router), Qwen2-MoE's shared
     expert and its gate."""
     cfg, tp = chunk.cfg, chunk.ps.tp
-    experts_mapped = bool(spec_of(cfg).peft.experts)
+    names = spec_of(cfg).peft
+    experts_mapped, fused = bool(names.experts), names.fused_bases
     q, kv, h, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.ffn_size
+
+    def column(local: str, prefix: str, parts: list[tuple[str, int]], groups: int) -> _Base:
+        """A fused column-parallel base: one projection per HF part, or one over all (`fused_bases`)."""
+        hf = fused.get(local.split(".", 2)[2])
+        if hf is None:
+            return _Base(local, [Projection(n, prefix + n, size) for n, size in parts], True, groups)
+        sizes = tuple(size for _, size in parts)
+        return _Base(local, [Projection(hf, prefix + hf, sum(sizes))], True, 1,
+                     blocks=(groups * tp, sizes))
+
     out = []
     for i in chunk.layer_ids:
         a, m, L = f"{layer_prefix(i)}self_attn.", f"{layer_prefix(i)}mlp.", f"layers.{i}."
-        out += [_Base(L + "attn.qkv", [Projection("q_proj", a + "q_proj", q), Projection("k_proj", a + "k_proj", kv),
-                                      Projection("v_proj", a + "v_proj", kv)], True, cfg.num_kv_heads // tp),
+        out += [column(L + "attn.qkv", a, [("q_proj", q), ("k_proj", kv), ("v_proj", kv)], cfg.num_kv_heads // tp),
                 _Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1)]
         if not cfg.is_sparse(int(i)) and not experts_mapped:
-            out += [_Base(L + "mlp.fc1", [Projection("gate_proj", m + "gate_proj", f),
-                                      Projection("up_proj", m + "up_proj", f)], True, 1),
+            out += [column(L + "mlp.fc1", m, [("gate_proj", f), ("up_proj", f)], 1),
                     _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
         elif cfg.is_sparse(int(i)) and cfg.moe.shared_expert_ffn_size:
             s, fs = m + "shared_expert.", cfg.moe.shared_expert_ffn_size
@@ -293,7 +326,7 @@ def check_model(chunk_cfg, cfg: PeftConfig) -> None:
         raise UnsupportedConfigError("peft.modules_to_save: lm_head is tied to embed_tokens in this model; "
                                      "name embed_tokens alone")
     _check_saved(chunk_cfg, cfg)
-    wanted = set(cfg.target_modules) - {"all-linear"}
+    wanted = set(cfg.target_modules) - {ALL_LINEAR}
     if chunk_cfg.moe is None:
         unmatched = sorted(wanted - set(cfg.module_targets(names)))
     elif not names.experts:  # Qwen2-MoE: peft's names are its nn.Linears only
@@ -420,10 +453,10 @@ def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
             hf = f"{PEFT_PREFIX}{p.module}."
             b_kind = "rows" if base.column and not base.replicated else "replicated"
             out += [AdapterTensor(local + "lora_A", hf + "lora_A.weight", "replicated" if base.column else "cols"),
-                    AdapterTensor(local + "lora_B", hf + "lora_B.weight", b_kind)]
+                    AdapterTensor(local + "lora_B", hf + "lora_B.weight", b_kind, blocks=base.blocks)]
             if getattr(adapter, p.name).dora:
                 out.append(AdapterTensor(local + "lora_magnitude_vector", hf + "lora_magnitude_vector",
-                                         "rows" if base.column else "replicated"))
+                                         "rows" if base.column else "replicated", blocks=base.blocks))
     for i, layer in _moe_layers(chunk):
         loras = {"gate_up_proj": getattr(layer.experts, "fc1_lora", None),
                  "down_proj": getattr(layer.experts, "fc2_lora", None)}
@@ -442,9 +475,12 @@ def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
 
 
 def slice_for_rank(t: torch.Tensor, kind: str, ps: ParallelState, local_rows: int | None = None,
-                   expert: tuple[int, int] | None = None) -> torch.Tensor:
+                   expert: tuple[int, int] | None = None, blocks: Blocks | None = None) -> torch.Tensor:
     """This TP rank's slice of the full HF adapter tensor `t` (`vocab`: padded to `local_rows` per rank;
-    `expert_A`/`expert_B`: expert `expert[0]`'s piece of peft's stack of `expert[1]`, see the module docstring)."""
+    `expert_A`/`expert_B`: expert `expert[0]`'s piece of peft's stack of `expert[1]`, see the module docstring;
+    `blocks`: a fused base's rows, interleaved first)."""
+    if blocks is not None:
+        t = interleave(t, blocks)
     if kind == "replicated":
         return t
     if kind == "expert_A":  # [E r, in]: expert-major rows
@@ -458,9 +494,13 @@ def slice_for_rank(t: torch.Tensor, kind: str, ps: ParallelState, local_rows: in
     return t.chunk(ps.tp, dim=0 if kind == "rows" else 1)[ps.tp_rank].contiguous()
 
 
-def join_slices(slices: list[torch.Tensor], kind: str, vocab: int | None = None) -> torch.Tensor:
-    """The full HF adapter tensor from all TP ranks' slices (in TP-rank order; `vocab`: padding removed), or
-    from all experts' pieces (`expert_*`: in expert order)."""
+def join_slices(slices: list[torch.Tensor], kind: str, vocab: int | None = None,
+                blocks: Blocks | None = None) -> torch.Tensor:
+    """The full HF adapter tensor from all TP ranks' slices (in TP-rank order; `vocab`: padding removed;
+    `blocks`: a fused base's rows, put back in HF order), or from all experts' pieces (`expert_*`: in expert
+    order)."""
+    if blocks is not None:
+        return deinterleave(torch.cat(slices, dim=0), blocks)
     if kind == "replicated":
         return slices[0]
     if kind == "expert_A":
@@ -491,7 +531,7 @@ def initialise(chunk: ModelChunk, cfg: PeftConfig, seed: int, hf_tensors=None) -
             if t.hf not in hf_tensors:
                 raise CheckpointError(f"adapter has no tensor {t.hf}; adapters on only some layers are not "
                                       "supported (peft.init_from)")
-            p.copy_(slice_for_rank(hf_tensors[t.hf], t.kind, chunk.ps, p.shape[0], t.expert))
+            p.copy_(slice_for_rank(hf_tensors[t.hf], t.kind, chunk.ps, p.shape[0], t.expert, t.blocks))
         elif "lora_" not in t.hf:
             continue  # a module trained in full (`modules_to_save`) starts from the base's weights
         elif t.kind == "expert_A":  # peft draws the whole [E r, in] stack
