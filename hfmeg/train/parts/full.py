@@ -2,8 +2,9 @@
 
 With `train.shared_layers_until` every layer shares layer 0's parameters until that step
 (`models/shared_layers.py`); the trainer then rebuilds the part unshared through a checkpoint at that step
-(`rebuild_note`), whose `shared_layers` entry records the phase it was saved in: a resume in either phase
-takes every layer's optimizer state from layer 0's names (`optimizer_names`).
+(`rebuild_note`). A checkpoint's `shared_layers` entry records the phase it was saved in: the unshared model
+built from a shared-phase one (at the unlock, or a resume after it) takes every layer's optimizer state from
+layer 0's names (`optimizer_names`); a shared run cannot resume an unshared checkpoint.
 """
 
 from __future__ import annotations
