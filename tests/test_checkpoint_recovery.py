@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-import hfmeg.train.export as export_module
+import hfmeg.train.parts.full as full_part  # its mp_to_hf writes a full run's export
 from hfmeg.errors import CheckpointError
 from hfmeg.parallel.launch import free_port, spawn, start_method
 from hfmeg.train.checkpointing import STATE_FILE, find_resume, incomplete
@@ -118,19 +118,19 @@ def test_a_lost_latest_deletes_nothing_and_metrics_hold_each_step_once(tmp_path,
 def test_a_run_that_died_in_its_export_is_exported_by_the_next(tmp_path, monkeypatch, capfd):
     model = _assets()
     out = tmp_path / "run"
-    real = export_module.mp_to_hf
+    real = full_part.mp_to_hf
 
     def dies(checkpoint, hf, **kwargs):
         (out / ".hf.tmp-99999").mkdir()  # what a kill -9 in the middle of the export leaves
         raise RuntimeError("killed in the export")
 
     cfg = _config(out, model, steps=2, resume="auto")
-    monkeypatch.setattr(export_module, "mp_to_hf", dies)
+    monkeypatch.setattr(full_part, "mp_to_hf", dies)
     with pytest.raises(Exception, match="killed in the export"):
         spawn(_run, 1, cfg)
     assert not (out / "hf").exists() and _iters(out) == [2]
     capfd.readouterr()
-    monkeypatch.setattr(export_module, "mp_to_hf", real)
+    monkeypatch.setattr(full_part, "mp_to_hf", real)
     hf = spawn(_run, 1, cfg)[0]
     log = capfd.readouterr().out
     loss = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r][-1]
@@ -143,7 +143,7 @@ def test_a_run_that_died_in_its_export_is_exported_by_the_next(tmp_path, monkeyp
     def must_not_export(*args, **kwargs):
         raise AssertionError("exported twice")
 
-    monkeypatch.setattr(export_module, "mp_to_hf", must_not_export)
+    monkeypatch.setattr(full_part, "mp_to_hf", must_not_export)
     spawn(_run, 1, cfg)  # the export is done: a third run says so without redoing it
     assert f"  model: {out / 'hf'}\n" in capfd.readouterr().out
 

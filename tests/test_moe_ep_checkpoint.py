@@ -34,7 +34,7 @@ from hfmeg.optim.state_io import load_optimizer_state, save_optimizer_state
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.stored_names import stored_tensors
 from hfmeg.train.checkpointing import STATE_FILE
-from hfmeg.train.reshard_checkpoint import reshard_training_checkpoint
+from hfmeg.train.parts import reshard_training_checkpoint
 from optim_harness import (CFG, DistributedOptimizer, OptimizerConfig, build_rank_chunk, check_within_rounding,
                            loss_distance, train, truth)
 from tiny_models import save_tiny

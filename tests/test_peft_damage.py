@@ -29,7 +29,7 @@ from hfmeg.parallel.launch import free_port, spawn
 from hfmeg.peft.config import PeftConfig
 from hfmeg.peft.export import export_checkpoint
 from hfmeg.train.checkpointing import STATE_FILE, RunCheckpoints
-from hfmeg.train.peft_run import check_resume_settings
+from hfmeg.train.parts.adapters import check_resume_settings
 from hfmeg.train.trainer import Trainer
 
 ITER = Path("checkpoints/iter_0000002")

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hfmeg.train.export as export_module
+import hfmeg.train.parts.full as full_part  # its mp_to_hf writes a full run's export
 from hfmeg.parallel.launch import spawn, start_method
 from hfmeg.train.checkpointing import RunCheckpoints
 from hfmeg.train.config import TrainConfig
@@ -225,7 +225,7 @@ def test_the_export_is_not_inside_a_collective(tmp_path, monkeypatch):
     """Issue 13 #4: while rank 0 exports (and uploads), the other ranks have already returned."""
     model = _assets()
     marker = tmp_path / "rank1_returned"
-    real = export_module.mp_to_hf
+    real = full_part.mp_to_hf
 
     def slow_export(*args, **kwargs):
         deadline = time.time() + 300  # waits only until rank 1 has returned; generous for a loaded 2-core box
@@ -234,7 +234,7 @@ def test_the_export_is_not_inside_a_collective(tmp_path, monkeypatch):
         (tmp_path / "export_saw_rank1_done").write_text(str(marker.exists()))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(export_module, "mp_to_hf", slow_export)
+    monkeypatch.setattr(full_part, "mp_to_hf", slow_export)
 
     def run_and_mark(cfg):
         result = Trainer(cfg).run()

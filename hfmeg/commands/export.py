@@ -26,6 +26,7 @@ from ..train.checkpointing import OPTIM_DIR, STATE_FILE, read_trainer_state
 from ..train.config import TrainConfig
 from ..train.dataclass_io import ConfigError, build
 from ..train.export import export_run
+from ..train.parts import part_class
 from ..train.run_lock import RunLock
 from ..train.validate import check_hub_login, check_push_target
 
@@ -58,7 +59,7 @@ def export(args) -> Path:
         raise ConfigError(f"{iter_dir / STATE_FILE}: field config: {e}") from None
     cfg.hub.push_to_hub, cfg.hub.private = args.push_to_hub, args.private  # the card names the repo pushed to
     if args.push_to_hub:
-        check_push_target(args.push_to_hub, cfg.model.path if cfg.peft.enabled else None)
+        check_push_target(args.push_to_hub, part_class(cfg).base_of(cfg))
         print(check_hub_login(args.push_to_hub))
     skipped = _skipped_steps(iter_dir)
     lock = RunLock(run)

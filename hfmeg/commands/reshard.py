@@ -4,7 +4,7 @@
 
 A training checkpoint (one with trainer_state.json) is resharded whole: model,
 optimizer state, step and data position, so `--resume` continues the run at the new
-layout (hfmeg/train/reshard_checkpoint.py); a LoRA/DoRA one moves its adapter shards and their
+layout (its model part: hfmeg/train/parts/, hfmeg/train/reshard_checkpoint.py); a LoRA/DoRA one moves its adapter shards and their
 optimizer state (the base it references is not in it). `tools/reshard_mp.py` is the same command.
 """
 
@@ -18,7 +18,7 @@ from ..checkpoint.cli import add_layout_args, add_output_args, run_cli
 from ..checkpoint.mp_layout import resolve_iteration_dir
 from ..checkpoint.reshard import reshard_mp
 from ..train.checkpointing import STATE_FILE
-from ..train.reshard_checkpoint import reshard_training_checkpoint
+from ..train.parts import reshard_training_checkpoint
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

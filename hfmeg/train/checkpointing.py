@@ -204,7 +204,7 @@ class RunCheckpoints:
         """Collective: every rank calls it. Returns the checkpoint's iteration folder.
 
         `write_model(chunks, ps, layout, folder)` writes the model's part (a LoRA run writes
-        its adapter shards instead, `peft_run.py`)."""
+        its adapter shards instead: the model part's `write_model`, `parts/`)."""
         # Checked on every rank (the folder is shared), so that all stop here rather than some in a barrier.
         if not (self.hf_source / "config.json").is_file():
             raise CheckpointError(f"{self.hf_source}: no config.json; it was copied at the start of the run and "

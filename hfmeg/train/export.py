@@ -1,5 +1,6 @@
 """A run's export: a checkpoint of `<out>` to `<out>/hf` (a LoRA run: also the PEFT folder `<out>/adapter`),
-their model cards, the upload if asked, and last the export record.
+their model cards, the upload if asked, and last the export record. What the checkpoint becomes is its
+model part's to write (`parts/`: `ModelPart.export`).
 
 The trainer calls it at the end of a run (rank 0 alone, `Trainer.export`); `hfmeg export` calls it on a
 finished or interrupted run's checkpoint. The card's metrics are those `metrics.jsonl` logged up to the
@@ -15,7 +16,6 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from ..checkpoint.atomic import write_text_atomic
-from ..checkpoint.convert import mp_to_hf
 from ..checkpoint.mp_layout import HF_DIR
 from ..checkpoint.tokenizer_files import make_portable
 from ..data.formats import Formatter
@@ -23,7 +23,7 @@ from ..hub import push_to_hub, write_model_card
 from ..peft.export import read_info
 from .config import TrainConfig
 from .metrics import METRICS_FILE, rows_until
-from .peft_run import PeftRun
+from .parts import part_class
 
 EXPORT_RECORD = "export.json"  # {"step", "pushed_to"} of the finished export in <out>/hf
 
@@ -46,13 +46,8 @@ def export_run(out: Path, checkpoint: Path, cfg: TrainConfig, *, step: int, skip
     """Export `checkpoint` (of the run `cfg` in `out`, at `step`, trained at data-parallel size `dp` where known)
     to `out / "hf"`, which is returned. The exported tokenizer records the chat template the run trained with
     and loads with every transformers version hfmeg allows (`make_portable`)."""
-    hf, adapter = out / "hf", None
     (out / EXPORT_RECORD).unlink(missing_ok=True)
-    if cfg.peft.enabled:
-        adapter, hf = PeftRun.export(checkpoint, out)
-        print(f"LoRA adapter (PEFT format): {adapter}; merged model: {hf}")
-    else:
-        mp_to_hf(checkpoint, hf, overwrite=True)
+    hf, adapter = part_class(cfg).export(checkpoint, out)
     logged = rows_until(out / METRICS_FILE, step)
     rows = [r for r in logged if "loss" in r]
     final = {k: rows[-1][k] for k in ("step", "loss", "grad_norm", "tokens_per_s")} if rows else {}

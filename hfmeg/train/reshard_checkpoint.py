@@ -1,6 +1,7 @@
 """Reshard a training checkpoint whole, so `--resume` continues the run at another TP/PP/VPP.
 
-`tools/reshard_mp.py` calls this for a folder with `trainer_state.json`:
+`hfmeg reshard` (and `tools/reshard_mp.py`) call this, through the checkpoint's model part, for a folder with
+`trainer_state.json` (`reshard_full`):
 - the model weights are resharded as `checkpoint/reshard.py` does;
 - the optimizer's fp32 master weights and Adam moments are each a tensor shaped like
   its parameter, so they go through the same key table: `OptimizerStateView` serves
@@ -14,7 +15,8 @@
 - `trainer_state.json` (step, data position, config) is copied verbatim: which rows
   form global batch k does not depend on the layout.
 A LoRA/DoRA checkpoint (adapter shards, `adapter.json`) moves only its adapters and their optimizer
-state (`_reshard_adapters`); the base it references is not in it.
+state (`reshard_adapters`); the base it references is not in it. Which of the two a checkpoint takes is its
+model part's to say (`parts/__init__.py` `reshard_training_checkpoint`).
 Per-rank RNG states (what LoRA dropout draws from) are carried where that keeps the resume exact
 (`_carry_rng`): the TP ranks of one pipeline stage and DP/CP index draw the same masks (`peft/adapters.py`
 `InputDropout`) from one state, so at another TP size each new rank takes its stage's state, for the same
@@ -50,7 +52,7 @@ from ..errors import CheckpointError
 from ..models.shared_layers import shared_name
 from ..optim.state_io import STATE, read_meta
 from ..peft.adapter_files import assemble, check_adapter_shards
-from ..peft.export import INFO_FILE, is_adapter_checkpoint, read_info
+from ..peft.export import INFO_FILE, read_info
 from ..peft.layout_shards import local_tensors, rank_adapters, write_layout_shards
 from .checkpointing import OPTIM_DIR, RNG_DIR, STATE_FILE, read_trainer_state, rng_file_name
 
@@ -156,15 +158,20 @@ def _carry_rng(folder: Path, old: MPLayout, new: MPLayout, iter_dir: Path) -> No
                 shutil.copyfile(src, iter_dir / RNG_DIR / rng_file_name(t + new.tp * (m + replicas * p)))
 
 
-def _reshard_adapters(folder: Path, out: str | Path, *, tp: int, pp: int, vpp: int, pp_layers: list[int] | None,
-                      overwrite: bool) -> Path:
-    """A LoRA training checkpoint at TP x PP (x VPP): its adapter shards and their optimizer state.
+def reshard_adapters(mp: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1,
+                     pp_layers: list[int] | None = None, dtype: str = "auto", overwrite: bool = False,
+                     iteration: int | None = None) -> Path:
+    """A LoRA training checkpoint at TP x PP (x VPP): its adapter shards and their optimizer state (in the
+    dtype they were trained in: `dtype` is the full model's option).
 
     The base is not in the checkpoint (it is read from the path `adapter.json` records, checked by its
     hash at resume), so only adapter tensors move: each is joined into its full PEFT tensor
     (`adapter_files.assemble`), its fp32 master and moments likewise (the old ranks' DP pieces joined by
     name, then the TP slices by the same split kinds), and all of them are cut for the new ranks by the
     trainer's own adapter code (`peft/layout_shards.py`). Values are moved, never recomputed."""
+    folder = resolve_iteration_dir(mp, iteration)
+    if not (folder / STATE_FILE).is_file():
+        raise CheckpointError(f"{folder}: not a training checkpoint (no {STATE_FILE})")
     cfg, _ = read_info(folder)
     old = check_adapter_shards(folder, cfg)
     model_cfg = load_model_config(folder / HF_DIR)
@@ -209,15 +216,9 @@ def _reshard_adapters(folder: Path, out: str | Path, *, tp: int, pp: int, vpp: i
     return Path(out)
 
 
-def reshard_training_checkpoint(mp: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1,
-                                pp_layers: list[int] | None = None, dtype: str = "auto", overwrite: bool = False,
-                                iteration: int | None = None) -> Path:
-    """Write the training checkpoint `mp` at layout TP x PP (x VPP) to `out` (same iteration number)."""
-    folder = resolve_iteration_dir(mp, iteration)
-    if is_adapter_checkpoint(folder):
-        if not (folder / STATE_FILE).is_file():
-            raise CheckpointError(f"{folder}: not a training checkpoint (no {STATE_FILE})")
-        return _reshard_adapters(folder, out, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, overwrite=overwrite)
+def reshard_full(mp: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None,
+                 dtype: str = "auto", overwrite: bool = False, iteration: int | None = None) -> Path:
+    """A full model's training checkpoint at TP x PP (x VPP): model shards, optimizer state, RNG, trainer state."""
     source = MPCheckpoint(mp, iteration)
     state_file = source.folder / STATE_FILE
     if not state_file.is_file():

@@ -23,10 +23,11 @@ a run that resumes at `max_steps` without it (the last one died in its export or
 exports then, and prints the summary from the saved metrics.
 With `parallel.layout: auto` the planner chooses the layout before anything is built,
 and its prediction is checked against the first timed steps (`auto_layout.py`).
-`model.init: random` starts from transformers' own initialisation of `model.config_from`'s
-architecture; with `train.shared_layers_until` every layer shares layer 0's parameters
-until that step (`models/shared_layers.py`), when `_unlock` rebuilds the model and the
-optimizer unshared through a checkpoint (the checkpoint records the phase it was saved in).
+The model is a part (`parts/`): a full model or adapters on a frozen base, which builds its chunks,
+writes its share of a checkpoint, checks a resume and exports through one interface, so the loop never
+asks which it holds. A part may ask to be rebuilt through a checkpoint at a step (`_rebuild`): with
+`train.shared_layers_until` every layer shares layer 0's parameters until that step
+(`models/shared_layers.py`), and the model and optimizer continue unshared from there.
 """
 
 from __future__ import annotations
@@ -34,25 +35,18 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tqdm.contrib.logging import logging_redirect_tqdm
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoTokenizer
 
-from ..checkpoint.hf_reader import HFCheckpoint
-from ..checkpoint.load import load_chunks
-from ..checkpoint.mp_layout import DTYPES, HF_DIR, is_mp_folder, resolve_iteration_dir
-from ..checkpoint.mp_reader import MPCheckpoint
-from ..checkpoint.tensor_source import TensorSource
+from ..checkpoint.mp_layout import DTYPES
 from ..data import build_data, build_eval_data
 from ..errors import CheckpointError, DataError, HfmegError
 from ..models.moe import expert_load
-from ..models.random_init import random_hf_model
-from ..models.shared_layers import share_layers, shared_name
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.agree import agree
@@ -66,7 +60,7 @@ from .config import TrainConfig
 from .dataclass_io import to_yaml
 from .export import EXPORT_RECORD, export_run
 from .metrics import METRICS_FILE, MetricsLog, last_losses, tensorboard_available
-from .peft_run import PeftRun, check_resume_settings
+from .parts import part_class
 from .rng import seed_all
 from .run_lock import LOCK_FILE, lock_run
 from .stop import GracefulStop, LauncherWatch
@@ -101,14 +95,6 @@ def _sum_over_world(value: float | torch.Tensor | None, contributes: bool, devic
     if dist.get_world_size() > 1:
         dist.all_reduce(t)
     return float(t.item())
-
-
-def _random_weights(folder: Path, seed: int) -> TensorSource:
-    """Weights for pretraining from scratch: transformers' own initialisation of `folder`'s config.
-
-    Every rank initialises the whole model on its CPU with the same seed (so the TP ranks agree)
-    and takes its slices through the loader, as from a checkpoint."""
-    return TensorSource.snapshot(random_hf_model(AutoConfig.from_pretrained(folder), seed=seed, dtype=torch.float32))
 
 
 class Trainer:
@@ -159,12 +145,10 @@ class Trainer:
         try:  # every rank reads its own part of the checkpoint; they agree before the next collective
             saved = read_trainer_state(self.resume_dir) if self.resume_dir is not None else {}
             self.step = saved.get("step", 0)
-            self.peft = PeftRun(cfg.peft, cfg.model.path, cfg.train.seed) if cfg.peft.enabled else None
-            if self.resume_dir is not None:  # a changed peft.* is named as such, not as a file it lacks
-                check_resume_settings(self.resume_dir, self.peft.cfg if self.peft is not None else cfg.peft)
-            self.chunks, hf_side_dir = self._load_model(self.resume_dir)
-            if self.peft is not None:  # before the optimizer: only the adapters are trainable
-                self.peft.prepare(self.chunks, self.ps, self.resume_dir)
+            self.part = part_class(cfg)(cfg, self.ps, self.dtype)
+            if self.resume_dir is not None:  # a changed setting is named as such, not as a file it lacks
+                self.part.check_resume(self.resume_dir)
+            self.chunks, hf_side_dir = self.part.build(self.resume_dir, self.step)
             if self.is_logger:
                 self.checkpoints.pin_hf_source(hf_side_dir)
         except HfmegError as e:
@@ -172,12 +156,11 @@ class Trainer:
         except OSError as e:  # e.g. a full disk under pin_hf_source
             error = CheckpointError(f"{e.filename or self.out}: {e.strerror or e}")
         agree(error, self.ps.device)
-        if self.peft is not None:
-            try:  # a collective: rank 0 fingerprints the base for every rank
-                self.peft_base = self.peft.base_reference(self.ps, saved.get("peft_base") if saved else None)
-            except HfmegError as e:
-                error = e
-            agree(error, self.ps.device)
+        try:  # a collective: what rank 0 alone checks (an adapter run's base), for every rank
+            self.part.check_base(saved)
+        except HfmegError as e:
+            error = e
+        agree(error, self.ps.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(hf_side_dir))
         self.opt = DistributedOptimizer(self.chunks, self.ps, cfg.optim)
         loop = cfg.train
@@ -189,7 +172,7 @@ class Trainer:
         self.data_args = data_args
         self.last_save: tuple[int, Path] | None = None  # (step, folder) of this run's newest checkpoint
         if self.resume_dir is not None:
-            load_trainer_state(self.resume_dir, self.opt, self._state_names(saved.get("shared_layers", False)))
+            load_trainer_state(self.resume_dir, self.opt, self.part.optimizer_names(saved))
             try:
                 self.data.load_state_dict(saved["data"])
             except DataError as e:
@@ -198,70 +181,28 @@ class Trainer:
             if self.is_logger:
                 print(f"resuming from {self.resume_dir} (step {self.step})")
                 not_restored = rng_not_restored(self.resume_dir, dist.get_world_size())
-                if not_restored and self.peft is not None and self.peft.cfg.dropout > 0:
-                    print(f"resume not exact: {not_restored}; peft.dropout {self.peft.cfg.dropout} draws other masks "
-                          "than the uninterrupted run from here on", flush=True)
+                note = self.part.resume_note(not_restored) if not_restored else None
+                if note:
+                    print(note, flush=True)
         self.model_cfg = self.chunks[0].cfg
         self.peak = peak_flops(self.ps.device)
 
-    # -- setup ---------------------------------------------------------------------------
-    @property
-    def shared(self) -> bool:
-        """Whether the current step runs with shared layers (`train.shared_layers_until`)."""
-        return self.step < self.cfg.train.shared_layers_until
+    def _rebuild(self, note: str) -> None:
+        """Rebuild the model part and the optimizer through a checkpoint at this step (`ModelPart.rebuild_note`).
 
-    def _load_model(self, checkpoint: Path | None):
-        """This rank's chunks, from `checkpoint` (an iteration folder) or the configured model, with
-        shared layers while `shared`; and the folder of the HF side files (config, tokenizer)."""
-        m = self.cfg.model
-        # A LoRA checkpoint holds adapters, not the frozen base: that is read from model.path (PeftRun.prepare).
-        source = checkpoint if self.cfg.peft.method == "none" else None
-        if source is None and is_mp_folder(Path(m.path)):
-            source = Path(m.path)
-        if source is not None:
-            iter_dir = resolve_iteration_dir(source)
-            chunks, side = self._chunks(MPCheckpoint(iter_dir)), iter_dir / HF_DIR
-        else:
-            side = m.hf_folder()
-            weights = _random_weights(side, self.cfg.train.seed) if m.init == "random" else HFCheckpoint(side)
-            chunks = self._chunks(weights, pp_layers=self.cfg.parallel.pp_layers, vocab_multiple=m.vocab_multiple)
-        self.layers_shared = self.shared
-        if self.layers_shared:
-            for chunk in chunks:
-                share_layers(chunk)
-        return chunks, side
-
-    def _chunks(self, weights, **layout):
-        m = self.cfg.model
-        return load_chunks(weights, self.ps, dtype=self.dtype, recompute=m.recompute, ce_chunk_tokens=m.ce_chunk_tokens,
-                           compile_backend="inductor" if m.compile else None, **layout)
-
-    def _state_names(self, saved_shared: bool):
-        """How this run's parameters find their optimizer state in a checkpoint of either phase."""
-        if saved_shared == self.shared:
-            return None
-        if self.shared:
-            raise CheckpointError(f"train.shared_layers_until: the checkpoint at step {self.step} has unshared "
-                                  f"layers, but this run shares them until step {self.cfg.train.shared_layers_until}; "
-                                  "unshared layers cannot be shared again")
-        return shared_name
-
-    def _unlock(self) -> None:
-        """Give every layer its own copy of the shared parameters and Adam moments (models/shared_layers.py).
-
-        Through a checkpoint at this step, which is the switch-over's resume point: the unshared
-        chunks load from its model shards (every layer holds the shared weights, so the unlocked
-        model computes exactly what the shared one did), and a new optimizer from its optimizer
-        state, every layer's pieces taken from the first layer's names and re-partitioned over the
-        new buckets as a resume at another DP size would be. A resume from that checkpoint does
-        the same, so the run continues identically either way."""
+        That checkpoint is the switch-over's resume point: the new chunks load from its model shards (a full
+        model unsharing its layers: every layer holds the shared weights, so it computes exactly what the
+        shared one did), and a new optimizer from its optimizer state, each parameter's taken from the names
+        the part says (every layer's from the first layer's), re-partitioned over the new buckets as a resume
+        at another DP size would be. A resume from that checkpoint does the same, so the run continues
+        identically either way."""
         folder = self.last_save[1] if self.last_save and self.last_save[0] == self.step else self.save()
-        self.opt.data_parallel.grad_sync.remove_hooks()  # they would keep the shared model alive
-        self.chunks, _ = self._load_model(folder)
+        self.opt.data_parallel.grad_sync.remove_hooks()  # they would keep the old model alive
+        self.chunks, _ = self.part.build(folder, self.step)
         self.opt = DistributedOptimizer(self.chunks, self.ps, self.cfg.optim)
-        load_trainer_state(folder, self.opt, shared_name)
+        load_trainer_state(folder, self.opt, self.part.optimizer_names(read_trainer_state(folder)))
         if self.is_logger:
-            print(f"step {self.step}: layers unlocked (train.shared_layers_until)", flush=True)
+            print(note, flush=True)
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -296,8 +237,9 @@ class Trainer:
         try:
             while self.step < cfg.train.max_steps:
                 self.launcher.check()
-                if self.layers_shared and not self.shared:
-                    self._unlock()
+                note = self.part.rebuild_note(self.step)
+                if note:
+                    self._rebuild(note)
                 lr = lr_at(self.step, cfg.optim.lr, cfg.lr)
                 self.opt.set_lr(lr)
                 t0 = time.perf_counter()  # the step's time includes waiting for its data
@@ -370,14 +312,10 @@ class Trainer:
         return total / max(n, 1)
 
     def save(self) -> Path:
-        state = {"data": self.data.state_dict(), "config": self.cfg.to_dict(), "shared_layers": self.layers_shared,
-                 "dp": self.ps.dp}
-        writer = {}
-        if self.peft is not None:
-            state["peft_base"] = self.peft_base
-            writer = {"write_model": partial(self.peft.write_shard, base=self.peft_base)}
+        state = {"data": self.data.state_dict(), "config": self.cfg.to_dict(),
+                 "shared_layers": self.part.layers_shared, "dp": self.ps.dp, **self.part.checkpoint_state()}
         folder = self.checkpoints.save(self.step, self.chunks, self.ps, self.opt, state,
-                                       pp_layers=self.cfg.parallel.pp_layers, **writer)
+                                       pp_layers=self.cfg.parallel.pp_layers, write_model=self.part.write_model)
         self.last_save = (self.step, folder)
         return folder
 

@@ -26,6 +26,7 @@ from ..checkpoint.hub_ids import hub_id
 from ..checkpoint.mp_layout import is_mp_folder
 from .config import AUTO_FIELDS, TrainConfig
 from .dataclass_io import ConfigError, build, load_yaml, set_dotted
+from .parts import part_class
 
 WHOAMI_TIMEOUT_S = 10.0
 
@@ -179,7 +180,7 @@ def _out(cfg: TrainConfig) -> None:
 
 def _hub(cfg: TrainConfig) -> None:
     if cfg.hub.push_to_hub:
-        check_push_target(cfg.hub.push_to_hub, cfg.model.path if cfg.peft.enabled else None)
+        check_push_target(cfg.hub.push_to_hub, part_class(cfg).base_of(cfg))
 
 
 def check_push_target(repo: str, adapter_base: str | None = None) -> None:

@@ -1,4 +1,4 @@
-"""A LoRA run's side of the trainer: adapters on the loaded base, their checkpoints and their export.
+"""`Adapters`: LoRA/DoRA adapters trained on a frozen base; their checkpoints, export and reshard.
 
 - Start: the base is loaded from `model.path` as for full fine-tuning, then every chunk
   is frozen and gets its adapters (`peft/adapters.py`) before the optimizer is built,
@@ -13,6 +13,7 @@
   and the folder's rank folders; the trainer agrees on the first error).
 - Export (rank 0, end of run): `<out>/adapter` is the PEFT adapter folder, naming its base by Hub id
   or absolute path (`write_peft_folder`), `<out>/hf` the base with the adapters merged in.
+- Reshard: only the adapters and their optimizer state move (`reshard_checkpoint.reshard_adapters`).
 """
 
 from __future__ import annotations
@@ -22,21 +23,23 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..checkpoint.hub_ids import absolute
-from ..checkpoint.hub_source import resolve_hf_source
-from ..checkpoint.load import check_layout
-from ..checkpoint.mp_layout import MPLayout
-from ..errors import CheckpointError
-from ..peft.adapter_files import (
+from ...checkpoint.hub_ids import absolute
+from ...checkpoint.hub_source import resolve_hf_source
+from ...checkpoint.load import check_layout
+from ...checkpoint.mp_layout import MPLayout
+from ...errors import CheckpointError
+from ...peft.adapter_files import (
     SHARD_FILE,
     base_fingerprint,
     read_adapter_shard,
     read_peft_folder,
     write_adapter_shard,
 )
-from ..peft.adapters import attach, initialise
-from ..peft.config import PeftConfig
-from ..peft.export import INFO_FILE, export_checkpoint, is_adapter_checkpoint, read_info, write_info
+from ...peft.adapters import attach, initialise
+from ...peft.config import PeftConfig
+from ...peft.export import INFO_FILE, export_checkpoint, is_adapter_checkpoint, read_info, write_info
+from ..reshard_checkpoint import reshard_adapters
+from .base import ModelPart
 
 ADAPTER_DIR = "adapter"
 # The peft.* settings that shape or scale the adapters: a resume must keep them (dropout may change).
@@ -67,51 +70,80 @@ def check_resume_settings(resume: Path, cfg: PeftConfig) -> None:
                                   "resume with the checkpoint's peft settings, or start a new run in another --out")
 
 
-class PeftRun:
-    def __init__(self, cfg: PeftConfig, base: str, seed: int):
-        self.base, self.seed = base, seed
+class Adapters(ModelPart):
+    def __init__(self, cfg, ps, dtype):
+        super().__init__(cfg, ps, dtype)
+        self.base, self.seed = cfg.model.path, cfg.train.seed
         self.init_tensors = None
-        if cfg.init_from:
-            folder_cfg, self.init_tensors = read_peft_folder(resolve_hf_source(cfg.init_from, weights=False))
-            cfg = replace(cfg, method=folder_cfg.method, r=folder_cfg.r, alpha=folder_cfg.alpha,
-                          target_modules=folder_cfg.target_modules, use_rslora=folder_cfg.use_rslora,
-                          modules_to_save=folder_cfg.modules_to_save)
-        self.cfg = cfg
+        peft = cfg.peft
+        if peft.init_from:
+            folder_cfg, self.init_tensors = read_peft_folder(resolve_hf_source(peft.init_from, weights=False))
+            peft = replace(peft, method=folder_cfg.method, r=folder_cfg.r, alpha=folder_cfg.alpha,
+                           target_modules=folder_cfg.target_modules, use_rslora=folder_cfg.use_rslora,
+                           modules_to_save=folder_cfg.modules_to_save)
+        self.peft = peft
+        self.base_ref: dict | None = None  # the base's path and sha256 (`check_base`)
 
-    def prepare(self, chunks, ps, resume: Path | None) -> None:
-        """Freeze `chunks`, attach their adapters and fill them (see the module docstring)."""
+    def check_resume(self, resume: Path) -> None:
+        check_resume_settings(resume, self.peft)
+
+    def build(self, resume: Path | None, step: int):
+        """The base from `model.path` (a checkpoint holds adapters, not the base), frozen, with its adapters
+        filled (see the module docstring); every rank checks the resumed folder's ranks and its own shard."""
+        chunks, side = self.load(None)
         for chunk in chunks:
-            attach(chunk, self.cfg)
-            initialise(chunk, self.cfg, self.seed, None if resume is not None else self.init_tensors)
-        if resume is not None:  # every rank checks the folder's ranks and its own shard; the trainer agrees
+            attach(chunk, self.peft)
+            initialise(chunk, self.peft, self.seed, None if resume is not None else self.init_tensors)
+        if resume is not None:
             layout = MPLayout.read(resume)
-            check_layout(layout, ps, resume)
+            check_layout(layout, self.ps, resume)
             layout.check_rank_dirs(resume)
-            read_adapter_shard(chunks, resume / layout.rank_dir(ps.tp_rank, ps.pp_rank), ps.tp_rank)
+            read_adapter_shard(chunks, resume / layout.rank_dir(self.ps.tp_rank, self.ps.pp_rank), self.ps.tp_rank)
+        return chunks, side
 
-    def base_reference(self, ps, saved: dict | None) -> dict:
-        """The base's reference for the trainer state; refuses (on every rank) a base that changed since `saved`."""
+    def check_base(self, saved: dict) -> None:
+        """Rank 0 fingerprints the base for every rank; refuses (on every rank) a base that changed since `saved`."""
         ref = [None]
-        if ps.rank == 0:
+        if self.ps.rank == 0:
             folder = resolve_hf_source(self.base)
             # absolute: the converters read the base from the checkpoint, from whatever directory they run in
             ref[0] = {"path": absolute(self.base), "sha256": base_fingerprint(folder)}
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(ref, src=0)
-        if saved is not None and saved.get("sha256") != ref[0]["sha256"]:
+        was = saved.get("peft_base")
+        if was is not None and was.get("sha256") != ref[0]["sha256"]:
             raise CheckpointError(f"model.path {self.base}: its weights differ from the base the checkpoint's "
                                   f"adapters were trained on (sha256 {ref[0]['sha256'][:12]}… vs "
-                                  f"{str(saved.get('sha256'))[:12]}…); resume with that base")
-        return ref[0]
+                                  f"{str(was.get('sha256'))[:12]}…); resume with that base")
+        self.base_ref = ref[0]
 
-    def write_shard(self, chunks, ps, layout, folder: Path, base: dict) -> None:
-        """A training checkpoint's model part: this rank's adapter shard, and (rank 0) `adapter.json`."""
+    def write_model(self, chunks, ps, layout, folder: Path) -> None:
+        """This rank's adapter shard in place of a model shard, and (rank 0) `adapter.json`."""
         write_adapter_shard(chunks, ps, folder / layout.rank_dir(ps.tp_rank, ps.pp_rank))
         if ps.rank == 0:
-            write_info(folder, self.cfg, base)
+            write_info(folder, self.peft, self.base_ref)
 
-    @staticmethod
-    def export(checkpoint: Path, out: Path) -> tuple[Path, Path]:
+    def checkpoint_state(self) -> dict:
+        return {"peft_base": self.base_ref}
+
+    def resume_note(self, not_restored: str) -> str | None:
+        if self.peft.dropout > 0:
+            return (f"resume not exact: {not_restored}; peft.dropout {self.peft.dropout} draws other masks "
+                    "than the uninterrupted run from here on")
+        return None
+
+    @classmethod
+    def export(cls, checkpoint: Path, out: Path) -> tuple[Path, Path | None]:
         """Rank 0: `<out>/adapter` (PEFT folder) and `<out>/hf` (merged), from the checkpoint's shards."""
         merged = out / "hf"
-        return export_checkpoint(checkpoint, out / ADAPTER_DIR, merged=merged, overwrite=True), merged
+        adapter = export_checkpoint(checkpoint, out / ADAPTER_DIR, merged=merged, overwrite=True)
+        print(f"LoRA adapter (PEFT format): {adapter}; merged model: {merged}")
+        return merged, adapter
+
+    @classmethod
+    def reshard(cls, mp, out, **layout) -> Path:
+        return reshard_adapters(mp, out, **layout)
+
+    @classmethod
+    def base_of(cls, cfg) -> str | None:
+        return cfg.model.path
