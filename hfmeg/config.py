@@ -75,11 +75,14 @@ class ModelConfig:
     tie_embeddings: bool
     attn_scale_inverse_layer: bool = False  # GPT-2 `scale_attn_by_inverse_layer_idx`
     attn_scale_weights: bool = True  # GPT-2 `scale_attn_weights`
-    sliding_window: int | None = None  # Mistral: sequences longer than this are refused
+    # A query at row position i sees keys j with i - w < j <= i (transformers' `sliding_window_overlay`) on every
+    # layer but `full_attention_layers` (`layer_types`' full_attention ones); None: no window anywhere.
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (before RoPE)
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that apply no RoPE (`no_rope_layers` zeros)
     partial_rotary_factor: float = 1.0  # Phi-3/4: RoPE rotates the first `rotary_dim` dims of each head only
+    full_attention_layers: tuple[int, ...] = ()
     moe: MoEConfig | None = None
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
 
@@ -96,6 +99,10 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """The dims of each head RoPE rotates (transformers' `int(head_dim * partial_rotary_factor)`)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None where it attends over the whole causal past."""
+        return None if layer in self.full_attention_layers else self.sliding_window
 
     def uses_rope(self, layer: int) -> bool:
         return self.positions == "rope" and layer not in self.nope_layers
@@ -124,12 +131,14 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         # Fields added after format version 1 appear only when set, so a dense model's
         # layout JSON (and the comparison with checkpoints written before them) is unchanged.
-        later = ("qk_norm", "moe", "nope_layers", "partial_rotary_factor")
+        later = ("qk_norm", "moe", "nope_layers", "partial_rotary_factor", "full_attention_layers")
         out = {k: v for k, v in self.__dict__.items() if k != "hf_config" and k not in later}
         if self.qk_norm:
             out["qk_norm"] = True
         if self.nope_layers:
             out["nope_layers"] = list(self.nope_layers)
+        if self.full_attention_layers:
+            out["full_attention_layers"] = list(self.full_attention_layers)
         if self.partial_rotary_factor != 1.0:
             out["partial_rotary_factor"] = self.partial_rotary_factor
         if self.moe is not None:
@@ -192,16 +201,6 @@ def check_cp(cfg: ModelConfig, cp: int) -> None:
         require(not cfg.moe.output_router_logits, "output_router_logits",
                  f"the router's load-balancing loss is not supported with parallel.cp={cp} (each CP rank routes only "
                  "its part of the sequence); set it false or use cp 1")
-
-
-def check_window(cfg: ModelConfig, seq_len: int) -> None:
-    """Raise if rows of `seq_len` tokens are longer than the model's sliding window: windowed attention is
-    not implemented, and up to the window it is plain causal attention (also under CP, whose mask spans the
-    whole row). Checked at start-up on data.seq_len and again by every attention on its row."""
-    w = cfg.sliding_window
-    require(w is None or seq_len <= w, "sliding_window",
-             f"sequence length {seq_len} exceeds the sliding window {w}; windowed attention is not supported "
-             f"(use data.seq_len <= {w})")
 
 
 def check_ep(cfg: ModelConfig, ep: int) -> None:

@@ -14,10 +14,12 @@ STORIES = ASSETS / "models" / "stories260K"
 
 # Every dense family `tiny_config` builds; llama_tied has tied embeddings and a vocabulary (32001)
 # that needs padding under every TP size; qwen3 has QK-norm and a head_dim (16) that is not hidden / heads (8);
-# smollm3 skips RoPE on every 2nd layer (NoPE) and ties its embeddings; phi3 has fused GQA `qkv_proj` (8 query heads,
+# mistral has a sliding window of 4 tokens on every layer, shorter than the test rows and packed documents;
+# smollm3 skips RoPE on every 2nd layer (NoPE), has the same window on those layers only, and ties its embeddings; phi3 has fused GQA `qkv_proj` (8 query heads,
 # 4 KV heads: the fused tensor is not three equal parts) and `gate_up_proj`, and RoPE on 3/4 of each head.
 RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied", "qwen3", "smollm3", "phi3")
 
+WINDOW = 4
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
 
@@ -39,13 +41,14 @@ def tiny_config(kind: str, **overrides):
     elif kind == "llama_tied":
         cfg = LlamaConfig(**{**_COMMON, "vocab_size": 32001}, tie_word_embeddings=True)
     elif kind == "mistral":
-        cfg = MistralConfig(**_COMMON, sliding_window=None)
+        cfg = MistralConfig(**_COMMON, sliding_window=WINDOW)
     elif kind == "qwen2":
         cfg = Qwen2Config(**_COMMON)
     elif kind == "qwen3":
         cfg = Qwen3Config(**_COMMON, head_dim=16)
     elif kind == "smollm3":
-        cfg = SmolLM3Config(**_COMMON, no_rope_layer_interval=2, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+        cfg = SmolLM3Config(**_COMMON, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=WINDOW,
+                            pad_token_id=None, bos_token_id=1, eos_token_id=2)
     elif kind == "phi3":
         cfg = Phi3Config(**_COMMON, pad_token_id=None, bos_token_id=1, eos_token_id=2,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})

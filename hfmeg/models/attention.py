@@ -9,6 +9,9 @@ query and key head before RoPE. One weight serves all heads, so it is TP-replica
 each rank's gradient comes from its own heads only, so its role says
 `sequence_parallel` (summed over TP), with or without SP.
 
+A layer with a sliding window (`cfg.window`) attends under the micro-batch's windowed mask
+(`DocumentMask.sliding`, document_attention.py), the others under its full one.
+
 A layer without RoPE (SmolLM3's NoPE layers, `cfg.uses_rope`) skips the rotation and attends
 with the raw Q and K; the decoder's one cos/sin table serves the other layers.
 
@@ -28,11 +31,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig, check_window
+from ..config import ModelConfig
 from ..parallel.context import gather_kv
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.state import ParallelState
-from .document_attention import DocumentMask, attend
+from .document_attention import DocumentMask, attend, layer_mask
 from .kernels import Kernels
 from .norm import RMSNorm
 
@@ -45,6 +48,7 @@ class ParallelAttention(nn.Module):
         self.rep = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.scale = cfg.attn_scale(layer)
         self.rotates = cfg.uses_rope(layer)
+        self.window = cfg.window(layer)
         d = cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias)
@@ -57,7 +61,7 @@ class ParallelAttention(nn.Module):
                 recompute_core: bool = False):
         qkv = self.qkv(x)  # [s, b, groups * (rep + 2) * d]
         s = qkv.shape[0] * self.ps.cp  # the row's length: under CP the queries are a part of it
-        check_window(self.cfg, s)
+        docs = layer_mask(docs, self.window, s)
         if recompute_core:
             o = checkpoint(self._core, qkv, rope, docs, use_reentrant=False)
         else:

@@ -182,7 +182,8 @@ class ModelChunk(nn.Module):
         its CP split (document_attention.py)."""
         ps = self.ps
         device = device or ps.device
-        return MaskPlanner(device, ps.cp, ps.cp_rank, flex_applies(device, self.cfg.head_dim), self._compute_dtype())
+        return MaskPlanner(device, ps.cp, ps.cp_rank, flex_applies(device, self.cfg.head_dim), self._compute_dtype(),
+                           self.cfg.sliding_window)
 
     def stage(self, mb: MicroBatch) -> MicroBatch:
         """A micro-batch on this rank's device with its attention decided (models/staging.py)."""
