@@ -14,7 +14,7 @@ scaling type, so we call them rather than re-deriving the formulas.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,18 @@ class ModelConfig:
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that apply no RoPE (`no_rope_layers` zeros)
     partial_rotary_factor: float = 1.0  # Phi-3/4: RoPE rotates the first `rotary_dim` dims of each head only
     full_attention_layers: tuple[int, ...] = ()
+    # Gemma's switches: RMSNorm scales by (1 + w) in fp32 (the stored weight is w); the embedding is scaled by
+    # sqrt(hidden) in its dtype; a norm on the attention's and on the MLP's output too (four per layer);
+    # attention scores and final logits soft-capped (cap * tanh(x / cap)); the attention scale
+    # query_pre_attn_scalar^-0.5. `rope_per_layer_type` (Gemma 3): the HF `rope_parameters` hold one entry per
+    # layer type, sliding_attention for the windowed layers and full_attention for the others (`rope_key`).
+    norm_offset: bool = False
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    rope_per_layer_type: bool = False
     moe: MoEConfig | None = None
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
 
@@ -92,6 +104,8 @@ class ModelConfig:
         return int(math.ceil(self.vocab_size / step) * step)
 
     def attn_scale(self, layer: int) -> float:
+        if self.query_pre_attn_scalar is not None:
+            return self.query_pre_attn_scalar ** -0.5  # as transformers' Gemma computes it
         scale = 1.0 / math.sqrt(self.head_dim) if self.attn_scale_weights else 1.0
         return scale / (layer + 1) if self.attn_scale_inverse_layer else scale
 
@@ -103,6 +117,12 @@ class ModelConfig:
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None where it attends over the whole causal past."""
         return None if layer in self.full_attention_layers else self.sliding_window
+
+    def rope_key(self, layer: int) -> str | None:
+        """Which entry of the HF `rope_parameters` layer `layer` rotates with (None: the one set of them)."""
+        if not self.rope_per_layer_type:
+            return None
+        return "full_attention" if self.window(layer) is None else "sliding_attention"
 
     def uses_rope(self, layer: int) -> bool:
         return self.positions == "rope" and layer not in self.nope_layers
@@ -117,7 +137,7 @@ class ModelConfig:
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         attn = qkv + self.num_heads * self.head_dim * h + (2 * self.head_dim if self.qk_norm else 0)
         dense = (3 if self.gated_mlp else 2) * h * self.ffn_size
-        norms = 2 * h * (2 if self.norm == "layer" else 1)
+        norms = (4 if self.sandwich_norms else 2) * h * (2 if self.norm == "layer" else 1)
         n_sparse = len(self.moe.sparse_layers) if self.moe else 0
         total = self.num_layers * (attn + norms) + (self.num_layers - n_sparse) * dense
         if self.moe:
@@ -131,19 +151,21 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         # Fields added after format version 1 appear only when set, so a dense model's
         # layout JSON (and the comparison with checkpoints written before them) is unchanged.
-        later = ("qk_norm", "moe", "nope_layers", "partial_rotary_factor", "full_attention_layers")
-        out = {k: v for k, v in self.__dict__.items() if k != "hf_config" and k not in later}
-        if self.qk_norm:
-            out["qk_norm"] = True
-        if self.nope_layers:
-            out["nope_layers"] = list(self.nope_layers)
-        if self.full_attention_layers:
-            out["full_attention_layers"] = list(self.full_attention_layers)
-        if self.partial_rotary_factor != 1.0:
-            out["partial_rotary_factor"] = self.partial_rotary_factor
+        later = {f.name: f.default for f in fields(self) if f.name in LATER_FIELDS}
+        out = {k: v for k, v in self.__dict__.items() if k != "hf_config" and k not in later and k != "moe"}
+        for k, default in later.items():
+            v = getattr(self, k)
+            if v != default:
+                out[k] = list(v) if isinstance(v, tuple) else v
         if self.moe is not None:
             out["moe"] = {k: v for k, v in asdict(self.moe).items() if k != "experts_field"}  # a name, not maths
         return out
+
+
+# ModelConfig fields added after layout format version 1: written only when set (ModelConfig.to_dict).
+LATER_FIELDS = ("qk_norm", "nope_layers", "partial_rotary_factor", "full_attention_layers", "norm_offset",
+                "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
+                "rope_per_layer_type")
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:

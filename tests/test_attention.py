@@ -45,16 +45,34 @@ def test_flex_block_mask_forward_equals_dense_mask():
     _flex_within_rounding_of_dense(q, k, v, flex, dense)
 
 
-def _flex_within_rounding_of_dense(q, k, v, flex: DocumentMask, dense: DocumentMask) -> None:
+def _flex_within_rounding_of_dense(q, k, v, flex: DocumentMask, dense: DocumentMask, softcap=None) -> None:
     with torch.no_grad():
-        got = attend(q, k, v, flex, scale=0.25, gqa=True)
-        want = attend(q, k, v, dense, scale=0.25, gqa=True)
-        exact = attend(q.double(), k.double(), v.double(), dense, scale=0.25, gqa=True)
+        got = attend(q, k, v, flex, scale=0.25, gqa=True, softcap=softcap)
+        want = attend(q, k, v, dense, scale=0.25, gqa=True, softcap=softcap)
+        exact = attend(q.double(), k.double(), v.double(), dense, scale=0.25, gqa=True, softcap=softcap)
     # Both are fp32 softmax-weighted sums of the same values in other blockings: each within rounding of the
     # float64 result, as far as the dense fp32 path is (times ROUNDING_FACTOR, twice: two fp32 runs) + 4 eps.
     rounding = (want.double() - exact).abs().max().item()
     bound = 2 * (ROUNDING_FACTOR * rounding + 4 * FP32_EPS * exact.abs().max().item())
     within((got - want).abs().max().item(), bound, "flex vs dense (rounding)")
+
+
+def test_softcapped_scores_in_flex_and_dense_attention():
+    """Soft-capped scores (Gemma: cap * tanh(s / cap)): flex's score_mod and the explicit dense path agree
+    (forward, on CPU), the dense path is transformers' formula, and the cap changes the result."""
+    q, k, v = _qkv()
+    flex, dense = plan(SEGMENTS, flex=True), plan(SEGMENTS, flex=False)
+    _flex_within_rounding_of_dense(q, k, v, flex, dense, softcap=0.5)
+    with torch.no_grad():
+        capped = attend(q, k, v, dense, scale=0.25, gqa=True, softcap=0.5)
+        kr, vr = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+        s = torch.tanh(q @ kr.transpose(2, 3) * 0.25 / 0.5) * 0.5
+        want = torch.softmax(s.masked_fill(~dense.dense, float("-inf")), -1) @ vr
+        assert_close(capped, want, rtol=0, atol=1e-6)
+        plain = attend(q, k, v, None, scale=0.25, gqa=True, softcap=0.5)  # one document: the causal mask
+        causal = torch.ones(200, 200, dtype=torch.bool).tril()
+        assert_close(plain, torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ vr, rtol=0, atol=1e-6)
+        assert (capped - attend(q, k, v, dense, scale=0.25, gqa=True)).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("packed", [True, False])

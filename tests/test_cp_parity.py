@@ -191,7 +191,7 @@ def _check(results: list[list[dict]], layouts: list[Layout], kinds) -> None:
     assert losses == set(covered)  # and every case's loss, on its last stage
 
 
-@pytest.mark.parametrize("kind", ["llama3", "gpt2", "smollm3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama3", "gpt2", "smollm3", "phi3", "gemma2"])
 def test_cp_parity_with_one_process(tiny_checkpoints, kind):
     _check(spawn(_run_layouts, 4, {kind: str(tiny_checkpoints[kind])}, LAYOUTS_4), LAYOUTS_4, [kind])
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import save_tiny, tiny_config
+from tiny_models import reference_attention, save_tiny, tiny_config
 from transformers import AutoModelForCausalLM, Phi3Config, SmolLM3Config
 
 from bounds import assert_close
@@ -35,6 +35,7 @@ WINDOWED = {
     "phi3": dict(sliding_window=6),
     "qwen3": dict(use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
     "smollm3": dict(use_sliding_window=True, sliding_window=6, layer_types=["full_attention", "sliding_attention"]),
+    "gemma2": dict(sliding_window=6),
 }
 
 
@@ -46,7 +47,8 @@ def test_sliding_windows_match_transformers_on_rows_and_packed_documents(tmp_pat
     chunk = load_chunks(HFCheckpoint(folder), make_ps(world=1))[0]
     windows = [chunk.cfg.window(i) for i in range(chunk.cfg.num_layers)]
     assert windows == [6, 6] if kind in ("mistral", "phi3") else 6 in windows and None in windows
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                               attn_implementation=reference_attention(folder))
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
     lengths = (10, 14)
     seg = torch.repeat_interleave(torch.arange(1, 3), torch.tensor(lengths)).expand(2, -1)

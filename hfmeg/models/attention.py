@@ -54,8 +54,8 @@ class ParallelAttention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias)
         self.out = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, ps, bias=cfg.out_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.norm_eps, True, kernels)
-            self.k_norm = RMSNorm(d, cfg.norm_eps, True, kernels)
+            self.q_norm = RMSNorm(d, cfg.norm_eps, True, kernels, cfg.norm_offset)
+            self.k_norm = RMSNorm(d, cfg.norm_eps, True, kernels, cfg.norm_offset)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, docs: DocumentMask | None,
                 recompute_core: bool = False):
@@ -82,5 +82,5 @@ class ParallelAttention(nn.Module):
         if rope is not None and self.rotates:
             q, k = self.kernels.rope(q, *rope), self.kernels.rope(k, *rope)
         k, v = gather_kv(k, v, self.ps)  # the whole row's under context parallelism
-        o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1)
+        o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1, softcap=self.cfg.attn_softcap)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads_local * d]

@@ -279,13 +279,33 @@ def layer_mask(docs: DocumentMask | None, window: int | None, row: int) -> Docum
     return docs.sliding
 
 
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, computed explicitly (SDPA has no score hook), as transformers'
+    eager Gemma attention: scores = cap * tanh(q·k * scale / cap), then the mask, softmax in fp32."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # query head i reads KV head i // rep
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentMask | None, scale: float,
-           gqa: bool) -> torch.Tensor:
+           gqa: bool, softcap: float | None = None) -> torch.Tensor:
     """Attention of `q` `[b, heads, s, d]` over `k`, `v` `[b, kv_heads, s, d]` under `docs` (its own
-    `block` or `dense`; both None: plain causal)."""
+    `block` or `dense`; both None: plain causal), the scores soft-capped at `softcap` where given
+    (flex: a score_mod; otherwise explicitly, `_softcapped`)."""
     if docs is not None and docs.block is not None:
         flex = _compiled_flex() if q.is_cuda else flex_attention
-        return flex(q, k, v, block_mask=docs.block, scale=scale, enable_gqa=gqa)
+        score_mod = None
+        if softcap is not None:
+            def score_mod(score, batch, head, q_idx, kv_idx):
+                return torch.tanh(score / softcap) * softcap
+        return flex(q, k, v, score_mod=score_mod, block_mask=docs.block, scale=scale, enable_gqa=gqa)
     mask = docs.dense if docs is not None else None
+    if softcap is not None:
+        return _softcapped(q, k, v, mask, scale, softcap)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                           enable_gqa=gqa)
