@@ -36,6 +36,7 @@ WINDOWED = {
     "qwen3": dict(use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
     "smollm3": dict(use_sliding_window=True, sliding_window=6, layer_types=["full_attention", "sliding_attention"]),
     "gemma2": dict(sliding_window=6),
+    "gemma3": dict(sliding_window=6),
 }
 
 

@@ -157,7 +157,7 @@ def test_chunked_cross_entropy_equals_unchunked(tiny_checkpoints):
         check_within_rounding(r["rel"], r["rel_max"], r["loss_rel"], r["rounding"], 1, r, runs=2)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "smollm3", "phi3"])  # and layers without RoPE, RoPE on part of a head
+@pytest.mark.parametrize("kind", ["llama3", "smollm3", "phi3", "gemma3"])  # and NoPE layers, partial RoPE, Gemma
 def test_compiled_kernels_match_eager(tiny_checkpoints, kind):
     """The torch.compile path traces norm/RoPE/SwiGLU into graphs with the same maths.
 
