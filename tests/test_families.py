@@ -33,6 +33,7 @@ def test_qwen3_features():
 WINDOWED = {
     "mistral": dict(sliding_window=6),
     "phi3": dict(sliding_window=6),
+    "qwen2": dict(use_sliding_window=True, sliding_window=6, layer_types=["full_attention", "sliding_attention"]),
     "qwen3": dict(use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
     "smollm3": dict(use_sliding_window=True, sliding_window=6, layer_types=["full_attention", "sliding_attention"]),
     "gemma2": dict(sliding_window=6),

@@ -79,7 +79,6 @@ def test_world_not_multiple_of_tp_pp():
         ("llama3", {"model_type": "falcon"}, "model_type: 'falcon' is not supported"),
         ("llama3", {"hidden_act": "gelu"}, "hidden_act"),
         ("llama3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type"),
-        ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
         ("gpt2", {"activation_function": "relu"}, "activation_function"),
     ],
 )

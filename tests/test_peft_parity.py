@@ -144,6 +144,11 @@ def test_merge_matches_peft_on_the_base(kind, options, tmp_path):
     within(merged_vs_peft(base, adapter, tmp_path / "merged"), TOL, "merged logits max-abs", None)
 
 
+def test_dora_merge_matches_peft_on_a_gemma(tmp_path):
+    """The merged DoRA export of Gemma 2 (tied embeddings, soft-capping, four norms) against peft on the base."""
+    test_merge_matches_peft_on_the_base("gemma2", dict(dora=True), tmp_path)
+
+
 def _dropout_run(base, adapter, ids):
     """Loss and full adapter gradients with adapter dropout 0.3 at TP1 and TP2 (same generator state)."""
     labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)

@@ -35,7 +35,7 @@ Window = tuple[int | None, tuple[int, ...]]  # the sliding window, and the layer
 
 
 def no_window(hf: PretrainedConfig) -> Window:
-    """Qwen2's and the Qwen MoE families' sliding window (`use_sliding_window`) is refused: not built for them."""
+    """The Qwen MoE families' sliding window (`use_sliding_window`) is refused: not built for them."""
     require(not getattr(hf, "use_sliding_window", False), "use_sliding_window",
             f"{hf.model_type} sliding-window attention is not supported")
     return None, ()
