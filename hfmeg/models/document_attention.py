@@ -95,10 +95,10 @@ def split_causal_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments:
     return allowed.unsqueeze(1)
 
 
-def document_block_mask(segment_ids: torch.Tensor, window: int | None = None) -> DocumentMask:
+def document_block_mask(segment_ids: torch.Tensor) -> DocumentMask:
     """The same mask as `document_causal_mask`, as a flex-attention block mask (one for all heads)."""
     index = torch.arange(segment_ids.shape[1], device=segment_ids.device)
-    return split_block_mask(index, index, segment_ids, segment_ids, window)
+    return split_block_mask(index, index, segment_ids, segment_ids)
 
 
 TILE = 128  # flex_attention's block: a BlockMask says per (query tile, key tile) pair: skip, compute, or mask
