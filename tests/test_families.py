@@ -2,7 +2,7 @@
 
 Sliding windows (Mistral's and Phi-3's on every layer, Qwen3's and SmolLM3's per `layer_types`) against
 transformers on rows and packed documents longer than the window; an unknown layer type is refused in one
-line naming the field. SmolLM3's NoPE layers, Phi-3's partial rotary and LongRoPE tables against transformers', and
+line naming the field. A Gemma 3 trainer run at TP2 x CP2 on rows longer than its window. SmolLM3's NoPE layers, Phi-3's partial rotary and LongRoPE tables against transformers', and
 Phi-3's LoRA on its fused projections (logits, gradients and round trips are in the parametrised parity tests)."""
 
 from __future__ import annotations
@@ -141,3 +141,47 @@ def test_longrope_is_refused_under_cp():
     with pytest.raises(UnsupportedConfigError, match=r"^config.json field rope_parameters.rope_type: 'longrope' "):
         check_cp(model_config_from_hf(_longrope_config()), 2)
     check_cp(model_config_from_hf(_longrope_config()), 1)
+
+
+def test_gemma3_trains_at_tp2_cp2_on_rows_longer_than_its_window_and_exports(tmp_path):
+    """5 steps of the trainer on packed alpaca rows of 64 tokens (window 4, soft-capped logits) at TP2 x CP2: the
+    export has the source's tensors, trained, and loads in transformers' Gemma 3 class."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from helpers import stories_or_skip
+    from hfmeg.data import DataConfig, SourceConfig
+    from hfmeg.optim.config import OptimizerConfig
+    from hfmeg.optim.lr_schedule import LRScheduleConfig
+    from hfmeg.parallel.launch import spawn
+    from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, ParallelArgs, TrainConfig
+    from hfmeg.train.metrics import read_metrics
+    from tiny_models import ASSETS
+
+    stories, alpaca = stories_or_skip(), ASSETS / "data" / "alpaca_en_demo.json"
+    if not alpaca.is_file():
+        pytest.skip(f"{alpaca} is absent")
+    model = save_tiny("gemma3", tmp_path / "m", vocab_size=512)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(stories / name, model / name)
+    cfg = TrainConfig(model=ModelArgs(path=str(model), dtype="fp32"), parallel=ParallelArgs(tp=2, cp=2),
+                      optim=OptimizerConfig(lr=1e-3, eps=1e-5), lr=LRScheduleConfig(warmup_steps=1, total_steps=5),
+                      data=DataConfig(sources=[SourceConfig(str(alpaca))], seq_len=64),
+                      train=LoopArgs(micro_batch_size=1, global_batch_size=4, max_steps=5, eval_every=0),
+                      checkpoint=CheckpointArgs(out=str(tmp_path / "out"), save_every=0, keep_last=1),
+                      tensorboard=False)
+    hf = spawn(_train, 4, cfg)[0]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))
+    before, after = load_file(model / "model.safetensors"), load_file(hf / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert not torch.equal(before["model.layers.0.self_attn.q_norm.weight"],
+                           after["model.layers.0.self_attn.q_norm.weight"])
+    assert type(AutoModelForCausalLM.from_pretrained(hf)).__name__ == "Gemma3ForCausalLM"
+
+
+def _train(cfg):
+    from hfmeg.train.trainer import Trainer
+
+    return Trainer(cfg).run().hf_folder
