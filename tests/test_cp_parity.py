@@ -4,7 +4,7 @@ Two gloo worlds, one spawn each, run every layout of a list in turn on rows pack
 several documents and padding and on plain rows, for LLaMA-3 (GQA, RoPE) and GPT-2 (MHA,
 learned positions, biases, LayerNorm, tied embeddings) tiny checkpoints, and on 4 ranks for SmolLM3 (layers
 without RoPE, a sliding window on those layers shorter than the documents), Gemma 2 (soft-capped scores under the
-split mask) and Gemma 3 (RoPE per layer type) and Phi-3 (fused HF projections, RoPE on part of each head):
+split mask), Gemma 3 (RoPE per layer type) and Phi-3 (fused HF projections, RoPE on part of each head):
 
 - 4 ranks (`LAYOUTS_4`): CP4 (selective recompute), CP2 x TP2 (sequence parallelism, full
   recompute), CP2 x PP2 (1F1B through `forward_backward`) and CP2 (x DP2);
