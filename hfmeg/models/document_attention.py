@@ -32,6 +32,10 @@ Where a row is longer than the model's window, the planner builds a second mask 
 windowed layers (`DocumentMask.sliding`, the same three forms, a mask even for rows of
 one document), which `layer_mask` hands them; the other layers keep the one above.
 
+Soft-capped scores (Gemma 2, `attend(softcap=...)`): flex caps them in its `score_mod`, so a
+capped model's one-document rows take a causal block mask where flex applies; elsewhere the
+scores are computed explicitly (SDPA has no hook), `b·heads·s²` of them saved for backward.
+
 Under context parallelism (parallel/context.py) a rank's queries are a subset of the
 row's positions and its keys the whole gathered row in another order; `plan_split`
 builds the same document-causal mask (and window) from both sides' row positions and
@@ -221,6 +225,9 @@ class MaskPlanner:
     flex: bool  # `flex_applies` to this model on this device
     dtype: torch.dtype  # the compute dtype (CP's dense masks are additive in it)
     window: int | None = None  # the model's sliding window (`ModelConfig.window`), None where no layer has one
+    # Soft-capped scores (Gemma 2): SDPA cannot cap, so where flex applies even one-document rows take a
+    # (causal) block mask, rather than the explicit dense path's s² scores.
+    capped: bool = False
 
     def windowed(self, row: int) -> bool:
         """Whether rows of `row` tokens need the sliding-window mask: only rows longer than the window."""
@@ -233,9 +240,11 @@ class MaskPlanner:
         Rows longer than the window carry the windowed layers' mask too (`DocumentMask.sliding`)."""
         if self.cp == 1:
             docs = plan(segment_ids, flex=self.flex)
+            index = torch.arange(s, device=self.device)
+            if docs is None and self.flex and self.capped:
+                docs = split_block_mask(index, index, None, None)
             if not self.windowed(s):
                 return docs
-            index = torch.arange(s, device=self.device)
             seg = segment_ids if docs is not None else None  # one document a row: positions alone
             if self.flex:
                 sliding = split_block_mask(index, index, seg, seg, self.window)
@@ -259,8 +268,8 @@ class MaskPlanner:
     def builds_ahead(self, mb: MicroBatch) -> bool:
         """Whether the mask of micro-batch `mb` is a flex block mask (small: built ahead; a dense one is
         b·s² elements and built at use). Under CP every micro-batch has a mask, packed or not, and so has
-        a row longer than the window."""
-        return self.flex and (self.cp > 1 or mb.segment_ids is not None or self.windowed(mb.shape[1]))
+        a row longer than the window, and every row of a soft-capped model."""
+        return self.flex and (self.cp > 1 or mb.segment_ids is not None or self.windowed(mb.shape[1]) or self.capped)
 
 
 @cache
