@@ -14,7 +14,7 @@ scaling type, so we call them rather than re-deriving the formulas.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +75,26 @@ class ModelConfig:
     tie_embeddings: bool
     attn_scale_inverse_layer: bool = False  # GPT-2 `scale_attn_by_inverse_layer_idx`
     attn_scale_weights: bool = True  # GPT-2 `scale_attn_weights`
-    sliding_window: int | None = None  # Mistral: sequences longer than this are refused
+    # A query at row position i sees keys j with i - w < j <= i (transformers' `sliding_window_overlay`) on every
+    # layer but `full_attention_layers` (`layer_types`' full_attention ones); None: no window anywhere.
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (before RoPE)
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that apply no RoPE (`no_rope_layers` zeros)
     partial_rotary_factor: float = 1.0  # Phi-3/4: RoPE rotates the first `rotary_dim` dims of each head only
+    full_attention_layers: tuple[int, ...] = ()
+    # Gemma's switches: RMSNorm scales by (1 + w) in fp32 (the stored weight is w); the embedding is scaled by
+    # sqrt(hidden) in its dtype; a norm on the attention's and on the MLP's output too (four per layer);
+    # attention scores and final logits soft-capped (cap * tanh(x / cap)); the attention scale
+    # query_pre_attn_scalar^-0.5. `rope_per_layer_type` (Gemma 3): the HF `rope_parameters` hold one entry per
+    # layer type, sliding_attention for the windowed layers and full_attention for the others (`rope_key`).
+    norm_offset: bool = False
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    rope_per_layer_type: bool = False
     moe: MoEConfig | None = None
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
 
@@ -89,6 +104,8 @@ class ModelConfig:
         return int(math.ceil(self.vocab_size / step) * step)
 
     def attn_scale(self, layer: int) -> float:
+        if self.query_pre_attn_scalar is not None:
+            return self.query_pre_attn_scalar ** -0.5  # as transformers' Gemma computes it
         scale = 1.0 / math.sqrt(self.head_dim) if self.attn_scale_weights else 1.0
         return scale / (layer + 1) if self.attn_scale_inverse_layer else scale
 
@@ -96,6 +113,16 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """The dims of each head RoPE rotates (transformers' `int(head_dim * partial_rotary_factor)`)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None where it attends over the whole causal past."""
+        return None if layer in self.full_attention_layers else self.sliding_window
+
+    def rope_key(self, layer: int) -> str | None:
+        """Which entry of the HF `rope_parameters` layer `layer` rotates with (None: the one set of them)."""
+        if not self.rope_per_layer_type:
+            return None
+        return "full_attention" if self.window(layer) is None else "sliding_attention"
 
     def uses_rope(self, layer: int) -> bool:
         return self.positions == "rope" and layer not in self.nope_layers
@@ -110,7 +137,7 @@ class ModelConfig:
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         attn = qkv + self.num_heads * self.head_dim * h + (2 * self.head_dim if self.qk_norm else 0)
         dense = (3 if self.gated_mlp else 2) * h * self.ffn_size
-        norms = 2 * h * (2 if self.norm == "layer" else 1)
+        norms = (4 if self.sandwich_norms else 2) * h * (2 if self.norm == "layer" else 1)
         n_sparse = len(self.moe.sparse_layers) if self.moe else 0
         total = self.num_layers * (attn + norms) + (self.num_layers - n_sparse) * dense
         if self.moe:
@@ -124,17 +151,21 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         # Fields added after format version 1 appear only when set, so a dense model's
         # layout JSON (and the comparison with checkpoints written before them) is unchanged.
-        later = ("qk_norm", "moe", "nope_layers", "partial_rotary_factor")
-        out = {k: v for k, v in self.__dict__.items() if k != "hf_config" and k not in later}
-        if self.qk_norm:
-            out["qk_norm"] = True
-        if self.nope_layers:
-            out["nope_layers"] = list(self.nope_layers)
-        if self.partial_rotary_factor != 1.0:
-            out["partial_rotary_factor"] = self.partial_rotary_factor
+        later = {f.name: f.default for f in fields(self) if f.name in LATER_FIELDS}
+        out = {k: v for k, v in self.__dict__.items() if k != "hf_config" and k not in later and k != "moe"}
+        for k, default in later.items():
+            v = getattr(self, k)
+            if v != default:
+                out[k] = list(v) if isinstance(v, tuple) else v
         if self.moe is not None:
             out["moe"] = {k: v for k, v in asdict(self.moe).items() if k != "experts_field"}  # a name, not maths
         return out
+
+
+# ModelConfig fields added after layout format version 1: written only when set (ModelConfig.to_dict).
+LATER_FIELDS = ("qk_norm", "nope_layers", "partial_rotary_factor", "full_attention_layers", "norm_offset",
+                "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
+                "rope_per_layer_type")
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:
@@ -192,16 +223,6 @@ def check_cp(cfg: ModelConfig, cp: int) -> None:
         require(not cfg.moe.output_router_logits, "output_router_logits",
                  f"the router's load-balancing loss is not supported with parallel.cp={cp} (each CP rank routes only "
                  "its part of the sequence); set it false or use cp 1")
-
-
-def check_window(cfg: ModelConfig, seq_len: int) -> None:
-    """Raise if rows of `seq_len` tokens are longer than the model's sliding window: windowed attention is
-    not implemented, and up to the window it is plain causal attention (also under CP, whose mask spans the
-    whole row). Checked at start-up on data.seq_len and again by every attention on its row."""
-    w = cfg.sliding_window
-    require(w is None or seq_len <= w, "sliding_window",
-             f"sequence length {seq_len} exceeds the sliding window {w}; windowed attention is not supported "
-             f"(use data.seq_len <= {w})")
 
 
 def check_ep(cfg: ModelConfig, ep: int) -> None:

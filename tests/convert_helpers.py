@@ -17,8 +17,11 @@ def make_sources(root: Path) -> dict[str, Path]:
     """Random tiny checkpoints with 4 layers (so PP=3 fits), plus stories260K when present."""
     out = {}
     for kind in RANDOM_KINDS:
-        extra = {"layer_types": ["full_attention"] * 4} if kind in ("qwen2", "qwen3", "smollm3") else {}  # sized by layer
-        extra.update(no_rope_layers=[1, 0, 1, 0]) if kind == "smollm3" else None
+        extra = {"layer_types": ["full_attention"] * 4} if kind in ("qwen2", "qwen3") else {}  # sized by layer
+        if kind == "smollm3":  # the window on the NoPE layers
+            extra.update(no_rope_layers=[1, 0, 1, 0], layer_types=["full_attention", "sliding_attention"] * 2)
+        if kind in ("gemma2", "gemma3"):
+            extra.update(layer_types=["sliding_attention", "full_attention"] * 2)
         out[kind] = save_tiny(kind, root / kind, num_hidden_layers=4, **extra)
     rewrite_config_v4(out["llama3"])
     if (STORIES / "config.json").is_file():

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
-from tiny_models import save_tiny
+from tiny_models import reference_attention, save_tiny
 from transformers import AutoModelForCausalLM
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
@@ -50,7 +50,7 @@ def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = Fa
 
 
 def peft_reference(base: Path, adapter: Path, trainable: bool = True):
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation=reference_attention(base))
     return PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
 
 

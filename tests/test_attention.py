@@ -19,7 +19,9 @@ from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.data.microbatch import MicroBatch
-from hfmeg.models.document_attention import DocumentMask, attend, document_causal_mask, flex_applies, plan
+from hfmeg.errors import LayoutError
+from hfmeg.models.document_attention import (DocumentMask, MaskPlanner, attend, document_causal_mask, flex_applies,
+                                             layer_mask, plan)
 from hfmeg.parallel.activation_meter import SavedTensorMeter
 from optim_harness import FP32_EPS, ROUNDING_FACTOR
 from tiny_models import save_tiny
@@ -40,15 +42,66 @@ def test_flex_block_mask_forward_equals_dense_mask():
     flex, dense = plan(SEGMENTS, flex=True), plan(SEGMENTS, flex=False)
     assert flex.block is not None and flex.dense is None
     assert torch.equal(dense.dense, document_causal_mask(SEGMENTS))
+    _flex_within_rounding_of_dense(q, k, v, flex, dense)
+
+
+def _flex_within_rounding_of_dense(q, k, v, flex: DocumentMask, dense: DocumentMask, softcap=None) -> None:
     with torch.no_grad():
-        got = attend(q, k, v, flex, scale=0.25, gqa=True)
-        want = attend(q, k, v, dense, scale=0.25, gqa=True)
-        exact = attend(q.double(), k.double(), v.double(), dense, scale=0.25, gqa=True)
+        got = attend(q, k, v, flex, scale=0.25, gqa=True, softcap=softcap)
+        want = attend(q, k, v, dense, scale=0.25, gqa=True, softcap=softcap)
+        exact = attend(q.double(), k.double(), v.double(), dense, scale=0.25, gqa=True, softcap=softcap)
     # Both are fp32 softmax-weighted sums of the same values in other blockings: each within rounding of the
     # float64 result, as far as the dense fp32 path is (times ROUNDING_FACTOR, twice: two fp32 runs) + 4 eps.
     rounding = (want.double() - exact).abs().max().item()
     bound = 2 * (ROUNDING_FACTOR * rounding + 4 * FP32_EPS * exact.abs().max().item())
     within((got - want).abs().max().item(), bound, "flex vs dense (rounding)")
+
+
+def test_softcapped_scores_in_flex_and_dense_attention():
+    """Soft-capped scores (Gemma: cap * tanh(s / cap)): flex's score_mod and the explicit dense path agree
+    (forward, on CPU), the dense path is transformers' formula, and the cap changes the result."""
+    q, k, v = _qkv()
+    flex, dense = plan(SEGMENTS, flex=True), plan(SEGMENTS, flex=False)
+    _flex_within_rounding_of_dense(q, k, v, flex, dense, softcap=0.5)
+    with torch.no_grad():
+        capped = attend(q, k, v, dense, scale=0.25, gqa=True, softcap=0.5)
+        kr, vr = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+        s = torch.tanh(q @ kr.transpose(2, 3) * 0.25 / 0.5) * 0.5
+        want = torch.softmax(s.masked_fill(~dense.dense, float("-inf")), -1) @ vr
+        assert_close(capped, want, rtol=0, atol=1e-6)
+        plain = attend(q, k, v, None, scale=0.25, gqa=True, softcap=0.5)  # one document: the causal mask
+        causal = torch.ones(200, 200, dtype=torch.bool).tril()
+        assert_close(plain, torch.softmax(s.masked_fill(~causal, float("-inf")), -1) @ vr, rtol=0, atol=1e-6)
+        assert (capped - attend(q, k, v, dense, scale=0.25, gqa=True)).abs().max() > 1e-2
+    # Where flex applies, a capped model's one-document rows take a causal block mask (not s² dense scores).
+    from torch.nn.attention.flex_attention import create_mask
+    causal_block = MaskPlanner(torch.device("cpu"), 1, 0, True, torch.float32, capped=True).mask(None, 200)
+    assert torch.equal(create_mask(causal_block.block.mask_mod, 1, None, 200, 200), causal[None, None])
+    _flex_within_rounding_of_dense(q, k, v, causal_block, DocumentMask(dense=causal[None, None]), softcap=0.5)
+    assert MaskPlanner(torch.device("cpu"), 1, 0, True, torch.float32).mask(None, 200) is None
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_windowed_layers_attend_under_the_window_in_both_mask_forms(packed):
+    """The planner's second mask (`DocumentMask.sliding`) for rows longer than the window, packed or one
+    document a row: the dense one is the windowed document mask, flex's computes the same (forward, on CPU);
+    the full-attention layers keep the plain mask, and rows within the window get no second mask."""
+    q, k, v = _qkv()
+    seg = SEGMENTS if packed else None
+    masks = {flex: MaskPlanner(torch.device("cpu"), 1, 0, flex, torch.float32, window=37).mask(seg, 200)
+             for flex in (True, False)}
+    for flex, docs in masks.items():
+        assert layer_mask(docs, None, 200) is docs and layer_mask(docs, 37, 200) is docs.sliding
+        assert (docs.block is None and docs.dense is None) == (not packed)  # full layers: plain causal
+    want = document_causal_mask(SEGMENTS if packed else torch.ones(1, 200, dtype=torch.long), 37)
+    assert torch.equal(masks[False].sliding.dense, want)
+    assert want.sum() < document_causal_mask(SEGMENTS if packed else torch.ones(1, 200, dtype=torch.long)).sum()
+    _flex_within_rounding_of_dense(q, k, v, masks[True].sliding, masks[False].sliding)
+    within_window = MaskPlanner(torch.device("cpu"), 1, 0, False, torch.float32, window=200).mask(seg, 200)
+    assert within_window is None if not packed else (within_window.sliding is None and
+                                                     torch.equal(within_window.dense, plan(seg, flex=False).dense))
+    with pytest.raises(LayoutError, match="longer than the sliding window 37"):
+        layer_mask(plan(seg, flex=False), 37, 200)
 
 
 def test_single_document_rows_use_plain_causal_attention_with_the_same_result():
@@ -153,8 +206,9 @@ def test_flex_only_where_it_has_a_kernel():
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("heads", [4, 8])  # head_dim 16 takes flex_attention, 8 the dense mask
-def test_packed_rows_on_cuda_match_the_cpu_dense_path(tmp_path, heads):
-    folder = save_tiny("llama3", tmp_path / "m", num_attention_heads=heads, num_key_value_heads=2)
+@pytest.mark.parametrize("kind", ["llama3", "mistral"])  # mistral: a sliding window of 4 tokens
+def test_packed_rows_on_cuda_match_the_cpu_dense_path(tmp_path, heads, kind):
+    folder = save_tiny(kind, tmp_path / "m", num_attention_heads=heads, num_key_value_heads=2)
     ids = torch.randint(0, 300, (2, 200), generator=torch.Generator().manual_seed(3))
     labels, pos = torch.roll(ids, -1, 1), torch.arange(200).expand(2, 200)
     losses = []
@@ -199,7 +253,7 @@ def test_planning_a_packed_mask_on_the_gpu_makes_no_host_sync():
 def _split_block_mask_matches_dense(device: str) -> None:
     """Each CP rank's flex block mask (`split_block_mask`: its queries over the gathered keys) against the dense
     split mask: element by element, and through `attend` forward and backward (flex vs SDPA), with documents of
-    lengths that cross the 128-token blocks and the 2·CP chunk boundaries, and without documents."""
+    lengths that cross the 128-token blocks and the 2·CP chunk boundaries, and without documents; with a sliding window too."""
     from torch.nn.attention.flex_attention import create_mask
 
     from hfmeg.models.document_attention import plan_split, split_causal_mask
@@ -210,16 +264,16 @@ def _split_block_mask_matches_dense(device: str) -> None:
     seg = torch.cat([torch.repeat_interleave(torch.arange(1, len(n) + 1), torch.tensor(n)).unsqueeze(0)
                      for n in lengths]).to(device)
     gen = torch.Generator(device=device).manual_seed(0)
-    for cp in (2, 4):
+    for cp, window in ((2, None), (4, None), (2, 200)):
         kv_index = gathered_index(s, cp, device)
         for rank in range(cp):
             q_index = token_index(s, cp, rank, device)
             for segs in ((seg.index_select(1, q_index), seg.index_select(1, kv_index)), (None, None)):
-                block = plan_split(q_index, kv_index, *segs, flex=True, dtype=torch.float32)
-                dense = plan_split(q_index, kv_index, *segs, flex=False, dtype=torch.float32)
+                block = plan_split(q_index, kv_index, *segs, flex=True, dtype=torch.float32, window=window)
+                dense = plan_split(q_index, kv_index, *segs, flex=False, dtype=torch.float32, window=window)
                 rows = b if segs[0] is not None else 1
                 elements = create_mask(block.block.mask_mod, rows, None, len(q_index), s, device=device)
-                assert torch.equal(elements, split_causal_mask(q_index, kv_index, *segs)), (cp, rank)
+                assert torch.equal(elements, split_causal_mask(q_index, kv_index, *segs, window)), (cp, rank)
                 q = torch.randn(b, heads, len(q_index), d, device=device, generator=gen, requires_grad=True)
                 k, v = (torch.randn(b, kv_heads, s, d, device=device, generator=gen, requires_grad=True)
                         for _ in range(2))
@@ -242,24 +296,26 @@ def _tiles(block, which: str, shape) -> torch.Tensor:
     return out
 
 
-def _check_tiles(q_index, kv_index, q_seg, kv_seg, exact_tiles: bool) -> None:
+def _check_tiles(q_index, kv_index, q_seg, kv_seg, exact_tiles: bool, window: int | None = None) -> None:
     """The range-classified block mask against the per-element truth: the mask flex computes with it (full
     tiles whole, partial tiles through the mask function, the rest skipped) is the dense mask, and its tiles
-    are create_block_mask's (which scans every element) where `exact_tiles`, else a superset of them."""
+    are create_block_mask's (which scans every element) where `exact_tiles`, else a superset of them; with
+    and without a sliding `window`."""
     from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
     from hfmeg.models.document_attention import split_block_mask, split_causal_mask
 
     sq, skv = len(q_index), len(kv_index)
     b = q_seg.shape[0] if q_seg is not None else 1
-    block = split_block_mask(q_index, kv_index, q_seg, kv_seg).block
+    block = split_block_mask(q_index, kv_index, q_seg, kv_seg, window).block
     shape = (b, -(-sq // 128), -(-skv // 128))
     partial, full = _tiles(block, "kv", shape), _tiles(block, "full_kv", shape)
     assert not (partial & full).any()
     elements = create_mask(block.mask_mod, b, None, sq, skv)[:, 0]
     expand = lambda t: t.repeat_interleave(128, 1)[:, :sq].repeat_interleave(128, 2)[:, :, :skv]  # noqa: E731
     flex_sees = expand(full) | (expand(partial) & elements)
-    assert torch.equal(flex_sees, split_causal_mask(q_index, kv_index, q_seg, kv_seg)[:, 0].expand(b, -1, -1))
+    want = split_causal_mask(q_index, kv_index, q_seg, kv_seg, window)[:, 0].expand(b, -1, -1)
+    assert torch.equal(flex_sees, want)
     scan = create_block_mask(block.mask_mod, b if q_seg is not None else None, None, sq, skv, device="cpu")
     scanned = _tiles(scan, "kv", shape) | _tiles(scan, "full_kv", shape)
     if exact_tiles:
@@ -271,26 +327,28 @@ def _check_tiles(q_index, kv_index, q_seg, kv_seg, exact_tiles: bool) -> None:
         assert not (scanned & ~(partial | full)).any()
 
 
-def test_block_mask_tiles_from_ranges_are_exact_on_packed_rows():
+@pytest.mark.parametrize("window", [None, 1, 100, 300])
+def test_block_mask_tiles_from_ranges_are_exact_on_packed_rows(window):
     """Packed rows (consecutive documents, padding last), whole rows and CP splits whose chunks are whole
-    tiles: the tiles computed are exactly those a per-element scan finds, and the mask flex sees is exact."""
+    tiles, with and without sliding windows shorter than the documents and than a tile: the tiles computed
+    are exactly those a per-element scan finds, and the mask flex sees is exact."""
     from hfmeg.parallel.context import gathered_index, token_index
 
     index = torch.arange(200)
-    _check_tiles(index, index, SEGMENTS, SEGMENTS, exact_tiles=True)  # a short last tile
+    _check_tiles(index, index, SEGMENTS, SEGMENTS, exact_tiles=True, window=window)  # a short last tile
     s = 1024
     lengths = ((300, 77, 129, 400, 118), (1024,), (500, 400, 100, 24))
     seg = torch.cat([torch.repeat_interleave(torch.arange(1, len(n) + 1), torch.tensor(n)).unsqueeze(0)
                      for n in lengths])
     seg[2, -24:] = 0  # padding
     index = torch.arange(s)
-    _check_tiles(index, index, seg, seg, exact_tiles=True)
-    _check_tiles(index, index, None, None, exact_tiles=True)
+    _check_tiles(index, index, seg, seg, exact_tiles=True, window=window)
+    _check_tiles(index, index, None, None, exact_tiles=True, window=window)
     for cp in (2, 4):  # chunks of 256 and 128 tokens
         kv_index = gathered_index(s, cp)
         for rank in range(cp):
             q_index = token_index(s, cp, rank)
-            _check_tiles(q_index, kv_index, seg[:, q_index], seg[:, kv_index], exact_tiles=True)
+            _check_tiles(q_index, kv_index, seg[:, q_index], seg[:, kv_index], exact_tiles=True, window=window)
 
 
 def test_block_mask_from_ranges_is_exact_for_any_ids_and_splits():
@@ -303,10 +361,10 @@ def test_block_mask_from_ranges_is_exact_for_any_ids_and_splits():
     seg = torch.randint(0, 6, (2, s), generator=g).sort(dim=1).values
     shuffled = torch.randperm(6, generator=g)[seg]  # the same documents, ids in no order
     kv_index = gathered_index(s, cp)
-    for ids in (seg, shuffled):
+    for ids, window in ((seg, None), (shuffled, None), (seg, 150), (shuffled, 37)):
         for rank in range(cp):
             q_index = token_index(s, cp, rank)
-            _check_tiles(q_index, kv_index, ids[:, q_index], ids[:, kv_index], exact_tiles=False)
+            _check_tiles(q_index, kv_index, ids[:, q_index], ids[:, kv_index], exact_tiles=False, window=window)
 
 
 @pytest.mark.gpu

@@ -109,21 +109,6 @@ def test_context_parallelism_with_the_routers_loss_exits_2(capsys, monkeypatch, 
              "parallel.cp=2")
 
 
-@pytest.mark.parametrize("cp", [1, 2])
-def test_rows_longer_than_the_sliding_window_exit_2_at_start_up(capsys, monkeypatch, tmp_path, cp):
-    """Windowed attention is not implemented: a row longer than the window is refused before any process group
-    (it used to fail in the first forward); under CP the window spans the whole row, not a rank's part."""
-    from tiny_models import save_tiny
-
-    mistral = save_tiny("mistral", tmp_path / "mistral", sliding_window=32)
-    capsys.readouterr()
-    monkeypatch.setenv("WORLD_SIZE", str(cp))
-    _refused(capsys, ["--model", str(mistral), "--cp", str(cp), "--seq-len", "64", "--global-batch-size", "2",
-                      "--set", "model.compile=false"],
-             "config.json field sliding_window: sequence length 64 exceeds the sliding window 32; windowed attention "
-             "is not supported (use data.seq_len <= 32)")
-
-
 def test_only_rank_0_prints_but_every_rank_exits_2(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")

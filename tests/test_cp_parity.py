@@ -3,7 +3,8 @@
 Two gloo worlds, one spawn each, run every layout of a list in turn on rows packed with
 several documents and padding and on plain rows, for LLaMA-3 (GQA, RoPE) and GPT-2 (MHA,
 learned positions, biases, LayerNorm, tied embeddings) tiny checkpoints, and on 4 ranks for SmolLM3 (layers
-without RoPE) and Phi-3 (fused HF projections, RoPE on part of each head):
+without RoPE, a sliding window on those layers shorter than the documents), Gemma 2 (soft-capped scores under the
+split mask), Gemma 3 (RoPE per layer type) and Phi-3 (fused HF projections, RoPE on part of each head):
 
 - 4 ranks (`LAYOUTS_4`): CP4 (selective recompute), CP2 x TP2 (sequence parallelism, full
   recompute), CP2 x PP2 (1F1B through `forward_backward`) and CP2 (x DP2);
@@ -191,7 +192,7 @@ def _check(results: list[list[dict]], layouts: list[Layout], kinds) -> None:
     assert losses == set(covered)  # and every case's loss, on its last stage
 
 
-@pytest.mark.parametrize("kind", ["llama3", "gpt2", "smollm3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama3", "gpt2", "smollm3", "phi3", "gemma2", "gemma3"])
 def test_cp_parity_with_one_process(tiny_checkpoints, kind):
     _check(spawn(_run_layouts, 4, {kind: str(tiny_checkpoints[kind])}, LAYOUTS_4), LAYOUTS_4, [kind])
 

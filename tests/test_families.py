@@ -1,17 +1,21 @@
 """Family specs (`hfmeg/families`): what a family's config reader decides that no round trip shows.
 
-Qwen3's sliding window is per layer (`layer_types`): a window on every layer is Mistral's (kept, rows
-longer than it refused at start-up), a window on some layers only is refused in one line naming the field
-(SmolLM3's too). SmolLM3's NoPE layers, Phi-3's partial rotary and LongRoPE tables against transformers', and
+Sliding windows (Mistral's and Phi-3's on every layer, Qwen3's and SmolLM3's per `layer_types`) against
+transformers on rows and packed documents longer than the window; an unknown layer type is refused in one
+line naming the field. A Gemma 3 trainer run at TP2 x CP2 on rows longer than its window. SmolLM3's NoPE layers, Phi-3's partial rotary and LongRoPE tables against transformers', and
 Phi-3's LoRA on its fused projections (logits, gradients and round trips are in the parametrised parity tests)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_config
-from transformers import Phi3Config, SmolLM3Config
+from tiny_models import reference_attention, save_tiny, tiny_config
+from transformers import AutoModelForCausalLM, Phi3Config, SmolLM3Config
 
+from bounds import assert_close
+from helpers import make_ps
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
 from hfmeg.config import check_cp
 from hfmeg.errors import UnsupportedConfigError
 from hfmeg.families import family_of, model_config_from_hf
@@ -25,18 +29,47 @@ def test_qwen3_features():
     assert model_config_from_hf(tiny_config("qwen3", attention_bias=True)).out_bias
 
 
-def test_qwen3_window_on_every_layer_is_kept():
-    hf = tiny_config("qwen3", sliding_window=32, layer_types=["sliding_attention"] * 2)
-    assert model_config_from_hf(hf).sliding_window == 32
+# A window of 6 tokens: shorter than the rows (24) and the packed documents (10 and 14 tokens).
+WINDOWED = {
+    "mistral": dict(sliding_window=6),
+    "phi3": dict(sliding_window=6),
+    "qwen2": dict(use_sliding_window=True, sliding_window=6, layer_types=["full_attention", "sliding_attention"]),
+    "qwen3": dict(use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    "smollm3": dict(use_sliding_window=True, sliding_window=6, layer_types=["full_attention", "sliding_attention"]),
+    "gemma2": dict(sliding_window=6),
+    "gemma3": dict(sliding_window=6),
+}
 
 
-@pytest.mark.parametrize("layer_types, match", [
-    (["full_attention", "sliding_attention"], r"layer_types: a sliding window on layers \[1\] only"),
-    (["full_attention", "chunked_attention"], r"layer_types: \['chunked_attention'\] are not supported"),
-])
-def test_qwen3_per_layer_windows_refused(layer_types, match):
-    with pytest.raises(UnsupportedConfigError, match=match):
-        model_config_from_hf(tiny_config("qwen3", sliding_window=32, layer_types=layer_types))
+@pytest.mark.parametrize("kind", WINDOWED)
+def test_sliding_windows_match_transformers_on_rows_and_packed_documents(tmp_path, kind):
+    """Whole rows against transformers' row; a packed row's documents each against transformers run on that
+    document alone (transformers has no packing): the window and the document mask together."""
+    folder = save_tiny(kind, tmp_path / "m", **WINDOWED[kind])
+    chunk = load_chunks(HFCheckpoint(folder), make_ps(world=1))[0]
+    windows = [chunk.cfg.window(i) for i in range(chunk.cfg.num_layers)]
+    assert windows == [6, 6] if kind in ("mistral", "phi3") else 6 in windows and None in windows
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                               attn_implementation=reference_attention(folder))
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    lengths = (10, 14)
+    seg = torch.repeat_interleave(torch.arange(1, 3), torch.tensor(lengths)).expand(2, -1)
+    pos = torch.cat([torch.arange(n) for n in lengths]).expand(2, -1)
+    with torch.no_grad():
+        want = ref(ids).logits
+        assert_close(chunk(ids)[..., :300], want, rtol=0, atol=1e-4)
+        packed = chunk(ids, position_ids=pos, segment_ids=seg)[..., :300]
+        for start, n in ((0, 10), (10, 14)):
+            assert_close(packed[:, start:start + n], ref(ids[:, start:start + n]).logits, rtol=0, atol=1e-4)
+        ref.config.sliding_window = 10**6  # the window changes the logits: the comparison above sees it
+        assert (ref(ids, use_cache=False).logits - want).abs().max() > 1e-2
+
+
+def test_unknown_layer_type_is_refused_naming_the_field():
+    with pytest.raises(UnsupportedConfigError, match=r"^config.json field layer_types: \['chunked_attention'\] are "
+                                                     r"not supported \(supported: full_attention, sliding_attention\)$"):
+        model_config_from_hf(tiny_config("qwen3", sliding_window=32, layer_types=["full_attention",
+                                                                                 "chunked_attention"]))
 
 
 def test_unknown_model_type_is_one_line_naming_the_field():
@@ -47,19 +80,19 @@ def test_unknown_model_type_is_one_line_naming_the_field():
 
 def test_smollm3_nope_layers():
     assert model_config_from_hf(tiny_config("smollm3")).nope_layers == (1,)  # no_rope_layer_interval 2
-    cfg = model_config_from_hf(tiny_config("smollm3", num_hidden_layers=8, no_rope_layers=[1, 1, 1, 0] * 2))
+    cfg = model_config_from_hf(tiny_config("smollm3", num_hidden_layers=8, no_rope_layers=[1, 1, 1, 0] * 2,
+                                           use_sliding_window=False))
     assert (cfg.nope_layers, cfg.uses_rope(2), cfg.uses_rope(3), cfg.tie_embeddings) == ((3, 7), True, False, True)
     with pytest.raises(UnsupportedConfigError, match=r"^config.json field no_rope_layers: 3 entries for "):
         model_config_from_hf(tiny_config("smollm3", no_rope_layers=[1, 0, 1]))
 
 
-def test_smollm3_window_on_the_nope_layers_only_is_refused():
+def test_smollm3_window_is_on_the_nope_layers():
     """transformers puts SmolLM3's window on its NoPE layers; without use_sliding_window the window is unused."""
     hf = SmolLM3Config(**{k: getattr(tiny_config("smollm3"), k) for k in ("hidden_size", "num_hidden_layers")},
                        no_rope_layer_interval=2, use_sliding_window=True, sliding_window=32, pad_token_id=None)
-    with pytest.raises(UnsupportedConfigError, match=r"^config.json field layer_types: a sliding window on layers "
-                                                     r"\[1\] only: per-layer windows are not supported$"):
-        model_config_from_hf(hf)
+    cfg = model_config_from_hf(hf)
+    assert (cfg.nope_layers, cfg.window(0), cfg.window(1)) == ((1,), None, 32)
     hf.use_sliding_window = False
     assert model_config_from_hf(hf).sliding_window is None
 
@@ -108,3 +141,47 @@ def test_longrope_is_refused_under_cp():
     with pytest.raises(UnsupportedConfigError, match=r"^config.json field rope_parameters.rope_type: 'longrope' "):
         check_cp(model_config_from_hf(_longrope_config()), 2)
     check_cp(model_config_from_hf(_longrope_config()), 1)
+
+
+def test_gemma3_trains_at_tp2_cp2_on_rows_longer_than_its_window_and_exports(tmp_path):
+    """5 steps of the trainer on packed alpaca rows of 64 tokens (window 4, soft-capped logits) at TP2 x CP2: the
+    export has the source's tensors, trained, and loads in transformers' Gemma 3 class."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from helpers import stories_or_skip
+    from hfmeg.data import DataConfig, SourceConfig
+    from hfmeg.optim.config import OptimizerConfig
+    from hfmeg.optim.lr_schedule import LRScheduleConfig
+    from hfmeg.parallel.launch import spawn
+    from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, ParallelArgs, TrainConfig
+    from hfmeg.train.metrics import read_metrics
+    from tiny_models import ASSETS
+
+    stories, alpaca = stories_or_skip(), ASSETS / "data" / "alpaca_en_demo.json"
+    if not alpaca.is_file():
+        pytest.skip(f"{alpaca} is absent")
+    model = save_tiny("gemma3", tmp_path / "m", vocab_size=512)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(stories / name, model / name)
+    cfg = TrainConfig(model=ModelArgs(path=str(model), dtype="fp32"), parallel=ParallelArgs(tp=2, cp=2),
+                      optim=OptimizerConfig(lr=1e-3, eps=1e-5), lr=LRScheduleConfig(warmup_steps=1, total_steps=5),
+                      data=DataConfig(sources=[SourceConfig(str(alpaca))], seq_len=64),
+                      train=LoopArgs(micro_batch_size=1, global_batch_size=4, max_steps=5, eval_every=0),
+                      checkpoint=CheckpointArgs(out=str(tmp_path / "out"), save_every=0, keep_last=1),
+                      tensorboard=False)
+    hf = spawn(_train, 4, cfg)[0]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))
+    before, after = load_file(model / "model.safetensors"), load_file(hf / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert not torch.equal(before["model.layers.0.self_attn.q_norm.weight"],
+                           after["model.layers.0.self_attn.q_norm.weight"])
+    assert type(AutoModelForCausalLM.from_pretrained(hf)).__name__ == "Gemma3ForCausalLM"
+
+
+def _train(cfg):
+    from hfmeg.train.trainer import Trainer
+
+    return Trainer(cfg).run().hf_folder

@@ -34,3 +34,17 @@ def test_moe_layers_count_the_router_and_the_routed_experts_only():
     expect = 6 * s * active + 12 * s * s * 32 * 32 * 128
     assert training_flops(cfg, 1, s) == expect
     assert 12.5e9 < active + h * cfg.vocab_size < 13.5e9  # the published ~12.9B active parameters
+
+
+def test_windowed_layers_count_the_pairs_their_window_computes():
+    """A windowed layer's attention term is Megatron's scaled by its (query, key) pairs over the causal ones,
+    counted here one query at a time; a full layer (and a window no shorter than the row) keeps Megatron's."""
+    from dataclasses import replace
+
+    s, w, l, h = 512, 100, 4, 4096
+    cfg = replace(_gpt(h, l), sliding_window=w, full_attention_layers=(1, 3))
+    causal, windowed = s * (s + 1) / 2, sum(min(i + 1, w) for i in range(s))
+    per_layer = 12 * s * s * h
+    full = training_flops(_gpt(h, l), 1, s)
+    assert abs(training_flops(cfg, 1, s) - (full - 2 * per_layer * (1 - windowed / causal))) < 1e-6 * full
+    assert training_flops(replace(cfg, sliding_window=s), 1, s) == full

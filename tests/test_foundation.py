@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
@@ -80,7 +79,6 @@ def test_world_not_multiple_of_tp_pp():
         ("llama3", {"model_type": "falcon"}, "model_type: 'falcon' is not supported"),
         ("llama3", {"hidden_act": "gelu"}, "hidden_act"),
         ("llama3", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}, "rope_type"),  # transformers has it, hfmeg not
-        ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
         ("gpt2", {"activation_function": "relu"}, "activation_function"),
     ],
 )
@@ -116,14 +114,6 @@ def test_shape_mismatch_names_tensor(tmp_path):
 def _build_single(folder):
     ps = make_ps(world=1)
     return load_chunks(HFCheckpoint(folder), ps)[0]
-
-
-def test_mistral_sliding_window_refuses_longer_sequences(tmp_path):
-    folder = save_tiny("mistral", tmp_path / "m", sliding_window=8)
-    chunk = _build_single(folder)
-    chunk(torch.zeros(1, 8, dtype=torch.long))  # within the window: identical to full attention
-    with pytest.raises(UnsupportedConfigError, match="exceeds the sliding window 8"):
-        chunk(torch.zeros(1, 9, dtype=torch.long))
 
 
 def test_missing_config(tmp_path):

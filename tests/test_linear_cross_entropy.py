@@ -119,3 +119,28 @@ def test_bf16_weight_gradient_in_fp32_main_grad_on_cuda():
     linear_cross_entropy(x, w, target, ps, V, chunk_tokens=CHUNK).sum().backward()
     assert w.grad is None
     _check_unrounded_weight_gradient(main_grad, x, w, target)
+
+
+@pytest.mark.parametrize("chunk", [CHUNK, T])
+def test_final_logit_softcap_forward_and_backward_match_autograd(chunk):
+    """Gemma's final soft-capping (cap * tanh(z / cap), `softcap`) with padded vocabulary columns: the chunked
+    loss and its hand-written backward (softmax - onehot times 1 - tanh²) against float64 autograd through the
+    plain formula. fp32 vs float64: every entry is a sum of at most max(H, V) fp32 products/terms, each rounding
+    at most one ulp, so within max(H, V)·eps of the magnitude (the standard n·eps bound)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=g).requires_grad_()
+    w = torch.nn.Parameter(torch.randn(V, H, generator=g))
+    target = torch.randint(0, V - 16, (T,), generator=g)
+    target[5] = -100
+    cap, vocab = 3.0, V - 16  # the last 16 rows are padding
+    loss = linear_cross_entropy(x, w, target, make_ps(world=1), vocab, chunk_tokens=chunk, softcap=cap)
+    gx, gw = torch.autograd.grad(loss.sum(), (x, w))
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    z = torch.tanh((x64 @ w64.t())[:, :vocab] / cap) * cap
+    assert (z.abs().max() > cap * 0.95).item()  # the cap bites
+    ref = torch.nn.functional.cross_entropy(z, target, ignore_index=-100, reduction="none")
+    rx, rw = torch.autograd.grad(ref.sum(), (x64, w64))
+    n = max(H, V) * FP32_EPS
+    for got, want, name in ((loss, ref, "loss"), (gx, rx, "grad x"), (gw, rw, "grad w")):
+        within((got.double() - want).abs().max().item(), n * want.abs().max().item() + 1e-12, name)
+    assert torch.equal(gw[vocab:], torch.zeros_like(gw[vocab:]))  # padding rows get no gradient, and no NaN

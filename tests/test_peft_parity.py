@@ -94,7 +94,7 @@ def _check(cases, ids, layouts=LAYOUTS):
     return report, names
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "smollm3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "smollm3", "phi3", "gemma2"])
 def test_lora_and_dora_match_peft(kind, tmp_path):
     cases = [make_base_and_adapter(tmp_path, kind, rslora=rs, dora=dora)
              for rs, dora in ((False, False), (True, False), (False, True), (True, True))]
@@ -142,6 +142,11 @@ def test_merge_matches_peft_on_the_base(kind, options, tmp_path):
     base, adapter = make_base_and_adapter(tmp_path, kind, **options)
     # fp32 rounding of the merged weights (~1e-7 relative) through 2 layers; the contract's bound is 1e-4.
     within(merged_vs_peft(base, adapter, tmp_path / "merged"), TOL, "merged logits max-abs", None)
+
+
+def test_dora_merge_matches_peft_on_a_gemma(tmp_path):
+    """The merged DoRA export of Gemma 2 (tied embeddings, soft-capping, four norms) against peft on the base."""
+    test_merge_matches_peft_on_the_base("gemma2", dict(dora=True), tmp_path)
 
 
 def _dropout_run(base, adapter, ids):

@@ -23,7 +23,7 @@ from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.state import ParallelState
 from optim_harness import check_within_rounding, truth_of
-from tiny_models import RANDOM_KINDS
+from tiny_models import RANDOM_KINDS, reference_attention
 
 STORY_LINES = [
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park.",
@@ -33,7 +33,8 @@ LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
 
 
 def _reference(folder, ids):
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 attn_implementation=reference_attention(folder))
     out = model(ids, labels=ids)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -156,7 +157,7 @@ def test_chunked_cross_entropy_equals_unchunked(tiny_checkpoints):
         check_within_rounding(r["rel"], r["rel_max"], r["loss_rel"], r["rounding"], 1, r, runs=2)
 
 
-@pytest.mark.parametrize("kind", ["llama3", "smollm3", "phi3"])  # and layers without RoPE, RoPE on part of a head
+@pytest.mark.parametrize("kind", ["llama3", "smollm3", "phi3", "gemma3"])  # and NoPE layers, partial RoPE, Gemma
 def test_compiled_kernels_match_eager(tiny_checkpoints, kind):
     """The torch.compile path traces norm/RoPE/SwiGLU into graphs with the same maths.
 

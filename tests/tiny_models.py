@@ -6,18 +6,28 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
-                          Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig,
+                          MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                          SmolLM3Config)
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES = ASSETS / "models" / "stories260K"
 
 # Every dense family `tiny_config` builds; llama_tied has tied embeddings and a vocabulary (32001)
 # that needs padding under every TP size; qwen3 has QK-norm and a head_dim (16) that is not hidden / heads (8);
-# smollm3 skips RoPE on every 2nd layer (NoPE) and ties its embeddings; phi3 has fused GQA `qkv_proj` (8 query heads,
-# 4 KV heads: the fused tensor is not three equal parts) and `gate_up_proj`, and RoPE on 3/4 of each head.
-RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied", "qwen3", "smollm3", "phi3")
+# mistral has a sliding window of 4 tokens on every layer, shorter than the test rows and packed documents;
+# smollm3 skips RoPE on every 2nd layer (NoPE), has the same window on those layers only, and ties its embeddings; phi3 has fused GQA `qkv_proj` (8 query heads,
+# 4 KV heads: the fused tensor is not three equal parts) and `gate_up_proj`, and RoPE on 3/4 of each head;
+# gemma2 has the window on every other layer, four (1 + w) norms a layer, GeGLU, a scaled embedding, an attention
+# scale from query_pre_attn_scalar (16, not head_dim 8) and soft-capping of scores and logits with caps small
+# enough to bite (the tiny model's scores reach ~0.08, its logits ~0.7); gemma3 adds (1 + w) QK-norm and RoPE per
+# layer type (sliding layers theta 1e4, full layers 1e6 with linear scaling), and no attention cap (transformers'
+# Gemma 3 ignores attn_logit_softcapping).
+RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied", "qwen3", "smollm3", "phi3", "gemma2", "gemma3")
 
+WINDOW = 4
+_GEMMA = dict(head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=16, attn_logit_softcapping=0.02,
+              final_logit_softcapping=0.5)
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
 
@@ -39,16 +49,23 @@ def tiny_config(kind: str, **overrides):
     elif kind == "llama_tied":
         cfg = LlamaConfig(**{**_COMMON, "vocab_size": 32001}, tie_word_embeddings=True)
     elif kind == "mistral":
-        cfg = MistralConfig(**_COMMON, sliding_window=None)
+        cfg = MistralConfig(**_COMMON, sliding_window=WINDOW)
     elif kind == "qwen2":
         cfg = Qwen2Config(**_COMMON)
     elif kind == "qwen3":
         cfg = Qwen3Config(**_COMMON, head_dim=16)
     elif kind == "smollm3":
-        cfg = SmolLM3Config(**_COMMON, no_rope_layer_interval=2, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+        cfg = SmolLM3Config(**_COMMON, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=WINDOW,
+                            pad_token_id=None, bos_token_id=1, eos_token_id=2)
     elif kind == "phi3":
         cfg = Phi3Config(**_COMMON, pad_token_id=None, bos_token_id=1, eos_token_id=2,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75})
+    elif kind == "gemma2":
+        cfg = Gemma2Config(**_COMMON, **_GEMMA)
+    elif kind == "gemma3":
+        cfg = Gemma3TextConfig(**_COMMON, **{**_GEMMA, "attn_logit_softcapping": None}, layer_types=["sliding_attention", "full_attention"], rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})
     elif kind == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=300, n_positions=128)
     elif kind == "mixtral":
@@ -78,6 +95,11 @@ def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
                 p.mul_(10.0)
     model.save_pretrained(folder)
     return folder
+
+
+def reference_attention(folder: Path) -> str:
+    """The transformers attention to compare with: `eager` where scores are soft-capped (SDPA refuses it)."""
+    return "eager" if json.loads((Path(folder) / "config.json").read_text()).get("attn_logit_softcapping") else "sdpa"
 
 
 def rewrite_config_v4(folder: Path) -> None:

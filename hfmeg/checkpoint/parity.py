@@ -78,7 +78,12 @@ def reference_outputs(hf_dir: str | Path, ids: torch.Tensor, max_new_tokens: int
     """(logits, generated ids) from transformers in fp32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    from transformers import AutoConfig
+
+    # SDPA refuses soft-capped scores (Gemma): transformers' eager attention computes them.
+    capped = getattr(AutoConfig.from_pretrained(str(hf_dir)), "attn_logit_softcapping", None)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                 attn_implementation="eager" if capped else None)
     logits = model(ids).logits.float()
     generated = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
     return logits, generated

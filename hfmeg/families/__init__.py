@@ -10,6 +10,8 @@ from transformers import PretrainedConfig
 
 from ..config import ModelConfig
 from ..errors import UnsupportedConfigError
+from .gemma2 import GEMMA2
+from .gemma3 import GEMMA3
 from .gpt2 import GPT2
 from .llama import LLAMA
 from .mistral import MISTRAL
@@ -22,7 +24,7 @@ from .qwen3_moe import QWEN3_MOE
 from .smollm3 import SMOLLM3
 from .spec import FamilySpec
 
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT2)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT2)
 _BY_TYPE = {t: spec for spec in FAMILIES for t in spec.model_types}
 
 

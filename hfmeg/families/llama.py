@@ -31,18 +31,43 @@ def stacked_expert_names(i: int) -> tuple[str, str]:
     return f"{layer_prefix(i)}mlp.experts.gate_up_proj", f"{layer_prefix(i)}mlp.experts.down_proj"
 
 
-def no_window(hf: PretrainedConfig) -> None:
-    """Qwen's sliding window (`use_sliding_window`) is refused: it changes results."""
+Window = tuple[int | None, tuple[int, ...]]  # the sliding window, and the layers that attend in full despite it
+
+
+def no_window(hf: PretrainedConfig) -> Window:
+    """The Qwen MoE families' sliding window (`use_sliding_window`) is refused: not built for them."""
     require(not getattr(hf, "use_sliding_window", False), "use_sliding_window",
-            f"{hf.model_type} sliding-window attention changes results and is not supported")
+            f"{hf.model_type} sliding-window attention is not supported")
+    return None, ()
+
+
+def every_layer_window(hf: PretrainedConfig) -> Window:
+    """Mistral's rule: `sliding_window` (None: none) on every layer."""
+    return getattr(hf, "sliding_window", None), ()
+
+
+def layer_types_window(hf: PretrainedConfig) -> Window:
+    """`sliding_window` on the layers `layer_types` calls sliding_attention (none when the window is None);
+    a layer type hfmeg does not build is refused."""
+    window = getattr(hf, "sliding_window", None)
+    types = list(getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
+    known = {"full_attention", "sliding_attention"}
+    require(set(types) <= known, "layer_types", f"{sorted(set(types) - known)} are not supported (supported: "
+            f"{', '.join(sorted(known))})")
+    require(len(types) == hf.num_hidden_layers, "layer_types",
+            f"{len(types)} entries for num_hidden_layers={hf.num_hidden_layers}")
+    full = tuple(i for i, t in enumerate(types) if t == "full_attention")
+    if window is None or len(full) == len(types):
+        return None, ()
+    return window, full
 
 
 def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bias: bool | None = None,
-                   window: Callable[[PretrainedConfig], int | None] = lambda hf: None, qk_norm: bool = False,
+                   window: Callable[[PretrainedConfig], Window] = lambda hf: (None, ()), qk_norm: bool = False,
                    moe: Callable[[PretrainedConfig], MoEConfig] | None = None,
                    partial_rotary: bool = False) -> ModelConfig:
     """A LLaMA-layout config; a bias left None follows `attention_bias`, `window` returns the sliding window
-    (or refuses one), `moe` reads the MoE fields, `partial_rotary` lets `partial_rotary_factor` be below 1."""
+    and the layers without it (or refuses a window), `moe` reads the MoE fields, `partial_rotary` lets `partial_rotary_factor` be below 1."""
     rotary = rope_check(hf, partial=partial_rotary)
     t = hf.model_type
     act = getattr(hf, "hidden_act", "silu")
@@ -53,7 +78,8 @@ def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bi
     kv = getattr(hf, "num_key_value_heads", None) or heads
     require(heads % kv == 0, "num_key_value_heads", f"{kv} does not divide num_attention_heads={heads}")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    sliding = window(hf)
+    sliding, full_layers = window(hf)
+    require(sliding is None or sliding >= 1, "sliding_window", f"{sliding} is not a window (use 1 or more)")
     attention_bias = bool(getattr(hf, "attention_bias", False))
     return ModelConfig(
         model_type=t,
@@ -75,6 +101,7 @@ def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bi
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         sliding_window=sliding,
+        full_attention_layers=full_layers,
         bos_token_id=getattr(hf, "bos_token_id", None),
         qk_norm=qk_norm,
         partial_rotary_factor=rotary,

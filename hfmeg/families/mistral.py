@@ -1,14 +1,7 @@
-"""Mistral: LLaMA with a sliding window (`sliding_window`; longer rows are refused, `config.check_window`)."""
+"""Mistral: LLaMA with a sliding window on every layer (`sliding_window`, `llama.every_layer_window`)."""
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from .llama import decoder_config, every_layer_window, llama_layout
 
-from .llama import decoder_config, llama_layout
-
-
-def mistral_window(hf: PretrainedConfig) -> int | None:
-    return getattr(hf, "sliding_window", None)
-
-
-MISTRAL = llama_layout(("mistral",), "MistralForCausalLM", lambda hf: decoder_config(hf, window=mistral_window))
+MISTRAL = llama_layout(("mistral",), "MistralForCausalLM", lambda hf: decoder_config(hf, window=every_layer_window))

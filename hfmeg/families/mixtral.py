@@ -9,8 +9,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from ..config import MoEConfig, require
-from .llama import ATTENTION, decoder_config, llama_layout
-from .mistral import mistral_window
+from .llama import ATTENTION, decoder_config, every_layer_window, llama_layout
 from .spec import ExpertNames, PeftNames
 
 
@@ -27,7 +26,7 @@ def mixtral_moe(hf: PretrainedConfig) -> MoEConfig:
 
 
 MIXTRAL = llama_layout(
-    ("mixtral",), "MixtralForCausalLM", lambda hf: decoder_config(hf, window=mistral_window, moe=mixtral_moe),
+    ("mixtral",), "MixtralForCausalLM", lambda hf: decoder_config(hf, window=every_layer_window, moe=mixtral_moe),
     experts=ExpertNames("block_sparse_moe.", "w1", "w3", "w2"),
     peft=PeftNames(ATTENTION, {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj", "gate": "gate.weight"},
                    fused=("w1", "w3")))

@@ -1,8 +1,8 @@
 """SmolLM3: LLaMA whose layers `no_rope_layers[i] == 0` apply no RoPE (NoPE; transformers derives the list from
 `no_rope_layer_interval`: every 4th layer by default), often with tied embeddings.
 
-Its sliding window (`use_sliding_window`, on the `layer_types` transformers marks, the NoPE layers by default)
-is Qwen3's rule (`qwen3.layer_window`): a window on every layer is Mistral's, on some layers only refused."""
+Its sliding window (`use_sliding_window`) is on the `layer_types` transformers marks, the NoPE layers by default
+(`llama.layer_types_window`)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ from dataclasses import replace
 from transformers import PretrainedConfig
 
 from ..config import ModelConfig, require
-from .llama import decoder_config, llama_layout
-from .qwen3 import layer_window
+from .llama import Window, decoder_config, layer_types_window, llama_layout
 
 
-def window(hf: PretrainedConfig) -> int | None:
-    return layer_window(hf) if getattr(hf, "use_sliding_window", False) else None  # sliding_window alone is unused
+def window(hf: PretrainedConfig) -> Window:
+    return layer_types_window(hf) if getattr(hf, "use_sliding_window", False) else (None, ())  # sliding_window alone is unused
 
 
 def normalise(hf: PretrainedConfig) -> ModelConfig:

@@ -9,6 +9,9 @@ query and key head before RoPE. One weight serves all heads, so it is TP-replica
 each rank's gradient comes from its own heads only, so its role says
 `sequence_parallel` (summed over TP), with or without SP.
 
+A layer with a sliding window (`cfg.window`) attends under the micro-batch's windowed mask
+(`DocumentMask.sliding`, document_attention.py), the others under its full one.
+
 A layer without RoPE (SmolLM3's NoPE layers, `cfg.uses_rope`) skips the rotation and attends
 with the raw Q and K; the decoder's one cos/sin table serves the other layers.
 
@@ -28,11 +31,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig, check_window
+from ..config import ModelConfig
 from ..parallel.context import gather_kv
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.state import ParallelState
-from .document_attention import DocumentMask, attend
+from .document_attention import DocumentMask, attend, layer_mask
 from .kernels import Kernels
 from .norm import RMSNorm
 
@@ -45,19 +48,20 @@ class ParallelAttention(nn.Module):
         self.rep = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
         self.scale = cfg.attn_scale(layer)
         self.rotates = cfg.uses_rope(layer)
+        self.window = cfg.window(layer)
         d = cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias)
         self.out = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, ps, bias=cfg.out_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.norm_eps, True, kernels)
-            self.k_norm = RMSNorm(d, cfg.norm_eps, True, kernels)
+            self.q_norm = RMSNorm(d, cfg.norm_eps, True, kernels, cfg.norm_offset)
+            self.k_norm = RMSNorm(d, cfg.norm_eps, True, kernels, cfg.norm_offset)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, docs: DocumentMask | None,
                 recompute_core: bool = False):
         qkv = self.qkv(x)  # [s, b, groups * (rep + 2) * d]
         s = qkv.shape[0] * self.ps.cp  # the row's length: under CP the queries are a part of it
-        check_window(self.cfg, s)
+        docs = layer_mask(docs, self.window, s)
         if recompute_core:
             o = checkpoint(self._core, qkv, rope, docs, use_reentrant=False)
         else:
@@ -78,5 +82,5 @@ class ParallelAttention(nn.Module):
         if rope is not None and self.rotates:
             q, k = self.kernels.rope(q, *rope), self.kernels.rope(k, *rope)
         k, v = gather_kv(k, v, self.ps)  # the whole row's under context parallelism
-        o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1)
+        o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1, softcap=self.cfg.attn_softcap)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads_local * d]

@@ -58,12 +58,18 @@ class DecoderLayer(nn.Module):
         sp = ps.sequence_parallel
         self.input_norm = make_norm(cfg, sp, kernels)
         self.attn = ParallelAttention(cfg, ps, layer, kernels)
-        self.post_attn_norm = make_norm(cfg, sp, kernels)
+        self.post_attn_norm = make_norm(cfg, sp, kernels)  # before the MLP (HF's LLaMA name kept)
         self.mlp = MoELayer(cfg, ps, kernels) if cfg.is_sparse(layer) else ParallelMLP(cfg, ps, kernels)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:  # Gemma: the attention's and the MLP's outputs are normed before the residual add
+            self.attn_out_norm = make_norm(cfg, sp, kernels)
+            self.mlp_out_norm = make_norm(cfg, sp, kernels)
 
     def forward(self, x, rope, docs, selective: bool = False):
-        x = x + self.attn(self.input_norm(x), rope, docs, recompute_core=selective)
-        return x + self.mlp(self.post_attn_norm(x))
+        a = self.attn(self.input_norm(x), rope, docs, recompute_core=selective)
+        x = x + (self.attn_out_norm(a) if self.sandwich else a)
+        m = self.mlp(self.post_attn_norm(x))
+        return x + (self.mlp_out_norm(m) if self.sandwich else m)
 
 
 class ModelChunk(nn.Module):
@@ -103,7 +109,10 @@ class ModelChunk(nn.Module):
                 self.pos_embed = nn.Embedding(cfg.max_positions, cfg.hidden_size)
                 # Replicated; not sequence-parallel: `_embed` scatters its output, so each rank's gradient is full.
                 set_role(self.pos_embed, "weight", ParamRole("embedding"))
-        self.rope = RotaryEmbedding(cfg) if cfg.positions == "rope" else None
+        # The RoPE tables by `ModelConfig.rope_key` (one set, under None, but for Gemma 3's per layer type).
+        keys = {cfg.rope_key(i) for i in range(cfg.num_layers)} if cfg.positions == "rope" else set()
+        self.ropes = {key: RotaryEmbedding(cfg, key) for key in keys}
+        self.rope = self.ropes.get(None)
         kernels = Kernels(compile_backend)  # norm/RoPE/SwiGLU: eager, or fused by torch.compile
         self.layers = nn.ModuleDict()
         for i in self.layer_ids:
@@ -123,7 +132,7 @@ class ModelChunk(nn.Module):
             if not (cfg.tie_embeddings and pre_process):
                 # With tied embeddings: the last stage's copy of the first stage's `embed.weight`.
                 self.lm_head = VocabParallelHead(cfg.hidden_size, self.padded_vocab, cfg.vocab_size, ps,
-                                                 tied_copy=cfg.tie_embeddings)
+                                                 tied_copy=cfg.tie_embeddings, softcap=cfg.final_softcap)
 
     def forward(
         self,
@@ -161,10 +170,11 @@ class ModelChunk(nn.Module):
         if self.pre_process:
             x = self._embed(x, position_ids)
         dtype = self._compute_dtype()
-        rope = self.rope(position_ids, dtype) if self.rope is not None else None
+        tables = {key: rope(position_ids, dtype) for key, rope in self.ropes.items()}
         if docs is None:
             docs = self.mask_planner(x.device).mask(segment_ids, s, row_segment_ids)
-        for layer in self.layers.values():
+        for i, layer in self.layers.items():
+            rope = tables.get(self.cfg.rope_key(int(i)))
             if self.recompute == "full" and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, docs, use_reentrant=False)
             else:
@@ -182,7 +192,8 @@ class ModelChunk(nn.Module):
         its CP split (document_attention.py)."""
         ps = self.ps
         device = device or ps.device
-        return MaskPlanner(device, ps.cp, ps.cp_rank, flex_applies(device, self.cfg.head_dim), self._compute_dtype())
+        return MaskPlanner(device, ps.cp, ps.cp_rank, flex_applies(device, self.cfg.head_dim), self._compute_dtype(),
+                           self.cfg.sliding_window, capped=self.cfg.attn_softcap is not None)
 
     def stage(self, mb: MicroBatch) -> MicroBatch:
         """A micro-batch on this rank's device with its attention decided (models/staging.py)."""
@@ -218,6 +229,8 @@ class ModelChunk(nn.Module):
 
     def _embed(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)  # [s, b, h], already sequence-scattered under SP
+        if self.cfg.embed_scale:  # Gemma: sqrt(hidden) rounded to the embedding's dtype, as transformers does
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
         if self.cfg.positions == "learned":
             pos = self.pos_embed(position_ids).transpose(0, 1)
             # Scatter (not slice) so each rank's position-embedding gradient is the full one.
@@ -229,4 +242,5 @@ class ModelChunk(nn.Module):
         if hasattr(self, "lm_head"):
             return self.lm_head(x, labels, self.ce_chunk_tokens)
         # Tied embeddings with both ends here: the embedding's weight is the head.
-        return vocab_parallel_head(x, self.embed.weight, labels, self.ps, self.cfg.vocab_size, self.ce_chunk_tokens)
+        return vocab_parallel_head(x, self.embed.weight, labels, self.ps, self.cfg.vocab_size, self.ce_chunk_tokens,
+                                   self.cfg.final_softcap)

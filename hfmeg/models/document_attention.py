@@ -26,16 +26,26 @@ it compute every block, although most blocks of a packed causal row are empty.
 All three compute the same function: on a row of one document the dense mask is
 exactly the causal one.
 
+Sliding windows (`ModelConfig.window`): a query at row position i sees keys j with
+i - w < j <= i (transformers' `sliding_window_overlay`), besides the document mask.
+Where a row is longer than the model's window, the planner builds a second mask for the
+windowed layers (`DocumentMask.sliding`, the same three forms, a mask even for rows of
+one document), which `layer_mask` hands them; the other layers keep the one above.
+
+Soft-capped scores (Gemma 2, `attend(softcap=...)`): flex caps them in its `score_mod`, so a
+capped model's one-document rows take a causal block mask where flex applies; elsewhere the
+scores are computed explicitly (SDPA has no hook), `b·heads·s²` of them saved for backward.
+
 Under context parallelism (parallel/context.py) a rank's queries are a subset of the
 row's positions and its keys the whole gathered row in another order; `plan_split`
-builds the same document-causal mask from both sides' row positions and document ids
-(dense, or a flex block mask where `flex_applies`). Plain causal SDPA cannot serve
+builds the same document-causal mask (and window) from both sides' row positions and
+document ids (dense, or a flex block mask where `flex_applies`). Plain causal SDPA cannot serve
 there, as the diagonal of the rectangle is not the row's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
@@ -55,27 +65,35 @@ class DocumentMask:
     block: BlockMask | None = None
     dense: torch.Tensor | None = None  # [b, 1, s, s], True where attention is allowed (CP: additive, see plan_split)
     reads: tuple[torch.Tensor, ...] = ()  # what the block mask's function reads (positions, document ids)
+    # The mask of the layers with a sliding window (`ModelConfig.window`), where the row is longer than the
+    # window; this mask's own `block` and `dense` both None: the other layers attend plain causal.
+    sliding: DocumentMask | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the attention reads through this mask (models/staging.py hands them across streams)."""
         held = self.block.as_tuple() if self.block is not None else (self.dense,)
-        return [t for t in (*held, *self.reads) if isinstance(t, torch.Tensor)]
+        inner = self.sliding.tensors() if self.sliding is not None else []
+        return [t for t in (*held, *self.reads) if isinstance(t, torch.Tensor)] + inner
 
 
-def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean `[b, 1, s, s]` mask: causal, and no attention across packed documents."""
-    s = segment_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (same & causal).unsqueeze(1)
+def document_causal_mask(segment_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Boolean `[b, 1, s, s]` mask: causal, no attention across packed documents, and (given a `window`) a
+    query at position i sees keys at positions j > i - window only."""
+    index = torch.arange(segment_ids.shape[1], device=segment_ids.device)
+    return split_causal_mask(index, index, segment_ids, segment_ids, window)
 
 
 def split_causal_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: torch.Tensor | None,
-                      kv_segments: torch.Tensor | None) -> torch.Tensor:
+                      kv_segments: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
     """Boolean `[b or 1, 1, sq, skv]` mask of queries at row positions `q_index` `[sq]` over keys at
-    `kv_index` `[skv]`: causal in the row, and (given the document ids `[b, sq]`, `[b, skv]`) never
+    `kv_index` `[skv]`: causal in the row, within `window` positions back (transformers'
+    `sliding_window_overlay`: `kv > q - window`), and (given the document ids `[b, sq]`, `[b, skv]`) never
     across documents."""
-    allowed = (q_index[:, None] >= kv_index[None, :]).unsqueeze(0)
+    back = q_index[:, None] - kv_index[None, :]
+    allowed = back >= 0
+    if window is not None:
+        allowed = allowed & (back < window)
+    allowed = allowed.unsqueeze(0)
     if q_segments is not None:
         allowed = allowed & (q_segments[:, :, None] == kv_segments[:, None, :])
     return allowed.unsqueeze(1)
@@ -112,16 +130,17 @@ def _tile_lists(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def split_block_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: torch.Tensor | None,
-                     kv_segments: torch.Tensor | None) -> DocumentMask:
+                     kv_segments: torch.Tensor | None, window: int | None = None) -> DocumentMask:
     """The same mask as `split_causal_mask`, as a flex-attention block mask (one for all heads).
 
     The tiles are classified from their ranges alone, with tensor ops and no compiler (so it can run in the
     data thread, models/staging.py): from the min and max of each tile's row positions and document ids, a
     (query tile, key tile) pair is
-    - skipped when no pair of tokens can be allowed: every key after every query, or the two tiles'
-      document-id ranges disjoint (no id in both);
-    - computed without the mask when every pair is: every key at or before every query, and both tiles
-      wholly in one and the same document (and neither tile short);
+    - skipped when no pair of tokens can be allowed: every key after every query, every key `window` or
+      more positions before every query, or the two tiles' document-id ranges disjoint (no id in both);
+    - computed without the mask when every pair is: every key at or before every query and less than
+      `window` positions before it, and both tiles wholly in one and the same document (and neither tile
+      short);
     - computed with the mask function otherwise.
     Both rules are sufficient conditions, so the mask is exact for any ids and positions; they are also
     necessary (no tile computed that a per-element scan would skip) for rows of consecutive documents cut
@@ -131,7 +150,10 @@ def split_block_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: 
     b = q_segments.shape[0] if q_segments is not None else 1
 
     def same_document_causal(batch, head, q, kv):
-        causal = q_index[q] >= kv_index[kv]
+        back = q_index[q] - kv_index[kv]
+        causal = back >= 0
+        if window is not None:
+            causal = causal & (back < window)
         if q_segments is None:
             return causal
         return (q_segments[batch, q] == kv_segments[batch, kv]) & causal
@@ -140,6 +162,9 @@ def split_block_mask(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: 
     kv_lo, kv_hi, kv_whole = _tile_ranges(kv_index)
     empty = (kv_lo[None, :] > q_hi[:, None]).expand(b, -1, -1)
     full = (kv_hi[None, :] <= q_lo[:, None]) & q_whole[:, None] & kv_whole[None, :]
+    if window is not None:  # the nearest pair `window` or more apart: none seen; the farthest nearer: all
+        empty = empty | (q_lo[:, None] - kv_hi[None, :] >= window)
+        full = full & (q_hi[:, None] - kv_lo[None, :] < window)
     if q_segments is not None:
         def ranked(seg):  # padding (0) after every document, so ids rise along a packed row
             return torch.where(seg == 0, torch.iinfo(seg.dtype).max, seg)
@@ -175,15 +200,16 @@ def plan(segment_ids: torch.Tensor | None, flex: bool) -> DocumentMask | None:
 
 
 def plan_split(q_index: torch.Tensor, kv_index: torch.Tensor, q_segments: torch.Tensor | None,
-               kv_segments: torch.Tensor | None, flex: bool, dtype: torch.dtype) -> DocumentMask:
+               kv_segments: torch.Tensor | None, flex: bool, dtype: torch.dtype,
+               window: int | None = None) -> DocumentMask:
     """The mask of a context-parallel rank's queries over the gathered keys (module doc).
 
     The dense form is additive (0 or -inf) in the compute dtype: SDPA turns a boolean mask
     into such a tensor in every layer and saves that copy for backward, s/cp x s elements
     per layer; given one, it saves the tensor it was given, once per chunk."""
     if flex:
-        return split_block_mask(q_index, kv_index, q_segments, kv_segments)
-    allowed = split_causal_mask(q_index, kv_index, q_segments, kv_segments)
+        return split_block_mask(q_index, kv_index, q_segments, kv_segments, window)
+    allowed = split_causal_mask(q_index, kv_index, q_segments, kv_segments, window)
     return DocumentMask(dense=torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
                         .masked_fill_(~allowed, float("-inf")))
 
@@ -198,26 +224,52 @@ class MaskPlanner:
     cp_rank: int
     flex: bool  # `flex_applies` to this model on this device
     dtype: torch.dtype  # the compute dtype (CP's dense masks are additive in it)
+    window: int | None = None  # the model's sliding window (`ModelConfig.window`), None where no layer has one
+    # Soft-capped scores (Gemma 2): SDPA cannot cap, so where flex applies even one-document rows take a
+    # (causal) block mask, rather than the explicit dense path's s² scores.
+    capped: bool = False
+
+    def windowed(self, row: int) -> bool:
+        """Whether rows of `row` tokens need the sliding-window mask: only rows longer than the window."""
+        return self.window is not None and row > self.window
 
     def mask(self, segment_ids: torch.Tensor | None, s: int,
              row_segment_ids: torch.Tensor | None = None) -> DocumentMask | None:
         """The mask of a micro-batch of `s` tokens per row (under CP this rank's `s` of each row's `s * cp`,
-        `row_segment_ids` the whole rows' document ids: parallel/context.py); None: plain causal attention."""
+        `row_segment_ids` the whole rows' document ids: parallel/context.py); None: plain causal attention.
+        Rows longer than the window carry the windowed layers' mask too (`DocumentMask.sliding`)."""
         if self.cp == 1:
-            return plan(segment_ids, flex=self.flex)
+            docs = plan(segment_ids, flex=self.flex)
+            index = torch.arange(s, device=self.device)
+            if docs is None and self.flex and self.capped:
+                docs = split_block_mask(index, index, None, None)
+            if not self.windowed(s):
+                return docs
+            seg = segment_ids if docs is not None else None  # one document a row: positions alone
+            if self.flex:
+                sliding = split_block_mask(index, index, seg, seg, self.window)
+            else:
+                sliding = DocumentMask(dense=split_causal_mask(index, index, seg, seg, self.window))
+            return replace(docs or DocumentMask(), sliding=sliding)
         if segment_ids is not None and row_segment_ids is None:
             raise LayoutError("under context parallelism a micro-batch with segment_ids needs row_segment_ids, "
                               "the whole rows' document ids (MicroBatch.shard)")
         row = s * self.cp
         kv_index = gathered_index(row, self.cp, self.device)
         kv_segments = row_segment_ids.index_select(1, kv_index) if row_segment_ids is not None else None
-        return plan_split(token_index(row, self.cp, self.cp_rank, self.device), kv_index, segment_ids, kv_segments,
-                          self.flex, self.dtype)
+        q_index = token_index(row, self.cp, self.cp_rank, self.device)
+        docs = plan_split(q_index, kv_index, segment_ids, kv_segments, self.flex, self.dtype)
+        if not self.windowed(row):
+            return docs
+        # The window in the row's global positions: the split mask compares both sides' row positions.
+        return replace(docs, sliding=plan_split(q_index, kv_index, segment_ids, kv_segments, self.flex, self.dtype,
+                                                self.window))
 
     def builds_ahead(self, mb: MicroBatch) -> bool:
         """Whether the mask of micro-batch `mb` is a flex block mask (small: built ahead; a dense one is
-        b·s² elements and built at use). Under CP every micro-batch has a mask, packed or not."""
-        return self.flex and (self.cp > 1 or mb.segment_ids is not None)
+        b·s² elements and built at use). Under CP every micro-batch has a mask, packed or not, and so has
+        a row longer than the window, and every row of a soft-capped model."""
+        return self.flex and (self.cp > 1 or mb.segment_ids is not None or self.windowed(mb.shape[1]) or self.capped)
 
 
 @cache
@@ -226,12 +278,43 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def layer_mask(docs: DocumentMask | None, window: int | None, row: int) -> DocumentMask | None:
+    """The mask a layer with sliding window `window` (None: none) attends rows of `row` tokens under."""
+    if window is None or row <= window:
+        return docs
+    if docs is None or docs.sliding is None:
+        raise LayoutError(f"a row of {row} tokens is longer than the sliding window {window}, but its mask was "
+                          "planned without the window (MaskPlanner.window)")
+    return docs.sliding
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, computed explicitly (SDPA has no score hook), as transformers'
+    eager Gemma attention: scores = cap * tanh(q·k * scale / cap), then the mask, softmax in fp32."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # query head i reads KV head i // rep
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentMask | None, scale: float,
-           gqa: bool) -> torch.Tensor:
-    """Attention of `q` `[b, heads, s, d]` over `k`, `v` `[b, kv_heads, s, d]` under `docs`."""
+           gqa: bool, softcap: float | None = None) -> torch.Tensor:
+    """Attention of `q` `[b, heads, s, d]` over `k`, `v` `[b, kv_heads, s, d]` under `docs` (its own
+    `block` or `dense`; both None: plain causal), the scores soft-capped at `softcap` where given
+    (flex: a score_mod; otherwise explicitly, `_softcapped`)."""
     if docs is not None and docs.block is not None:
         flex = _compiled_flex() if q.is_cuda else flex_attention
-        return flex(q, k, v, block_mask=docs.block, scale=scale, enable_gqa=gqa)
+        score_mod = None
+        if softcap is not None:
+            def score_mod(score, batch, head, q_idx, kv_idx):
+                return torch.tanh(score / softcap) * softcap
+        return flex(q, k, v, score_mod=score_mod, block_mask=docs.block, scale=scale, enable_gqa=gqa)
     mask = docs.dense if docs is not None else None
+    if softcap is not None:
+        return _softcapped(q, k, v, mask, scale, softcap)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                           enable_gqa=gqa)

@@ -19,12 +19,14 @@ from .decoder import ModelChunk
 
 
 @torch.no_grad()
-def full_logits(chunks: list[ModelChunk], ps: ParallelState, input_ids: torch.Tensor) -> torch.Tensor | None:
+def full_logits(chunks: list[ModelChunk], ps: ParallelState, input_ids: torch.Tensor,
+                position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """Unpadded logits `[b, s, vocab]` on last-stage ranks, None on the others.
 
     `chunks` are this rank's model chunks in virtual-stage order; model chunk
-    `v * pp + pp_rank` is `chunks[v]`. Every rank must pass the same `input_ids`.
-    The batch is one micro-batch (index 0) of the pipeline's activation traffic.
+    `v * pp + pp_rank` is `chunks[v]`. Every rank must pass the same `input_ids` (and, for rows
+    packed with several documents, the same `position_ids` and `segment_ids`, which every chunk's
+    attention reads). The batch is one micro-batch (index 0) of the pipeline's activation traffic.
     """
     b, s = input_ids.shape
     cfg = chunks[0].cfg
@@ -41,7 +43,7 @@ def full_logits(chunks: list[ModelChunk], ps: ParallelState, input_ids: torch.Te
         if idx > 0 and ps.pp > 1:
             x = torch.empty(local_s, b, cfg.hidden_size, dtype=dtype, device=ps.device)
             p2p.exchange([Transfer(x, ps.stage_rank((idx - 1) % ps.pp), ACTIVATION, idx - 1, 0, is_send=False)])
-        x = chunks[v](x, seq_len=s)
+        x = chunks[v](x, seq_len=s, position_ids=position_ids, segment_ids=segment_ids)
         if idx == n - 1:
             logits = gather_last_dim(x, ps)[..., : cfg.vocab_size].float()
         elif ps.pp > 1:

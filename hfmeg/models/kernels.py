@@ -23,6 +23,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: scaled by (1 + w), in fp32, then rounded once (transformers' Gemma2RMSNorm)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -43,15 +50,21 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP: `gelu_pytorch_tanh` on the gate."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
 @cache
 def _compiled(fn, backend: str):
     return torch.compile(fn, backend=backend, dynamic=False)
 
 
 class Kernels:
-    """The three functions, compiled with `backend` or eager when it is None."""
+    """The functions, compiled with `backend` or eager when it is None."""
 
     def __init__(self, backend: str | None = None):
         self.backend = backend
         pick = (lambda f: f) if backend is None else (lambda f: _compiled(f, backend))
         self.rms_norm, self.rope, self.swiglu = pick(rms_norm), pick(rope), pick(swiglu)
+        self.rms_norm_offset, self.geglu = pick(rms_norm_offset), pick(geglu)

@@ -1,4 +1,4 @@
-"""Tensor-parallel MLP: SwiGLU with fused gate/up (LLaMA family) or GELU (GPT-2)."""
+"""Tensor-parallel MLP: SwiGLU (LLaMA family) or GeGLU (Gemma) with fused gate/up, or GELU (GPT-2)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class ParallelMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, kernels: Kernels):
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
+        self.glu = kernels.swiglu if cfg.activation == "silu" else kernels.geglu
         fc1_out = 2 * cfg.ffn_size if cfg.gated_mlp else cfg.ffn_size
         # With gate/up fused, each rank's fc1 slice is [gate_r; up_r] (see checkpoint.rules).
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_out, ps, bias=cfg.mlp_bias)
@@ -25,7 +26,7 @@ class ParallelMLP(nn.Module):
         h = self.fc1(x)
         if self.cfg.gated_mlp:
             gate, up = h.chunk(2, dim=-1)
-            h = self.kernels.swiglu(gate, up)
+            h = self.glu(gate, up)
         else:
             h = F.gelu(h, approximate="tanh" if self.cfg.activation == "gelu_tanh" else "none")
         return self.fc2(h)

@@ -17,13 +17,16 @@ from .kernels import Kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, sequence_parallel: bool, kernels: Kernels):
+    """`offset`: Gemma's norm, which scales by (1 + weight) (`ModelConfig.norm_offset`)."""
+
+    def __init__(self, hidden: int, eps: float, sequence_parallel: bool, kernels: Kernels, offset: bool = False):
         super().__init__()
-        self.eps, self.kernels = eps, kernels
+        self.eps = eps
+        self.norm = kernels.rms_norm_offset if offset else kernels.rms_norm
         add_param(self, "weight", hidden, role=ParamRole("norm", sequence_parallel=sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):
@@ -39,5 +42,5 @@ class LayerNorm(nn.Module):
 
 def make_norm(cfg: ModelConfig, sequence_parallel: bool, kernels: Kernels) -> nn.Module:
     if cfg.norm == "rms":
-        return RMSNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel, kernels)
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel, kernels, cfg.norm_offset)
     return LayerNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel)

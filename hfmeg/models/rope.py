@@ -8,6 +8,9 @@ what HF computes on a fresh model. LongRoPE (Phi-3 128k) keeps two sets, its sho
 factors, and takes the long one when the batch's highest position passes
 `original_max_position_embeddings`, as transformers' `dynamic_rope_update` does.
 
+A model with RoPE parameters per layer type (Gemma 3: `ModelConfig.rope_key`) has one
+`RotaryEmbedding` per type, each reading its entry (`layer_type`) as transformers does.
+
 With a partial rotary factor (Phi-4-mini: 0.75) the tables cover the first `cfg.rotary_dim`
 dims of a head only; `kernels.rope` leaves the rest as they are.
 """
@@ -26,21 +29,25 @@ def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_type: str | None = None):
         super().__init__()
         hf = cfg.hf_config
         params = dict(getattr(hf, "rope_parameters", None) or {})
+        if layer_type is not None:
+            params = dict(params[layer_type])
+        self.kw = {"layer_type": layer_type} if layer_type is not None else {}
         self.rope_type = params.get("rope_type", "default")
         self.hf = hf
         if self.rope_type == "default":
             inv_freq, self.scaling = _default_inv_freq(params.get("rope_theta", 10000.0), cfg.rotary_dim), 1.0
         else:
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[self.rope_type](hf, None)
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[self.rope_type](hf, None, **self.kw)
         # A plain attribute, not a buffer: `module.to(bf16)` must not round the frequencies.
         self.inv_freq = inv_freq.float()
         if self.rope_type == "longrope":
             self.original_max = params["original_max_position_embeddings"]
-            self.long_inv_freq = ROPE_INIT_FUNCTIONS["longrope"](hf, None, seq_len=self.original_max + 1)[0].float()
+            self.long_inv_freq = ROPE_INIT_FUNCTIONS["longrope"](hf, None, seq_len=self.original_max + 1,
+                                                                 **self.kw)[0].float()
         # One copy per device, made on first use: a host-to-device copy every forward is a sync.
         self._inv_freq_on: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
@@ -48,7 +55,7 @@ class RotaryEmbedding(nn.Module):
         if self.rope_type == "dynamic":  # only dynamic NTK reads the length (a host sync on GPUs)
             seq_len = int(position_ids.max()) + 1
             if seq_len > self.hf.max_position_embeddings:
-                inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.hf, position_ids.device, seq_len=seq_len)
+                inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.hf, position_ids.device, seq_len=seq_len, **self.kw)
                 return inv_freq.float()
         # LongRoPE's long set past the original context (a host sync too)
         long = self.rope_type == "longrope" and int(position_ids.max()) + 1 > self.original_max

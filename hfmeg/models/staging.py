@@ -7,8 +7,8 @@ What the model reads from a micro-batch's `segment_ids` is decided here, once pe
 - every row one document: the micro-batch drops its `segment_ids` and the model runs plain
   causal attention. Decided on the host tensor, before the copy: reading a bool back from a
   device tensor would stall the host once per micro-batch.
-- packed rows under flex attention, and under CP every row (a CP rank's queries need the
-  split mask even in one document): the flex `BlockMask` (`MicroBatch.docs`), built here from the
+- packed rows under flex attention, under CP every row (a CP rank's queries need the
+  split mask even in one document), and rows longer than a sliding window (its layers' mask): the flex `BlockMask` (`MicroBatch.docs`), built here from the
   ids already on the device (under CP the keys' ids come from the whole rows the
   micro-batch carries, `row_segment_ids`, not from a collective). A block mask is small (a
   few block indices per 128 × 128 block), so a whole step's worth can be built ahead.

@@ -144,17 +144,19 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def vocab_parallel_head(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None, ps: ParallelState,
-                        vocab_size: int, chunk_tokens: int) -> torch.Tensor:
+                        vocab_size: int, chunk_tokens: int, softcap: float | None = None) -> torch.Tensor:
     """Project `x` `[s, b, h]` (`[s/tp, b, h]` under SP) on this rank's vocab rows `weight` `[V/tp, h]`.
 
     Without labels: this rank's logits `[b, s, V/tp]`. With labels `[b, s]`: the
     per-token loss `[b, s]`, from the chunked vocab-parallel cross-entropy that never
-    materialises the full logits (linear_cross_entropy.py).
+    materialises the full logits (linear_cross_entropy.py). `softcap`: logits are `cap * tanh(logits / cap)`
+    (Gemma's final soft-capping), in both.
     """
     x = gather_from_sequence(x, ps) if ps.sequence_parallel else copy_to_tp(x, ps)
     if labels is None:
-        return linear(x, weight).transpose(0, 1)
-    return linear_cross_entropy(x, weight, labels.t(), ps, vocab_size, chunk_tokens).t()
+        z = linear(x, weight).transpose(0, 1)
+        return z if softcap is None else torch.tanh(z / softcap) * softcap
+    return linear_cross_entropy(x, weight, labels.t(), ps, vocab_size, chunk_tokens, softcap).t()
 
 
 class VocabParallelHead(nn.Module):
@@ -166,11 +168,12 @@ class VocabParallelHead(nn.Module):
     `vocab_parallel_head` with the embedding's weight.
     """
 
-    def __init__(self, hidden: int, padded_vocab: int, vocab_size: int, ps: ParallelState, tied_copy: bool):
+    def __init__(self, hidden: int, padded_vocab: int, vocab_size: int, ps: ParallelState, tied_copy: bool,
+                 softcap: float | None = None):
         super().__init__()
-        self.ps, self.vocab_size = ps, vocab_size
+        self.ps, self.vocab_size, self.softcap = ps, vocab_size, softcap
         add_param(self, "weight", padded_vocab // ps.tp, hidden, role=ParamRole(
             "embedding", tp_dim=0, tied="embedding" if tied_copy else None, tied_copy=tied_copy))
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 4096) -> torch.Tensor:
-        return vocab_parallel_head(x, self.weight, labels, self.ps, self.vocab_size, chunk_tokens)
+        return vocab_parallel_head(x, self.weight, labels, self.ps, self.vocab_size, chunk_tokens, self.softcap)

@@ -12,7 +12,9 @@ Per chunk, across TP ranks (each holding a contiguous vocabulary range):
     lse = m + log(sum over all ranks exp(z - m))     (all-reduce SUM)
     z_t = the target's logit, from the rank that owns it (all-reduce SUM)
     loss = lse - z_t
-Columns past the real vocabulary (padding) are masked to -inf.
+Columns past the real vocabulary (padding) are masked to -inf. With final logit
+soft-capping (Gemma) the logits are z' = cap·tanh(z/cap), capped before the padding
+mask, and the backward multiplies softmax - onehot by dz'/dz = 1 - tanh²(z/cap).
 
 Low-precision (bf16/fp16) weights: the softmax gradient is formed in fp32, then
 rounded once to the weight dtype so that both backward GEMMs run on the tensor
@@ -34,12 +36,20 @@ from .state import ParallelState
 from .wgrad import add_product, sink_of
 
 
-def _chunk_logits(x: torch.Tensor, w: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+def _chunk_logits(x: torch.Tensor, w: torch.Tensor, vocab_start: int, vocab_size: int,
+                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk's fp32 logits (soft-capped: `cap * tanh(z / cap)`), padding columns -inf; with `softcap`, also
+    tanh(z / cap), whose 1 - tanh² is the cap's derivative (finite on the padding columns, where the softmax
+    gradient is 0)."""
     z = (x @ w.t()).float()
+    t = None
+    if softcap is not None:  # capped before the padding mask: tanh would turn -inf into -cap
+        t = torch.tanh(z / softcap)
+        z = t * softcap
     if vocab_start + z.shape[-1] > vocab_size:
         cols = torch.arange(vocab_start, vocab_start + z.shape[-1], device=z.device)
         z = z.masked_fill(cols >= vocab_size, float("-inf"))
-    return z
+    return z, t
 
 
 def _add_rows(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: int = 4096) -> None:
@@ -57,7 +67,7 @@ def _local_target(target: torch.Tensor, vocab_start: int, n_local: int):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, target, ps, vocab_size, chunk_tokens, sink):
+    def forward(ctx, x, w, target, ps, vocab_size, chunk_tokens, sink, softcap):
         n_local = w.shape[0]
         vocab_start = ps.tp_rank * n_local
         tp = ps.tp > 1
@@ -65,7 +75,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         z_t = torch.empty_like(lse)
         for lo in range(0, x.shape[0], chunk_tokens):
             sl = slice(lo, lo + chunk_tokens)
-            z = _chunk_logits(x[sl], w, vocab_start, vocab_size)
+            z, _ = _chunk_logits(x[sl], w, vocab_start, vocab_size, softcap)
             m = z.max(dim=-1).values
             if tp:
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.tp_group)
@@ -77,7 +87,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse[sl] = m + sums[0].log()
             z_t[sl] = sums[1]
         ctx.save_for_backward(x, w, target, lse)
-        ctx.ps, ctx.vocab_size, ctx.chunk_tokens, ctx.sink = ps, vocab_size, chunk_tokens, sink
+        ctx.ps, ctx.vocab_size, ctx.chunk_tokens, ctx.sink, ctx.softcap = ps, vocab_size, chunk_tokens, sink, softcap
         return lse - z_t
 
     @staticmethod
@@ -92,11 +102,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = sink if sink is not None else torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         for lo in range(0, x.shape[0], ctx.chunk_tokens):
             sl = slice(lo, lo + ctx.chunk_tokens)
-            z = _chunk_logits(x[sl], w, vocab_start, ctx.vocab_size)
+            z, t = _chunk_logits(x[sl], w, vocab_start, ctx.vocab_size, ctx.softcap)
             d = (z - lse[sl, None]).exp_()  # softmax
             local, owned = _local_target(target[sl], vocab_start, n_local)
             d.scatter_add_(-1, local[:, None], -owned.to(d.dtype)[:, None])
             d.mul_(g[sl, None])
+            if t is not None:  # through the cap: d/dz cap * tanh(z / cap) = 1 - tanh²
+                d.mul_(1 - t * t)
             if low:
                 d = d.to(w.dtype)
                 grad_x[sl] = d @ w
@@ -106,15 +118,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Each TP rank holds a vocabulary slice, so its grad_x is partial; the caller's
         # copy-to-TP / sequence-gather backward sums it over TP.
         if sink is not None:
-            return grad_x, None, None, None, None, None, None
-        return grad_x, grad_w.to(w.dtype), None, None, None, None, None
+            return grad_x, None, None, None, None, None, None, None
+        return grad_x, grad_w.to(w.dtype), None, None, None, None, None, None
 
 
 def linear_cross_entropy(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ps: ParallelState, vocab_size: int,
-    chunk_tokens: int = 4096,
+    chunk_tokens: int = 4096, softcap: float | None = None,
 ) -> torch.Tensor:
-    """Per-token fp32 loss of `x @ weight.T` against `target` (-100 ignored).
+    """Per-token fp32 loss of `x @ weight.T` (soft-capped at `softcap` where given) against `target` (-100
+    ignored).
 
     `x` is `[..., h]` (already copied/gathered for TP), `weight` this rank's
     `[V_pad/tp, h]` slice; the loss has `x`'s leading shape. Where the weight has a sink (wgrad.py)
@@ -125,6 +138,6 @@ def linear_cross_entropy(
     ignore = flat_t < 0
     loss = _LinearCrossEntropy.apply(
         x.reshape(-1, x.shape[-1]), weight, flat_t.masked_fill(ignore, 0), ps, vocab_size, chunk_tokens,
-        sink_of(weight),
+        sink_of(weight), softcap,
     )
     return loss.masked_fill(ignore, 0.0).reshape(lead)

@@ -14,6 +14,10 @@ counted exactly, so it also covers GQA (smaller K/V projections) and SwiGLU (thr
 FFN matrices), and MoE layers (router, the top-k experts and the shared expert a token
 goes through: its active parameters, not all experts). Recomputation is not counted: MFU measures
 useful model work.
+
+A layer with a sliding window w computes fewer (query, key) pairs than the causal s(s+1)/2:
+sum over positions of min(i + 1, w). Its attention term keeps Megatron's convention (s keys per
+token for a causal layer) scaled by that ratio (`attended_keys`).
 """
 
 from __future__ import annotations
@@ -47,13 +51,24 @@ def layer_matmul_params(cfg: ModelConfig, layer: int) -> int:
     return qkv + out + mlp
 
 
+def attended_keys(cfg: ModelConfig, layer: int, seq_len: int) -> float:
+    """Megatron's keys per token (`seq_len` for a causal layer), scaled for a windowed layer by its share of the
+    causal (query, key) pairs."""
+    w = cfg.window(layer)
+    if w is None or w >= seq_len:
+        return float(seq_len)
+    pairs = w * (w + 1) / 2 + (seq_len - w) * w
+    return seq_len * pairs / (seq_len * (seq_len + 1) / 2)
+
+
 def training_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     """FLOPs of one forward + backward over `batch` sequences of `seq_len` tokens."""
     tokens = batch * seq_len
     attn_width = cfg.num_heads * cfg.head_dim
     layers = sum(layer_matmul_params(cfg, i) for i in range(cfg.num_layers))
     dense = 6 * tokens * (layers + cfg.hidden_size * cfg.vocab_size)
-    attention = 12 * tokens * seq_len * cfg.num_layers * attn_width
+    keys = sum(attended_keys(cfg, i, seq_len) for i in range(cfg.num_layers))
+    attention = 12 * tokens * keys * attn_width
     return float(dense + attention)
 
 

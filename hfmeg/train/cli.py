@@ -175,7 +175,7 @@ def fit_to_model(cfg: TrainConfig) -> None:
     """CPU runs of a GPU recipe: no torch.compile (GPU kernels), and a sequence the model supports; and
     what only the model's config.json can refuse before any process group exists (EP vs the expert count, CP
     vs the router's loss)."""
-    from ..config import check_cp, check_ep, check_window, load_hf_config
+    from ..config import check_cp, check_ep, load_hf_config
     from ..families import model_config_from_hf
     from ..models.shared_layers import check_shareable
     from ..peft.adapters import check_model
@@ -200,7 +200,6 @@ def fit_to_model(cfg: TrainConfig) -> None:
                              f"which does not split into 2 x parallel.cp = {2 * cfg.parallel.cp} chunks")
         _say(f"data.seq_len {cfg.data.seq_len} > the model's max_position_embeddings {max_pos}: using {max_pos}")
         cfg.data.seq_len = max_pos
-    check_window(model_cfg, cfg.data.seq_len)  # every row is seq_len long (packed or padded)
 
 
 def _exit_together() -> None:

@@ -1,0 +1,58 @@
+"""Gemma 2 (`gemma2`): LLaMA's weight layout with four norms a layer, all of them (1 + w) RMSNorms: `input_layernorm`
+before attention, `post_attention_layernorm` on the attention's output, `pre_feedforward_layernorm` before the
+MLP, `post_feedforward_layernorm` on its output (`ModelConfig.sandwich_norms`, `norm_offset`). The embedding is
+scaled by sqrt(hidden), the MLP is GeGLU (`gelu_pytorch_tanh`), the attention scale is
+`query_pre_attn_scalar`^-0.5, attention scores and final logits are soft-capped (`attn_logit_softcapping`,
+`final_logit_softcapping`), and `layer_types` alternates sliding-window and full layers. Embeddings are tied."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Collection
+
+from transformers import PretrainedConfig
+
+from ..config import ModelConfig, require
+from .llama import PROJECTIONS, decoder_config, layer_prefix, layer_rules, layer_types_window
+from .spec import FamilySpec, PeftNames, TensorRule
+
+GELU_TANH = "gelu_pytorch_tanh"
+
+
+def gemma_switches(hf: PretrainedConfig, cfg: ModelConfig) -> ModelConfig:
+    """The Gemma switches on a LLaMA-layout config, from the fields Gemma 2 and 3 share."""
+    act = hf.hidden_activation
+    require(act == GELU_TANH, "hidden_activation", f"{act!r} is not supported for {hf.model_type} (only {GELU_TANH!r})")
+    require(not getattr(hf, "use_bidirectional_attention", False), "use_bidirectional_attention",
+            "bidirectional attention is not supported (causal language models only)")
+    caps = {}
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = getattr(hf, name, None)
+        require(cap is None or cap > 0, name, f"{cap} is not a cap (use a positive number or null)")
+        caps[name] = cap
+    return replace(cfg, activation="gelu_tanh", norm_offset=True, embed_scale=True, sandwich_norms=True,
+                   attn_softcap=caps["attn_logit_softcapping"], final_softcap=caps["final_logit_softcapping"],
+                   query_pre_attn_scalar=hf.query_pre_attn_scalar)
+
+
+def normalise(hf: PretrainedConfig) -> ModelConfig:
+    return gemma_switches(hf, decoder_config(hf, window=layer_types_window))
+
+
+def gemma_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[TensorRule]:
+    """LLaMA's rules, with the pre-MLP norm read from `pre_feedforward_layernorm` and the two output norms."""
+    p, L = layer_prefix(i), f"layers.{i}."
+    rules = [r for r in layer_rules(cfg, i, experts) if r.local != L + "post_attn_norm.weight"]
+    return rules + [
+        TensorRule(L + "post_attn_norm.weight", (p + "pre_feedforward_layernorm.weight",), "replicated"),
+        TensorRule(L + "attn_out_norm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
+        TensorRule(L + "mlp_out_norm.weight", (p + "post_feedforward_layernorm.weight",), "replicated"),
+    ]
+
+
+def gemma_layout(model_types: tuple[str, ...], architecture: str, normalise) -> FamilySpec:
+    return FamilySpec(model_types, architecture, normalise, gemma_rules, embedding="model.embed_tokens.weight",
+                      final_norm="model.norm", peft=PeftNames(PROJECTIONS))
+
+
+GEMMA2 = gemma_layout(("gemma2",), "Gemma2ForCausalLM", normalise)
