@@ -34,6 +34,8 @@ from safetensors.torch import load_file
 from tiny_models import tiny_config
 
 from hfmeg.data.microbatch import MicroBatch
+from hfmeg.errors import UnsupportedConfigError
+from hfmeg.families import model_config_from_hf
 from hfmeg.models.generate import full_logits
 from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.launch import spawn
@@ -44,6 +46,8 @@ from hfmeg.peft.adapter_files import (
     write_adapter_shard,
     write_peft_folder,
 )
+from hfmeg.peft.adapters import check_model
+from hfmeg.peft.config import PeftConfig
 
 LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (2, 1, True), (2, 2, True),
            (4, 1, False), (4, 1, True)]  # tp, pp, sp
@@ -99,12 +103,22 @@ def test_lora_and_dora_match_peft(kind, tmp_path):
     cases = [make_base_and_adapter(tmp_path, kind, rslora=rs, dora=dora)
              for rs, dora in ((False, False), (True, False), (False, True), (True, True))]
     if not tiny_config(kind).tie_word_embeddings:
-        # Tied (smollm3): peft trains a copy of embed_tokens and keeps the head on the original weight (unless
-        # ensure_weight_tying), hfmeg trains the one tied weight; not compared here.
+        # Tied (smollm3, gemma2): peft trains a copy of embed_tokens and keeps the head on the original weight
+        # (unless ensure_weight_tying), hfmeg would train the one tied weight, so it refuses them there
+        # (test_modules_to_save_of_a_tied_model_is_refused).
         cases.append(make_base_and_adapter(tmp_path, kind, modules_to_save=["embed_tokens", "lm_head"]))
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     results = spawn(_check, 4, [(str(b), str(a)) for b, a in cases], ids)
     _assert_parity(results, cases, LAYOUTS)
+
+
+@pytest.mark.parametrize("module", ["embed_tokens", "lm_head"])
+def test_modules_to_save_of_a_tied_model_is_refused(module):
+    cfg = model_config_from_hf(tiny_config("smollm3"))
+    assert cfg.tie_embeddings
+    with pytest.raises(UnsupportedConfigError, match=f"peft.modules_to_save: {module} is tied to .* untied copy"):
+        check_model(cfg, PeftConfig(method="lora", modules_to_save=[module]))
+    check_model(model_config_from_hf(tiny_config("llama3")), PeftConfig(method="lora", modules_to_save=[module]))
 
 
 def test_lora_and_dora_match_peft_at_tp4_pp2(tmp_path):

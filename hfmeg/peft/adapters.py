@@ -322,9 +322,13 @@ def check_model(chunk_cfg, cfg: PeftConfig) -> None:
     if names is None or not chunk_cfg.gated_mlp:
         raise UnsupportedConfigError(f"peft.method: {cfg.method} is built for LLaMA-family models (fused QKV, "
                                      f"gate/up); this is a {chunk_cfg.model_type} model")
-    if "lm_head" in cfg.modules_to_save and chunk_cfg.tie_embeddings:
-        raise UnsupportedConfigError("peft.modules_to_save: lm_head is tied to embed_tokens in this model; "
-                                     "name embed_tokens alone")
+    # peft keeps a module of modules_to_save as its own trained copy: on a tied model that unties the embedding
+    # from the head at load, so the adapter would not give the model hfmeg trained (the one tied weight)
+    tied = [m for m in ("embed_tokens", "lm_head") if m in cfg.modules_to_save] if chunk_cfg.tie_embeddings else []
+    if tied:
+        raise UnsupportedConfigError(f"peft.modules_to_save: {tied[0]} is tied to "
+                                     f"{'lm_head' if tied[0] == 'embed_tokens' else 'embed_tokens'} in this model, "
+                                     "and peft would load it as an untied copy, not the model trained; leave it out")
     _check_saved(chunk_cfg, cfg)
     wanted = set(cfg.target_modules) - {ALL_LINEAR}
     if chunk_cfg.moe is None:
