@@ -145,12 +145,18 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Exp
     p, L = layer_prefix(i), f"layers.{i}."
     a, m = p + "self_attn.", p + "mlp."
     rules = [
-        TensorRule(L + "input_norm.weight", (p + "input_layernorm.weight",), "replicated"),
         TensorRule(L + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"),
         TensorRule(L + "attn.out.weight", (a + "o_proj.weight",), "cols"),
-        TensorRule(L + "post_attn_norm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
     ]
-    if cfg.qk_norm:
+    if cfg.pre_norms:
+        rules += [TensorRule(L + "input_norm.weight", (p + "input_layernorm.weight",), "replicated"),
+                  TensorRule(L + "post_attn_norm.weight", (p + "post_attention_layernorm.weight",), "replicated")]
+    if cfg.qk_norm and cfg.qk_norm_whole:
+        # Rows by head: a TP rank's whole KV groups are contiguous q heads and contiguous kv heads.
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        rules += [TensorRule(L + "attn.q_norm.weight", (a + "q_norm.weight",), "rows", shapes=((q,),)),
+                  TensorRule(L + "attn.k_norm.weight", (a + "k_norm.weight",), "rows", shapes=((kv,),))]
+    elif cfg.qk_norm:
         d = (cfg.head_dim,)
         rules += [TensorRule(L + "attn.q_norm.weight", (a + "q_norm.weight",), "replicated", shapes=(d,)),
                   TensorRule(L + "attn.k_norm.weight", (a + "k_norm.weight",), "replicated", shapes=(d,))]
