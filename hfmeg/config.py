@@ -80,6 +80,8 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (before RoPE)
+    # OLMo 2: the q/k norms span the whole projection (all heads of a token, weight heads * head_dim), not one head.
+    qk_norm_whole: bool = False
     nope_layers: tuple[int, ...] = ()  # SmolLM3: the layers that apply no RoPE (`no_rope_layers` zeros)
     partial_rotary_factor: float = 1.0  # Phi-3/4: RoPE rotates the first `rotary_dim` dims of each head only
     full_attention_layers: tuple[int, ...] = ()
@@ -91,6 +93,7 @@ class ModelConfig:
     norm_offset: bool = False
     embed_scale: bool = False
     sandwich_norms: bool = False
+    pre_norms: bool = True  # False (OLMo 2): no norm before attention and MLP, only the sandwich's output norms
     attn_softcap: float | None = None
     final_softcap: float | None = None
     query_pre_attn_scalar: float | None = None
@@ -135,9 +138,10 @@ class ModelConfig:
         """Parameter count of the unpadded model, every expert included (for MFU and reports; biases left out)."""
         h, v = self.hidden_size, self.vocab_size
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        attn = qkv + self.num_heads * self.head_dim * h + (2 * self.head_dim if self.qk_norm else 0)
+        qk = (self.num_heads + self.num_kv_heads) * self.head_dim if self.qk_norm_whole else 2 * self.head_dim
+        attn = qkv + self.num_heads * self.head_dim * h + (qk if self.qk_norm else 0)
         dense = (3 if self.gated_mlp else 2) * h * self.ffn_size
-        norms = (4 if self.sandwich_norms else 2) * h * (2 if self.norm == "layer" else 1)
+        norms = (2 * self.pre_norms + 2 * self.sandwich_norms) * h * (2 if self.norm == "layer" else 1)
         n_sparse = len(self.moe.sparse_layers) if self.moe else 0
         total = self.num_layers * (attn + norms) + (self.num_layers - n_sparse) * dense
         if self.moe:
@@ -165,7 +169,7 @@ class ModelConfig:
 # ModelConfig fields added after layout format version 1: written only when set (ModelConfig.to_dict).
 LATER_FIELDS = ("qk_norm", "nope_layers", "partial_rotary_factor", "full_attention_layers", "norm_offset",
                 "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
-                "rope_per_layer_type")
+                "rope_per_layer_type", "qk_norm_whole", "pre_norms")
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:

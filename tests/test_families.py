@@ -38,6 +38,7 @@ WINDOWED = {
     "smollm3": dict(use_sliding_window=True, sliding_window=6, layer_types=["full_attention", "sliding_attention"]),
     "gemma2": dict(sliding_window=6),
     "gemma3": dict(sliding_window=6),
+    "olmo3": dict(sliding_window=6),
 }
 
 
@@ -70,6 +71,13 @@ def test_unknown_layer_type_is_refused_naming_the_field():
                                                      r"not supported \(supported: full_attention, sliding_attention\)$"):
         model_config_from_hf(tiny_config("qwen3", sliding_window=32, layer_types=["full_attention",
                                                                                  "chunked_attention"]))
+
+
+def test_olmo3_null_window_is_refused_naming_the_field():
+    # Its layers pick their RoPE by their window: without one the sliding layers' RoPE would be lost.
+    with pytest.raises(UnsupportedConfigError, match=r"^config.json field sliding_window: null: olmo3's sliding "
+                                                     r"layers need a window$"):
+        model_config_from_hf(tiny_config("olmo3", sliding_window=None))
 
 
 def test_unknown_model_type_is_one_line_naming_the_field():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig,
-                          MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+                          MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                           SmolLM3Config)
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
@@ -22,12 +22,19 @@ STORIES = ASSETS / "models" / "stories260K"
 # scale from query_pre_attn_scalar (16, not head_dim 8) and soft-capping of scores and logits with caps small
 # enough to bite (the tiny model's scores reach ~0.08, its logits ~0.7); gemma3 adds (1 + w) QK-norm and RoPE per
 # layer type (sliding layers theta 1e4, full layers 1e6 with linear scaling), and no attention cap (transformers'
-# Gemma 3 ignores attn_logit_softcapping).
-RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied", "qwen3", "smollm3", "phi3", "gemma2", "gemma3")
+# Gemma 3 ignores attn_logit_softcapping); olmo2 has norms after each sublayer only and QK-norm over the whole
+# q and k projections (GQA: 8 query, 4 KV heads, so each TP2 rank holds a slice of both norms' weights); olmo3
+# adds the window on its first layer and RoPE per layer type (as gemma3's).
+RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied", "qwen3", "smollm3", "phi3", "gemma2", "gemma3",
+                "olmo2", "olmo3")
 
 WINDOW = 4
 _GEMMA = dict(head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=16, attn_logit_softcapping=0.02,
               final_logit_softcapping=0.5)
+_LAYER_TYPES = ["sliding_attention", "full_attention"]
+_ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+_OLMO = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
 
@@ -63,9 +70,12 @@ def tiny_config(kind: str, **overrides):
     elif kind == "gemma2":
         cfg = Gemma2Config(**_COMMON, **_GEMMA)
     elif kind == "gemma3":
-        cfg = Gemma3TextConfig(**_COMMON, **{**_GEMMA, "attn_logit_softcapping": None}, layer_types=["sliding_attention", "full_attention"], rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})
+        cfg = Gemma3TextConfig(**_COMMON, **{**_GEMMA, "attn_logit_softcapping": None}, layer_types=_LAYER_TYPES,
+                               rope_parameters=_ROPES)
+    elif kind == "olmo2":
+        cfg = Olmo2Config(**_COMMON, **_OLMO)
+    elif kind == "olmo3":
+        cfg = Olmo3Config(**_COMMON, **_OLMO, sliding_window=WINDOW, layer_types=_LAYER_TYPES, rope_parameters=_ROPES)
     elif kind == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=300, n_positions=128)
     elif kind == "mixtral":

@@ -16,6 +16,8 @@ from .gpt2 import GPT2
 from .llama import LLAMA
 from .mistral import MISTRAL
 from .mixtral import MIXTRAL
+from .olmo2 import OLMO2
+from .olmo3 import OLMO3
 from .phi3 import PHI3
 from .qwen2 import QWEN2
 from .qwen2_moe import QWEN2_MOE
@@ -24,7 +26,7 @@ from .qwen3_moe import QWEN3_MOE
 from .smollm3 import SMOLLM3
 from .spec import FamilySpec
 
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, GEMMA2, GEMMA3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT2)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, GEMMA2, GEMMA3, OLMO2, OLMO3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT2)
 _BY_TYPE = {t: spec for spec in FAMILIES for t in spec.model_types}
 
 

@@ -11,27 +11,13 @@ from dataclasses import replace
 
 from transformers import PretrainedConfig
 
-from ..config import SUPPORTED_ROPE_TYPES, ModelConfig, require
+from ..config import ModelConfig
 from .gemma2 import gemma_layout, gemma_switches
-from .llama import decoder_config, layer_types_window
-
-LAYER_TYPES = ("sliding_attention", "full_attention")
+from .llama import decoder_config, layer_types_window, rope_per_layer_type
 
 
 def normalise(hf: PretrainedConfig) -> ModelConfig:
-    params = getattr(hf, "rope_parameters", None) or {}
-    require(set(params) == set(LAYER_TYPES), "rope_parameters", f"one entry per layer type ({', '.join(LAYER_TYPES)}) "
-            f"expected, got {sorted(params)}")
-    built = tuple(t for t in SUPPORTED_ROPE_TYPES if t != "longrope")  # LongRoPE per layer type: not built
-    for layer_type in LAYER_TYPES:
-        p = params[layer_type]
-        rope_type = p.get("rope_type", "default")
-        require(rope_type in built, f"rope_parameters.{layer_type}.rope_type",
-                f"{rope_type!r} is not supported for {hf.model_type} (supported: {', '.join(built)})")
-        require(p.get("partial_rotary_factor", 1.0) == 1.0, f"rope_parameters.{layer_type}.partial_rotary_factor",
-                f"partial rotary embeddings are not supported for {hf.model_type}")
-    require(getattr(hf, "sliding_window", None) is not None, "sliding_window",
-            "null: Gemma 3's sliding layers need a window")
+    rope_per_layer_type(hf)
     cfg = gemma_switches(hf, decoder_config(hf, window=layer_types_window, qk_norm=True))
     return replace(cfg, rope_per_layer_type=True, attn_softcap=None)
 

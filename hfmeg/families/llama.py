@@ -13,7 +13,7 @@ from typing import Callable, Collection
 
 from transformers import PretrainedConfig
 
-from ..config import ModelConfig, MoEConfig, require, rope_check
+from ..config import SUPPORTED_ROPE_TYPES, ModelConfig, MoEConfig, require, rope_check
 from .spec import ExpertNames, FamilySpec, PeftNames, TensorRule
 
 # What `all-linear` stands for in a LLaMA-layout decoder layer (peft excludes the output layer).
@@ -60,6 +60,27 @@ def layer_types_window(hf: PretrainedConfig) -> Window:
     if window is None or len(full) == len(types):
         return None, ()
     return window, full
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def rope_per_layer_type(hf: PretrainedConfig) -> None:
+    """Refuses `rope_parameters` that are not one built RoPE per layer type (Gemma 3, OLMo 3), or a null window
+    (`ModelConfig.rope_key` picks a layer's RoPE by its window)."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    require(set(params) == set(LAYER_TYPES), "rope_parameters", f"one entry per layer type ({', '.join(LAYER_TYPES)}) "
+            f"expected, got {sorted(params)}")
+    built = tuple(t for t in SUPPORTED_ROPE_TYPES if t != "longrope")  # LongRoPE per layer type: not built
+    for layer_type in LAYER_TYPES:
+        p = params[layer_type]
+        rope_type = p.get("rope_type", "default")
+        require(rope_type in built, f"rope_parameters.{layer_type}.rope_type",
+                f"{rope_type!r} is not supported for {hf.model_type} (supported: {', '.join(built)})")
+        require(p.get("partial_rotary_factor", 1.0) == 1.0, f"rope_parameters.{layer_type}.partial_rotary_factor",
+                f"partial rotary embeddings are not supported for {hf.model_type}")
+    require(getattr(hf, "sliding_window", None) is not None, "sliding_window",
+            f"null: {hf.model_type}'s sliding layers need a window")
 
 
 def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bias: bool | None = None,
@@ -145,12 +166,18 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Exp
     p, L = layer_prefix(i), f"layers.{i}."
     a, m = p + "self_attn.", p + "mlp."
     rules = [
-        TensorRule(L + "input_norm.weight", (p + "input_layernorm.weight",), "replicated"),
         TensorRule(L + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"),
         TensorRule(L + "attn.out.weight", (a + "o_proj.weight",), "cols"),
-        TensorRule(L + "post_attn_norm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
     ]
-    if cfg.qk_norm:
+    if cfg.pre_norms:
+        rules += [TensorRule(L + "input_norm.weight", (p + "input_layernorm.weight",), "replicated"),
+                  TensorRule(L + "post_attn_norm.weight", (p + "post_attention_layernorm.weight",), "replicated")]
+    if cfg.qk_norm and cfg.qk_norm_whole:
+        # Rows by head: a TP rank's whole KV groups are contiguous q heads and contiguous kv heads.
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        rules += [TensorRule(L + "attn.q_norm.weight", (a + "q_norm.weight",), "rows", shapes=((q,),)),
+                  TensorRule(L + "attn.k_norm.weight", (a + "k_norm.weight",), "rows", shapes=((kv,),))]
+    elif cfg.qk_norm:
         d = (cfg.head_dim,)
         rules += [TensorRule(L + "attn.q_norm.weight", (a + "q_norm.weight",), "replicated", shapes=(d,)),
                   TensorRule(L + "attn.k_norm.weight", (a + "k_norm.weight",), "replicated", shapes=(d,))]

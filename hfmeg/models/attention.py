@@ -7,7 +7,8 @@ communication between the QKV projection and the output projection.
 Qwen3's q/k norms (`cfg.qk_norm`) are RMSNorms over the head dim, applied to every
 query and key head before RoPE. One weight serves all heads, so it is TP-replicated;
 each rank's gradient comes from its own heads only, so its role says
-`sequence_parallel` (summed over TP), with or without SP.
+`sequence_parallel` (summed over TP), with or without SP. OLMo 2's (`cfg.qk_norm_whole`) span all the heads
+of a token: their weights are TP-sharded with the heads (`norm.HeadsRMSNorm`).
 
 A layer with a sliding window (`cfg.window`) attends under the micro-batch's windowed mask
 (`DocumentMask.sliding`, document_attention.py), the others under its full one.
@@ -37,7 +38,7 @@ from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.state import ParallelState
 from .document_attention import DocumentMask, attend, layer_mask
 from .kernels import Kernels
-from .norm import RMSNorm
+from .norm import HeadsRMSNorm, RMSNorm
 
 
 class ParallelAttention(nn.Module):
@@ -53,7 +54,10 @@ class ParallelAttention(nn.Module):
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias)
         self.out = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, ps, bias=cfg.out_bias)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_whole:
+            self.q_norm = HeadsRMSNorm(cfg.num_heads, d, cfg.norm_eps, ps)
+            self.k_norm = HeadsRMSNorm(cfg.num_kv_heads, d, cfg.norm_eps, ps)
+        elif cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.norm_eps, True, kernels, cfg.norm_offset)
             self.k_norm = RMSNorm(d, cfg.norm_eps, True, kernels, cfg.norm_offset)
 

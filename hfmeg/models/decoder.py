@@ -56,9 +56,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, layer: int, kernels: Kernels):
         super().__init__()
         sp = ps.sequence_parallel
-        self.input_norm = make_norm(cfg, sp, kernels)
+        # OLMo 2 (`pre_norms` False): no norm before the attention and the MLP, only the output norms.
+        pre = (lambda: make_norm(cfg, sp, kernels)) if cfg.pre_norms else nn.Identity
+        self.input_norm = pre()
         self.attn = ParallelAttention(cfg, ps, layer, kernels)
-        self.post_attn_norm = make_norm(cfg, sp, kernels)  # before the MLP (HF's LLaMA name kept)
+        self.post_attn_norm = pre()  # before the MLP (HF's LLaMA name kept)
         self.mlp = MoELayer(cfg, ps, kernels) if cfg.is_sparse(layer) else ParallelMLP(cfg, ps, kernels)
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:  # Gemma: the attention's and the MLP's outputs are normed before the residual add

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..parallel.comm import all_reduce_tp
 from ..parallel.roles import ParamRole, add_param
+from ..parallel.state import ParallelState
 from .kernels import Kernels
 
 
@@ -27,6 +29,25 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x, self.weight, self.eps)
+
+
+class HeadsRMSNorm(nn.Module):
+    """OLMo 2's q/k norm: one RMSNorm over all `heads` of a token (`ModelConfig.qk_norm_whole`), on `[b, heads_local,
+    s, d]`. A TP rank holds a slice of the heads and the matching rows of the weight (`tp_dim=0`), so the sum of
+    squares is all-reduced over TP before normalising. It runs after the QKV projection has gathered the sequence,
+    so sequence parallelism does not enter."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float, ps: ParallelState):
+        super().__init__()
+        self.eps, self.ps, self.size = eps, ps, heads * head_dim
+        add_param(self, "weight", heads // ps.tp * head_dim, role=ParamRole("norm", tp_dim=0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, s, d = x.shape
+        x32 = x.float()
+        sq = all_reduce_tp(x32.pow(2).sum(dim=(1, 3), keepdim=True), self.ps)  # [b, 1, s, 1]
+        x32 = x32 * torch.rsqrt(sq / self.size + self.eps)
+        return self.weight.view(n, 1, d) * x32.to(x.dtype)
 
 
 class LayerNorm(nn.Module):

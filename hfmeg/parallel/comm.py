@@ -9,6 +9,7 @@ dim 0, which is what the flat all-gather / reduce-scatter collectives produce.
 |---------------------------|-----------------------------|-----------------------------|
 | copy_to_tp                | identity                    | all-reduce                  |
 | reduce_from_tp            | all-reduce                  | identity                    |
+| all_reduce_tp             | all-reduce                  | all-reduce                  |
 | scatter_to_sequence       | keep own seq slice          | all-gather along seq        |
 | gather_from_sequence      | all-gather along seq        | reduce-scatter along seq    |
 | reduce_scatter_to_sequence| reduce-scatter along seq    | all-gather along seq        |
@@ -103,6 +104,10 @@ def _identity(x, ps):
 # The all-reduce in reduce_from_tp works in place, so it runs on a copy of the input.
 copy_to_tp = conjugate_pair("CopyToTP", _identity, _all_reduce)
 reduce_from_tp = conjugate_pair("ReduceFromTP", lambda x, ps: _all_reduce(x.clone(), ps), _identity)
+# A sum every rank goes on to use with its own shard (OLMo 2's q/k norm statistics): each rank's gradient of it
+# is a part, so the backward sums them too.
+all_reduce_tp = conjugate_pair("AllReduceTP", lambda x, ps: _all_reduce(x.clone(), ps),
+                               lambda g, ps: _all_reduce(g.clone(), ps))
 scatter_to_sequence = conjugate_pair("ScatterToSequence", _split_dim0, _gather_dim0)
 gather_from_sequence = conjugate_pair("GatherFromSequence", _gather_dim0, _reduce_scatter_dim0)
 reduce_scatter_to_sequence = conjugate_pair("ReduceScatterToSequence", _reduce_scatter_dim0, _gather_dim0)
