@@ -8,13 +8,10 @@ scaled by sqrt(hidden), the MLP is GeGLU (`gelu_pytorch_tanh`), the attention sc
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Collection
-
 from transformers import PretrainedConfig
 
 from ..config import ModelConfig, require
-from .llama import PROJECTIONS, decoder_config, layer_prefix, layer_rules, layer_types_window
-from .spec import FamilySpec, PeftNames, TensorRule
+from .llama import decoder_config, layer_types_window, llama_layout
 
 GELU_TANH = "gelu_pytorch_tanh"
 
@@ -39,20 +36,4 @@ def normalise(hf: PretrainedConfig) -> ModelConfig:
     return gemma_switches(hf, decoder_config(hf, window=layer_types_window))
 
 
-def gemma_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[TensorRule]:
-    """LLaMA's rules, with the pre-MLP norm read from `pre_feedforward_layernorm` and the two output norms."""
-    p, L = layer_prefix(i), f"layers.{i}."
-    rules = [r for r in layer_rules(cfg, i, experts) if r.local != L + "post_attn_norm.weight"]
-    return rules + [
-        TensorRule(L + "post_attn_norm.weight", (p + "pre_feedforward_layernorm.weight",), "replicated"),
-        TensorRule(L + "attn_out_norm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
-        TensorRule(L + "mlp_out_norm.weight", (p + "post_feedforward_layernorm.weight",), "replicated"),
-    ]
-
-
-def gemma_layout(model_types: tuple[str, ...], architecture: str, normalise) -> FamilySpec:
-    return FamilySpec(model_types, architecture, normalise, gemma_rules, embedding="model.embed_tokens.weight",
-                      final_norm="model.norm", peft=PeftNames(PROJECTIONS))
-
-
-GEMMA2 = gemma_layout(("gemma2",), "Gemma2ForCausalLM", normalise)
+GEMMA2 = llama_layout(("gemma2",), "Gemma2ForCausalLM", normalise)

@@ -12,8 +12,8 @@ from dataclasses import replace
 from transformers import PretrainedConfig
 
 from ..config import ModelConfig
-from .gemma2 import gemma_layout, gemma_switches
-from .llama import decoder_config, layer_types_window, rope_per_layer_type
+from .gemma2 import gemma_switches
+from .llama import decoder_config, layer_types_window, llama_layout, rope_per_layer_type
 
 
 def normalise(hf: PretrainedConfig) -> ModelConfig:
@@ -22,4 +22,4 @@ def normalise(hf: PretrainedConfig) -> ModelConfig:
     return replace(cfg, rope_per_layer_type=True, attn_softcap=None)
 
 
-GEMMA3 = gemma_layout(("gemma3_text",), "Gemma3ForCausalLM", normalise)
+GEMMA3 = llama_layout(("gemma3_text",), "Gemma3ForCausalLM", normalise)

@@ -169,9 +169,15 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Exp
         TensorRule(L + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"),
         TensorRule(L + "attn.out.weight", (a + "o_proj.weight",), "cols"),
     ]
+    # With sandwich norms (Gemma, OLMo) HF's post_attention_layernorm is the attention output's norm and the
+    # pre-MLP norm is pre_feedforward_layernorm; without them post_attention_layernorm is the pre-MLP norm.
     if cfg.pre_norms:
+        pre_mlp = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
         rules += [TensorRule(L + "input_norm.weight", (p + "input_layernorm.weight",), "replicated"),
-                  TensorRule(L + "post_attn_norm.weight", (p + "post_attention_layernorm.weight",), "replicated")]
+                  TensorRule(L + "post_attn_norm.weight", (p + pre_mlp + ".weight",), "replicated")]
+    if cfg.sandwich_norms:
+        rules += [TensorRule(L + "attn_out_norm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
+                  TensorRule(L + "mlp_out_norm.weight", (p + "post_feedforward_layernorm.weight",), "replicated")]
     if cfg.qk_norm and cfg.qk_norm_whole:
         # Rows by head: a TP rank's whole KV groups are contiguous q heads and contiguous kv heads.
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -9,8 +9,8 @@ from dataclasses import replace
 from transformers import PretrainedConfig
 
 from ..config import ModelConfig
-from .llama import decoder_config, layer_types_window, rope_per_layer_type
-from .olmo2 import olmo_layout, olmo_switches
+from .llama import decoder_config, layer_types_window, llama_layout, rope_per_layer_type
+from .olmo2 import olmo_switches
 
 
 def normalise(hf: PretrainedConfig) -> ModelConfig:
@@ -19,4 +19,4 @@ def normalise(hf: PretrainedConfig) -> ModelConfig:
     return replace(cfg, rope_per_layer_type=True)
 
 
-OLMO3 = olmo_layout(("olmo3",), "Olmo3ForCausalLM", normalise)
+OLMO3 = llama_layout(("olmo3",), "Olmo3ForCausalLM", normalise)
