@@ -44,6 +44,8 @@ from .packing import build_row
 class StepBatch:
     microbatches: list[MicroBatch]  # this DP rank's, each [micro_batch_size, seq_len / cp]
     num_tokens: int  # non-ignored labels in the whole global batch
+    num_pairs: int = 0  # preference pairs (PairBatch) in the whole global batch: the DPO loss normaliser
+    chosen_tokens: int = 0  # label tokens of their chosen answers: the normaliser of the NLL term on them
 
 
 def check_batch_layout(global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int) -> None:

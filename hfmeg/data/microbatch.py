@@ -12,13 +12,12 @@ method here, so a caller never names its tensors one by one:
 - `shape`, `step_shape`: the `[b, s]` a step's micro-batches share (the pipeline sends activations
   of one shape); `label_tokens()`: the tokens that count in the loss.
 
-Which tensor is which kind is declared once, on the field (`PER_TOKEN`, `PER_ROW`), and every
-method walks the fields by kind, so a subclass that adds a field of a known kind is moved, split
-and marked with no new code anywhere. That is how a second batch type plugs in: a preference
-batch (chosen and rejected rows of several pairs, for DPO) is `MicroBatch` plus a per-row
-`pair_index: torch.Tensor = field(metadata=PER_ROW)` (and, for pairs packed into one row, a
-per-token field naming each document's pair); staging, the CP split and the pipeline take it as
-they take SFT rows, and only its loss reads the pairs (class doc).
+Which tensor is which kind is declared once, on the field (`PER_TOKEN`, `PER_ROW`, `PER_SEQUENCE`),
+and every method walks the fields by kind, so a subclass that adds a field of a known kind is moved,
+split and marked with no new code anywhere. That is how the second batch type plugs in: `PairBatch`,
+the chosen and rejected sequences of several preference pairs (DPO), adds a per-token `sequence_ids`
+(which sequence each label token belongs to) and per-sequence reference log-probabilities; staging,
+the CP split and the pipeline take it as they take SFT rows, and only its loss reads the pairs.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from .packing import IGNORE
 
 PER_TOKEN = {"kind": "token"}  # [b, s]: under CP this rank's tokens of each row, cut by `shard`
 PER_ROW = {"kind": "row"}  # [b, ...]: one entry per row (under CP the whole row's), never cut
+PER_SEQUENCE = {"kind": "sequence"}  # [n]: one entry per sequence of a PairBatch (2 per pair), never cut
 
 
 class StagedMask(Protocol):
@@ -68,14 +68,8 @@ class MicroBatch:
     without a collective: parallel/context.py). `docs`: the mask staging built ahead from the
     document ids, which it then drops (models/staging.py).
 
-    A preference batch plugs in as a subclass: `PairBatch(MicroBatch)` with the chosen and the
-    rejected rows of its pairs as the rows here and `pair_index: torch.Tensor = field(metadata=PER_ROW)`
-    (which pair, and chosen or rejected, per row). `to`, `shard`, `record_stream` and the shape check
-    carry the new field by its declared kind, and the model reads the same token fields, so staging,
-    the CP split and the pipeline need no branch on the batch type. What differs is the loss: the
-    pipeline's last stage reduces the per-token losses to a micro-batch loss, today their sum over
-    `num_tokens`; DPO supplies another reduction (per-row log-probabilities grouped by `pair_index`),
-    handed to the pipeline as a loss, not chosen there by the batch's type."""
+    `PairBatch` below is the preference subclass; the pipeline's loss, not the batch type, decides how
+    the per-token losses become a micro-batch loss (parallel/pipeline.py)."""
 
     input_ids: torch.Tensor = field(metadata=PER_TOKEN)
     labels: torch.Tensor = field(metadata=PER_TOKEN)
@@ -94,6 +88,10 @@ class MicroBatch:
         for f, t in self._tensors_of("row"):
             if t.shape[0] != self.input_ids.shape[0]:
                 raise LayoutError(f"micro-batch {f}: {t.shape[0]} rows, not input_ids' {self.input_ids.shape[0]}")
+        self._check_sequences()
+
+    def _check_sequences(self) -> None:
+        """A subclass with per-sequence fields checks their count here."""
 
     @property
     def shape(self) -> torch.Size:
@@ -113,7 +111,7 @@ class MicroBatch:
             if device.type != "cuda":
                 return t.to(device)
             return (t if t.is_cuda or t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
-        return replace(self, **{f: move(t) for f, t in self._tensors_of("token", "row")})
+        return replace(self, **{f: move(t) for f, t in self._tensors_of("token", "row", "sequence")})
 
     def shard(self, cp_rank: int, cp: int) -> MicroBatch:
         """CP rank `cp_rank`'s tokens of these whole rows (parallel/context.py): every per-token tensor cut
@@ -131,7 +129,7 @@ class MicroBatch:
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """Mark every tensor the step reads, the staged mask's too, as used by `stream`: when the step drops
         them, the caching allocator then does not hand their memory to another stream too early."""
-        held = [t for _, t in self._tensors_of("token", "row")]
+        held = [t for _, t in self._tensors_of("token", "row", "sequence")]
         for t in held + (self.docs.tensors() if self.docs is not None else []):
             t.record_stream(stream)
 
@@ -140,6 +138,32 @@ class MicroBatch:
             t = getattr(self, f.name)
             if f.metadata.get("kind") in kinds and t is not None:
                 yield f.name, t
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairBatch(MicroBatch):
+    """The chosen and rejected sequences (prompt + answer) of `num_pairs` preference pairs, as rows.
+
+    Each sequence is one document of a row (packed: several per row, with document ids and positions as
+    for SFT; unpacked: one per row). Sequence `2p` is pair p's chosen answer, `2p + 1` its rejected one,
+    and both sequences of a pair are in the same micro-batch. `labels` mark the answer tokens only (the
+    prompt's are -100), and `sequence_ids` `[b, s]` say, for every position whose label counts, which
+    sequence that label token belongs to (-1 elsewhere), so a sequence's log-probability is the sum of
+    its tokens' (per-token loss negated) grouped by `sequence_ids`: under CP each rank sums its own
+    tokens and the ranks add their sums. `ref_logps` `[2 * num_pairs]` float32: the reference model's
+    log-probability of each sequence, once computed (None before)."""
+
+    num_pairs: int
+    sequence_ids: torch.Tensor = field(metadata=PER_TOKEN)
+    ref_logps: torch.Tensor | None = field(default=None, metadata=PER_SEQUENCE)
+
+    def _check_sequences(self) -> None:
+        if self.num_pairs < 1:
+            raise LayoutError(f"preference micro-batch: {self.num_pairs} pairs; every micro-batch needs one")
+        for f, t in self._tensors_of("sequence"):
+            if t.shape[0] != 2 * self.num_pairs:
+                raise LayoutError(f"preference micro-batch {f}: {t.shape[0]} sequences, not 2 x {self.num_pairs} "
+                                  "pairs")
 
 
 def step_shape(microbatches: list[MicroBatch]) -> torch.Size:
