@@ -17,6 +17,7 @@ from hfmeg.data.microbatch import PairBatch, token_index
 from hfmeg.data.preference import PairFormatter
 from hfmeg.errors import DataError, LayoutError
 from test_data import DATA, char_tokenizer, llama2_or_skip, write_jsonl
+from test_data_batches import dp_loaders
 from tiny_models import ASSETS
 
 LLAMA3 = ASSETS / "tokenizers" / "llama3" / "tokenizer.model"
@@ -161,11 +162,14 @@ def pair_file(tmp_path: Path, n: int = 40) -> Path:
     return write_jsonl(tmp_path / "pairs.jsonl", recs)
 
 
+def pair_config(path, **cfg) -> DataConfig:
+    return DataConfig(sources=[SourceConfig(str(path))], format="preference", seq_len=cfg.pop("seq_len", 64),
+                      read_ahead=cfg.pop("read_ahead", 5), **cfg)
+
+
 def loader(path, dp=1, rank=0, mbs=2, gbs=8, cp=1, cp_rank=0, **cfg):
-    cfg = DataConfig(sources=[SourceConfig(str(path))], format="preference", seq_len=cfg.pop("seq_len", 64),
-                     read_ahead=cfg.pop("read_ahead", 5), **cfg)
-    return build_data(cfg, char_tokenizer(), dp_rank=rank, dp_size=dp, micro_batch_size=mbs, global_batch_size=gbs,
-                      cp_rank=cp_rank, cp_size=cp)
+    return build_data(pair_config(path, **cfg), char_tokenizer(), dp_rank=rank, dp_size=dp, micro_batch_size=mbs,
+                      global_batch_size=gbs, cp_rank=cp_rank, cp_size=cp)
 
 
 def text(pair):
@@ -198,10 +202,7 @@ def check_pairs(mb: PairBatch) -> list[tuple[list[int], list[int]]]:
 
 def global_pairs(path, dp, mbs, gbs, steps, state=None, **cfg):
     """Per step: every pair of the global batch (all DP ranks, in order), the rows, and the step's counts."""
-    loaders = [loader(path, dp, r, mbs, gbs, **cfg) for r in range(dp)]
-    if state is not None:
-        for d in loaders:
-            d.load_state_dict(json.loads(json.dumps(state)))
+    loaders = dp_loaders(pair_config(path, **cfg), dp, mbs, gbs, state)
     out = []
     for _ in range(steps):
         batches = [next(d) for d in loaders]
@@ -254,8 +255,7 @@ def test_exact_resume_at_another_dp_size_and_eval_holdout(tmp_path):
                                        eval_holdout=5)
         assert [p for p, _ in first + rest] == [p for p, _ in ref]
         assert report.documents == ref_report.documents
-    cfg = DataConfig(sources=[SourceConfig(str(path))], format="preference", seq_len=64, eval_holdout=5)
-    evals = list(build_eval_data(cfg, char_tokenizer(), dp_rank=0, dp_size=1, micro_batch_size=2,
+    evals = list(build_eval_data(pair_config(path, eval_holdout=5), char_tokenizer(), dp_rank=0, dp_size=1, micro_batch_size=2,
                                  global_batch_size=4))
     pairs = [p for b in evals for m in b.microbatches for p in check_pairs(m)]
     assert len(pairs) == sum(b.num_pairs for b in evals) == 5  # the held-out records, as pairs

@@ -72,8 +72,12 @@ class PairFormatter(Formatter):
                 raise BadRecord("missing_field", f"missing field {f[k]!r}")
         if sharegpt:
             answers = [[a] if isinstance(a, dict) else a for a in answers]
-        if all(isinstance(a, str) for a in answers):
+        strings = [isinstance(a, str) for a in answers]
+        if all(strings):
             return self._strings(rec, f, *answers)
+        if any(strings):
+            raise BadRecord("invalid_record", f"fields {f['chosen']!r} and {f['rejected']!r}: one is a string, "
+                                              "the other messages")
         chosen, rejected = (self._messages(a, f[k], f, sharegpt) for k, a in zip(("chosen", "rejected"), answers))
         if f["prompt"] in rec:
             prompt = self._messages(rec[f["prompt"]], f["prompt"], f, sharegpt)
