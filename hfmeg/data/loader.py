@@ -21,6 +21,10 @@ state only counts records whose documents were consumed, so read-ahead never
 leaks into a resumed stream. With `data.prefetch`, the next batches are built in
 a background thread while the step runs (`TrainData`). Records are not shuffled: they are read in file order
 and mixed across sources by weight (shuffle files offline when order matters).
+
+Preference data (`DataConfig.preference`) takes the same path with `PairFormatter` (data/preference.py: a record
+becomes its chosen and rejected documents) and `PairPacker` (data/pairs.py: row pairs) in place of `Formatter` and
+`Packer`, and its micro-batches are `PairBatch`es.
 """
 
 from __future__ import annotations
