@@ -77,7 +77,7 @@ def test_ranked_table_from_a_bare_config_json(small, capsys):
 @pytest.mark.parametrize("argv, words", [
     (["--gpu", "b300"], "--gpu 'b300' is not known"),
     (["--gpu", "custom", "--peak-tflops", "100"], "--gpu custom needs"),
-    (["--tp", "3"], "--tp 3 x --pp 1 does not divide --gpus 16"),
+    (["--tp", "3"], "world size 16 is not a multiple of TP x CP x PP = 3 x 1 x 1"),
     (["--tp", "2", "--pp", "32", "--gpus", "64"], "more than the model's 16 layers"),
     (["--tp", "2", "--pp", "2", "--recompute", "sometimes"], "--recompute"),
     (["--tp", "2", "--ep", "2"], "no experts to spread"),
