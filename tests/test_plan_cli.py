@@ -133,6 +133,21 @@ def test_expert_all_to_all_time_is_the_routed_bytes_over_the_ep_link(moe):
         assert t.ep_comm_s == pytest.approx(m * cfg.num_layers * per_layer)
 
 
+def test_the_expert_all_to_all_crosses_nodes_where_the_rank_grid_says(moe):
+    """EP ranks are DP neighbours, TP x CP ranks apart (parallel/grid.py): at TP2 x CP2 the two ranks of an EP 2
+    group are 4 apart, so on 4-GPU nodes the all-to-all rides the NICs and on 8-GPU nodes NVLink."""
+    cfg = resolve_model(str(moe))
+    spec = gpu_spec("h100")
+    prof = default_profile("h100", spec.peak_flops, spec.hbm_bytes_per_s)
+    lay = PlanLayout(2, 1, 2, 1, optimizer="distributed", ep=2, cp=2)
+    ep_s = {}
+    for per_node in (4, 8):
+        assert ("ep" in replace(lay.grid, per_host=per_node).crossing()) == (per_node == 4)
+        cluster = ClusterSpec(spec, 8, per_node, inter_node_bytes_per_s=400e9 / 8)
+        ep_s[per_node] = evaluate(Job(cfg, cluster, prof, 4, 2048), lay).time.ep_comm_s
+    assert ep_s[4] > ep_s[8] > 0
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--tp", "2", "--ep", "16"], "EP=16 does not divide DP=8"),
     (["--gpus", "24", "--global-batch-size", "48", "--tp", "2", "--ep", "3"],
