@@ -17,7 +17,7 @@ from hfmeg.plan.layout import PlanLayout, parse_layout
 from hfmeg.plan.memory import memory
 from hfmeg.plan.models import resolve_model
 from hfmeg.plan.profile import default_profile, load_profile
-from hfmeg.plan.search import Job, best_layout, candidates, evaluate
+from hfmeg.plan.search import Job, best_layout, candidates, evaluate, search
 
 JOB = ["--gpu", "h100", "--gpus", "16", "--global-batch-size", "64", "--seq-len", "2048"]
 
@@ -146,6 +146,19 @@ def test_the_expert_all_to_all_crosses_nodes_where_the_rank_grid_says(moe):
         cluster = ClusterSpec(spec, 8, per_node, inter_node_bytes_per_s=400e9 / 8)
         ep_s[per_node] = evaluate(Job(cfg, cluster, prof, 4, 2048), lay).time.ep_comm_s
     assert ep_s[4] > ep_s[8] > 0
+
+
+def test_layout_auto_searches_only_layouts_that_keep_tp_and_ep_inside_a_node(moe):
+    """`--layout auto` (Job.cross_host False) gets no layout ParallelState would refuse; `hfmeg plan` times them."""
+    spec = gpu_spec("h100")
+    prof = default_profile("h100", spec.peak_flops, spec.hbm_bytes_per_s)
+    kept = Job(resolve_model(str(moe)), ClusterSpec(spec, 8, 2), prof, 16, 2048, cross_host=False)
+    with pytest.raises(HfmegError, match=r"^EP=4: its group of ranks \[0, 1, 2, 3\] spans hosts \[0, 1\] \(2 ranks"):
+        evaluate(kept, PlanLayout(1, 1, 8, 1, ep=4))
+    assert evaluate(replace(kept, cross_host=True), PlanLayout(1, 1, 8, 1, ep=4)).time.ep_comm_s > 0
+    fits, reasons, _ = search(kept)
+    assert fits and {"EP=4", "EP=8"} <= set(reasons)
+    assert all(not {"tp", "ep"} & set(replace(ev.layout.grid, per_host=2).crossing()) for ev in fits)
 
 
 @pytest.mark.parametrize("argv, words", [
