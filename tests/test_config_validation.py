@@ -54,10 +54,10 @@ def _refused(capsys, argv: list[str], expect: str) -> None:
     (["--warmup-steps", "-2"], "lr schedule fields warmup_steps >= 0"),  # checked by LRScheduleConfig itself
     (["--set", "optim.beta2=1.0"], "optim.beta2: must be in [0, 1), got 1"),
     (["--global-batch-size", "7", "--micro-batch-size", "2"],
-     "train.global_batch_size: 7 is not a multiple of train.micro_batch_size x data-parallel size = 2 x 1"),
-    (["--tp", "2"], "parallel.tp x parallel.cp x parallel.pp = 2 does not divide the 1 processes launched"),
+     "train.global_batch_size: global batch 7 is not divisible by DP x micro-batch = 1 x 2"),
+    (["--tp", "2"], "parallel.tp x parallel.cp x parallel.pp: world size 1 is not a multiple of TP x CP x PP = 2 x 1 x 1"),
     (["--cp", "0"], "parallel.cp: must be >= 1, got 0"),
-    (["--ep", "2"], "parallel.ep: 2 must divide the data-parallel size 1"),
+    (["--ep", "2"], "parallel.ep: EP=2 does not divide DP=1 (expert-parallel ranks are data-parallel ranks)"),
     (["--resume", "no/such/checkpoint"], "checkpoint.resume: 'no/such/checkpoint' is neither none, auto nor"),
     (["--set", "data.eval_holdout=0"], "train.eval_every: 100 asks for evaluation but there is no eval data"),
     (["--push-to-hub", "bad//id"], "hub.push_to_hub: 'bad//id' is not a valid Hub repo id"),
@@ -88,9 +88,9 @@ def test_an_expert_parallel_size_the_model_cannot_take_exits_2(capsys, monkeypat
 
 
 @pytest.mark.parametrize("argv, expect", [
-    (["--seq-len", "30"], "data.seq_len: 30 does not split into 2 x parallel.cp = 4 equal chunks; use a multiple of 4"),
+    (["--seq-len", "30"], "data.seq_len: sequence length 30 does not split into 2 x CP = 4 equal chunks; use a multiple of 4"),
     (["--tp", "4", "--seq-len", "36", "--sequence-parallel"],
-     "data.seq_len: the 18 tokens of each CP rank (seq_len / parallel.cp) do not divide over parallel.tp 4"),
+     "data.seq_len: the 18 tokens of each CP rank (sequence length 36 / CP=2) do not divide over TP=4"),
 ])
 def test_a_sequence_context_parallelism_cannot_split_exits_2(capsys, monkeypatch, argv, expect):
     monkeypatch.setenv("WORLD_SIZE", "8")

@@ -38,7 +38,7 @@ def test_ep_groups_split_dp_with_ep_fastest():
 
 
 def test_ep_must_divide_dp():
-    with pytest.raises(LayoutError, match="ep=3 must divide the data-parallel size 4"):
+    with pytest.raises(LayoutError, match="EP=3 does not divide DP=4"):
         ParallelState(ParallelConfig(ep=3), 0, 4, torch.device("cpu"))
 
 

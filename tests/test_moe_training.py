@@ -18,7 +18,6 @@ divide the expert count (or EP on a dense model) is refused when a chunk is buil
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from optim_harness import (CFG, DistributedOptimizer, OptimizerConfig, build_ran
 from hfmeg.families import model_config_from_hf
 from hfmeg.errors import UnsupportedConfigError
 from hfmeg.models.decoder import ModelChunk
+from hfmeg.parallel.grid import RankGrid
 from hfmeg.parallel.launch import spawn
 from tiny_models import save_tiny, tiny_config
 
@@ -77,6 +77,6 @@ def test_expert_parallel_training_matches_adamw_reference(mixtral):
 def test_chunk_refuses_an_ep_the_model_cannot_split(kind, ep, field):
     """Refused where the chunk is built, naming the field, before any expert or dispatcher exists."""
     cfg = model_config_from_hf(tiny_config(kind))
-    ps = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False, ep=ep, ep_rank=0, ep_group=None)
+    ps = RankGrid(dp=ep, ep=ep).place(0)
     with torch.device("meta"), pytest.raises(UnsupportedConfigError, match=f"^{field}: "):
         ModelChunk(cfg, ps, range(cfg.num_layers), pre_process=True, post_process=True)

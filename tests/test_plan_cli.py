@@ -17,7 +17,7 @@ from hfmeg.plan.layout import PlanLayout, parse_layout
 from hfmeg.plan.memory import memory
 from hfmeg.plan.models import resolve_model
 from hfmeg.plan.profile import default_profile, load_profile
-from hfmeg.plan.search import Job, best_layout, candidates, evaluate
+from hfmeg.plan.search import Job, best_layout, candidates, evaluate, search
 
 JOB = ["--gpu", "h100", "--gpus", "16", "--global-batch-size", "64", "--seq-len", "2048"]
 
@@ -77,7 +77,7 @@ def test_ranked_table_from_a_bare_config_json(small, capsys):
 @pytest.mark.parametrize("argv, words", [
     (["--gpu", "b300"], "--gpu 'b300' is not known"),
     (["--gpu", "custom", "--peak-tflops", "100"], "--gpu custom needs"),
-    (["--tp", "3"], "--tp 3 x --pp 1 does not divide --gpus 16"),
+    (["--tp", "3"], "world size 16 is not a multiple of TP x CP x PP = 3 x 1 x 1"),
     (["--tp", "2", "--pp", "32", "--gpus", "64"], "more than the model's 16 layers"),
     (["--tp", "2", "--pp", "2", "--recompute", "sometimes"], "--recompute"),
     (["--tp", "2", "--ep", "2"], "no experts to spread"),
@@ -131,6 +131,34 @@ def test_expert_all_to_all_time_is_the_routed_bytes_over_the_ep_link(moe):
         one = (ep - 1) / ep * 2 * mb * seq * 2 * cfg.hidden_size / (bw * prof.link_efficiency) + (ep - 1) * lat
         per_layer = 2 * (2 * one + (ep - 1) * lat)
         assert t.ep_comm_s == pytest.approx(m * cfg.num_layers * per_layer)
+
+
+def test_the_expert_all_to_all_crosses_nodes_where_the_rank_grid_says(moe):
+    """EP ranks are DP neighbours, TP x CP ranks apart (parallel/grid.py): at TP2 x CP2 the two ranks of an EP 2
+    group are 4 apart, so on 4-GPU nodes the all-to-all rides the NICs and on 8-GPU nodes NVLink."""
+    cfg = resolve_model(str(moe))
+    spec = gpu_spec("h100")
+    prof = default_profile("h100", spec.peak_flops, spec.hbm_bytes_per_s)
+    lay = PlanLayout(2, 1, 2, 1, optimizer="distributed", ep=2, cp=2)
+    ep_s = {}
+    for per_node in (4, 8):
+        assert ("ep" in replace(lay.grid, per_host=per_node).crossing()) == (per_node == 4)
+        cluster = ClusterSpec(spec, 8, per_node, inter_node_bytes_per_s=400e9 / 8)
+        ep_s[per_node] = evaluate(Job(cfg, cluster, prof, 4, 2048), lay).time.ep_comm_s
+    assert ep_s[4] > ep_s[8] > 0
+
+
+def test_layout_auto_searches_only_layouts_that_keep_tp_and_ep_inside_a_node(moe):
+    """`--layout auto` (Job.cross_host False) gets no layout ParallelState would refuse; `hfmeg plan` times them."""
+    spec = gpu_spec("h100")
+    prof = default_profile("h100", spec.peak_flops, spec.hbm_bytes_per_s)
+    kept = Job(resolve_model(str(moe)), ClusterSpec(spec, 8, 2), prof, 16, 2048, cross_host=False)
+    with pytest.raises(HfmegError, match=r"^EP=4: its group of ranks \[0, 1, 2, 3\] spans hosts \[0, 1\] \(2 ranks"):
+        evaluate(kept, PlanLayout(1, 1, 8, 1, ep=4))
+    assert evaluate(replace(kept, cross_host=True), PlanLayout(1, 1, 8, 1, ep=4)).time.ep_comm_s > 0
+    fits, reasons, _ = search(kept)
+    assert fits and {"EP=4", "EP=8"} <= set(reasons)
+    assert all(not {"tp", "ep"} & set(replace(ev.layout.grid, per_host=2).crossing()) for ev in fits)
 
 
 @pytest.mark.parametrize("argv, words", [

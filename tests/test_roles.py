@@ -10,7 +10,6 @@ grouped MoE experts are one stacked parameter per layer stored as one tensor per
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from hfmeg.checkpoint.rules import chunk_rules
 from hfmeg.families import model_config_from_hf
 from hfmeg.models.decoder import ModelChunk
 from hfmeg.optim import OptimizerConfig, no_weight_decay
+from hfmeg.parallel.grid import RankGrid
 from hfmeg.parallel.roles import ParamRole, named_roles, role_of
 from hfmeg.parallel.stored_names import stored_slices
 from tests.tiny_models import MOE_KINDS, tiny_config
@@ -29,7 +29,7 @@ SPLIT_DIM = {"replicated": None, "fused": None, "rows": 0, "qkv": 0, "gate_up": 
 
 def _chunk(kind: str, pre: bool, post: bool, sp: bool = True) -> ModelChunk:
     cfg = model_config_from_hf(tiny_config(kind))
-    ps = SimpleNamespace(tp=2, tp_rank=1, sequence_parallel=sp, ep=1, ep_rank=0, ep_group=None, cp=1)
+    ps = RankGrid(tp=2, sequence_parallel=sp).place(1)  # TP rank 1 of 2
     with torch.device("meta"):
         return ModelChunk(cfg, ps, range(cfg.num_layers), pre_process=pre, post_process=post)
 

@@ -50,6 +50,7 @@ import torch
 
 from ..config import ModelConfig, check_tp
 from ..errors import CheckpointError, LayoutError
+from ..parallel.grid import RankGrid
 from ..parallel.layout import ChunkSpec, rank_chunks, split_layers
 from .atomic import write_text_atomic
 
@@ -127,8 +128,7 @@ class MPLayout:
     def build(cls, cfg: ModelConfig, *, tp: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None,
               vocab_multiple: int = 128, dtype: str = "float32", iteration: int | None = None) -> "MPLayout":
         """Validate the layout against the model and describe it (raises UnsupportedConfigError / LayoutError)."""
-        if tp < 1:
-            raise LayoutError(f"TP must be >= 1, got {tp}")
+        RankGrid(tp=tp, pp=pp, vpp=vpp)  # the sizes' own checks
         if vocab_multiple < 1:
             raise LayoutError(f"--vocab-multiple must be >= 1, got {vocab_multiple}")
         check_tp(cfg, tp)
@@ -137,6 +137,11 @@ class MPLayout:
         arch = (getattr(hf, "architectures", None) or [cfg.model_type])[0]
         return cls(arch, cfg.to_dict(), tp, pp, vpp, chunks, vocab_multiple,
                    cfg.padded_vocab(tp, vocab_multiple), dtype, iteration)
+
+    @property
+    def grid(self) -> RankGrid:
+        """The ranks that hold shards: TP x PP (one data-parallel replica)."""
+        return RankGrid(tp=self.tp, pp=self.pp, vpp=self.vpp)
 
     @property
     def pp_layers(self) -> list[int]:

@@ -67,7 +67,7 @@ def sharded_outputs(mp_dir: str | Path, ids: torch.Tensor, max_new_tokens: int, 
     logits = full_logits(chunks, ps, ids)
     if ps.world_size > 1:
         box = [logits]
-        dist.broadcast_object_list(box, src=ps.tp * ps.dp * (ps.pp - 1))  # last stage, TP 0, DP 0
+        dist.broadcast_object_list(box, src=ps.grid.rank(pp=ps.pp - 1))  # last stage, TP, CP and DP rank 0
         logits = box[0]
     generated = greedy_generate(chunks, ps, ids, max_new_tokens)
     return logits, generated

@@ -237,8 +237,7 @@ def forward_backward(
         raise LayoutError(f"num_tokens must count at least one label token, got {num_tokens}")
     steps = plan(schedule, ps.pp, ps.pp_rank, ps.vpp, len(microbatches), forward_only)
     s = step_shape(microbatches)[1]
-    if ps.sequence_parallel and s % ps.tp:
-        raise LayoutError(f"sequence length {s} (per CP rank) is not divisible by TP={ps.tp} (sequence parallelism)")
+    ps.grid.check_sequence(s * ps.cp)  # s: this CP rank's part of the rows
     ex = _Executor(chunks, ps, microbatches, num_tokens, grad_sync, timeline, forward_only, loss_scale)
     ex.run(steps)
     if not ps.is_last_stage:

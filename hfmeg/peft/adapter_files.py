@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Iterator
 
 import torch
@@ -41,7 +40,7 @@ from ..errors import CheckpointError, UnsupportedConfigError
 from ..families.llama import PROJECTIONS
 from ..models.decoder import ModelChunk
 from ..parallel.params_ready import wait_params_ready
-from ..parallel.state import ParallelState
+from ..parallel.grid import RankPlace
 from ..parallel.stored_names import stored_tensors
 from .adapters import adapter_tensors, attach, join_slices
 from .config import EXPERT_PARAMS, MODULES, PeftConfig
@@ -52,14 +51,14 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
-def write_adapter_shard(chunks: list[ModelChunk], ps: ParallelState, rank_dir: Path) -> None:
+def write_adapter_shard(chunks: list[ModelChunk], ps: RankPlace, rank_dir: Path) -> None:
     """This rank's adapter tensors into `rank_dir/adapter.safetensors` (DP rank 0 only: replicas are equal).
 
     With expert parallelism the other ranks of DP rank 0's EP group hold other experts: each writes only its
     experts' adapters (role `expert`) into `adapter-experts-EEE-FFF.safetensors`, as `mp_save` does for models;
     every tensor is under its stored name, so each expert is in the folder once whatever the EP size."""
-    ep_rank = getattr(ps, "ep_rank", 0)
-    if getattr(ps, "edp_rank", ps.dp_rank) != 0 or ps.dp_rank != ep_rank:
+    ep_rank = ps.ep_rank
+    if ps.edp_rank != 0 or ps.dp_rank != ep_rank:
         return
     wait_params_ready(chunks)  # the overlapped optimizer's all-gathers may still be in flight
     tensors, table = {}, {}
@@ -150,23 +149,19 @@ def read_adapter_shard(chunks: list[ModelChunk], rank_dir: Path, tp_rank: int) -
                 params[t.local].copy_(saved[t.local])
 
 
-def meta_rank_chunks(model_cfg, layout: MPLayout, cfg: PeftConfig) -> Iterator[tuple[SimpleNamespace,
-                                                                                   list[ModelChunk]]]:
-    """For every rank (TP fastest) of `layout`: a stand-in of its parallel state and its chunks on the meta
-    device with their adapters attached (what the trainer would build there, no memory held)."""
-    for p in range(layout.pp):
-        for t in range(layout.tp):
-            # what chunk construction and the shard writer read of a ParallelState
-            ps = SimpleNamespace(tp=layout.tp, tp_rank=t, pp_rank=p, dp_rank=0, sequence_parallel=False, ep=1,
-                                 ep_rank=0, ep_group=None, cp=1)
-            chunks = []
-            for spec in layout.rank_chunks(p):
-                with torch.device("meta"):
-                    chunk = ModelChunk(model_cfg, ps, spec.layers, pre_process=spec.pre_process,
-                                       post_process=spec.post_process, vocab_multiple=layout.vocab_multiple)
-                    attach(chunk, cfg)
-                chunks.append(chunk)
-            yield ps, chunks
+def meta_rank_chunks(model_cfg, layout: MPLayout, cfg: PeftConfig) -> Iterator[tuple[RankPlace, list[ModelChunk]]]:
+    """For every rank (TP fastest) of `layout`: its place in the grid and its chunks on the meta device with
+    their adapters attached (what the trainer would build there, no memory held)."""
+    grid = layout.grid
+    for ps in map(grid.place, range(grid.world_size)):
+        chunks = []
+        for spec in layout.rank_chunks(ps.pp_rank):
+            with torch.device("meta"):
+                chunk = ModelChunk(model_cfg, ps, spec.layers, pre_process=spec.pre_process,
+                                   post_process=spec.post_process, vocab_multiple=layout.vocab_multiple)
+                attach(chunk, cfg)
+            chunks.append(chunk)
+        yield ps, chunks
 
 
 def check_adapter_shards(iter_dir: Path, cfg: PeftConfig) -> MPLayout:

@@ -14,7 +14,6 @@ adapters (the optimizer's fp32 masters and moments when resharding).
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Iterator
 
 import torch
@@ -25,6 +24,7 @@ from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.mp_layout import HF_DIR, MPLayout
 from ..errors import CheckpointError
 from ..models.decoder import ModelChunk
+from ..parallel.grid import RankPlace
 from ..parallel.stored_names import stored_tensors
 from .adapter_files import base_fingerprint, meta_rank_chunks, write_adapter_shard
 from .adapters import adapter_tensors, initialise
@@ -49,8 +49,8 @@ def _full_shape(local: torch.Size, kind: str, tp: int, vocab: int | None,
 
 
 def rank_adapters(model_cfg, layout: MPLayout, cfg: PeftConfig,
-                  tensors: dict[str, torch.Tensor]) -> Iterator[tuple[SimpleNamespace, list[ModelChunk]]]:
-    """For every rank (TP fastest) of `layout`: (its stand-in parallel state, its chunks holding its slices of
+                  tensors: dict[str, torch.Tensor]) -> Iterator[tuple[RankPlace, list[ModelChunk]]]:
+    """For every rank (TP fastest) of `layout`: (its place in the grid, its chunks holding its slices of
     `tensors`, PEFT key -> full tensor, in their dtype). Refuses tensors that no rank takes."""
     used: set[str] = set()
     for ps, chunks in meta_rank_chunks(model_cfg, layout, cfg):

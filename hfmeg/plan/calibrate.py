@@ -42,7 +42,6 @@ import os
 import statistics
 import time
 
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -53,6 +52,7 @@ from ..data.microbatch import MicroBatch
 from ..families import model_config_from_hf
 from ..models.decoder import ModelChunk
 from ..optim import DistributedOptimizer, OptimizerConfig
+from ..parallel.grid import RankGrid
 from ..parallel.launch import spawn
 from ..parallel.pipeline import forward_backward
 from ..parallel.state import ParallelConfig, ParallelState
@@ -135,7 +135,7 @@ def _tiny_chunk(ps, device, ends: bool = False, experts: int = 0, recompute: str
     return chunk
 
 
-_TINY_PS = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=False, ep=1, ep_rank=0, ep_group=None, cp=1, cp_rank=0)
+_TINY_PS = RankGrid().place(0)
 
 
 def _fixed_costs(device, repeats: int) -> tuple[float, float, float, float, float, float]:

@@ -20,6 +20,7 @@ import json
 import sys
 
 from ..errors import HfmegError, LayoutError
+from ..parallel.grid import check_world
 from ..peft.config import PeftConfig
 from . import published, scaling
 from .calibrate import calibrate
@@ -127,12 +128,9 @@ def _plan(a) -> int:
                           "every layout (TP, CP, PP, VPP and, for MoE models, EP)")
     if a.cp < 1:
         raise LayoutError(f"--cp {a.cp}: must be >= 1")
-    if a.tp and a.gpus % (a.tp * a.cp * a.pp):
-        cp = f" x --cp {a.cp}" if a.cp > 1 else ""
-        raise LayoutError(f"--tp {a.tp}{cp} x --pp {a.pp} does not divide --gpus {a.gpus}")
     if a.explain or a.tp:
         lay = parse_layout(a.explain) if a.explain else PlanLayout(
-            a.tp, a.pp, a.gpus // max(1, a.tp * a.cp * a.pp), a.micro_batch_size, a.vpp, a.recompute,
+            a.tp, a.pp, check_world(a.gpus, a.tp, a.cp, a.pp), a.micro_batch_size, a.vpp, a.recompute,
             not a.no_sequence_parallel, a.optimizer, ep=a.ep, cp=a.cp)
         ev = evaluate(job, lay)
         _explain(ev)

@@ -94,7 +94,7 @@ class ClusterSpec:
         every member sends its own (n − k)/n off the node, each at inter_node / G; the
         rate returned is the one at which the whole (n − 1)/n of a rank's bytes move.
         """
-        if group_size * stride <= self.gpus_per_node:
+        if group_size == 1 or group_size * stride <= self.gpus_per_node:  # one rank sends nothing
             return self.gpu.intra_node_bytes_per_s, self.intra_node_latency_s
         per_gpu = self.inter_node_bytes_per_s / min(self.gpus_per_node, self.gpus)
         k = min(group_size, max(1, self.gpus_per_node // stride))

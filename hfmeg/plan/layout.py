@@ -1,6 +1,8 @@
 """`PlanLayout`: one candidate way to run a training step, and the checks it must pass.
 
-The checks are the ones the runtime itself makes (`config.check_tp`,
+Its rank grid is a `grid.RankGrid` (sizes, EP inside DP, sequence parallelism only with
+TP > 1); the rest is how a step runs on it (micro-batch, recompute, optimizer, schedule).
+The checks are the ones the runtime itself makes (the grid's, `config.check_tp`,
 `schedules.validate`, `layout.split_layers`), called rather than restated, so the
 planner never proposes a layout the trainer would refuse.
 """
@@ -14,6 +16,7 @@ from ..config import ModelConfig, check_cp, check_ep, check_tp
 from ..errors import HfmegError, LayoutError
 from ..models.decoder import RECOMPUTE_MODES
 from ..optim.config import MODES
+from ..parallel.grid import RankGrid
 from ..parallel.layout import split_layers
 from ..parallel.schedules import validate
 
@@ -29,11 +32,17 @@ class PlanLayout:
     sequence_parallel: bool = True  # only meaningful with tp > 1
     optimizer: str = "overlapped"
     schedule: str = "1f1b"  # becomes "interleaved" when vpp > 1; "gpipe" on request
-    ep: int = 1  # expert-parallel ranks, a divisor of dp (parallel/state.py); the expert-DP group is dp / ep
+    ep: int = 1  # expert-parallel ranks, a divisor of dp (parallel/grid.py); the expert-DP group is dp / ep
     cp: int = 1  # context-parallel ranks: each row split over them (parallel/context.py)
 
     @property
+    def grid(self) -> RankGrid:
+        """The rank grid (LayoutError where the sizes do not fit together)."""
+        return RankGrid(self.tp, self.cp, self.pp, self.dp, self.ep, self.vpp, self.sequence_parallel)
+
+    @property
     def edp(self) -> int:
+        """Expert-DP replicas of one CP rank (the expert-DP group is this x CP)."""
         return self.dp // self.ep
 
     @property
@@ -47,14 +56,14 @@ class PlanLayout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
+        return self.grid.world_size
 
     @property
     def sp(self) -> bool:
-        return self.sequence_parallel and self.tp > 1
+        return self.grid.sequence_parallel
 
     def microbatches(self, global_batch: int) -> int:
-        return global_batch // (self.dp * self.micro_batch)
+        return self.grid.check_batch(global_batch, self.micro_batch)
 
     def name(self) -> str:
         v = f"v{self.vpp}" if self.vpp > 1 else ""
@@ -83,22 +92,14 @@ def parse_layout(text: str) -> PlanLayout:
 
 def check_layout(cfg: ModelConfig, lay: PlanLayout, gpus: int, global_batch: int, seq_len: int) -> None:
     """Raise LayoutError (one line) when `lay` cannot run this job."""
-    if lay.gpus != gpus:
-        raise LayoutError(f"TP x CP x PP x DP = {lay.tp} x {lay.cp} x {lay.pp} x {lay.dp} = {lay.gpus}, but there are "
-                          f"{gpus} GPUs")
+    grid = lay.grid
+    grid.check_size(gpus)
     if lay.recompute not in RECOMPUTE_MODES:
         raise LayoutError(f"--recompute {lay.recompute!r}: choose one of {RECOMPUTE_MODES}")
     if lay.optimizer not in MODES:
         raise LayoutError(f"--optimizer {lay.optimizer!r}: choose one of {MODES}")
-    if global_batch % (lay.dp * lay.micro_batch):
-        raise LayoutError(f"global batch {global_batch} is not divisible by DP x micro-batch = "
-                          f"{lay.dp} x {lay.micro_batch}")
-    if lay.ep < 1 or lay.dp % lay.ep:
-        raise LayoutError(f"EP={lay.ep} does not divide DP={lay.dp} (expert-parallel ranks are data-parallel ranks)")
-    if lay.cp > 1 and seq_len % (2 * lay.cp):
-        raise LayoutError(f"sequence length {seq_len} does not split into 2 x CP = {2 * lay.cp} chunks")
-    if lay.sp and (seq_len // lay.cp) % lay.tp:
-        raise LayoutError(f"sequence length {seq_len} / CP is not divisible by TP={lay.tp} (sequence parallelism)")
+    grid.check_batch(global_batch, lay.micro_batch)
+    grid.check_sequence(seq_len)
     try:
         check_tp(cfg, lay.tp)
         check_ep(cfg, lay.ep)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from types import SimpleNamespace
 
 import torch
 
@@ -39,6 +38,7 @@ from ..config import ModelConfig
 from ..models.decoder import ModelChunk
 from ..optim.config import OptimizerConfig
 from ..parallel.buffers import bucket_parts, plan_buckets
+from ..parallel.grid import RankGrid
 from ..parallel.layout import rank_chunks, split_layers
 from ..parallel.roles import named_roles
 from ..parallel.schedules import plan
@@ -123,9 +123,8 @@ def _shards(lay: PlanLayout) -> tuple[int, int | None]:
 
 def _count_chunk(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool, post: bool,
                  bucket_size: int, peft: PeftConfig | None) -> _Elements:
-    # construction reads only these
-    ps = SimpleNamespace(tp=lay.tp, tp_rank=0, sequence_parallel=lay.sp, ep=lay.ep, ep_rank=0, ep_group=None,
-                         cp=1)  # the parameters are the same at any CP
+    # TP and EP rank 0 of a grid without CP: the parameters are the same at any CP
+    ps = RankGrid(tp=lay.tp, dp=lay.ep, ep=lay.ep, sequence_parallel=lay.sp).place(0)
     with torch.device("meta"):
         chunk = ModelChunk(cfg, ps, layers, pre_process=pre, post_process=post)
         if peft is not None and peft.enabled:

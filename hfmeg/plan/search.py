@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import ModelConfig
 from ..errors import HfmegError, LayoutError
@@ -56,11 +56,16 @@ class Job:
     # LoRA/DoRA: memory counts the adapters as trainable and the base as frozen (memory.py); the step time
     # is still full fine-tuning's (an over-estimate: no base weight gradients are computed)
     peft: PeftConfig | None = None
+    # False: refuse a TP or EP group across nodes, as the trainer does without parallel.allow_cross_host
+    # (`--layout auto`); `hfmeg plan` times them over the inter-node link instead
+    cross_host: bool = True
 
 
 def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
     """Memory and step time of one layout; LayoutError when it cannot run or does not fit."""
     check_layout(job.cfg, lay, job.cluster.gpus, job.global_batch, job.seq_len)
+    if not job.cross_host:
+        replace(lay.grid, per_host=min(job.cluster.gpus_per_node, job.cluster.gpus)).check_hosts()
     stages = stage_memories(job.cfg, lay, job.global_batch, job.seq_len, job.dtype_bytes, peft=job.peft)
     mem = max(stages, key=lambda m: m.total)
     if mem.total > job.cluster.usable_memory:

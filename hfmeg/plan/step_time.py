@@ -276,7 +276,7 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     pp_link = _link(cluster, prof, 2, lay.tp * lay.cp * lay.dp)
     dp_link = _link(cluster, prof, lay.replicas, lay.tp)  # gradients are summed over DP x CP
     cp_link = _link(cluster, prof, lay.cp, lay.tp)
-    ep_link = _link(cluster, prof, lay.ep, lay.tp, all_to_all=True)
+    ep_link = _link(cluster, prof, lay.ep, lay.tp * lay.cp, all_to_all=True)  # DP neighbours: TP x CP ranks apart
     edp_link = _link(cluster, prof, lay.edp * lay.cp, lay.tp * lay.ep)
     stage = _Stage(cfg, lay, prof, shape, tp_link, ep_link, slow, attention, cp_link)
     costs = {cfg.is_sparse(i): stage.layer(i) for i in layer_kinds(cfg)}  # layers of one kind cost the same

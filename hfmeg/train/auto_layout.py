@@ -24,7 +24,6 @@ predicts the busiest rank).
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from ..config import load_hf_config
 from ..families import model_config_from_hf
 from ..errors import LayoutError
+from ..parallel.state import ranks_per_host
 from ..plan.auto import choice_line, detect_cluster, report
 from ..plan.layout import PlanLayout
 from ..plan.search import Evaluation, Job, best_layout, evaluate
@@ -58,18 +58,19 @@ def apply_layout(cfg: TrainConfig, lay: PlanLayout) -> TrainConfig:
 def layout_of(cfg: TrainConfig, world_size: int) -> PlanLayout:
     """The planner's name for the layout `cfg` runs on `world_size` ranks."""
     p = cfg.parallel
-    return PlanLayout(p.tp, p.pp, world_size // (p.tp * p.cp * p.pp), cfg.train.micro_batch_size, p.vpp,
+    return PlanLayout(p.tp, p.pp, p.grid(world_size).dp, cfg.train.micro_batch_size, p.vpp,
                       cfg.model.recompute, p.sequence_parallel, cfg.optim.mode, p.run_schedule, p.ep, p.cp)
 
 
 def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluation | None, str]:
     """Rank 0: (the layout, the planner's evaluation of it or None, the line to print)."""
     world = dist.get_world_size()
-    cluster, profile = detect_cluster(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device,
+    cluster, profile = detect_cluster(world, ranks_per_host() or world, device,
                                       cfg.parallel.plan_profile)
     model = model_config_from_hf(load_hf_config(cfg.model.hf_folder()))
     job = Job(model, cluster, profile, cfg.train.global_batch_size, cfg.data.seq_len,
-              cfg.model.torch_dtype(device).itemsize, peft=cfg.peft if cfg.peft.enabled else None)
+              cfg.model.torch_dtype(device).itemsize, peft=cfg.peft if cfg.peft.enabled else None,
+              cross_host=cfg.parallel.allow_cross_host)  # only layouts ParallelState will accept
     ck = cfg.checkpoint
     resume = find_resume(Path(ck.out) / "checkpoints", ck.resume, overwrite=ck.overwrite).folder
     if resume is None:

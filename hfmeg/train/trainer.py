@@ -51,7 +51,7 @@ from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.agree import agree
 from ..parallel.pipeline import forward_backward
-from ..parallel.state import ParallelState, join_world
+from ..parallel.state import ParallelState, join_world, ranks_per_host
 from ..plan.flops import mfu, peak_flops
 from .auto_layout import LayoutReport, resolve_layout
 from .checkpointing import (HF_SOURCE_DIR, STATE_FILE, RunCheckpoints, load_trainer_state, read_trainer_state,
@@ -102,7 +102,7 @@ class Trainer:
         device = join_world()
         cfg, self.prediction = resolve_layout(cfg, device)  # the planner's layout with parallel.layout auto
         self.cfg = cfg
-        self.ps = ParallelState(cfg.parallel, dist.get_rank(), dist.get_world_size(), device)
+        self.ps = ParallelState(cfg.parallel, dist.get_rank(), dist.get_world_size(), device, ranks_per_host())
         self.launcher = LauncherWatch.start()
         self.is_logger = self.ps.rank == 0
         self.out = Path(cfg.checkpoint.out)
@@ -225,6 +225,8 @@ class Trainer:
         if self.is_logger:
             (self.out / CONFIG_FILE).write_text(to_yaml(cfg))
             print(f"config: {self.out / CONFIG_FILE}", flush=True)
+            if ps.grid.hosts > 1:
+                print(f"hosts: {ps.grid.hosts_line()}", flush=True)
         summary = RunSummary(self.out, self.step, self.step, cfg.train.max_steps)
         metrics = MetricsLog(self.out, cfg.train.max_steps, self.step, cfg.tensorboard) if self.is_logger else None
         check = None if self.prediction is None else LayoutReport(self.prediction, self.step, cfg.train.max_steps,

@@ -19,11 +19,15 @@ import math
 import os
 import threading
 from collections.abc import Collection
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.hub_ids import hub_id
 from ..checkpoint.mp_layout import is_mp_folder
+from ..errors import LayoutError
+from ..parallel.grid import KEPT_INSIDE_A_HOST, check_world
+from ..parallel.state import ranks_per_host
 from .config import AUTO_FIELDS, TrainConfig
 from .dataclass_io import ConfigError, build, load_yaml, set_dotted
 from .parts import part_class
@@ -68,35 +72,27 @@ def _ranges(cfg: TrainConfig) -> None:
 
 
 def _layout(cfg: TrainConfig, world_size: int) -> None:
+    """The rank grid's own checks (`grid.RankGrid`), each reported under the field it is about."""
     p, t = cfg.parallel, cfg.train
-    if world_size % (p.tp * p.cp * p.pp):
-        raise ConfigError(f"parallel.tp x parallel.cp x parallel.pp = {p.tp * p.cp * p.pp} does not divide the "
-                          f"{world_size} processes launched")
+    _checked("parallel.tp x parallel.cp x parallel.pp", check_world, world_size, p.tp, p.cp, p.pp)
+    grid = _checked("parallel.ep", p.grid, world_size)
+    hosts = _checked("LOCAL_WORLD_SIZE", replace, grid, per_host=ranks_per_host())
+    inside = [kind for kind in KEPT_INSIDE_A_HOST if kind in hosts.crossing()]
+    _checked(f"parallel.{inside[0]}" if inside else "", hosts.check_hosts, p.allow_cross_host)
     if p.pp_layers is not None:
         if len(p.pp_layers) != p.pp * p.vpp or min(p.pp_layers) < 1:
             raise ConfigError(f"parallel.pp_layers: expected {p.pp * p.vpp} layer counts >= 1 (pp x vpp), "
                               f"got {p.pp_layers}")
-    dp = world_size // (p.tp * p.cp * p.pp)
-    if p.ep < 1 or dp % p.ep:
-        raise ConfigError(f"parallel.ep: {p.ep} must divide the data-parallel size {dp} (processes / (parallel.tp x "
-                          "parallel.cp x parallel.pp)): expert-parallel ranks are data-parallel ranks")
-    _context(cfg)
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not a multiple of "
-                          f"train.micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
+    _checked("data.seq_len", grid.check_sequence, cfg.data.seq_len)
+    _checked("train.global_batch_size", grid.check_batch, t.global_batch_size, t.micro_batch_size)
 
 
-def _context(cfg: TrainConfig) -> None:
-    """Context parallelism cuts every row into 2 x cp equal chunks (parallel/context.py)."""
-    p, seq = cfg.parallel, cfg.data.seq_len
-    if p.cp == 1:
-        return
-    if seq % (2 * p.cp):
-        raise ConfigError(f"data.seq_len: {seq} does not split into 2 x parallel.cp = {2 * p.cp} equal chunks; use a "
-                          f"multiple of {2 * p.cp}")
-    if p.sequence_parallel and p.tp > 1 and (seq // p.cp) % p.tp:
-        raise ConfigError(f"data.seq_len: the {seq // p.cp} tokens of each CP rank (seq_len / parallel.cp) do not "
-                          f"divide over parallel.tp {p.tp} (sequence parallelism)")
+def _checked(field: str, check, *args, **kwargs):
+    """`check(*args, **kwargs)`, its LayoutError as a ConfigError naming `field`."""
+    try:
+        return check(*args, **kwargs)
+    except LayoutError as e:
+        raise ConfigError(f"{field}: {e}") from None
 
 
 def _auto_layout(cfg: TrainConfig, overridden: Collection[str]) -> None:
