@@ -12,8 +12,8 @@ every log-ratio is far from 0 and the loss from log 2.
 Bounds: a sequence's log-probability is a sum of n log-softmax values, each within 2 max|Δ logit| of
 transformers' (the suite's logit bound `TOL`, test_verify_parity.py), so it is within 2 n TOL; a reward,
 β times a difference of two of them, within 4 β n TOL; the sigmoid loss (slope ≤ β in the margin, which is
-a difference of two rewards' arguments) within 2 · 4 β n TOL per pair, averaged; IPO's squared loss, with
-per-token averages, within 2 |d − 1/(2β)| · 8 TOL.
+a difference of two rewards' arguments) within 2 · 4 β n TOL per pair, averaged (SimPO's per-token averages
+are within less); IPO's squared loss, with per-token averages (d within 8 TOL), within 2 |d − 1/(2β)| · 8 TOL.
 """
 
 from __future__ import annotations
@@ -111,6 +111,32 @@ def _trl_dpo(policy, reference, adapter, cfg: PreferenceConfig, out):
     return sequences, loss.item(), metrics, grads
 
 
+def _trl_simpo(policy, reference, adapter, cfg: PreferenceConfig, out):
+    """SimPO as TRL has it, its CPO trainer with loss_type simpo (reference-free; `cpo_alpha` is hfmeg's
+    `rpo_alpha`): the same outputs as `_trl_dpo`."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    model, _ = _trl_models(policy, reference, adapter)
+    tokenizer = AutoTokenizer.from_pretrained(reference)
+    tokenizer.pad_token = tokenizer.eos_token  # its collator pads; the padding is masked out
+    args = CPOConfig(output_dir=str(out), loss_type="simpo", beta=cfg.beta, simpo_gamma=cfg.simpo_gamma,
+                     label_smoothing=cfg.label_smoothing, cpo_alpha=cfg.rpo_alpha, report_to="none",
+                     per_device_train_batch_size=len(PAIRS), use_cpu=True, bf16=False)
+    records = [dict(prompt=p, chosen=c, rejected=r) for p, c, r in PAIRS]
+    trainer = CPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(records), processing_class=tokenizer)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.model.train()
+    loss, metrics = trainer.get_batch_loss_metrics(trainer.model, batch)
+    loss.backward()
+    sequences = [(ids[m.bool()].tolist(), (labels != -100)[m.bool()].tolist()) for side in ("chosen", "rejected")
+                 for ids, m, labels in zip(batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"],
+                                           batch[f"{side}_labels"])]
+    grads = peft_adapter_grads(trainer.model) if adapter is not None else None
+    return sequences, loss.item(), {k: v for k, v in metrics.items() if k in METRICS}, grads
+
+
 def _pair_batches(sequences, pad_id: int) -> list[PairBatch]:
     """One micro-batch per pair: its chosen and rejected sequences packed in one row (two documents)."""
     n = len(sequences) // 2
@@ -152,7 +178,8 @@ def _run_layouts(policy, reference, adapter, sequences, cfg: PreferenceConfig, p
     return rows
 
 
-CASES = [("sigmoid", {}), ("sigmoid", dict(rpo_alpha=0.5)), ("ipo", {})]
+CASES = [("sigmoid", {}), ("sigmoid", dict(rpo_alpha=0.5)), ("ipo", {}), ("simpo", {}),
+         ("simpo", dict(label_smoothing=0.1, rpo_alpha=0.5))]
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -163,15 +190,18 @@ def test_dpo_matches_trl(lora, tmp_path):
     pad_id = AutoTokenizer.from_pretrained(reference).eos_token_id
     for loss_type, options in CASES:
         cfg = PreferenceConfig(loss_type=loss_type, beta=0.1, **options)
-        sequences, want_loss, want, want_grads = _trl_dpo(policy, reference, adapter, cfg, tmp_path / "trl")
+        trl_run = _trl_simpo if loss_type == "simpo" else _trl_dpo
+        sequences, want_loss, want, want_grads = trl_run(policy, reference, adapter, cfg, tmp_path / "trl")
         n = max(len(ids) for ids, _ in sequences)
         chosen_tokens = sum(sum(m[1:]) for _, m in sequences[:len(PAIRS)])
-        assert abs(want["rewards/margins"]) > 0.05, "the log-ratios must be far from 0 for the test to bite"
+        if cfg.needs_reference:
+            assert abs(want["rewards/margins"]) > 0.05, "the log-ratios must be far from 0 for the test to bite"
         results = spawn(_run_layouts, 4, str(policy), str(reference), adapter and str(adapter), sequences, cfg,
                         pad_id, chosen_tokens)
         reward_bound = 4 * cfg.beta * n * TOL
-        loss_bound = (8 * cfg.beta * n * TOL if loss_type == "sigmoid" else 16 * TOL * (1 / (2 * cfg.beta) + 10))
-        loss_bound += cfg.rpo_alpha * 2 * TOL
+        # IPO: |d - 1/(2 beta)| of every pair is at most sqrt(pairs x TRL's mean squared loss).
+        loss_bound = (2 * (want_loss * len(PAIRS)) ** 0.5 * 8 * TOL if loss_type == "ipo" else 8 * cfg.beta * n * TOL)
+        loss_bound += cfg.rpo_alpha * 2 * TOL  # a mean of log-probabilities, each within 2 TOL
         for tp, pp, cp in LAYOUTS:
             rows = [r for rank in results for r in rank if (r["tp"], r["pp"], r["cp"]) == (tp, pp, cp)]
             assert any(r["loss"] is not None for r in rows)
