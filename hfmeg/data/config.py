@@ -20,6 +20,7 @@ from typing import Literal
 from ..errors import DataError
 
 Format = Literal["alpaca", "messages", "sharegpt", "text"]
+PREFERENCE_FORMAT = "preference"  # pairs (prompt, chosen, rejected) for a preference loss (train/preference.py)
 
 DEFAULT_FIELDS: dict[str, dict[str, str]] = {
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},

@@ -80,6 +80,25 @@ class PreferenceConfig:
     def needs_reference(self) -> bool:
         return self.loss_type in ("sigmoid", "ipo")
 
+    @property
+    def tag(self) -> str | None:
+        """The method's usual name (a model card's tag): dpo, ipo, simpo."""
+        return {"sigmoid": "dpo", "ipo": "ipo", "simpo": "simpo"}.get(self.loss_type)
+
+    def describe(self, adapters: bool) -> str:
+        """The objective in words, for a model card (`adapters`: a LoRA/DoRA run)."""
+        name = {"sigmoid": "DPO (sigmoid loss)", "ipo": "IPO", "simpo": "SimPO"}[self.loss_type]
+        extras = [f"beta {self.beta:g}"]
+        if self.loss_type == "simpo":
+            extras.append(f"gamma {self.simpo_gamma:g}")
+        if self.label_smoothing:
+            extras.append(f"label smoothing {self.label_smoothing:g}")
+        if self.rpo_alpha:
+            extras.append(f"NLL of the chosen answers weighted {self.rpo_alpha:g}")
+        reference = ("reference-free" if not self.needs_reference else
+                     "against the base with the adapters off" if adapters else "against a frozen copy of the base")
+        return f"{name}, {', '.join(extras)}, {reference}, on preference pairs"
+
 
 def sequence_logps(per_token: torch.Tensor, mb: PairBatch, ps) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's log-probability `[2 * num_pairs]` (differentiable) and answer-token count, summed over this
