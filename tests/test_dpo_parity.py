@@ -44,7 +44,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl = pytest.importorskip("trl")
 
 TOL = 1e-4  # the suite's logits bound against transformers (fp32)
-LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)]  # tp, pp, cp
+LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (1, 1, 2, 1)]  # tp, pp, cp, ep
+MOE_LAYOUTS = [(1, 1, 1, 1), (1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2)]
 SEQ_LEN = 48
 PAIRS = [("Once upon a time", " there was a cat.", " the dog ran away fast."),
          ("Lily liked", " to play with her red ball.", " apples."),
@@ -71,6 +72,25 @@ def _policy_and_reference(root, lora: bool):
     return root / "policy", base, None
 
 
+def _moe_policy_and_reference(root):
+    """A tiny Qwen3-MoE (stories260K's vocabulary, so TRL tokenises with its tokenizer) and a copy moved off it.
+    No router loss: TRL adds one wherever the coefficient is non-zero, over its whole padded batch; hfmeg where
+    the config's `output_router_logits` asks, per micro-batch."""
+    from tiny_models import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    reference = save_tiny("qwen3_moe", root / "moe_reference", vocab_size=512, output_router_logits=False,
+                          router_aux_loss_coef=0.0)
+    model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * p.std() * torch.randn_like(p))
+        model.lm_head.weight.mul_(30)  # a random tiny model's next-token distributions are near uniform
+    model.save_pretrained(root / "moe_policy")
+    return root / "moe_policy", reference, None
+
+
 def _trl_models(policy, reference, adapter):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -81,7 +101,7 @@ def _trl_models(policy, reference, adapter):
     return model, AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
 
 
-def _trl_dpo(policy, reference, adapter, cfg: PreferenceConfig, out):
+def _trl_dpo(policy, reference, adapter, cfg: PreferenceConfig, out, tokenizer):
     """TRL's DPOTrainer on PAIRS: its collated batch as (prompt+answer ids, answer mask) per sequence, chosen
     ones first; its loss and metrics; and (LoRA) its adapter gradients."""
     from datasets import Dataset
@@ -95,7 +115,7 @@ def _trl_dpo(policy, reference, adapter, cfg: PreferenceConfig, out):
                      use_cpu=True, max_length=None, bf16=False)
     records = [dict(prompt=p, chosen=c, rejected=r) for p, c, r in PAIRS]
     trainer = DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(records),
-                         processing_class=AutoTokenizer.from_pretrained(reference))
+                         processing_class=AutoTokenizer.from_pretrained(tokenizer))
     if adapter is not None:
         # Given a PeftModel, TRL's reference is a frozen copy of its adapter as it starts ("ref"); without that
         # copy it is the base with the adapters off (TRL's path for a fresh adapter), which is hfmeg's reference.
@@ -111,7 +131,7 @@ def _trl_dpo(policy, reference, adapter, cfg: PreferenceConfig, out):
     return sequences, loss.item(), metrics, grads
 
 
-def _trl_simpo(policy, reference, adapter, cfg: PreferenceConfig, out):
+def _trl_simpo(policy, reference, adapter, cfg: PreferenceConfig, out, tokenizer):
     """SimPO as TRL has it, its CPO trainer with loss_type simpo (reference-free; `cpo_alpha` is hfmeg's
     `rpo_alpha`): the same outputs as `_trl_dpo`."""
     from datasets import Dataset
@@ -119,7 +139,7 @@ def _trl_simpo(policy, reference, adapter, cfg: PreferenceConfig, out):
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
     model, _ = _trl_models(policy, reference, adapter)
-    tokenizer = AutoTokenizer.from_pretrained(reference)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     tokenizer.pad_token = tokenizer.eos_token  # its collator pads; the padding is masked out
     args = CPOConfig(output_dir=str(out), loss_type="simpo", beta=cfg.beta, simpo_gamma=cfg.simpo_gamma,
                      label_smoothing=cfg.label_smoothing, cpo_alpha=cfg.rpo_alpha, report_to="none",
@@ -150,10 +170,11 @@ def _pair_batches(sequences, pad_id: int) -> list[PairBatch]:
     return out
 
 
-def _run_layouts(policy, reference, adapter, sequences, cfg: PreferenceConfig, pad_id: int, chosen_tokens: int):
+def _run_layouts(policy, reference, adapter, sequences, cfg: PreferenceConfig, pad_id: int, chosen_tokens: int,
+                 layouts):
     rows = []
-    for tp, pp, cp in LAYOUTS:
-        ps = make_ps(tp=tp, pp=pp, cp=cp)
+    for tp, pp, cp, ep in layouts:
+        ps = make_ps(tp=tp, pp=pp, cp=cp, ep=ep)
         chunks = load_chunks(HFCheckpoint(policy), ps)
         if adapter is not None:
             peft_cfg, tensors = read_peft_folder(adapter)
@@ -173,7 +194,7 @@ def _run_layouts(policy, reference, adapter, sequences, cfg: PreferenceConfig, p
         if cp > 1:  # each CP rank holds half of every sequence's gradient
             for g in grads.values():
                 torch.distributed.all_reduce(g, group=ps.cp_group)
-        rows.append(dict(tp=tp, pp=pp, cp=cp, loss=None if loss is None else loss * cp,
+        rows.append(dict(layout=(tp, pp, cp, ep), loss=None if loss is None else loss * cp,
                          metrics=objective.metrics(objective.totals) if ps.is_last_stage else None, grads=grads))
     return rows
 
@@ -182,31 +203,30 @@ CASES = [("sigmoid", {}), ("sigmoid", dict(rpo_alpha=0.5)), ("ipo", {}), ("simpo
          ("simpo", dict(label_smoothing=0.1, rpo_alpha=0.5))]
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_dpo_matches_trl(lora, tmp_path):
+def _check(policy, reference, adapter, cases, layouts, root):
     from transformers import AutoTokenizer
 
-    policy, reference, adapter = _policy_and_reference(tmp_path, lora)
-    pad_id = AutoTokenizer.from_pretrained(reference).eos_token_id
-    for loss_type, options in CASES:
+    tokenizer = stories_or_skip()
+    pad_id = AutoTokenizer.from_pretrained(tokenizer).eos_token_id
+    for loss_type, options in cases:
         cfg = PreferenceConfig(loss_type=loss_type, beta=0.1, **options)
         trl_run = _trl_simpo if loss_type == "simpo" else _trl_dpo
-        sequences, want_loss, want, want_grads = trl_run(policy, reference, adapter, cfg, tmp_path / "trl")
+        sequences, want_loss, want, want_grads = trl_run(policy, reference, adapter, cfg, root / "trl", tokenizer)
         n = max(len(ids) for ids, _ in sequences)
         chosen_tokens = sum(sum(m[1:]) for _, m in sequences[:len(PAIRS)])
         if cfg.needs_reference:
             assert abs(want["rewards/margins"]) > 0.05, "the log-ratios must be far from 0 for the test to bite"
         results = spawn(_run_layouts, 4, str(policy), str(reference), adapter and str(adapter), sequences, cfg,
-                        pad_id, chosen_tokens)
+                        pad_id, chosen_tokens, layouts)
         reward_bound = 4 * cfg.beta * n * TOL
         # IPO: |d - 1/(2 beta)| of every pair is at most sqrt(pairs x TRL's mean squared loss).
         loss_bound = (2 * (want_loss * len(PAIRS)) ** 0.5 * 8 * TOL if loss_type == "ipo" else 8 * cfg.beta * n * TOL)
         loss_bound += cfg.rpo_alpha * 2 * TOL  # a mean of log-probabilities, each within 2 TOL
-        for tp, pp, cp in LAYOUTS:
-            rows = [r for rank in results for r in rank if (r["tp"], r["pp"], r["cp"]) == (tp, pp, cp)]
+        for layout in layouts:
+            rows = [r for rank in results for r in rank if r["layout"] == layout]
             assert any(r["loss"] is not None for r in rows)
             for r in rows:
-                where = (loss_type, options, tp, pp, cp)
+                where = (loss_type, options, layout)
                 if r["loss"] is not None:
                     within(abs(r["loss"] - want_loss), loss_bound, "dpo loss vs trl", where)
                     for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
@@ -217,3 +237,13 @@ def test_dpo_matches_trl(lora, tmp_path):
                 if want_grads is not None and r["grads"]:
                     for k, g in r["grads"].items():
                         within(rel_diff(g, want_grads[k]), TOL, "dpo lora grad_rel", (where, k))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_dpo_matches_trl(lora, tmp_path):
+    _check(*_policy_and_reference(tmp_path, lora), CASES, LAYOUTS, tmp_path)
+
+
+def test_dpo_on_moe_experts_matches_trl(tmp_path):
+    """A Qwen3-MoE policy and its frozen reference with the experts spread over EP 2 ranks (and TP, PP)."""
+    _check(*_moe_policy_and_reference(tmp_path), CASES[:1], MOE_LAYOUTS, tmp_path)
