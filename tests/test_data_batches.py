@@ -30,14 +30,19 @@ def mixed_config(tmp_path: Path, **kw) -> DataConfig:
                       seq_len=kw.pop("seq_len", 512), read_ahead=kw.pop("read_ahead", 5), **kw)
 
 
-def global_batches(cfg, dp: int, mbs: int, gbs: int, steps: int, state=None):
-    """Per step: the DP slices of all ranks concatenated in rank order, and num_tokens; plus final states."""
+def dp_loaders(cfg, dp: int, mbs: int, gbs: int, state=None) -> list:
+    """Every DP rank's loader (char tokenizer), resumed from `state` (through JSON) when given."""
     tok = char_tokenizer()
     loaders = [build_data(cfg, tok, dp_rank=r, dp_size=dp, micro_batch_size=mbs, global_batch_size=gbs)
                for r in range(dp)]
-    if state is not None:
-        for d in loaders:
-            d.load_state_dict(json.loads(json.dumps(state)))
+    for d in loaders if state is not None else []:
+        d.load_state_dict(json.loads(json.dumps(state)))
+    return loaders
+
+
+def global_batches(cfg, dp: int, mbs: int, gbs: int, steps: int, state=None):
+    """Per step: the DP slices of all ranks concatenated in rank order, and num_tokens; plus final states."""
+    loaders = dp_loaders(cfg, dp, mbs, gbs, state)
     out = []
     for _ in range(steps):
         batches = [next(d) for d in loaders]

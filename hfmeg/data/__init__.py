@@ -8,8 +8,9 @@ packed, DP-sliced, resumable batches.
 
 Modules, in pipeline order: `config` (DataConfig), `sources` (Hub/local readers),
 `mixing` (weighted deterministic mixture), `formats` (chat/alpaca/text -> ids +
-loss targets), `validate` (bad-data policy), `packing` (rows), `microbatch` (the
-`MicroBatch` type: device move, CP split), `batches` (global
+loss targets), `preference` (preference records -> chosen/rejected documents, TRL's ids),
+`validate` (bad-data policy), `packing` (rows), `pairs` (pairs into row pairs,
+`PairBatch`), `microbatch` (the `MicroBatch` type: device move, CP split), `batches` (global
 batch -> DP slice), `state` (resume), `loader` (the iterators), `prefetch` (the
 thread that builds batches ahead).
 """

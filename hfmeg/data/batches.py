@@ -25,6 +25,10 @@ Packing is sequential (where a row ends depends on the length of every earlier
 document, known only once it is tokenised), so every rank still tokenises and
 packs the whole global batch, as lists of documents; only this DP rank's rows become
 arrays and tensors (`build_row`, `torch.from_numpy`), 1/DP of that work.
+
+Preference pairs (`PairBatch`, data/pairs.py) come as row pairs (a pair's chosen sequences, then its rejected
+ones), so `micro_batch_size` is even and a pair stays in one micro-batch; `num_pairs` and `chosen_tokens` are
+counted from the documents as `num_tokens` is.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from ..errors import LayoutError
 from .formats import Doc
 from .microbatch import MicroBatch
 from .packing import build_row
+from .pairs import pairs_microbatch
 
 
 @dataclass
@@ -48,10 +53,14 @@ class StepBatch:
     chosen_tokens: int = 0  # label tokens of their chosen answers: the normaliser of the NLL term on them
 
 
-def check_batch_layout(global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int) -> None:
+def check_batch_layout(global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int,
+                       pairs: bool = False) -> None:
     if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise LayoutError(f"bad data layout: micro_batch_size={micro_batch_size}, dp_rank={dp_rank}, "
                           f"dp_size={dp_size}")
+    if pairs and micro_batch_size % 2:
+        raise LayoutError(f"micro_batch_size {micro_batch_size} is odd: preference pairs take rows two by two (a "
+                          "chosen row and a rejected row, data/pairs.py), so it must be even")
     if global_batch_size % (micro_batch_size * dp_size):
         raise LayoutError(f"global_batch_size {global_batch_size} is not a multiple of "
                           f"micro_batch_size x DP = {micro_batch_size} x {dp_size}")
@@ -63,11 +72,22 @@ def rows_microbatch(rows: list[list[Doc]], seq_len: int, pad_id: int) -> MicroBa
     return MicroBatch(**{k: torch.from_numpy(np.stack([b[k] for b in built])) for k in built[0]})
 
 
+def label_count(rows: list[list[Doc]]) -> int:
+    return sum(int(d.target[1:].sum()) for docs in rows for d in docs)
+
+
 def step_batch(rows: list[list[Doc]], seq_len: int, pad_id: int, dp_rank: int, dp_size: int,
-               micro_batch_size: int, cp_rank: int = 0, cp_size: int = 1) -> StepBatch:
-    """This DP rank's micro-batches of a global batch given as each row's documents (this CP rank's tokens)."""
+               micro_batch_size: int, cp_rank: int = 0, cp_size: int = 1, pairs: bool = False) -> StepBatch:
+    """This DP rank's micro-batches of a global batch given as each row's documents (this CP rank's tokens).
+
+    `pairs`: the rows are row pairs of preference pairs (data/pairs.py), the micro-batches `PairBatch`es, and
+    the step counts the global batch's pairs and chosen label tokens (the chosen sequences: even rows)."""
     per_rank = len(rows) // dp_size
     mine = rows[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    micro = [rows_microbatch(mine[i:i + micro_batch_size], seq_len, pad_id).shard(cp_rank, cp_size)
+    make = pairs_microbatch if pairs else rows_microbatch
+    micro = [make(mine[i:i + micro_batch_size], seq_len, pad_id).shard(cp_rank, cp_size)
              for i in range(0, per_rank, micro_batch_size)]
-    return StepBatch(micro, sum(int(d.target[1:].sum()) for docs in rows for d in docs))
+    batch = StepBatch(micro, label_count(rows))
+    if pairs:
+        batch.num_pairs, batch.chosen_tokens = sum(len(r) for r in rows[::2]), label_count(rows[::2])
+    return batch

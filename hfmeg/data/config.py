@@ -9,7 +9,11 @@ error, not a Hub lookup. Anything else is a Hugging Face Hub dataset id, read wi
 - alpaca: instruction, input, output, system (input and system optional);
 - messages: messages, role, content;
 - sharegpt: conversations, from, value;
-- text: text.
+- text: text;
+- preference: prompt, chosen, rejected, role, content (strings, or `role`/`content` message lists: TRL's
+  preference layouts; without a `prompt` field the prompt is the answers' common prefix);
+- sharegpt_preference: conversations (the prompt), chosen, rejected, from, value (a chosen/rejected answer is one
+  message or a list; LLaMA-Factory's layout). Preference records become pairs (data/preference.py).
 """
 
 from __future__ import annotations
@@ -19,14 +23,18 @@ from typing import Literal
 
 from ..errors import DataError
 
-Format = Literal["alpaca", "messages", "sharegpt", "text"]
-PREFERENCE_FORMAT = "preference"  # pairs (prompt, chosen, rejected) for a preference loss (train/preference.py)
+Format = Literal["alpaca", "messages", "sharegpt", "text", "preference", "sharegpt_preference"]
+PREFERENCE_FORMATS = ("preference", "sharegpt_preference")
 
 DEFAULT_FIELDS: dict[str, dict[str, str]] = {
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output", "system": "system"},
     "messages": {"messages": "messages", "role": "role", "content": "content"},
     "sharegpt": {"messages": "conversations", "role": "from", "content": "value"},
     "text": {"text": "text"},
+    "preference": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "role": "role",
+                   "content": "content"},
+    "sharegpt_preference": {"prompt": "conversations", "chosen": "chosen", "rejected": "rejected", "role": "from",
+                            "content": "value"},
 }
 
 
@@ -49,7 +57,8 @@ class DataConfig:
     train_on_prompt: bool = False  # False: loss on response tokens only
     seq_len: int = 2048
     packing: bool = True  # False: one example per row, padded to seq_len
-    overlong: Literal["truncate", "drop", "split"] = "truncate"  # split: pieces of seq_len (text)
+    # split: pieces of seq_len (text); preference data: truncate only (TRL's keep_start, data/preference.py)
+    overlong: Literal["truncate", "drop", "split"] = "truncate"
     bad_data: Literal["report", "fail"] = "report"
     seed: int = 0  # seeds the weighted mixing of sources
     eval_sources: list[SourceConfig] = field(default_factory=list)
@@ -66,6 +75,14 @@ class DataConfig:
             raise DataError(f"data.prefetch must be >= 0, got {self.prefetch}")
         if self.eval_holdout < 0:
             raise DataError(f"data.eval_holdout must be >= 0, got {self.eval_holdout}")
+        kinds = {f in PREFERENCE_FORMATS for f in self._formats()}
+        if len(kinds) > 1:
+            raise DataError("data sources mix preference pairs and SFT/text records: a run trains on one kind")
+        if self.preference and self.overlong != "truncate":
+            raise DataError(f"data.overlong: {self.overlong!r} does not apply to preference pairs, which are "
+                            "truncated as TRL truncates them (keep the default 'truncate')")
+        if self.preference and self.train_on_prompt:
+            raise DataError("data.train_on_prompt does not apply to preference pairs: their loss is on the answers")
         for i, s in enumerate(self.sources + self.eval_sources):
             if not s.weight > 0:
                 raise DataError(f"data source {s.path!r}: weight must be > 0, got {s.weight}")
@@ -74,6 +91,14 @@ class DataConfig:
             if unknown:
                 raise DataError(f"data source {s.path!r}: unknown field {sorted(unknown)[0]!r} for format "
                                 f"{fmt} (known: {', '.join(DEFAULT_FIELDS[fmt])})")
+
+    @property
+    def preference(self) -> bool:
+        """The sources hold preference pairs (the config refuses a mix with other records)."""
+        return self._formats()[0] in PREFERENCE_FORMATS
+
+    def _formats(self) -> list[str]:
+        return [s.format or self.format for s in self.sources + self.eval_sources] or [self.format]
 
     def fields_of(self, source: SourceConfig) -> tuple[str, dict[str, str]]:
         """The format of `source` and its canonical-name -> record-key mapping."""

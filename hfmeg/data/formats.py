@@ -163,24 +163,27 @@ class Formatter:
         return chat + [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
 
     def _chat(self, rec: dict[str, Any], f: dict[str, str], sharegpt: bool) -> list[dict[str, str]]:
-        msgs = rec.get(f["messages"])
+        chat = self._messages(rec.get(f["messages"]), f["messages"], f, sharegpt)
+        if not any(m["role"] == "assistant" for m in chat):
+            raise BadRecord("empty_response", "no assistant message")
+        return chat
+
+    def _messages(self, msgs: Any, key: str, f: dict[str, str], sharegpt: bool) -> list[dict[str, str]]:
+        """Field `key`'s messages as `{"role", "content"}` dicts (ShareGPT roles renamed); raises `BadRecord`."""
         if not isinstance(msgs, list) or not msgs:
-            raise BadRecord("missing_field", f"field {f['messages']!r} must be a non-empty list")
+            raise BadRecord("missing_field", f"field {key!r} must be a non-empty list")
         chat = []
         for i, m in enumerate(msgs):
             role, content = (m.get(f["role"]), m.get(f["content"])) if isinstance(m, dict) else (None, None)
             if not isinstance(role, str) or not isinstance(content, str):
-                raise BadRecord("missing_field", f"{f['messages']}[{i}] needs string fields "
-                                                 f"{f['role']!r} and {f['content']!r}")
+                raise BadRecord("missing_field", f"{key}[{i}] needs string fields {f['role']!r} and {f['content']!r}")
             if sharegpt:
                 if role not in SHAREGPT_ROLES:
-                    raise BadRecord("invalid_record", f"{f['messages']}[{i}]: unknown role {role!r}")
+                    raise BadRecord("invalid_record", f"{key}[{i}]: unknown role {role!r}")
                 role = SHAREGPT_ROLES[role]
             if role == "assistant" and not content.strip():
-                raise BadRecord("empty_response", f"{f['messages']}[{i}]: empty assistant message")
+                raise BadRecord("empty_response", f"{key}[{i}]: empty assistant message")
             chat.append({"role": role, "content": content})
-        if not any(m["role"] == "assistant" for m in chat):
-            raise BadRecord("empty_response", "no assistant message")
         return chat
 
     def _apply(self, chat: list[dict[str, str]], generation: bool = False) -> str:
@@ -231,9 +234,10 @@ class Formatter:
             docs.append(Doc(np.asarray(ids, dtype=np.int64), target, cut))
         return docs
 
-    def _encode(self, batch: list[Rendered], limit: int | None) -> list[tuple[Any, bool] | None]:
+    def _encode(self, batch: list[Rendered], limit: int | None, special: bool = False) -> list[tuple[Any, bool] | None]:
         """(encoding, cut) per text: whole texts, or prefixes long enough for `limit` tokens;
-        None for a clipped text whose exact part is too short for that."""
+        None for a clipped text whose exact part is too short for that. `special`: the tokenizer adds its
+        special tokens (BOS) as its `__call__` does."""
         out: list[tuple[Any, bool] | None] = [None] * len(batch)
         todo = list(range(len(batch)))
         chars = None if limit is None else char_budget(limit)
@@ -246,7 +250,7 @@ class Formatter:
                 pieces.append(r.text if size == len(r.text) else r.text[:size])
                 sizes.append((size, known))
             again = []
-            for i, (size, known), e in zip(todo, sizes, self.backend.encode_batch(pieces, add_special_tokens=False)):
+            for i, (size, known), e in zip(todo, sizes, self.backend.encode_batch(pieces, add_special_tokens=special)):
                 cut = size < len(batch[i].text) or batch[i].exact is not None
                 if not cut or len(e.ids) >= limit + GUARD_TOKENS:
                     out[i] = (e, cut)

@@ -21,6 +21,10 @@ state only counts records whose documents were consumed, so read-ahead never
 leaks into a resumed stream. With `data.prefetch`, the next batches are built in
 a background thread while the step runs (`TrainData`). Records are not shuffled: they are read in file order
 and mixed across sources by weight (shuffle files offline when order matters).
+
+Preference data (`DataConfig.preference`) takes the same path with `PairFormatter` (data/preference.py: a record
+becomes its chosen and rejected documents) and `PairPacker` (data/pairs.py: row pairs) in place of `Formatter` and
+`Packer`, and its micro-batches are `PairBatch`es.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from .config import DataConfig
 from .formats import BadRecord, Doc, Formatter
 from .mixing import Mixture, Position, single_pass
 from .packing import Packer
+from .pairs import PairPacker
+from .preference import PairFormatter
 from .prefetch import Prefetcher
 from .sources import Source
 from .state import VERSION, check_state, fingerprint, position_in, position_out
@@ -93,8 +99,14 @@ def documents(cfg: DataConfig, fmt: Formatter, sources: list[Source], raws: Iter
                 owners.append(item)
             except BadRecord as e:
                 item.problem = (e.kind, str(e))
-        for item, doc in zip(owners, fmt.tokenize(rendered, limit) if rendered else []):
-            item.docs, item.problem = fit(doc, cfg)
+        if not rendered:
+            outcomes = []
+        elif cfg.preference:  # a pair's two documents, truncated as TRL truncates them
+            outcomes = fmt.pairs(rendered, limit)
+        else:
+            outcomes = [fit(doc, cfg) for doc in fmt.tokenize(rendered, limit)]
+        for item, (docs, problem) in zip(owners, outcomes):
+            item.docs, item.problem = docs, problem
         yield from items
 
 
@@ -102,8 +114,7 @@ def consume(item: Item, packer: Packer, report: DataReport) -> None:
     # A bad record is counted once: met again in a later epoch of its source, it is the same record.
     if item.problem and item.position.epochs[item.source] == 0:
         report.bad(item.problem[0], item.where, item.problem[1])
-    for d in item.docs:
-        packer.add(d)
+    packer.add_record(item.docs)
     report.documents += len(item.docs)
 
 
@@ -119,11 +130,11 @@ class _Pipeline:
 
     def __init__(self, cfg: DataConfig, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size,
                  cp_rank=0, cp_size=1):
-        check_batch_layout(global_batch_size, micro_batch_size, dp_size, dp_rank)
+        check_batch_layout(global_batch_size, micro_batch_size, dp_size, dp_rank, cfg.preference)
         if cp_size > 1:
             split_chunks(cfg.seq_len, cp_size, cp_rank)  # refuse a length the split cannot cut, before any data
         self.cfg = cfg
-        self.formatter = Formatter(cfg, tokenizer)
+        self.formatter = (PairFormatter if cfg.preference else Formatter)(cfg, tokenizer)
         self.sources = [Source(s) for s in sources]
         self.pad_id = pad_id_of(tokenizer)
         self.layout = (dp_rank, dp_size, micro_batch_size, cp_rank, cp_size)
@@ -132,7 +143,10 @@ class _Pipeline:
         self.announce = dp_rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0)
 
     def batch(self, rows: list[list[Doc]]) -> StepBatch:
-        return step_batch(rows, self.cfg.seq_len, self.pad_id, *self.layout)
+        return step_batch(rows, self.cfg.seq_len, self.pad_id, *self.layout, pairs=self.cfg.preference)
+
+    def packer(self) -> Packer | PairPacker:
+        return (PairPacker if self.cfg.preference else Packer)(self.cfg.seq_len, self.cfg.packing, self.pad_id)
 
 
 @dataclass
@@ -150,7 +164,7 @@ class _Stream:
 
     def __init__(self, pipe: _Pipeline):
         self.pipe = pipe
-        self.state = Consumed(0, None, Packer(pipe.cfg.seq_len, pipe.cfg.packing, pipe.pad_id),
+        self.state = Consumed(0, None, pipe.packer(),
                               DataReport(pipe.cfg.bad_data, announce=pipe.announce))
         self._items: Iterator[Item] | None = None
         self._epoch: list[tuple[int, bool, int] | None] = [None] * len(pipe.sources)
@@ -314,7 +328,7 @@ class EvalData(_Pipeline):
 
     def __iter__(self) -> Iterator[StepBatch]:
         cfg = self.cfg
-        packer = Packer(cfg.seq_len, cfg.packing, self.pad_id)
+        packer = self.packer()
         if cfg.eval_sources:
             raws = single_pass(self.sources)
         else:

@@ -158,8 +158,8 @@ class PairBatch(MicroBatch):
     ref_logps: torch.Tensor | None = field(default=None, metadata=PER_SEQUENCE)
 
     def _check_sequences(self) -> None:
-        if self.num_pairs < 1:
-            raise LayoutError(f"preference micro-batch: {self.num_pairs} pairs; every micro-batch needs one")
+        if self.num_pairs < 0:  # 0: padding rows only (the last eval batch's filler)
+            raise LayoutError(f"preference micro-batch: {self.num_pairs} pairs")
         for f, t in self._tensors_of("sequence"):
             if t.shape[0] != 2 * self.num_pairs:
                 raise LayoutError(f"preference micro-batch {f}: {t.shape[0]} sequences, not 2 x {self.num_pairs} "

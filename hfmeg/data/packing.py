@@ -66,6 +66,11 @@ class Packer:
             self.open = []
         self.open.append(doc)
 
+    def add_record(self, docs: list[Doc]) -> None:
+        """A record's documents (pieces of a split one are independent; pairs pack as one: data/pairs.py)."""
+        for d in docs:
+            self.add(d)
+
     def flush(self) -> None:
         """Close the open row (end of a finite stream)."""
         if self.open:

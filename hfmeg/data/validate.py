@@ -5,7 +5,9 @@ Kinds:
 - `missing_field`: a required field absent or of the wrong type;
 - `empty_response`: an empty output / assistant message / text, or no assistant turn;
 - `invalid_record`: a chat the template rejects, or an unknown ShareGPT role;
-- `overlong`: longer than `seq_len`; truncated (kept) or dropped per `DataConfig.overlong`.
+- `overlong`: longer than `seq_len`; truncated (kept) or dropped per `DataConfig.overlong`;
+- preference pairs (data/preference.py): `truncated_answer` (a sequence cut to `seq_len`, kept),
+  `prompt_too_long` (the prompt alone fills `seq_len`: dropped, as TRL drops it), `identical_answers`.
 (`overlong: split` cuts long documents into `seq_len` pieces on purpose and is not reported.)
 
 With `bad_data: report` each kind is counted and its first record (file:line,

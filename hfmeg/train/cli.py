@@ -121,7 +121,8 @@ def parser(description: str, default_config: Path | None, prog: str | None = Non
         which.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config of the run")
         which.add_argument("--recipe", choices=RECIPES, help="a built-in recipe's YAML config (listed above)")
     ap.add_argument("--data", action="append", help="data source (Hub id, file, folder or glob); repeatable")
-    ap.add_argument("--format", help="data format: alpaca | messages | sharegpt | text")
+    ap.add_argument("--format", help="data format: alpaca | messages | sharegpt | text | preference | sharegpt_preference "
+                    "(pairs, with --loss-type)")
     for flag, (key, typ, text) in FLAGS.items():
         ap.add_argument(flag, type=typ, help=f"{text} [{key}]")
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,

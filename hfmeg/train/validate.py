@@ -24,7 +24,7 @@ from typing import Any
 
 from ..checkpoint.hub_ids import hub_id
 from ..checkpoint.mp_layout import is_mp_folder
-from ..data.config import PREFERENCE_FORMAT
+from ..data.config import PREFERENCE_FORMATS
 from .config import AUTO_FIELDS, TrainConfig
 from .dataclass_io import ConfigError, build, load_yaml, set_dotted
 from .parts import part_class
@@ -156,9 +156,9 @@ def _init(cfg: TrainConfig) -> None:
 
 def _preference(cfg: TrainConfig) -> None:
     pref, peft, data = cfg.preference, cfg.peft, cfg.data
-    if pref.enabled != (data.format == PREFERENCE_FORMAT):
+    if pref.enabled != data.preference:
         raise ConfigError(f"data.format: {data.format}, but preference.loss_type {pref.loss_type} "
-                          + (f"trains on pairs: use data.format {PREFERENCE_FORMAT}" if pref.enabled else
+                          + (f"trains on pairs: use data.format {' or '.join(PREFERENCE_FORMATS)}" if pref.enabled else
                              "trains on next tokens: set preference.loss_type (sigmoid, ipo, simpo) for pairs"))
     if not (pref.needs_reference and peft.enabled):
         return
