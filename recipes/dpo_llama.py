@@ -9,7 +9,7 @@ of 4096 tokens, bf16, a frozen reference copy laid out like the policy) and thei
 are in `hfmeg/train/recipes/dpo_llama.yaml`; `--peft lora` trains adapters against the base with
 them switched off (no reference copy). Any flag overrides them; on CPU the same script runs in fp32
 with gloo, e.g. with `--model ../shared/assets/models/stories260K --data
-../shared/assets/data/dpo_en_demo.json --tp 2 --pp 2 --max-steps 30 --seq-len 512
+../shared/assets/data/dpo_en_demo.json --format sharegpt_preference --tp 2 --pp 2 --max-steps 30 --seq-len 512
 --global-batch-size 8 --lr 1e-3 --warmup-steps 3`. `hfmeg train --recipe dpo_llama ...` is the same
 command.
 """

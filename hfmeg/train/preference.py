@@ -157,6 +157,7 @@ class PreferenceLoss:
         self.totals += torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values] +
                                    [torch.tensor(float(pairs), dtype=torch.float64, device=rewards.device)])
 
-    def metrics(self, totals: torch.Tensor) -> dict[str, float]:
-        """The global batch's means from `totals` summed over the ranks that hold distinct pairs."""
-        return {name: float(v) / self.num_pairs for name, v in zip(METRICS, totals[:len(METRICS)].tolist())}
+    def metrics(self, totals) -> dict[str, float]:
+        """The global batch's means from `totals` (a sequence of numbers) summed over the ranks that hold distinct
+        pairs."""
+        return {name: float(v) / self.num_pairs for name, v in zip(METRICS, totals)}
