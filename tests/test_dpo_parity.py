@@ -186,7 +186,7 @@ def _run_layouts(policy, reference, adapter, sequences, cfg: PreferenceConfig, p
             ref = Reference(load_chunks(HFCheckpoint(reference), ps))
         mbs = [mb.shard(ps.cp_rank, cp) for mb in _pair_batches(sequences, pad_id)]
         if cfg.needs_reference:
-            mbs = ref.annotate(mbs, ps, "1f1b")
+            mbs = ref.annotate(mbs, ps, "1f1b", ("train", 0))
         objective = PreferenceLoss(cfg, ps, len(mbs), chosen_tokens)
         loss = forward_backward(chunks, ps, mbs, schedule="1f1b", loss=objective)
         sync_sequence_parallel_grads(chunks, ps)

@@ -30,16 +30,17 @@ PAIRS = ASSETS / "data" / "dpo_en_demo.json"
 
 
 def _config(out: Path, model: Path, *, tp=1, pp=1, steps=30, lr=1e-3, peft="none", save_every=0, resume="none",
-            schedule_steps=None, loss_type="sigmoid") -> TrainConfig:
+            schedule_steps=None, loss_type="sigmoid", reference="live", eval_every=0) -> TrainConfig:
     return TrainConfig(
         model=ModelArgs(path=str(model), dtype="fp32"),
         parallel=ParallelArgs(tp=tp, pp=pp),
         optim=OptimizerConfig(lr=lr, weight_decay=0.0, eps=1e-8),
         lr=LRScheduleConfig(warmup_steps=2, total_steps=schedule_steps or steps, min_lr=lr / 10),
-        data=DataConfig(sources=[SourceConfig(str(PAIRS))], format="sharegpt_preference", seq_len=256),
-        preference=PreferenceConfig(loss_type=loss_type, beta=0.1),
+        data=DataConfig(sources=[SourceConfig(str(PAIRS))], format="sharegpt_preference", seq_len=256,
+                        eval_holdout=8 if eval_every else 0),
+        preference=PreferenceConfig(loss_type=loss_type, beta=0.1, reference=reference),
         peft=PeftConfig(method=peft, r=8, alpha=16, dropout=0.0),
-        train=LoopArgs(micro_batch_size=2, global_batch_size=4, max_steps=steps),
+        train=LoopArgs(micro_batch_size=2, global_batch_size=4, max_steps=steps, eval_every=eval_every, eval_batches=2),
         checkpoint=CheckpointArgs(out=str(out), save_every=save_every, resume=resume),
         tensorboard=False,
     )
@@ -117,3 +118,19 @@ def test_dpo_resume_continues_identically(tmp_path):
     spawn(_run, 2, _config(tmp_path / "split", model, tp=2, steps=10, resume="auto"))
     assert _rows(tmp_path / "split") == [
         {**r, "tokens_per_s": s["tokens_per_s"]} for r, s in zip(_rows(tmp_path / "straight"), _rows(tmp_path / "split"))]
+
+
+def test_precomputed_reference_gives_the_live_run(tmp_path):
+    """`preference.reference: precomputed` (the reference read every batch of the run, and the eval batches, before
+    the first step) trains and evaluates bit for bit as the live reference does, resumed too."""
+    model = _assets()
+    spawn(_run, 2, _config(tmp_path / "live", model, tp=2, steps=6, eval_every=3))
+    spawn(_run, 2, _config(tmp_path / "ahead", model, tp=2, steps=3, eval_every=3, reference="precomputed",
+                           save_every=3, schedule_steps=6))
+    spawn(_run, 2, _config(tmp_path / "ahead", model, tp=2, steps=6, eval_every=3, reference="precomputed",
+                           resume="auto"))
+    live, ahead = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("live", "ahead"))
+    assert len([r for r in live if "eval_loss" in r]) == 2
+    drop = ("tokens_per_s",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in ahead] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in live]

@@ -59,6 +59,9 @@ class PreferenceConfig:
     label_smoothing: float = 0.0  # sigmoid and simpo: the probability that a pair's labels are flipped
     rpo_alpha: float = 0.0  # weight of the chosen answers' NLL; 0: none
     simpo_gamma: float = 0.5  # simpo's target reward margin γ
+    # live: the reference's forward runs each step; precomputed: in one pass over the run's batches before the
+    # first step, then the reference is dropped (parts/reference.py)
+    reference: Literal["live", "precomputed"] = "live"
 
     def __post_init__(self) -> None:
         if self.loss_type == "none":

@@ -65,6 +65,7 @@ from .dataclass_io import to_yaml
 from .export import EXPORT_RECORD, export_run
 from .metrics import METRICS_FILE, MetricsLog, last_losses, tensorboard_available
 from .parts import part_class
+from .parts.reference import Precomputed, Reference
 from .preference import PreferenceLoss
 from .rng import seed_all
 from .run_lock import LOCK_FILE, lock_run
@@ -188,8 +189,43 @@ class Trainer:
                     print(note, flush=True)
         self.model_cfg = self.chunks[0].cfg
         self.peak = peak_flops(self.ps.device)
-        # A preference loss that compares with a reference model: its log-probabilities come first each step.
-        self.reference = self.part.reference(self.chunks) if cfg.preference.needs_reference else None
+        self.reference = self._reference()
+
+    def _reference(self) -> Reference | Precomputed | None:
+        """A preference loss's reference model, whose log-probabilities come first each step; or, precomputed, those
+        of every batch this session trains and evaluates on, computed now (parts/reference.py)."""
+        pref = self.cfg.preference
+        if not pref.needs_reference:
+            return None
+        reference = self.part.reference(self.chunks)
+        if pref.reference == "live":
+            return reference
+        started = time.perf_counter()
+        stored = Precomputed.compute(reference, self._batches_ahead(), self.ps, self.schedule)
+        if self.is_logger:
+            print(f"reference log-probabilities of {len(stored.stored)} batches computed ahead in "
+                  f"{time.perf_counter() - started:.0f}s; the reference model is dropped", flush=True)
+        return stored
+
+    def _batches_ahead(self):
+        """(key, micro-batches) of every batch this session will train on, from a second reader of the data at the
+        same position, then of the eval batches."""
+        cfg = self.cfg
+        ahead = build_data(cfg.data, self.tokenizer, stage=self.stager, **self.data_args)
+        ahead.load_state_dict(self.data.state_dict())
+        try:
+            for step in range(self.step, cfg.train.max_steps):
+                yield ("train", step), self.stager.take(next(ahead))
+        finally:
+            ahead.close()
+        if cfg.train.eval_every:
+            for i, batch in self._eval_batches():
+                yield ("eval", i), batch.microbatches
+
+    def _eval_batches(self):
+        """(index, batch) of the eval batches an evaluation reads."""
+        batches = build_eval_data(self.cfg.data, self.tokenizer, **self.data_args)
+        return zip(range(self.cfg.train.eval_batches), batches)
 
     def _rebuild(self, note: str) -> None:
         """Rebuild the model part and the optimizer through a checkpoint at this step (`ModelPart.rebuild_note`).
@@ -248,7 +284,7 @@ class Trainer:
                 self.opt.set_lr(lr)
                 t0 = time.perf_counter()  # the step's time includes waiting for its data
                 batch = next(self.data)
-                local, objective = self._forward_backward(batch, self.stager.take(batch), train=True)
+                local, objective = self._forward_backward(batch, self.stager.take(batch), ("train", self.step))
                 result = self.opt.step()
                 loss, objective = self._read(local, objective)
                 load = {"expert_load": expert_load(self.chunks, ps)} if self.model_cfg.moe is not None else {}
@@ -300,14 +336,16 @@ class Trainer:
             summary.train_loss, summary.eval_loss, summary.eval_step = last_losses(self.out / METRICS_FILE)
         return summary
 
-    def _forward_backward(self, batch, mbs, train: bool) -> tuple[torch.Tensor, PreferenceLoss | None]:
-        """One global batch through the pipeline (forward only unless `train`): this rank's share of the loss, a
-        0-dim device tensor (last stage; zero elsewhere), and the preference loss that holds the batch's metrics."""
+    def _forward_backward(self, batch, mbs, key: tuple[str, int]) -> tuple[torch.Tensor, PreferenceLoss | None]:
+        """One global batch, `key` ("train", step) or ("eval", index), through the pipeline (forward only for eval):
+        this rank's share of the loss, a 0-dim device tensor (last stage; zero elsewhere), and the preference loss
+        that holds the batch's metrics."""
         cfg, ps = self.cfg, self.ps
         objective = (PreferenceLoss(cfg.preference, ps, batch.num_pairs, batch.chosen_tokens)
                      if cfg.preference.enabled else None)
         if self.reference is not None:
-            mbs = self.reference.annotate(mbs, ps, self.schedule)
+            mbs = self.reference.annotate(mbs, ps, self.schedule, key)
+        train = key[0] == "train"
         run = dict(grad_sync=self.opt, loss_scale=self.opt.loss_scale) if train else dict(forward_only=True)
         local = forward_backward(self.chunks, ps, mbs, schedule=self.schedule, sync_loss=False,
                                  loss=objective or TokenMean(batch.num_tokens), **run)
@@ -329,14 +367,11 @@ class Trainer:
     def evaluate(self) -> tuple[float, dict[str, float]]:
         """Mean loss over the eval batches (each normalised by its own token or pair count), and the mean of the
         objective's metrics (a preference run's rewards) over them."""
-        cfg = self.cfg
         losses, objectives = [], []
-        for batch in build_eval_data(cfg.data, self.tokenizer, **self.data_args):
-            loss, objective = self._read(*self._forward_backward(batch, batch.microbatches, train=False))
+        for i, batch in self._eval_batches():
+            loss, objective = self._read(*self._forward_backward(batch, batch.microbatches, ("eval", i)))
             losses.append(loss)
             objectives.append(objective)
-            if len(losses) == cfg.train.eval_batches:
-                break
         n = max(len(losses), 1)
         return sum(losses) / n, {k: sum(o[k] for o in objectives) / n for k in (objectives[0] if objectives else {})}
 

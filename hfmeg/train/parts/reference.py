@@ -9,10 +9,17 @@ with no second copy. `ModelPart.reference` says which a part has.
 Each step, before the policy's forward and backward, `annotate` runs the reference forward-only
 through the same pipeline schedule over the step's micro-batches and attaches each sequence's
 log-probability (`PairBatch.ref_logps`) on the last stage, the only one that reads them.
+
+With `preference.reference: precomputed` (`Precomputed.compute`) the reference instead reads every
+batch the run will train on, and the eval batches, in one pass before the first step (a second
+reader of the same data stream, from the same position), keeps their log-probabilities (2 numbers a
+pair) and is dropped: training then holds no reference copy and runs no reference forward, and
+attaches the stored numbers, which are bit for bit what the reference computes at each step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Callable
@@ -40,11 +47,35 @@ class Reference:
         self.chunks, self.switched = chunks, switched
 
     @torch.no_grad()
-    def annotate(self, mbs: list[PairBatch], ps, schedule: str) -> list[PairBatch]:
-        """`mbs` with their `ref_logps` filled on the last pipeline stage (as they are elsewhere)."""
+    def logps(self, mbs: list[PairBatch], ps, schedule: str) -> list[torch.Tensor]:
+        """Each micro-batch's sequence log-probabilities under the reference (last pipeline stage; [] elsewhere)."""
         logps = _SequenceLogps(ps)
         with self.switched():
             forward_backward(self.chunks, ps, mbs, schedule=schedule, loss=logps, forward_only=True, sync_loss=False)
-        if not ps.is_last_stage:
-            return mbs
-        return [replace(mb, ref_logps=r) for mb, r in zip(mbs, logps.out, strict=True)]
+        return logps.out
+
+    def annotate(self, mbs: list[PairBatch], ps, schedule: str, key: Hashable) -> list[PairBatch]:
+        """`mbs` (the batch `key` names: ("train", step) or ("eval", index)) with their `ref_logps` filled on the
+        last pipeline stage (as they are elsewhere)."""
+        return _attach(mbs, self.logps(mbs, ps, schedule), ps)
+
+
+def _attach(mbs: list[PairBatch], logps: list[torch.Tensor], ps) -> list[PairBatch]:
+    if not ps.is_last_stage:
+        return mbs
+    return [replace(mb, ref_logps=r) for mb, r in zip(mbs, logps, strict=True)]
+
+
+class Precomputed:
+    """The reference's log-probabilities of known batches, computed before training (module doc)."""
+
+    def __init__(self, stored: dict[Hashable, list[torch.Tensor]]):
+        self.stored = stored
+
+    @classmethod
+    def compute(cls, reference: Reference, batches: Iterable[tuple[Hashable, list[PairBatch]]], ps,
+                schedule: str) -> Precomputed:
+        return cls({key: reference.logps(mbs, ps, schedule) for key, mbs in batches})
+
+    def annotate(self, mbs: list[PairBatch], ps, schedule: str, key: Hashable) -> list[PairBatch]:
+        return _attach(mbs, self.stored.pop(key) if key[0] == "train" else self.stored[key], ps)
