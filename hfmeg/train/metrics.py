@@ -146,7 +146,10 @@ def plot_runs(runs: dict[str, list[float]], png: Path, *, mark: tuple[int, str] 
 def plot_curves(curves: list[tuple[str, tuple, tuple, str]], png: Path, *,
                 mark: tuple[int, str] | None = None) -> Path | None:
     """Draw (label, steps, losses, matplotlib format) curves, and a dotted line at step `mark`
-    (step, label) if given; None when matplotlib is absent."""
+    (step, label) if given; None when matplotlib is absent or there is nothing to draw (a run that ended
+    before its first step)."""
+    if not curves:
+        return None
     try:
         import matplotlib
 
