@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_args import add_shape_args, at_least
+from bench_args import add_layout_model_args, at_least
 from bench_optimizer import make_model
 
 from hfmeg.data import DataConfig, SourceConfig
@@ -134,7 +134,7 @@ def _trl_rank(model: str, data: str, out: str, a) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_shape_args(ap, world=1, tp=1, hidden=512, layers=8)  # --world: the hfmeg modes' gloo ranks
+    add_layout_model_args(ap, world=1, tp=1, hidden=512, layers=8)  # --world: the hfmeg modes' gloo ranks
     ap.add_argument("--seq", type=at_least(16), default=512, help="tokens per sequence (TRL's max_length)")
     ap.add_argument("--rows", type=at_least(2), default=4, help="hfmeg's rows per step (even: row pairs)")
     ap.add_argument("--trl-batch", type=at_least(1), default=2, help="TRL's pairs per step")
