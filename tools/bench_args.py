@@ -24,7 +24,8 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def add_layout_model_args(ap: argparse.ArgumentParser, *, world: int, tp: int, hidden: int, layers: int) -> None:
+def add_layout_model_args(ap: argparse.ArgumentParser, *, world: int, tp: int, hidden: int,
+                          layers: int) -> None:
     """The layout (gloo ranks, TP, PP) and the random LLaMA shape (`bench_optimizer.make_model`) of the tools that
     train one."""
     ap.add_argument("--world", type=at_least(1), default=world, help="gloo ranks")
