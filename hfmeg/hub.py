@@ -100,7 +100,7 @@ def _layout(layout: dict[str, Any]) -> str:
 
 
 def _card_metadata(*, base_model: str, data: list[str], from_scratch: bool, adapter: bool,
-                  method: str = "lora") -> ModelCardData:
+                  method: str = "lora", tags: tuple[str, ...] = ()) -> ModelCardData:
     """The front matter the Hub reads: base model and relation (it builds the model tree from them), data sets,
     license, pipeline and library (`huggingface_hub.ModelCardData`, so the Hub's own field names)."""
     base = None if from_scratch else hub_id(base_model)
@@ -109,14 +109,16 @@ def _card_metadata(*, base_model: str, data: list[str], from_scratch: bool, adap
         base_model=base, base_model_relation=("adapter" if adapter else "finetune") if base else None,
         datasets=datasets or None, license=None if from_scratch else base_license(base_model),
         pipeline_tag="text-generation", library_name="peft" if adapter else "transformers",
-        tags=["hfmeg", "pretrained-from-scratch" if from_scratch else "fine-tuned"] + ([method] if adapter else []))
+        tags=["hfmeg", "pretrained-from-scratch" if from_scratch else "fine-tuned"] + ([method] if adapter else [])
+        + list(tags))
 
 
 def write_model_card(folder: Path, *, base_model: str, data: list[str], config: dict[str, Any],
                      metrics: dict[str, Any], repo_id: str | None = None, diverged: bool = False,
                      from_scratch: bool = False, adapter: bool = False, peft: Any = None,
                      layout: dict[str, Any] | None = None, dtype: str | None = None,
-                     prompt_format: str | None = None) -> Path:
+                     prompt_format: str | None = None, objective: str | None = None,
+                     tags: tuple[str, ...] = ()) -> Path:
     """Write `README.md` with YAML front matter the Hub understands, plus the run's facts.
 
     `repo_id`: the Hub repo being pushed to (its name is the title); `diverged`: the run
@@ -125,12 +127,14 @@ def write_model_card(folder: Path, *, base_model: str, data: list[str], config: 
     it is named as such and claimed neither as the base model nor for its license; `adapter`: the
     folder is a PEFT adapter (LoRA/DoRA) that loads onto `base_model` with `peft`; `peft`: the run's
     effective `PeftConfig` (None: full training); `layout`: see `_layout`; `dtype`: what the run computed
-    in (`config`'s `model.dtype` may say `auto`); `prompt_format`: the chat template trained with, in words."""
+    in (`config`'s `model.dtype` may say `auto`); `prompt_format`: the chat template trained with, in words;
+    `objective`: what the run optimised, in words, where it is not next-token prediction (a preference loss),
+    and `tags` its Hub tags (e.g. `dpo`)."""
     base = public_name(base_model)
     loss = metrics.get("loss")
     diverged = diverged or (isinstance(loss, float) and not math.isfinite(loss))
     meta = _card_metadata(base_model=base_model, data=data, from_scratch=from_scratch, adapter=adapter,
-                         method=getattr(peft, "method", "lora"))
+                         method=getattr(peft, "method", "lora"), tags=tags)
     shown = _public_config(config)
     if dtype and isinstance(shown.get("model"), dict):
         shown["model"]["dtype"] = dtype
@@ -150,6 +154,7 @@ def write_model_card(folder: Path, *, base_model: str, data: list[str], config: 
         "## Training",
         "",
         f"- method: {_method(peft, from_scratch)}",
+        *([f"- objective: {objective}"] if objective else []),
         *([f"- layout: {_layout(layout)}"] if layout else []),
         *([f"- dtype: {dtype}"] if dtype else []),
         *([f"- prompt format: {prompt_format}"] if prompt_format else []),

@@ -24,6 +24,18 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def add_layout_model_args(ap: argparse.ArgumentParser, *, world: int, tp: int, hidden: int,
+                          layers: int) -> None:
+    """The layout (gloo ranks, TP, PP) and the random LLaMA shape (`bench_optimizer.make_model`) of the tools that
+    train one."""
+    ap.add_argument("--world", type=at_least(1), default=world, help="gloo ranks")
+    ap.add_argument("--tp", type=at_least(1), default=tp)
+    ap.add_argument("--pp", type=at_least(1), default=1)
+    ap.add_argument("--hidden", type=at_least(64), default=hidden, help="multiple of 64 (64-wide heads)")
+    ap.add_argument("--ffn", type=at_least(1), default=None)
+    ap.add_argument("--layers", type=at_least(1), default=layers)
+
+
 def add_loss_run_args(ap: argparse.ArgumentParser, *, seq_len: int, global_batch_size: int) -> None:
     """The flags of the tools that train on gloo ranks and compare the runs' loss curves."""
     ap.add_argument("--world", type=at_least(2), default=2, help="gloo ranks (data-parallel)")

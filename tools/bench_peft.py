@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_args import at_least
+from bench_args import add_layout_model_args, at_least
 from bench_optimizer import make_model
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
@@ -143,12 +143,7 @@ def _rank(mode: str, folder: str, a) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--world", type=at_least(1), default=2, help="gloo ranks")
-    ap.add_argument("--tp", type=at_least(1), default=2)
-    ap.add_argument("--pp", type=at_least(1), default=1)
-    ap.add_argument("--hidden", type=at_least(64), default=256, help="multiple of 64 (64-wide heads)")
-    ap.add_argument("--ffn", type=at_least(1), default=None)
-    ap.add_argument("--layers", type=at_least(1), default=4)
+    add_layout_model_args(ap, world=2, tp=2, hidden=256, layers=4)
     ap.add_argument("--vocab", type=at_least(2), default=2048)
     ap.add_argument("--seq", type=at_least(2), default=128)
     ap.add_argument("--microbatches", type=at_least(1), default=2, help="per DP rank and step")

@@ -29,7 +29,7 @@ not hand its memory to the side stream while the step's kernels may still read i
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -75,7 +75,8 @@ class Stager:
             if self.stream is not None:
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
-        return StagedBatch(mbs, batch.num_tokens, ready)
+        counts = {f.name: getattr(batch, f.name) for f in fields(StepBatch)}  # every count the batch carries
+        return StagedBatch(**{**counts, "microbatches": mbs}, ready=ready)
 
     def take(self, batch: StepBatch) -> list[MicroBatch]:
         """The batch's micro-batches, safe to use on the calling thread's current stream."""

@@ -10,6 +10,7 @@ dim 0, which is what the flat all-gather / reduce-scatter collectives produce.
 | copy_to_tp                | identity                    | all-reduce                  |
 | reduce_from_tp            | all-reduce                  | identity                    |
 | all_reduce_tp             | all-reduce                  | all-reduce                  |
+| all_reduce_cp             | all-reduce over CP          | all-reduce over CP          |
 | scatter_to_sequence       | keep own seq slice          | all-gather along seq        |
 | gather_from_sequence      | all-gather along seq        | reduce-scatter along seq    |
 | reduce_scatter_to_sequence| reduce-scatter along seq    | all-gather along seq        |
@@ -108,6 +109,17 @@ reduce_from_tp = conjugate_pair("ReduceFromTP", lambda x, ps: _all_reduce(x.clon
 # is a part, so the backward sums them too.
 all_reduce_tp = conjugate_pair("AllReduceTP", lambda x, ps: _all_reduce(x.clone(), ps),
                                lambda g, ps: _all_reduce(g.clone(), ps))
+
+def _all_reduce_cp(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    x = x.clone()
+    dist.all_reduce(x, group=ps.cp_group)
+    return x
+
+
+# Per-sequence sums over the tokens the CP ranks hold (DPO's log-probabilities, train/preference.py): each CP rank
+# adds its tokens' parts, and a loss that every CP rank computes from the sums, divided by CP, has each rank's part
+# of the sums' gradient summed back.
+all_reduce_cp = conjugate_pair("AllReduceCP", _all_reduce_cp, _all_reduce_cp, size=lambda ps: ps.cp)
 scatter_to_sequence = conjugate_pair("ScatterToSequence", _split_dim0, _gather_dim0)
 gather_from_sequence = conjugate_pair("GatherFromSequence", _gather_dim0, _reduce_scatter_dim0)
 reduce_scatter_to_sequence = conjugate_pair("ReduceScatterToSequence", _reduce_scatter_dim0, _gather_dim0)

@@ -12,9 +12,14 @@ goes through the autograd engine directly, since `torch.autograd.backward` would
 compare the gradient's shape with the (now empty) output. This is what keeps
 1F1B at about pp micro-batches of activations per stage.
 
-Loss: micro-batch loss = sum of its per-token losses / `num_tokens`, the count of
+Loss: the last chunk returns per-token losses (-log p of each label token, 0 where the
+label is ignored) and a `MicroBatchLoss` reduces them to the micro-batch's scalar. The
+default, `TokenMean`: sum of its per-token losses / `num_tokens`, the count of
 non-ignored label tokens of the whole global batch (all micro-batches and all DP
 ranks). Backward of these gives global-batch-mean gradients, so DP reductions sum.
+Another objective hands its own reduction (DPO: train/preference.py, per-sequence
+log-probabilities grouped into pairs), under the same contract: the micro-batch losses
+of a global batch, summed over micro-batches and DP x CP ranks, are its loss.
 Under context parallelism the micro-batches hold this CP rank's tokens of every
 row (`context.py`; the data pipeline cuts them) and its loss is the sum over those: the same sum split
 over the CP ranks, which the DP x CP gradient reduction and the logged loss add up.
@@ -50,6 +55,24 @@ class GradSync(Protocol):
     def set_last_microbatch(self, chunk: int, is_last: bool) -> None: ...
 
 
+class MicroBatchLoss(Protocol):
+    def __call__(self, per_token: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """The micro-batch's share of the global batch's loss (a 0-dim tensor) from its per-token losses `[b, s]`."""
+        ...
+
+
+class TokenMean:
+    """The next-token loss: the micro-batch's per-token losses summed, over the global batch's label tokens."""
+
+    def __init__(self, num_tokens: int):
+        if num_tokens < 1:
+            raise LayoutError(f"num_tokens must count at least one label token, got {num_tokens}")
+        self.num_tokens = num_tokens
+
+    def __call__(self, per_token: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        return per_token.sum() / self.num_tokens
+
+
 def _backward_through(outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]) -> None:
     # The engine call behind torch.autograd.backward, minus its Python-side shape
     # check against the activation output, whose storage we have already released.
@@ -60,13 +83,13 @@ def _backward_through(outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tens
 
 
 class _Executor:
-    def __init__(self, chunks, ps: ParallelState, microbatches: list[MicroBatch], num_tokens, grad_sync, timeline,
-                 forward_only, loss_scale=1.0):
+    def __init__(self, chunks, ps: ParallelState, microbatches: list[MicroBatch], loss: MicroBatchLoss, grad_sync,
+                 timeline, forward_only, loss_scale=1.0):
         self.chunks, self.ps = chunks, ps
         # Every copy queued and every mask that can be built ahead built before any compute, once per
         # micro-batch (models/staging.py); micro-batches the trainer staged in its prefetch thread pass through.
         self.mbs = [chunks[0].stage(mb) for mb in microbatches]
-        self.num_tokens, self.grad_sync, self.timeline = num_tokens, grad_sync, timeline
+        self.loss_of, self.grad_sync, self.timeline = loss, grad_sync, timeline
         self.forward_only, self.loss_scale = forward_only, loss_scale
         self.n_chunks = ps.pp * len(chunks)
         self.p2p = P2P(self.n_chunks)
@@ -122,7 +145,7 @@ class _Executor:
                         segment_ids=mb.segment_ids, row_segment_ids=mb.row_segment_ids, docs=mb.docs,
                         received_sums=sums)
             if chunk.post_process:
-                out = out.sum() / self.num_tokens
+                out = self.loss_of(out, mb)
                 aux = chunk.take_aux_loss()
                 if aux is not None:
                     out = out + aux / (len(self.mbs) * self.ps.dp)
@@ -203,7 +226,8 @@ def forward_backward(
     microbatches: list[MicroBatch],
     *,
     schedule: str,
-    num_tokens: int,
+    num_tokens: int | None = None,
+    loss: MicroBatchLoss | None = None,
     grad_sync: GradSync | None = None,
     timeline: Timeline | None = None,
     forward_only: bool = False,
@@ -225,20 +249,23 @@ def forward_backward(
     `loss_scale` multiplies the loss before backward (fp16 dynamic loss scaling;
     the optimizer divides it out of the gradients).
 
+    `loss` reduces a micro-batch's per-token losses on the last stage; given
+    `num_tokens` instead, the next-token loss `TokenMean(num_tokens)`.
     Returns, on last-stage ranks, the sum over this rank's micro-batches of
-    sum(per-token loss) / num_tokens, so summing it over DP ranks gives the
-    global-batch mean loss; None on other stages. With `sync_loss=False` that
+    their losses (`TokenMean`: sum(per-token loss) / num_tokens), so summing it
+    over DP ranks gives the global-batch mean loss; None on other stages. With `sync_loss=False` that
     sum stays a 0-dim float32 tensor on the device: no host sync here, so a
     caller can read it together with its other per-step values in one.
     """
     if len(chunks) != ps.vpp:
         raise LayoutError(f"this rank holds {len(chunks)} model chunks but the layout has vpp={ps.vpp}")
-    if num_tokens < 1:
-        raise LayoutError(f"num_tokens must count at least one label token, got {num_tokens}")
+    if (loss is None) == (num_tokens is None):
+        raise LayoutError("forward_backward takes either num_tokens (the next-token loss) or a loss")
+    loss = loss or TokenMean(num_tokens)
     steps = plan(schedule, ps.pp, ps.pp_rank, ps.vpp, len(microbatches), forward_only)
     s = step_shape(microbatches)[1]
     ps.grid.check_sequence(s * ps.cp)  # s: this CP rank's part of the rows
-    ex = _Executor(chunks, ps, microbatches, num_tokens, grad_sync, timeline, forward_only, loss_scale)
+    ex = _Executor(chunks, ps, microbatches, loss, grad_sync, timeline, forward_only, loss_scale)
     ex.run(steps)
     if not ps.is_last_stage:
         return None

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -438,6 +439,21 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
             if param in wanted:
                 lora = ExpertLora(chunk.experts, cfg.param_rank(param)[0], n_in, n_out, cfg.param_scale(param))
                 setattr(layer.experts, f"{name}_lora", lora.to(**place))
+
+
+@contextmanager
+def adapters_off(chunks: list[ModelChunk]):
+    """Inside the block every adapter of `chunks` is detached from its base layer, so the chunks compute the frozen
+    base alone (a LoRA preference run's reference model); each is put back on exit."""
+    held = [(parent, name, child) for chunk in chunks for parent in chunk.modules()
+            for name, child in parent.named_children() if isinstance(child, (LoraAdapter, ExpertLora))]
+    for parent, name, _ in held:
+        setattr(parent, name, None)
+    try:
+        yield
+    finally:
+        for parent, name, child in held:
+            setattr(parent, name, child)
 
 
 def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:

@@ -36,6 +36,7 @@ RECIPES = {  # name -> what it trains; each is RECIPE_DIR / f"{name}.yaml"
     "sft_llama13b": "supervised fine-tuning, LLaMA-2-13B on one node of 8 x 80 GB (TP4 x DP2, SP)",
     "pretrain_llama": "continued pre-training of a LLaMA-family model on plain text",
     "sft_mixtral": "supervised fine-tuning, Mixtral-8x7B on two nodes of 8 x 80 GB (PP2 x DP8, EP8)",
+    "dpo_llama": "preference tuning (DPO) of an SFT'd LLaMA-3-8B on one node of 8 x 80 GB (TP2 x DP4, SP)",
 }
 TRAIN_DESCRIPTION = """Train a model: a YAML config (CONFIG) or a built-in recipe (--recipe), plus flags that override it.
 
@@ -63,6 +64,9 @@ FLAGS = {
     "--schedule": ("parallel.schedule", str, "gpipe | 1f1b | interleaved"),
     "--layout": ("parallel.layout", str, "manual | auto (the planner picks tp, pp, vpp, SP, schedule, micro-batch, "
                  "recompute)"),
+    "--loss-type": ("preference.loss_type", str, "none | sigmoid (DPO) | ipo | simpo: the preference loss, named as "
+                    "TRL names it (none: next-token training; docs/preference.md)"),
+    "--beta": ("preference.beta", float, "the preference loss's beta (DPO's KL weight; SimPO's reward scale)"),
     "--peft": ("peft.method", str, "none | lora | dora (train adapters on a frozen base; docs/peft.md)"),
     "--peft-r": ("peft.r", int, "LoRA rank"),
     "--seq-len": ("data.seq_len", int, "tokens per packed row"),
@@ -117,7 +121,8 @@ def parser(description: str, default_config: Path | None, prog: str | None = Non
         which.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config of the run")
         which.add_argument("--recipe", choices=RECIPES, help="a built-in recipe's YAML config (listed above)")
     ap.add_argument("--data", action="append", help="data source (Hub id, file, folder or glob); repeatable")
-    ap.add_argument("--format", help="data format: alpaca | messages | sharegpt | text")
+    ap.add_argument("--format", help="data format: alpaca | messages | sharegpt | text | preference | sharegpt_preference "
+                    "(pairs, with --loss-type)")
     for flag, (key, typ, text) in FLAGS.items():
         ap.add_argument(flag, type=typ, help=f"{text} [{key}]")
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,

@@ -26,6 +26,7 @@ from ..optim.lr_schedule import LRScheduleConfig
 from ..parallel.state import ParallelConfig
 from ..peft.config import PeftConfig
 from .dataclass_io import to_dict
+from .preference import PreferenceConfig
 
 
 @dataclass
@@ -119,6 +120,7 @@ class TrainConfig:
     lr: LRScheduleConfig = field(default_factory=LRScheduleConfig)  # total_steps defaults to train.max_steps
     data: DataConfig = field(default_factory=DataConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)  # method none: full fine-tuning
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)  # loss_type none: next-token loss
     train: LoopArgs = field(default_factory=LoopArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     hub: HubArgs = field(default_factory=HubArgs)

@@ -24,6 +24,7 @@ from ..peft.export import read_info
 from .config import TrainConfig
 from .metrics import METRICS_FILE, rows_until
 from .parts import part_class
+from .preference import METRICS
 
 EXPORT_RECORD = "export.json"  # {"step", "pushed_to"} of the finished export in <out>/hf
 
@@ -50,19 +51,22 @@ def export_run(out: Path, checkpoint: Path, cfg: TrainConfig, *, step: int, skip
     hf, adapter = part_class(cfg).export(checkpoint, out)
     logged = rows_until(out / METRICS_FILE, step)
     rows = [r for r in logged if "loss" in r]
-    final = {k: rows[-1][k] for k in ("step", "loss", "grad_norm", "tokens_per_s")} if rows else {}
+    shown = ("step", "loss", "grad_norm", "tokens_per_s", *METRICS)  # a preference run's rewards too
+    final = {k: rows[-1][k] for k in shown if k in rows[-1]} if rows else {}
     evals = [r for r in logged if "eval_loss" in r]
     if evals:
         final["eval_loss"] = evals[-1]["eval_loss"]
     final["skipped_steps"] = skipped_steps
-    m, p = cfg.model, cfg.parallel
+    m, p, pref = cfg.model, cfg.parallel, cfg.preference
     template, trained_format = prompt_format(cfg, AutoTokenizer.from_pretrained(str(checkpoint / HF_DIR)))
     make_portable(hf, chat_template=template)  # the export loads with AutoTokenizer as training rendered
     layout = dict(tp=p.tp, pp=p.pp, **({"dp": dp} if dp else {}), cp=p.cp, ep=p.ep,
                   sequence_parallel=p.sequence_parallel, optimizer=cfg.optim.mode)
     card = dict(base_model=m.source, data=[s.path for s in cfg.data.sources], config=cfg.to_dict(),
                 metrics=final, repo_id=cfg.hub.push_to_hub, peft=read_info(checkpoint)[0] if adapter else None,
-                layout=layout, dtype=m.dtype, prompt_format=trained_format)
+                layout=layout, dtype=m.dtype, prompt_format=trained_format,
+                objective=pref.describe(adapter is not None) if pref.enabled else None,
+                tags=(pref.tag,) if pref.enabled else ())
     write_model_card(hf, **card, from_scratch=m.init == "random")
     if adapter is not None:  # a LoRA run publishes its adapter, which names the base it loads onto
         write_model_card(adapter, **card, adapter=True)

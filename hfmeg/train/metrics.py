@@ -27,6 +27,9 @@ from ..checkpoint.atomic import write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "skipped")
+# An objective's own per-step values (a preference run's `rewards/...`, `logps/...`): `objective` in a row,
+# written flat into metrics.jsonl and to TensorBoard under their names.
+OBJECTIVE = "objective"
 
 
 class MetricsLog:
@@ -49,7 +52,8 @@ class MetricsLog:
         missing = set(STEP_FIELDS) - set(row)
         if missing:
             raise ValueError(f"metrics row lacks {sorted(missing)}")
-        self._file.write(json.dumps(row) + "\n")
+        extra = row.pop(OBJECTIVE, {})
+        self._file.write(json.dumps({**row, **extra}) + "\n")
         self._file.flush()
         self.bar.update(1)
         mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.3f}"  # None: device peak unknown (CPU)
@@ -59,15 +63,23 @@ class MetricsLog:
             for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
                 if row[k] is not None:
                     self.tb.add_scalar(f"train/{k}", row[k], row["step"])
+            for k, v in extra.items():
+                self.tb.add_scalar(f"train/{k}", v, row["step"])
             for layer, (low, high) in row.get("expert_load", {}).items():
                 self.tb.add_scalars(f"expert_load/layer_{layer}", {"min": low, "max": high}, row["step"])
 
-    def log_eval(self, step: int, loss: float) -> None:
-        self._file.write(json.dumps({"step": step, "eval_loss": loss}) + "\n")
+    def log_eval(self, step: int, loss: float, objective: dict[str, float] | None = None) -> None:
+        """The eval loss (and the objective's own values, e.g. `eval_rewards/accuracies`)."""
+        objective = objective or {}
+        self._file.write(json.dumps({"step": step, "eval_loss": loss,
+                                     **{f"eval_{k}": v for k, v in objective.items()}}) + "\n")
         self._file.flush()
-        self.bar.write(f"step {step}: eval loss {loss:.4f}")
+        self.bar.write(f"step {step}: eval loss {loss:.4f}" +
+                       "".join(f", {k} {v:.4f}" for k, v in objective.items()))
         if self.tb is not None:
             self.tb.add_scalar("eval/loss", loss, step)
+            for k, v in objective.items():
+                self.tb.add_scalar(f"eval/{k}", v, step)
 
     def close(self) -> Path | None:
         self.bar.close()
@@ -134,7 +146,10 @@ def plot_runs(runs: dict[str, list[float]], png: Path, *, mark: tuple[int, str] 
 def plot_curves(curves: list[tuple[str, tuple, tuple, str]], png: Path, *,
                 mark: tuple[int, str] | None = None) -> Path | None:
     """Draw (label, steps, losses, matplotlib format) curves, and a dotted line at step `mark`
-    (step, label) if given; None when matplotlib is absent."""
+    (step, label) if given; None when matplotlib is absent or there is nothing to draw (a run that ended
+    before its first step)."""
+    if not curves:
+        return None
     try:
         import matplotlib
 

@@ -32,6 +32,8 @@ class RunSummary:
     train_loss: float | None = None
     eval_loss: float | None = None
     eval_step: int | None = None
+    objective: dict[str, float] = field(default_factory=dict)  # the last step's objective metrics (DPO rewards)
+    eval_objective: dict[str, float] = field(default_factory=dict)
     data: DataReport = field(default_factory=DataReport)
     checkpoint: Path | None = None
     hf: Path | None = None
@@ -47,6 +49,9 @@ class RunSummary:
         if self.eval_loss is not None:
             losses.append(f"eval loss {self.eval_loss:.4f} (step {self.eval_step})")
         out.append("  " + ", ".join(losses))
+        for label, values in (("last step", self.objective), (f"eval (step {self.eval_step})", self.eval_objective)):
+            if values:
+                out.append(f"  {label}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
         out.append(f"  data (whole run): {self.data.documents:,} documents packed")
         for kind, n in sorted(self.data.counts.items()):
             out.append(f"  data problem {kind}: {n:,} records (first: {self.data.first[kind]})")

@@ -23,6 +23,10 @@ a run that resumes at `max_steps` without it (the last one died in its export or
 exports then, and prints the summary from the saved metrics.
 With `parallel.layout: auto` the planner chooses the layout before anything is built,
 and its prediction is checked against the first timed steps (`auto_layout.py`).
+A preference run (`preference.loss_type`, `preference.py`) trains on pairs: each step the reference
+model (`parts/reference.py`: a frozen copy, or the base with the adapters off) first computes every
+sequence's log-probability forward-only, then the policy's forward and backward reduce the pairs' DPO
+loss instead of the next-token loss; its rewards and log-probabilities are logged beside the loss.
 The model is a part (`parts/`): a full model or adapters on a frozen base, which builds its chunks,
 writes its share of a checkpoint, checks a resume and exports through one interface, so the loop never
 asks which it holds. A part may ask to be rebuilt through a checkpoint at a step (`_rebuild`): with
@@ -50,7 +54,7 @@ from ..models.moe import expert_load
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.agree import agree
-from ..parallel.pipeline import forward_backward
+from ..parallel.pipeline import TokenMean, forward_backward
 from ..parallel.state import ParallelState, join_world, ranks_per_host
 from ..plan.flops import mfu, peak_flops
 from .auto_layout import LayoutReport, resolve_layout
@@ -61,6 +65,8 @@ from .dataclass_io import to_yaml
 from .export import EXPORT_RECORD, export_run
 from .metrics import METRICS_FILE, MetricsLog, last_losses, tensorboard_available
 from .parts import part_class
+from .parts.reference import Precomputed, Reference
+from .preference import PreferenceLoss
 from .rng import seed_all
 from .run_lock import LOCK_FILE, lock_run
 from .stop import GracefulStop, LauncherWatch
@@ -87,14 +93,11 @@ class RunResult:
     summary: RunSummary
 
 
-def _sum_over_world(value: float | torch.Tensor | None, contributes: bool, device) -> float:
-    """The sum over ranks, read in one host sync (a device tensor `value` is not read before)."""
-    t = torch.zeros(1, dtype=torch.float64, device=device)
-    if contributes and value is not None:
-        t += value
+def _sum_over_world(values: torch.Tensor) -> list[float]:
+    """The sums over ranks of a vector of per-rank values, read in one host sync."""
     if dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return float(t.item())
+        dist.all_reduce(values)
+    return values.tolist()
 
 
 class Trainer:
@@ -186,6 +189,43 @@ class Trainer:
                     print(note, flush=True)
         self.model_cfg = self.chunks[0].cfg
         self.peak = peak_flops(self.ps.device)
+        self.reference = self._reference()
+
+    def _reference(self) -> Reference | Precomputed | None:
+        """A preference loss's reference model, whose log-probabilities come first each step; or, precomputed, those
+        of every batch this session trains and evaluates on, computed now (parts/reference.py)."""
+        pref = self.cfg.preference
+        if not pref.needs_reference:
+            return None
+        reference = self.part.reference(self.chunks)
+        if pref.reference == "live":
+            return reference
+        started = time.perf_counter()
+        stored = Precomputed.compute(reference, self._batches_ahead(), self.ps, self.schedule)
+        if self.is_logger:
+            print(f"reference log-probabilities of {len(stored.stored)} batches computed ahead in "
+                  f"{time.perf_counter() - started:.0f}s; the reference model is dropped", flush=True)
+        return stored
+
+    def _batches_ahead(self):
+        """(key, micro-batches) of every batch this session will train on, from a second reader of the data at the
+        same position, then of the eval batches."""
+        cfg = self.cfg
+        ahead = build_data(cfg.data, self.tokenizer, stage=self.stager, **self.data_args)
+        ahead.load_state_dict(self.data.state_dict())
+        try:
+            for step in range(self.step, cfg.train.max_steps):
+                yield ("train", step), self.stager.take(next(ahead))
+        finally:
+            ahead.close()
+        if cfg.train.eval_every:
+            for i, batch in self._eval_batches():
+                yield ("eval", i), batch.microbatches
+
+    def _eval_batches(self):
+        """(index, batch) of the eval batches an evaluation reads."""
+        batches = build_eval_data(self.cfg.data, self.tokenizer, **self.data_args)
+        return zip(range(self.cfg.train.eval_batches), batches)
 
     def _rebuild(self, note: str) -> None:
         """Rebuild the model part and the optimizer through a checkpoint at this step (`ModelPart.rebuild_note`).
@@ -246,11 +286,9 @@ class Trainer:
                 self.opt.set_lr(lr)
                 t0 = time.perf_counter()  # the step's time includes waiting for its data
                 batch = next(self.data)
-                local = forward_backward(self.chunks, ps, self.stager.take(batch), schedule=self.schedule,
-                                         num_tokens=batch.num_tokens, grad_sync=self.opt,
-                                         loss_scale=self.opt.loss_scale, sync_loss=False)
+                local, objective = self._forward_backward(batch, self.stager.take(batch), ("train", self.step))
                 result = self.opt.step()
-                loss = _sum_over_world(local, ps.is_last_stage and ps.tp_rank == 0, ps.device)
+                loss, objective = self._read(local, objective)
                 load = {"expert_load": expert_load(self.chunks, ps)} if self.model_cfg.moe is not None else {}
                 dt = time.perf_counter() - t0
                 self.step += 1
@@ -264,7 +302,7 @@ class Trainer:
                         step=self.step, loss=loss, lr=lr, grad_norm=result.grad_norm, tokens=batch.num_tokens,
                         tokens_per_s=tps, skipped=result.skipped,
                         mfu=mfu(self.model_cfg, tps, seq_len, self.peak, ps.world_size) if self.peak else None,
-                        **load))
+                        objective=objective, **load))
                 line = check.after_step(self.step, dt) if check is not None else None  # every rank: a collective
                 if line and metrics is not None:
                     metrics.bar.write(line)
@@ -274,10 +312,11 @@ class Trainer:
                         f"train.max_skipped_steps: {skipped_in_a_row} steps in a row skipped for non-finite "
                         f"gradients (the run diverged; optim.lr is {cfg.optim.lr:g}); saved step {self.step} to "
                         f"{saved} for inspection, not exported")
+                summary.objective = objective
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                    summary.eval_loss, summary.eval_step = self.evaluate(), self.step
+                    (summary.eval_loss, summary.eval_objective), summary.eval_step = self.evaluate(), self.step
                     if metrics is not None:
-                        metrics.log_eval(self.step, summary.eval_loss)
+                        metrics.log_eval(self.step, summary.eval_loss, summary.eval_objective)
                 stopped = stop.should_stop(ps.device)
                 due = cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0
                 if due or stopped or self.step == cfg.train.max_steps:
@@ -299,19 +338,44 @@ class Trainer:
             summary.train_loss, summary.eval_loss, summary.eval_step = last_losses(self.out / METRICS_FILE)
         return summary
 
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over the eval batches (each normalised by its own token count)."""
+    def _forward_backward(self, batch, mbs, key: tuple[str, int]) -> tuple[torch.Tensor, PreferenceLoss | None]:
+        """One global batch, `key` ("train", step) or ("eval", index), through the pipeline (forward only for eval):
+        this rank's share of the loss, a 0-dim device tensor (last stage; zero elsewhere), and the preference loss
+        that holds the batch's metrics."""
         cfg, ps = self.cfg, self.ps
-        total, n = 0.0, 0
-        for batch in build_eval_data(cfg.data, self.tokenizer, **self.data_args):
-            local = forward_backward(self.chunks, ps, batch.microbatches, schedule=self.schedule,
-                                     num_tokens=batch.num_tokens, forward_only=True)
-            total += _sum_over_world(local, ps.is_last_stage and ps.tp_rank == 0, ps.device)
-            n += 1
-            if n == cfg.train.eval_batches:
-                break
-        return total / max(n, 1)
+        objective = (PreferenceLoss(cfg.preference, ps, batch.num_pairs, batch.chosen_tokens)
+                     if cfg.preference.enabled else None)
+        if self.reference is not None:
+            mbs = self.reference.annotate(mbs, ps, self.schedule, key)
+        train = key[0] == "train"
+        run = dict(grad_sync=self.opt, loss_scale=self.opt.loss_scale) if train else dict(forward_only=True)
+        local = forward_backward(self.chunks, ps, mbs, schedule=self.schedule, sync_loss=False,
+                                 loss=objective or TokenMean(batch.num_tokens), **run)
+        return (local if local is not None else torch.zeros((), device=ps.device)), objective
+
+    def _read(self, local: torch.Tensor, objective: PreferenceLoss | None) -> tuple[float, dict[str, float]]:
+        """The global batch's loss and objective metrics, summed over the ranks in one collective: the loss from
+        every last-stage rank of TP rank 0 (its DP x CP parts), the metrics from those of CP rank 0 (each CP rank
+        holds the whole pairs' values)."""
+        ps = self.ps
+        last = ps.is_last_stage and ps.tp_rank == 0
+        values = [local.double() * last]
+        if objective is not None:
+            values.append(objective.totals * (last and ps.cp_rank == 0))
+        sums = _sum_over_world(torch.cat([v.reshape(-1) for v in values]))
+        return sums[0], objective.metrics(sums[1:]) if objective is not None else {}
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, dict[str, float]]:
+        """Mean loss over the eval batches (each normalised by its own token or pair count), and the mean of the
+        objective's metrics (a preference run's rewards) over them."""
+        losses, objectives = [], []
+        for i, batch in self._eval_batches():
+            loss, objective = self._read(*self._forward_backward(batch, batch.microbatches, ("eval", i)))
+            losses.append(loss)
+            objectives.append(objective)
+        n = max(len(losses), 1)
+        return sum(losses) / n, {k: sum(o[k] for o in objectives) / n for k in (objectives[0] if objectives else {})}
 
     def save(self) -> Path:
         state = {"data": self.data.state_dict(), "config": self.cfg.to_dict(),

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..checkpoint.hub_ids import hub_id
 from ..checkpoint.mp_layout import is_mp_folder
+from ..data.config import PREFERENCE_FORMATS
 from ..errors import LayoutError
 from ..parallel.grid import KEPT_INSIDE_A_HOST, check_world
 from ..parallel.state import ranks_per_host
@@ -149,6 +150,24 @@ def _init(cfg: TrainConfig) -> None:
                           "the unlock, so set compression_start_step >= shared_layers_until")
 
 
+def _preference(cfg: TrainConfig) -> None:
+    pref, peft, data = cfg.preference, cfg.peft, cfg.data
+    if pref.enabled != data.preference:
+        raise ConfigError(f"data.format: {data.format}, but preference.loss_type {pref.loss_type} "
+                          + (f"trains on pairs: use data.format {' or '.join(PREFERENCE_FORMATS)}" if pref.enabled else
+                             "trains on next tokens: set preference.loss_type (sigmoid, ipo, simpo) for pairs"))
+    if not (pref.needs_reference and peft.enabled):
+        return
+    # A LoRA run's reference is the base with the adapters off: the model its fresh adapters start as.
+    if peft.init_from:
+        raise ConfigError(f"peft.init_from: preference.loss_type {pref.loss_type} measures the policy against the "
+                          "base with the adapters off, which is not where adapters loaded from a folder start; merge "
+                          "them into the base first (hfmeg convert to-hf --merge) and train fresh adapters on it")
+    if peft.modules_to_save:
+        raise ConfigError(f"peft.modules_to_save: trained in place, so the base with the adapters off would not be "
+                          f"the reference preference.loss_type {pref.loss_type} needs; drop them or train in full")
+
+
 def _eval(cfg: TrainConfig) -> None:
     t, d = cfg.train, cfg.data
     if 0 < t.eval_every <= t.max_steps and not d.eval_sources and not d.eval_holdout:
@@ -230,6 +249,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collec
         _layout(cfg, world)
     _init(cfg)
     _peft(cfg)
+    _preference(cfg)
     _eval(cfg)
     _resume(cfg)
     _out(cfg)

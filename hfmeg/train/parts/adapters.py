@@ -35,11 +35,12 @@ from ...peft.adapter_files import (
     read_peft_folder,
     write_adapter_shard,
 )
-from ...peft.adapters import attach, initialise
+from ...peft.adapters import adapters_off, attach, initialise
 from ...peft.config import PeftConfig
 from ...peft.export import INFO_FILE, export_checkpoint, is_adapter_checkpoint, read_info, write_info
 from ..reshard_checkpoint import reshard_adapters
 from .base import ModelPart
+from .reference import Reference
 
 ADAPTER_DIR = "adapter"
 # The peft.* settings that shape or scale the adapters: a resume must keep them (dropout may change).
@@ -116,6 +117,10 @@ class Adapters(ModelPart):
                                   f"adapters were trained on (sha256 {ref[0]['sha256'][:12]}… vs "
                                   f"{str(was.get('sha256'))[:12]}…); resume with that base")
         self.base_ref = ref[0]
+
+    def reference(self, chunks) -> Reference:
+        """The base: `chunks` with their adapters switched off (no second copy)."""
+        return Reference(chunks, lambda: adapters_off(chunks))
 
     def write_model(self, chunks, ps, layout, folder: Path) -> None:
         """This rank's adapter shard in place of a model shard, and (rank 0) `adapter.json`."""

@@ -10,11 +10,12 @@ A part is one model of a run, as this rank's chunks. Each kind answers the same 
   one, `resume_note` what a resume that restored no RNG state changes for it;
 - `rebuild_note`: whether it must be rebuilt through a checkpoint at this step (a full model unsharing its
   layers), and the line that says so;
+- `reference`: the reference model of a preference run (parts/reference.py: a frozen copy of the
+  configured model, or for adapters the base with them switched off);
 - classmethods, on a checkpoint alone: `export` (`<out>/hf`, and for adapters `<out>/adapter`),
   `reshard` (to another TP x PP x VPP), `base_of` (the base an export names; pushes check it).
 Kinds: `FullModel` (full.py), `Adapters` (adapters.py); `parts/__init__.py` picks one from the config or a
-checkpoint. A frozen reference model (DPO) is another kind: built like these, trained by nothing,
-contributing nothing to a checkpoint.
+checkpoint.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ...checkpoint.mp_save import write_model_shard
 from ...checkpoint.tensor_source import TensorSource
 from ...models.random_init import random_hf_model
 from ..config import TrainConfig
+from .reference import Reference
 
 
 def _random_weights(folder: Path, seed: int) -> TensorSource:
@@ -76,6 +78,10 @@ class ModelPart(ABC):
     @abstractmethod
     def build(self, resume: Path | None, step: int):
         """(chunks, HF side folder) at `step`, from `resume` (an iteration folder) or the configured model."""
+
+    @abstractmethod
+    def reference(self, chunks) -> Reference:
+        """The reference model a preference loss compares `chunks` (this part's, as built) with."""
 
     def check_base(self, saved: dict) -> None:
         """Collective, after the ranks agreed on `build`: checks against the resumed trainer state `saved`."""

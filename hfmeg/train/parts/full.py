@@ -17,6 +17,7 @@ from ...models.shared_layers import share_layers, shared_name
 from ..reshard_checkpoint import reshard_full
 from .adapters import check_resume_settings
 from .base import ModelPart
+from .reference import Reference
 
 
 class FullModel(ModelPart):
@@ -33,6 +34,13 @@ class FullModel(ModelPart):
             for chunk in chunks:
                 share_layers(chunk)
         return chunks, side
+
+    def reference(self, chunks) -> Reference:
+        """A frozen copy of the configured model (never the resumed checkpoint), laid out like `chunks`."""
+        frozen, _ = self.load(None)
+        for chunk in frozen:
+            chunk.requires_grad_(False)
+        return Reference(frozen)
 
     def optimizer_names(self, saved: dict):
         saved_shared = saved.get("shared_layers", False)
