@@ -52,6 +52,7 @@ from ..config import ModelConfig, check_tp
 from ..errors import CheckpointError, LayoutError
 from ..parallel.layout import ChunkSpec, rank_chunks, split_layers
 from .atomic import write_text_atomic
+from .carried import copy_carried
 
 FORMAT = "hfmeg-mp"
 FORMAT_VERSION = 1
@@ -101,12 +102,15 @@ def hf_side_files(folder: Path) -> list[Path]:
     return sorted(found)
 
 
-def copy_hf_side_files(src: Path, dst: Path) -> None:
+def copy_hf_side_files(src: Path, dst: Path, *, carried: bool = True) -> None:
     """Copy the side files' bytes, not their mode: a read-only source (a Hub cache, a shared assets folder) must
-    not make the run's own copies read-only; they get the umask's mode like every file hfmeg writes."""
+    not make the run's own copies read-only; they get the umask's mode like every file hfmeg writes. `carried`:
+    and the carried tensors (`carried.py`), which an MP folder keeps beside its side files and an export does not."""
     dst.mkdir(parents=True, exist_ok=True)
     for path in hf_side_files(src):
         shutil.copyfile(path, dst / path.name)
+    if carried:
+        copy_carried(src, dst)
 
 
 @dataclass
