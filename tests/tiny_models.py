@@ -111,6 +111,20 @@ def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
+def save_tiny_wrapped(folder: Path, seed: int = 0, **text) -> Path:
+    """A random tiny Gemma 3 multimodal checkpoint (`Gemma3ForConditionalGeneration`): the tiny gemma3 text model under
+    `text_config` and a one-layer SigLIP vision tower with its projector, as `save_pretrained` names them."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = Gemma3Config(text_config={**tiny_config("gemma3", **text).to_dict(), **text}, vision_config=vision,
+                       mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    Gemma3ForConditionalGeneration(cfg).save_pretrained(folder)
+    return folder
+
+
 def reference_attention(folder: Path) -> str:
     """The transformers attention to compare with: `eager` where scores are soft-capped (SDPA refuses it)."""
     return "eager" if json.loads((Path(folder) / "config.json").read_text()).get("attn_logit_softcapping") else "sdpa"
