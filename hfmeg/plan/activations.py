@@ -50,7 +50,22 @@ log-sum-exp, and the output projection's input as above, but neither the fused Q
 output nor the local rotated K (the gather's autograd keeps nothing). With a dense
 mask (the CPU path; on CUDA flex attention takes a block mask) SDPA also saves the
 chunk's additive mask, once per chunk: e·b·(s/cp)·s, the one term quadratic in s
-(`Shape.dense_mask`).
+(`Shape.dense_mask`), and a second one for the windowed layers where the row is longer
+than the window.
+
+Sliding windows and soft-capped scores on the CPU path (`Shape.dense_mask`; on CUDA flex
+attention skips the tiles beyond the window and caps in its `score_mod`, saving what SDPA
+saves): rows of one document, as counted here, attend plain causal, but a windowed layer
+of a row longer than its window attends under the boolean `[1, 1, s, s]` window mask, of
+which SDPA saves an additive copy in the model dtype, e·s² per such layer. Soft-capped
+scores are computed explicitly (models/document_attention.py `_softcapped`), which saves,
+instead of SDPA's output and log-sum-exp: the rotated Q, K and V repeated to the query heads
+(K transposed into a copy; the rotated K itself is then saved by nothing, nor, without
+QK-norm, the fused QKV output), the scores' tanh (e·b·nh·s·S, S the keys: s, or the whole
+row under CP), the fp32 probabilities (4·b·nh·s·S, and their e-byte copy below fp32), the
+boolean mask of the call (s² bytes; under CP the additive mask is added, which saves nothing,
+so no chunk mask either), and the output projection's input, always a copy. Every family
+that caps its scores has RoPE, which this count assumes.
 
 Fused (compiled) kernels save less; the count is then an upper bound.
 """
@@ -72,7 +87,9 @@ class Shape:
     recompute: str
     ep: int = 1
     cp: int = 1  # context-parallel ranks: `seq_len` is the row, a rank holds `seq` of its tokens
-    dense_mask: bool = False  # CP attention under a dense mask (SDPA, the CPU path), which SDPA saves
+    # The CPU path: SDPA under dense masks (CP's, the window's), which it saves, and soft-capped scores computed
+    # explicitly; False: CUDA's flex attention (block masks, capping in its score_mod)
+    dense_mask: bool = False
 
     @property
     def seq(self) -> int:
@@ -89,13 +106,33 @@ def _norm(cfg: ModelConfig, x: Shape) -> int:
     return tokens * (4 * h + 4 + e * h) if cfg.norm == "rms" else tokens * (e * h + 8)
 
 
-def _attention_core(cfg: ModelConfig, x: Shape) -> int:
+def _capped_core(cfg: ModelConfig, x: Shape) -> int:
+    """The explicit soft-capped attention's saved bytes (the CPU path: module docstring)."""
+    b, s, keys, e, d = x.micro_batch, x.seq, x.seq_len, x.dtype_bytes, cfg.head_dim
+    nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
+    qkv = e * s * b * (nh + 2 * nkv) * d if cfg.qk_norm else 0  # the q/k norms' inputs are views of it
+    rows = e * b * nh * d * (2 * s + 2 * keys)  # rotated Q, the repeated K and V, the output projection's input
+    scores = b * nh * s * keys * (e + 4 + (e if e != 4 else 0))  # tanh, fp32 probabilities (and their cast)
+    return qkv + rows + scores + (s * s if x.cp == 1 else 0)
+
+
+def _windowed_mask(cfg: ModelConfig, x: Shape, layer: int) -> bool:
+    """Whether layer `layer` attends under the window's dense mask (the CPU path, rows longer than the window)."""
+    window = cfg.window(layer)
+    return x.dense_mask and window is not None and x.seq_len > window
+
+
+def _attention_core(cfg: ModelConfig, x: Shape, layer: int) -> int:
+    if x.dense_mask and cfg.attn_softcap is not None:
+        return _capped_core(cfg, x)
     sb, e, d = x.seq * x.micro_batch, x.dtype_bytes, cfg.head_dim
     nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
     q_is_view = nkv == 1 or nh == nkv
     total = 4 * x.micro_batch * nh * x.seq + e * sb * nh * d + (0 if q_is_view else e * sb * nh * d)
     if x.cp == 1:
-        return total + e * sb * (nh + 2 * nkv) * d + (e * sb * (nh + nkv) * d if cfg.positions == "rope" else 0)
+        window_mask = e * x.seq * x.seq if _windowed_mask(cfg, x, layer) else 0  # SDPA's additive copy
+        return total + e * sb * (nh + 2 * nkv) * d + (e * sb * (nh + nkv) * d if cfg.positions == "rope" else 0) \
+            + window_mask
     gathered_kv = 2 * e * x.micro_batch * nkv * x.seq_len * d
     query = e * sb * nh * d if cfg.positions == "rope" else e * sb * (nh + 2 * nkv) * d  # else a view of QKV
     return total + gathered_kv + query
@@ -137,7 +174,7 @@ def layer_bytes(cfg: ModelConfig, x: Shape, layer: int = 0) -> int:
         nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
         attention = column_input + e * sb * (2 * nh + 2 * nkv) * cfg.head_dim
     else:
-        attention = column_input + _attention_core(cfg, x)
+        attention = column_input + _attention_core(cfg, x, layer)
     return 2 * _norm(cfg, x) + attention + mlp
 
 
@@ -147,8 +184,10 @@ def chunk_bytes(cfg: ModelConfig, x: Shape, layers: range, pre_process: bool, po
     total = sum(layer_bytes(cfg, x, i) for i in layers)
     if layers and cfg.positions == "rope" and x.recompute == "none":
         total += 2 * e * bs * cfg.head_dim
-    if layers and x.cp > 1 and x.dense_mask and x.recompute == "none":  # recompute holds it outside autograd
-        total += e * bs * x.seq_len  # the CP attention's additive mask, saved by every layer's SDPA
+    if layers and x.cp > 1 and x.dense_mask and x.recompute == "none" and cfg.attn_softcap is None:
+        # the CP attention's additive mask, saved by every layer's SDPA (recompute holds it outside autograd), and
+        # the windowed layers' own
+        total += e * bs * x.seq_len * (2 if any(_windowed_mask(cfg, x, i) for i in layers) else 1)
     if pre_process:
         total += 8 * bs + (bs if x.tp > 1 else 0) + (8 * x.seq if cfg.positions == "learned" else 0)
     if post_process:
