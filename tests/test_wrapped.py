@@ -1,7 +1,8 @@
-"""Multimodal wrapped checkpoints (`families/wrappers.py`, `checkpoint/carried.py`): a tiny Gemma 3
-`Gemma3ForConditionalGeneration` (text model under `text_config`, a SigLIP vision tower and its projector) round-trips
-bit-exact at TP2 and PP2, trains 5 steps and exports a folder its own class loads, with every non-text tensor
-byte-identical to the input's and the text tensors the trained ones; LoRA on it is refused in one line."""
+"""Multimodal wrapped checkpoints (`families/wrappers.py`, `checkpoint/carried.py`): tiny Gemma 3, Mistral 3 and
+Gemma 4 wrappers (text model under `text_config`, a vision tower and its projector) round-trip bit-exact at TP2 and
+PP2 and compute their class's logits on text; the Gemma 3 one trains 5 steps and exports a folder its own class
+loads, with every non-text tensor byte-identical to the input's and the text tensors the trained ones; LoRA on a
+wrapper is refused in one line."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ from hfmeg.errors import UnsupportedConfigError
 from hfmeg.families.wrappers import stored_name
 from hfmeg.peft.adapters import check_unwrapped
 from hfmeg.peft.config import PeftConfig
-from tiny_models import ASSETS, save_tiny_wrapped
+from bounds import assert_close
+from helpers import make_ps
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
+from tiny_models import ASSETS, WRAPPED_KINDS, save_tiny_wrapped
 
-TEXT = "language_model."  # the prefix save_pretrained gives the language model's tensors (v4 names)
+TEXT = "language_model."  # the prefix save_pretrained gives Gemma 3's language model's tensors (v4 names)
 
 
 def _raw(folder: Path) -> dict[str, torch.Tensor]:
@@ -39,10 +44,15 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
                                                                     y.contiguous().view(-1).view(torch.uint8))
 
 
-def test_round_trip_is_bit_exact_at_tp2_and_pp2(tmp_path):
-    src = save_tiny_wrapped(tmp_path / "src", num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
+@pytest.mark.parametrize("kind", WRAPPED_KINDS)
+def test_round_trip_is_bit_exact_at_tp2_and_pp2_and_logits_are_the_wrappers(tmp_path, kind):
+    from transformers import AutoModelForImageTextToText
+
+    layers = {} if kind == "mistral3" else {"layer_types": ["sliding_attention", "full_attention"] * 2}
+    src = save_tiny_wrapped(kind, tmp_path / "src", num_hidden_layers=4, **layers)
     before = _raw(src)
-    assert any(not k.startswith(TEXT) for k in before) and any(k.startswith(TEXT) for k in before)
+    carried = HFCheckpoint(src).carried
+    assert any("vision_tower" in k for k in carried) and all(k in before for k in carried)
     for tp, pp in ((2, 1), (1, 2)):
         mp, hf = tmp_path / f"mp{tp}{pp}", tmp_path / f"hf{tp}{pp}"
         hf_to_mp(src, mp, tp=tp, pp=pp)
@@ -51,6 +61,13 @@ def test_round_trip_is_bit_exact_at_tp2_and_pp2(tmp_path):
         assert sorted(after) == sorted(before)
         assert [k for k in before if not _same_bytes(before[k], after[k])] == []
         assert json.loads((hf / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    # Gemma 3's class leaves the final logits uncapped (its text_config caps at 0.5); Mistral 3's ties its head by
+    # the wrapper's tie_word_embeddings (true), not text_config's (false).
+    ref = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.randint(0, 290, (2, 24), generator=torch.Generator().manual_seed(3))  # no image tokens
+    with torch.no_grad():
+        ours = load_chunks(HFCheckpoint(src), make_ps(world=1))[0](ids)[..., :300]
+        assert_close(ours, ref(input_ids=ids).logits, rtol=0, atol=1e-4)
 
 
 def test_trains_5_steps_and_exports_what_its_class_loads(tmp_path):
@@ -67,7 +84,7 @@ def test_trains_5_steps_and_exports_what_its_class_loads(tmp_path):
     stories, alpaca = stories_or_skip(), ASSETS / "data" / "alpaca_en_demo.json"
     if not alpaca.is_file():
         pytest.skip(f"{alpaca} is absent")
-    model = save_tiny_wrapped(tmp_path / "m", vocab_size=512)
+    model = save_tiny_wrapped("gemma3", tmp_path / "m", vocab_size=512)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(stories / name, model / name)
     cfg = TrainConfig(model=ModelArgs(path=str(model), dtype="fp32"), parallel=ParallelArgs(tp=2),
@@ -95,7 +112,7 @@ def test_trains_5_steps_and_exports_what_its_class_loads(tmp_path):
 
 
 def test_lora_on_a_wrapped_checkpoint_is_refused_in_one_line(tmp_path):
-    src = save_tiny_wrapped(tmp_path / "src")
+    src = save_tiny_wrapped("gemma3", tmp_path / "src")
     with pytest.raises(UnsupportedConfigError, match=r"^peft.method: lora on a multimodal checkpoint \(config.json "
                                                      r"model_type 'gemma3'\) is not supported; fine-tune it in full$"):
         check_unwrapped(load_hf_config(src), PeftConfig(method="lora"))

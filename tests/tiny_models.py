@@ -111,17 +111,37 @@ def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
-def save_tiny_wrapped(folder: Path, seed: int = 0, **text) -> Path:
-    """A random tiny Gemma 3 multimodal checkpoint (`Gemma3ForConditionalGeneration`): the tiny gemma3 text model under
-    `text_config` and a one-layer SigLIP vision tower with its projector, as `save_pretrained` names them."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+WRAPPED_KINDS = ("gemma3", "mistral3", "gemma4")
+
+
+def save_tiny_wrapped(kind: str, folder: Path, seed: int = 0, **text) -> Path:
+    """A random tiny multimodal checkpoint whose language model is tiny `kind` (its overrides `text`) under
+    `text_config`: Gemma 3's (`Gemma3ForConditionalGeneration`, a one-layer SigLIP vision tower and projector),
+    Mistral 3's (Pixtral) or Gemma 4's (its own vision tower, no audio), as `save_pretrained` names them (the
+    first two with transformers-v4 names, `language_model.model.…`; Gemma 4 with `model.language_model.…`)."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma4Config, Gemma4ForConditionalGeneration,
+                              Mistral3Config, Mistral3ForConditionalGeneration)
 
     torch.manual_seed(seed)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    cfg = Gemma3Config(text_config={**tiny_config("gemma3", **text).to_dict(), **text}, vision_config=vision,
-                       mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
-    Gemma3ForConditionalGeneration(cfg).save_pretrained(folder)
+    language = {k: v for k, v in tiny_config("mistral" if kind == "mistral3" else kind, **text).to_dict().items()
+                if k != "per_layer_config"} | text
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    if kind == "gemma3":
+        model = Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config=language, vision_config=dict(vision, image_size=28, patch_size=14), mm_tokens_per_image=4,
+            image_token_index=299, boi_token_index=297, eoi_token_index=298))
+    elif kind == "mistral3":
+        model = Mistral3ForConditionalGeneration(Mistral3Config(
+            text_config=language, vision_config=dict(vision, image_size=28, patch_size=14, head_dim=16,
+                                                     model_type="pixtral"), image_token_index=299))
+    elif kind == "gemma4":
+        model = Gemma4ForConditionalGeneration(Gemma4Config(
+            text_config=dict(language, global_head_dim=language["head_dim"]), audio_config=None,
+            vision_config=dict(vision, num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                               position_embedding_size=64)))
+    else:
+        raise ValueError(kind)
+    model.save_pretrained(folder)
     return folder
 
 

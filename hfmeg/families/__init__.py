@@ -61,4 +61,5 @@ def model_config_from_hf(hf: PretrainedConfig) -> ModelConfig:
     """Normalise a transformers config (a wrapper's language model); raise UnsupportedConfigError for what we cannot
     run."""
     text = text_config(hf)
-    return family_of(getattr(text, "model_type", None)).normalise(text)
+    cfg = family_of(getattr(text, "model_type", None)).normalise(text)
+    return cfg if text is hf else wrapper_of(hf.model_type).language_model(cfg, hf)

@@ -9,20 +9,32 @@ one whose embedding it holds, and the export writes the same one back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from transformers import PretrainedConfig
+
+from ..config import ModelConfig
 
 
 @dataclass(frozen=True)
 class Wrapper:
     model_types: tuple[str, ...]  # the multimodal config's model_type
     architecture: str  # its `architectures` entry
+    caps_logits: bool = True  # False: its class does not apply text_config's final_logit_softcapping
+
+    def language_model(self, cfg: ModelConfig, hf: PretrainedConfig) -> ModelConfig:
+        """The language model the wrapper's class computes, from its text_config's `cfg`: the class ties its LM
+        head by its own `tie_word_embeddings`, whatever text_config says (transformers 5), and may leave the
+        final logits uncapped (Gemma 3's does)."""
+        cfg = replace(cfg, tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)))
+        return cfg if self.caps_logits else replace(cfg, final_softcap=None)
 
 
 # (prefix of the text model's `model.` tensors, prefix of its `lm_head.`)
 TEXT_NAMINGS = (("language_model.model.", "language_model.lm_head."), ("model.language_model.", "lm_head."))
 
-WRAPPERS = (Wrapper(("gemma3",), "Gemma3ForConditionalGeneration"), Wrapper(("gemma4",), "Gemma4ForConditionalGeneration"),
-            Wrapper(("mistral3",), "Mistral3ForConditionalGeneration"))
+WRAPPERS = (Wrapper(("gemma3",), "Gemma3ForConditionalGeneration", caps_logits=False),
+            Wrapper(("gemma4",), "Gemma4ForConditionalGeneration"), Wrapper(("mistral3",), "Mistral3ForConditionalGeneration"))
 
 
 def stored_name(name: str, naming: tuple[str, str] | None) -> str:
