@@ -154,9 +154,21 @@ def test_longrope_is_refused_under_cp():
 def test_gemma3_trains_at_tp2_cp2_on_rows_longer_than_its_window_and_exports(tmp_path):
     """5 steps of the trainer on packed alpaca rows of 64 tokens (window 4, soft-capped logits) at TP2 x CP2: the
     export has the source's tensors, trained, and loads in transformers' Gemma 3 class."""
-    import shutil
-
     from safetensors.torch import load_file
+
+    model = save_tiny("gemma3", tmp_path / "m", vocab_size=512)
+    hf = train_5_steps(model, tmp_path / "out", tp=2, cp=2)
+    before, after = load_file(model / "model.safetensors"), load_file(hf / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert not torch.equal(before["model.layers.0.self_attn.q_norm.weight"],
+                           after["model.layers.0.self_attn.q_norm.weight"])
+    assert type(AutoModelForCausalLM.from_pretrained(hf)).__name__ == "Gemma3ForCausalLM"
+
+
+def train_5_steps(model, out, *, tp: int, cp: int = 1):
+    """5 trainer steps on packed alpaca rows of 64 tokens from the tiny `model` (given stories260K's tokenizer), on
+    tp x cp ranks with one row each a step; checks the losses are finite and returns the exported HF folder."""
+    import shutil
 
     from helpers import stories_or_skip
     from hfmeg.data import DataConfig, SourceConfig
@@ -170,23 +182,17 @@ def test_gemma3_trains_at_tp2_cp2_on_rows_longer_than_its_window_and_exports(tmp
     stories, alpaca = stories_or_skip(), ASSETS / "data" / "alpaca_en_demo.json"
     if not alpaca.is_file():
         pytest.skip(f"{alpaca} is absent")
-    model = save_tiny("gemma3", tmp_path / "m", vocab_size=512)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(stories / name, model / name)
-    cfg = TrainConfig(model=ModelArgs(path=str(model), dtype="fp32"), parallel=ParallelArgs(tp=2, cp=2),
+    cfg = TrainConfig(model=ModelArgs(path=str(model), dtype="fp32"), parallel=ParallelArgs(tp=tp, cp=cp),
                       optim=OptimizerConfig(lr=1e-3, eps=1e-5), lr=LRScheduleConfig(warmup_steps=1, total_steps=5),
                       data=DataConfig(sources=[SourceConfig(str(alpaca))], seq_len=64),
-                      train=LoopArgs(micro_batch_size=1, global_batch_size=4, max_steps=5, eval_every=0),
-                      checkpoint=CheckpointArgs(out=str(tmp_path / "out"), save_every=0, keep_last=1),
-                      tensorboard=False)
-    hf = spawn(_train, 4, cfg)[0]
-    losses = [r["loss"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+                      train=LoopArgs(micro_batch_size=1, global_batch_size=tp * cp, max_steps=5, eval_every=0),
+                      checkpoint=CheckpointArgs(out=str(out), save_every=0, keep_last=1), tensorboard=False)
+    hf = spawn(_train, tp * cp, cfg)[0]
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))
-    before, after = load_file(model / "model.safetensors"), load_file(hf / "model.safetensors")
-    assert sorted(before) == sorted(after)
-    assert not torch.equal(before["model.layers.0.self_attn.q_norm.weight"],
-                           after["model.layers.0.self_attn.q_norm.weight"])
-    assert type(AutoModelForCausalLM.from_pretrained(hf)).__name__ == "Gemma3ForCausalLM"
+    return hf
 
 
 def _train(cfg):

@@ -7,7 +7,6 @@ wrapper is refused in one line."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from bounds import assert_close
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
-from tiny_models import ASSETS, WRAPPED_KINDS, save_tiny_wrapped
+from tiny_models import WRAPPED_KINDS, save_tiny_wrapped
 
 TEXT = "language_model."  # the prefix save_pretrained gives Gemma 3's language model's tensors (v4 names)
 
@@ -73,27 +72,10 @@ def test_round_trip_is_bit_exact_at_tp2_and_pp2_and_logits_are_the_wrappers(tmp_
 def test_trains_5_steps_and_exports_what_its_class_loads(tmp_path):
     from transformers import Gemma3ForConditionalGeneration
 
-    from helpers import stories_or_skip
-    from hfmeg.data import DataConfig, SourceConfig
-    from hfmeg.optim.config import OptimizerConfig
-    from hfmeg.optim.lr_schedule import LRScheduleConfig
-    from hfmeg.parallel.launch import spawn
-    from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, ParallelArgs, TrainConfig
-    from test_families import _train
+    from test_families import train_5_steps
 
-    stories, alpaca = stories_or_skip(), ASSETS / "data" / "alpaca_en_demo.json"
-    if not alpaca.is_file():
-        pytest.skip(f"{alpaca} is absent")
     model = save_tiny_wrapped("gemma3", tmp_path / "m", vocab_size=512)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(stories / name, model / name)
-    cfg = TrainConfig(model=ModelArgs(path=str(model), dtype="fp32"), parallel=ParallelArgs(tp=2),
-                      optim=OptimizerConfig(lr=1e-3, eps=1e-5), lr=LRScheduleConfig(warmup_steps=1, total_steps=5),
-                      data=DataConfig(sources=[SourceConfig(str(alpaca))], seq_len=64),
-                      train=LoopArgs(micro_batch_size=1, global_batch_size=2, max_steps=5, eval_every=0),
-                      checkpoint=CheckpointArgs(out=str(tmp_path / "out"), save_every=0, keep_last=1),
-                      tensorboard=False)
-    hf = spawn(_train, 2, cfg)[0]
+    hf = train_5_steps(model, tmp_path / "out", tp=2)
     before, after = _raw(model), _raw(hf)
     assert sorted(after) == sorted(before)
     others = [k for k in before if not k.startswith(TEXT)]
