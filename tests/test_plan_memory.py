@@ -65,6 +65,21 @@ def test_windowed_and_soft_capped_attention_memory_matches_meter_exactly():
         stage_memory(windowed, PlanLayout(1, 1, 1, 1), 0, 1, SEQ, 4).activations == 2 * 4 * SEQ * SEQ  # 2 layers
 
 
+def test_family_features_memory_matches_meter_exactly():
+    """What the families switch on, as the meter sees it: Gemma 2's four (1 + w) norms, GeGLU, scaled embedding and
+    capped scores under its windows; Gemma 4's w norms in fp32, value norm and two RoPE tables; Qwen3's QK-norm,
+    SmolLM3's layers without RoPE, Phi-3's partial rotary; under SP, on two stages and with selective recompute."""
+    from tiny_models import tiny_config
+
+    layers = dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    cfgs = {k: model_config_from_hf(tiny_config(k, **layers)) for k in ("gemma2", "gemma4")}
+    cfgs |= {k: model_config_from_hf(tiny_config(k, num_hidden_layers=3, layer_types=["full_attention"] * 3))
+             for k in ("qwen3", "phi3")}
+    cfgs["smollm3"] = model_config_from_hf(tiny_config("smollm3"))
+    _check([Case(cfg, lay, 2 * 2, SEQ, 5000) for cfg in cfgs.values()
+            for lay in (PlanLayout(2, 1, 1, 2), PlanLayout(1, 2, 1, 2, recompute="selective"))])
+
+
 def _moe_configs():
     """A 2-layer Mixtral with 4 experts, and a 3-layer Qwen2-MoE with a dense layer (decoder_sparse_step 2), a
     shared expert and top-k renormalisation."""
