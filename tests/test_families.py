@@ -222,12 +222,27 @@ def test_gemma4_per_layer_attention_shapes_and_proportional_rope_are_refused():
         model_config_from_hf(tiny_config("gemma4", rope_parameters=proportional))
 
 
-def test_gemma4_layer_scalar_other_than_1_is_refused_at_conversion_and_start_up(tmp_path, capsys):
+def test_gemma4_refusals_at_conversion_and_start_up(tmp_path, capsys):
+    """A config field (KV sharing) and a layer_scalar other than 1: the loader raises, the converter says one line and
+    exits 2 with no output."""
+    import json
+
     from safetensors.torch import load_file, save_file
 
     from tool_loader import load_tool
 
     folder = save_tiny("gemma4", tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"num_kv_shared_layers": 1}))
+    with pytest.raises(UnsupportedConfigError, match=r"config.json field num_kv_shared_layers: 1: KV sharing"):
+        load_chunks(HFCheckpoint(folder), make_ps(world=1))
+    capsys.readouterr()
+    rc = load_tool("convert_hf_to_mp").main(["--hf", str(folder), "--out", str(tmp_path / "mp"), "--tp", "1",
+                                             "--pp", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "config.json field num_kv_shared_layers: 1" in err[0], err
+    assert not (tmp_path / "mp").exists()
+    (folder / "config.json").write_text(json.dumps(config))
     weights = load_file(str(folder / "model.safetensors"))
     weights["model.layers.1.layer_scalar"] = torch.tensor([0.5])
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})

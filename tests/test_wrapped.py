@@ -75,7 +75,10 @@ def test_trains_5_steps_and_exports_what_its_class_loads(tmp_path):
     from test_families import train_5_steps
 
     model = save_tiny_wrapped("gemma3", tmp_path / "m", vocab_size=512)
+    processor = '{"image_seq_length": 4, "processor_class": "Gemma3Processor"}\n'  # side files a processor reads
+    (model / "processor_config.json").write_text(processor)
     hf = train_5_steps(model, tmp_path / "out", tp=2)
+    assert (hf / "processor_config.json").read_text() == processor
     before, after = _raw(model), _raw(hf)
     assert sorted(after) == sorted(before)
     others = [k for k in before if not k.startswith(TEXT)]

@@ -61,10 +61,11 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 HF_DIR = "hf"
 RANK_FILE = "model.safetensors"
 EXPERT_FILE = "model-experts-{first:03d}-{last:03d}.safetensors"  # an EP rank's experts first..last
-# HF side files kept beside the weights: config, generation config, tokenizer (any flavour).
+# HF side files kept beside the weights: config, generation config, tokenizer (any flavour), and a multimodal
+# model's processor configs (image, video), so its export loads with its processor too.
 HF_SIDE_PATTERNS = (
     "config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken", "chat_template.*",
+    "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken", "chat_template.*", "*processor_config.json",
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
