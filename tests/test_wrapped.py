@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.mp_reader import MPCheckpoint
+from hfmeg.checkpoint.parity import reference_outputs
 from hfmeg.config import load_hf_config
 from hfmeg.errors import UnsupportedConfigError
 from hfmeg.families.wrappers import stored_name
@@ -45,8 +46,6 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("kind", WRAPPED_KINDS)
 def test_round_trip_is_bit_exact_at_tp2_and_pp2_and_logits_are_the_wrappers(tmp_path, kind):
-    from transformers import AutoModelForImageTextToText
-
     layers = {} if kind == "mistral3" else {"layer_types": ["sliding_attention", "full_attention"] * 2}
     src = save_tiny_wrapped(kind, tmp_path / "src", num_hidden_layers=4, **layers)
     before = _raw(src)
@@ -62,11 +61,12 @@ def test_round_trip_is_bit_exact_at_tp2_and_pp2_and_logits_are_the_wrappers(tmp_
         assert json.loads((hf / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     # Gemma 3's class leaves the final logits uncapped (its text_config caps at 0.5); Mistral 3's ties its head by
     # the wrapper's tie_word_embeddings (true), not text_config's (false).
-    ref = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+    # The reference is `hfmeg verify`'s: the wrapper's own class (AutoModelForImageTextToText).
     ids = torch.randint(0, 290, (2, 24), generator=torch.Generator().manual_seed(3))  # no image tokens
+    ref_logits, _ = reference_outputs(src, ids, 1)
     with torch.no_grad():
         ours = load_chunks(HFCheckpoint(src), make_ps(world=1))[0](ids)[..., :300]
-        assert_close(ours, ref(input_ids=ids).logits, rtol=0, atol=1e-4)
+    assert_close(ours, ref_logits, rtol=0, atol=1e-4)
 
 
 def test_trains_5_steps_and_exports_what_its_class_loads(tmp_path):
