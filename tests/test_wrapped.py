@@ -96,8 +96,13 @@ def test_trains_5_steps_and_exports_what_its_class_loads(tmp_path):
     assert all(torch.equal(loaded["model." + k], before[k]) for k in others)  # in memory under `model.`
 
 
-def test_lora_on_a_wrapped_checkpoint_is_refused_in_one_line(tmp_path):
+def test_lora_and_random_init_on_a_wrapped_checkpoint_are_refused_in_one_line(tmp_path):
+    from hfmeg.train.parts.base import _random_weights
+
     src = save_tiny_wrapped("gemma3", tmp_path / "src")
+    with pytest.raises(UnsupportedConfigError, match=r"^model.init: random on a multimodal checkpoint \(config.json "
+                                                     r"model_type 'gemma3'\) is not supported; start from its weights$"):
+        _random_weights(src, seed=0)
     with pytest.raises(UnsupportedConfigError, match=r"^peft.method: lora on a multimodal checkpoint \(config.json "
                                                      r"model_type 'gemma3'\) is not supported; fine-tune it in full$"):
         check_unwrapped(load_hf_config(src), PeftConfig(method="lora"))
