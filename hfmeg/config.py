@@ -98,6 +98,10 @@ class ModelConfig:
     final_softcap: float | None = None
     query_pre_attn_scalar: float | None = None
     rope_per_layer_type: bool = False
+    # Gemma 4: RMSNorms scale by w in fp32 and round once (not 1 + w, and not in the input dtype as LLaMA's); the
+    # values are RMS-normalised over each head with no weight, as the q/k norms are with theirs.
+    norm_fp32_scale: bool = False
+    v_norm: bool = False
     moe: MoEConfig | None = None
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
 
@@ -169,7 +173,7 @@ class ModelConfig:
 # ModelConfig fields added after layout format version 1: written only when set (ModelConfig.to_dict).
 LATER_FIELDS = ("qk_norm", "nope_layers", "partial_rotary_factor", "full_attention_layers", "norm_offset",
                 "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
-                "rope_per_layer_type", "qk_norm_whole", "pre_norms")
+                "rope_per_layer_type", "qk_norm_whole", "pre_norms", "norm_fp32_scale", "v_norm")
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:

@@ -20,7 +20,7 @@ def make_sources(root: Path) -> dict[str, Path]:
         extra = {"layer_types": ["full_attention"] * 4} if kind in ("qwen2", "qwen3") else {}  # sized by layer
         if kind == "smollm3":  # the window on the NoPE layers
             extra.update(no_rope_layers=[1, 0, 1, 0], layer_types=["full_attention", "sliding_attention"] * 2)
-        if kind in ("gemma2", "gemma3", "olmo3"):
+        if kind in ("gemma2", "gemma3", "gemma4", "olmo3"):
             extra.update(layer_types=["sliding_attention", "full_attention"] * 2)
         out[kind] = save_tiny(kind, root / kind, num_hidden_layers=4, **extra)
     rewrite_config_v4(out["llama3"])

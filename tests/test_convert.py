@@ -34,7 +34,7 @@ def sources(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["stories260K", "llama3", "mistral", "qwen2", "gpt2", "llama_tied", "qwen3", "smollm3",
-                                  "phi3", "gemma2", "gemma3", "olmo2", "olmo3"])
+                                  "phi3", "gemma2", "gemma3", "gemma4", "olmo2", "olmo3"])
 def test_round_trip_bit_exact_all_layouts(kind, sources, tmp_path):
     if kind not in sources:
         stories_or_skip()

@@ -154,9 +154,21 @@ def test_longrope_is_refused_under_cp():
 def test_gemma3_trains_at_tp2_cp2_on_rows_longer_than_its_window_and_exports(tmp_path):
     """5 steps of the trainer on packed alpaca rows of 64 tokens (window 4, soft-capped logits) at TP2 x CP2: the
     export has the source's tensors, trained, and loads in transformers' Gemma 3 class."""
-    import shutil
-
     from safetensors.torch import load_file
+
+    model = save_tiny("gemma3", tmp_path / "m", vocab_size=512)
+    hf = train_5_steps(model, tmp_path / "out", tp=2, cp=2)
+    before, after = load_file(model / "model.safetensors"), load_file(hf / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert not torch.equal(before["model.layers.0.self_attn.q_norm.weight"],
+                           after["model.layers.0.self_attn.q_norm.weight"])
+    assert type(AutoModelForCausalLM.from_pretrained(hf)).__name__ == "Gemma3ForCausalLM"
+
+
+def train_5_steps(model, out, *, tp: int, cp: int = 1):
+    """5 trainer steps on packed alpaca rows of 64 tokens from the tiny `model` (given stories260K's tokenizer), on
+    tp x cp ranks with one row each a step; checks the losses are finite and returns the exported HF folder."""
+    import shutil
 
     from helpers import stories_or_skip
     from hfmeg.data import DataConfig, SourceConfig
@@ -170,26 +182,76 @@ def test_gemma3_trains_at_tp2_cp2_on_rows_longer_than_its_window_and_exports(tmp
     stories, alpaca = stories_or_skip(), ASSETS / "data" / "alpaca_en_demo.json"
     if not alpaca.is_file():
         pytest.skip(f"{alpaca} is absent")
-    model = save_tiny("gemma3", tmp_path / "m", vocab_size=512)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(stories / name, model / name)
-    cfg = TrainConfig(model=ModelArgs(path=str(model), dtype="fp32"), parallel=ParallelArgs(tp=2, cp=2),
+    cfg = TrainConfig(model=ModelArgs(path=str(model), dtype="fp32"), parallel=ParallelArgs(tp=tp, cp=cp),
                       optim=OptimizerConfig(lr=1e-3, eps=1e-5), lr=LRScheduleConfig(warmup_steps=1, total_steps=5),
                       data=DataConfig(sources=[SourceConfig(str(alpaca))], seq_len=64),
-                      train=LoopArgs(micro_batch_size=1, global_batch_size=4, max_steps=5, eval_every=0),
-                      checkpoint=CheckpointArgs(out=str(tmp_path / "out"), save_every=0, keep_last=1),
-                      tensorboard=False)
-    hf = spawn(_train, 4, cfg)[0]
-    losses = [r["loss"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+                      train=LoopArgs(micro_batch_size=1, global_batch_size=tp * cp, max_steps=5, eval_every=0),
+                      checkpoint=CheckpointArgs(out=str(out), save_every=0, keep_last=1), tensorboard=False)
+    hf = spawn(_train, tp * cp, cfg)[0]
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))
-    before, after = load_file(model / "model.safetensors"), load_file(hf / "model.safetensors")
-    assert sorted(before) == sorted(after)
-    assert not torch.equal(before["model.layers.0.self_attn.q_norm.weight"],
-                           after["model.layers.0.self_attn.q_norm.weight"])
-    assert type(AutoModelForCausalLM.from_pretrained(hf)).__name__ == "Gemma3ForCausalLM"
+    return hf
 
 
 def _train(cfg):
     from hfmeg.train.trainer import Trainer
 
     return Trainer(cfg).run().hf_folder
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size_per_layer_input", 4), ("num_kv_shared_layers", 1),
+                                          ("attention_k_eq_v", True), ("enable_moe_block", True)])
+def test_gemma4_features_not_built_are_refused_naming_the_field(field, value):
+    with pytest.raises(UnsupportedConfigError, match=rf"^config.json field {field}: {value!r}: .* are not supported for "
+                                                     r"gemma4_text \(use 0, false or null\)$"):
+        model_config_from_hf(tiny_config("gemma4", **{field: value}))
+
+
+def test_gemma4_per_layer_attention_shapes_and_proportional_rope_are_refused():
+    base = {k: v for k, v in tiny_config("gemma4").to_dict().items() if k != "per_layer_config"}
+    wider = type(tiny_config("gemma4"))(**{**base, "global_head_dim": 16})
+    with pytest.raises(UnsupportedConfigError, match=r"^config.json field per_layer_config: layers \[1\] override "
+                                                     r"\['head_dim'\]: per-layer attention shapes are not supported"):
+        model_config_from_hf(wider)
+    proportional = {**base["rope_parameters"], "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                                                  "partial_rotary_factor": 0.25}}
+    with pytest.raises(UnsupportedConfigError, match=r"^config.json field rope_parameters.full_attention.rope_type: "
+                                                     r"'proportional' is not supported"):
+        model_config_from_hf(tiny_config("gemma4", rope_parameters=proportional))
+
+
+def test_gemma4_refusals_at_conversion_and_start_up(tmp_path, capsys):
+    """A config field (KV sharing) and a layer_scalar other than 1: the loader raises, the converter says one line and
+    exits 2 with no output."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tool_loader import load_tool
+
+    folder = save_tiny("gemma4", tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"num_kv_shared_layers": 1}))
+    with pytest.raises(UnsupportedConfigError, match=r"config.json field num_kv_shared_layers: 1: KV sharing"):
+        load_chunks(HFCheckpoint(folder), make_ps(world=1))
+    capsys.readouterr()
+    rc = load_tool("convert_hf_to_mp").main(["--hf", str(folder), "--out", str(tmp_path / "mp"), "--tp", "1",
+                                             "--pp", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "config.json field num_kv_shared_layers: 1" in err[0], err
+    assert not (tmp_path / "mp").exists()
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.layers.1.layer_scalar"] = torch.tensor([0.5])
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    line = r"tensor model.layers.1.layer_scalar is \[0.5\]: gemma4_text is supported only where it is 1.0$"
+    with pytest.raises(UnsupportedConfigError, match=line):
+        load_chunks(HFCheckpoint(folder), make_ps(world=1))
+    capsys.readouterr()
+    rc = load_tool("convert_hf_to_mp").main(["--hf", str(folder), "--out", str(tmp_path / "mp"), "--tp", "1",
+                                                   "--pp", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "model.layers.1.layer_scalar is [0.5]" in err[0]
+    assert not (tmp_path / "mp").exists()

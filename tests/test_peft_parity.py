@@ -98,7 +98,7 @@ def _check(cases, ids, layouts=LAYOUTS):
     return report, names
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma4", "olmo2"])
 def test_lora_and_dora_match_peft(kind, tmp_path):
     cases = [make_base_and_adapter(tmp_path, kind, rslora=rs, dora=dora)
              for rs, dora in ((False, False), (True, False), (False, True), (True, True))]

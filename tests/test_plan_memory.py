@@ -1,11 +1,15 @@
 """The planner's memory model against what the runtime allocates: the saved-tensor meter's peak plus
-the optimizer's buffers and state, on forked gloo ranks (tools/check_plan.py runs the 23-layout grid)."""
+the optimizer's buffers and state, on forked gloo ranks (tools/check_plan.py runs the 23-layout grid). The ranks
+run on the CPU, so the model counts the CPU path's attention (`dense_mask`: dense window masks, explicit soft-capped
+scores)."""
 
 from __future__ import annotations
 
 import random
 
-from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
+from dataclasses import replace
+
+from transformers import GPT2Config, LlamaConfig, MistralConfig, MixtralConfig, Qwen2MoeConfig
 
 from hfmeg.families import model_config_from_hf
 from hfmeg.optim.config import OptimizerConfig
@@ -26,7 +30,7 @@ def _check(cases):
     for case, per_rank in zip(cases, measure_cases(cases, steps=0)):
         opt = OptimizerConfig(mode=case.layout.optimizer, bucket_size=case.bucket_size)
         for r in per_rank:
-            m = stage_memory(case.cfg, case.layout, r["pp_rank"], case.global_batch, SEQ, 4, opt)
+            m = stage_memory(case.cfg, case.layout, r["pp_rank"], case.global_batch, SEQ, 4, opt, dense_mask=True)
             assert m.activations == r["activations"], (case.layout.name(), r)
             assert m.param_buffer + m.grad_buffer == r["buffers"], (case.layout.name(), r)
             assert m.optimizer_state == r["optimizer_state"], (case.layout.name(), r)
@@ -40,6 +44,40 @@ def test_memory_model_matches_meter_and_optimizer_exactly():
         Case(_llama(5, 8), PlanLayout(1, 2, 1, 2), 2 * 4, SEQ, 5000),
         Case(gpt2, PlanLayout(1, 1, 2, 1, recompute="full", optimizer="ddp"), 2 * 2, SEQ, 5000),
     ])
+
+
+def test_windowed_and_soft_capped_attention_memory_matches_meter_exactly():
+    """A window of 4 tokens on rows of 32 (Mistral's, on every layer): SDPA saves its additive copy of each layer's
+    window mask; soft-capped scores (a LLaMA with `attn_softcap`, as Gemma 2's attention computes them): the
+    explicit scores' tanh and probabilities instead of SDPA's output, with GQA (K and V repeated) and without (MHA),
+    and with the window too; under selective recompute none of it is kept."""
+    small = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
+                 vocab_size=300, max_position_embeddings=128)
+    windowed = model_config_from_hf(MistralConfig(**small, num_key_value_heads=4, sliding_window=4))
+    capped = replace(_llama(3, 8), attn_softcap=0.5)
+    _check([
+        Case(windowed, PlanLayout(2, 1, 1, 1, sequence_parallel=False), 2, SEQ, 5000),
+        Case(capped, PlanLayout(1, 2, 1, 1), 2 * 2, SEQ, 5000),
+        Case(replace(windowed, attn_softcap=0.5), PlanLayout(2, 1, 1, 1), 2, SEQ, 5000),
+        Case(replace(windowed, attn_softcap=0.5), PlanLayout(2, 1, 1, 1, recompute="selective"), 2, SEQ, 5000),
+    ])
+    assert stage_memory(windowed, PlanLayout(1, 1, 1, 1), 0, 1, SEQ, 4, dense_mask=True).activations - \
+        stage_memory(windowed, PlanLayout(1, 1, 1, 1), 0, 1, SEQ, 4).activations == 2 * 4 * SEQ * SEQ  # 2 layers
+
+
+def test_family_features_memory_matches_meter_exactly():
+    """What the families switch on, as the meter sees it: Gemma 2's four (1 + w) norms, GeGLU, scaled embedding and
+    capped scores under its windows; Gemma 4's w norms in fp32, value norm and two RoPE tables; Qwen3's QK-norm,
+    SmolLM3's layers without RoPE, Phi-3's partial rotary; under SP, on two stages and with selective recompute."""
+    from tiny_models import tiny_config
+
+    layers = dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    cfgs = {k: model_config_from_hf(tiny_config(k, **layers)) for k in ("gemma2", "gemma4")}
+    cfgs |= {k: model_config_from_hf(tiny_config(k, num_hidden_layers=3, layer_types=["full_attention"] * 3))
+             for k in ("qwen3", "phi3")}
+    cfgs["smollm3"] = model_config_from_hf(tiny_config("smollm3"))
+    _check([Case(cfg, lay, 2 * 2, SEQ, 5000) for cfg in cfgs.values()
+            for lay in (PlanLayout(2, 1, 1, 2), PlanLayout(1, 2, 1, 2, recompute="selective"))])
 
 
 def _moe_configs():

@@ -130,7 +130,7 @@ def test_verify_parity_cli_under_torchrun(converted):
 
 
 PACKED_LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp); the rest of the 4-process world as DP
-PACKED_KINDS = ["mistral", "smollm3", "gemma2", "gemma3"]  # windows (4 tokens), soft-capping, RoPE per layer type
+PACKED_KINDS = ["mistral", "smollm3", "gemma2", "gemma3", "gemma4"]  # windows (4 tokens), soft-capping, RoPE per layer type
 DOCS = (7, 12, 5)  # every document longer than the window
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig,
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Gemma4TextConfig, GPT2Config, LlamaConfig, MistralConfig,
                           MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                           SmolLM3Config)
 
@@ -22,11 +22,12 @@ STORIES = ASSETS / "models" / "stories260K"
 # scale from query_pre_attn_scalar (16, not head_dim 8) and soft-capping of scores and logits with caps small
 # enough to bite (the tiny model's scores reach ~0.08, its logits ~0.7); gemma3 adds (1 + w) QK-norm and RoPE per
 # layer type (sliding layers theta 1e4, full layers 1e6 with linear scaling), and no attention cap (transformers'
-# Gemma 3 ignores attn_logit_softcapping); olmo2 has norms after each sublayer only and QK-norm over the whole
+# Gemma 3 ignores attn_logit_softcapping); gemma4 is gemma3 with w (not 1 + w) norms in fp32, a weightless norm on
+# the values, attention scale 1 and its per-layer embeddings switched off; olmo2 has norms after each sublayer only and QK-norm over the whole
 # q and k projections (GQA: 8 query, 4 KV heads, so each TP2 rank holds a slice of both norms' weights); olmo3
 # adds the window on its first layer and RoPE per layer type (as gemma3's).
 RANDOM_KINDS = ("llama3", "mistral", "qwen2", "gpt2", "llama_tied", "qwen3", "smollm3", "phi3", "gemma2", "gemma3",
-                "olmo2", "olmo3")
+                "gemma4", "olmo2", "olmo3")
 
 WINDOW = 4
 _GEMMA = dict(head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=16, attn_logit_softcapping=0.02,
@@ -72,6 +73,9 @@ def tiny_config(kind: str, **overrides):
     elif kind == "gemma3":
         cfg = Gemma3TextConfig(**_COMMON, **{**_GEMMA, "attn_logit_softcapping": None}, layer_types=_LAYER_TYPES,
                                rope_parameters=_ROPES)
+    elif kind == "gemma4":
+        cfg = Gemma4TextConfig(**_COMMON, head_dim=8, global_head_dim=8, sliding_window=WINDOW, layer_types=_LAYER_TYPES,
+                               rope_parameters=_ROPES, final_logit_softcapping=0.5, hidden_size_per_layer_input=0)
     elif kind == "olmo2":
         cfg = Olmo2Config(**_COMMON, **_OLMO)
     elif kind == "olmo3":
@@ -103,6 +107,40 @@ def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
             if name.endswith(("gate.weight", "shared_expert_gate.weight")):
                 # Routers 10x HF's init: clear top-k choices, so fp32 rounding differences cannot flip them.
                 p.mul_(10.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+WRAPPED_KINDS = ("gemma3", "mistral3", "gemma4")
+
+
+def save_tiny_wrapped(kind: str, folder: Path, seed: int = 0, **text) -> Path:
+    """A random tiny multimodal checkpoint whose language model is tiny `kind` (its overrides `text`) under
+    `text_config`: Gemma 3's (`Gemma3ForConditionalGeneration`, a one-layer SigLIP vision tower and projector),
+    Mistral 3's (Pixtral) or Gemma 4's (its own vision tower, no audio), as `save_pretrained` names them (the
+    first two with transformers-v4 names, `language_model.model.…`; Gemma 4 with `model.language_model.…`)."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma4Config, Gemma4ForConditionalGeneration,
+                              Mistral3Config, Mistral3ForConditionalGeneration)
+
+    torch.manual_seed(seed)
+    language = {k: v for k, v in tiny_config("mistral" if kind == "mistral3" else kind, **text).to_dict().items()
+                if k != "per_layer_config"} | text
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    if kind == "gemma3":
+        model = Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config=language, vision_config=dict(vision, image_size=28, patch_size=14), mm_tokens_per_image=4,
+            image_token_index=299, boi_token_index=297, eoi_token_index=298))
+    elif kind == "mistral3":
+        model = Mistral3ForConditionalGeneration(Mistral3Config(
+            text_config=language, vision_config=dict(vision, image_size=28, patch_size=14, head_dim=16,
+                                                     model_type="pixtral"), image_token_index=299))
+    elif kind == "gemma4":
+        model = Gemma4ForConditionalGeneration(Gemma4Config(
+            text_config=dict(language, global_head_dim=language["head_dim"]), audio_config=None,
+            vision_config=dict(vision, num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                               position_embedding_size=64)))
+    else:
+        raise ValueError(kind)
     model.save_pretrained(folder)
     return folder
 

@@ -85,7 +85,7 @@ def shaped_config(source: str, a: argparse.Namespace, folder: Path) -> str:
         shape.update(num_attention_heads=a.heads, num_key_value_heads=a.heads)
     if not shape:
         return source
-    copy_hf_side_files(resolve_hf_source(source, weights=False), folder)
+    copy_hf_side_files(resolve_hf_source(source, weights=False), folder, carried=False)  # a config to reshape
     config = {**json.loads((folder / "config.json").read_text()), **shape}
     config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     (folder / "config.json").write_text(json.dumps(config, indent=2))

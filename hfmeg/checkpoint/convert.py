@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig, load_hf_config
-from ..families import FAMILIES, model_config_from_hf
+from ..families import FAMILIES, WRAPPERS, model_config_from_hf
 from ..errors import CheckpointError, UnsupportedConfigError
 from .atomic import atomic_output_dir
 from .hf_reader import HFCheckpoint
@@ -41,11 +41,12 @@ from .mp_reader import MPCheckpoint, local_shape, rank_rules
 from .rules import expected_hf_shape, rule_tensors, to_local, with_expert_layout
 from .st_stream import StreamingSafetensorsWriter, WriteBehind
 
-SUPPORTED_ARCHITECTURES = tuple(family.architecture for family in FAMILIES)
+SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES) + tuple(w.architecture for w in WRAPPERS)
 
 
 def load_model_config(folder: Path) -> ModelConfig:
-    """The normalised config of an HF folder; refuses architectures other than the causal-LM heads."""
+    """The normalised config of an HF folder (a multimodal wrapper's language model); refuses architectures other
+    than the causal-LM heads and the wrappers'."""
     hf = load_hf_config(folder)
     with config_errors_name(folder):
         cfg = model_config_from_hf(hf)

@@ -4,6 +4,11 @@ Tensors are read one at a time with `safetensors.safe_open`, so a rank (or the
 converter) touches only the bytes it needs. Legacy `pytorch_model*.bin` files are
 opened with `torch.load(weights_only=True, mmap=True)`: never unpickled code, and
 memory-mapped so they stay lazy too.
+
+A multimodal wrapper's checkpoint (`families/wrappers.py`) is read as its language model: its text tensors under the
+text model's own names (`model.layers.…`, `lm_head.…`), so the family's rules apply unchanged; its other tensors
+(`carried`), and the family's fixed tensors (`FamilySpec.fixed`, each checked to hold its value), travel verbatim
+(`checkpoint/carried.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedConfigError
+from ..families import family_of, wrapper_of
+from ..families.wrappers import TEXT_NAMINGS, text_name
 from .st_stream import CODE_DTYPES, read_tensor
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -31,6 +38,7 @@ class HFCheckpoint:
         self._files: dict[str, Path] = {}  # tensor name -> file
         self._handles: dict[Path, object] = {}
         self._index()
+        self._view()
 
     def _index(self) -> None:
         f = self.folder
@@ -55,6 +63,34 @@ class HFCheckpoint:
                 return
         raise CheckpointError(f"{f}: no weights found (model.safetensors, {SAFE_INDEX} or pytorch_model.bin)")
 
+    def _view(self) -> None:
+        """The text model's names of the stored tensors (`_stored`), the wrapper's naming and the carried tensors."""
+        config = self.folder / "config.json"
+        try:
+            meta = json.loads(config.read_text()) if config.is_file() else {}
+        except (json.JSONDecodeError, OSError):
+            meta = {}  # load_hf_config names the problem where the config is read
+        self.naming: tuple[str, str] | None = None
+        if wrapper_of(meta.get("model_type")) is not None:
+            found = [n for n in TEXT_NAMINGS if n[0] + "embed_tokens.weight" in self._files]
+            if not found:
+                raise CheckpointError(f"{self.folder}: a {meta['model_type']} checkpoint without its language model's "
+                                      f"embedding ({' or '.join(n[0] + 'embed_tokens.weight' for n in TEXT_NAMINGS)})")
+            self.naming, meta = found[0], meta.get("text_config") or {}
+        names = {k: text_name(k, self.naming) for k in self._files}
+        self._stored = {name: k for k, name in names.items() if name is not None}
+        self.carried = [k for k, name in names.items() if name is None]  # the wrapper's other tensors
+        try:
+            fixed = family_of(meta.get("model_type")).fixed
+        except UnsupportedConfigError:
+            return  # refused with its config line by whoever normalises the config
+        for name in [n for n in self._stored if fixed(n) is not None]:
+            value = self.get(name)
+            if not bool((value == fixed(name)).all()):
+                raise UnsupportedConfigError(f"{self.folder}: tensor {self._stored[name]} is {value.tolist()}: "
+                                             f"{meta['model_type']} is supported only where it is {fixed(name)}")
+            self.carried.append(self._stored[name])
+
     def _open(self, path: Path):
         if path not in self._handles:
             try:
@@ -67,13 +103,17 @@ class HFCheckpoint:
         return self._handles[path]
 
     def keys(self) -> list[str]:
-        return list(self._files)
+        """The text model's tensors by its names, and the carried ones by theirs."""
+        text = set(self._stored.values())
+        return list(self._stored) + [k for k in self.carried if k not in text]
 
     def _resolve(self, name: str) -> str:
-        if name in self._files:
+        if name in self._stored:
+            return self._stored[name]
+        if name in self.carried:
             return name
         # GPT-2 checkpoints from the original release store names without `transformer.`.
-        if name.startswith("transformer.") and name[len("transformer.") :] in self._files:
+        if name.startswith("transformer.") and name[len("transformer.") :] in self._stored:
             return name[len("transformer.") :]
         raise CheckpointError(f"{self.folder}: tensor {name} is missing from the checkpoint")
 

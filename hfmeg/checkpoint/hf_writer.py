@@ -10,7 +10,9 @@ merge overlaps this write) and dropped.
 
 `config.json` keeps every field of the source config; only `torch_dtype` / `dtype`
 are set to what was written. Tokenizer and generation config files are copied
-verbatim.
+verbatim. A multimodal wrapper's text tensors get the names they were read with, and the
+carried tensors (`carried.py`: the wrapper's other towers, a family's fixed tensors) are
+written after them as stored, in their own dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pathlib import Path
 import torch
 
 from ..errors import HfmegError
+from ..families.wrappers import stored_name
+from .carried import carried_naming, carried_specs, read_carried
 from .mp_layout import copy_hf_side_files, dtype_name
 from .mp_reader import MPCheckpoint
 from .st_stream import StreamingSafetensorsWriter, WriteBehind
@@ -68,7 +72,10 @@ def write_config(src: Path, dst: Path, dtype: str) -> None:
 
 
 def write_hf_folder(source: MPCheckpoint, folder: Path, dtype: torch.dtype | None, max_shard_bytes: int) -> None:
-    specs = {n: (dtype or source.dtype(n), source.shape(n)) for n in source.hf_names()}
+    naming = carried_naming(source.hf_dir)
+    text = {stored_name(n, naming): n for n in source.hf_names()}
+    carried = carried_specs(source.hf_dir)
+    specs = {k: (dtype or source.dtype(n), source.shape(n)) for k, n in text.items()} | carried
     shards = plan_shards(specs, max_shard_bytes)
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -76,12 +83,13 @@ def write_hf_folder(source: MPCheckpoint, folder: Path, dtype: torch.dtype | Non
         with StreamingSafetensorsWriter(folder / file, {k: specs[k] for k in names}, {"format": "pt"}) as writer, \
                 WriteBehind(depth=1) as behind:
             for name in names:
-                behind.write(writer, name, source.get(name).to(specs[name][0]))
+                tensor = read_carried(source.hf_dir, name) if name in carried else source.get(text[name])
+                behind.write(writer, name, tensor.to(specs[name][0]))
     if n > 1:
         total = sum(torch.Size(s).numel() * d.itemsize for d, s in specs.values())
         index = {"metadata": {"total_size": total},
                  "weight_map": {name: file for file, names in zip(files, shards) for name in names}}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    copy_hf_side_files(source.hf_dir, folder)
-    main_dtype = Counter(d for d, _ in specs.values()).most_common(1)[0][0]
+    copy_hf_side_files(source.hf_dir, folder, carried=False)
+    main_dtype = Counter(d for k, (d, _) in specs.items() if k in text).most_common(1)[0][0]
     write_config(source.hf_dir / "config.json", folder / "config.json", dtype_name(main_dtype))

@@ -53,6 +53,7 @@ from ..errors import CheckpointError, LayoutError
 from ..parallel.grid import RankGrid
 from ..parallel.layout import ChunkSpec, rank_chunks, split_layers
 from .atomic import write_text_atomic
+from .carried import copy_carried
 
 FORMAT = "hfmeg-mp"
 FORMAT_VERSION = 1
@@ -61,10 +62,11 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 HF_DIR = "hf"
 RANK_FILE = "model.safetensors"
 EXPERT_FILE = "model-experts-{first:03d}-{last:03d}.safetensors"  # an EP rank's experts first..last
-# HF side files kept beside the weights: config, generation config, tokenizer (any flavour).
+# HF side files kept beside the weights: config, generation config, tokenizer (any flavour), and a multimodal
+# model's processor configs (image, video), so its export loads with its processor too.
 HF_SIDE_PATTERNS = (
     "config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken", "chat_template.*",
+    "vocab.json", "vocab.txt", "merges.txt", "*.model", "*.tiktoken", "chat_template.*", "*processor_config.json",
 )
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -102,12 +104,15 @@ def hf_side_files(folder: Path) -> list[Path]:
     return sorted(found)
 
 
-def copy_hf_side_files(src: Path, dst: Path) -> None:
+def copy_hf_side_files(src: Path, dst: Path, *, carried: bool = True) -> None:
     """Copy the side files' bytes, not their mode: a read-only source (a Hub cache, a shared assets folder) must
-    not make the run's own copies read-only; they get the umask's mode like every file hfmeg writes."""
+    not make the run's own copies read-only; they get the umask's mode like every file hfmeg writes. `carried`:
+    and the carried tensors (`carried.py`), which an MP folder keeps beside its side files and an export does not."""
     dst.mkdir(parents=True, exist_ok=True)
     for path in hf_side_files(src):
         shutil.copyfile(path, dst / path.name)
+    if carried:
+        copy_carried(src, dst)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..families import text_config
 from ..models.generate import full_logits, greedy_generate
 from ..parallel.state import ParallelConfig, ParallelState
 from .mp_layout import HF_DIR, MPLayout, resolve_iteration_dir
@@ -75,16 +76,16 @@ def sharded_outputs(mp_dir: str | Path, ids: torch.Tensor, max_new_tokens: int, 
 
 @torch.no_grad()
 def reference_outputs(hf_dir: str | Path, ids: torch.Tensor, max_new_tokens: int):
-    """(logits, generated ids) from transformers in fp32."""
-    from transformers import AutoModelForCausalLM
+    """(logits, generated ids) from transformers in fp32 (a multimodal wrapper's own class, on text)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from transformers import AutoConfig
-
+    config = AutoConfig.from_pretrained(str(hf_dir))
+    text = text_config(config)
+    auto = AutoModelForCausalLM if text is config else AutoModelForImageTextToText
     # SDPA refuses soft-capped scores (Gemma): transformers' eager attention computes them.
-    capped = getattr(AutoConfig.from_pretrained(str(hf_dir)), "attn_logit_softcapping", None)
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
-                                                 attn_implementation="eager" if capped else None)
-    logits = model(ids).logits.float()
+    capped = getattr(text, "attn_logit_softcapping", None)
+    model = auto.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager" if capped else None)
+    logits = model(input_ids=ids).logits.float()
     generated = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
     return logits, generated
 

@@ -12,6 +12,7 @@ from ..config import ModelConfig
 from ..errors import UnsupportedConfigError
 from .gemma2 import GEMMA2
 from .gemma3 import GEMMA3
+from .gemma4 import GEMMA4
 from .gpt2 import GPT2
 from .llama import LLAMA
 from .mistral import MISTRAL
@@ -25,9 +26,13 @@ from .qwen3 import QWEN3
 from .qwen3_moe import QWEN3_MOE
 from .smollm3 import SMOLLM3
 from .spec import FamilySpec
+from .wrappers import WRAPPERS, Wrapper
 
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, GEMMA2, GEMMA3, OLMO2, OLMO3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT2)
+__all__ = ["FAMILIES", "WRAPPERS", "family_of", "model_config_from_hf", "spec_of", "text_config", "wrapper_of"]
+
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, GEMMA2, GEMMA3, GEMMA4, OLMO2, OLMO3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GPT2)
 _BY_TYPE = {t: spec for spec in FAMILIES for t in spec.model_types}
+_WRAPPER_BY_TYPE = {t: w for w in WRAPPERS for t in w.model_types}
 
 
 def family_of(model_type: str | None) -> FamilySpec:
@@ -42,6 +47,19 @@ def spec_of(cfg: ModelConfig) -> FamilySpec:
     return family_of(cfg.model_type)
 
 
+def wrapper_of(model_type: str | None) -> Wrapper | None:
+    """The multimodal wrapper `model_type` names (its language model's config is `text_config`), else None."""
+    return _WRAPPER_BY_TYPE.get(model_type)
+
+
+def text_config(hf: PretrainedConfig) -> PretrainedConfig:
+    """The language model's config: a wrapper's `text_config`, else `hf` itself."""
+    return hf.text_config if wrapper_of(getattr(hf, "model_type", None)) is not None else hf
+
+
 def model_config_from_hf(hf: PretrainedConfig) -> ModelConfig:
-    """Normalise a transformers config; raise UnsupportedConfigError for what we cannot run."""
-    return family_of(getattr(hf, "model_type", None)).normalise(hf)
+    """Normalise a transformers config (a wrapper's language model); raise UnsupportedConfigError for what we cannot
+    run."""
+    text = text_config(hf)
+    cfg = family_of(getattr(text, "model_type", None)).normalise(text)
+    return cfg if text is hf else wrapper_of(hf.model_type).language_model(cfg, hf)

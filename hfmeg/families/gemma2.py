@@ -29,7 +29,7 @@ def gemma_switches(hf: PretrainedConfig, cfg: ModelConfig) -> ModelConfig:
         caps[name] = cap
     return replace(cfg, activation="gelu_tanh", norm_offset=True, embed_scale=True, sandwich_norms=True,
                    attn_softcap=caps["attn_logit_softcapping"], final_softcap=caps["final_logit_softcapping"],
-                   query_pre_attn_scalar=hf.query_pre_attn_scalar)
+                   query_pre_attn_scalar=getattr(hf, "query_pre_attn_scalar", None))
 
 
 def normalise(hf: PretrainedConfig) -> ModelConfig:

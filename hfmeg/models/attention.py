@@ -8,7 +8,8 @@ Qwen3's q/k norms (`cfg.qk_norm`) are RMSNorms over the head dim, applied to eve
 query and key head before RoPE. One weight serves all heads, so it is TP-replicated;
 each rank's gradient comes from its own heads only, so its role says
 `sequence_parallel` (summed over TP), with or without SP. OLMo 2's (`cfg.qk_norm_whole`) span all the heads
-of a token: their weights are TP-sharded with the heads (`norm.HeadsRMSNorm`).
+of a token: their weights are TP-sharded with the heads (`norm.HeadsRMSNorm`). Gemma 4 normalises each value head
+too, with no weight (`cfg.v_norm`).
 
 A layer with a sliding window (`cfg.window`) attends under the micro-batch's windowed mask
 (`DocumentMask.sliding`, document_attention.py), the others under its full one.
@@ -58,8 +59,8 @@ class ParallelAttention(nn.Module):
             self.q_norm = HeadsRMSNorm(cfg.num_heads, d, cfg.norm_eps, ps)
             self.k_norm = HeadsRMSNorm(cfg.num_kv_heads, d, cfg.norm_eps, ps)
         elif cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.norm_eps, True, kernels, cfg.norm_offset)
-            self.k_norm = RMSNorm(d, cfg.norm_eps, True, kernels, cfg.norm_offset)
+            self.q_norm = RMSNorm(d, cfg, True, kernels)
+            self.k_norm = RMSNorm(d, cfg, True, kernels)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, docs: DocumentMask | None,
                 recompute_core: bool = False):
@@ -83,6 +84,8 @@ class ParallelAttention(nn.Module):
         k, v = k.squeeze(2), v.squeeze(2)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.cfg.v_norm:
+            v = self.kernels.rms_norm_fp32(v, None, self.cfg.norm_eps)
         if rope is not None and self.rotates:
             q, k = self.kernels.rope(q, *rope), self.kernels.rope(k, *rope)
         k, v = gather_kv(k, v, self.ps)  # the whole row's under context parallelism

@@ -30,6 +30,13 @@ def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return (x32 * (1.0 + weight.float())).to(x.dtype)
 
 
+def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma 4's RMSNorm: scaled by w (none: no weight, its value norm) in fp32, then rounded once."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 if weight is None else x32 * weight.float()).to(x.dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -68,3 +75,4 @@ class Kernels:
         pick = (lambda f: f) if backend is None else (lambda f: _compiled(f, backend))
         self.rms_norm, self.rope, self.swiglu = pick(rms_norm), pick(rope), pick(swiglu)
         self.rms_norm_offset, self.geglu = pick(rms_norm_offset), pick(geglu)
+        self.rms_norm_fp32 = pick(rms_norm_fp32)

@@ -18,13 +18,19 @@ from ..parallel.state import ParallelState
 from .kernels import Kernels
 
 
-class RMSNorm(nn.Module):
-    """`offset`: Gemma's norm, which scales by (1 + weight) (`ModelConfig.norm_offset`)."""
+def rms_kernel(cfg: ModelConfig, kernels: Kernels):
+    """The family's RMSNorm: Gemma 2/3's scales by (1 + weight) (`ModelConfig.norm_offset`), Gemma 4's by the weight
+    in fp32 (`norm_fp32_scale`), the others by the weight in the input dtype."""
+    if cfg.norm_offset:
+        return kernels.rms_norm_offset
+    return kernels.rms_norm_fp32 if cfg.norm_fp32_scale else kernels.rms_norm
 
-    def __init__(self, hidden: int, eps: float, sequence_parallel: bool, kernels: Kernels, offset: bool = False):
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, cfg: ModelConfig, sequence_parallel: bool, kernels: Kernels):
         super().__init__()
-        self.eps = eps
-        self.norm = kernels.rms_norm_offset if offset else kernels.rms_norm
+        self.eps = cfg.norm_eps
+        self.norm = rms_kernel(cfg, kernels)
         add_param(self, "weight", hidden, role=ParamRole("norm", sequence_parallel=sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,5 +69,5 @@ class LayerNorm(nn.Module):
 
 def make_norm(cfg: ModelConfig, sequence_parallel: bool, kernels: Kernels) -> nn.Module:
     if cfg.norm == "rms":
-        return RMSNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel, kernels, cfg.norm_offset)
+        return RMSNorm(cfg.hidden_size, cfg, sequence_parallel, kernels)
     return LayerNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel)

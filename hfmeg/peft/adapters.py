@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 
 from ..errors import CheckpointError, UnsupportedConfigError
 from ..models.decoder import ModelChunk
@@ -73,7 +74,7 @@ from ..models.moe import MoELayer
 from ..parallel.roles import ParamRole, add_param
 from ..parallel.state import ParallelState
 from ..parallel.stored_names import set_stored_names, stored_tensors
-from ..families import spec_of
+from ..families import spec_of, text_config
 from ..families.llama import ATTENTION, layer_prefix
 from ..families.qwen2_moe import SHARED_GATE
 from .config import ALL_LINEAR, EXPERT_PARAMS, MOE_SAVABLE, SAVABLE, PeftConfig
@@ -398,6 +399,14 @@ def _moe_savable(chunk: ModelChunk) -> list[tuple[str, str, tuple[str, ...]]]:
         if hasattr(layer, "shared_gate"):
             out.append((L + "shared_gate.weight", m + SHARED_GATE + ".weight", MOE_SAVABLE))
     return out
+
+
+def check_unwrapped(hf: PretrainedConfig, cfg: PeftConfig) -> None:
+    """LoRA on a multimodal wrapper's language model is not built: peft names the adapted modules by their paths
+    in the wrapper's class (`model.language_model.layers.…`), which hfmeg's adapter files do not write."""
+    if text_config(hf) is not hf:
+        raise UnsupportedConfigError(f"peft.method: {cfg.method} on a multimodal checkpoint (config.json model_type "
+                                     f"{hf.model_type!r}) is not supported; fine-tune it in full")
 
 
 def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:

@@ -7,8 +7,11 @@ s' = s/t under sequence parallelism (else s), hidden h, head_dim d, per TP rank
 nh query heads, nkv KV heads and f FFN features, e = bytes of the model dtype.
 
 Per layer, recompute `none`:
-- each norm: RMSNorm keeps x.float() (4·s'bh), rsqrt (4·s'b) and the normalised
-  x in the model dtype (e·s'bh); LayerNorm keeps x (e·s'bh), mean and rstd (8·s'b);
+- each norm (two, or four with Gemma's and OLMo's norms on the sublayers' outputs, OLMo 2's
+  two only): RMSNorm keeps x.float() (4·s'bh), rsqrt (4·s'b) and the normalised x in the
+  model dtype (e·s'bh), or in fp32 (4·s'bh) where it scales in fp32: Gemma 2/3's by (1 + w),
+  which it keeps too (4h), Gemma 4's by w (its fp32 copy, 4h, below fp32); LayerNorm keeps x
+  (e·s'bh), mean and rstd (8·s'b);
 - each column-parallel input (QKV, FC1): the norm's output, gathered to the full
   sequence under SP (e·sbh);
 - attention: the fused QKV output (e·sb(nh+2nkv)d; V is a view of it, so is Q
@@ -16,6 +19,12 @@ Per layer, recompute `none`:
   log-sum-exp (4·b·nh·s), and the output projection's input (e·sb·nh·d), a copy
   unless Q was a view of QKV (one KV group per rank, or one query head per group),
   in which case SDPA's output keeps the sequence-major layout and the reshape is a view;
+  a layer without RoPE (SmolLM3's) keeps no rotated Q and K but Q's copy where Q is not a
+  view (or the normed Q and K with QK-norm); QK-norm per head keeps what a norm keeps on the
+  Q and K rows (x.float(): Q's copy unless a view, K a view of QKV, fp32 copies of both below
+  fp32; rsqrt per head; the normalised rows, and Gemma's (1 + w) per norm), OLMo 2's over the
+  whole projection one rsqrt per token; Gemma 4's weightless value norm keeps its rsqrt (and
+  below fp32 the fp32 copy of V), and its output is the V SDPA keeps (e·sb·nkv·d);
 - MLP: FC1's output (e·sb·2f gated, e·sb·f plain), the activation's output (e·sbf)
   and, gated, the SwiGLU product (e·sbf);
 - MoE MLP (models/moe.py), on this rank's n tokens (n = s'b under SP, else the
@@ -34,12 +43,13 @@ Per layer, recompute `none`:
   (16·R), the all-to-all keeps nothing, and the combined rows (n·k) take the place of
   the expert outputs. The model takes balanced routing, R = n·k (each EP rank gets
   its experts' share of every rank's tokens); a skewed router moves bytes between ranks;
-- per chunk, not per layer: RoPE's cos and sin (2·e·bsd).
+- per chunk, not per layer: RoPE's cos and sin (2·e·bs·r, r the rotated dims: d, or fewer with
+  partial rotary) for each table its layers read (Gemma 3's and OLMo 3's: one per layer type).
 `selective` checkpoints the attention core (RoPE + SDPA), as Megatron does: the
 QKV input, the fused QKV output and the output projection's input stay, rotated
 Q/K, SDPA's output and log-sum-exp go; `full` keeps only each layer's input (e·s'bh).
-The first chunk adds the token ids (8·bs), the TP range mask (bs) and GPT-2's
-position ids (8·s); the last adds the final norm, the LM head's input (e·sbh),
+The first chunk adds the token ids (8·bs), the TP range mask (bs), GPT-2's
+position ids (8·s) and Gemma's embedding scale (a 0-dim tensor, e); the last adds the final norm, the LM head's input (e·sbh),
 targets (8·bs), the log-sum-exp (4·bs) and the ignore mask (bs).
 
 Context parallelism (CP, parallel/context.py): s above is the rank's s/cp tokens of
@@ -50,7 +60,22 @@ log-sum-exp, and the output projection's input as above, but neither the fused Q
 output nor the local rotated K (the gather's autograd keeps nothing). With a dense
 mask (the CPU path; on CUDA flex attention takes a block mask) SDPA also saves the
 chunk's additive mask, once per chunk: e·b·(s/cp)·s, the one term quadratic in s
-(`Shape.dense_mask`).
+(`Shape.dense_mask`), and a second one for the windowed layers where the row is longer
+than the window.
+
+Sliding windows and soft-capped scores on the CPU path (`Shape.dense_mask`; on CUDA flex
+attention skips the tiles beyond the window and caps in its `score_mod`, saving what SDPA
+saves): rows of one document, as counted here, attend plain causal, but a windowed layer
+of a row longer than its window attends under the boolean `[1, 1, s, s]` window mask, of
+which SDPA saves an additive copy in the model dtype, e·s² per such layer. Soft-capped
+scores are computed explicitly (models/document_attention.py `_softcapped`), which saves,
+instead of SDPA's output and log-sum-exp: the rotated Q, K and V repeated to the query heads
+(K transposed into a copy; the rotated K itself is then saved by nothing, nor, without
+QK-norm, the fused QKV output), the scores' tanh (e·b·nh·s·S, S the keys: s, or the whole
+row under CP), the fp32 probabilities (4·b·nh·s·S, and their e-byte copy below fp32), the
+boolean mask of the call (s² bytes; under CP the additive mask is added, which saves nothing,
+so no chunk mask either), and the output projection's input, always a copy. Every family
+that caps its scores has RoPE, which this count assumes.
 
 Fused (compiled) kernels save less; the count is then an upper bound.
 """
@@ -72,7 +97,9 @@ class Shape:
     recompute: str
     ep: int = 1
     cp: int = 1  # context-parallel ranks: `seq_len` is the row, a rank holds `seq` of its tokens
-    dense_mask: bool = False  # CP attention under a dense mask (SDPA, the CPU path), which SDPA saves
+    # The CPU path: SDPA under dense masks (CP's, the window's), which it saves, and soft-capped scores computed
+    # explicitly; False: CUDA's flex attention (block masks, capping in its score_mod)
+    dense_mask: bool = False
 
     @property
     def seq(self) -> int:
@@ -84,20 +111,73 @@ class Shape:
         return self.seq // self.tp if self.sp else self.seq
 
 
+def _scaled(cfg: ModelConfig, e: int, rows: int, width: int) -> int:
+    """What an RMSNorm's scaling saves on `rows` rows of `width`: the normalised rows in the model dtype (scaled in
+    it: LLaMA's), or in fp32 with (1 + w) (Gemma 2/3's) or, below fp32, w's fp32 copy (Gemma 4's)."""
+    if cfg.norm_offset:
+        return 4 * rows * width + 4 * width
+    if cfg.norm_fp32_scale:
+        return 4 * rows * width + (4 * width if e != 4 else 0)
+    return e * rows * width
+
+
 def _norm(cfg: ModelConfig, x: Shape) -> int:
     tokens, e, h = x.local_seq * x.micro_batch, x.dtype_bytes, cfg.hidden_size
-    return tokens * (4 * h + 4 + e * h) if cfg.norm == "rms" else tokens * (e * h + 8)
+    return tokens * (4 * h + 4) + _scaled(cfg, e, tokens, h) if cfg.norm == "rms" else tokens * (e * h + 8)
 
 
-def _attention_core(cfg: ModelConfig, x: Shape) -> int:
+def _head_norms(cfg: ModelConfig, x: Shape) -> int:
+    """The q/k norms' and the value norm's saved bytes (module docstring), beside the fused QKV output they read."""
+    b, s, e, d = x.micro_batch, x.seq, x.dtype_bytes, cfg.head_dim
+    nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
+    total = 0
+    if cfg.qk_norm:
+        q_is_view = nkv == 1 or nh == nkv
+        inputs = 4 * b * s * (nh + nkv) * d if e != 4 else (0 if q_is_view else e * b * s * nh * d)
+        if cfg.qk_norm_whole:  # one rsqrt per token and norm; the normalised rows scaled in the model dtype
+            total += inputs + 2 * 4 * b * s + e * b * s * (nh + nkv) * d
+        else:
+            total += inputs + 4 * b * s * (nh + nkv) + _scaled(cfg, e, b * s * nh, d) + _scaled(cfg, e, b * s * nkv, d)
+    if cfg.v_norm:  # no weight: its output is the V that attention saves (its own storage, not QKV's)
+        normed = e * b * s * nkv * d if x.cp == 1 and not (x.dense_mask and cfg.attn_softcap is not None) else 0
+        total += 4 * b * s * nkv + (4 * b * s * nkv * d if e != 4 else 0) + normed
+    return total
+
+
+def _capped_core(cfg: ModelConfig, x: Shape) -> int:
+    """The explicit soft-capped attention's saved bytes (the CPU path: module docstring)."""
+    b, s, keys, e, d = x.micro_batch, x.seq, x.seq_len, x.dtype_bytes, cfg.head_dim
+    nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
+    qkv = e * s * b * (nh + 2 * nkv) * d if cfg.qk_norm else 0  # the q/k norms' inputs are views of it
+    rows = e * b * nh * d * (2 * s + 2 * keys)  # rotated Q, the repeated K and V, the output projection's input
+    scores = b * nh * s * keys * (e + 4 + (e if e != 4 else 0))  # tanh, fp32 probabilities (and their cast)
+    return qkv + rows + scores + (s * s if x.cp == 1 else 0)
+
+
+def _windowed_mask(cfg: ModelConfig, x: Shape, layer: int) -> bool:
+    """Whether layer `layer` attends under the window's dense mask (the CPU path, rows longer than the window)."""
+    window = cfg.window(layer)
+    return x.dense_mask and window is not None and x.seq_len > window
+
+
+def _attention_core(cfg: ModelConfig, x: Shape, layer: int) -> int:
+    if x.dense_mask and cfg.attn_softcap is not None:
+        return _capped_core(cfg, x) + _head_norms(cfg, x)
     sb, e, d = x.seq * x.micro_batch, x.dtype_bytes, cfg.head_dim
     nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
     q_is_view = nkv == 1 or nh == nkv
-    total = 4 * x.micro_batch * nh * x.seq + e * sb * nh * d + (0 if q_is_view else e * sb * nh * d)
+    total = 4 * x.micro_batch * nh * x.seq + e * sb * nh * d + (0 if q_is_view else e * sb * nh * d) \
+        + _head_norms(cfg, x)
+    rotates = cfg.uses_rope(layer)
     if x.cp == 1:
-        return total + e * sb * (nh + 2 * nkv) * d + (e * sb * (nh + nkv) * d if cfg.positions == "rope" else 0)
+        window_mask = e * x.seq * x.seq if _windowed_mask(cfg, x, layer) else 0  # SDPA's additive copy
+        if rotates:
+            qk = e * sb * (nh + nkv) * d  # rotated Q and K
+        else:  # normed Q and K, or Q's copy (otherwise views of QKV)
+            qk = e * sb * (nh * (cfg.qk_norm or not q_is_view) + nkv * cfg.qk_norm) * d
+        return total + e * sb * (nh + 2 * nkv) * d + qk + window_mask
     gathered_kv = 2 * e * x.micro_batch * nkv * x.seq_len * d
-    query = e * sb * nh * d if cfg.positions == "rope" else e * sb * (nh + 2 * nkv) * d  # else a view of QKV
+    query = e * sb * nh * d if rotates else e * sb * (nh + 2 * nkv) * d  # else a view of QKV
     return total + gathered_kv + query
 
 
@@ -137,20 +217,23 @@ def layer_bytes(cfg: ModelConfig, x: Shape, layer: int = 0) -> int:
         nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
         attention = column_input + e * sb * (2 * nh + 2 * nkv) * cfg.head_dim
     else:
-        attention = column_input + _attention_core(cfg, x)
-    return 2 * _norm(cfg, x) + attention + mlp
+        attention = column_input + _attention_core(cfg, x, layer)
+    return (2 * cfg.pre_norms + 2 * cfg.sandwich_norms) * _norm(cfg, x) + attention + mlp
 
 
 def chunk_bytes(cfg: ModelConfig, x: Shape, layers: range, pre_process: bool, post_process: bool) -> int:
     """Saved bytes of one model chunk (its layers plus the ends it owns) for one micro-batch."""
     bs, e = x.micro_batch * x.seq, x.dtype_bytes
     total = sum(layer_bytes(cfg, x, i) for i in layers)
-    if layers and cfg.positions == "rope" and x.recompute == "none":
-        total += 2 * e * bs * cfg.head_dim
-    if layers and x.cp > 1 and x.dense_mask and x.recompute == "none":  # recompute holds it outside autograd
-        total += e * bs * x.seq_len  # the CP attention's additive mask, saved by every layer's SDPA
-    if pre_process:
-        total += 8 * bs + (bs if x.tp > 1 else 0) + (8 * x.seq if cfg.positions == "learned" else 0)
+    if x.recompute == "none":  # cos and sin of each RoPE table the layers read (Gemma 3's: one per layer type)
+        total += 2 * e * bs * cfg.rotary_dim * len({cfg.rope_key(i) for i in layers if cfg.uses_rope(i)})
+    if layers and x.cp > 1 and x.dense_mask and x.recompute == "none" and cfg.attn_softcap is None:
+        # the CP attention's additive mask, saved by every layer's SDPA (recompute holds it outside autograd), and
+        # the windowed layers' own
+        total += e * bs * x.seq_len * (2 if any(_windowed_mask(cfg, x, i) for i in layers) else 1)
+    if pre_process:  # a scaled embedding (Gemma) keeps its scale, a 0-dim tensor in the model dtype
+        total += 8 * bs + (bs if x.tp > 1 else 0) + (8 * x.seq if cfg.positions == "learned" else 0) \
+            + (e if cfg.embed_scale else 0)
     if post_process:
         total += _norm(cfg, x) + e * bs * cfg.hidden_size + (8 + 4 + 1) * bs
     return total

@@ -161,15 +161,17 @@ def _simulated_peak(schedule: str, pp: int, pp_rank: int, vpp: int, microbatches
 
 
 def plan_shape(lay: PlanLayout, seq_len: int, dtype_bytes: int, dense_mask: bool = False) -> Shape:
-    """The activation shape of one micro-batch of `lay` (`dense_mask`: CP attention on the CPU path)."""
+    """The activation shape of one micro-batch of `lay` (`dense_mask`: attention on the CPU path)."""
     return Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute, lay.ep, lay.cp, dense_mask)
 
 
 def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: int, seq_len: int,
-                 dtype_bytes: int = 2, opt: OptimizerConfig | None = None, peft: PeftConfig | None = None) -> Memory:
+                 dtype_bytes: int = 2, opt: OptimizerConfig | None = None, peft: PeftConfig | None = None,
+                 dense_mask: bool = False) -> Memory:
+    """`dense_mask`: the CPU path's attention (activations.Shape.dense_mask)."""
     opt = opt or OptimizerConfig(mode=lay.optimizer)
     shards, expert_shards = _shards(lay)
-    shape = plan_shape(lay, seq_len, dtype_bytes)
+    shape = plan_shape(lay, seq_len, dtype_bytes, dense_mask)
     specs = rank_chunks(split_layers(cfg.num_layers, lay.pp, lay.vpp), pp_rank)
     el = _Elements(0, 0, 0, 0, 0, 0)
     per_chunk = []
@@ -190,8 +192,9 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
 
 
 def stage_memories(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,
-                   opt: OptimizerConfig | None = None, peft: PeftConfig | None = None) -> list[Memory]:
-    return [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt, peft) for r in range(lay.pp)]
+                   opt: OptimizerConfig | None = None, peft: PeftConfig | None = None,
+                   dense_mask: bool = False) -> list[Memory]:
+    return [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt, peft, dense_mask) for r in range(lay.pp)]
 
 
 def memory(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,

@@ -66,7 +66,9 @@ def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
     check_layout(job.cfg, lay, job.cluster.gpus, job.global_batch, job.seq_len)
     if not job.cross_host:
         replace(lay.grid, per_host=min(job.cluster.gpus_per_node, job.cluster.gpus)).check_hosts()
-    stages = stage_memories(job.cfg, lay, job.global_batch, job.seq_len, job.dtype_bytes, peft=job.peft)
+    # a CPU profile's ranks attend as on the CPU: dense masks, explicit soft-capped scores
+    stages = stage_memories(job.cfg, lay, job.global_batch, job.seq_len, job.dtype_bytes, peft=job.peft,
+                            dense_mask=job.profile.gloo)
     mem = max(stages, key=lambda m: m.total)
     if mem.total > job.cluster.usable_memory:
         raise LayoutError(f"out of memory: needs {mem.total / GIB:.1f} GiB per GPU, "

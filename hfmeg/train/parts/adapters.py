@@ -27,6 +27,7 @@ from ...checkpoint.hub_ids import absolute
 from ...checkpoint.hub_source import resolve_hf_source
 from ...checkpoint.load import check_layout
 from ...checkpoint.mp_layout import MPLayout
+from ...config import load_hf_config
 from ...errors import CheckpointError
 from ...peft.adapter_files import (
     SHARD_FILE,
@@ -35,7 +36,7 @@ from ...peft.adapter_files import (
     read_peft_folder,
     write_adapter_shard,
 )
-from ...peft.adapters import adapters_off, attach, initialise
+from ...peft.adapters import adapters_off, attach, check_unwrapped, initialise
 from ...peft.config import PeftConfig
 from ...peft.export import INFO_FILE, export_checkpoint, is_adapter_checkpoint, read_info, write_info
 from ..reshard_checkpoint import reshard_adapters
@@ -92,6 +93,7 @@ class Adapters(ModelPart):
         """The base from `model.path` (a checkpoint holds adapters, not the base), frozen, with its adapters
         filled (see the module docstring); every rank checks the resumed folder's ranks and its own shard."""
         chunks, side = self.load(None)
+        check_unwrapped(load_hf_config(side), self.peft)
         for chunk in chunks:
             attach(chunk, self.peft)
             initialise(chunk, self.peft, self.seed, None if resume is not None else self.init_tensors)

@@ -33,6 +33,8 @@ from ...checkpoint.mp_layout import HF_DIR, is_mp_folder, resolve_iteration_dir
 from ...checkpoint.mp_reader import MPCheckpoint
 from ...checkpoint.mp_save import write_model_shard
 from ...checkpoint.tensor_source import TensorSource
+from ...errors import UnsupportedConfigError
+from ...families import text_config
 from ...models.random_init import random_hf_model
 from ..config import TrainConfig
 from .reference import Reference
@@ -42,8 +44,13 @@ def _random_weights(folder: Path, seed: int) -> TensorSource:
     """Weights for pretraining from scratch: transformers' own initialisation of `folder`'s config.
 
     Every rank initialises the whole model on its CPU with the same seed (so the TP ranks agree)
-    and takes its slices through the loader, as from a checkpoint."""
-    return TensorSource.snapshot(random_hf_model(AutoConfig.from_pretrained(folder), seed=seed, dtype=torch.float32))
+    and takes its slices through the loader, as from a checkpoint. A multimodal wrapper is refused: its vision tower
+    would have no weights to carry into the export."""
+    config = AutoConfig.from_pretrained(folder)
+    if text_config(config) is not config:
+        raise UnsupportedConfigError(f"model.init: random on a multimodal checkpoint (config.json model_type "
+                                     f"{config.model_type!r}) is not supported; start from its weights")
+    return TensorSource.snapshot(random_hf_model(config, seed=seed, dtype=torch.float32))
 
 
 class ModelPart(ABC):
