@@ -50,6 +50,9 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peft", choices=("none", "lora", "dora"), default="none",
                     help="count a LoRA/DoRA run's memory: frozen base, adapters trained (docs/peft.md)")
     ap.add_argument("--peft-r", type=int, default=8, help="LoRA rank (with --peft)")
+    ap.add_argument("--loss-type", choices=("none", "sigmoid", "ipo", "simpo"), default="none",
+                    help="a preference run (docs/preference.md): sigmoid and ipo time the reference's forward each "
+                         "step and, without --peft, count its frozen copy; simpo has no reference")
     ap.add_argument("--peft-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"],
                     help="HF projection names or all-linear (with --peft)")
     for flag in ("--peak-tflops", "--memory-gb", "--hbm-gbps", "--nvlink-gbps"):
@@ -92,8 +95,10 @@ def _job(a) -> tuple[Job, list[str]]:
     prof = load_profile(a.profile) if a.profile else default_profile(a.gpu, spec.peak_flops, spec.hbm_bytes_per_s)
     peft = PeftConfig(method=a.peft, r=a.peft_r, target_modules=a.peft_targets)
     peft.check()
+    reference = a.loss_type in ("sigmoid", "ipo")
     return Job(resolve_model(a.model), cluster, prof, a.global_batch_size, a.seq_len, DTYPE_BYTES[a.dtype],
-               peft=peft if peft.enabled else None), defaulted
+               peft=peft if peft.enabled else None, reference_forward=reference,
+               reference_copy=reference and not peft.enabled), defaulted
 
 
 def _row(i, ev: Evaluation) -> str:
@@ -111,7 +116,7 @@ def _explain(ev: Evaluation) -> None:
     for key in ("param_buffer", "grad_buffer", "optimizer_state", "frozen_weights", "activations", "transient",
                 "total"):
         print(f"  memory {key:<16} {getattr(m, key) / GIB:>9.2f} GiB")
-    for key in ("compute_s", "tp_comm_s", "ep_comm_s", "p2p_s", "bubble_s", "dp_exposed_s", "optimizer_s", "step_s"):
+    for key in ("compute_s", "reference_s", "tp_comm_s", "ep_comm_s", "p2p_s", "bubble_s", "dp_exposed_s", "optimizer_s", "step_s"):
         print(f"  time   {key:<16} {getattr(t, key):>9.4f} s")
     print(f"  {t.tokens_per_s_per_gpu:.0f} tokens/s/GPU, {t.tflops_per_gpu:.1f} TFLOP/s/GPU, MFU {t.mfu:.1%}")
 

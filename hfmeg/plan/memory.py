@@ -20,6 +20,10 @@
   freezes the base), so buffers, main grads and optimizer state count the adapters only,
   and the frozen base is counted apart (`frozen_weights`, model dtype, no fp32 copy).
   Activations are still full fine-tuning's count (not re-measured with adapters).
+- A preference run's frozen reference copy (full fine-tuning, `reference_copy`): the chunk's
+  parameters once more in the model dtype, counted in `frozen_weights`. Its forward runs before the
+  policy's, without autograd, so it adds no saved activations (a layer's transients only, below
+  the recompute and cross-entropy transients counted). LoRA's reference is the base itself: nothing.
 - Transients the saved-tensor meter cannot see: one layer recomputed in backward,
   and the chunked cross-entropy's fp32 logits (forward and backward hold two
   `chunk_tokens x V/tp` buffers) plus a head-weight-sized gradient in the model
@@ -65,7 +69,7 @@ class Memory:
     expert_padded: int = 0  # of `params`' padded elements, those in expert buckets (summed over expert-DP, not DP)
     expert_buckets: int = 0  # of `buckets`, the expert buckets
     tp_summed: int = 0  # owned gradient elements summed over TP after the DP sum (SP norms, MoE weights)
-    frozen_weights: int = 0  # bytes of parameters no optimizer holds (a LoRA run's base)
+    frozen_weights: int = 0  # bytes of parameters no optimizer holds (a LoRA run's base, a reference copy)
 
     @property
     def measurable(self) -> int:
@@ -167,8 +171,9 @@ def plan_shape(lay: PlanLayout, seq_len: int, dtype_bytes: int, dense_mask: bool
 
 def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: int, seq_len: int,
                  dtype_bytes: int = 2, opt: OptimizerConfig | None = None, peft: PeftConfig | None = None,
-                 dense_mask: bool = False) -> Memory:
-    """`dense_mask`: the CPU path's attention (activations.Shape.dense_mask)."""
+                 dense_mask: bool = False, reference_copy: bool = False) -> Memory:
+    """`dense_mask`: the CPU path's attention (activations.Shape.dense_mask); `reference_copy`: a preference
+    run's frozen reference model beside the trained one."""
     opt = opt or OptimizerConfig(mode=lay.optimizer)
     shards, expert_shards = _shards(lay)
     shape = plan_shape(lay, seq_len, dtype_bytes, dense_mask)
@@ -188,13 +193,15 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
     dense = el.padded - el.expert_padded
     state = 12 * (dense // shards + el.expert_padded // (expert_shards or shards))
     return Memory(pp_rank, el.params, dtype_bytes * el.padded, 4 * el.padded, state, activations, transient,
-                  el.buckets, el.expert_padded, el.expert_buckets, el.tp_summed, dtype_bytes * el.frozen)
+                  el.buckets, el.expert_padded, el.expert_buckets, el.tp_summed,
+                  dtype_bytes * (el.frozen + reference_copy * el.params))
 
 
 def stage_memories(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,
                    opt: OptimizerConfig | None = None, peft: PeftConfig | None = None,
-                   dense_mask: bool = False) -> list[Memory]:
-    return [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt, peft, dense_mask) for r in range(lay.pp)]
+                   dense_mask: bool = False, reference_copy: bool = False) -> list[Memory]:
+    return [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt, peft, dense_mask, reference_copy)
+            for r in range(lay.pp)]
 
 
 def memory(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,

@@ -56,6 +56,10 @@ class Job:
     # LoRA/DoRA: memory counts the adapters as trainable and the base as frozen (memory.py); the step time
     # is still full fine-tuning's (an over-estimate: no base weight gradients are computed)
     peft: PeftConfig | None = None
+    # A preference run's reference model (train/parts/reference.py): it runs forward each step (live), and full
+    # fine-tuning holds it as a frozen copy
+    reference_forward: bool = False
+    reference_copy: bool = False
     # False: refuse a TP or EP group across nodes, as the trainer does without parallel.allow_cross_host
     # (`--layout auto`); `hfmeg plan` times them over the inter-node link instead
     cross_host: bool = True
@@ -68,14 +72,15 @@ def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
         replace(lay.grid, per_host=min(job.cluster.gpus_per_node, job.cluster.gpus)).check_hosts()
     # a CPU profile's ranks attend as on the CPU: dense masks, explicit soft-capped scores
     stages = stage_memories(job.cfg, lay, job.global_batch, job.seq_len, job.dtype_bytes, peft=job.peft,
-                            dense_mask=job.profile.gloo)
+                            dense_mask=job.profile.gloo, reference_copy=job.reference_copy)
     mem = max(stages, key=lambda m: m.total)
     if mem.total > job.cluster.usable_memory:
         raise LayoutError(f"out of memory: needs {mem.total / GIB:.1f} GiB per GPU, "
                           f"{job.cluster.usable_memory / GIB:.1f} GiB usable")
     return Evaluation(lay, mem, step_time(job.cfg, lay, job.cluster, job.profile, job.global_batch, job.seq_len,
                                           job.dtype_bytes, memories=stages, attention=job.attention,
-                                          grad_accumulation=job.grad_accumulation))
+                                          grad_accumulation=job.grad_accumulation,
+                                          reference_forward=job.reference_forward))
 
 
 def expert_parallel_sizes(cfg: ModelConfig, dp: int) -> list[int]:

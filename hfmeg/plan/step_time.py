@@ -105,6 +105,7 @@ def grad_accumulate_bytes(dtype_bytes: int, fused: bool) -> int:
 @dataclass(frozen=True)
 class StepTime:
     compute_s: float  # matmuls, attention, elementwise, recompute: slowest stage, whole step
+    reference_s: float  # a preference run's reference forward over the step's micro-batches (0 without one)
     tp_comm_s: float
     ep_comm_s: float  # expert all-to-alls, slowest stage, whole step
     p2p_s: float
@@ -261,10 +262,13 @@ class _Stage:
 def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Profile, global_batch: int,
               seq_len: int, dtype_bytes: int = 2, opt: OptimizerConfig | None = None,
               memories: list[Memory] | None = None, attention: str = "flash",
-              grad_accumulation: bool = True) -> StepTime:
+              grad_accumulation: bool = True, reference_forward: bool = False) -> StepTime:
     """`memories`: the stages' `Memory` when the caller has them already (for their bucket sizes);
     `attention`: one of ATTENTION_KERNELS; `grad_accumulation`: time hfmeg's per-micro-batch pass into
-    the main grads (False: a runtime whose pass is not modelled)."""
+    the main grads (False: a runtime whose pass is not modelled); `reference_forward`: a preference run's
+    reference model runs forward-only over the step's micro-batches first (parts/reference.py): each
+    micro-batch costs the slowest stage's forward compute and the forward halves of its TP, EP and p2p
+    traffic, and the forward-only pipeline fills and drains once."""
     if attention not in ATTENTION_KERNELS:
         raise UnsupportedConfigError(f"attention kernels {attention!r}: choose one of {ATTENTION_KERNELS}")
     opt = opt or OptimizerConfig(mode=lay.optimizer)
@@ -338,6 +342,11 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     tails = [dp_and_update(sf, sb, mem) for sf, sb, _, _, _, mem in stages]
     dp_exposed, update = max(tails, key=lambda t: t[0] + t[1])
     norm_latency = _link(cluster, prof, lay.gpus, 1)[1] * math.log2(max(lay.gpus, 2))
-    total = m * per_mb[slowest] + bubble + dp_exposed + update + norm_latency + prof.step_overhead_s * slow
-    return StepTime(m * (f + b), m * c, m * e, m * p, bubble, dp_exposed, update, total,
+    reference = 0.0
+    if reference_forward:
+        forward = [sf + (sc + se + sp) / 2 for sf, _, sc, se, sp, _ in stages]
+        reference = m * max(forward) + (lay.pp - 1) / lay.vpp * sum(forward) / lay.pp
+    total = m * per_mb[slowest] + bubble + dp_exposed + update + norm_latency + prof.step_overhead_s * slow \
+        + reference
+    return StepTime(m * (f + b), reference, m * c, m * e, m * p, bubble, dp_exposed, update, total,
                     training_flops(cfg, global_batch, seq_len), lay.gpus, prof.peak_flops, global_batch * seq_len)

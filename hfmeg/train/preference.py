@@ -83,6 +83,12 @@ class PreferenceConfig:
     def needs_reference(self) -> bool:
         return self.loss_type in ("sigmoid", "ipo")
 
+    def planner_terms(self, adapters: bool) -> dict[str, bool]:
+        """What the planner counts of the reference (`plan.search.Job`): a live one runs forward each step, and
+        full fine-tuning holds it as a frozen copy; a precomputed one ran before training and is gone."""
+        live = self.needs_reference and self.reference == "live"
+        return dict(reference_forward=live, reference_copy=live and not adapters)
+
     @property
     def tag(self) -> str | None:
         """The method's usual name (a model card's tag): dpo, ipo, simpo."""
