@@ -52,6 +52,34 @@ class MoEConfig:
 
 
 @dataclass
+class MLAConfig:
+    """DeepSeek's multi-head latent attention (`hfmeg/models/latent_attention.py`): the queries from a rank
+    `q_lora_rank` latent (None: one projection of the hidden state), the keys' and values' non-rotated parts from a
+    rank `kv_lora_rank` latent, and one rotated key part of `qk_rope_head_dim` shared by every head. A query or key
+    head is `qk_nope_head_dim + qk_rope_head_dim` wide (`ModelConfig.head_dim`), a value head `v_head_dim`.
+    `rope_interleave`: RoPE rotates the pairs (x0, x1), (x2, x3), ... and writes the even then the odd outputs, as
+    DeepSeek's checkpoints lay the rotary dims out. `softmax_scale`: qk_head_dim^-0.5, times YaRN's mscale^2 where
+    the RoPE scaling asks (transformers' `yarn_apply_mscale`)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    def num_params(self, hidden: int, heads: int) -> int:
+        """One layer's attention parameters (projections and the two latent norms)."""
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = hidden * heads * qk if self.q_lora_rank is None else (
+            hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * qk)
+        kv = hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * hidden
+
+
+@dataclass
 class ModelConfig:
     """Architecture of a decoder-only model, independent of any parallel layout."""
 
@@ -103,6 +131,7 @@ class ModelConfig:
     norm_fp32_scale: bool = False
     v_norm: bool = False
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None  # DeepSeek's latent attention instead of the fused-QKV one
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
 
     def padded_vocab(self, tp: int, multiple: int = 128) -> int:
@@ -111,6 +140,8 @@ class ModelConfig:
         return int(math.ceil(self.vocab_size / step) * step)
 
     def attn_scale(self, layer: int) -> float:
+        if self.mla is not None:
+            return self.mla.softmax_scale
         if self.query_pre_attn_scalar is not None:
             return self.query_pre_attn_scalar ** -0.5  # as transformers' Gemma computes it
         scale = 1.0 / math.sqrt(self.head_dim) if self.attn_scale_weights else 1.0
@@ -118,7 +149,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The dims of each head RoPE rotates (transformers' `int(head_dim * partial_rotary_factor)`)."""
+        """The dims of each head RoPE rotates (transformers' `int(head_dim * partial_rotary_factor)`; MLA: its
+        rotated part)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     def window(self, layer: int) -> int | None:
@@ -144,6 +178,8 @@ class ModelConfig:
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         qk = (self.num_heads + self.num_kv_heads) * self.head_dim if self.qk_norm_whole else 2 * self.head_dim
         attn = qkv + self.num_heads * self.head_dim * h + (qk if self.qk_norm else 0)
+        if self.mla is not None:
+            attn = self.mla.num_params(h, self.num_heads)
         dense = (3 if self.gated_mlp else 2) * h * self.ffn_size
         norms = (2 * self.pre_norms + 2 * self.sandwich_norms) * h * (2 if self.norm == "layer" else 1)
         n_sparse = len(self.moe.sparse_layers) if self.moe else 0
@@ -160,13 +196,16 @@ class ModelConfig:
         # Fields added after format version 1 appear only when set, so a dense model's
         # layout JSON (and the comparison with checkpoints written before them) is unchanged.
         later = {f.name: f.default for f in fields(self) if f.name in LATER_FIELDS}
-        out = {k: v for k, v in self.__dict__.items() if k != "hf_config" and k not in later and k != "moe"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("hf_config", "moe", "mla")
+               and k not in later}
         for k, default in later.items():
             v = getattr(self, k)
             if v != default:
                 out[k] = list(v) if isinstance(v, tuple) else v
         if self.moe is not None:
             out["moe"] = {k: v for k, v in asdict(self.moe).items() if k != "experts_field"}  # a name, not maths
+        if self.mla is not None:
+            out["mla"] = asdict(self.mla)
         return out
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Gemma4TextConfig, GPT2Config, LlamaConfig, MistralConfig,
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, Gemma4TextConfig, GPT2Config, LlamaConfig, MistralConfig,
                           MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                           SmolLM3Config)
 
@@ -48,6 +48,17 @@ _MOE = dict(_COMMON, hidden_size=32, intermediate_size=48, num_attention_heads=4
             num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
 _QWEN_MOE = dict(_MOE, num_experts=4, moe_intermediate_size=16)
 
+# deepseek_v3 (tests/test_deepseek_v3.py): MLA with a query latent, 4 heads of q/k 8 + 4 (rotated, interleaved) and
+# v 6 wide, YaRN with mscale != mscale_all_dim (both the RoPE tables' and the softmax scale's factors); 3 layers, the
+# first dense, 4 routed experts in 2 groups (topk_group 1), top-2, one shared expert, no MTP layer.
+_DEEPSEEK_V3 = dict(_COMMON, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                    v_head_dim=6, moe_intermediate_size=16, n_routed_experts=4, n_group=2, topk_group=1,
+                    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                    num_mtp_layers=0, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 32, "mscale": 0.8,
+                                                       "mscale_all_dim": 1.0})
+
 
 def tiny_config(kind: str, **overrides):
     if kind == "llama3":
@@ -88,6 +99,8 @@ def tiny_config(kind: str, **overrides):
         cfg = Qwen2MoeConfig(**_QWEN_MOE, decoder_sparse_step=2, shared_expert_intermediate_size=24)
     elif kind == "qwen3_moe":
         cfg = Qwen3MoeConfig(**_QWEN_MOE, norm_topk_prob=True, mlp_only_layers=[0])
+    elif kind == "deepseek_v3":
+        cfg = DeepseekV3Config(**_DEEPSEEK_V3)
     else:
         raise ValueError(kind)
     for k, v in overrides.items():

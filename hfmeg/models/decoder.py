@@ -42,6 +42,7 @@ from ..parallel.state import ParallelState
 from .attention import ParallelAttention
 from .document_attention import DocumentMask, MaskPlanner, flex_applies
 from .kernels import Kernels
+from .latent_attention import LatentAttention
 from .mlp import ParallelMLP
 from .load_balancing import add_router_sums, empty_router_sums, load_balancing_loss
 from .moe import MoELayer
@@ -59,7 +60,8 @@ class DecoderLayer(nn.Module):
         # OLMo 2 (`pre_norms` False): no norm before the attention and the MLP, only the output norms.
         pre = (lambda: make_norm(cfg, sp, kernels)) if cfg.pre_norms else nn.Identity
         self.input_norm = pre()
-        self.attn = ParallelAttention(cfg, ps, layer, kernels)
+        attention = LatentAttention if cfg.mla is not None else ParallelAttention
+        self.attn = attention(cfg, ps, layer, kernels)
         self.post_attn_norm = pre()  # before the MLP (HF's LLaMA name kept)
         self.mlp = MoELayer(cfg, ps, kernels) if cfg.is_sparse(layer) else ParallelMLP(cfg, ps, kernels)
         self.sandwich = cfg.sandwich_norms
