@@ -49,6 +49,17 @@ class MoEConfig:
     # from config.json (`checkpoint.rules.with_expert_layout`), and kept so that export writes it back.
     fused_experts: bool = False
     experts_field: str = "num_experts"  # the config.json field of the expert count (Mixtral: num_local_experts)
+    # DeepSeek-V3's routing (`models/routing.py`): sigmoid scores; the experts in `n_group` groups of which the
+    # `topk_group` best (by their two best scores) are eligible; a per-expert correction bias added to the scores
+    # for the choice only, moved after each step towards balance (`score_bias_update`); the weights times
+    # `routed_scaling_factor`. `shared_expert_gate`: Qwen2-MoE scales its shared expert by a learned sigmoid gate,
+    # DeepSeek adds its shared experts ungated.
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    score_correction_bias: bool = False
+    shared_expert_gate: bool = True
 
 
 @dataclass
@@ -186,7 +197,7 @@ class ModelConfig:
         total = self.num_layers * (attn + norms) + (self.num_layers - n_sparse) * dense
         if self.moe:
             m = self.moe
-            shared = 3 * h * m.shared_expert_ffn_size + h if m.shared_expert_ffn_size else 0
+            shared = 3 * h * m.shared_expert_ffn_size + h * m.shared_expert_gate if m.shared_expert_ffn_size else 0
             total += n_sparse * (m.num_experts * h + m.num_experts * 3 * h * m.expert_ffn_size + shared)
         emb = v * h * (1 if self.tie_embeddings else 2)
         pos = self.max_positions * h if self.positions == "learned" else 0
@@ -203,7 +214,10 @@ class ModelConfig:
             if v != default:
                 out[k] = list(v) if isinstance(v, tuple) else v
         if self.moe is not None:
-            out["moe"] = {k: v for k, v in asdict(self.moe).items() if k != "experts_field"}  # a name, not maths
+            moe = asdict(self.moe)
+            later = {f.name: f.default for f in fields(MoEConfig) if f.name in MOE_LATER_FIELDS}
+            out["moe"] = {k: v for k, v in moe.items()
+                          if k != "experts_field" and not (k in later and v == later[k])}  # experts_field: a name
         if self.mla is not None:
             out["mla"] = asdict(self.mla)
         return out
@@ -213,6 +227,10 @@ class ModelConfig:
 LATER_FIELDS = ("qk_norm", "nope_layers", "partial_rotary_factor", "full_attention_layers", "norm_offset",
                 "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
                 "rope_per_layer_type", "qk_norm_whole", "pre_norms", "norm_fp32_scale", "v_norm")
+
+# MoEConfig fields added after the MoE families' first layout JSON: written only when set (ModelConfig.to_dict).
+MOE_LATER_FIELDS = ("scoring", "n_group", "topk_group", "routed_scaling_factor", "score_correction_bias",
+                    "shared_expert_gate")
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:

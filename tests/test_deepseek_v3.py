@@ -2,17 +2,19 @@
 logits and every gradient against transformers (fp32) on rows packed with several documents.
 
 The tiny checkpoint (`tests/tiny_models.py`) has MLA with a query latent, interleaved RoPE and YaRN's two mscales.
-Parity runs in one 2-process gloo world: TP1 (each rank alone), TP2, TP2 with SP; the reference is transformers
-run on each document alone.
+Parity runs in one 4-process gloo world at TP {1, 2} (SP on and off) x EP {1, 2} and PP 2, the gradients
+finished by the data-parallel wrapper as in training; the reference is transformers run on each document alone.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from bounds import within
@@ -21,22 +23,32 @@ from helpers import make_ps
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
+from hfmeg.checkpoint.mp_layout import iteration_dir_name
+from hfmeg.checkpoint.mp_save import chunks_layout, staged_save, write_model_shard
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.errors import UnsupportedConfigError
+from hfmeg.data.microbatch import MicroBatch
 from hfmeg.families import model_config_from_hf
-from hfmeg.parallel.comm import sync_sequence_parallel_grads
+from hfmeg.models.generate import full_logits
+from hfmeg.parallel.data_parallel import DataParallel
 from hfmeg.parallel.launch import spawn
+from hfmeg.parallel.pipeline import forward_backward
+from hfmeg.parallel.stored_names import stored_tensors
+from hfmeg.models.routing import sigmoid_grouped_topk
 from tiny_models import save_tiny, tiny_config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 DENSE = dict(first_k_dense_replace=3)  # every layer dense
 DOCS = (7, 9)  # one packed row of two documents
-LAYOUTS = [(1, False), (2, False), (2, True)]  # (tp, sp)
+# (tp, pp, sp, ep) in one 4-process world, the rest of it DP replicas (EP inside them)
+LAYOUTS = [(1, 1, False, 1), (2, 1, False, 1), (2, 1, True, 1), (1, 2, False, 1), (1, 1, False, 2), (2, 1, True, 2)]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek_v3")
-    return {"dense": save_tiny("deepseek_v3", root / "dense", **DENSE),
+    return {"moe": save_tiny("deepseek_v3", root / "moe"),
+            "dense": save_tiny("deepseek_v3", root / "dense", **DENSE),
             "dense_no_q_latent": save_tiny("deepseek_v3", root / "dense_q", q_lora_rank=None, rope_interleave=False,
                                            **DENSE)}
 
@@ -54,20 +66,62 @@ def test_config_reads_mla():
     assert cfg.num_params() == 3 * (attn + 3 * 32 * 48 + 2 * 32) + 2 * 300 * 32 + 32
 
 
-@pytest.mark.parametrize("field, value", [("attention_bias", True), ("num_key_value_heads", 2),
-                                          ("first_k_dense_replace", 1)])
+def test_config_reads_the_routing():
+    m = model_config_from_hf(tiny_config("deepseek_v3")).moe
+    assert (m.num_experts, m.top_k, m.expert_ffn_size, m.sparse_layers, m.shared_expert_ffn_size) == (4, 2, 16, [1, 2], 16)
+    assert (m.scoring, m.n_group, m.topk_group, m.routed_scaling_factor) == ("sigmoid", 2, 1, 2.5)
+    assert m.score_correction_bias and m.combine_fp32 and not m.shared_expert_gate and not m.output_router_logits
+    assert model_config_from_hf(tiny_config("deepseek_v3", **DENSE)).moe is None
+
+
+@pytest.mark.parametrize("field, value", [("attention_bias", True), ("num_key_value_heads", 2), ("n_group", 4),
+                                          ("n_group", 3), ("topk_group", 3), ("num_experts_per_tok", 3)])
 def test_unbuilt_fields_are_refused_naming_the_field(field, value):
     with pytest.raises(UnsupportedConfigError, match=f"^config.json field {field}:"):
-        model_config_from_hf(tiny_config("deepseek_v3", **{**DENSE, field: value}))
+        model_config_from_hf(tiny_config("deepseek_v3", **{field: value}))
 
 
-@pytest.mark.parametrize("kind", ["dense", "dense_no_q_latent"])
+def test_router_matches_transformers():
+    """Grouped sigmoid top-k with a correction bias large enough to change choices: the same experts and weights as
+    transformers' DeepseekV3TopkRouter, to the bit."""
+    hf = tiny_config("deepseek_v3", n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3)
+    router = DeepseekV3TopkRouter(hf)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+        router.e_score_correction_bias.normal_(0, 0.5)
+    x = torch.randn(64, hf.hidden_size)
+    _, ref_w, ref_idx = router(x)
+    unbiased = sigmoid_grouped_topk(x @ router.weight.t(), None, model_config_from_hf(hf).moe)[1]
+    w, idx, _ = sigmoid_grouped_topk(x @ router.weight.t(), router.e_score_correction_bias, model_config_from_hf(hf).moe)
+    order, ref_order = idx.argsort(dim=-1), ref_idx.argsort(dim=-1)
+    assert torch.equal(idx.gather(1, order), ref_idx.gather(1, ref_order))
+    assert torch.equal(w.gather(1, order), ref_w.gather(1, ref_order))
+    assert not torch.equal(unbiased.sort(dim=-1)[0], idx.sort(dim=-1)[0])  # the bias changed some choices
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense", "dense_no_q_latent"])
 def test_round_trip_bit_exact(kind, checkpoints, tmp_path):
     for tp, pp in ((2, 2), (2, 1)):
         mp, out = tmp_path / f"mp{tp}{pp}", tmp_path / f"hf{tp}{pp}"
         hf_to_mp(checkpoints[kind], mp, tp=tp, pp=pp)
         mp_to_hf(mp, out)
         assert assert_same_tensors(checkpoints[kind], out) > 0
+
+
+def _save_at_ep2(src: str, out: str) -> None:
+    """Load at TP2 x EP2 (4 ranks), save the shards as the trainer does, export them from rank 0."""
+    ps = make_ps(tp=2, ep=2)
+    chunks = load_chunks(HFCheckpoint(src), ps)
+    with staged_save(chunks_layout(chunks, ps, 0), ps, Path(out) / "mp", src) as folder:
+        write_model_shard(chunks, ps, chunks_layout(chunks, ps, 0), folder)
+    if dist.get_rank() == 0:
+        mp_to_hf(Path(out) / "mp" / iteration_dir_name(0), Path(out) / "hf")
+
+
+def test_round_trip_bit_exact_at_ep2(checkpoints, tmp_path):
+    spawn(_save_at_ep2, 4, str(checkpoints["moe"]), str(tmp_path))
+    assert assert_same_tensors(checkpoints["moe"], tmp_path / "hf") > 0
 
 
 def _packed():
@@ -79,15 +133,20 @@ def _packed():
     return ids, pos, seg, labels
 
 
-def _reference(folder):
-    """transformers on each document alone: logits `[1, s, V]`, the mean loss over the row's labels, gradients."""
+def _reference(folder, tmp):
+    """transformers on each document alone: logits `[1, s, V]` and the gradients of the mean loss over the row's
+    labels, under the checkpoint's (per-expert) names: written by `save_pretrained` (the correction bias left out)."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     ids, _, _, labels = _packed()
-    logits = [model(d.unsqueeze(0)).logits for d in ids[0].split(DOCS)]
-    logits = torch.cat(logits, dim=1)
+    logits = torch.cat([model(d.unsqueeze(0)).logits for d in ids[0].split(DOCS)], dim=1)
     loss = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
     (loss / (labels != -100).sum()).backward()
-    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.grad)
+    model.save_pretrained(tmp)
+    grads = {n: g for n, g in load_file(Path(tmp) / "model.safetensors").items() if "e_score_correction_bias" not in n}
+    return logits.detach(), grads
 
 
 def _gather_tp(t, ps):
@@ -98,33 +157,49 @@ def _gather_tp(t, ps):
     return parts
 
 
-def _check_layouts(folder):
-    ref_logits, ref_grads = _reference(folder)
+def _check_layouts(folder, layouts, ref):
+    ref_logits, ref_grads = ref
     ids, pos, seg, labels = _packed()
     report = []
-    for tp, sp in LAYOUTS:
-        ps = make_ps(tp=tp, sp=sp)
-        chunk = load_chunks(HFCheckpoint(folder), ps)[0]
-        with torch.no_grad():
-            logits = torch.cat(_gather_tp(chunk(ids, position_ids=pos, segment_ids=seg), ps), dim=-1)
-        per_token = chunk(ids, position_ids=pos, segment_ids=seg, labels=labels)
-        (per_token.sum() / (labels != -100).sum()).backward()
-        sync_sequence_parallel_grads([chunk], ps)
-        params = dict(chunk.named_parameters())
+    for tp, pp, sp, ep in layouts:
+        ps = make_ps(tp=tp, pp=pp, sp=sp, ep=ep)
+        chunks = load_chunks(HFCheckpoint(folder), ps)
+        logits = full_logits(chunks, ps, ids, pos, seg)
+        # Every DP replica takes the same row, so this rank's share of the loss is 1/dp; the data-parallel wrapper
+        # sums the gradients as training does (experts' over expert-DP, partial ones over TP).
+        wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)
+        forward_backward(chunks, ps, [MicroBatch(input_ids=ids, labels=labels, position_ids=pos, segment_ids=seg)],
+                         schedule="1f1b", num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
+        wrapper.finish_grad_sync()
         worst, seen = 0.0, set()
-        for rule in chunk_rules(chunk.cfg, chunk.layer_ids, True, True, chunk.experts):
-            for name, g in to_hf(rule, _gather_tp(params[rule.local].grad, ps), chunk.cfg).items():
-                ref = ref_grads[name]
-                worst = max(worst, ((g - ref).abs().max() / ref.abs().max()).item())
-                seen.add(name)
-        report.append(dict(tp=tp, sp=sp, logit_diff=(logits[..., :300] - ref_logits).abs().max().item(),
-                           grad_rel=worst, missing=sorted(set(ref_grads) - seen)))
+        for chunk in chunks:
+            grads = stored_tensors(chunk, lambda p: p.main_grad if p.requires_grad else None)
+            for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process, chunk.experts):
+                if grads[rule.local] is None:  # the correction bias: not trained
+                    continue
+                for name, g in to_hf(rule, _gather_tp(grads[rule.local], ps), chunk.cfg).items():
+                    ref = ref_grads[name]
+                    worst = max(worst, ((g - ref).abs().max() / ref.abs().max()).item())
+                    seen.add(name)
+        row = dict(layout=(tp, pp, sp, ep), grad_rel=worst, seen=sorted(seen))
+        if logits is not None:
+            row["logit_diff"] = (logits - ref_logits).abs().max().item()
+        report.append(row)
     return report
 
 
-@pytest.mark.parametrize("kind", ["dense", "dense_no_q_latent"])
-def test_parity_with_transformers_on_packed_rows(kind, checkpoints):
-    for row in spawn(_check_layouts, 2, str(checkpoints[kind]))[0]:
-        within(row["logit_diff"], 1e-4, "logit_diff", row)
-        within(row["grad_rel"], 1e-4, "grad_rel", row)
-        assert not row["missing"], row
+@pytest.mark.parametrize("kind", ["dense", "dense_no_q_latent", "moe"])
+def test_parity_with_transformers_on_packed_rows(kind, checkpoints, tmp_path):
+    folder = checkpoints[kind]
+    layouts = LAYOUTS if kind == "moe" else [layout for layout in LAYOUTS if layout[3] == 1]
+    ref = _reference(folder, tmp_path)
+    n_ref = len(ref[1])
+    results = [row for rank in spawn(_check_layouts, 4, str(folder), layouts, ref) for row in rank]
+    for layout in layouts:
+        rows = [r for r in results if r["layout"] == layout]
+        assert len({n for r in rows for n in r["seen"]}) == n_ref, layout
+        assert any("logit_diff" in r for r in rows), layout
+        for r in rows:
+            within(r["grad_rel"], 1e-4, "grad_rel", r)
+            if "logit_diff" in r:
+                within(r["logit_diff"], 1e-4, "logit_diff", r)

@@ -120,6 +120,9 @@ def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
             if name.endswith(("gate.weight", "shared_expert_gate.weight")):
                 # Routers 10x HF's init: clear top-k choices, so fp32 rounding differences cannot flip them.
                 p.mul_(10.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's: large enough to change choices
+                b.normal_(0, 0.5)
     model.save_pretrained(folder)
     return folder
 

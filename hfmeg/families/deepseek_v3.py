@@ -1,15 +1,19 @@
 """DeepSeek-V3 (`deepseek_v3`, `DeepseekV3ForCausalLM`): multi-head latent attention (`ModelConfig.mla`,
-`models/latent_attention.py`) in every layer, a dense SwiGLU MLP in the first `first_k_dense_replace` layers.
+`models/latent_attention.py`) in every layer, a dense SwiGLU MLP in the first `first_k_dense_replace` layers and an
+MoE block in the others: sigmoid routing over expert groups with a correction bias (`models/routing.py`), the
+weights times `routed_scaling_factor`, and `n_shared_experts` shared experts as one ungated SwiGLU MLP. transformers'
+DeepSeek-V3 adds no load-balancing loss (`output_router_logits` only records the logits), so neither does hfmeg.
 
 MLA's tensors: `self_attn.q_a_proj` and `kv_a_proj_with_mqa` and their norms are whole on every TP rank, `q_b_proj`
-(or `q_proj` without a query latent) and `kv_b_proj` split by rows (whole heads), `o_proj` by columns.
+(or `q_proj` without a query latent) and `kv_b_proj` split by rows (whole heads), `o_proj` by columns. The MoE
+block's: the router `mlp.gate.weight`, its `mlp.gate.e_score_correction_bias`, the experts as Qwen's
+(`mlp.experts.{e}.{gate,up,down}_proj`, or stacked) and `mlp.shared_experts.{gate,up,down}_proj`.
 
 Multi-token prediction: transformers (5.24) builds no MTP module and skips a checkpoint's MTP layers
 (`model.layers.{num_hidden_layers}.*`) on load; hfmeg computes what transformers computes, so it neither reads nor
 trains nor writes them, whatever `num_nextn_predict_layers` says (docs/numerics.md).
 
-Not built, refused by their field: the MoE layers (`first_k_dense_replace` below `num_hidden_layers`) and biases
-on the attention projections (`attention_bias`).
+Not built, refused by its field: biases on the attention projections (`attention_bias`).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from typing import Collection
 from transformers import PretrainedConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
-from ..config import MLAConfig, ModelConfig, require
-from .llama import decoder_config, layer_prefix
-from .spec import FamilySpec, TensorRule
+from ..config import MLAConfig, ModelConfig, MoEConfig, require
+from .llama import decoder_config, layer_prefix, moe_rules
+from .spec import ExpertNames, FamilySpec, TensorRule
+
+EXPERTS = ExpertNames("mlp.", "gate_proj", "up_proj", "down_proj", shared="shared_experts.")
 
 
 def _mla(hf: PretrainedConfig) -> MLAConfig:
@@ -34,18 +40,35 @@ def _mla(hf: PretrainedConfig) -> MLAConfig:
                      softmax_scale=yarn_apply_mscale(hf.rope_parameters, qk ** -0.5))
 
 
+def _moe(hf: PretrainedConfig) -> MoEConfig:
+    experts, top_k, groups, best = hf.n_routed_experts, hf.num_experts_per_tok, hf.n_group, hf.topk_group
+    require(experts >= 1, "n_routed_experts", f"{experts}: a model without experts is not an MoE model")
+    require(groups >= 1 and experts % groups == 0, "n_group", f"{groups} must divide n_routed_experts={experts}")
+    require(experts // groups >= 2, "n_group", f"{groups}: a group is ranked by its two best scores, so each needs "
+            f"2 experts or more (n_routed_experts={experts})")
+    require(1 <= best <= groups, "topk_group", f"{best} must be between 1 and n_group={groups}")
+    require(1 <= top_k <= best * experts // groups, "num_experts_per_tok",
+            f"{top_k} must be between 1 and the {best * experts // groups} experts of topk_group={best} groups")
+    require(hf.n_shared_experts >= 0, "n_shared_experts", f"{hf.n_shared_experts} is not a count")
+    dense = hf.first_k_dense_replace or 0
+    return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=hf.moe_intermediate_size,
+                     norm_topk_prob=bool(hf.norm_topk_prob), sparse_layers=list(range(dense, hf.num_hidden_layers)),
+                     combine_fp32=True, shared_expert_ffn_size=hf.moe_intermediate_size * hf.n_shared_experts,
+                     experts_field="n_routed_experts", scoring="sigmoid", n_group=groups, topk_group=best,
+                     routed_scaling_factor=float(hf.routed_scaling_factor), score_correction_bias=True,
+                     shared_expert_gate=False)
+
+
 def normalise(hf: PretrainedConfig) -> ModelConfig:
     require(not hf.attention_bias, "attention_bias", f"{hf.attention_bias!r}: biases on {hf.model_type}'s attention "
             "projections are not supported (use false)")
     heads = hf.num_attention_heads
     require(hf.num_key_value_heads == heads, "num_key_value_heads", f"{hf.num_key_value_heads}: MLA expands its keys "
             f"and values to every head (use num_attention_heads={heads})")
-    dense = hf.first_k_dense_replace
-    layers = hf.num_hidden_layers
-    require(dense is not None and dense >= layers, "first_k_dense_replace", f"{dense}: {hf.model_type}'s MoE layers "
-            f"are not supported yet (use num_hidden_layers={layers}: every layer dense)")
     mla = _mla(hf)
-    cfg = decoder_config(hf)
+    cfg = decoder_config(hf, moe=_moe)
+    if not cfg.moe.sparse_layers:
+        cfg = replace(cfg, moe=None)  # every layer dense
     return replace(cfg, num_kv_heads=heads, head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla=mla)
 
 
@@ -74,13 +97,15 @@ def _attention_rules(cfg: ModelConfig, i: int) -> list[TensorRule]:
 def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[TensorRule]:
     p, L = layer_prefix(i), f"layers.{i}."
     m = p + "mlp."
-    return _attention_rules(cfg, i) + [
+    rules = _attention_rules(cfg, i) + [
         TensorRule(L + "input_norm.weight", (p + "input_layernorm.weight",), "replicated"),
         TensorRule(L + "post_attn_norm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
-        TensorRule(L + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up"),
-        TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols"),
     ]
+    if cfg.is_sparse(i):
+        return rules + moe_rules(cfg, i, experts, EXPERTS)
+    return rules + [TensorRule(L + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up"),
+                    TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols")]
 
 
 DEEPSEEK_V3 = FamilySpec(("deepseek_v3",), "DeepseekV3ForCausalLM", normalise, layer_rules,
-                         embedding="model.embed_tokens.weight", final_norm="model.norm")
+                         embedding="model.embed_tokens.weight", final_norm="model.norm", experts=EXPERTS)

@@ -138,7 +138,8 @@ def _expert_rules(local: str, hf: str, names: tuple[str, str, str], hidden: int,
             TensorRule(local + "fc2.weight", (down,), "replicated", shapes=((hidden, ffn),))]
 
 
-def _moe_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: ExpertNames) -> list[TensorRule]:
+def moe_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: ExpertNames) -> list[TensorRule]:
+    """MoE layer i's router (and its correction bias), the `experts` it holds and its shared expert."""
     m, h = cfg.moe, cfg.hidden_size
     L = f"layers.{i}.mlp."
     names = MLP if m.fused_experts else on_disk  # stacked experts: every family's in-memory names
@@ -154,8 +155,12 @@ def _moe_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Expe
                   for e in experts]
     for e in () if m.fused_experts else experts:
         rules += _expert_rules(f"{L}experts.{e}.", f"{p}experts.{e}.", names.projections, h, m.expert_ffn_size)
+    if m.score_correction_bias:  # DeepSeek's router: kept, not trained (`models/routing.py`)
+        rules.append(TensorRule(L + "score_bias.bias", (p + "gate.e_score_correction_bias",), "replicated",
+                                shapes=((m.num_experts,),)))
     if m.shared_expert_ffn_size:
-        rules += _expert_rules(L + "shared.", p + "shared_expert.", names.projections, h, m.shared_expert_ffn_size)
+        rules += _expert_rules(L + "shared.", p + on_disk.shared, names.projections, h, m.shared_expert_ffn_size)
+    if m.shared_expert_ffn_size and m.shared_expert_gate:
         rules.append(TensorRule(L + "shared_gate.weight", (p + "shared_expert_gate.weight",), "replicated",
                                 shapes=((1, h),)))
     return rules
@@ -199,7 +204,7 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Exp
     if cfg.mlp_bias:
         rules.append(TensorRule(L + "mlp.fc1.bias", (m + "gate_proj.bias", m + "up_proj.bias"), "gate_up"))
         rules.append(TensorRule(L + "mlp.fc2.bias", (m + "down_proj.bias",), "replicated"))
-    return rules + (_moe_rules(cfg, i, experts, on_disk) if cfg.is_sparse(i) else [])
+    return rules + (moe_rules(cfg, i, experts, on_disk) if cfg.is_sparse(i) else [])
 
 
 def llama_layout(model_types: tuple[str, ...], architecture: str, normalise: Callable[[PretrainedConfig], ModelConfig],

@@ -42,6 +42,7 @@ class ExpertNames:
     gate: str
     up: str
     down: str
+    shared: str = "shared_expert."  # the always-on expert's module (DeepSeek's: "shared_experts.")
 
     @property
     def projections(self) -> tuple[str, str, str]:

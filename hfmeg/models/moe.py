@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3).
 
 Routing, as transformers computes it for these families:
 1. router logits = x W_r^T in the compute dtype (`W_r` `[experts, hidden]`);
@@ -11,7 +11,10 @@ Routing, as transformers computes it for these families:
    output is the sum of its k experts' outputs times their weights, accumulated in
    ascending expert order into zeros, exactly as HF's `index_add_` loop does;
 5. Qwen2-MoE adds a shared expert every token goes through, scaled by
-   `sigmoid(shared_expert_gate(x))`.
+   `sigmoid(shared_expert_gate(x))`; DeepSeek-V3 adds its shared experts (one SwiGLU MLP) ungated.
+
+DeepSeek-V3 routes by sigmoid scores over expert groups with a correction bias instead of steps 2-3
+(`models/routing.py`), its weights in fp32 as Mixtral's.
 
 Dispatch (`parallel/expert_dispatch.py`): the (token, slot) pairs are sorted by expert
 once (a stable argsort), so each expert's tokens are one contiguous block; the per-expert
@@ -73,6 +76,7 @@ from ..parallel.state import ParallelState
 from ..parallel.stored_names import set_stored_names
 from .grouped_linear import grouped_linear
 from .kernels import Kernels
+from .routing import ScoreBias, sigmoid_grouped_topk
 
 # Replicated, used on this rank's tokens only: partial gradients, summed over TP.
 _PARTIAL = ParamRole("weight", sequence_parallel=True)
@@ -144,8 +148,11 @@ class MoELayer(nn.Module):
         self.router = ReplicatedLinear(h, m.num_experts, _PARTIAL)
         self.dispatcher = TokenDispatcher(m.num_experts, ps.ep, ps.ep_group)
         self.experts = GroupedExperts(local_experts(m.num_experts, ps.ep, ps.ep_rank), h, m.expert_ffn_size, kernels)
+        if m.score_correction_bias:
+            self.score_bias = ScoreBias(m.num_experts)
         if m.shared_expert_ffn_size:
             self.shared = GatedExpert(h, m.shared_expert_ffn_size, _PARTIAL, kernels)
+        if m.shared_expert_ffn_size and m.shared_expert_gate:
             self.shared_gate = ReplicatedLinear(h, 1, _PARTIAL)
         self.stats: RouterStats | None = None
 
@@ -160,18 +167,24 @@ class MoELayer(nn.Module):
         """The MoE output of this rank's tokens `x` `[n, h]`."""
         m = self.moe
         logits = self.router(x)
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, chosen = probs.topk(m.top_k, dim=-1)  # [n, k]
-        if m.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if m.scoring == "sigmoid":
+            bias = self.score_bias.bias if m.score_correction_bias else None
+            weights, chosen, probs = sigmoid_grouped_topk(logits, bias, m)
+        else:
+            probs = torch.softmax(logits.float(), dim=-1)
+            weights, chosen = probs.topk(m.top_k, dim=-1)  # [n, k]
+            if m.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         if not m.combine_fp32:
             weights = weights.to(logits.dtype)
         prob_sum = probs.sum(dim=0)
         d = self.dispatcher.dispatch(x, chosen)  # (token, slot) pairs grouped by expert, sent to their ranks
         self.stats = RouterStats(d.counts, prob_sum, x.shape[0])
         out = self._experts(x, d, weights)
-        if hasattr(self, "shared"):
+        if hasattr(self, "shared_gate"):
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        elif hasattr(self, "shared"):  # DeepSeek's shared experts: ungated
+            out = out + self.shared(x)
         return out
 
     def _experts(self, x: torch.Tensor, d: Dispatched, weights: torch.Tensor) -> torch.Tensor:
