@@ -24,6 +24,7 @@ from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.mp_layout import iteration_dir_name
+from hfmeg.checkpoint.mp_reader import MPCheckpoint
 from hfmeg.checkpoint.mp_save import chunks_layout, staged_save, write_model_shard
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.errors import UnsupportedConfigError
@@ -31,10 +32,14 @@ from hfmeg.data.microbatch import MicroBatch
 from hfmeg.families import model_config_from_hf
 from hfmeg.models.generate import full_logits
 from hfmeg.parallel.data_parallel import DataParallel
+from hfmeg.optim import DistributedOptimizer, OptimizerConfig, no_weight_decay
+from hfmeg.optim.state_io import load_optimizer_state, save_optimizer_state
 from hfmeg.parallel.launch import spawn
+from hfmeg.parallel.roles import named_roles
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.stored_names import stored_tensors
 from hfmeg.models.routing import sigmoid_grouped_topk
+from optim_harness import CFG, batch, build_rank_chunk, global_tokens, train
 from tiny_models import save_tiny, tiny_config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
@@ -203,3 +208,94 @@ def test_parity_with_transformers_on_packed_rows(kind, checkpoints, tmp_path):
             within(r["grad_rel"], 1e-4, "grad_rel", r)
             if "logit_diff" in r:
                 within(r["logit_diff"], 1e-4, "logit_diff", r)
+
+
+# Aux-loss-free balancing: a 4-rank run (TP2 with SP, EP2 over DP2, 2 micro-batches a step) against a plain
+# single-process loop that counts each forward's routing and applies the rule by hand.
+BIAS_STEPS, BIAS_GA, RATE = 10, 2, 1e-3
+
+
+def _biases(chunk) -> dict[int, torch.Tensor]:
+    return {int(i): layer.mlp.score_bias.bias.detach().clone() for i, layer in chunk.layers.items()
+            if hasattr(layer.mlp, "score_bias")}
+
+
+def _trained_biases(folder, out):
+    ps = make_ps(tp=2, sp=True, ep=2)
+    cfg = OptimizerConfig(mode="distributed", router_bias_update_rate=RATE, **CFG)
+    chunk = build_rank_chunk(folder, ps)
+    opt = DistributedOptimizer([chunk], ps, cfg)
+    train(chunk, opt, ps, BIAS_GA, BIAS_STEPS)
+    uninterrupted = _biases(chunk)
+    opt.data_parallel.grad_sync.remove_hooks()
+    # Half the steps, saved as the trainer saves, resumed from the shards for the other half.
+    chunk = build_rank_chunk(folder, ps)
+    opt = DistributedOptimizer([chunk], ps, cfg)
+    half = BIAS_STEPS // 2
+    train(chunk, opt, ps, BIAS_GA, half)
+    layout = chunks_layout([chunk], ps, half)
+    with staged_save(layout, ps, Path(out), folder) as saved:
+        write_model_shard([chunk], ps, layout, saved)
+        save_optimizer_state(opt, saved / "optim")
+    opt.data_parallel.grad_sync.remove_hooks()
+    source = MPCheckpoint(Path(out) / iteration_dir_name(half))
+    chunk = load_chunks(source, ps)[0]
+    opt = DistributedOptimizer([chunk], ps, cfg)
+    load_optimizer_state(opt, source.folder / "optim")
+    train(chunk, opt, ps, BIAS_GA, half, first_step=half)
+    return uninterrupted, _biases(chunk)
+
+
+def _reference_biases(folder):
+    """Plain AdamW on one process over the whole global batch; after each step, bias += u * sign(mean - load) with
+    the load summed over the step's micro-batches."""
+    cfg = OptimizerConfig(**CFG)
+    model = build_rank_chunk(folder, make_ps(world=1))
+    roles = named_roles(model)
+    opt = torch.optim.AdamW([{"params": [p for _, p, r in roles if not no_weight_decay(r, cfg)]},
+                             {"params": [p for _, p, r in roles if no_weight_decay(r, cfg)], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    moe = {int(i): layer.mlp for i, layer in model.layers.items() if hasattr(layer.mlp, "score_bias")}
+    for step in range(BIAS_STEPS):
+        ntok = global_tokens(step, BIAS_GA)
+        loads = {i: 0 for i in moe}
+        for m in range(BIAS_GA):
+            ids, labels = batch(step, m)
+            (model(ids, labels=labels).sum() / ntok).backward()
+            for i, layer in moe.items():
+                loads[i] = loads[i] + layer.stats.tokens_per_expert
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for i, layer in moe.items():
+                load = loads[i].float()
+                layer.score_bias.bias += RATE * torch.sign(load.mean() - load)
+    return _biases(model)
+
+
+def test_correction_bias_update_matches_the_rule_and_resumes_exactly(checkpoints, tmp_path):
+    folder = checkpoints["moe"]
+    start = _biases(load_chunks(HFCheckpoint(folder), make_ps(world=1))[0])
+    ref = _reference_biases(folder)
+    assert all((ref[i] - start[i]).abs().max() > RATE / 2 for i in ref), "the biases did not move"
+    for uninterrupted, resumed in spawn(_trained_biases, 4, str(folder), str(tmp_path)):
+        assert sorted(uninterrupted) == sorted(ref) == [1, 2]
+        for i in ref:
+            assert torch.equal(uninterrupted[i], ref[i]), (i, uninterrupted[i], ref[i])
+            assert torch.equal(resumed[i], ref[i]), (i, resumed[i], ref[i])
+
+
+def _steps_without_updates(folder):
+    ps = make_ps()
+    chunk = build_rank_chunk(folder, ps)
+    start = _biases(chunk)
+    opt = DistributedOptimizer([chunk], ps, OptimizerConfig(mode="ddp", router_bias_update_rate=0.0, **CFG))
+    train(chunk, opt, ps, 1, 2)
+    return start, _biases(chunk)
+
+
+def test_correction_bias_stays_without_updates(checkpoints):
+    """`router_bias_update_rate` 0: the biases stay as loaded, whatever the steps route."""
+    start, after = spawn(_steps_without_updates, 1, str(checkpoints["moe"]))[0]
+    assert sorted(after) == [1, 2] and all(torch.equal(b, start[i]) for i, b in after.items())

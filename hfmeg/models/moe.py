@@ -180,6 +180,8 @@ class MoELayer(nn.Module):
         prob_sum = probs.sum(dim=0)
         d = self.dispatcher.dispatch(x, chosen)  # (token, slot) pairs grouped by expert, sent to their ranks
         self.stats = RouterStats(d.counts, prob_sum, x.shape[0])
+        if m.score_correction_bias and self.router.weight.requires_grad:
+            self.score_bias.count(d.counts)
         out = self._experts(x, d, weights)
         if hasattr(self, "shared_gate"):
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)

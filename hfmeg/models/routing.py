@@ -9,7 +9,12 @@
    weighted output is cast back (`combine_fp32`), as transformers' loop does.
 
 The correction bias is not a trained parameter: it is a frozen one (so conversion, shard files and resumption carry
-it like any weight), kept in fp32 whatever the model's dtype, as transformers keeps it.
+it like any weight), kept in fp32 whatever the model's dtype, as transformers keeps it. It moves by DeepSeek-V3's
+aux-loss-free balancing instead (`update_score_biases`, called by the optimizer's step): after each step that is not
+skipped, every expert's bias += u * sign(mean load - its load), the load being the routed slots of the step's
+training forwards (every micro-batch, every rank's tokens) and u `optim.router_bias_update_rate`. A forward
+without gradients (evaluation, a frozen reference) or repeated in backward (recompute) is not counted, nor a layer
+whose router is frozen (LoRA: its bias stays as loaded).
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import torch.distributed as dist
+
 from ..config import MoEConfig
 from ..parallel.roles import ParamRole, add_param
+from ..parallel.state import ParallelState
 
 
 class ScoreBias(nn.Module):
@@ -28,6 +36,13 @@ class ScoreBias(nn.Module):
         super().__init__()
         add_param(self, "bias", experts, role=ParamRole("bias"))
         self.bias.requires_grad_(False)
+        self.load: torch.Tensor | None = None  # this rank's routed slots per expert since the last update
+
+    def count(self, counts: torch.Tensor) -> None:
+        """Add a forward's routed slots per expert `counts`, if it is a training forward (see the module doc)."""
+        # -1: not inside a backward pass, where a recomputed forward would count its tokens twice.
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self.load = counts if self.load is None else self.load + counts
 
     def _apply(self, fn, recurse=True):
         # `.to(dtype)` of the model moves the bias to the new device but leaves it fp32.
@@ -48,3 +63,27 @@ def sigmoid_grouped_topk(logits: torch.Tensor, bias: torch.Tensor | None, m: MoE
     if m.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * m.routed_scaling_factor, chosen, scores
+
+
+def update_score_biases(chunks: list[nn.Module], ps: ParallelState, rate: float) -> None:
+    """Move every correction bias of this rank's MoE layers by `rate` * sign(mean load - load), the load summed
+    over the world's ranks (one all-reduce, on every rank when `rate` > 0), and restart the counts. `rate` 0 (a
+    skipped step) only restarts them."""
+    biases = {int(i): layer.mlp.score_bias for chunk in chunks for i, layer in chunk.layers.items()
+              if hasattr(layer.mlp, "score_bias")}
+    m = chunks[0].cfg.moe
+    loads = None if rate == 0 else torch.zeros(len(m.sparse_layers), m.num_experts, dtype=torch.int64,
+                                               device=ps.device)
+    for i, b in biases.items():
+        if loads is not None and b.load is not None:
+            loads[m.sparse_layers.index(i)] += b.load
+        b.load = None
+    if loads is None:
+        return
+    if ps.world_size > 1:
+        dist.all_reduce(loads)
+    with torch.no_grad():
+        for i, b in biases.items():
+            load = loads[m.sparse_layers.index(i)].float()
+            if load.sum() > 0:  # a layer no training forward counted (its router frozen) keeps its bias
+                b.bias.add_(rate * torch.sign(load.mean() - load))

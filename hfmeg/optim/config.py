@@ -57,6 +57,9 @@ class OptimizerConfig:
     powersgd_rank: int = 4
     compression_start_step: int | None = None
     min_compression_rate: float = 2.0  # compress an m x n gradient only if m*n / (rank*(m+n)) >= this
+    # DeepSeek-V3's aux-loss-free balancing (models/routing.py): after each step every expert's correction bias
+    # moves by this times sign(mean load - its load); 0 keeps the checkpoint's biases. Models without one ignore it.
+    router_bias_update_rate: float = 1e-3
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -77,6 +80,9 @@ class OptimizerConfig:
         if self.compression_start_step is not None and self.compression_start_step < 0:
             raise UnsupportedConfigError("optimizer field compression_start_step: must be >= 0, got "
                                          f"{self.compression_start_step}")
+        if not (math.isfinite(self.router_bias_update_rate) and self.router_bias_update_rate >= 0):
+            raise UnsupportedConfigError("optimizer field router_bias_update_rate: must be a finite number >= 0, got "
+                                         f"{self.router_bias_update_rate}")
         if not (math.isfinite(self.min_compression_rate) and self.min_compression_rate >= 0):
             raise UnsupportedConfigError("optimizer field min_compression_rate: must be a finite number >= 0, got "
                                          f"{self.min_compression_rate}")

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedConfigError
+from ..models.routing import update_score_biases
 from ..parallel.buffers import Bucket
 from ..parallel.data_parallel import DataParallel
 from ..parallel.state import ParallelState
@@ -63,6 +64,9 @@ class StepResult:
 class DistributedOptimizer:
     def __init__(self, chunks: list[nn.Module], ps: ParallelState, cfg: OptimizerConfig):
         self.chunks, self.ps, self.cfg = list(chunks), ps, cfg
+        # DeepSeek-V3's correction biases move after each step (models/routing.py); a collective on every rank.
+        moe = getattr(getattr(self.chunks[0], "cfg", None), "moe", None)
+        self.balances_routers = moe is not None and moe.score_correction_bias
         powersgd = cfg.compression == "powersgd"
         if powersgd and cfg.compression_start_step is None:
             raise UnsupportedConfigError("optimizer field compression_start_step: must be set with compression "
@@ -202,6 +206,8 @@ class DistributedOptimizer:
         self.data_parallel.zero_grad()
         if skipped:
             self.data_parallel.drop_compression_state()
+        if self.balances_routers:
+            update_score_biases(self.chunks, self.ps, 0.0 if skipped else self.cfg.router_bias_update_rate)
         self.set_iteration(self.iteration + 1)
         return StepResult(norm, skipped, scale)
 
