@@ -38,6 +38,8 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.roles import named_roles
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.stored_names import stored_tensors
+from hfmeg.plan.cli import main as plan_main
+from hfmeg.plan.flops import training_flops
 from hfmeg.models.routing import sigmoid_grouped_topk
 from optim_harness import CFG, batch, build_rank_chunk, global_tokens, train
 from tiny_models import save_tiny, tiny_config
@@ -299,3 +301,21 @@ def test_correction_bias_stays_without_updates(checkpoints):
     """`router_bias_update_rate` 0: the biases stay as loaded, whatever the steps route."""
     start, after = spawn(_steps_without_updates, 1, str(checkpoints["moe"]))[0]
     assert sorted(after) == [1, 2] and all(torch.equal(b, start[i]) for i, b in after.items())
+
+
+def test_training_flops_count_latent_attention_and_active_experts():
+    cfg = model_config_from_hf(tiny_config("deepseek_v3"))
+    h, H, s = 32, 4, 16
+    attention = h * 16 + 16 * H * 12 + h * (12 + 4) + 12 * H * (8 + 6) + H * 6 * h  # the five projections
+    dense = 3 * h * 48
+    sparse = h * 4 + 2 * 3 * h * 16 + 3 * h * 16  # router, top-2 experts, the ungated shared expert
+    matmuls = 3 * attention + dense + 2 * sparse + h * 300
+    scores_values = 3 * s * H * (12 + 6)  # per token: s keys, the score and value products' widths
+    assert training_flops(cfg, 1, s) == 6 * s * matmuls + 2 * 3 * s * scores_values
+
+
+def test_the_planner_refuses_latent_attention(checkpoints, capsys):
+    assert plan_main(["--model", str(checkpoints["moe"]), "--gpu", "h100", "--gpus", "8", "--global-batch-size", "8",
+                      "--seq-len", "128"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json field kv_lora_rank:" in err[0], err

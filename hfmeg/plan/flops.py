@@ -11,8 +11,10 @@ i.e. 6 FLOPs per token per matmul parameter (2 forward, 4 backward), plus the
 attention score and value products (2 * 2 s h per token per layer, times 3), plus
 the LM head. `training_flops` is that formula with the layer matmul parameters
 counted exactly, so it also covers GQA (smaller K/V projections) and SwiGLU (three
-FFN matrices), and MoE layers (router, the top-k experts and the shared expert a token
-goes through: its active parameters, not all experts). Recomputation is not counted: MFU measures
+FFN matrices), MoE layers (router, the top-k experts and the shared expert a token
+goes through: its active parameters, not all experts; DeepSeek-V3's grouped choice among
+the experts is elementwise work, not counted), and DeepSeek's latent attention (its
+down- and up-projections, and score and value products of their own widths). Recomputation is not counted: MFU measures
 useful model work.
 
 A layer with a sliding window w computes fewer (query, key) pairs than the causal s(s+1)/2:
@@ -42,9 +44,13 @@ def layer_matmul_params(cfg: ModelConfig, layer: int) -> int:
     h, d = cfg.hidden_size, cfg.head_dim
     qkv = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d
     out = cfg.num_heads * d * h
+    if cfg.mla is not None:  # its projections: every attention parameter but the two latent norms'
+        a = cfg.mla
+        qkv = a.num_params(h, cfg.num_heads) - (a.q_lora_rank or 0) - a.kv_lora_rank
+        out = 0
     m = cfg.moe
     if cfg.is_sparse(layer):
-        shared = 3 * h * m.shared_expert_ffn_size + h if m.shared_expert_ffn_size else 0
+        shared = 3 * h * m.shared_expert_ffn_size + h * m.shared_expert_gate if m.shared_expert_ffn_size else 0
         mlp = h * m.num_experts + m.top_k * 3 * h * m.expert_ffn_size + shared
     else:
         mlp = (3 if cfg.gated_mlp else 2) * h * cfg.ffn_size
@@ -64,11 +70,13 @@ def attended_keys(cfg: ModelConfig, layer: int, seq_len: int) -> float:
 def training_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     """FLOPs of one forward + backward over `batch` sequences of `seq_len` tokens."""
     tokens = batch * seq_len
-    attn_width = cfg.num_heads * cfg.head_dim
+    # the score product's width and the value product's (MLA: values narrower than queries and keys)
+    value_width = cfg.num_heads * (cfg.mla.v_head_dim if cfg.mla is not None else cfg.head_dim)
+    widths = cfg.num_heads * cfg.head_dim + value_width
     layers = sum(layer_matmul_params(cfg, i) for i in range(cfg.num_layers))
     dense = 6 * tokens * (layers + cfg.hidden_size * cfg.vocab_size)
     keys = sum(attended_keys(cfg, i, seq_len) for i in range(cfg.num_layers))
-    attention = 12 * tokens * keys * attn_width
+    attention = 6 * tokens * keys * widths
     return float(dense + attention)
 
 
