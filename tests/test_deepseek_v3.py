@@ -39,6 +39,8 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.roles import named_roles
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.stored_names import stored_tensors
+from hfmeg.peft.adapters import check_model
+from hfmeg.peft.config import PeftConfig
 from hfmeg.plan.cli import main as plan_main
 from hfmeg.plan.flops import training_flops
 from hfmeg.models.routing import sigmoid_grouped_topk
@@ -322,3 +324,13 @@ def test_the_planner_refuses_latent_attention(checkpoints, capsys):
                       "--seq-len", "128"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "config.json field kv_lora_rank:" in err[0], err
+
+
+@pytest.mark.parametrize("overrides, peft, field", [
+    ({}, dict(method="dora", target_modules=["q_a_proj"]), "method"),
+    ({}, dict(dropout=0.1, target_modules=["kv_a_proj_with_mqa"]), "dropout"),
+    ({}, dict(target_modules=["q_proj"]), "target_modules"),
+    ({"q_lora_rank": None}, dict(target_modules=["q_b_proj"]), "target_modules")])
+def test_lora_refusals_name_the_field(overrides, peft, field):
+    with pytest.raises(UnsupportedConfigError, match=f"^peft.{field}"):
+        check_model(model_config_from_hf(tiny_config("deepseek_v3", **overrides)), PeftConfig(**{"method": "lora", **peft}))

@@ -7,7 +7,9 @@ non-zero) and read through `peft.init_from`'s path:
   nesting; q + w1/w3 with the router in `modules_to_save`, trained in full), tiny Qwen3-MoE (all-linear; its
   dense layer 0 gets attention adapters only, as in peft) and tiny Qwen2-MoE (all-linear, which peft takes there
   as attention, the dense layer 0's MLP, the shared expert's gate/up/down and `shared_expert_gate`; and
-  `modules_to_save: [gate]`, which peft's suffix match takes as the router and `shared_expert_gate`), one 4-process
+  `modules_to_save: [gate]`, which peft's suffix match takes as the router and `shared_expert_gate`) and tiny
+  DeepSeek-V3 (all-linear: MLA's five projections, router, routed experts; not its dense layer's MLP nor its shared
+  experts, as in peft; also at TP2 without SP), one 4-process
   world: EP 1, 2, 4, EP2 x TP2 (SP) and EP2 x PP2: logits, loss (with the load-balancing term)
   and every adapter gradient, the experts' pieces gathered over EP and joined as the export joins them;
 - the shards written at EP2 (DP rank 0's file plus the other EP rank's experts file) export back bit-exact to
@@ -69,12 +71,12 @@ def _reference(base, adapter, ids):
     return out.logits.detach(), out.loss.item(), peft_adapter_grads(model)
 
 
-def _check(cases, ids, refs):
+def _check(cases, ids, refs, layouts):
     labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
     rows = []
     for (base, adapter), (ref_logits, ref_loss, ref_grads) in zip(cases, refs):
         shards = Path(f"{adapter}_shards_ep2")
-        for tp, pp, sp, ep in LAYOUTS:
+        for tp, pp, sp, ep in layouts:
             ps = make_ps(tp=tp, pp=pp, sp=sp, ep=ep)
             chunks, cfg = hfmeg_chunks(base, adapter, ps)
             logits = full_logits(chunks, ps, ids)
@@ -112,14 +114,16 @@ def _check(cases, ids, refs):
     return rows
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_moe_lora_matches_peft_under_ep(kind, tmp_path):
     cases = _cases(tmp_path, kind)
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     refs = [_reference(b, a, ids) for b, a in cases]
-    results = spawn(_check, 4, [(str(b), str(a)) for b, a in cases], ids, refs)
+    # DeepSeek-V3: TP2 without SP too, where MLA's replicated a-projections see every token (`_Base.whole_partial`)
+    layouts = LAYOUTS + [(2, 1, False, 1)] if kind == "deepseek_v3" else LAYOUTS
+    results = spawn(_check, 4, [(str(b), str(a)) for b, a in cases], ids, refs, layouts)
     for (base, adapter), ref in zip(cases, refs):
-        for layout in LAYOUTS:
+        for layout in layouts:
             rows = [r for rank in results for r in rank if r["case"] == str(adapter) and r["layout"] == layout]
             assert sorted({g for r in rows for g in r["grads"]}) == sorted(ref[2]), layout
             assert any("logit_diff" in r for r in rows)
@@ -131,7 +135,7 @@ def test_moe_lora_matches_peft_under_ep(kind, tmp_path):
         assert any(r.get("reread") for rank in results for r in rank if r["case"] == str(adapter))
 
 
-@pytest.mark.parametrize("kind, case", [("mixtral", None), ("mixtral", 1), ("qwen2_moe", None)])
+@pytest.mark.parametrize("kind, case", [("mixtral", None), ("mixtral", 1), ("qwen2_moe", None), ("deepseek_v3", None)])
 def test_moe_merge_matches_peft_on_the_base(kind, case, tmp_path):
     t, rs, save = MORE_CASES[kind][case] if case is not None else ("all-linear", False, None)
     base, adapter = make_base_and_adapter(tmp_path, kind, targets=t, rslora=rs, modules_to_save=save)

@@ -13,6 +13,10 @@ Multi-token prediction: transformers (5.24) builds no MTP module and skips a che
 (`model.layers.{num_hidden_layers}.*`) on load; hfmeg computes what transformers computes, so it neither reads nor
 trains nor writes them, whatever `num_nextn_predict_layers` says (docs/numerics.md).
 
+LoRA: peft (0.21) maps DeepSeek-V3 as Qwen2-MoE for its experts (transformers' conversion table): `gate_proj` +
+`up_proj` adapt the stacked experts' `gate_up_proj`, `down_proj` theirs, `gate` the router, and the dense layers'
+MLPs and the shared experts are not adapted; the attention's five projections are plain LoRA (`peft/adapters.py`).
+
 Not built, refused by its field: biases on the attention projections (`attention_bias`).
 """
 
@@ -26,9 +30,15 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_msca
 
 from ..config import MLAConfig, ModelConfig, MoEConfig, require
 from .llama import decoder_config, layer_prefix, moe_rules
-from .spec import ExpertNames, FamilySpec, TensorRule
+from .qwen3_moe import QWEN3_MOE
+from .spec import ExpertNames, FamilySpec, PeftNames, TensorRule
 
 EXPERTS = ExpertNames("mlp.", "gate_proj", "up_proj", "down_proj", shared="shared_experts.")
+# peft's names of MLA's projections: the query's (one projection, or the latent's two), the a-projections (whole on
+# every TP rank) and all of them in the decoder's order
+QUERY, QUERY_LATENT = "q_proj", ("q_a_proj", "q_b_proj")
+LATENT_A = ("q_a_proj", "kv_a_proj_with_mqa")
+PROJECTIONS = (QUERY, *QUERY_LATENT, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 def _mla(hf: PretrainedConfig) -> MLAConfig:
@@ -108,4 +118,5 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[Tens
 
 
 DEEPSEEK_V3 = FamilySpec(("deepseek_v3",), "DeepseekV3ForCausalLM", normalise, layer_rules,
-                         embedding="model.embed_tokens.weight", final_norm="model.norm", experts=EXPERTS)
+                         embedding="model.embed_tokens.weight", final_norm="model.norm", experts=EXPERTS,
+                         peft=PeftNames(PROJECTIONS, QWEN3_MOE.peft.experts, fused=QWEN3_MOE.peft.fused))

@@ -37,7 +37,6 @@ from ..checkpoint.convert import load_model_config
 from ..checkpoint.hub_ids import portable_name
 from ..checkpoint.mp_layout import HF_DIR, MPLayout
 from ..errors import CheckpointError, UnsupportedConfigError
-from ..families.llama import PROJECTIONS
 from ..models.decoder import ModelChunk
 from ..parallel.params_ready import wait_params_ready
 from ..parallel.grid import RankPlace
@@ -263,7 +262,7 @@ def read_peft_folder(folder: Path) -> tuple[PeftConfig, dict[str, torch.Tensor]]
                               f"({type(e).__name__}: {e})") from e
     targets = sorted({k.split(".")[-3] for k in tensors if k.endswith(".lora_A.weight")})
     if raw.get("target_parameters"):  # an MoE adapter: LoRA on the stacked experts / the router
-        targets = sorted(set(targets) & set(PROJECTIONS)) + _expert_params(raw, path)
+        targets = sorted(set(targets) & set(MODULES)) + _expert_params(raw, path)
     cfg = PeftConfig(method="dora" if raw.get("use_dora") else "lora", r=int(raw["r"]), alpha=float(raw["lora_alpha"]),
                      dropout=float(raw.get("lora_dropout", 0.0)), target_modules=targets,
                      use_rslora=bool(raw.get("use_rslora", False)),

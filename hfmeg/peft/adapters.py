@@ -75,6 +75,7 @@ from ..parallel.roles import ParamRole, add_param
 from ..parallel.state import ParallelState
 from ..parallel.stored_names import set_stored_names, stored_tensors
 from ..families import spec_of, text_config
+from ..families.deepseek_v3 import LATENT_A, QUERY, QUERY_LATENT
 from ..families.llama import ATTENTION, layer_prefix
 from ..families.qwen2_moe import SHARED_GATE
 from .config import ALL_LINEAR, EXPERT_PARAMS, MOE_SAVABLE, SAVABLE, PeftConfig
@@ -142,12 +143,14 @@ class LoraPair(nn.Module):
     """A and B of one HF projection (and DoRA's magnitude), sliced for this TP rank as the module docstring says."""
 
     def __init__(self, in_local: int, out_local: int, out_full: int, r: int, column: bool, cfg: PeftConfig,
-                 ps: ParallelState, replicated: bool = False):
+                 ps: ParallelState, replicated: bool = False, whole_partial: bool = True):
         super().__init__()
         partial = ParamRole("weight", sequence_parallel=True, adapter=True)
         split = {"A": ParamRole("weight", tp_dim=1, adapter=True), "B": ParamRole("weight", tp_dim=0, adapter=True)}
-        add_param(self, "lora_A", r, in_local, role=partial if column else split["A"])
-        add_param(self, "lora_B", out_local, r, role=partial if replicated else split["B"] if column else partial)
+        # a replicated base's factors: partial where its rank sees its own tokens only (`_Base.whole_partial`)
+        whole = ParamRole("weight", sequence_parallel=whole_partial, adapter=True)
+        add_param(self, "lora_A", r, in_local, role=whole if replicated else partial if column else split["A"])
+        add_param(self, "lora_B", out_local, r, role=whole if replicated else split["B"] if column else partial)
         if cfg.method == "dora":  # one magnitude per output feature: split like B's rows, or whole and partial
             add_param(self, "lora_magnitude_vector", out_local if column else out_full,
                       role=ParamRole("weight", tp_dim=0, adapter=True) if column else partial)
@@ -188,7 +191,8 @@ class LoraAdapter(nn.Module):
     """
 
     def __init__(self, projections: list[Projection], targeted: set[str], in_local: int, column: bool,
-                 groups: int, cfg: PeftConfig, ps: ParallelState, replicated: bool = False):
+                 groups: int, cfg: PeftConfig, ps: ParallelState, replicated: bool = False,
+                 whole_partial: bool = True):
         super().__init__()
         self.groups, self.scale, self.column, self.ps = groups, cfg.scale, column, ps
         split = column and not replicated  # `replicated`: a ReplicatedLinear base (the MoE router)
@@ -196,7 +200,7 @@ class LoraAdapter(nn.Module):
         for p, (_, out_local) in zip(projections, self.widths):
             if p.name in targeted:
                 self.add_module(p.name, LoraPair(in_local, out_local, p.out_features, cfg.r, column, cfg, ps,
-                                                 replicated))
+                                                 replicated, whole_partial))
 
     def _blocks(self, t: torch.Tensor, dim: int) -> list[torch.Tensor]:
         """Each projection's part of the fused output features of `t` along `dim`, in `widths` order."""
@@ -280,6 +284,9 @@ class _Base:
     column: bool
     groups: int  # local output blocks (see LoraAdapter)
     replicated: bool = False  # a `ReplicatedLinear` (Qwen2-MoE's shared expert): whole on every TP rank
+    # a replicated base's adapter gradients are partial over TP: true where each rank feeds it its own tokens (the
+    # MoE block's), false for MLA's a-projections without SP (every rank all tokens, the full output gradient)
+    whole_partial: bool = True
     blocks: Blocks | None = None  # one projection over a whole fused base: how its rows sit in the base's
 
 
@@ -304,18 +311,36 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
     out = []
     for i in chunk.layer_ids:
         a, m, L = f"{layer_prefix(i)}self_attn.", f"{layer_prefix(i)}mlp.", f"layers.{i}."
-        out += [column(L + "attn.qkv", a, [("q_proj", q), ("k_proj", kv), ("v_proj", kv)], cfg.num_kv_heads // tp),
-                _Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1)]
+        if cfg.mla is None:
+            out.append(column(L + "attn.qkv", a, [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+                              cfg.num_kv_heads // tp))
+        else:
+            out += _latent_bases(cfg, a, L + "attn.", chunk.ps.sequence_parallel)
+        out.append(_Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1))
         if not cfg.is_sparse(int(i)) and not experts_mapped:
             out += [column(L + "mlp.fc1", m, [("gate_proj", f), ("up_proj", f)], 1),
                     _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
-        elif cfg.is_sparse(int(i)) and cfg.moe.shared_expert_ffn_size:
+        elif cfg.is_sparse(int(i)) and cfg.moe.shared_expert_ffn_size and not experts_mapped:
             s, fs = m + "shared_expert.", cfg.moe.shared_expert_ffn_size
             out += [_Base(L + "mlp.shared.fc1", [Projection("gate_proj", s + "gate_proj", fs),
                                                  Projection("up_proj", s + "up_proj", fs)], True, 1, True),
                     _Base(L + "mlp.shared.fc2", [Projection("down_proj", s + "down_proj", h)], True, 1, True),
                     _Base(L + "mlp.shared_gate", [Projection(SHARED_GATE, m + SHARED_GATE, 1)], True, 1, True)]
     return out
+
+
+def _latent_bases(cfg, a: str, local: str, sp: bool) -> list[_Base]:
+    """MLA's projections but `o_proj` (`models/latent_attention.py`): the a-projections replicated (their adapter
+    gradients partial over TP under SP only), the b-projections (or `q_proj`) column-parallel by heads."""
+    m, heads = cfg.mla, cfg.num_heads
+    kv = [_Base(local + "kv_a", [Projection("kv_a_proj_with_mqa", a + "kv_a_proj_with_mqa",
+                                            m.kv_lora_rank + m.qk_rope_head_dim)], True, 1, True, sp),
+          _Base(local + "kv_b", [Projection("kv_b_proj", a + "kv_b_proj",
+                                            heads * (m.qk_nope_head_dim + m.v_head_dim))], True, 1)]
+    if m.q_lora_rank is None:
+        return [_Base(local + "q", [Projection("q_proj", a + "q_proj", heads * cfg.head_dim)], True, 1)] + kv
+    return [_Base(local + "q_a", [Projection("q_a_proj", a + "q_a_proj", m.q_lora_rank)], True, 1, True, sp),
+            _Base(local + "q_b", [Projection("q_b_proj", a + "q_b_proj", heads * cfg.head_dim)], True, 1)] + kv
 
 
 def check_model(chunk_cfg, cfg: PeftConfig) -> None:
@@ -333,6 +358,8 @@ def check_model(chunk_cfg, cfg: PeftConfig) -> None:
                                      "and peft would load it as an untied copy, not the model trained; leave it out")
     _check_saved(chunk_cfg, cfg)
     wanted = set(cfg.target_modules) - {ALL_LINEAR}
+    if chunk_cfg.mla is not None:
+        _check_latent(chunk_cfg, cfg, names, wanted)
     if chunk_cfg.moe is None:
         unmatched = sorted(wanted - set(cfg.module_targets(names)))
     elif not names.experts:  # Qwen2-MoE: peft's names are its nn.Linears only
@@ -366,6 +393,20 @@ def check_model(chunk_cfg, cfg: PeftConfig) -> None:
     if unmatched:
         raise UnsupportedConfigError(f"peft.target_modules: {unmatched} match nothing in this "
                                      f"{chunk_cfg.model_type} model")
+
+
+def _check_latent(chunk_cfg, cfg: PeftConfig, names, wanted: set[str]) -> None:
+    """MLA: the query projections the model lacks (`q_proj` beside a query latent, or the latent's without one), and
+    DoRA or dropout on the replicated a-projections (not built there, as on Qwen2-MoE's shared expert), refused."""
+    absent = sorted(wanted & ({QUERY} if chunk_cfg.mla.q_lora_rank else set(QUERY_LATENT)))
+    if absent:
+        raise UnsupportedConfigError(f"peft.target_modules: {absent} match nothing in this {chunk_cfg.model_type} "
+                                     f"model (q_lora_rank {chunk_cfg.mla.q_lora_rank})")
+    replicated = sorted(set(cfg.module_targets(names)) & set(LATENT_A))
+    if replicated and (cfg.method == "dora" or cfg.dropout):
+        field = "method: dora" if cfg.method == "dora" else "dropout"
+        raise UnsupportedConfigError(f"peft.{field} is not supported on {replicated} (replicated layers, whole on "
+                                     "every TP rank; not built there): target the other projections")
 
 
 def _check_saved(chunk_cfg, cfg: PeftConfig) -> None:
@@ -434,7 +475,7 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
             continue
         layer = chunk.get_submodule(base.local)
         adapter = LoraAdapter(base.projections, targeted, layer.weight.shape[1], base.column, base.groups, cfg,
-                              chunk.ps, base.replicated)
+                              chunk.ps, base.replicated, base.whole_partial)
         layer.adapter = adapter.to(**place)
     if moe is None or not peft_names.experts:
         return
