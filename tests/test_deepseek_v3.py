@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from bounds import within
 from convert_helpers import assert_same_tensors
-from helpers import make_ps
+from helpers import gather_tp, make_ps
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
@@ -160,14 +160,6 @@ def _reference(folder, tmp):
     return logits.detach(), grads
 
 
-def _gather_tp(t, ps):
-    if ps.tp == 1:
-        return [t]
-    parts = [torch.empty_like(t) for _ in range(ps.tp)]
-    dist.all_gather(parts, t.contiguous(), group=ps.tp_group)
-    return parts
-
-
 def _check_layouts(folder, layouts, ref):
     ref_logits, ref_grads = ref
     ids, pos, seg, labels = _packed()
@@ -189,7 +181,7 @@ def _check_layouts(folder, layouts, ref):
             for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process, chunk.experts):
                 if grads[rule.local] is None:  # the correction bias: not trained
                     continue
-                for name, g in to_hf(rule, _gather_tp(grads[rule.local], ps), chunk.cfg).items():
+                for name, g in to_hf(rule, gather_tp(grads[rule.local], ps), chunk.cfg).items():
                     ref = ref_grads[name]
                     worst = max(worst, ((g - ref).abs().max() / ref.abs().max()).item())
                     seen.add(name)
