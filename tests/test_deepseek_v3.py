@@ -3,8 +3,9 @@ logits and every gradient against transformers (fp32) on rows packed with severa
 
 The tiny checkpoint (`tests/tiny_models.py`) has MLA with a query latent, interleaved RoPE and YaRN's two mscales.
 Parity runs in one 4-process gloo world at TP {1, 2} (SP on and off) x EP {1, 2}, PP 2 and CP 2 (with EP 2, with
-TP 2 + SP; gradients only), the gradients finished by the data-parallel wrapper as in training; the reference is
-transformers run on each document alone.
+TP 2 + SP; gradients only), selective recompute at TP2 + SP and full at EP2, the gradients finished by the
+data-parallel wrapper as in training; the reference is transformers run on each document alone. TP2 also generates
+greedily, as transformers' `generate` does.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.errors import UnsupportedConfigError
 from hfmeg.data.microbatch import MicroBatch
 from hfmeg.families import model_config_from_hf
-from hfmeg.models.generate import full_logits
+from hfmeg.models.generate import full_logits, greedy_generate
 from hfmeg.parallel.data_parallel import DataParallel
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig, no_weight_decay
 from hfmeg.optim.state_io import load_optimizer_state, save_optimizer_state
@@ -53,6 +54,9 @@ DOCS = (7, 9)  # one packed row of two documents
 # (tp, pp, sp, ep, cp) in one 4-process world, the rest of it DP replicas (EP inside them)
 LAYOUTS = [(1, 1, False, 1, 1), (2, 1, False, 1, 1), (2, 1, True, 1, 1), (1, 2, False, 1, 1), (1, 1, False, 2, 1),
            (2, 1, True, 2, 1), (1, 1, False, 1, 2), (1, 1, False, 2, 2), (2, 1, True, 1, 2)]
+RECOMPUTE = {(2, 1, True, 1, 1): "selective", (1, 1, False, 2, 1): "full"}  # the others: none
+GENERATE = (2, 1, False, 1, 1)  # also generates greedily, against transformers' generate
+PROMPT, NEW_TOKENS = torch.tensor([[5, 17, 42, 7, 99]]), 6
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +170,7 @@ def _check_layouts(folder, layouts, ref):
     report = []
     for tp, pp, sp, ep, cp in layouts:
         ps = make_ps(tp=tp, pp=pp, sp=sp, ep=ep, cp=cp)
-        chunks = load_chunks(HFCheckpoint(folder), ps)
+        chunks = load_chunks(HFCheckpoint(folder), ps, recompute=RECOMPUTE.get((tp, pp, sp, ep, cp), "none"))
         logits = full_logits(chunks, ps, ids, pos, seg) if cp == 1 else None
         # Every DP replica takes the same row, so this rank's share of the loss is 1/dp; the data-parallel wrapper
         # sums the gradients as training does (experts' over expert-DP, partial ones over TP and CP).
@@ -186,6 +190,8 @@ def _check_layouts(folder, layouts, ref):
                     worst = max(worst, ((g - ref).abs().max() / ref.abs().max()).item())
                     seen.add(name)
         row = dict(layout=(tp, pp, sp, ep, cp), grad_rel=worst, seen=sorted(seen))
+        if (tp, pp, sp, ep, cp) == GENERATE:
+            row["generated"] = greedy_generate(chunks, ps, PROMPT, NEW_TOKENS).tolist()
         if logits is not None:
             row["logit_diff"] = (logits - ref_logits).abs().max().item()
         report.append(row)
@@ -199,6 +205,10 @@ def test_parity_with_transformers_on_packed_rows(kind, checkpoints, tmp_path):
     ref = _reference(folder, tmp_path)
     n_ref = len(ref[1])
     results = [row for rank in spawn(_check_layouts, 4, str(folder), layouts, ref) for row in rank]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    expected = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False).tolist()
+    generated = [r["generated"] for r in results if "generated" in r]
+    assert generated and all(g == expected for g in generated), (generated, expected)
     for layout in layouts:
         rows = [r for r in results if r["layout"] == layout]
         assert len({n for r in rows for n in r["seen"]}) == n_ref, layout
@@ -209,8 +219,9 @@ def test_parity_with_transformers_on_packed_rows(kind, checkpoints, tmp_path):
                 within(r["logit_diff"], 1e-4, "logit_diff", r)
 
 
-# Aux-loss-free balancing: a 4-rank run (TP2 with SP, EP2 over DP2, 2 micro-batches a step) against a plain
-# single-process loop that counts each forward's routing and applies the rule by hand.
+# Aux-loss-free balancing: 4-rank runs (TP2 with SP, EP2 over DP2, 2 micro-batches a step; the overlapped optimizer
+# with full recompute, and the distributed one saved and resumed halfway) against a plain single-process loop that
+# counts each forward's routing and applies the rule by hand.
 BIAS_STEPS, BIAS_GA, RATE = 10, 2, 1e-3
 
 
@@ -221,13 +232,14 @@ def _biases(chunk) -> dict[int, torch.Tensor]:
 
 def _trained_biases(folder, out):
     ps = make_ps(tp=2, sp=True, ep=2)
-    cfg = OptimizerConfig(mode="distributed", router_bias_update_rate=RATE, **CFG)
-    chunk = build_rank_chunk(folder, ps)
-    opt = DistributedOptimizer([chunk], ps, cfg)
+    # Uninterrupted: the overlapped optimizer, with full recompute.
+    chunk = build_rank_chunk(folder, ps, recompute="full")
+    opt = DistributedOptimizer([chunk], ps, OptimizerConfig(mode="overlapped", router_bias_update_rate=RATE, **CFG))
     train(chunk, opt, ps, BIAS_GA, BIAS_STEPS)
     uninterrupted = _biases(chunk)
     opt.data_parallel.grad_sync.remove_hooks()
-    # Half the steps, saved as the trainer saves, resumed from the shards for the other half.
+    # The distributed optimizer for half the steps, saved as the trainer saves, resumed from the shards.
+    cfg = OptimizerConfig(mode="distributed", router_bias_update_rate=RATE, **CFG)
     chunk = build_rank_chunk(folder, ps)
     opt = DistributedOptimizer([chunk], ps, cfg)
     half = BIAS_STEPS // 2
@@ -326,3 +338,22 @@ def test_the_planner_refuses_latent_attention(checkpoints, capsys):
 def test_lora_refusals_name_the_field(overrides, peft, field):
     with pytest.raises(UnsupportedConfigError, match=f"^peft.{field}"):
         check_model(model_config_from_hf(tiny_config("deepseek_v3", **overrides)), PeftConfig(**{"method": "lora", **peft}))
+
+
+def _counted_loads(folder):
+    """(top_k x tokens routed, the load counted) per MoE layer: one training forward and backward under full
+    recompute (whose repeated forward must not count again), after a forward without gradients (not counted)."""
+    ps = make_ps()
+    chunk = build_rank_chunk(folder, ps, recompute="full")
+    ids, labels = batch(0, 0)
+    with torch.no_grad():
+        chunk(ids, labels=labels)
+    chunk(ids, labels=labels).sum().backward()
+    k = chunk.cfg.moe.top_k
+    return [(k * layer.mlp.stats.rows, int(layer.mlp.score_bias.load.sum())) for layer in chunk.layers.values()
+            if hasattr(layer.mlp, "score_bias")]
+
+
+def test_the_load_counts_each_training_forward_once(checkpoints):
+    counted = spawn(_counted_loads, 1, str(checkpoints["moe"]))[0]
+    assert len(counted) == 2 and all(want == got > 0 for want, got in counted), counted
