@@ -11,6 +11,7 @@ greedily, as transformers' `generate` does.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from bounds import within
 from convert_helpers import assert_same_tensors
-from helpers import gather_tp, make_ps
+from helpers import gather_tp, make_ps, stories_or_skip
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
@@ -30,6 +31,7 @@ from hfmeg.checkpoint.mp_reader import MPCheckpoint
 from hfmeg.checkpoint.mp_save import chunks_layout, staged_save, write_model_shard
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.errors import UnsupportedConfigError
+from hfmeg.data import DataConfig, SourceConfig
 from hfmeg.data.microbatch import MicroBatch
 from hfmeg.families import model_config_from_hf
 from hfmeg.models.generate import full_logits, greedy_generate
@@ -43,10 +45,13 @@ from hfmeg.parallel.stored_names import stored_tensors
 from hfmeg.peft.adapters import check_model
 from hfmeg.peft.config import PeftConfig
 from hfmeg.plan.cli import main as plan_main
+from hfmeg.optim.lr_schedule import LRScheduleConfig
 from hfmeg.plan.flops import training_flops
+from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, ParallelArgs, TrainConfig
+from hfmeg.train.trainer import Trainer
 from hfmeg.models.routing import sigmoid_grouped_topk
 from optim_harness import CFG, batch, build_rank_chunk, global_tokens, train
-from tiny_models import save_tiny, tiny_config
+from tiny_models import ASSETS, save_tiny, tiny_config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 DENSE = dict(first_k_dense_replace=3)  # every layer dense
@@ -223,6 +228,7 @@ def test_parity_with_transformers_on_packed_rows(kind, checkpoints, tmp_path):
 # with full recompute, and the distributed one saved and resumed halfway) against a plain single-process loop that
 # counts each forward's routing and applies the rule by hand.
 BIAS_STEPS, BIAS_GA, RATE = 10, 2, 1e-3
+ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
 
 
 def _biases(chunk) -> dict[int, torch.Tensor]:
@@ -357,3 +363,37 @@ def _counted_loads(folder):
 def test_the_load_counts_each_training_forward_once(checkpoints):
     counted = spawn(_counted_loads, 1, str(checkpoints["moe"]))[0]
     assert len(counted) == 2 and all(want == got > 0 for want, got in counted), counted
+
+
+def test_the_trainer_runs_and_exports_a_model_transformers_loads(tmp_path):
+    """3 steps of the trainer at EP2 x TP2 (SP) on 4 ranks: the exported folder loads with transformers, its
+    correction biases moved by whole multiples of the rate (at most one per step) and its other tensors trained."""
+    stories = stories_or_skip()
+    if not ALPACA.is_file():
+        pytest.skip(f"{ALPACA} is absent")
+    model = save_tiny("deepseek_v3", tmp_path / "ds", vocab_size=512)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(stories / name, model / name)
+    steps = 3
+    cfg = TrainConfig(model=ModelArgs(path=str(model), dtype="fp32"),
+                      parallel=ParallelArgs(tp=2, ep=2, sequence_parallel=True),
+                      optim=OptimizerConfig(lr=1e-3, eps=1e-5, router_bias_update_rate=RATE),
+                      lr=LRScheduleConfig(warmup_steps=1, total_steps=steps),
+                      data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=64),
+                      train=LoopArgs(micro_batch_size=1, global_batch_size=4, max_steps=steps, eval_every=0),
+                      checkpoint=CheckpointArgs(out=str(tmp_path / "run"), save_every=0, keep_last=1),
+                      tensorboard=False)
+    exported = spawn(_train_run, 4, cfg)[0]
+    before, after = HFCheckpoint(model), HFCheckpoint(exported)
+    AutoModelForCausalLM.from_pretrained(exported)
+    for i in (1, 2):
+        name = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+        moves = (after.get(name) - before.get(name)) / RATE
+        assert moves.abs().max() > 0.5 and moves.abs().max() <= steps + 1e-3, moves
+        assert torch.allclose(moves, moves.round(), atol=1e-3), moves
+    assert not torch.equal(after.get("model.layers.1.self_attn.kv_b_proj.weight"),
+                           before.get("model.layers.1.self_attn.kv_b_proj.weight"))
+
+
+def _train_run(cfg):
+    return str(Trainer(cfg).run().hf_folder)
