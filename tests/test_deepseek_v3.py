@@ -10,6 +10,7 @@ greedily, as transformers' `generate` does.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from bounds import within
@@ -127,6 +128,22 @@ def test_round_trip_bit_exact(kind, checkpoints, tmp_path):
         hf_to_mp(checkpoints[kind], mp, tp=tp, pp=pp)
         mp_to_hf(mp, out)
         assert assert_same_tensors(checkpoints[kind], out) > 0
+
+
+def test_mtp_layers_are_carried_verbatim(tmp_path):
+    """A checkpoint with an MTP layer (`model.layers.3.*` of a 3-layer model, as DeepSeek-V3's 61st): converted at
+    TP2 x PP2 and exported, every tensor comes back byte for byte, the MTP ones untrained beside the others."""
+    src = save_tiny("deepseek_v3", tmp_path / "src")
+    tensors = load_file(src / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    mtp = {"model.layers.3.eh_proj.weight": torch.randn(32, 64, generator=g),
+           "model.layers.3.enorm.weight": torch.randn(32, generator=g).to(torch.bfloat16)}
+    save_file({**tensors, **mtp}, src / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    hf_to_mp(src, tmp_path / "mp", tp=2, pp=2)
+    mp_to_hf(tmp_path / "mp", tmp_path / "hf")
+    assert assert_same_tensors(src, tmp_path / "hf") == len(tensors) + 2
 
 
 def _save_at_ep2(src: str, out: str) -> None:

@@ -81,9 +81,11 @@ class HFCheckpoint:
         self._stored = {name: k for k, name in names.items() if name is not None}
         self.carried = [k for k, name in names.items() if name is None]  # the wrapper's other tensors
         try:
-            fixed = family_of(meta.get("model_type")).fixed
+            family = family_of(meta.get("model_type"))
         except UnsupportedConfigError:
             return  # refused with its config line by whoever normalises the config
+        fixed = family.fixed
+        self.carried += [self._stored[n] for n in self._stored if family.carried(n, meta)]
         for name in [n for n in self._stored if fixed(n) is not None]:
             value = self.get(name)
             if not bool((value == fixed(name)).all()):

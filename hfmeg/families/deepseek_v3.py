@@ -10,8 +10,8 @@ block's: the router `mlp.gate.weight`, its `mlp.gate.e_score_correction_bias`, t
 (`mlp.experts.{e}.{gate,up,down}_proj`, or stacked) and `mlp.shared_experts.{gate,up,down}_proj`.
 
 Multi-token prediction: transformers (5.24) builds no MTP module and skips a checkpoint's MTP layers
-(`model.layers.{num_hidden_layers}.*`) on load; hfmeg computes what transformers computes, so it neither reads nor
-trains nor writes them, whatever `num_nextn_predict_layers` says (docs/numerics.md).
+(`model.layers.{num_hidden_layers}.*`) on load; hfmeg computes what transformers computes, so it does not train them:
+they are carried verbatim (`FamilySpec.carried`) into the export, untrained (docs/moe.md).
 
 LoRA: peft (0.21) maps DeepSeek-V3 as Qwen2-MoE for its experts (transformers' conversion table): `gate_proj` +
 `up_proj` adapt the stacked experts' `gate_up_proj`, `down_proj` theirs, `gate` the router, and the dense layers'
@@ -22,6 +22,8 @@ Not built, refused by its field: biases on the attention projections (`attention
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import replace
 from typing import Collection
 
@@ -117,6 +119,13 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[Tens
                     TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols")]
 
 
+def mtp_layer(name: str, config: dict) -> bool:
+    """Whether HF tensor `name` is one of the MTP layers', numbered after the model's `num_hidden_layers`."""
+    found = re.match(r"model\.layers\.(\d+)\.", name)
+    return found is not None and int(found.group(1)) >= config.get("num_hidden_layers", math.inf)
+
+
 DEEPSEEK_V3 = FamilySpec(("deepseek_v3",), "DeepseekV3ForCausalLM", normalise, layer_rules,
                          embedding="model.embed_tokens.weight", final_norm="model.norm", experts=EXPERTS,
-                         peft=PeftNames(PROJECTIONS, QWEN3_MOE.peft.experts, fused=QWEN3_MOE.peft.fused))
+                         peft=PeftNames(PROJECTIONS, QWEN3_MOE.peft.experts, fused=QWEN3_MOE.peft.fused),
+                         carried=mtp_layer)

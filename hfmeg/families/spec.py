@@ -82,3 +82,6 @@ class FamilySpec:
     # with, at the value where that changes nothing (Gemma 4's `layer_scalar`: 1); None for every other tensor.
     # Checked on reading (`checkpoint/hf_reader.py`), kept verbatim on export (`checkpoint/carried.py`).
     fixed: Callable[[str], float | None] = lambda name: None
+    # (HF tensor name, config.json as a dict) -> whether it is a tensor the family's checkpoints hold that transformers
+    # does not compute with either (DeepSeek-V3's MTP layers): carried verbatim, unchecked (`checkpoint/carried.py`).
+    carried: Callable[[str, dict], bool] = lambda name, config: False
