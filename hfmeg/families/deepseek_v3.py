@@ -31,7 +31,7 @@ from transformers import PretrainedConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
 from ..config import MLAConfig, ModelConfig, MoEConfig, require
-from .llama import decoder_config, layer_prefix, moe_rules
+from .llama import _moe_rules, decoder_config, layer_prefix
 from .qwen3_moe import QWEN3_MOE
 from .spec import ExpertNames, FamilySpec, PeftNames, TensorRule
 
@@ -114,7 +114,7 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[Tens
         TensorRule(L + "post_attn_norm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
     ]
     if cfg.is_sparse(i):
-        return rules + moe_rules(cfg, i, experts, EXPERTS)
+        return rules + _moe_rules(cfg, i, experts, EXPERTS)  # the LLaMA layout's MoE tensors, DeepSeek's names
     return rules + [TensorRule(L + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up"),
                     TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols")]
 

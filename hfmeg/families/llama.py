@@ -138,8 +138,7 @@ def _expert_rules(local: str, hf: str, names: tuple[str, str, str], hidden: int,
             TensorRule(local + "fc2.weight", (down,), "replicated", shapes=((hidden, ffn),))]
 
 
-def moe_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: ExpertNames) -> list[TensorRule]:
-    """MoE layer i's router (and its correction bias), the `experts` it holds and its shared expert."""
+def _moe_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: ExpertNames) -> list[TensorRule]:
     m, h = cfg.moe, cfg.hidden_size
     L = f"layers.{i}.mlp."
     names = MLP if m.fused_experts else on_disk  # stacked experts: every family's in-memory names
@@ -204,7 +203,7 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Exp
     if cfg.mlp_bias:
         rules.append(TensorRule(L + "mlp.fc1.bias", (m + "gate_proj.bias", m + "up_proj.bias"), "gate_up"))
         rules.append(TensorRule(L + "mlp.fc2.bias", (m + "down_proj.bias",), "replicated"))
-    return rules + (moe_rules(cfg, i, experts, on_disk) if cfg.is_sparse(i) else [])
+    return rules + (_moe_rules(cfg, i, experts, on_disk) if cfg.is_sparse(i) else [])
 
 
 def llama_layout(model_types: tuple[str, ...], architecture: str, normalise: Callable[[PretrainedConfig], ModelConfig],
