@@ -96,7 +96,8 @@ def test_config_reads_the_routing():
 
 
 @pytest.mark.parametrize("field, value", [("attention_bias", True), ("num_key_value_heads", 2), ("n_group", 4),
-                                          ("n_group", 3), ("topk_group", 3), ("num_experts_per_tok", 3)])
+                                          ("n_group", 3), ("n_group", None), ("topk_group", 3),
+                                          ("num_experts_per_tok", 3), ("qk_rope_head_dim", 3)])
 def test_unbuilt_fields_are_refused_naming_the_field(field, value):
     with pytest.raises(UnsupportedConfigError, match=f"^config.json field {field}:"):
         model_config_from_hf(tiny_config("deepseek_v3", **{field: value}))

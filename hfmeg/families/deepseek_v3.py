@@ -53,7 +53,9 @@ def _mla(hf: PretrainedConfig) -> MLAConfig:
 
 
 def _moe(hf: PretrainedConfig) -> MoEConfig:
-    experts, top_k, groups, best = hf.n_routed_experts, hf.num_experts_per_tok, hf.n_group, hf.topk_group
+    # null counts (the config's types allow them; transformers' router cannot run with them) are refused as 0
+    experts, top_k = hf.n_routed_experts or 0, hf.num_experts_per_tok or 0
+    groups, best = hf.n_group or 0, hf.topk_group or 0
     require(experts >= 1, "n_routed_experts", f"{experts}: a model without experts is not an MoE model")
     require(groups >= 1 and experts % groups == 0, "n_group", f"{groups} must divide n_routed_experts={experts}")
     require(experts // groups >= 2, "n_group", f"{groups}: a group is ranked by its two best scores, so each needs "
