@@ -49,6 +49,12 @@ class MoEConfig:
     # from config.json (`checkpoint.rules.with_expert_layout`), and kept so that export writes it back.
     fused_experts: bool = False
     experts_field: str = "num_experts"  # the config.json field of the expert count (Mixtral: num_local_experts)
+    # gpt-oss: the router's logits have a bias; each expert's fc1 and fc2 have biases; its SwiGLU is clamped,
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit) (None: plain SwiGLU).
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
 
 @dataclass
@@ -102,6 +108,9 @@ class ModelConfig:
     # values are RMS-normalised over each head with no weight, as the q/k norms are with theirs.
     norm_fp32_scale: bool = False
     v_norm: bool = False
+    # gpt-oss: a learned logit per query head joins each query's softmax normaliser (an attention sink) and takes
+    # no value: softmax over [scores, sink], the sink's column dropped.
+    attn_sinks: bool = False
     moe: MoEConfig | None = None
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
 
@@ -165,15 +174,18 @@ class ModelConfig:
             v = getattr(self, k)
             if v != default:
                 out[k] = list(v) if isinstance(v, tuple) else v
-        if self.moe is not None:
-            out["moe"] = {k: v for k, v in asdict(self.moe).items() if k != "experts_field"}  # a name, not maths
+        if self.moe is not None:  # experts_field: a name, not maths; the later MoE fields only when set
+            defaults = {f.name: f.default for f in fields(MoEConfig) if f.name in MOE_LATER_FIELDS}
+            out["moe"] = {k: v for k, v in asdict(self.moe).items()
+                          if k != "experts_field" and (k not in defaults or v != defaults[k])}
         return out
 
 
 # ModelConfig fields added after layout format version 1: written only when set (ModelConfig.to_dict).
 LATER_FIELDS = ("qk_norm", "nope_layers", "partial_rotary_factor", "full_attention_layers", "norm_offset",
                 "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
-                "rope_per_layer_type", "qk_norm_whole", "pre_norms", "norm_fp32_scale", "v_norm")
+                "rope_per_layer_type", "qk_norm_whole", "pre_norms", "norm_fp32_scale", "v_norm", "attn_sinks")
+MOE_LATER_FIELDS = ("router_bias", "expert_bias", "swiglu_alpha", "swiglu_limit")
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:

@@ -75,7 +75,7 @@ def test_softcapped_scores_in_flex_and_dense_attention():
         assert (capped - attend(q, k, v, dense, scale=0.25, gqa=True)).abs().max() > 1e-2
     # Where flex applies, a capped model's one-document rows take a causal block mask (not s² dense scores).
     from torch.nn.attention.flex_attention import create_mask
-    causal_block = MaskPlanner(torch.device("cpu"), 1, 0, True, torch.float32, capped=True).mask(None, 200)
+    causal_block = MaskPlanner(torch.device("cpu"), 1, 0, True, torch.float32, explicit=True).mask(None, 200)
     assert torch.equal(create_mask(causal_block.block.mask_mod, 1, None, 200, 200), causal[None, None])
     _flex_within_rounding_of_dense(q, k, v, causal_block, DocumentMask(dense=causal[None, None]), softcap=0.5)
     assert MaskPlanner(torch.device("cpu"), 1, 0, True, torch.float32).mask(None, 200) is None

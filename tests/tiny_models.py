@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Gemma4TextConfig, GPT2Config, LlamaConfig, MistralConfig,
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Gemma4TextConfig, GPT2Config, GptOssConfig,
+                          LlamaConfig, MistralConfig,
                           MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
                           SmolLM3Config)
 
@@ -48,6 +49,14 @@ _MOE = dict(_COMMON, hidden_size=32, intermediate_size=48, num_attention_heads=4
             num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
 _QWEN_MOE = dict(_MOE, num_experts=4, moe_intermediate_size=16)
 
+# gpt_oss (tests/test_gpt_oss.py): attention sinks, Q/K/V/O biases, the window on its first layer (sliding, full),
+# YaRN, a router with a bias, experts with biases and a SwiGLU clamped at a limit small enough to bite (its expert
+# pre-activations reach ~0.4).
+_GPT_OSS = dict(_MOE, num_local_experts=4, intermediate_size=16, head_dim=8, sliding_window=WINDOW,
+                layer_types=_LAYER_TYPES, swiglu_limit=0.1,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})
+
 
 def tiny_config(kind: str, **overrides):
     if kind == "llama3":
@@ -86,6 +95,8 @@ def tiny_config(kind: str, **overrides):
         cfg = MixtralConfig(**_MOE, num_local_experts=4)
     elif kind == "qwen2_moe":
         cfg = Qwen2MoeConfig(**_QWEN_MOE, decoder_sparse_step=2, shared_expert_intermediate_size=24)
+    elif kind == "gpt_oss":
+        cfg = GptOssConfig(**_GPT_OSS)
     elif kind == "qwen3_moe":
         cfg = Qwen3MoeConfig(**_QWEN_MOE, norm_topk_prob=True, mlp_only_layers=[0])
     else:
@@ -104,7 +115,7 @@ def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith(("gate.weight", "shared_expert_gate.weight")):
+            if name.endswith(("gate.weight", "shared_expert_gate.weight", "router.weight")):
                 # Routers 10x HF's init: clear top-k choices, so fp32 rounding differences cannot flip them.
                 p.mul_(10.0)
     model.save_pretrained(folder)

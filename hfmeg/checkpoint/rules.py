@@ -21,6 +21,8 @@ Split kinds:
 - `vocab`: rows padded with zeros to the padded vocabulary, then split dim 0.
 - `fused`: several HF tensors concatenated along dim 0, whole on every TP rank (an
   MoE expert's `[gate; up]`: experts are not TP-split, see `models/moe.py`).
+- `interleaved`: one HF tensor whose dim-0 entries alternate gate and up (gpt-oss's experts, after the
+  transpose), whole on every TP rank as `[gate; up]`.
 
 MoE layers (Mixtral `block_sparse_moe.*`, Qwen `mlp.*`: the family's `ExpertNames`) map the router (`gate`) and
 every expert's tensors one to one, by expert index, so each tensor travels alone
@@ -140,6 +142,8 @@ def to_local(
         out = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
     elif kind == "fused":
         out = torch.cat(hf, dim=0)
+    elif kind == "interleaved":
+        out = torch.cat([hf[0][0::2], hf[0][1::2]], dim=0)
     elif kind == "vocab":
         full = hf[0]
         padded = cfg.padded_vocab(tp, vocab_multiple)
@@ -191,6 +195,8 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
         outs = [torch.cat(shards, dim=0)[: cfg.vocab_size]]
     elif kind == "fused":
         outs = list(shards[0].chunk(len(rule.hf), dim=0))
+    elif kind == "interleaved":
+        outs = [torch.stack(shards[0].chunk(2, dim=0), dim=1).flatten(0, 1)]
     else:
         raise ValueError(f"unknown split kind {kind!r} for {rule.local}")
     if rule.transpose:

@@ -11,6 +11,11 @@ each rank's gradient comes from its own heads only, so its role says
 of a token: their weights are TP-sharded with the heads (`norm.HeadsRMSNorm`). Gemma 4 normalises each value head
 too, with no weight (`cfg.v_norm`).
 
+gpt-oss's attention sinks (`cfg.attn_sinks`): a learned logit per query head that joins the softmax's
+normaliser and contributes no value (`document_attention.attend`); a rank holds its heads' sinks. Under context
+parallelism every rank's queries see the whole gathered row of keys in one call, so each sink joins each
+query's normaliser once.
+
 A layer with a sliding window (`cfg.window`) attends under the micro-batch's windowed mask
 (`DocumentMask.sliding`, document_attention.py), the others under its full one.
 
@@ -36,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from ..parallel.context import gather_kv
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..parallel.roles import ParamRole, add_param
 from ..parallel.state import ParallelState
 from .document_attention import DocumentMask, attend, layer_mask
 from .kernels import Kernels
@@ -61,6 +67,10 @@ class ParallelAttention(nn.Module):
         elif cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg, True, kernels)
             self.k_norm = RMSNorm(d, cfg, True, kernels)
+        if cfg.attn_sinks:  # one logit per query head: TP-sharded with the heads (a rank's are contiguous)
+            add_param(self, "sinks", cfg.num_heads // ps.tp, role=ParamRole("bias", tp_dim=0))
+        else:
+            self.sinks = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, docs: DocumentMask | None,
                 recompute_core: bool = False):
@@ -89,5 +99,5 @@ class ParallelAttention(nn.Module):
         if rope is not None and self.rotates:
             q, k = self.kernels.rope(q, *rope), self.kernels.rope(k, *rope)
         k, v = gather_kv(k, v, self.ps)  # the whole row's under context parallelism
-        o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1, softcap=self.cfg.attn_softcap)
+        o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1, softcap=self.cfg.attn_softcap, sinks=self.sinks)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads_local * d]

@@ -195,7 +195,8 @@ class ModelChunk(nn.Module):
         ps = self.ps
         device = device or ps.device
         return MaskPlanner(device, ps.cp, ps.cp_rank, flex_applies(device, self.cfg.head_dim), self._compute_dtype(),
-                           self.cfg.sliding_window, capped=self.cfg.attn_softcap is not None)
+                           self.cfg.sliding_window,
+                           explicit=self.cfg.attn_softcap is not None or self.cfg.attn_sinks)
 
     def stage(self, mb: MicroBatch) -> MicroBatch:
         """A micro-batch on this rank's device with its attention decided (models/staging.py)."""

@@ -335,13 +335,12 @@ def check_model(chunk_cfg, cfg: PeftConfig) -> None:
     wanted = set(cfg.target_modules) - {ALL_LINEAR}
     if chunk_cfg.moe is None:
         unmatched = sorted(wanted - set(cfg.module_targets(names)))
-    elif not names.experts:  # Qwen2-MoE: peft's names are its nn.Linears only
+    elif not names.experts:  # Qwen2-MoE, gpt-oss: peft's names are their nn.Linears only
         experts = sorted(wanted & ({"gate"} | set(EXPERT_PARAMS)) - set(names.modules))
         if experts:
             raise UnsupportedConfigError(f"peft.target_modules: {experts} on {chunk_cfg.model_type}: peft reaches its "
                                          "routed experts and router only through target_parameters (no v4-name "
-                                         "mapping for this model), which is not built; target attention, the shared "
-                                         "expert (gate_proj up_proj down_proj) and shared_expert_gate")
+                                         f"mapping for this model), which is not built; target {' '.join(names.modules)}")
         unmatched = sorted(wanted - set(names.modules))
         shared = set(cfg.module_targets(names)) - set(ATTENTION)
         if shared and (cfg.method == "dora" or cfg.dropout):
@@ -374,7 +373,9 @@ def _check_saved(chunk_cfg, cfg: PeftConfig) -> None:
     if not moe:
         return
     shared = chunk_cfg.moe is not None and bool(chunk_cfg.moe.shared_expert_ffn_size)
-    absent = [m for m in moe if chunk_cfg.moe is None or (m == SHARED_GATE and not shared)]
+    # gpt-oss's router is `mlp.router`, with a bias: not the `gate` peft's suffix match would save
+    absent = [m for m in moe if chunk_cfg.moe is None or (m == SHARED_GATE and not shared)
+              or (m == "gate" and chunk_cfg.moe.router_bias)]
     if absent:
         raise UnsupportedConfigError(f"peft.modules_to_save: {absent[0]} is not a module of this "
                                      f"{chunk_cfg.model_type} model")
