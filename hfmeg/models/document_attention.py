@@ -304,10 +304,11 @@ def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    wide = torch.promote_types(scores.dtype, torch.float32)  # the softmax in fp32, or wider (float64 references)
     if sinks is None:
-        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype), v)
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=wide)[..., :-1]
     return torch.matmul(probs.to(q.dtype), v)
 
 
@@ -315,7 +316,8 @@ def _sunk(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tens
     """Attention output `o` `[b, heads, s, d]` whose normaliser was exp(`lse`), rescaled to the normaliser with
     the sink: exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), exact (no approximation), differentiable
     in `lse` (flex's backward takes its gradient) and in the sinks."""
-    return o * torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1)).unsqueeze(-1).to(o.dtype)
+    wide = torch.promote_types(o.dtype, torch.float32)
+    return o * torch.sigmoid(lse.to(wide) - sinks.to(wide).view(1, -1, 1)).unsqueeze(-1).to(o.dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentMask | None, scale: float,
