@@ -32,6 +32,7 @@ from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.data.microbatch import MicroBatch
 from hfmeg.errors import UnsupportedConfigError
 from hfmeg.families import model_config_from_hf
+from hfmeg.models.generate import greedy_generate
 from hfmeg.parallel.data_parallel import DataParallel
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
@@ -44,6 +45,9 @@ LAYER_TYPES = ["sliding_attention", "full_attention"] * 2
 LAYOUTS = [(1, 1, False, 1), (2, 1, False, 1), (2, 1, True, 1), (1, 1, False, 2), (2, 1, True, 2), (1, 2, False, 2),
            (2, 2, True, 1)]
 VOCAB = 300
+GENERATE = ((2, 1, False, 1), (1, 1, False, 2))  # layouts that also generate greedily, past the window
+PROMPT = torch.tensor([[5, 17, 42, 7, 99]])
+NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +157,18 @@ def _check_layouts(folder, ref_logits, ref_grads):
         row["grad_rel"], row["seen"] = _grad_diff(chunks, ps, ref_grads)
         if loss is not None:
             row["loss"] = loss * ps.dp
+        if (tp, pp, sp, ep) in GENERATE:
+            row["generated"] = greedy_generate(chunks, ps, PROMPT, NEW_TOKENS).tolist()
         rows.append(row)
     return rows
 
 
 def test_packed_rows_match_transformers(gpt_oss, tmp_path):
-    """Logits (PP 1), loss and every gradient within 1e-4 (relative for gradients) of transformers' in fp32."""
+    """Logits (PP 1), loss and every gradient within 1e-4 (relative for gradients) of transformers' in fp32; greedy
+    generation (transformers' with its cache) the same tokens."""
     ref_logits, ref_loss, ref_grads = _reference(gpt_oss, tmp_path / "ref")
+    model = AutoModelForCausalLM.from_pretrained(gpt_oss, dtype=torch.float32, attn_implementation="eager")
+    expected = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False).tolist()
     results = spawn(_check_layouts, 4, str(gpt_oss), ref_logits, ref_grads)
     for layout in LAYOUTS:
         rows = [r for rank in results for r in rank if r["layout"] == layout]
@@ -171,3 +180,6 @@ def test_packed_rows_match_transformers(gpt_oss, tmp_path):
                 within(r["logit_diff"], 1e-4, "logit_diff", r)
             if "loss" in r:
                 within(abs(r["loss"] - ref_loss), 1e-5, "loss_diff", r)
+            if "generated" in r:
+                assert r["generated"] == expected, (r["generated"], expected)
+    assert sum("generated" in r for rank in results for r in rank) == 4 * len(GENERATE)
