@@ -157,8 +157,15 @@ def save_tiny_wrapped(kind: str, folder: Path, seed: int = 0, **text) -> Path:
 
 
 def reference_attention(folder: Path) -> str:
-    """The transformers attention to compare with: `eager` where scores are soft-capped (SDPA refuses it)."""
-    return "eager" if json.loads((Path(folder) / "config.json").read_text()).get("attn_logit_softcapping") else "sdpa"
+    """The transformers attention to compare with: `eager` where scores are soft-capped (SDPA refuses it) or the
+    class has no SDPA path (gpt-oss, for its sinks)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(folder)
+    sdpa = type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa
+    capped = json.loads((Path(folder) / "config.json").read_text()).get("attn_logit_softcapping")
+    return "eager" if capped or not sdpa else "sdpa"
 
 
 def rewrite_config_v4(folder: Path) -> None:
