@@ -281,6 +281,21 @@ def test_planning_a_packed_mask_on_the_gpu_makes_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_attention_sinks_in_compiled_flex_forward_and_backward_on_cuda():
+    """gpt-oss's sinks through the compiled flex kernel: its log-sum-exp and the backward through it (`_sunk`), the
+    output and the gradients of q, k, v and the sinks against the explicit path's, fp32, packed rows across tiles."""
+    q, k, v = (t.cuda().requires_grad_() for t in _qkv(d=64))
+    sinks = torch.randn(8, device="cuda", requires_grad=True)
+    outs = []
+    for docs in (plan(SEGMENTS.cuda(), flex=True), plan(SEGMENTS.cuda(), flex=False)):
+        o = attend(q, k, v, docs, 64 ** -0.5, gqa=True, sinks=sinks)
+        outs.append((o, *torch.autograd.grad(o, (q, k, v, sinks), torch.ones_like(o))))
+    for got, ref in zip(*outs):  # fp32, two kernels' summation orders
+        assert (got - ref).abs().max() <= 1e-4 * ref.abs().max().clamp_min(1.0)
+
+
 def _split_block_mask_matches_dense(device: str) -> None:
     """Each CP rank's flex block mask (`split_block_mask`: its queries over the gathered keys) against the dense
     split mask: element by element, and through `attend` forward and backward (flex vs SDPA), with documents of

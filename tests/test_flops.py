@@ -36,6 +36,23 @@ def test_moe_layers_count_the_router_and_the_routed_experts_only():
     assert 12.5e9 < active + h * cfg.vocab_size < 13.5e9  # the published ~12.9B active parameters
 
 
+def test_gpt_oss_counts_its_routed_experts_matmuls_and_not_its_biases_or_sinks():
+    """gpt-oss-120b's shapes (transformers' default config): the router and 4 of 128 experts of 3·h·F each (gate_up
+    `[h, 2F]`, down `[F, h]`); its biases, sinks and clamped SwiGLU are elementwise, which Megatron's accounting
+    leaves out as it does every bias. The published 5.13B active parameters (the unembedding counted)."""
+    from transformers import GptOssConfig
+
+    from hfmeg.families import model_config_from_hf
+    from hfmeg.plan.flops import layer_matmul_params
+
+    cfg = model_config_from_hf(GptOssConfig())  # 2880 hidden and expert FFN, 64 heads of 64, 8 KV heads, 36 layers
+    h = f = 2880
+    attention = h * (64 + 2 * 8) * 64 + 64 * 64 * h
+    assert layer_matmul_params(cfg, 0) == attention + h * 128 + 4 * 3 * h * f
+    active = 36 * layer_matmul_params(cfg, 0) + h * cfg.vocab_size
+    assert 5.08e9 < active < 5.18e9
+
+
 def test_windowed_layers_count_the_pairs_their_window_computes():
     """A windowed layer's attention term is Megatron's scaled by its (query, key) pairs over the causal ones,
     counted here one query at a time; a full layer (and a window no shorter than the row) keeps Megatron's."""

@@ -68,14 +68,19 @@ attention skips the tiles beyond the window and caps in its `score_mod`, saving 
 saves): rows of one document, as counted here, attend plain causal, but a windowed layer
 of a row longer than its window attends under the boolean `[1, 1, s, s]` window mask, of
 which SDPA saves an additive copy in the model dtype, e·s² per such layer. Soft-capped
-scores are computed explicitly (models/document_attention.py `_softcapped`), which saves,
-instead of SDPA's output and log-sum-exp: the rotated Q, K and V repeated to the query heads
-(K transposed into a copy; the rotated K itself is then saved by nothing, nor, without
-QK-norm, the fused QKV output), the scores' tanh (e·b·nh·s·S, S the keys: s, or the whole
-row under CP), the fp32 probabilities (4·b·nh·s·S, and their e-byte copy below fp32), the
-boolean mask of the call (s² bytes; under CP the additive mask is added, which saves nothing,
+scores and scores with sinks (gpt-oss) are computed explicitly (models/document_attention.py
+`_explicit`), which saves, instead of SDPA's output and log-sum-exp: the rotated Q, K and V
+repeated to the query heads (K transposed into a copy; the rotated K itself is then saved by
+nothing, nor, without QK-norm, the fused QKV output), the scores' tanh (e·b·nh·s·S, S the
+keys: s, or the whole row under CP; none without a cap), the fp32 probabilities
+(4·b·nh·s·S, a column more with sinks, and their e-byte copy below fp32), the boolean mask of the call (s² bytes; under CP the additive mask is added, which saves nothing,
 so no chunk mask either), and the output projection's input, always a copy. Every family
 that caps its scores has RoPE, which this count assumes.
+
+On CUDA flex's sinks (rescaled by its log-sum-exp) save besides an fp32 factor per query and head (and its
+cast below fp32), 4·b·nh·s; counted from the code, as no CPU run takes that path. gpt-oss's experts add an
+int64 row index per bias (16·R bytes for R routed rows) and the clamped SwiGLU three e·R·F tensors more than
+SwiGLU (the clamped gate, the sigmoid, up + 1).
 
 Fused (compiled) kernels save less; the count is then an upper bound.
 """
@@ -139,18 +144,25 @@ def _head_norms(cfg: ModelConfig, x: Shape) -> int:
         else:
             total += inputs + 4 * b * s * (nh + nkv) + _scaled(cfg, e, b * s * nh, d) + _scaled(cfg, e, b * s * nkv, d)
     if cfg.v_norm:  # no weight: its output is the V that attention saves (its own storage, not QKV's)
-        normed = e * b * s * nkv * d if x.cp == 1 and not (x.dense_mask and cfg.attn_softcap is not None) else 0
+        normed = e * b * s * nkv * d if x.cp == 1 and not (x.dense_mask and explicit_scores(cfg)) else 0
         total += 4 * b * s * nkv + (4 * b * s * nkv * d if e != 4 else 0) + normed
     return total
 
 
-def _capped_core(cfg: ModelConfig, x: Shape) -> int:
-    """The explicit soft-capped attention's saved bytes (the CPU path: module docstring)."""
+def explicit_scores(cfg: ModelConfig) -> bool:
+    """Whether the CPU path computes the attention scores explicitly: soft-capped, or with sinks (module docstring)."""
+    return cfg.attn_softcap is not None or cfg.attn_sinks
+
+
+def _explicit_core(cfg: ModelConfig, x: Shape) -> int:
+    """The explicit attention's saved bytes (the CPU path of soft-capped scores or sinks: module docstring)."""
     b, s, keys, e, d = x.micro_batch, x.seq, x.seq_len, x.dtype_bytes, cfg.head_dim
     nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
     qkv = e * s * b * (nh + 2 * nkv) * d if cfg.qk_norm else 0  # the q/k norms' inputs are views of it
     rows = e * b * nh * d * (2 * s + 2 * keys)  # rotated Q, the repeated K and V, the output projection's input
-    scores = b * nh * s * keys * (e + 4 + (e if e != 4 else 0))  # tanh, fp32 probabilities (and their cast)
+    tanh = e if cfg.attn_softcap is not None else 0
+    # the tanh, the fp32 probabilities (a column more with sinks) and their cast below fp32
+    scores = b * nh * s * keys * (tanh + 4 + (e if e != 4 else 0)) + (4 * b * nh * s if cfg.attn_sinks else 0)
     return qkv + rows + scores + (s * s if x.cp == 1 else 0)
 
 
@@ -161,13 +173,15 @@ def _windowed_mask(cfg: ModelConfig, x: Shape, layer: int) -> bool:
 
 
 def _attention_core(cfg: ModelConfig, x: Shape, layer: int) -> int:
-    if x.dense_mask and cfg.attn_softcap is not None:
-        return _capped_core(cfg, x) + _head_norms(cfg, x)
+    if x.dense_mask and explicit_scores(cfg):
+        return _explicit_core(cfg, x) + _head_norms(cfg, x)
     sb, e, d = x.seq * x.micro_batch, x.dtype_bytes, cfg.head_dim
     nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
     q_is_view = nkv == 1 or nh == nkv
+    # flex's sinks (CUDA): the rescaling's fp32 factor per query and head, and its cast below fp32
+    sunk = (4 + (e if e != 4 else 0)) * x.micro_batch * nh * x.seq if cfg.attn_sinks else 0
     total = 4 * x.micro_batch * nh * x.seq + e * sb * nh * d + (0 if q_is_view else e * sb * nh * d) \
-        + _head_norms(cfg, x)
+        + _head_norms(cfg, x) + sunk
     rotates = cfg.uses_rope(layer)
     if x.cp == 1:
         window_mask = e * x.seq * x.seq if _windowed_mask(cfg, x, layer) else 0  # SDPA's additive copy
@@ -200,6 +214,10 @@ def _moe(cfg: ModelConfig, x: Shape) -> int:
         + n * k * (4 if m.combine_fp32 else e)
     offsets = 4 * (m.num_experts // x.ep)  # the grouped GEMMs' int32 offsets, one tensor kept by fc1's and fc2's
     experts = e * n * k * (3 * h + 4 * f) + offsets + (16 * n * k if x.ep > 1 else 0)  # R = n·k received rows
+    if m.expert_bias:  # gpt-oss: each bias's rows gathered by an int64 index (repeat_interleave)
+        experts += 16 * n * k
+    if m.swiglu_limit is not None:  # the clamped SwiGLU: the clamped gate, the sigmoid and up + 1 besides
+        experts += 3 * e * n * k * f
     shared = e * n * (4 * m.shared_expert_ffn_size + 1 + h) if m.shared_expert_ffn_size else 0
     return e * x.local_seq * x.micro_batch * h + routing + experts + shared
 
@@ -227,7 +245,7 @@ def chunk_bytes(cfg: ModelConfig, x: Shape, layers: range, pre_process: bool, po
     total = sum(layer_bytes(cfg, x, i) for i in layers)
     if x.recompute == "none":  # cos and sin of each RoPE table the layers read (Gemma 3's: one per layer type)
         total += 2 * e * bs * cfg.rotary_dim * len({cfg.rope_key(i) for i in layers if cfg.uses_rope(i)})
-    if layers and x.cp > 1 and x.dense_mask and x.recompute == "none" and cfg.attn_softcap is None:
+    if layers and x.cp > 1 and x.dense_mask and x.recompute == "none" and not explicit_scores(cfg):
         # the CP attention's additive mask, saved by every layer's SDPA (recompute holds it outside autograd), and
         # the windowed layers' own
         total += e * bs * x.seq_len * (2 if any(_windowed_mask(cfg, x, i) for i in layers) else 1)
