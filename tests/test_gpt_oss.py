@@ -12,6 +12,9 @@ assembled as `GptOssForCausalLM` assembles it: cross-entropy plus `router_aux_lo
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,6 +42,7 @@ from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.stored_names import stored_tensors
 from test_tp_parity import _gather_tp
 from tiny_models import WINDOW, save_tiny, tiny_config
+from tool_loader import load_tool
 
 LAYER_TYPES = ["sliding_attention", "full_attention"] * 2
 # (tp, pp, sp, ep) in a world of 4 (the rest DP)
@@ -66,6 +70,17 @@ def test_config_reader_switches_gpt_oss_maths_on_and_refuses_quantized_experts()
     quantized = tiny_config("gpt_oss", quantization_config={"quant_method": "mxfp4"})
     with pytest.raises(UnsupportedConfigError, match="config.json field quantization_config: 'mxfp4'"):
         model_config_from_hf(quantized)
+
+
+def test_converter_refuses_an_mxfp4_checkpoint_in_one_line(gpt_oss, tmp_path, capsys):
+    src = tmp_path / "mxfp4"
+    shutil.copytree(gpt_oss, src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    rc = load_tool("convert_hf_to_mp").main(["--hf", str(src), "--out", str(tmp_path / "out"), "--tp", "1", "--pp", "1"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(err) == 1 and "config.json field quantization_config: 'mxfp4'" in err[0], err
+    assert not (tmp_path / "out").exists()
 
 
 def test_round_trip_bit_exact_at_tp2_pp2(gpt_oss, tmp_path):
