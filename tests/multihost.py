@@ -35,6 +35,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 PREFIX = "hfmeg-"
 RATE = "1gbit"  # a commodity inter-host link; the issue's cluster has 100 Gbit/s between 8-GPU nodes
 DELAY_MS = 0.5
+MONITOR_S = 0.5  # how often torchrun's agent looks at its workers
 RDZV_PORT = 29400  # every bed has its own network, so a fixed port cannot clash with another bed's
 _beds = count()
 
@@ -146,7 +147,7 @@ class Hosts:
         return [str(TORCHRUN), "--nnodes", str(self.n), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{self.addr(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
                 "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'}", "--local-addr", self.addr(i),
-                "--max-restarts", str(max_restarts), "--monitor-interval", "0.5"]
+                "--max-restarts", str(max_restarts), "--monitor-interval", str(MONITOR_S)]
 
     def torchrun(self, i: int, nproc: int, args: list[str], log: Path, **kw) -> subprocess.Popen:
         return self.popen(i, [*self.torchrun_args(i, nproc, **kw), *args], log)
@@ -204,3 +205,27 @@ def run_job(hosts: Hosts, nproc: int, args: list[str], logs: Path, *, timeout_s:
     if codes != [0] * hosts.n:
         tails = "\n".join(f"--- host {i}:\n" + (logs / f"host{i}.log").read_text()[-3000:] for i in range(hosts.n))
         raise AssertionError(f"exit codes {codes} (None: still running after {timeout_s:.0f} s)\n{tails}")
+
+
+def worker_ranks(hosts: Hosts, i: int, agent: subprocess.Popen) -> dict[int, int]:
+    """{pid: RANK} of the workers torchrun (`agent`) runs in host `i` now."""
+    out = {}
+    for pid in hosts.pids(i):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # exited meanwhile
+            continue
+        rank = [e[5:] for e in env if e.startswith(b"RANK=")]
+        if pid != agent.pid and rank:
+            out[pid] = int(rank[0])
+    return out
+
+
+def wait_for(predicate, timeout_s: float, what: str, procs: list[subprocess.Popen] = ()) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a launcher exited (codes {[p.poll() for p in procs]}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} after {timeout_s:.0f} s")
+        time.sleep(0.05)

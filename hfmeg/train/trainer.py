@@ -50,6 +50,7 @@ from ..models.moe import expert_load
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.agree import agree
+from ..parallel.heartbeat import Heartbeat
 from ..parallel.pipeline import forward_backward
 from ..parallel.state import ParallelState, join_world
 from ..plan.flops import mfu, peak_flops
@@ -99,7 +100,24 @@ def _sum_over_world(value: float | torch.Tensor | None, contributes: bool, devic
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
-        device = join_world()
+        device = join_world(timeout_s=cfg.train.collective_timeout_s)
+        self.heartbeat = Heartbeat.start(cfg.train.heartbeat_timeout_s, device)
+        try:
+            self._start(cfg, device)
+        except BaseException as e:
+            self._leave(e)
+            raise
+
+    def _leave(self, error: BaseException | None = None) -> None:
+        """This rank is done with its peers: after a failed collective, a peer found lost ends the process with
+        one line (`Heartbeat.wait_verdict`); otherwise the heartbeat stops, so that its silence is no loss."""
+        if self.heartbeat is None:
+            return
+        if error is not None:
+            self.heartbeat.wait_verdict(error)
+        self.heartbeat.stop()
+
+    def _start(self, cfg: TrainConfig, device: torch.device) -> None:
         cfg, self.prediction = resolve_layout(cfg, device)  # the planner's layout with parallel.layout auto
         self.cfg = cfg
         self.ps = ParallelState(cfg.parallel, dist.get_rank(), dist.get_world_size(), device)
@@ -212,6 +230,11 @@ class Trainer:
             if self.is_logger and summary.stopped_by is None:
                 final = summary.checkpoint or self._unexported_final()
                 summary.hf = self.export(final) if final is not None else self._exported()
+        except BaseException as e:
+            self._leave(e)
+            raise
+        else:
+            self._leave()
         finally:
             if self.lock is not None:
                 self.lock.release()
