@@ -4,7 +4,9 @@
         jobs = [hosts.torchrun(h, 2, ["-m", "hfmeg", "train", ...]) for h in range(hosts.n)]
 
 Each host is a namespace `hfmeg-<pid>-<k>-h<i>` holding one interface, `eth0`, with the address
-`10.0.0.<i+1>/24`, and its loopback. The switch is one more namespace (`...-sw`) holding a bridge and the
+`10.0.0.<i+1>/24`, and its loopback; its processes also get a UTS namespace of their own with the host
+name `h<i>`, and an /etc/hosts (`ip netns exec` mounts `/etc/netns/<name>/hosts` over it) that resolves
+every host's name to its address, as on a real cluster. The switch is one more namespace (`...-sw`) holding a bridge and the
 other ends of the hosts' veth pairs, so the machine's own namespace gets no interface and no address, and
 deleting the switch removes every link at once. Two beds never collide: each has its own switch (the same
 addresses in different beds are different networks) and its own names.
@@ -14,15 +16,16 @@ The links between hosts are shaped on both ends of each veth pair: `tbf` at `RAT
 host reach each other through their host's own address, which Linux delivers over the loopback: only
 traffic between hosts crosses the shaped links.
 
-torchrun runs in each host with the c10d rendezvous on host 0's address; `GLOO_SOCKET_IFNAME=eth0` makes
-gloo use the host's address (the default would be the machine's hostname, which resolves outside the
-namespace). A bed whose creator died (a killed test run) is removed by the next one (`clean_stale`).
+torchrun runs in each host with the c10d rendezvous on `h0`, so torchrun's own ways of finding the store's
+host (its host name) and gloo's of finding its interface (the address the host name resolves to) are the
+ones a cluster exercises. A bed whose creator died (a killed test run) is removed by the next one (`clean_stale`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,11 +36,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 PREFIX = "hfmeg-"
+ETC_NETNS = Path("/etc/netns")  # where `ip netns exec` finds a namespace's own /etc files
 RATE = "1gbit"  # a commodity inter-host link; the issue's cluster has 100 Gbit/s between 8-GPU nodes
 DELAY_MS = 0.5
 MONITOR_S = 0.5  # how often torchrun's agent looks at its workers
-RDZV_PORT = 29400  # every bed has its own network, so a fixed port cannot clash with another bed's
+RDZV_PORT = 29400
+STAND_IN_ENV = "HFMEG_STAND_IN_HOSTS"  # every bed has its own network, so a fixed port cannot clash with another bed's
 _beds = count()
+
+
+def in_host(ns: str, hostname: str, cmd: list[str]) -> list[str]:
+    """`cmd` run in namespace `ns` under its own host name (a UTS namespace of its own)."""
+    return ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *cmd]
 
 
 class NamespaceUnavailable(RuntimeError):
@@ -71,6 +81,10 @@ def clean_stale() -> list[str]:
             _kill_inside(ns)
             _ip("netns", "del", ns, check=False)
             gone.append(ns)
+    for etc in ETC_NETNS.glob(f"{PREFIX}*") if ETC_NETNS.is_dir() else ():
+        m = re.match(rf"{PREFIX}(\d+)-", etc.name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            shutil.rmtree(etc, ignore_errors=True)
     return gone
 
 
@@ -100,6 +114,10 @@ class Hosts:
         netem = True
         for i, ns in enumerate(self.hosts):
             _ip("netns", "add", ns)
+            etc = ETC_NETNS / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{self.addr(j)} {self.hostname(j)}\n"
+                                                                         for j in range(self.n)))
             _ip("-n", ns, "link", "set", "lo", "up")
             port = f"p{i}"
             _ip("-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -128,29 +146,36 @@ class Hosts:
     def addr(i: int) -> str:
         return f"10.0.0.{i + 1}"
 
+    @staticmethod
+    def hostname(i: int) -> str:
+        return f"h{i}"
+
     def env(self, i: int) -> dict[str, str]:
-        """The environment of host `i`'s processes: this checkout's hfmeg, gloo on the host's interface, CPU."""
-        return {**os.environ, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1",
+        """The environment of host `i`'s processes: this checkout's hfmeg, on the CPU with gloo."""
+        return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                 "CUDA_VISIBLE_DEVICES": "", "HFMEG_BACKEND": "gloo"}
 
     def popen(self, i: int, cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start `cmd` in host `i` (its own session, output to `log`); stopped by `close`."""
         with open(log, "ab") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.hosts[i], *cmd], stdout=out,
+            proc = subprocess.Popen(in_host(self.hosts[i], self.hostname(i), cmd), stdout=out,
                                     stderr=subprocess.STDOUT, env=env or self.env(i), start_new_session=True,
                                     cwd=ROOT)
         self.procs.append(proc)
         return proc
 
-    def torchrun_args(self, i: int, nproc: int, *, max_restarts: int = 0, run_id: str = "hfmeg") -> list[str]:
-        """torchrun's flags for host `i` of this bed: c10d rendezvous on host 0, which hosts the store."""
+    def torchrun_args(self, nproc: int, *, max_restarts: int = 0, run_id: str = "hfmeg") -> list[str]:
+        """torchrun's flags on every host of this bed: c10d rendezvous on host 0 (`h0`), which hosts the store."""
         return [str(TORCHRUN), "--nnodes", str(self.n), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{self.addr(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
-                "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'}", "--local-addr", self.addr(i),
+                "--rdzv-endpoint", f"{self.hostname(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
                 "--max-restarts", str(max_restarts), "--monitor-interval", str(MONITOR_S)]
 
     def torchrun(self, i: int, nproc: int, args: list[str], log: Path, **kw) -> subprocess.Popen:
-        return self.popen(i, [*self.torchrun_args(i, nproc, **kw), *args], log)
+        return self.popen(i, [*self.torchrun_args(nproc, **kw), *args], log)
+
+    def stand_in_env(self) -> dict[str, str]:
+        """What tests/slurm_stand_ins/ read: this bed's hosts as `namespace=hostname` pairs."""
+        return {STAND_IN_ENV: " ".join(f"{ns}={self.hostname(i)}" for i, ns in enumerate(self.hosts))}
 
     def pids(self, i: int) -> list[int]:
         return [int(p) for p in _ip("netns", "pids", self.hosts[i], check=False).stdout.split()]
@@ -168,6 +193,7 @@ class Hosts:
             if ns in _namespaces():
                 _kill_inside(ns)
                 _ip("netns", "del", ns, check=False)
+            shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
         for proc in self.procs:
             proc.wait()
 
