@@ -217,10 +217,14 @@ def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None
 
 def train_args(model: Path, data: Path, out: Path, *flags: str, steps: int = 4) -> list[str]:
     """torchrun's arguments for `-m hfmeg train` on the SFT recipe: a short fp32 run (`flags` add to it)."""
-    return ["-m", "hfmeg", "train", "--recipe", "sft_llama13b", "--model", str(model),
-            "--data", str(data), "--seq-len", "64", "--global-batch-size", "4", "--max-steps", str(steps),
-            "--lr", "3e-3", "--warmup-steps", "1", "--dtype", "fp32", "--eval-every", "0", "--out", str(out),
-            "--set", "tensorboard=false", *flags]
+    return ["-m", "hfmeg", "train", "--recipe", "sft_llama13b", *recipe_flags(model, data, out, *flags, steps=steps)]
+
+
+def recipe_flags(model: Path, data: Path, out: Path, *flags: str, steps: int = 4) -> list[str]:
+    """The SFT recipe's flags for a short fp32 run of `steps` steps on `model` and `data` into `out`."""
+    return ["--model", str(model), "--data", str(data), "--seq-len", "64", "--global-batch-size", "4",
+            "--max-steps", str(steps), "--lr", "3e-3", "--warmup-steps", "1", "--dtype", "fp32", "--eval-every", "0",
+            "--out", str(out), "--set", "tensorboard=false", *flags]
 
 
 def run_job(hosts: Hosts, nproc: int, args: list[str], logs: Path, *, timeout_s: float = 120, **kw) -> None:
