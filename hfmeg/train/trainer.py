@@ -12,7 +12,8 @@ One step:
    (`expert_load`); evaluation, checkpointing and a requested stop follow.
 
 Around the loop: rank 0 holds `<out>`'s run lock from start to end (`run_lock.py`);
-a worker whose launcher dies stops (`stop.LauncherWatch`); `train.max_skipped_steps`
+a worker whose launcher dies stops (`stop.LauncherWatch`); a peer silent for `train.heartbeat_timeout_s` ends
+every other rank with one line naming it (`parallel/heartbeat.py`), also where a collective failed first; `train.max_skipped_steps`
 skipped steps in a row (non-finite gradients: the run has diverged) save a
 checkpoint and abort with `TrainingDiverged`. After the final checkpoint, the last
 collective of the run, rank 0 alone exports (and uploads) while the other ranks
