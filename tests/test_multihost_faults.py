@@ -1,11 +1,11 @@
 """A host lost, a link down, a rank stopped, a host's workers killed: across namespace hosts (tests/multihost.py).
 
 Runs are TP2 inside a host x DP2 across two hosts, with `train.heartbeat_timeout_s` BOUND. A survivor
-exits at most BOUND after a peer's last beat (parallel/heartbeat.py), and its launcher notices within
-its monitor interval (MONITOR_S, tests/multihost.py), so the time from the loss to the survivors'
-launcher's exit is bounded by BOUND + MONITOR_S plus the processes' own exit (GRACE_S: the workers' exit
-and the agent's report on a loaded 2-core machine). A stopped rank stops beating at once, so the same
-bound holds; the issue asks for twice BOUND.
+prints its line and exits at most BOUND after a peer's last beat, which comes before the loss
+(parallel/heartbeat.py): the line is timed against BOUND + WAKE_S (a thread's wake-up on a loaded 2-core
+machine shared with other suites). The survivors' launcher notices within its monitor interval
+(MONITOR_S, tests/multihost.py) and then stops the host's other workers and reports (GRACE_S). A stopped
+rank stops beating at once, so the same bound holds; the issue asks for twice BOUND.
 
 `HFMEG_HOST_KILLS=5` runs five seeded kills instead of the suite's two (the issue's sweep).
 """
@@ -25,7 +25,8 @@ from multihost import MONITOR_S, Hosts, NamespaceUnavailable, run_job, train_arg
 from test_train import ALPACA, _assets
 
 BOUND = 4.0
-GRACE_S = 2.0
+WAKE_S = 1.0
+GRACE_S = 3.0
 LOST_LINE = "hfmeg: lost "
 
 
@@ -42,6 +43,17 @@ def _start(bed: Hosts, tmp_path, *flags: str, steps: int = 100000, **kw):
     return out, logs, [bed.torchrun(i, 2, args, logs[i], **kw) for i in range(bed.n)]
 
 
+def _time_to_exit(procs, log) -> tuple[float, float]:
+    """Seconds from now to the first survivor's line in `log`, and to the exit of the launcher `procs[0]`."""
+    t0, line = time.monotonic(), None
+    while procs[0].poll() is None and time.monotonic() - t0 < BOUND * 4:
+        if line is None and LOST_LINE in log.read_text(errors="replace"):
+            line = time.monotonic() - t0
+        time.sleep(0.05)
+    seconds = time.monotonic() - t0
+    return (seconds if line is None else line), seconds
+
+
 def _lost_lines(log) -> list[str]:
     """The survivors' lines (each may follow rank 0's progress bar, which ends without a newline)."""
     text = log.read_text(errors="replace").replace("\r", "\n")
@@ -54,14 +66,12 @@ def test_survivors_name_the_lost_host_and_stop_within_the_bound(namespace_hosts,
     out, logs, procs = _start(bed, tmp_path)
     wait_for(lambda: _steps(out) >= 2, 120, "second step", procs)
     lost = sorted(worker_ranks(bed, 1, procs[1]).values())
-    t0 = time.monotonic()
     if how == "link-down":
         bed.link_down(1)
     else:
         for pid in bed.pids(1):
             os.kill(pid, signal.SIGKILL)
-    wait_all(procs[:1], BOUND * 4)
-    seconds = time.monotonic() - t0
+    line_s, exit_s = _time_to_exit(procs, logs[0])
     assert procs[0].returncode not in (None, 0), logs[0].read_text()[-3000:]
     lines = _lost_lines(logs[0])
     # One line from a survivor, naming both lost ranks; its neighbour on the host prints the same line unless
@@ -69,7 +79,8 @@ def test_survivors_name_the_lost_host_and_stop_within_the_bound(namespace_hosts,
     assert 1 <= len(lines) <= 2, logs[0].read_text()[-3000:]
     assert all(f"lost ranks {lost[0]}, {lost[1]} on host" in line and f"{bed.addr(1)})" in line for line in lines), \
         lines
-    within(seconds, BOUND + MONITOR_S + GRACE_S, f"loss ({how}) to the survivors' exit, s")
+    within(line_s, BOUND + WAKE_S, f"loss ({how}) to a survivor's line, s")
+    within(exit_s, BOUND + WAKE_S + MONITOR_S + GRACE_S, f"loss ({how}) to the survivors' launcher's exit, s")
 
 
 def test_a_stopped_rank_is_named_within_twice_the_bound(namespace_hosts, tmp_path):
@@ -77,14 +88,13 @@ def test_a_stopped_rank_is_named_within_twice_the_bound(namespace_hosts, tmp_pat
     out, logs, procs = _start(bed, tmp_path)
     wait_for(lambda: _steps(out) >= 2, 120, "second step", procs)
     pid, rank = next(iter(worker_ranks(bed, 1, procs[1]).items()))
-    t0 = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
-    wait_all(procs[:1], BOUND * 4)
-    seconds = time.monotonic() - t0
+    line_s, exit_s = _time_to_exit(procs, logs[0])
     lines = _lost_lines(logs[0])
     assert 1 <= len(lines) <= 3 and all(f"lost rank {rank} on host" in line for line in lines), \
         logs[0].read_text()[-3000:]
-    within(seconds, 2 * BOUND, "SIGSTOP of one rank to the survivors' exit, s")
+    within(line_s, 2 * BOUND, "SIGSTOP of one rank to a survivor's line, s")
+    within(exit_s, 2 * BOUND + MONITOR_S + GRACE_S, "SIGSTOP of one rank to the survivors' launcher's exit, s")
 
 
 STEPS, SAVE_EVERY = 12, 2

@@ -11,7 +11,7 @@ another host's failure (a membership change) does not count it, so two hosts may
 So rank 0 draws a random token per round and every other rank asks for it: rank r appends a fresh
 nonce of its own to a queue in the store and waits for the answer under a key named by that nonce,
 which no earlier round can have written. Rank 0 answers every question in the queue (a dead round's
-too, harmlessly) until its default group is up, which needs every rank of the round; the round's keys
+too, harmlessly) until a first barrier of the new group has passed, which needs every rank of the round; the round's keys
 then live under `hfmeg/round/<token>/`. Outside torchrun's shared store (a store started by rank 0 itself,
 as accelerate's static rendezvous and `launch.spawn` do) every round has a new store and nothing is done.
 """
@@ -38,7 +38,7 @@ def shared_across_rounds() -> bool:
 def round_store(timeout_s: float):
     """`init_process_group`'s store arguments for this round: {} outside torchrun's shared store, else a
     `PrefixStore` under this round's token with the rank and world size. Rank 0 answers the other ranks'
-    questions until the block ends (call `init_process_group` inside it)."""
+    questions until the block ends (call `init_process_group` inside it), which ends with a barrier."""
     if not shared_across_rounds():
         yield {}
         return
@@ -54,6 +54,7 @@ def round_store(timeout_s: float):
         token = _ask(store)
     try:
         yield dict(store=dist.PrefixStore(f"{ROOT}/{token}/", store), rank=rank, world_size=world)
+        dist.barrier()  # every rank has the token once all are in the group (NCCL's may return before they are)
     finally:
         done.set()
 
