@@ -170,8 +170,10 @@ class Hosts:
                 "--rdzv-endpoint", f"{self.hostname(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
                 "--max-restarts", str(max_restarts), "--monitor-interval", str(MONITOR_S)]
 
-    def torchrun(self, i: int, nproc: int, args: list[str], log: Path, **kw) -> subprocess.Popen:
-        return self.popen(i, [*self.torchrun_args(nproc, **kw), *args], log)
+    def torchrun(self, i: int, nproc: int, args: list[str], log: Path, env: dict[str, str] | None = None,
+                 **kw) -> subprocess.Popen:
+        """torchrun `args` in host `i` with `nproc` ranks (`env`: added to the host's environment)."""
+        return self.popen(i, [*self.torchrun_args(nproc, **kw), *args], log, {**self.env(i), **(env or {})})
 
     def stand_in_env(self) -> dict[str, str]:
         """What tests/slurm_stand_ins/ read: this bed's hosts as `namespace=hostname` pairs."""

@@ -82,6 +82,7 @@ def test_the_kubernetes_manifest_is_a_pytorchjob_that_hfmeg_accepts():
     assert spec["elasticPolicy"]["minReplicas"] == spec["elasticPolicy"]["maxReplicas"] == worker["replicas"]
     container = next(c for c in worker["template"]["spec"]["containers"] if c["name"] == "pytorch")
     assert container["command"] == ["torchrun", "-m", "hfmeg", "train"]
+    assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in container["env"]  # a pod can rejoin
     nproc = int(spec["nprocPerNode"])
     assert container["resources"]["limits"]["nvidia.com/gpu"] == nproc
     world = worker["replicas"] * nproc

@@ -122,22 +122,35 @@ def _final(out) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))}
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("HFMEG_HOST_KILLS", "2"))))
-def test_a_host_whose_workers_are_killed_comes_back_to_the_same_model(namespace_hosts, tmp_path, uninterrupted, seed):
-    """torchrun --max-restarts 3: host 1's workers die at a random step; the job restarts by itself, resumes from
-    its newest complete checkpoint and ends with the uninterrupted run's final checkpoint, byte for byte."""
+# The agents' store for each round afresh: without it, an agent started again after its host was lost cannot
+# join (torch: a node new to a later round waits for the store's address, which only the first round writes).
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+@pytest.mark.parametrize("lost, seed", [("workers", s) for s in range(int(os.environ.get("HFMEG_HOST_KILLS", "2")))]
+                         + [("host", 0)])
+def test_a_host_killed_mid_run_comes_back_to_the_same_model(namespace_hosts, tmp_path, uninterrupted, lost, seed):
+    """torchrun --max-restarts 3, killed at a seeded random step: host 1's workers (its agent restarts them,
+    on torch's shared store), or all of host 1 (the scheduler starts its torchrun again, here after 2 s, on a
+    store per round). The job restarts by itself, resumes from its newest complete checkpoint and ends with
+    the uninterrupted run's final checkpoint, byte for byte."""
     bed = namespace_hosts(2)
     out = tmp_path / "run"
-    logs = [tmp_path / f"host{i}.log" for i in range(2)]
-    procs = [bed.torchrun(i, 2, _resumable(out), logs[i], max_restarts=3) for i in range(2)]
+    logs = [tmp_path / f"host{i}.log" for i in range(3)]
+    env = FRESH_STORE if lost == "host" else {}
+    procs = [bed.torchrun(i, 2, _resumable(out), logs[i], env, max_restarts=3) for i in range(2)]
     at_step = random.Random(seed).randrange(1, STEPS - 1)
     wait_for(lambda: _steps(out) >= at_step, 120, f"step {at_step}", procs)
     saved = (out / "checkpoints" / "latest_checkpointed_iteration.txt").is_file()  # else it starts over
-    for pid in worker_ranks(bed, 1, procs[1]):
+    for pid in (bed.pids(1) if lost == "host" else worker_ranks(bed, 1, procs[1])):
         os.kill(pid, signal.SIGKILL)
+    if lost == "host":
+        procs[1].wait()
+        time.sleep(2)
+        procs[1] = bed.torchrun(1, 2, _resumable(out), logs[2], env, max_restarts=3)
     codes = wait_all(procs, 180)
-    text = "".join(log.read_text(errors="replace") for log in logs)
-    assert codes == [0, 0], "\n".join(log.read_text(errors="replace")[-3000:] for log in logs)
+    text = "".join(log.read_text(errors="replace") for log in logs if log.is_file())
+    assert codes == [0, 0], "\n".join(log.read_text(errors="replace")[-3000:] for log in logs if log.is_file())
     assert ("resuming from" in text) == saved, saved
     final = _final(out)
     assert final.keys() == uninterrupted.keys() and final == uninterrupted, sorted(final)
