@@ -59,7 +59,10 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _namespaces() -> list[str]:
-    out = _ip("netns", "list", check=False).stdout
+    try:
+        out = _ip("netns", "list", check=False).stdout
+    except FileNotFoundError:  # no `ip`: no namespaces either
+        return []
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
@@ -98,8 +101,8 @@ class Hosts:
         self.shaping = f"tbf {rate}"
         if os.geteuid() != 0:
             raise NamespaceUnavailable("network namespaces need root")
-        clean_stale()
         try:
+            clean_stale()
             self._build(rate, delay_ms)
         except (subprocess.CalledProcessError, FileNotFoundError, OSError) as e:
             self.close()

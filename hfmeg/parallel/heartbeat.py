@@ -55,7 +55,6 @@ class Heartbeat:
         self.store, self.rank, self.world, self.timeout_s, self.hosts = store, rank, world, timeout_s, hosts
         self.interval = timeout_s / BEATS_PER_TIMEOUT
         self._stop = threading.Event()
-        self.verdict: str | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="hfmeg-heartbeat")
 
     @classmethod
@@ -109,7 +108,6 @@ class Heartbeat:
     def _lost(self, what: str) -> None:
         if self._stop.is_set():
             return
-        self.verdict = what
         print(f"hfmeg: lost {what} (train.heartbeat_timeout_s {self.timeout_s:g}); rank {self.rank} on "
               f"{self.hosts[self.rank]} stops (exit {EXIT_PEER_LOST})", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_LOST)
