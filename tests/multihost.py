@@ -1,24 +1,26 @@
 """A cluster of hosts on one machine: Linux network namespaces joined by a switch, with shaped links.
 
     with Hosts(2) as hosts:                       # namespaces made here, torn down on leaving
-        jobs = [hosts.torchrun(h, 2, ["-m", "hfmeg", "train", ...]) for h in range(hosts.n)]
+        jobs = [hosts.torchrun(h, 2, train_args(...), log_dir / f"host{h}.log") for h in range(hosts.n)]
+        codes = wait_all(jobs, timeout_s=120)
 
 Each host is a namespace `hfmeg-<pid>-<k>-h<i>` holding one interface, `eth0`, with the address
 `10.0.0.<i+1>/24`, and its loopback; its processes also get a UTS namespace of their own with the host
 name `h<i>`, and an /etc/hosts (`ip netns exec` mounts `/etc/netns/<name>/hosts` over it) that resolves
-every host's name to its address, as on a real cluster. The switch is one more namespace (`...-sw`) holding a bridge and the
-other ends of the hosts' veth pairs, so the machine's own namespace gets no interface and no address, and
-deleting the switch removes every link at once. Two beds never collide: each has its own switch (the same
+every host's name to its address, as on a real cluster. The switch is one more namespace (`...-sw`)
+holding a bridge and the other ends of the hosts' veth pairs, so the machine's own namespace gets no
+interface and no address, and deleting the switch removes every link at once. Two beds never collide: each has its own switch (the same
 addresses in different beds are different networks) and its own names.
 
 The links between hosts are shaped on both ends of each veth pair: `tbf` at `RATE` on each direction, and
-`netem` adds `DELAY_MS` one way where the kernel has it (`shaping` says what was applied). Ranks on one
+`netem` adds `DELAY_MS` each way where the kernel has it (`shaping` says what was applied). Ranks on one
 host reach each other through their host's own address, which Linux delivers over the loopback: only
 traffic between hosts crosses the shaped links.
 
 torchrun runs in each host with the c10d rendezvous on `h0`, so torchrun's own ways of finding the store's
 host (its host name) and gloo's of finding its interface (the address the host name resolves to) are the
-ones a cluster exercises. A bed whose creator died (a killed test run) is removed by the next one (`clean_stale`).
+ones a cluster exercises. A bed whose creator died (a killed test run) is removed by the next one
+(`clean_stale`).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ ETC_NETNS = Path("/etc/netns")  # where `ip netns exec` finds a namespace's own 
 RATE = "1gbit"  # a commodity inter-host link; the issue's cluster has 100 Gbit/s between 8-GPU nodes
 DELAY_MS = 0.5
 MONITOR_S = 0.5  # how often torchrun's agent looks at its workers
-RDZV_PORT = 29400
-STAND_IN_ENV = "HFMEG_STAND_IN_HOSTS"  # every bed has its own network, so a fixed port cannot clash with another bed's
+RDZV_PORT = 29400  # every bed has its own network, so a fixed port cannot clash with another bed's
+STAND_IN_ENV = "HFMEG_STAND_IN_HOSTS"
 _beds = count()
 
 
@@ -129,7 +131,8 @@ class Hosts:
             _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             for where, dev in ((ns, "eth0"), (sw, port)):
-                netem = netem and self._tc(where, dev, rate, delay_ms)
+                delayed = self._tc(where, dev, rate, delay_ms)  # on every link, whatever the others got
+                netem = netem and delayed
         if netem:
             self.shaping += f" + netem {delay_ms} ms each way"
 

@@ -19,7 +19,10 @@ def test_hosts_reach_each_other_by_name_over_shaped_links_and_leave_nothing(name
     bed = namespace_hosts(2)
     assert _in(bed, 1, "hostname").strip() == "h1"
     assert _in(bed, 1, "getent", "hosts", "h0").split()[0] == bed.addr(0)
-    assert "rate 1Gbit" in _in(bed, 0, "tc", "qdisc", "show", "dev", "eth0")
+    for i in range(bed.n):  # both ends of every link
+        assert "rate 1Gbit" in _in(bed, i, "tc", "qdisc", "show", "dev", "eth0")
+        assert "rate 1Gbit" in subprocess.run(["ip", "netns", "exec", bed.switch, "tc", "qdisc", "show", "dev", f"p{i}"],
+                                              capture_output=True, text=True, check=True).stdout
     # Host 0 reaches host 1 over its link; its own address stays on its loopback (no other host sees it).
     assert _in(bed, 0, "ip", "route", "get", bed.addr(1)).split()[2] == "eth0"
     assert " dev lo " in _in(bed, 0, "ip", "route", "get", bed.addr(0))
