@@ -45,11 +45,13 @@ def round_store(timeout_s: float):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = _client(timeout_s)
     done = threading.Event()
+    answering = None
     if rank == 0:
         token = secrets.token_hex(8)
         # Its own connection: a client serves one request at a time, and the group's start blocks in a `get`.
-        threading.Thread(target=_answer, args=(_client(timeout_s), token, done), daemon=True,
-                         name="hfmeg-round").start()
+        answering = threading.Thread(target=_answer, args=(_client(timeout_s), token, done), daemon=True,
+                                     name="hfmeg-round")
+        answering.start()
     else:
         token = _ask(store)
     try:
@@ -57,6 +59,8 @@ def round_store(timeout_s: float):
         dist.barrier()  # every rank has the token once all are in the group (NCCL's may return before they are)
     finally:
         done.set()
+        if answering is not None:  # ended here, not at the interpreter's exit in the middle of a store call
+            answering.join()
 
 
 def _client(timeout_s: float) -> dist.TCPStore:
