@@ -104,6 +104,8 @@ def _sum_over_world(values: torch.Tensor) -> list[float]:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
+        # The process group is the trainer's to end only where it made it (not a caller's, e.g. launch.spawn's).
+        self.owns_world = not dist.is_initialized()
         device = join_world(timeout_s=cfg.train.collective_timeout_s)
         self.heartbeat = Heartbeat.start(cfg.train.heartbeat_timeout_s, device)
         try:
@@ -115,11 +117,14 @@ class Trainer:
     def _leave(self, error: BaseException | None = None) -> None:
         """This rank is done with its peers: after a failed collective, a peer found lost ends the process with
         one line (`Heartbeat.wait_verdict`); otherwise the heartbeat stops, so that its silence is no loss."""
-        if self.heartbeat is None:
-            return
-        if error is not None:
-            self.heartbeat.wait_verdict(error)
-        self.heartbeat.stop()
+        if self.heartbeat is not None:
+            if error is not None:
+                self.heartbeat.wait_verdict(error)
+            self.heartbeat.stop()
+        if error is None and self.owns_world:
+            # gloo's and the store's threads end here, not in the interpreter's teardown, where a thread still
+            # joinable aborts the process ("terminate called without an active exception")
+            dist.destroy_process_group()
 
     def _start(self, cfg: TrainConfig, device: torch.device) -> None:
         cfg, self.prediction = resolve_layout(cfg, device)  # the planner's layout with parallel.layout auto
