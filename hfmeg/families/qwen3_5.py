@@ -13,7 +13,8 @@ A linear-attention layer (`models/gated_deltanet.py`, `ModelConfig.linear_attent
 `linear_attn`: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` (one column-parallel projection in hfmeg,
 split by heads: rule kind `parts`), the depthwise `conv1d` over q, k, v, `A_log` and `dt_bias` per value head,
 the gated RMSNorm `norm` (w, not 1 + w) and `out_proj`. Context parallelism is refused for it
-(`config.check_cp`). LoRA is not built for this family (`peft` None).
+(`config.check_cp`). LoRA (and DoRA) take peft's names for every projection (`all-linear`: the attention's, the
+linear attention's `in_proj_*` and `out_proj`, the MLP's); the convolution, a `Conv1d`, is not adapted.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from dataclasses import replace
 from transformers import PretrainedConfig
 
 from ..config import LinearAttentionConfig, ModelConfig, require
-from .llama import decoder_config, layer_prefix, layer_rules, llama_layout
-from .spec import TensorRule
+from .llama import ATTENTION, PROJECTIONS, decoder_config, layer_prefix, layer_rules, llama_layout
+from .spec import PeftNames, TensorRule
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -71,4 +72,8 @@ def rules(cfg: ModelConfig, i: int, experts) -> list[TensorRule]:
     ]
 
 
-QWEN3_5 = replace(llama_layout(("qwen3_5_text",), "Qwen3_5ForCausalLM", normalise), layer_rules=rules, peft=None)
+# peft's `all-linear` on Qwen3.5: the attention projections, the linear-attention projections and the MLP's.
+LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+PEFT = PeftNames(ATTENTION + LINEAR_ATTENTION + PROJECTIONS[4:])
+
+QWEN3_5 = replace(llama_layout(("qwen3_5_text",), "Qwen3_5ForCausalLM", normalise, peft=PEFT), layer_rules=rules)
