@@ -140,3 +140,14 @@ def test_refusals_name_the_field():
         model_config_from_hf(tiny_config("qwen3_5", layer_types=["sliding_attention"] + ["full_attention"] * 3))
     with pytest.raises(UnsupportedConfigError, match="field linear_num_value_heads"):
         model_config_from_hf(tiny_config("qwen3_5", linear_num_value_heads=6))
+
+
+def test_planner_counts_flops_but_refuses_to_guess_linear_attention_memory():
+    from hfmeg.plan.flops import training_flops
+    from hfmeg.plan.layout import PlanLayout
+    from hfmeg.plan.memory import stage_memory
+
+    cfg = model_config_from_hf(tiny_config("qwen3_5"))
+    assert training_flops(cfg, 1, 128) > 0
+    with pytest.raises(UnsupportedConfigError, match="field layer_types: the planner does not count"):
+        stage_memory(cfg, PlanLayout(1, 1, 1, 1), 0, 1, 32, 4)

@@ -84,7 +84,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import ModelConfig
+from ..config import ModelConfig, require
 
 
 @dataclass(frozen=True)
@@ -223,6 +223,8 @@ def layer_bytes(cfg: ModelConfig, x: Shape, layer: int = 0) -> int:
 
 def chunk_bytes(cfg: ModelConfig, x: Shape, layers: range, pre_process: bool, post_process: bool) -> int:
     """Saved bytes of one model chunk (its layers plus the ends it owns) for one micro-batch."""
+    require(cfg.linear_attention is None, "layer_types", "the planner does not count the activations of "
+            "linear_attention layers (Qwen3.5's Gated DeltaNet); plan a layout by hand")
     bs, e = x.micro_batch * x.seq, x.dtype_bytes
     total = sum(layer_bytes(cfg, x, i) for i in layers)
     if x.recompute == "none":  # cos and sin of each RoPE table the layers read (Gemma 3's: one per layer type)
