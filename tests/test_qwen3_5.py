@@ -142,12 +142,22 @@ def test_refusals_name_the_field():
         model_config_from_hf(tiny_config("qwen3_5", linear_num_value_heads=6))
 
 
-def test_planner_counts_flops_but_refuses_to_guess_linear_attention_memory():
-    from hfmeg.plan.flops import training_flops
+def test_planner_memory_matches_the_meter_exactly():
+    """The planner's activation count of the Gated DeltaNet and gated attention layers against the saved-tensor meter,
+    byte for byte (fp32, the CPU path), on rows of 100 tokens (two delta-rule chunks, the second padded): TP2 with SP,
+    and PP2 with selective recompute; the optimizer's buffers and state too."""
+    from hfmeg.optim.config import OptimizerConfig
     from hfmeg.plan.layout import PlanLayout
+    from hfmeg.plan.measure import Case, measure_cases
     from hfmeg.plan.memory import stage_memory
 
     cfg = model_config_from_hf(tiny_config("qwen3_5"))
-    assert training_flops(cfg, 1, 128) > 0
-    with pytest.raises(UnsupportedConfigError, match="field layer_types: the planner does not count"):
-        stage_memory(cfg, PlanLayout(1, 1, 1, 1), 0, 1, 32, 4)
+    cases = [Case(cfg, PlanLayout(2, 1, 1, 2), 2, 100, 5000),
+             Case(cfg, PlanLayout(1, 2, 1, 2, recompute="selective"), 4, 100, 5000)]
+    for case, per_rank in zip(cases, measure_cases(cases, steps=0)):
+        opt = OptimizerConfig(mode=case.layout.optimizer, bucket_size=case.bucket_size)
+        for r in per_rank:
+            m = stage_memory(cfg, case.layout, r["pp_rank"], case.global_batch, case.seq_len, 4, opt, dense_mask=True)
+            assert m.activations == r["activations"], (case.layout.name(), r)
+            assert m.param_buffer + m.grad_buffer == r["buffers"], (case.layout.name(), r)
+            assert m.optimizer_state == r["optimizer_state"], (case.layout.name(), r)
