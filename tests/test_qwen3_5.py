@@ -1,6 +1,9 @@
-"""Qwen3.5 text (`qwen3_5_text`): conversion round trips, and parity with transformers on packed rows.
+"""Qwen3.5 text (`qwen3_5_text`) and Qwen3.5-MoE text (`qwen3_5_moe_text`): conversion round trips, and parity
+with transformers on packed rows.
 
-The tiny checkpoint (tests/tiny_models.py) has three Gated DeltaNet layers and one gated full-attention layer.
+The tiny checkpoints (tests/tiny_models.py) have three Gated DeltaNet layers and one gated full-attention layer (the
+MoE one: 4 experts, top 2, a gated shared expert in every layer; its load-balancing loss off here, as transformers'
+is a product of means over the tokens of one forward, which a document-by-document reference cannot give).
 transformers has no packing (its linear-attention layers would carry their state across documents), so each
 document of a packed row runs through it alone; the rows are longer than the delta rule's 64-token chunk, with
 documents starting inside chunks and crossing chunk boundaries.
@@ -29,17 +32,26 @@ from hfmeg.families import model_config_from_hf
 from hfmeg.models.generate import full_logits, greedy_generate
 from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.launch import spawn
+from hfmeg.parallel.stored_names import stored_tensors
 from tiny_models import save_tiny, tiny_config
 
 DOCS = (30, 45, 25)  # a 100-token row: documents start inside the first and second 64-token chunks
-LOGIT_LAYOUTS = [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False), (2, 2, True)]  # (tp, pp, sp)
+LOGIT_LAYOUTS = [(1, 1, False, 1), (2, 1, False, 1), (2, 1, True, 1), (1, 2, False, 1), (2, 2, True, 1)]  # tp pp sp ep
+EP_LAYOUTS = [(1, 1, False, 2), (2, 1, True, 2)]  # the MoE model's logits with its experts over 2 EP ranks
+KINDS = ("qwen3_5", "qwen3_5_moe")
 GRAD_LAYOUTS = [(1, False), (2, False), (2, True)]  # (tp, sp)
 NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return save_tiny("qwen3_5", tmp_path_factory.mktemp("qwen3_5") / "model")
+    root = tmp_path_factory.mktemp("qwen3_5")
+    return {"qwen3_5": save_tiny("qwen3_5", root / "dense"),
+            "qwen3_5_moe": save_tiny("qwen3_5_moe", root / "moe", output_router_logits=False)}
+
+
+def _logit_layouts(folder) -> list[tuple[int, int, bool, int]]:
+    return LOGIT_LAYOUTS + (EP_LAYOUTS if "moe" in str(folder) else [])
 
 
 def _packed():
@@ -63,7 +75,23 @@ def _reference(folder):
         F.cross_entropy(out.flatten(0, 1), labels[:, start:start + n].flatten(), reduction="sum").div(count).backward()
         logits.append(out.detach())
         start += n
-    return torch.cat(logits, dim=1), {n: p.grad for n, p in model.named_parameters()}
+    return torch.cat(logits, dim=1), _per_expert({n: p.grad for n, p in model.named_parameters()})
+
+
+def _per_expert(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' stacked expert gradients (`experts.gate_up_proj` [E, 2F, H], `experts.down_proj` [E, H, F]) under
+    the per-expert names the checkpoint (and so hfmeg's rules) use."""
+    out = {}
+    for name, g in grads.items():
+        prefix, _, stacked = name.rpartition("experts.")
+        if stacked == "gate_up_proj":
+            for e, rows in enumerate(g):
+                out[f"{prefix}experts.{e}.gate_proj.weight"], out[f"{prefix}experts.{e}.up_proj.weight"] = rows.chunk(2)
+        elif stacked == "down_proj":
+            out.update({f"{prefix}experts.{e}.down_proj.weight": w for e, w in enumerate(g)})
+        else:
+            out[name] = g
+    return out
 
 
 def _gather_tp(t, ps):
@@ -77,11 +105,12 @@ def _gather_tp(t, ps):
 def _sharded(folder):
     ids, pos, seg, labels = _packed()
     out = {}
-    for tp, pp, sp in LOGIT_LAYOUTS:
-        ps = make_ps(tp=tp, pp=pp, sp=sp)
+    for layout in _logit_layouts(folder):
+        tp, pp, sp, ep = layout
+        ps = make_ps(tp=tp, pp=pp, sp=sp, ep=ep)
         logits = full_logits(load_chunks(HFCheckpoint(folder), ps), ps, ids, pos, seg)
         if logits is not None:
-            out[("logits", tp, pp, sp)] = logits
+            out[("logits", *layout)] = logits
     ps = make_ps(tp=2, pp=2)
     out["generated"] = greedy_generate(load_chunks(HFCheckpoint(folder), ps), ps, ids[:1, :12], NEW_TOKENS)
     for tp, sp in GRAD_LAYOUTS:
@@ -90,31 +119,32 @@ def _sharded(folder):
         losses = chunk(ids, labels=labels, position_ids=pos, segment_ids=seg)
         (losses.sum() / (labels != -100).sum()).backward()
         sync_sequence_parallel_grads([chunk], ps)
-        params = dict(chunk.named_parameters())
+        params = stored_tensors(chunk, lambda p: p.grad)  # the stacked experts' gradients by expert
         grads = {}
         for rule in chunk_rules(chunk.cfg, chunk.layer_ids, True, True):
-            grads.update(to_hf(rule, _gather_tp(params[rule.local].grad, ps), chunk.cfg))
+            grads.update(to_hf(rule, _gather_tp(params[rule.local], ps), chunk.cfg))
         out[("grads", tp, sp)] = grads
     return out
 
 
-def test_packed_rows_match_transformers_tp_sp_pp(tiny):
-    """Logits at TP ∈ {1, 2} × PP ∈ {1, 2} (SP on and off) ≤ 1e-4, and every gradient at TP ∈ {1, 2} ≤ 1e-4
-    relative, against transformers run document by document (fp32); greedy generation at TP 2 × PP 2 as
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_rows_match_transformers_tp_sp_pp(tiny, kind):
+    """Logits at TP ∈ {1, 2} × PP ∈ {1, 2} (SP on and off; the MoE model also at EP 2) ≤ 1e-4, and every gradient at
+    TP ∈ {1, 2} ≤ 1e-4 relative, against transformers run document by document (fp32); greedy generation at TP 2 × PP 2 as
     transformers' (with its cache: the recurrent form). The per-head A_log and dt_bias gradients, sums over every
     token, come to about half the bound: transformers' own chunked and token-by-token torch forms differ by as
     much (5.8e-5 on this model)."""
-    ref_logits, ref_grads = _reference(tiny)
+    folder = tiny[kind]
+    ref_logits, ref_grads = _reference(folder)
     prompt = _packed()[0][:1, :12]
-    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     want = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
     results = {}
-    for part in spawn(_sharded, 4, str(tiny)):  # a PP layout's logits come from its last stage's ranks
+    for part in spawn(_sharded, 4, str(folder)):  # a PP layout's logits come from its last stage's ranks
         results.update(part)
     assert torch.equal(results["generated"], want), (results["generated"], want)
-    for tp, pp, sp in LOGIT_LAYOUTS:
-        within((results[("logits", tp, pp, sp)] - ref_logits).abs().max().item(), 1e-4, "packed logit diff",
-               (tp, pp, sp))
+    for layout in _logit_layouts(folder):
+        within((results[("logits", *layout)] - ref_logits).abs().max().item(), 1e-4, "packed logit diff", layout)
     for tp, sp in GRAD_LAYOUTS:
         grads = results[("grads", tp, sp)]
         assert sorted(grads) == sorted(ref_grads), (tp, sp)
@@ -123,12 +153,15 @@ def test_packed_rows_match_transformers_tp_sp_pp(tiny):
             within(((g - ref).abs().max() / ref.abs().max()).item(), 1e-4, "grad relative", (tp, sp, name))
 
 
-def test_round_trip_bit_exact(tiny, tmp_path):
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_bit_exact(tiny, tmp_path, kind):
+    """HF -> TP2 x PP2 and TP4 -> HF, every tensor bit for bit (the MoE model's shards hold every expert once, so
+    they serve any EP size)."""
     for tp, pp in ((2, 2), (4, 1)):
         mp, hf = tmp_path / f"mp{tp}{pp}", tmp_path / f"hf{tp}{pp}"
-        hf_to_mp(tiny, mp, tp=tp, pp=pp)
+        hf_to_mp(tiny[kind], mp, tp=tp, pp=pp)
         mp_to_hf(mp, hf)
-        assert assert_same_tensors(tiny, hf) > 0, (tp, pp)
+        assert assert_same_tensors(tiny[kind], hf) > 0, (tp, pp)
         shutil.rmtree(mp), shutil.rmtree(hf)
 
 

@@ -86,6 +86,11 @@ def tiny_config(kind: str, **overrides):
         cfg = Olmo3Config(**_COMMON, **_OLMO, sliding_window=WINDOW, layer_types=_LAYER_TYPES, rope_parameters=_ROPES)
     elif kind == "qwen3_5":
         cfg = Qwen3_5TextConfig(**{**_COMMON, "num_hidden_layers": 4}, **_QWEN3_5)
+    elif kind == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+        moe = {k: v for k, v in _QWEN_MOE.items() if k != "intermediate_size"}  # no dense MLP anywhere
+        cfg = Qwen3_5MoeTextConfig(**{**moe, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8,
+                                      "num_key_value_heads": 4}, **_QWEN3_5, shared_expert_intermediate_size=24)
     elif kind == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=300, n_positions=128)
     elif kind == "mixtral":

@@ -1,4 +1,6 @@
-"""Qwen3.5 text (`qwen3_5_text`, `Qwen3_5ForCausalLM`): Gated DeltaNet linear-attention layers interleaved with
+"""Qwen3.5 text (`qwen3_5_text`, `Qwen3_5ForCausalLM`) and its MoE variant (`qwen3_5_moe_text`,
+`Qwen3_5MoeForCausalLM`: the same layers with Qwen2-MoE's block, routed experts and a gated shared expert, as the
+MLP of every layer): Gated DeltaNet linear-attention layers interleaved with
 gated full attention (`layer_types`: linear_attention / full_attention; three linear layers to one full by
 default).
 
@@ -20,11 +22,12 @@ linear attention's `in_proj_*` and `out_proj`, the MLP's); the convolution, a `C
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 from transformers import PretrainedConfig
 
-from ..config import LinearAttentionConfig, ModelConfig, require
-from .llama import ATTENTION, PROJECTIONS, decoder_config, layer_prefix, layer_rules, llama_layout
+from ..config import LinearAttentionConfig, ModelConfig, MoEConfig, require
+from .llama import ATTENTION, MLP, PROJECTIONS, decoder_config, layer_prefix, layer_rules, llama_layout
 from .spec import PeftNames, TensorRule
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -44,9 +47,22 @@ def linear_attention(hf: PretrainedConfig) -> LinearAttentionConfig:
     return la
 
 
-def normalise(hf: PretrainedConfig) -> ModelConfig:
-    cfg = decoder_config(hf, qk_norm=True, partial_rotary=True)
+def normalise(hf: PretrainedConfig, moe: Callable[[PretrainedConfig], MoEConfig] | None = None) -> ModelConfig:
+    cfg = decoder_config(hf, qk_norm=True, partial_rotary=True, moe=moe)
     return replace(cfg, norm_offset=True, attn_output_gate=True, linear_attention=linear_attention(hf))
+
+
+def sparse_mlp(hf: PretrainedConfig) -> MoEConfig:
+    """Qwen3.5-MoE's MLP, on every layer: top-k of a softmax router, always renormalised, and a shared expert gated
+    by sigmoid(shared_expert_gate(x)) (Qwen2-MoE's block)."""
+    experts, top_k = hf.num_experts, hf.num_experts_per_tok
+    require(experts >= 1, "num_experts", f"{experts}: a model without experts is not an MoE model")
+    require(1 <= top_k <= experts, "num_experts_per_tok", f"{top_k} must be between 1 and num_experts={experts}")
+    return MoEConfig(num_experts=experts, top_k=top_k, expert_ffn_size=hf.moe_intermediate_size, norm_topk_prob=True,
+                     sparse_layers=list(range(hf.num_hidden_layers)), combine_fp32=False,
+                     shared_expert_ffn_size=hf.shared_expert_intermediate_size,
+                     router_aux_loss_coef=float(hf.router_aux_loss_coef),
+                     output_router_logits=bool(hf.output_router_logits))
 
 
 def rules(cfg: ModelConfig, i: int, experts) -> list[TensorRule]:
@@ -77,3 +93,6 @@ LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_p
 PEFT = PeftNames(ATTENTION + LINEAR_ATTENTION + PROJECTIONS[4:])
 
 QWEN3_5 = replace(llama_layout(("qwen3_5_text",), "Qwen3_5ForCausalLM", normalise, peft=PEFT), layer_rules=rules)
+# LoRA on the MoE variant is not built (peft reaches its stacked experts only through target_parameters).
+QWEN3_5_MOE = replace(llama_layout(("qwen3_5_moe_text",), "Qwen3_5MoeForCausalLM",
+                                   lambda hf: normalise(hf, sparse_mlp), experts=MLP, peft=None), layer_rules=rules)
