@@ -12,16 +12,17 @@ documents starting inside chunks and crossing chunk boundaries.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from bounds import within
 from convert_helpers import assert_same_tensors
-from helpers import make_ps
+from helpers import gather_tp, make_ps
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
@@ -75,31 +76,12 @@ def _reference(folder):
         F.cross_entropy(out.flatten(0, 1), labels[:, start:start + n].flatten(), reduction="sum").div(count).backward()
         logits.append(out.detach())
         start += n
-    return torch.cat(logits, dim=1), _per_expert({n: p.grad for n, p in model.named_parameters()})
-
-
-def _per_expert(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' stacked expert gradients (`experts.gate_up_proj` [E, 2F, H], `experts.down_proj` [E, H, F]) under
-    the per-expert names the checkpoint (and so hfmeg's rules) use."""
-    out = {}
-    for name, g in grads.items():
-        prefix, _, stacked = name.rpartition("experts.")
-        if stacked == "gate_up_proj":
-            for e, rows in enumerate(g):
-                out[f"{prefix}experts.{e}.gate_proj.weight"], out[f"{prefix}experts.{e}.up_proj.weight"] = rows.chunk(2)
-        elif stacked == "down_proj":
-            out.update({f"{prefix}experts.{e}.down_proj.weight": w for e, w in enumerate(g)})
-        else:
-            out[name] = g
-    return out
-
-
-def _gather_tp(t, ps):
-    if ps.tp == 1:
-        return [t]
-    parts = [torch.empty_like(t) for _ in range(ps.tp)]
-    dist.all_gather(parts, t.contiguous(), group=ps.tp_group)
-    return parts
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.grad)
+    grads = Path(folder).with_name(Path(folder).name + "_grads")
+    model.save_pretrained(grads)  # the gradients under the checkpoint's names (experts one by one)
+    return torch.cat(logits, dim=1), load_file(grads / "model.safetensors")
 
 
 def _sharded(folder):
@@ -122,7 +104,7 @@ def _sharded(folder):
         params = stored_tensors(chunk, lambda p: p.grad)  # the stacked experts' gradients by expert
         grads = {}
         for rule in chunk_rules(chunk.cfg, chunk.layer_ids, True, True):
-            grads.update(to_hf(rule, _gather_tp(params[rule.local], ps), chunk.cfg))
+            grads.update(to_hf(rule, gather_tp(params[rule.local], ps), chunk.cfg))
         out[("grads", tp, sp)] = grads
     return out
 
@@ -194,3 +176,11 @@ def test_planner_memory_matches_the_meter_exactly():
             assert m.activations == r["activations"], (case.layout.name(), r)
             assert m.param_buffer + m.grad_buffer == r["buffers"], (case.layout.name(), r)
             assert m.optimizer_state == r["optimizer_state"], (case.layout.name(), r)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_num_params_is_transformers_count(kind):
+    """`ModelConfig.num_params` (MFU, reports) counts the linear-attention layers and the gate rows exactly."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(kind))
+    assert model_config_from_hf(tiny_config(kind)).num_params() == sum(p.numel() for p in model.parameters())
