@@ -122,7 +122,7 @@ def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
-WRAPPED_KINDS = ("gemma3", "mistral3", "gemma4", "qwen3_5")
+WRAPPED_KINDS = ("gemma3", "mistral3", "gemma4", "qwen3_5", "qwen3_5_moe")
 
 
 def save_tiny_wrapped(kind: str, folder: Path, seed: int = 0, **text) -> Path:
@@ -150,9 +150,12 @@ def save_tiny_wrapped(kind: str, folder: Path, seed: int = 0, **text) -> Path:
             text_config=dict(language, global_head_dim=language["head_dim"]), audio_config=None,
             vision_config=dict(vision, num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
                                position_embedding_size=64)))
-    elif kind == "qwen3_5":
-        from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+    elif kind in ("qwen3_5", "qwen3_5_moe"):
+        from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                                  Qwen3_5MoeForConditionalGeneration)
+        config, wrapper = (Qwen3_5Config, Qwen3_5ForConditionalGeneration) if kind == "qwen3_5" else (
+            Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+        model = wrapper(config(
             text_config=language, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                      patch_size=4, out_hidden_size=language["hidden_size"],
                                                      num_position_embeddings=16),
