@@ -197,3 +197,18 @@ def test_recompute_gives_the_same_gradients(tiny):
         grads[mode] = {n: p.grad for n, p in chunk.named_parameters()}
     for mode in ("selective", "full"):
         assert all(torch.equal(grads[mode][n], g) for n, g in grads["none"].items()), mode
+
+
+def test_moe_with_experts_over_ep_ranks_and_its_load_balancing_loss(tmp_path):
+    """The MoE model through the MoE parity harness (tests/test_moe_parity.py, unpacked rows, the load-balancing
+    loss on): TP ∈ {1, 2} × EP ∈ {1, 2} with the data-parallel wrapper finishing the gradients: logits ≤ 1e-4, the
+    loss with its load-balancing term ≤ 1e-5, every gradient ≤ 1e-4 relative, an EP 2 greedy generation."""
+    from test_moe_parity import NEW_TOKENS as NEW, PROMPT, _assert_parity, _check_layouts, _reference as moe_reference
+
+    folder = save_tiny("qwen3_5_moe", tmp_path / "moe")
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    ref = moe_reference(folder, ids, tmp_path)
+    expected = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).generate(
+        PROMPT, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    layouts = [(1, 1, False, 1), (2, 1, True, 1), (1, 1, False, 2), (2, 1, True, 2)]
+    _assert_parity(spawn(_check_layouts, 4, str(folder), ids, ref, PROMPT, layouts), layouts, ref, expected)
