@@ -157,16 +157,18 @@ def test_refusals_name_the_field():
         model_config_from_hf(tiny_config("qwen3_5", linear_num_value_heads=6))
 
 
-def test_planner_memory_matches_the_meter_exactly():
-    """The planner's activation count of the Gated DeltaNet and gated attention layers against the saved-tensor meter,
-    byte for byte (fp32, the CPU path), on rows of 100 tokens (two delta-rule chunks, the second padded): TP2 with SP,
-    and PP2 with selective recompute; the optimizer's buffers and state too."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_planner_memory_matches_the_meter_exactly(kind):
+    """The planner's activation count of the Gated DeltaNet and gated attention layers (and the MoE blocks) against
+    the saved-tensor meter, byte for byte (fp32, the CPU path), on rows of 100 tokens (two delta-rule chunks, the
+    second padded): TP2 with SP, and PP2 with selective recompute; the optimizer's buffers and state too. (The MoE
+    model's load-balancing loss is off: its last-stage terms are not the planner's yet, for any MoE family.)"""
     from hfmeg.optim.config import OptimizerConfig
     from hfmeg.plan.layout import PlanLayout
     from hfmeg.plan.measure import Case, measure_cases
     from hfmeg.plan.memory import stage_memory
 
-    cfg = model_config_from_hf(tiny_config("qwen3_5"))
+    cfg = model_config_from_hf(tiny_config(kind, output_router_logits=False))
     cases = [Case(cfg, PlanLayout(2, 1, 1, 2), 2, 100, 5000),
              Case(cfg, PlanLayout(1, 2, 1, 2, recompute="selective"), 4, 100, 5000)]
     for case, per_rank in zip(cases, measure_cases(cases, steps=0)):
