@@ -31,6 +31,15 @@ def make_ps(tp: int = 1, pp: int = 1, vpp: int = 1, sp: bool = False, *, ep: int
                          torch.device(device))
 
 
+def gather_tp(t: torch.Tensor, ps: ParallelState) -> list[torch.Tensor]:
+    """Every TP rank's `t`, in TP-rank order (what `checkpoint.rules.to_hf` rebuilds a full tensor from)."""
+    if ps.tp == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(ps.tp)]
+    dist.all_gather(parts, t.contiguous(), group=ps.tp_group)
+    return parts
+
+
 def moe_layer(ep: int = 1, ep_rank: int = 0, ep_group=None, hidden: int = 32, ffn: int = 16) -> MoELayer:
     """A Qwen3-MoE layer (8 experts, top-2, TP 1) with random weights, on CPU in fp32."""
     cfg = model_config_from_hf(tiny_config("qwen3_moe", num_experts=8, hidden_size=hidden, moe_intermediate_size=ffn))

@@ -65,3 +65,25 @@ def test_windowed_layers_count_the_pairs_their_window_computes():
     full = training_flops(_gpt(h, l), 1, s)
     assert abs(training_flops(cfg, 1, s) - (full - 2 * per_layer * (1 - windowed / causal))) < 1e-6 * full
     assert training_flops(replace(cfg, sliding_window=s), 1, s) == full
+
+
+def test_linear_attention_layers_have_no_quadratic_term():
+    """Qwen3.5 (24 Gated DeltaNet layers, 8 gated attention ones): doubling the row doubles every term but the full
+    layers' s^2 attention; the delta rule costs 3 x 2 (2 C dk + C (dk + dv) / 2 + C dv + 3 dk dv) per value head and
+    token (C = 64), and the convolution 3 x 2 K per channel."""
+    from transformers import Qwen3_5TextConfig
+
+    from hfmeg.families import model_config_from_hf
+    from hfmeg.plan.flops import delta_rule_flops
+
+    cfg = model_config_from_hf(Qwen3_5TextConfig())
+    la, s = cfg.linear_attention, 4096
+    n_full = cfg.num_layers - len(la.layers)
+    assert (len(la.layers), n_full) == (24, 8)
+
+    def quadratic(n):
+        return 12 * n * n * n_full * cfg.num_heads * cfg.head_dim
+    growth = training_flops(cfg, 1, 2 * s) - 2 * training_flops(cfg, 1, s)
+    assert abs(growth - (quadratic(2 * s) - 2 * quadratic(s))) < 1e-9 * growth
+    rule = 2 * (2 * 64 * 128 + 64 * 256 / 2 + 64 * 128 + 3 * 128 * 128) * 32
+    assert delta_rule_flops(cfg, s) == 3 * (rule + 2 * 4 * (2 * 16 * 128 + 32 * 128))

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from bounds import within
-from helpers import make_ps
+from helpers import gather_tp, make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
@@ -67,14 +67,6 @@ def _reference(folder, ids, tmp):
             p.copy_(p.grad)
     model.save_pretrained(tmp)  # gradients under the checkpoint's (per-expert) names
     return out.logits.detach(), out.loss.item(), load_file(tmp / "model.safetensors")
-
-
-def _gather_tp(t, ps):
-    if ps.tp == 1:
-        return [t]
-    parts = [torch.empty_like(t) for _ in range(ps.tp)]
-    dist.all_gather(parts, t.contiguous(), group=ps.tp_group)
-    return parts
 
 
 def _labels(ids):
@@ -116,7 +108,7 @@ def _grad_diff(chunks, ps, ref_grads):
     for chunk in chunks:
         grads = stored_tensors(chunk, lambda p: p.main_grad)
         for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process, chunk.experts):
-            for name, g in to_hf(rule, _gather_tp(grads[rule.local], ps), chunk.cfg).items():
+            for name, g in to_hf(rule, gather_tp(grads[rule.local], ps), chunk.cfg).items():
                 ref = ref_grads[name]
                 worst = max(worst, ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item())
                 seen.add(name)

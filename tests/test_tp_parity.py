@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bounds import within
-from helpers import make_ps, stories_or_skip
+from helpers import gather_tp, make_ps, stories_or_skip
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.models.generate import greedy_generate
 from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.launch import spawn
-from hfmeg.parallel.state import ParallelState
 from optim_harness import check_within_rounding, truth_of
 from tiny_models import RANDOM_KINDS, reference_attention
 
@@ -41,14 +39,6 @@ def _reference(folder, ids):
     return out.logits.detach(), out.loss.detach(), grads
 
 
-def _gather_tp(t: torch.Tensor, ps: ParallelState) -> list[torch.Tensor]:
-    if ps.tp == 1:
-        return [t]
-    parts = [torch.empty_like(t) for _ in range(ps.tp)]
-    dist.all_gather(parts, t.contiguous(), group=ps.tp_group)
-    return parts
-
-
 def _check_layouts(folder, ids):
     ref_logits, ref_loss, ref_grads = _reference(folder, ids)
     labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
@@ -56,7 +46,7 @@ def _check_layouts(folder, ids):
     for tp, sp in LAYOUTS:
         ps = make_ps(tp=tp, sp=sp)
         chunk = load_chunks(HFCheckpoint(folder), ps)[0]
-        logits = torch.cat(_gather_tp(chunk(ids), ps), dim=-1)[..., : chunk.cfg.vocab_size]
+        logits = torch.cat(gather_tp(chunk(ids), ps), dim=-1)[..., : chunk.cfg.vocab_size]
         logit_diff = (logits - ref_logits).abs().max().item()
         per_token = chunk(ids, labels=labels)
         loss = per_token.sum() / (labels != -100).sum()
@@ -66,7 +56,7 @@ def _check_layouts(folder, ids):
         worst = 0.0
         seen = set()
         for rule in chunk_rules(chunk.cfg, chunk.layer_ids, True, True):
-            full = to_hf(rule, _gather_tp(params[rule.local].grad, ps), chunk.cfg)
+            full = to_hf(rule, gather_tp(params[rule.local].grad, ps), chunk.cfg)
             for name, g in full.items():
                 ref = ref_grads[name if name in ref_grads else name.replace("transformer.", "", 1)]
                 worst = max(worst, ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item())

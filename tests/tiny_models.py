@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, Gemma4TextConfig, GPT2Config, GptOssConfig,
-                          LlamaConfig, MistralConfig,
-                          MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
-                          SmolLM3Config)
+                          LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config,
+                          Qwen2MoeConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES = ASSETS / "models" / "stories260K"
@@ -39,6 +38,10 @@ _ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
 _OLMO = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
+# Qwen3.5 (not in RANDOM_KINDS: its tests are tests/test_qwen3_5.py): layers linear, linear, linear, full; 4 key
+# heads serving 8 value heads (2 each) of 8 dims in the linear layers, gated attention heads of 16 with RoPE on 4.
+_QWEN3_5 = dict(head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+                linear_value_head_dim=8)
 
 # MoE families (not in RANDOM_KINDS: their tests are tests/test_moe*.py): 4 experts, top-2, the
 # load-balancing loss on with a coefficient large enough to show in every router gradient.
@@ -89,6 +92,13 @@ def tiny_config(kind: str, **overrides):
         cfg = Olmo2Config(**_COMMON, **_OLMO)
     elif kind == "olmo3":
         cfg = Olmo3Config(**_COMMON, **_OLMO, sliding_window=WINDOW, layer_types=_LAYER_TYPES, rope_parameters=_ROPES)
+    elif kind == "qwen3_5":
+        cfg = Qwen3_5TextConfig(**{**_COMMON, "num_hidden_layers": 4}, **_QWEN3_5)
+    elif kind == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+        moe = {k: v for k, v in _QWEN_MOE.items() if k != "intermediate_size"}  # no dense MLP anywhere
+        cfg = Qwen3_5MoeTextConfig(**{**moe, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8,
+                                      "num_key_value_heads": 4}, **_QWEN3_5, shared_expert_intermediate_size=24)
     elif kind == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=300, n_positions=128)
     elif kind == "mixtral":
@@ -122,7 +132,7 @@ def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
-WRAPPED_KINDS = ("gemma3", "mistral3", "gemma4")
+WRAPPED_KINDS = ("gemma3", "mistral3", "gemma4", "qwen3_5", "qwen3_5_moe")
 
 
 def save_tiny_wrapped(kind: str, folder: Path, seed: int = 0, **text) -> Path:
@@ -150,6 +160,16 @@ def save_tiny_wrapped(kind: str, folder: Path, seed: int = 0, **text) -> Path:
             text_config=dict(language, global_head_dim=language["head_dim"]), audio_config=None,
             vision_config=dict(vision, num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
                                position_embedding_size=64)))
+    elif kind in ("qwen3_5", "qwen3_5_moe"):
+        from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                                  Qwen3_5MoeForConditionalGeneration)
+        config, wrapper = (Qwen3_5Config, Qwen3_5ForConditionalGeneration) if kind == "qwen3_5" else (
+            Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+        model = wrapper(config(
+            text_config=language, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                     patch_size=4, out_hidden_size=language["hidden_size"],
+                                                     num_position_embeddings=16),
+            image_token_id=299, video_token_id=298, vision_start_token_id=297, vision_end_token_id=296))
     else:
         raise ValueError(kind)
     model.save_pretrained(folder)

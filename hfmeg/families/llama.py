@@ -105,7 +105,7 @@ def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bi
     return ModelConfig(
         model_type=t,
         hidden_size=hf.hidden_size,
-        ffn_size=hf.intermediate_size,
+        ffn_size=getattr(hf, "intermediate_size", 0),  # Qwen3.5-MoE has none: every layer is sparse
         num_layers=hf.num_hidden_layers,
         num_heads=heads,
         num_kv_heads=kv,

@@ -59,6 +59,7 @@ from ..data.microbatch import MicroBatch, token_index
 from ..data.packing import single_document
 from ..errors import LayoutError
 from ..parallel.context import gathered_index
+from .gated_delta_rule import document_runs
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,15 @@ class DocumentMask:
     # The mask of the layers with a sliding window (`ModelConfig.window`), where the row is longer than the
     # window; this mask's own `block` and `dense` both None: the other layers attend plain causal.
     sliding: DocumentMask | None = None
+    # Each token's document `[b, s]` (`gated_delta_rule.document_runs`), where the row holds several: where the
+    # linear-attention layers restart their state (`MaskPlanner.recurrent`); None elsewhere.
+    documents: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the attention reads through this mask (models/staging.py hands them across streams)."""
         held = self.block.as_tuple() if self.block is not None else (self.dense,)
         inner = self.sliding.tensors() if self.sliding is not None else []
-        return [t for t in (*held, *self.reads) if isinstance(t, torch.Tensor)] + inner
+        return [t for t in (*held, *self.reads, self.documents) if isinstance(t, torch.Tensor)] + inner
 
 
 def document_causal_mask(segment_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -231,6 +235,7 @@ class MaskPlanner:
     # Soft-capped scores (Gemma 2) or attention sinks (gpt-oss): SDPA can do neither, so where flex applies even
     # one-document rows take a (causal) block mask, rather than the explicit dense path's s² scores.
     explicit: bool = False
+    recurrent: bool = False  # the model has linear-attention layers: packed rows' masks carry `documents`
 
     def windowed(self, row: int) -> bool:
         """Whether rows of `row` tokens need the sliding-window mask: only rows longer than the window."""
@@ -243,6 +248,8 @@ class MaskPlanner:
         Rows longer than the window carry the windowed layers' mask too (`DocumentMask.sliding`)."""
         if self.cp == 1:
             docs = plan(segment_ids, flex=self.flex)
+            if docs is not None and self.recurrent:
+                docs = replace(docs, documents=document_runs(segment_ids))
             index = torch.arange(s, device=self.device)
             if docs is None and self.flex and self.explicit:
                 docs = split_block_mask(index, index, None, None)
