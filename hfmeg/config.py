@@ -60,6 +60,12 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     score_correction_bias: bool = False
     shared_expert_gate: bool = True
+    # gpt-oss: the router's logits have a bias; each expert's fc1 and fc2 have biases; its SwiGLU is clamped,
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit) (None: plain SwiGLU).
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
 
 @dataclass
@@ -88,6 +94,30 @@ class MLAConfig:
         kv = hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
         kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + heads * self.v_head_dim * hidden
+
+
+@dataclass
+class LinearAttentionConfig:
+    """Qwen3.5's Gated DeltaNet layers (`models/gated_deltanet.py`): which layers they are (the others attend
+    in full), their key/query and value heads (each key head serves `value_heads // key_heads` consecutive value
+    heads), head sizes and the short convolution's kernel."""
+
+    layers: tuple[int, ...]
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        """The convolved channels: queries, keys and values, `[q; k; v]`."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def in_pieces(self) -> tuple[int, ...]:
+        """The row counts of the fused input projection `[q; k; v; z; b; a]` (each split over TP by heads)."""
+        key, value = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        return key, key, value, value, self.value_heads, self.value_heads
 
 
 @dataclass
@@ -141,6 +171,13 @@ class ModelConfig:
     # values are RMS-normalised over each head with no weight, as the q/k norms are with theirs.
     norm_fp32_scale: bool = False
     v_norm: bool = False
+    # gpt-oss: a learned logit per query head joins each query's softmax normaliser (an attention sink) and takes
+    # no value: softmax over [scores, sink], the sink's column dropped.
+    attn_sinks: bool = False
+    # Qwen3.5: the attention output times sigmoid of a gate the q projection also makes (per head, `[q_h; gate_h]`
+    # rows), and Gated DeltaNet layers in place of attention on `linear_attention.layers`.
+    attn_output_gate: bool = False
+    linear_attention: LinearAttentionConfig | None = None
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # DeepSeek's latent attention instead of the fused-QKV one
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
@@ -179,6 +216,15 @@ class ModelConfig:
     def uses_rope(self, layer: int) -> bool:
         return self.positions == "rope" and layer not in self.nope_layers
 
+    @property
+    def q_rows(self) -> int:
+        """Rows per query head in the fused QKV weight: the head, and its output gate where there is one."""
+        return self.head_dim * (2 if self.attn_output_gate else 1)
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer `layer` is a Gated DeltaNet layer rather than attention."""
+        return self.linear_attention is not None and layer in self.linear_attention.layers
+
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the mixture-of-experts block."""
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -186,7 +232,7 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count of the unpadded model, every expert included (for MFU and reports; biases left out)."""
         h, v = self.hidden_size, self.vocab_size
-        qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        qkv = h * (self.num_heads * self.q_rows + 2 * self.num_kv_heads * self.head_dim)
         qk = (self.num_heads + self.num_kv_heads) * self.head_dim if self.qk_norm_whole else 2 * self.head_dim
         attn = qkv + self.num_heads * self.head_dim * h + (qk if self.qk_norm else 0)
         if self.mla is not None:
@@ -194,7 +240,13 @@ class ModelConfig:
         dense = (3 if self.gated_mlp else 2) * h * self.ffn_size
         norms = (2 * self.pre_norms + 2 * self.sandwich_norms) * h * (2 if self.norm == "layer" else 1)
         n_sparse = len(self.moe.sparse_layers) if self.moe else 0
-        total = self.num_layers * (attn + norms) + (self.num_layers - n_sparse) * dense
+        total = self.num_layers * norms + (self.num_layers - n_sparse) * dense
+        la = self.linear_attention
+        n_linear = len(la.layers) if la else 0
+        total += (self.num_layers - n_linear) * attn
+        if la:  # in_proj, the convolution, A_log and dt_bias, the gated norm, out_proj
+            total += n_linear * (h * sum(la.in_pieces()) + la.conv_channels * la.conv_kernel + 2 * la.value_heads
+                                 + la.value_dim + la.value_heads * la.value_dim * h)
         if self.moe:
             m = self.moe
             shared = 3 * h * m.shared_expert_ffn_size + h * m.shared_expert_gate if m.shared_expert_ffn_size else 0
@@ -207,17 +259,19 @@ class ModelConfig:
         # Fields added after format version 1 appear only when set, so a dense model's
         # layout JSON (and the comparison with checkpoints written before them) is unchanged.
         later = {f.name: f.default for f in fields(self) if f.name in LATER_FIELDS}
-        out = {k: v for k, v in self.__dict__.items() if k not in ("hf_config", "moe", "mla")
-               and k not in later}
+        out = {k: v for k, v in self.__dict__.items()
+               if k != "hf_config" and k not in later and k not in ("moe", "mla", "linear_attention")}
         for k, default in later.items():
             v = getattr(self, k)
             if v != default:
                 out[k] = list(v) if isinstance(v, tuple) else v
-        if self.moe is not None:
-            moe = asdict(self.moe)
-            later = {f.name: f.default for f in fields(MoEConfig) if f.name in MOE_LATER_FIELDS}
-            out["moe"] = {k: v for k, v in moe.items()
-                          if k != "experts_field" and not (k in later and v == later[k])}  # experts_field: a name
+        if self.moe is not None:  # experts_field: a name, not maths; the later MoE fields only when set
+            defaults = {f.name: f.default for f in fields(MoEConfig) if f.name in MOE_LATER_FIELDS}
+            out["moe"] = {k: v for k, v in asdict(self.moe).items()
+                          if k != "experts_field" and (k not in defaults or v != defaults[k])}
+        if self.linear_attention is not None:
+            out["linear_attention"] = {k: list(v) if isinstance(v, tuple) else v
+                                       for k, v in asdict(self.linear_attention).items()}
         if self.mla is not None:
             out["mla"] = asdict(self.mla)
         return out
@@ -226,11 +280,11 @@ class ModelConfig:
 # ModelConfig fields added after layout format version 1: written only when set (ModelConfig.to_dict).
 LATER_FIELDS = ("qk_norm", "nope_layers", "partial_rotary_factor", "full_attention_layers", "norm_offset",
                 "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
-                "rope_per_layer_type", "qk_norm_whole", "pre_norms", "norm_fp32_scale", "v_norm")
-
+                "rope_per_layer_type", "qk_norm_whole", "pre_norms", "norm_fp32_scale", "v_norm", "attn_sinks",
+                "attn_output_gate")
 # MoEConfig fields added after the MoE families' first layout JSON: written only when set (ModelConfig.to_dict).
-MOE_LATER_FIELDS = ("scoring", "n_group", "topk_group", "routed_scaling_factor", "score_correction_bias",
-                    "shared_expert_gate")
+MOE_LATER_FIELDS = ("router_bias", "expert_bias", "swiglu_alpha", "swiglu_limit", "scoring", "n_group", "topk_group",
+                    "routed_scaling_factor", "score_correction_bias", "shared_expert_gate")
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:
@@ -269,6 +323,9 @@ def check_tp(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> N
     """Raise if `cfg` cannot be split `tp` ways (heads, KV heads, FFN)."""
     require(cfg.num_heads % tp == 0, "num_attention_heads", f"{cfg.num_heads} is not divisible by TP={tp}")
     require(cfg.num_kv_heads % tp == 0, "num_key_value_heads", f"{cfg.num_kv_heads} is not divisible by TP={tp}")
+    if cfg.linear_attention is not None:  # each TP rank holds whole key heads and the value heads they serve
+        require(cfg.linear_attention.key_heads % tp == 0, "linear_num_key_heads",
+                f"{cfg.linear_attention.key_heads} is not divisible by TP={tp}")
     if any(not cfg.is_sparse(i) for i in range(cfg.num_layers)):  # experts are not TP-split (models/moe.py)
         require(cfg.ffn_size % tp == 0, "intermediate_size", f"{cfg.ffn_size} is not divisible by TP={tp}")
 
@@ -283,6 +340,9 @@ def check_cp(cfg: ModelConfig, cp: int) -> None:
     rope_type = (getattr(cfg.hf_config, "rope_parameters", None) or {}).get("rope_type")
     require(cp == 1 or rope_type != "longrope", "rope_parameters.rope_type",
             f"'longrope' picks its factors by the row's highest position, which a CP rank does not see whole; "
+            f"not supported with parallel.cp={cp} (use cp 1)")
+    require(cp == 1 or cfg.linear_attention is None, "layer_types",
+            f"linear_attention layers carry a recurrent state along the row, which is not passed between CP ranks; "
             f"not supported with parallel.cp={cp} (use cp 1)")
     if cp > 1 and cfg.moe is not None:
         require(not cfg.moe.output_router_logits, "output_router_logits",

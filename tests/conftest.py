@@ -49,3 +49,23 @@ def stories_lora(tmp_path_factory) -> tuple[Path, Path]:
     get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
                                      task_type="CAUSAL_LM")).save_pretrained(folder)
     return base, folder
+
+
+@pytest.fixture
+def namespace_hosts():
+    """`make(n)`: a bed of `n` namespace hosts (tests/multihost.py), every one torn down after the test, also
+    when it fails; the test skips with one line where namespaces cannot be made."""
+    from multihost import Hosts, NamespaceUnavailable
+
+    beds = []
+
+    def make(n: int, **kw) -> Hosts:
+        try:
+            beds.append(Hosts(n, **kw))
+        except NamespaceUnavailable as e:
+            pytest.skip(str(e))
+        return beds[-1]
+
+    yield make
+    for bed in beds:
+        bed.close()

@@ -32,7 +32,7 @@ def make_ps(tp: int = 1, pp: int = 1, vpp: int = 1, sp: bool = False, *, ep: int
 
 
 def gather_tp(t: torch.Tensor, ps: ParallelState) -> list[torch.Tensor]:
-    """Every TP rank's `t`, in TP-rank order (for `checkpoint.rules.to_hf`)."""
+    """Every TP rank's `t`, in TP-rank order (what `checkpoint.rules.to_hf` rebuilds a full tensor from)."""
     if ps.tp == 1:
         return [t]
     parts = [torch.empty_like(t) for _ in range(ps.tp)]

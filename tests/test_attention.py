@@ -20,8 +20,8 @@ from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.data.microbatch import MicroBatch
 from hfmeg.errors import LayoutError
-from hfmeg.models.document_attention import (DocumentMask, MaskPlanner, attend, document_causal_mask, flex_applies,
-                                             layer_mask, plan)
+from hfmeg.models.document_attention import (DocumentMask, MaskPlanner, _sunk, attend, document_causal_mask,
+                                             flex_applies, layer_mask, plan)
 from hfmeg.parallel.activation_meter import SavedTensorMeter
 from optim_harness import FP32_EPS, ROUNDING_FACTOR
 from tiny_models import save_tiny
@@ -45,11 +45,12 @@ def test_flex_block_mask_forward_equals_dense_mask():
     _flex_within_rounding_of_dense(q, k, v, flex, dense)
 
 
-def _flex_within_rounding_of_dense(q, k, v, flex: DocumentMask, dense: DocumentMask, softcap=None) -> None:
+def _flex_within_rounding_of_dense(q, k, v, flex: DocumentMask, dense: DocumentMask, softcap=None, sinks=None) -> None:
+    run = dict(scale=0.25, gqa=True, softcap=softcap)
     with torch.no_grad():
-        got = attend(q, k, v, flex, scale=0.25, gqa=True, softcap=softcap)
-        want = attend(q, k, v, dense, scale=0.25, gqa=True, softcap=softcap)
-        exact = attend(q.double(), k.double(), v.double(), dense, scale=0.25, gqa=True, softcap=softcap)
+        got = attend(q, k, v, flex, sinks=sinks, **run)
+        want = attend(q, k, v, dense, sinks=sinks, **run)
+        exact = attend(q.double(), k.double(), v.double(), dense, sinks=None if sinks is None else sinks.double(), **run)
     # Both are fp32 softmax-weighted sums of the same values in other blockings: each within rounding of the
     # float64 result, as far as the dense fp32 path is (times ROUNDING_FACTOR, twice: two fp32 runs) + 4 eps.
     rounding = (want.double() - exact).abs().max().item()
@@ -75,10 +76,40 @@ def test_softcapped_scores_in_flex_and_dense_attention():
         assert (capped - attend(q, k, v, dense, scale=0.25, gqa=True)).abs().max() > 1e-2
     # Where flex applies, a capped model's one-document rows take a causal block mask (not s² dense scores).
     from torch.nn.attention.flex_attention import create_mask
-    causal_block = MaskPlanner(torch.device("cpu"), 1, 0, True, torch.float32, capped=True).mask(None, 200)
+    causal_block = MaskPlanner(torch.device("cpu"), 1, 0, True, torch.float32, explicit=True).mask(None, 200)
     assert torch.equal(create_mask(causal_block.block.mask_mod, 1, None, 200, 200), causal[None, None])
     _flex_within_rounding_of_dense(q, k, v, causal_block, DocumentMask(dense=causal[None, None]), softcap=0.5)
     assert MaskPlanner(torch.device("cpu"), 1, 0, True, torch.float32).mask(None, 200) is None
+
+
+def test_attention_sinks_in_flex_and_dense_attention():
+    """gpt-oss's sinks (a logit per head in each query's normaliser): flex's output rescaled by its logsumexp and
+    the explicit path's extra softmax column agree (forward, on CPU), the explicit path is transformers' eager
+    formula, and the sinks change the result; the rescaling (`_sunk`) gives the explicit path's gradients of q, k,
+    v and the sinks (float64) when fed a logsumexp computed with autograd, as flex's backward takes one."""
+    q, k, v = _qkv()
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    flex, dense = plan(SEGMENTS, flex=True), plan(SEGMENTS, flex=False)
+    _flex_within_rounding_of_dense(q, k, v, flex, dense, sinks=sinks)
+    _flex_within_rounding_of_dense(q, k, v, flex, dense, softcap=0.5, sinks=sinks)
+    with torch.no_grad():
+        got = attend(q, k, v, dense, scale=0.25, gqa=True, sinks=sinks)
+        kr, vr = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+        s = (q @ kr.transpose(2, 3) * 0.25).masked_fill(~dense.dense, float("-inf"))
+        combined = torch.cat([s, sinks.view(1, -1, 1, 1).expand(2, 8, 200, 1)], dim=-1)
+        assert_close(got, torch.softmax(combined, -1)[..., :-1] @ vr, rtol=0, atol=1e-6)
+        assert (got - attend(q, k, v, dense, scale=0.25, gqa=True)).abs().max() > 1e-2
+    q, k, v = (t.double().requires_grad_() for t in _qkv(s=40))
+    sinks = sinks.double().requires_grad_()
+    mask = document_causal_mask(SEGMENTS[:, :40])
+    explicit = attend(q, k, v, DocumentMask(dense=mask), scale=0.25, gqa=True, sinks=sinks)
+    kr, vr = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    scores = (q @ kr.transpose(2, 3) * 0.25).masked_fill(~mask, float("-inf"))
+    rescaled = _sunk(torch.softmax(scores, -1) @ vr, torch.logsumexp(scores, -1), sinks)
+    assert_close(rescaled, explicit, rtol=0, atol=1e-12)
+    g = torch.randn_like(explicit)
+    for a, b in zip(torch.autograd.grad(rescaled, (q, k, v, sinks), g), torch.autograd.grad(explicit, (q, k, v, sinks), g)):
+        assert_close(a, b, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -248,6 +279,21 @@ def test_planning_a_packed_mask_on_the_gpu_makes_no_host_sync():
         assert plan(seg, flex=False).dense is not None
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_attention_sinks_in_compiled_flex_forward_and_backward_on_cuda():
+    """gpt-oss's sinks through the compiled flex kernel: its log-sum-exp and the backward through it (`_sunk`), the
+    output and the gradients of q, k, v and the sinks against the explicit path's, fp32, packed rows across tiles."""
+    q, k, v = (t.cuda().requires_grad_() for t in _qkv(d=64))
+    sinks = torch.randn(8, device="cuda", requires_grad=True)
+    outs = []
+    for docs in (plan(SEGMENTS.cuda(), flex=True), plan(SEGMENTS.cuda(), flex=False)):
+        o = attend(q, k, v, docs, 64 ** -0.5, gqa=True, sinks=sinks)
+        outs.append((o, *torch.autograd.grad(o, (q, k, v, sinks), torch.ones_like(o))))
+    for got, ref in zip(*outs):  # fp32, two kernels' summation orders
+        assert (got - ref).abs().max() <= 1e-4 * ref.abs().max().clamp_min(1.0)
 
 
 def _split_block_mask_matches_dense(device: str) -> None:

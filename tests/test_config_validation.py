@@ -51,6 +51,8 @@ def _refused(capsys, argv: list[str], expect: str) -> None:
     (["--seq-len", "1"], "data.seq_len must be >= 2, got 1"),
     (["--save-every", "-1"], "checkpoint.save_every: must be >= 0, got -1"),
     (["--seed", "-1"], "train.seed: must be >= 0, got -1"),
+    (["--set", "train.collective_timeout_s=0"], "train.collective_timeout_s: must be a finite number > 0, got 0"),
+    (["--set", "train.heartbeat_timeout_s=-1"], "train.heartbeat_timeout_s: must be >= 0, got -1"),
     (["--warmup-steps", "-2"], "lr schedule fields warmup_steps >= 0"),  # checked by LRScheduleConfig itself
     (["--set", "optim.beta2=1.0"], "optim.beta2: must be in [0, 1), got 1"),
     (["--global-batch-size", "7", "--micro-batch-size", "2"],

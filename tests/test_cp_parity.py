@@ -4,7 +4,8 @@ Two gloo worlds, one spawn each, run every layout of a list in turn on rows pack
 several documents and padding and on plain rows, for LLaMA-3 (GQA, RoPE) and GPT-2 (MHA,
 learned positions, biases, LayerNorm, tied embeddings) tiny checkpoints, and on 4 ranks for SmolLM3 (layers
 without RoPE, a sliding window on those layers shorter than the documents), Gemma 2 (soft-capped scores under the
-split mask), Gemma 3 (RoPE per layer type) and Phi-3 (fused HF projections, RoPE on part of each head):
+split mask), Gemma 3 (RoPE per layer type), Phi-3 (fused HF projections, RoPE on part of each head) and gpt-oss
+(attention sinks, biased experts):
 
 - 4 ranks (`LAYOUTS_4`): CP4 (selective recompute), CP2 x TP2 (sequence parallelism, full
   recompute), CP2 x PP2 (1F1B through `forward_backward`) and CP2 (x DP2);
@@ -36,6 +37,7 @@ from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.roles import named_roles
+from hfmeg.parallel.stored_names import stored_tensors
 from tiny_models import save_tiny
 
 
@@ -96,10 +98,12 @@ def _gather(t: torch.Tensor, group, size: int, dim: int = 0) -> list[torch.Tenso
 
 
 def _hf_grads(chunk, ps) -> dict[str, torch.Tensor]:
-    params = dict(chunk.named_parameters())
+    """{HF name (an expert's slice of a stacked tensor: `name[e]`): gradient}."""
+    grads = stored_tensors(chunk, lambda p: p.grad)
     out = {}
-    for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process):
-        out.update(to_hf(rule, _gather(params[rule.local].grad, ps.tp_group, ps.tp), chunk.cfg))
+    for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process, chunk.experts):
+        for name, g in to_hf(rule, _gather(grads[rule.local], ps.tp_group, ps.tp), chunk.cfg).items():
+            out[name if rule.expert is None else f"{name}[{rule.expert}]"] = g
     return out
 
 
@@ -195,6 +199,14 @@ def _check(results: list[list[dict]], layouts: list[Layout], kinds) -> None:
 @pytest.mark.parametrize("kind", ["llama3", "gpt2", "smollm3", "phi3", "gemma2", "gemma3"])
 def test_cp_parity_with_one_process(tiny_checkpoints, kind):
     _check(spawn(_run_layouts, 4, {kind: str(tiny_checkpoints[kind])}, LAYOUTS_4), LAYOUTS_4, [kind])
+
+
+def test_cp_parity_of_gpt_oss_sinks_and_experts(tmp_path):
+    """gpt-oss under CP: each head's sink joins each query's normaliser once (the keys are gathered whole), its
+    window layer under the split mask, its biased experts routing each CP rank's tokens (the load-balancing loss,
+    refused under CP, off)."""
+    folder = save_tiny("gpt_oss", tmp_path / "gpt_oss", output_router_logits=False)
+    _check(spawn(_run_layouts, 4, {"gpt_oss": str(folder)}, LAYOUTS_4), LAYOUTS_4, ["gpt_oss"])
 
 
 def test_cp_parity_on_eight_ranks_with_tp_pp_and_every_schedule(tmp_path):

@@ -36,6 +36,23 @@ def test_moe_layers_count_the_router_and_the_routed_experts_only():
     assert 12.5e9 < active + h * cfg.vocab_size < 13.5e9  # the published ~12.9B active parameters
 
 
+def test_gpt_oss_counts_its_routed_experts_matmuls_and_not_its_biases_or_sinks():
+    """gpt-oss-120b's shapes (transformers' default config): the router and 4 of 128 experts of 3·h·F each (gate_up
+    `[h, 2F]`, down `[F, h]`); its biases, sinks and clamped SwiGLU are elementwise, which Megatron's accounting
+    leaves out as it does every bias. The published 5.13B active parameters (the unembedding counted)."""
+    from transformers import GptOssConfig
+
+    from hfmeg.families import model_config_from_hf
+    from hfmeg.plan.flops import layer_matmul_params
+
+    cfg = model_config_from_hf(GptOssConfig())  # 2880 hidden and expert FFN, 64 heads of 64, 8 KV heads, 36 layers
+    h = f = 2880
+    attention = h * (64 + 2 * 8) * 64 + 64 * 64 * h
+    assert layer_matmul_params(cfg, 0) == attention + h * 128 + 4 * 3 * h * f
+    active = 36 * layer_matmul_params(cfg, 0) + h * cfg.vocab_size
+    assert 5.08e9 < active < 5.18e9
+
+
 def test_windowed_layers_count_the_pairs_their_window_computes():
     """A windowed layer's attention term is Megatron's scaled by its (query, key) pairs over the causal ones,
     counted here one query at a time; a full layer (and a window no shorter than the row) keeps Megatron's."""
@@ -48,3 +65,25 @@ def test_windowed_layers_count_the_pairs_their_window_computes():
     full = training_flops(_gpt(h, l), 1, s)
     assert abs(training_flops(cfg, 1, s) - (full - 2 * per_layer * (1 - windowed / causal))) < 1e-6 * full
     assert training_flops(replace(cfg, sliding_window=s), 1, s) == full
+
+
+def test_linear_attention_layers_have_no_quadratic_term():
+    """Qwen3.5 (24 Gated DeltaNet layers, 8 gated attention ones): doubling the row doubles every term but the full
+    layers' s^2 attention; the delta rule costs 3 x 2 (2 C dk + C (dk + dv) / 2 + C dv + 3 dk dv) per value head and
+    token (C = 64), and the convolution 3 x 2 K per channel."""
+    from transformers import Qwen3_5TextConfig
+
+    from hfmeg.families import model_config_from_hf
+    from hfmeg.plan.flops import delta_rule_flops
+
+    cfg = model_config_from_hf(Qwen3_5TextConfig())
+    la, s = cfg.linear_attention, 4096
+    n_full = cfg.num_layers - len(la.layers)
+    assert (len(la.layers), n_full) == (24, 8)
+
+    def quadratic(n):
+        return 12 * n * n * n_full * cfg.num_heads * cfg.head_dim
+    growth = training_flops(cfg, 1, 2 * s) - 2 * training_flops(cfg, 1, s)
+    assert abs(growth - (quadratic(2 * s) - 2 * quadratic(s))) < 1e-9 * growth
+    rule = 2 * (2 * 64 * 128 + 64 * 256 / 2 + 64 * 128 + 3 * 128 * 128) * 32
+    assert delta_rule_flops(cfg, s) == 3 * (rule + 2 * 4 * (2 * 16 * 128 + 32 * 128))

@@ -1,6 +1,6 @@
-"""The trainer on a tiny Mixtral with expert parallelism on 4 gloo ranks.
+"""The trainer on a tiny Mixtral (and gpt-oss) with expert parallelism on 4 gloo ranks.
 
-EP2 x TP2, 3 steps: the run logs the min/max tokens per expert of every MoE layer in metrics.jsonl (global
+EP2 x TP2, 3 steps (Mixtral and gpt-oss): the run logs the min/max tokens per expert of every MoE layer in metrics.jsonl (global
 load: every routed slot counted once, so the min and max of a layer are bounded by its
 routed slots) and exports a folder transformers loads. EP2 x expert-DP 2 with PowerSGD
 (expert buckets compressed over their own group): a run resumed from its step-2
@@ -34,11 +34,11 @@ def _run(cfg: TrainConfig):
     return Trainer(cfg).run().hf_folder
 
 
-def _mixtral_with_tokenizer(tmp_path):
+def _with_tokenizer(tmp_path, kind: str = "mixtral"):
     stories = stories_or_skip()
     if not ALPACA.is_file():
         pytest.skip(f"{ALPACA} is absent")
-    model = save_tiny("mixtral", tmp_path / "mixtral", vocab_size=512, output_router_logits=True)
+    model = save_tiny(kind, tmp_path / kind, vocab_size=512, output_router_logits=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(stories / name, model / name)
     return model
@@ -59,8 +59,9 @@ def _ep2_tp2(model, out, lr: float, **fields) -> TrainConfig:
     )
 
 
-def test_ep2_tp2_run_logs_expert_load_and_exports(tmp_path):
-    model = _mixtral_with_tokenizer(tmp_path)
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_ep2_tp2_run_logs_expert_load_and_exports(tmp_path, kind):
+    model = _with_tokenizer(tmp_path, kind)
     hf = spawn(_run, 4, _ep2_tp2(model, tmp_path / "out", lr=1e-3))[0]
     rows = [r for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert len(rows) == STEPS
@@ -73,7 +74,7 @@ def test_ep2_tp2_run_logs_expert_load_and_exports(tmp_path):
 
 
 def test_ep2_with_powersgd_resumes_exactly(tmp_path):
-    model = _mixtral_with_tokenizer(tmp_path)
+    model = _with_tokenizer(tmp_path)
     out = tmp_path / "out"
     cfg = TrainConfig(
         model=ModelArgs(path=str(model), dtype="fp32"),
@@ -106,7 +107,7 @@ def test_lora_run_on_mixtral_at_ep2_tp2_exports_what_peft_and_transformers_load(
 
     from hfmeg.peft.config import PeftConfig
 
-    model = _mixtral_with_tokenizer(tmp_path)
+    model = _with_tokenizer(tmp_path)
     cfg = _ep2_tp2(model, tmp_path / "out", lr=1e-2, peft=PeftConfig(method="lora", r=4, target_modules=["all-linear"]))
     hf = spawn(_run, 4, cfg)[0]
     adapter = tmp_path / "out" / "adapter"

@@ -1,4 +1,5 @@
-"""Expert-parallel training of a tiny Mixtral matches one process with torch AdamW.
+"""Expert-parallel training of a tiny Mixtral and a tiny gpt-oss (sinks, biased router and experts, clamped SwiGLU)
+matches one process with torch AdamW.
 
 One 4-process gloo world trains the same checkpoint at several layouts with the real
 pieces (`DataParallel` + `DistributedOptimizer`), against the single-process AdamW
@@ -39,9 +40,9 @@ LAYOUTS = [(1, 1, False, 2, "overlapped", 1), (1, 1, False, 2, "ddp", 1), (1, 1,
            (2, 1, True, 2, "overlapped", 1), (1, 2, False, 2, "overlapped", 1), (1, 1, False, 2, "overlapped", 2)]
 
 
-@pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-    return str(save_tiny("mixtral", tmp_path_factory.mktemp("moe_train") / "m", output_router_logits=False))
+@pytest.fixture(scope="module", params=["mixtral", "gpt_oss"])
+def moe_model(request, tmp_path_factory):
+    return str(save_tiny(request.param, tmp_path_factory.mktemp("moe_train") / "m", output_router_logits=False))
 
 
 def _train_layouts(folder):
@@ -62,8 +63,8 @@ def _train_layouts(folder):
     return rows
 
 
-def test_expert_parallel_training_matches_adamw_reference(mixtral):
-    results = spawn(_train_layouts, 4, mixtral)
+def test_expert_parallel_training_matches_adamw_reference(moe_model):
+    results = spawn(_train_layouts, 4, moe_model)
     for rank, rows in enumerate(results):
         for r in rows:
             tp, pp, sp, ep, mode, cp = r["layout"]

@@ -3,6 +3,8 @@
 transformers v5 stacks the experts and peft adapts them with LoRA on those parameters (`target_parameters`);
 the adapters here are made by `peft` itself (`init_lora_weights=False`: A and B random, so every gradient is
 non-zero) and read through `peft.init_from`'s path:
+- tiny gpt-oss (all-linear, which peft takes there as attention only: its router and experts are not
+  `nn.Linear`s, and peft maps no names onto them);
 - tiny Mixtral (all-linear: attention, router, experts; q/v + w2 alone with rslora, the other PEFT key
   nesting; q + w1/w3 with the router in `modules_to_save`, trained in full), tiny Qwen3-MoE (all-linear; its
   dense layer 0 gets attention adapters only, as in peft) and tiny Qwen2-MoE (all-linear, which peft takes there
@@ -20,7 +22,8 @@ non-zero) and read through `peft.init_from`'s path:
 - a few training steps at EP2 x DP2 (and EP2 x TP2) with the distributed optimizer vs one process of peft +
   torch AdamW: losses and every trained adapter tensor;
 - refusals: DoRA or dropout on experts or the shared expert, w1 without w3, a target that matches nothing,
-  Qwen2-MoE's routed experts, a module both adapted and in modules_to_save, an MoE module_to_save the model lacks.
+  Qwen2-MoE's and gpt-oss's routed experts, a module both adapted and in modules_to_save, an MoE module_to_save the
+  model lacks (gpt-oss's `gate`: its router is `mlp.router`, with a bias).
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def _check(cases, ids, refs, layouts):
     return rows
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_moe_lora_matches_peft_under_ep(kind, tmp_path):
     cases = _cases(tmp_path, kind)
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -135,7 +138,8 @@ def test_moe_lora_matches_peft_under_ep(kind, tmp_path):
         assert any(r.get("reread") for rank in results for r in rank if r["case"] == str(adapter))
 
 
-@pytest.mark.parametrize("kind, case", [("mixtral", None), ("mixtral", 1), ("qwen2_moe", None), ("deepseek_v3", None)])
+@pytest.mark.parametrize("kind, case", [("mixtral", None), ("mixtral", 1), ("qwen2_moe", None), ("gpt_oss", None),
+                                        ("deepseek_v3", None)])
 def test_moe_merge_matches_peft_on_the_base(kind, case, tmp_path):
     t, rs, save = MORE_CASES[kind][case] if case is not None else ("all-linear", False, None)
     base, adapter = make_base_and_adapter(tmp_path, kind, targets=t, rslora=rs, modules_to_save=save)
@@ -201,6 +205,7 @@ def test_moe_lora_refusals(tmp_path):
     mixtral = load_model_config(save_tiny("mixtral", tmp_path / "m"))
     llama = load_model_config(save_tiny("llama3", tmp_path / "l"))
     qwen2 = load_model_config(save_tiny("qwen2_moe", tmp_path / "q"))
+    gpt_oss = load_model_config(save_tiny("gpt_oss", tmp_path / "g"))
     lora = PeftConfig(method="lora", target_modules=["all-linear"])
     shared = replace(lora, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
     for model, cfg, field in [
@@ -219,6 +224,10 @@ def test_moe_lora_refusals(tmp_path):
         (llama, replace(lora, modules_to_save=["gate"]), "peft.modules_to_save: gate is not a module"),
         (mixtral, replace(shared, modules_to_save=["shared_expert_gate"]),
          "peft.modules_to_save: shared_expert_gate is not a module"),
+        (gpt_oss, replace(lora, target_modules=["q_proj", "gate_up_proj"]),
+         "peft.target_modules: ['gate_up_proj'] on gpt_oss"),
+        (gpt_oss, replace(lora, target_modules=["q_proj", "down_proj"]), "peft.target_modules: ['down_proj'] on gpt_oss"),
+        (gpt_oss, replace(lora, modules_to_save=["gate"]), "peft.modules_to_save: gate is not a module of this gpt_oss"),
     ]:
         with pytest.raises(UnsupportedConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
             check_model(model, cfg)

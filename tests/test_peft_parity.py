@@ -51,7 +51,9 @@ from hfmeg.peft.config import PeftConfig
 
 LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (2, 1, True), (2, 2, True),
            (4, 1, False), (4, 1, True)]  # tp, pp, sp
-# fp32 sums of <= 300 products of O(1) terms: differences of a few 1e-6; the issue's bound is 1e-4.
+# fp32 sums of <= 300 products of O(1) terms: differences of a few 1e-6; the issue's bound is 1e-4. Qwen3.5's
+# linear-attention adapters come to 7.6e-5 (in_proj_b's A, through the decay's exp and the delta rule's solve):
+# transformers' own chunked and token-by-token torch forms differ by 1.3e-4 there (fp32 floor of that arithmetic).
 TOL = 1e-4
 
 
@@ -98,7 +100,7 @@ def _check(cases, ids, layouts=LAYOUTS):
     return report, names
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma4", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma4", "olmo2", "qwen3_5"])
 def test_lora_and_dora_match_peft(kind, tmp_path):
     cases = [make_base_and_adapter(tmp_path, kind, rslora=rs, dora=dora)
              for rs, dora in ((False, False), (True, False), (False, True), (True, True))]
@@ -148,7 +150,7 @@ def _assert_parity(results, cases, layouts):
 
 
 @pytest.mark.parametrize("options", [dict(dora=True), dict(modules_to_save=["embed_tokens", "lm_head"])])
-@pytest.mark.parametrize("kind", ["llama3", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "phi3", "qwen3_5"])
 def test_merge_matches_peft_on_the_base(kind, options, tmp_path):
     """The merged folder of a DoRA adapter (rows rescaled to the magnitudes), or of a LoRA one with modules
     trained in full (they replace the base's), loads alone and computes what peft computes with the adapter

@@ -23,8 +23,8 @@ from hfmeg.parallel.roles import ParamRole, named_roles, role_of
 from hfmeg.parallel.stored_names import stored_slices
 from tests.tiny_models import MOE_KINDS, tiny_config
 
-FAMILIES = ["llama3", "llama_tied", "mistral", "qwen2", "gpt2", *MOE_KINDS]
-SPLIT_DIM = {"replicated": None, "fused": None, "rows": 0, "qkv": 0, "gate_up": 0, "vocab": 0, "cols": 1}
+FAMILIES = ["llama3", "llama_tied", "mistral", "qwen2", "gpt2", "qwen3_5", "qwen3_5_moe", *MOE_KINDS]
+SPLIT_DIM = {"replicated": None, "fused": None, "rows": 0, "qkv": 0, "gate_up": 0, "parts": 0, "vocab": 0, "cols": 1}
 
 
 def _chunk(kind: str, pre: bool, post: bool, sp: bool = True) -> ModelChunk:

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, Gemma4TextConfig, GPT2Config, LlamaConfig, MistralConfig,
-                          MixtralConfig, Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, Gemma4TextConfig,
+                          GPT2Config, GptOssConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
+                          Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
                           SmolLM3Config)
 
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
@@ -38,6 +39,10 @@ _ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
 _OLMO = dict(pad_token_id=None, bos_token_id=1, eos_token_id=2)
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
+# Qwen3.5 (not in RANDOM_KINDS: its tests are tests/test_qwen3_5.py): layers linear, linear, linear, full; 4 key
+# heads serving 8 value heads (2 each) of 8 dims in the linear layers, gated attention heads of 16 with RoPE on 4.
+_QWEN3_5 = dict(head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+                linear_value_head_dim=8)
 
 # MoE families (not in RANDOM_KINDS: their tests are tests/test_moe*.py): 4 experts, top-2, the
 # load-balancing loss on with a coefficient large enough to show in every router gradient.
@@ -58,6 +63,13 @@ _DEEPSEEK_V3 = dict(_COMMON, hidden_size=32, intermediate_size=48, num_hidden_la
                     num_mtp_layers=0, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                        "original_max_position_embeddings": 32, "mscale": 0.8,
                                                        "mscale_all_dim": 1.0})
+# gpt_oss (tests/test_gpt_oss.py): attention sinks, Q/K/V/O biases, the window on its first layer (sliding, full),
+# YaRN, a router with a bias, experts with biases and a SwiGLU clamped at a limit small enough to bite (its expert
+# pre-activations reach ~0.4).
+_GPT_OSS = dict(_MOE, num_local_experts=4, intermediate_size=16, head_dim=8, sliding_window=WINDOW,
+                layer_types=_LAYER_TYPES, swiglu_limit=0.1,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})
 
 
 def tiny_config(kind: str, **overrides):
@@ -91,12 +103,21 @@ def tiny_config(kind: str, **overrides):
         cfg = Olmo2Config(**_COMMON, **_OLMO)
     elif kind == "olmo3":
         cfg = Olmo3Config(**_COMMON, **_OLMO, sliding_window=WINDOW, layer_types=_LAYER_TYPES, rope_parameters=_ROPES)
+    elif kind == "qwen3_5":
+        cfg = Qwen3_5TextConfig(**{**_COMMON, "num_hidden_layers": 4}, **_QWEN3_5)
+    elif kind == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+        moe = {k: v for k, v in _QWEN_MOE.items() if k != "intermediate_size"}  # no dense MLP anywhere
+        cfg = Qwen3_5MoeTextConfig(**{**moe, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8,
+                                      "num_key_value_heads": 4}, **_QWEN3_5, shared_expert_intermediate_size=24)
     elif kind == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=8, vocab_size=300, n_positions=128)
     elif kind == "mixtral":
         cfg = MixtralConfig(**_MOE, num_local_experts=4)
     elif kind == "qwen2_moe":
         cfg = Qwen2MoeConfig(**_QWEN_MOE, decoder_sparse_step=2, shared_expert_intermediate_size=24)
+    elif kind == "gpt_oss":
+        cfg = GptOssConfig(**_GPT_OSS)
     elif kind == "qwen3_moe":
         cfg = Qwen3MoeConfig(**_QWEN_MOE, norm_topk_prob=True, mlp_only_layers=[0])
     elif kind == "deepseek_v3":
@@ -117,7 +138,7 @@ def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith(("gate.weight", "shared_expert_gate.weight")):
+            if name.endswith(("gate.weight", "shared_expert_gate.weight", "router.weight")):
                 # Routers 10x HF's init: clear top-k choices, so fp32 rounding differences cannot flip them.
                 p.mul_(10.0)
         for name, b in model.named_buffers():
@@ -127,7 +148,7 @@ def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
-WRAPPED_KINDS = ("gemma3", "mistral3", "gemma4")
+WRAPPED_KINDS = ("gemma3", "mistral3", "gemma4", "qwen3_5", "qwen3_5_moe")
 
 
 def save_tiny_wrapped(kind: str, folder: Path, seed: int = 0, **text) -> Path:
@@ -155,6 +176,16 @@ def save_tiny_wrapped(kind: str, folder: Path, seed: int = 0, **text) -> Path:
             text_config=dict(language, global_head_dim=language["head_dim"]), audio_config=None,
             vision_config=dict(vision, num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
                                position_embedding_size=64)))
+    elif kind in ("qwen3_5", "qwen3_5_moe"):
+        from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                                  Qwen3_5MoeForConditionalGeneration)
+        config, wrapper = (Qwen3_5Config, Qwen3_5ForConditionalGeneration) if kind == "qwen3_5" else (
+            Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+        model = wrapper(config(
+            text_config=language, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                     patch_size=4, out_hidden_size=language["hidden_size"],
+                                                     num_position_embeddings=16),
+            image_token_id=299, video_token_id=298, vision_start_token_id=297, vision_end_token_id=296))
     else:
         raise ValueError(kind)
     model.save_pretrained(folder)
@@ -162,8 +193,15 @@ def save_tiny_wrapped(kind: str, folder: Path, seed: int = 0, **text) -> Path:
 
 
 def reference_attention(folder: Path) -> str:
-    """The transformers attention to compare with: `eager` where scores are soft-capped (SDPA refuses it)."""
-    return "eager" if json.loads((Path(folder) / "config.json").read_text()).get("attn_logit_softcapping") else "sdpa"
+    """The transformers attention to compare with: `eager` where scores are soft-capped (SDPA refuses it) or the
+    class has no SDPA path (gpt-oss, for its sinks)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(folder)
+    sdpa = type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa
+    capped = json.loads((Path(folder) / "config.json").read_text()).get("attn_logit_softcapping")
+    return "eager" if capped or not sdpa else "sdpa"
 
 
 def rewrite_config_v4(folder: Path) -> None:

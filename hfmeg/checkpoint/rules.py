@@ -21,6 +21,11 @@ Split kinds:
 - `vocab`: rows padded with zeros to the padded vocabulary, then split dim 0.
 - `fused`: several HF tensors concatenated along dim 0, whole on every TP rank (an
   MoE expert's `[gate; up]`: experts are not TP-split, see `models/moe.py`).
+- `interleaved`: one HF tensor whose dim-0 entries alternate gate and up (gpt-oss's experts, after the
+  transpose), whole on every TP rank as `[gate; up]`.
+- `parts`: the HF tensors' rows, concatenated, cut into `rule.pieces` (Gated DeltaNet's q, k, v, z, b, a),
+  each piece split dim 0 over TP, and rank r's slices of all pieces concatenated (`gate_up` is the case of
+  two equal pieces). The HF tensors' shapes are the rule's `shapes`.
 
 MoE layers (Mixtral `block_sparse_moe.*`, Qwen `mlp.*`: the family's `ExpertNames`) map the router (`gate`) and
 every expert's tensors one to one, by expert index, so each tensor travels alone
@@ -96,24 +101,25 @@ def chunk_rules(cfg: ModelConfig, layers: Iterable[int], pre_process: bool, post
 def _qkv_fuse(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     g, d = cfg.num_kv_heads, cfg.head_dim
     rest = q.shape[1:]
-    q = q.reshape(g, (cfg.num_heads // g) * d, *rest)
+    q = q.reshape(g, (cfg.num_heads // g) * cfg.q_rows, *rest)
     k = k.reshape(g, d, *rest)
     v = v.reshape(g, d, *rest)
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
 def _qkv_sizes(cfg: ModelConfig) -> list[int]:
-    return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+    return [cfg.num_heads * cfg.q_rows, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
 
 
 def _qkv_unfuse(cfg: ModelConfig, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
     g, d = cfg.num_kv_heads, cfg.head_dim
     rep = cfg.num_heads // g
     rest = fused.shape[1:]
-    f = fused.reshape(g, (rep + 2) * d, *rest)
-    q = f[:, : rep * d].reshape(-1, *rest)
-    k = f[:, rep * d : (rep + 1) * d].reshape(-1, *rest)
-    v = f[:, (rep + 1) * d :].reshape(-1, *rest)
+    qr = rep * cfg.q_rows
+    f = fused.reshape(g, qr + 2 * d, *rest)
+    q = f[:, :qr].reshape(-1, *rest)
+    k = f[:, qr : qr + d].reshape(-1, *rest)
+    v = f[:, qr + d :].reshape(-1, *rest)
     return q, k, v
 
 
@@ -140,6 +146,10 @@ def to_local(
         out = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
     elif kind == "fused":
         out = torch.cat(hf, dim=0)
+    elif kind == "interleaved":
+        out = torch.cat([hf[0][0::2], hf[0][1::2]], dim=0)
+    elif kind == "parts":
+        out = torch.cat([p.chunk(tp, dim=0)[tp_rank] for p in torch.cat(hf, dim=0).split(rule.pieces, dim=0)])
     elif kind == "vocab":
         full = hf[0]
         padded = cfg.padded_vocab(tp, vocab_multiple)
@@ -191,6 +201,13 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
         outs = [torch.cat(shards, dim=0)[: cfg.vocab_size]]
     elif kind == "fused":
         outs = list(shards[0].chunk(len(rule.hf), dim=0))
+    elif kind == "interleaved":
+        outs = [torch.stack(shards[0].chunk(2, dim=0), dim=1).flatten(0, 1)]
+    elif kind == "parts":
+        tp = len(shards)
+        slices = [s.split([p // tp for p in rule.pieces], dim=0) for s in shards]
+        whole = torch.cat([torch.cat([rank[i] for rank in slices], dim=0) for i in range(len(rule.pieces))], dim=0)
+        outs = list(whole.split([shape[0] for shape in rule.shapes], dim=0))
     else:
         raise ValueError(f"unknown split kind {kind!r} for {rule.local}")
     if rule.transpose:
@@ -204,6 +221,7 @@ def expected_hf_shape(rule: TensorRule, index: int, cfg: ModelConfig) -> tuple[i
         return rule.shapes[index]
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv, f, v = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.ffn_size, cfg.vocab_size
+    q_rows = cfg.num_heads * cfg.q_rows
     is_bias = rule.local.endswith(".bias")
     if rule.kind == "vocab":
         return (v, h)
@@ -212,7 +230,7 @@ def expected_hf_shape(rule: TensorRule, index: int, cfg: ModelConfig) -> tuple[i
             return (cfg.max_positions, h)
         return (h,)
     if rule.kind == "qkv":
-        out = (q + 2 * kv,) if len(rule.hf) == 1 else ((q, kv, kv)[index],)
+        out = (q_rows + 2 * kv,) if len(rule.hf) == 1 else ((q_rows, kv, kv)[index],)
     elif rule.kind == "gate_up":
         out = (f if len(rule.hf) == 2 else 2 * f,)
     elif rule.kind == "rows":

@@ -105,7 +105,7 @@ def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bi
     return ModelConfig(
         model_type=t,
         hidden_size=hf.hidden_size,
-        ffn_size=hf.intermediate_size,
+        ffn_size=getattr(hf, "intermediate_size", 0),  # Qwen3.5-MoE has none: every layer is sparse
         num_layers=hf.num_hidden_layers,
         num_heads=heads,
         num_kv_heads=kv,
@@ -165,8 +165,13 @@ def _moe_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Expe
     return rules
 
 
-def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: ExpertNames = MLP) -> list[TensorRule]:
-    """Decoder layer i's rules; `on_disk`: how the family's checkpoints name per-expert tensors."""
+MoERules = Callable[[ModelConfig, int, Collection[int]], list[TensorRule]]
+
+
+def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: ExpertNames = MLP,
+                moe_rules: MoERules | None = None) -> list[TensorRule]:
+    """Decoder layer i's rules; `on_disk`: how the family's checkpoints name per-expert tensors; `moe_rules`: an
+    MoE layer's rules where they are not this layout's (gpt-oss)."""
     p, L = layer_prefix(i), f"layers.{i}."
     a, m = p + "self_attn.", p + "mlp."
     rules = [
@@ -203,7 +208,9 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Exp
     if cfg.mlp_bias:
         rules.append(TensorRule(L + "mlp.fc1.bias", (m + "gate_proj.bias", m + "up_proj.bias"), "gate_up"))
         rules.append(TensorRule(L + "mlp.fc2.bias", (m + "down_proj.bias",), "replicated"))
-    return rules + (_moe_rules(cfg, i, experts, on_disk) if cfg.is_sparse(i) else [])
+    if not cfg.is_sparse(i):
+        return rules
+    return rules + (moe_rules(cfg, i, experts) if moe_rules else _moe_rules(cfg, i, experts, on_disk))
 
 
 def llama_layout(model_types: tuple[str, ...], architecture: str, normalise: Callable[[PretrainedConfig], ModelConfig],

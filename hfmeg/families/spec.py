@@ -30,6 +30,7 @@ class TensorRule:
     tied: bool = False  # a stage-local copy of the tied embedding: nothing to write back
     shapes: tuple[tuple[int, ...], ...] | None = None  # HF shapes, where the kind does not imply them
     expert: int | None = None  # the HF tensor stacks all experts on dim 0: this rule is expert `expert`'s slice
+    pieces: tuple[int, ...] | None = None  # kind `parts`: the row counts of the pieces split over TP one by one
 
 
 @dataclass(frozen=True)

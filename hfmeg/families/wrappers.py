@@ -34,7 +34,9 @@ class Wrapper:
 TEXT_NAMINGS = (("language_model.model.", "language_model.lm_head."), ("model.language_model.", "lm_head."))
 
 WRAPPERS = (Wrapper(("gemma3",), "Gemma3ForConditionalGeneration", caps_logits=False),
-            Wrapper(("gemma4",), "Gemma4ForConditionalGeneration"), Wrapper(("mistral3",), "Mistral3ForConditionalGeneration"))
+            Wrapper(("gemma4",), "Gemma4ForConditionalGeneration"), Wrapper(("mistral3",), "Mistral3ForConditionalGeneration"),
+            Wrapper(("qwen3_5",), "Qwen3_5ForConditionalGeneration"),
+            Wrapper(("qwen3_5_moe",), "Qwen3_5MoeForConditionalGeneration"))
 
 
 def stored_name(name: str, naming: tuple[str, str] | None) -> str:

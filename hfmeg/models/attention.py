@@ -11,6 +11,13 @@ each rank's gradient comes from its own heads only, so its role says
 of a token: their weights are TP-sharded with the heads (`norm.HeadsRMSNorm`). Gemma 4 normalises each value head
 too, with no weight (`cfg.v_norm`).
 
+gpt-oss's attention sinks (`cfg.attn_sinks`): a learned logit per query head that joins the softmax's
+normaliser and contributes no value (`document_attention.attend`); a rank holds its heads' sinks. Under context
+parallelism every rank's queries see the whole gathered row of keys in one call, so each sink joins each
+query's normaliser once.
+Qwen3.5 (`cfg.attn_output_gate`) gates the attention output elementwise by sigmoid of a second half of each
+query head's rows, `[q_h; gate_h]` (so the gate is split over TP with its head).
+
 A layer with a sliding window (`cfg.window`) attends under the micro-batch's windowed mask
 (`DocumentMask.sliding`, document_attention.py), the others under its full one.
 
@@ -36,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from ..parallel.context import gather_kv
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..parallel.roles import ParamRole, add_param
 from ..parallel.state import ParallelState
 from .document_attention import DocumentMask, attend, layer_mask
 from .kernels import Kernels
@@ -52,7 +60,7 @@ class ParallelAttention(nn.Module):
         self.rotates = cfg.uses_rope(layer)
         self.window = cfg.window(layer)
         d = cfg.head_dim
-        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+        qkv_out = cfg.num_heads * cfg.q_rows + 2 * cfg.num_kv_heads * d
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias)
         self.out = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, ps, bias=cfg.out_bias)
         if cfg.qk_norm and cfg.qk_norm_whole:
@@ -61,6 +69,10 @@ class ParallelAttention(nn.Module):
         elif cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg, True, kernels)
             self.k_norm = RMSNorm(d, cfg, True, kernels)
+        if cfg.attn_sinks:  # one logit per query head: TP-sharded with the heads (a rank's are contiguous)
+            add_param(self, "sinks", cfg.num_heads // ps.tp, role=ParamRole("bias", tp_dim=0))
+        else:
+            self.sinks = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, docs: DocumentMask | None,
                 recompute_core: bool = False):
@@ -76,10 +88,15 @@ class ParallelAttention(nn.Module):
     def _core(self, qkv: torch.Tensor, rope, docs: DocumentMask | None) -> torch.Tensor:
         s, b = qkv.shape[:2]
         d = self.cfg.head_dim
-        qkv = qkv.view(s, b, self.groups, self.rep + 2, d).permute(1, 2, 3, 0, 4)  # [b, g, rep+2, s, d]
+        per_q = self.cfg.q_rows // d  # 2 with an output gate: each query head's rows are [q_h; gate_h]
+        qkv = qkv.view(s, b, self.groups, self.rep * per_q + 2, d).permute(1, 2, 3, 0, 4)  # [b, g, rep+2, s, d]
         # One split, not three slices: a slice's backward zero-fills a gradient the size of the whole QKV
         # output and copies its part in; split's backward concatenates the three parts once.
-        q, k, v = qkv.split([self.rep, 1, 1], dim=2)
+        q, k, v = qkv.split([self.rep * per_q, 1, 1], dim=2)
+        gate = None
+        if per_q == 2:
+            q, gate = q.unflatten(2, (self.rep, 2)).unbind(3)
+            gate = gate.reshape(b, self.groups * self.rep, s, d)
         q = q.reshape(b, self.groups * self.rep, s, d)
         k, v = k.squeeze(2), v.squeeze(2)
         if self.cfg.qk_norm:
@@ -89,5 +106,7 @@ class ParallelAttention(nn.Module):
         if rope is not None and self.rotates:
             q, k = self.kernels.rope(q, *rope), self.kernels.rope(k, *rope)
         k, v = gather_kv(k, v, self.ps)  # the whole row's under context parallelism
-        o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1, softcap=self.cfg.attn_softcap)
+        o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1, softcap=self.cfg.attn_softcap, sinks=self.sinks)
+        if gate is not None:  # Qwen3.5's gated attention
+            o = o * torch.sigmoid(gate)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads_local * d]

@@ -41,6 +41,7 @@ from ..parallel.roles import ParamRole, set_role
 from ..parallel.state import ParallelState
 from .attention import ParallelAttention
 from .document_attention import DocumentMask, MaskPlanner, flex_applies
+from .gated_deltanet import GatedDeltaNet
 from .kernels import Kernels
 from .latent_attention import LatentAttention
 from .mlp import ParallelMLP
@@ -60,8 +61,12 @@ class DecoderLayer(nn.Module):
         # OLMo 2 (`pre_norms` False): no norm before the attention and the MLP, only the output norms.
         pre = (lambda: make_norm(cfg, sp, kernels)) if cfg.pre_norms else nn.Identity
         self.input_norm = pre()
-        attention = LatentAttention if cfg.mla is not None else ParallelAttention
-        self.attn = attention(cfg, ps, layer, kernels)
+        # Qwen3.5's linear-attention layers take the attention's place (and its arguments); DeepSeek's MLA is its
+        # attention.
+        if cfg.is_linear(layer):
+            self.attn = GatedDeltaNet(cfg, ps)
+        else:
+            self.attn = (LatentAttention if cfg.mla is not None else ParallelAttention)(cfg, ps, layer, kernels)
         self.post_attn_norm = pre()  # before the MLP (HF's LLaMA name kept)
         self.mlp = MoELayer(cfg, ps, kernels) if cfg.is_sparse(layer) else ParallelMLP(cfg, ps, kernels)
         self.sandwich = cfg.sandwich_norms
@@ -197,7 +202,9 @@ class ModelChunk(nn.Module):
         ps = self.ps
         device = device or ps.device
         return MaskPlanner(device, ps.cp, ps.cp_rank, flex_applies(device, self.cfg.head_dim), self._compute_dtype(),
-                           self.cfg.sliding_window, capped=self.cfg.attn_softcap is not None)
+                           self.cfg.sliding_window,
+                           explicit=self.cfg.attn_softcap is not None or self.cfg.attn_sinks,
+                           recurrent=self.cfg.linear_attention is not None)
 
     def stage(self, mb: MicroBatch) -> MicroBatch:
         """A micro-batch on this rank's device with its attention decided (models/staging.py)."""

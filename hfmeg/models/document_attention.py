@@ -35,6 +35,9 @@ one document), which `layer_mask` hands them; the other layers keep the one abov
 Soft-capped scores (Gemma 2, `attend(softcap=...)`): flex caps them in its `score_mod`, so a
 capped model's one-document rows take a causal block mask where flex applies; elsewhere the
 scores are computed explicitly (SDPA has no hook), `b·heads·s²` of them saved for backward.
+Attention sinks (gpt-oss, `attend(sinks=...)`) take the same paths: flex returns its logsumexp and
+the output is rescaled to the normaliser with the sink (a `score_mod` cannot add a column); the
+explicit path appends the sink's column to the scores, as transformers' eager attention does.
 
 Under context parallelism (parallel/context.py) a rank's queries are a subset of the
 row's positions and its keys the whole gathered row in another order; `plan_split`
@@ -50,12 +53,13 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from ..data.microbatch import MicroBatch, token_index
 from ..data.packing import single_document
 from ..errors import LayoutError
 from ..parallel.context import gathered_index
+from .gated_delta_rule import document_runs
 
 
 @dataclass(frozen=True)
@@ -68,12 +72,15 @@ class DocumentMask:
     # The mask of the layers with a sliding window (`ModelConfig.window`), where the row is longer than the
     # window; this mask's own `block` and `dense` both None: the other layers attend plain causal.
     sliding: DocumentMask | None = None
+    # Each token's document `[b, s]` (`gated_delta_rule.document_runs`), where the row holds several: where the
+    # linear-attention layers restart their state (`MaskPlanner.recurrent`); None elsewhere.
+    documents: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the attention reads through this mask (models/staging.py hands them across streams)."""
         held = self.block.as_tuple() if self.block is not None else (self.dense,)
         inner = self.sliding.tensors() if self.sliding is not None else []
-        return [t for t in (*held, *self.reads) if isinstance(t, torch.Tensor)] + inner
+        return [t for t in (*held, *self.reads, self.documents) if isinstance(t, torch.Tensor)] + inner
 
 
 def document_causal_mask(segment_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -225,9 +232,10 @@ class MaskPlanner:
     flex: bool  # `flex_applies` to this model on this device
     dtype: torch.dtype  # the compute dtype (CP's dense masks are additive in it)
     window: int | None = None  # the model's sliding window (`ModelConfig.window`), None where no layer has one
-    # Soft-capped scores (Gemma 2): SDPA cannot cap, so where flex applies even one-document rows take a
-    # (causal) block mask, rather than the explicit dense path's s² scores.
-    capped: bool = False
+    # Soft-capped scores (Gemma 2) or attention sinks (gpt-oss): SDPA can do neither, so where flex applies even
+    # one-document rows take a (causal) block mask, rather than the explicit dense path's s² scores.
+    explicit: bool = False
+    recurrent: bool = False  # the model has linear-attention layers: packed rows' masks carry `documents`
 
     def windowed(self, row: int) -> bool:
         """Whether rows of `row` tokens need the sliding-window mask: only rows longer than the window."""
@@ -240,8 +248,10 @@ class MaskPlanner:
         Rows longer than the window carry the windowed layers' mask too (`DocumentMask.sliding`)."""
         if self.cp == 1:
             docs = plan(segment_ids, flex=self.flex)
+            if docs is not None and self.recurrent:
+                docs = replace(docs, documents=document_runs(segment_ids))
             index = torch.arange(s, device=self.device)
-            if docs is None and self.flex and self.capped:
+            if docs is None and self.flex and self.explicit:
                 docs = split_block_mask(index, index, None, None)
             if not self.windowed(s):
                 return docs
@@ -268,8 +278,8 @@ class MaskPlanner:
     def builds_ahead(self, mb: MicroBatch) -> bool:
         """Whether the mask of micro-batch `mb` is a flex block mask (small: built ahead; a dense one is
         b·s² elements and built at use). Under CP every micro-batch has a mask, packed or not, and so has
-        a row longer than the window, and every row of a soft-capped model."""
-        return self.flex and (self.cp > 1 or mb.segment_ids is not None or self.windowed(mb.shape[1]) or self.capped)
+        a row longer than the window, and every row of a soft-capped model or one with sinks."""
+        return self.flex and (self.cp > 1 or mb.segment_ids is not None or self.windowed(mb.shape[1]) or self.explicit)
 
 
 @cache
@@ -288,33 +298,55 @@ def layer_mask(docs: DocumentMask | None, window: int | None, row: int) -> Docum
     return docs.sliding
 
 
-def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                softcap: float) -> torch.Tensor:
-    """Attention with soft-capped scores, computed explicitly (SDPA has no score hook), as transformers'
-    eager Gemma attention: scores = cap * tanh(q·k * scale / cap), then the mask, softmax in fp32."""
+def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention with its scores computed explicitly (SDPA has no score hook), as transformers' eager Gemma and
+    gpt-oss attention: scores = q·k * scale, soft-capped (cap * tanh(scores / cap)) where given, then the mask;
+    with `sinks` `[heads]` each head's sink logit is a column of its own in the softmax (fp32), dropped after."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # query head i reads KV head i // rep
-    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * scale / softcap) * softcap
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    wide = torch.promote_types(scores.dtype, torch.float32)  # the softmax in fp32, or wider (float64 references)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype), v)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=wide)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
+
+
+def _sunk(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention output `o` `[b, heads, s, d]` whose normaliser was exp(`lse`), rescaled to the normaliser with
+    the sink: exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), exact (no approximation), differentiable
+    in `lse` (flex's backward takes its gradient) and in the sinks."""
+    wide = torch.promote_types(o.dtype, torch.float32)
+    return o * torch.sigmoid(lse.to(wide) - sinks.to(wide).view(1, -1, 1)).unsqueeze(-1).to(o.dtype)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentMask | None, scale: float,
-           gqa: bool, softcap: float | None = None) -> torch.Tensor:
+           gqa: bool, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of `q` `[b, heads, s, d]` over `k`, `v` `[b, kv_heads, s, d]` under `docs` (its own
-    `block` or `dense`; both None: plain causal), the scores soft-capped at `softcap` where given
-    (flex: a score_mod; otherwise explicitly, `_softcapped`)."""
+    `block` or `dense`; both None: plain causal), the scores soft-capped at `softcap` where given, and a sink
+    logit per head (`sinks` `[heads]`) in each query's normaliser where given. Flex caps in a score_mod and
+    returns its logsumexp, by which the output is rescaled to the sink's normaliser (`_sunk`); the other paths
+    compute the scores explicitly (`_explicit`)."""
     if docs is not None and docs.block is not None:
         flex = _compiled_flex() if q.is_cuda else flex_attention
         score_mod = None
         if softcap is not None:
             def score_mod(score, batch, head, q_idx, kv_idx):
                 return torch.tanh(score / softcap) * softcap
-        return flex(q, k, v, score_mod=score_mod, block_mask=docs.block, scale=scale, enable_gqa=gqa)
+        run = dict(score_mod=score_mod, block_mask=docs.block, scale=scale, enable_gqa=gqa)
+        if sinks is None:
+            return flex(q, k, v, **run)
+        o, aux = flex(q, k, v, return_aux=AuxRequest(lse=True), **run)
+        return _sunk(o, aux.lse, sinks)
     mask = docs.dense if docs is not None else None
-    if softcap is not None:
-        return _softcapped(q, k, v, mask, scale, softcap)
+    if softcap is not None or sinks is not None:
+        return _explicit(q, k, v, mask, scale, softcap, sinks)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                           enable_gqa=gqa)

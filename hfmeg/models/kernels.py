@@ -57,6 +57,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' GLU: the gate clamped above and the up projection both sides at `limit`, a sigmoid of
+    gain `alpha`, and up + 1 (in transformers' order of operations)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Gemma's gated MLP: `gelu_pytorch_tanh` on the gate."""
     return F.gelu(gate, approximate="tanh") * up
@@ -75,4 +83,4 @@ class Kernels:
         pick = (lambda f: f) if backend is None else (lambda f: _compiled(f, backend))
         self.rms_norm, self.rope, self.swiglu = pick(rms_norm), pick(rope), pick(swiglu)
         self.rms_norm_offset, self.geglu = pick(rms_norm_offset), pick(geglu)
-        self.rms_norm_fp32 = pick(rms_norm_fp32)
+        self.rms_norm_fp32, self.clamped_swiglu = pick(rms_norm_fp32), pick(clamped_swiglu)

@@ -1,15 +1,16 @@
-"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3).
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek-V3).
 
 Routing, as transformers computes it for these families:
-1. router logits = x W_r^T in the compute dtype (`W_r` `[experts, hidden]`);
+1. router logits = x W_r^T (+ b_r: gpt-oss) in the compute dtype (`W_r` `[experts, hidden]`);
 2. probabilities = softmax over experts in fp32; the top-k of them pick each token's experts;
 3. the k weights are renormalised to sum to 1 when the model says so (Mixtral always,
    Qwen when `norm_topk_prob`); Qwen then casts them to the compute dtype, Mixtral
    keeps them in fp32 until each weighted expert output is cast back
-   (`MoEConfig.combine_fp32`);
+   (`MoEConfig.combine_fp32`); gpt-oss's softmax over the k chosen logits is this renormalisation;
 4. each expert is a SwiGLU MLP, `fc2(silu(gate) * up)` with `fc1 = [gate; up]`; a token's
    output is the sum of its k experts' outputs times their weights, accumulated in
-   ascending expert order into zeros, exactly as HF's `index_add_` loop does;
+   ascending expert order into zeros, exactly as HF's `index_add_` loop does; gpt-oss's experts have biases
+   and a clamped SwiGLU (`MoEConfig.expert_bias`, `swiglu_limit`; kernels.clamped_swiglu);
 5. Qwen2-MoE adds a shared expert every token goes through, scaled by
    `sigmoid(shared_expert_gate(x))`; DeepSeek-V3 adds its shared experts (one SwiGLU MLP) ungated.
 
@@ -67,7 +68,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ModelConfig, MoEConfig
 from ..parallel.comm import gather_tokens, split_tokens
 from ..parallel.expert_dispatch import Dispatched, TokenDispatcher, local_experts
 from ..parallel.layers import ReplicatedLinear
@@ -81,6 +82,7 @@ from .routing import ScoreBias, sigmoid_grouped_topk
 # Replicated, used on this rank's tokens only: partial gradients, summed over TP.
 _PARTIAL = ParamRole("weight", sequence_parallel=True)
 _EXPERT = ParamRole("weight", sequence_parallel=True, expert=True)
+_EXPERT_BIAS = ParamRole("bias", sequence_parallel=True, expert=True)
 
 
 @dataclass
@@ -109,28 +111,45 @@ class GatedExpert(nn.Module):
 
 class GroupedExperts(nn.Module):
     """This rank's routed experts `experts` (global indices), stacked: `fc1` `[E_local, 2F, H]` (each expert's
-    [gate; up]) and `fc2` `[E_local, H, F]`, stored per expert as `{e}.fc1.weight` and `{e}.fc2.weight`."""
+    [gate; up]) and `fc2` `[E_local, H, F]`, stored per expert as `{e}.fc1.weight` and `{e}.fc2.weight`; with
+    `moe.expert_bias` (gpt-oss) their biases `fc1_bias` `[E_local, 2F]` and `fc2_bias` `[E_local, H]`, stored as
+    `{e}.fc1.bias` and `{e}.fc2.bias`, each row given its expert's by repeating expert g's `offsets` block."""
 
-    def __init__(self, experts: range, hidden: int, ffn: int, kernels: Kernels):
+    def __init__(self, experts: range, hidden: int, ffn: int, kernels: Kernels, moe: MoEConfig):
         super().__init__()
-        self.kernels = kernels
+        self.kernels, self.moe = kernels, moe
         add_param(self, "fc1", len(experts), 2 * ffn, hidden, role=_EXPERT)
         add_param(self, "fc2", len(experts), hidden, ffn, role=_EXPERT)
         for name in ("fc1", "fc2"):
             set_stored_names(self, name, [f"{e}.{name}.weight" for e in experts])
+        if moe.expert_bias:
+            add_param(self, "fc1_bias", len(experts), 2 * ffn, role=_EXPERT_BIAS)
+            add_param(self, "fc2_bias", len(experts), hidden, role=_EXPERT_BIAS)
+            for name in ("fc1", "fc2"):
+                set_stored_names(self, f"{name}_bias", [f"{e}.{name}.bias" for e in experts])
         # LoRA on each stacked weight (`hfmeg/peft/adapters.py` ExpertLora): `(rows, offsets)` -> its update.
         self.fc1_lora: nn.Module | None = None
         self.fc2_lora: nn.Module | None = None
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Rows `[R, h]` sorted by expert, expert g's block ending at `offsets[g]`: their outputs `[R, h]`."""
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long() if self.moe.expert_bias else None
         h = grouped_linear(rows, self.fc1, offsets)
         if self.fc1_lora is not None:
             h = h + self.fc1_lora(rows, offsets)
+        if counts is not None:
+            h = h + self.fc1_bias.repeat_interleave(counts, dim=0, output_size=rows.shape[0])
         gate, up = h.chunk(2, dim=-1)
-        act = self.kernels.swiglu(gate, up)
+        m = self.moe
+        if m.swiglu_limit is not None:
+            act = self.kernels.clamped_swiglu(gate, up, m.swiglu_alpha, m.swiglu_limit)
+        else:
+            act = self.kernels.swiglu(gate, up)
         out = grouped_linear(act, self.fc2, offsets)
-        return out if self.fc2_lora is None else out + self.fc2_lora(act, offsets)
+        out = out if self.fc2_lora is None else out + self.fc2_lora(act, offsets)
+        if counts is not None:
+            out = out + self.fc2_bias.repeat_interleave(counts, dim=0, output_size=rows.shape[0])
+        return out
 
 
 class MoELayer(nn.Module):
@@ -145,9 +164,10 @@ class MoELayer(nn.Module):
         m = cfg.moe
         self.ps, self.moe = ps, m
         h = cfg.hidden_size
-        self.router = ReplicatedLinear(h, m.num_experts, _PARTIAL)
+        self.router = ReplicatedLinear(h, m.num_experts, _PARTIAL, bias=m.router_bias)
         self.dispatcher = TokenDispatcher(m.num_experts, ps.ep, ps.ep_group)
-        self.experts = GroupedExperts(local_experts(m.num_experts, ps.ep, ps.ep_rank), h, m.expert_ffn_size, kernels)
+        self.experts = GroupedExperts(local_experts(m.num_experts, ps.ep, ps.ep_rank), h, m.expert_ffn_size, kernels,
+                                      m)
         if m.score_correction_bias:
             self.score_bias = ScoreBias(m.num_experts)
         if m.shared_expert_ffn_size:

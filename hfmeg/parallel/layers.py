@@ -23,6 +23,8 @@ collective.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -102,16 +104,21 @@ class ReplicatedLinear(nn.Module):
     is marked `expert`).
     """
 
-    def __init__(self, in_features: int, out_features: int, role: ParamRole):
+    def __init__(self, in_features: int, out_features: int, role: ParamRole, bias: bool = False):
         super().__init__()
         if role.tp_dim is not None:
             raise ValueError("a replicated linear's weight is not TP-split")
         add_param(self, "weight", out_features, in_features, role=role)
+        if bias:  # fed what the weight is fed: the same role, as a bias (gpt-oss's router)
+            add_param(self, "bias", out_features, role=replace(role, kind="bias"))
+        else:
+            self.bias = None
         self.adapter: nn.Module | None = None  # see the module docstring (the MoE router's LoRA)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)
-        return y if self.adapter is None else y + self.adapter(x, y, self.weight)
+        y = y if self.adapter is None else y + self.adapter(x, y, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..errors import LayoutError, UnsupportedConfigError
 from .grid import RankGrid, RankPlace
+from .rendezvous import round_store
 
 BACKEND_ENV = "HFMEG_BACKEND"  # "gloo" or "nccl": overrides the default choice of ParallelState.from_env
 
@@ -147,7 +148,8 @@ def join_world(*, backend: str | None = None, timeout_s: float = 600.0) -> torch
         kwargs = dict(backend=backend, timeout=timedelta(seconds=timeout_s),
                       device_id=device if device.type == "cuda" else None)
         if "RANK" in os.environ:
-            dist.init_process_group(**kwargs)
+            with round_store(timeout_s) as store:  # torchrun's store outlives a restart: a prefix per round
+                dist.init_process_group(**kwargs, **store)
         else:  # a plain `python` run: an in-process store, so no port can clash with another job
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     return device

@@ -23,7 +23,9 @@ zeros for a projection not targeted. A family whose HF checkpoints fuse them too
 all the fused rows: B's rows (and DoRA's magnitudes) are laid out like the base's
 (`blocks`: the HF tensor's parts cut into blocks and interleaved, per KV group or per TP
 rank, then split over TP, as `checkpoint/rules.py` does to the weight) and put back in
-peft's order on export.
+peft's order on export. Qwen3.5's Gated DeltaNet in_proj fuses four HF projections
+(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`), each with its own adapter as in peft; `in_proj_qkv`'s
+B rows are interleaved by TP rank (`Projection.blocks`), as its q, k and v rows are in the base.
 
 Every adapter tensor is one HF tensor (`AdapterTensor.hf`, PEFT's key) sliced by one
 kind: `rows` (dim 0 over TP), `cols` (dim 1 over TP) or `replicated`. A fresh `A` is
@@ -83,12 +85,19 @@ from .config import ALL_LINEAR, EXPERT_PARAMS, MOE_SAVABLE, SAVABLE, PeftConfig
 PEFT_PREFIX = "base_model.model."
 
 
+# (n, part sizes): the rows of an HF tensor `[part 0; part 1; ...]` as a fused base holds them: each part cut
+# into n blocks, then `[part 0 block b; part 1 block b; ...]` for each b (n: the KV groups of a fused QKV, the TP
+# size of a fused gate/up, whose rank r holds `[gate_r; up_r]`).
+Blocks = tuple[int, tuple[int, ...]]
+
+
 @dataclass(frozen=True)
 class Projection:
     """One HF projection inside a base layer: its name, HF module path and full output size."""
     name: str
     module: str  # HF module path, e.g. model.layers.3.self_attn.q_proj
     out_features: int
+    blocks: Blocks | None = None  # its B rows as the base holds them (Gated DeltaNet's in_proj_qkv: [q_r; k_r; v_r])
 
 
 @dataclass(frozen=True)
@@ -99,12 +108,6 @@ class AdapterTensor:
     vocab: int | None = None  # the unpadded rows of a `vocab` tensor
     expert: tuple[int, int] | None = None  # (e, E): an `expert_*` tensor is expert e's piece of a stack of E
     blocks: Blocks | None = None  # a `rows` tensor of a fused base: its rows interleaved before the TP split
-
-
-# (n, part sizes): the rows of an HF tensor `[part 0; part 1; ...]` as a fused base holds them: each part cut
-# into n blocks, then `[part 0 block b; part 1 block b; ...]` for each b (n: the KV groups of a fused QKV, the TP
-# size of a fused gate/up, whose rank r holds `[gate_r; up_r]`).
-Blocks = tuple[int, tuple[int, ...]]
 
 
 def interleave(t: torch.Tensor, blocks: Blocks) -> torch.Tensor:
@@ -297,7 +300,7 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
     cfg, tp = chunk.cfg, chunk.ps.tp
     names = spec_of(cfg).peft
     experts_mapped, fused = bool(names.experts), names.fused_bases
-    q, kv, h, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.ffn_size
+    q, kv, h, f = cfg.num_heads * cfg.q_rows, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.ffn_size
 
     def column(local: str, prefix: str, parts: list[tuple[str, int]], groups: int) -> _Base:
         """A fused column-parallel base: one projection per HF part, or one over all (`fused_bases`)."""
@@ -311,12 +314,15 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
     out = []
     for i in chunk.layer_ids:
         a, m, L = f"{layer_prefix(i)}self_attn.", f"{layer_prefix(i)}mlp.", f"layers.{i}."
-        if cfg.mla is None:
-            out.append(column(L + "attn.qkv", a, [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
-                              cfg.num_kv_heads // tp))
+        if cfg.is_linear(int(i)):
+            out += _linear_attention_bases(cfg, i, tp)
         else:
-            out += _latent_bases(cfg, a, L + "attn.", chunk.ps.sequence_parallel)
-        out.append(_Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1))
+            if cfg.mla is None:
+                out.append(column(L + "attn.qkv", a, [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+                                  cfg.num_kv_heads // tp))
+            else:
+                out += _latent_bases(cfg, a, L + "attn.", chunk.ps.sequence_parallel)
+            out.append(_Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1))
         if not cfg.is_sparse(int(i)) and not experts_mapped:
             out += [column(L + "mlp.fc1", m, [("gate_proj", f), ("up_proj", f)], 1),
                     _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
@@ -343,6 +349,19 @@ def _latent_bases(cfg, a: str, local: str, sp: bool) -> list[_Base]:
             _Base(local + "q_b", [Projection("q_b_proj", a + "q_b_proj", heads * cfg.head_dim)], True, 1)] + kv
 
 
+def _linear_attention_bases(cfg, i: int, tp: int) -> list[_Base]:
+    """A Gated DeltaNet layer's (Qwen3.5's `linear_attn`): its fused in_proj holds, per TP rank, this rank's rows of
+    `in_proj_qkv` (`[q_r; k_r; v_r]`: that adapter's B rows interleaved by TP rank), `in_proj_z`, `in_proj_b` and
+    `in_proj_a`, one adapter each; `out_proj` is row-parallel."""
+    la, la_prefix, L = cfg.linear_attention, f"{layer_prefix(i)}linear_attn.", f"layers.{i}.attn."
+    q, k, v, z, b, a = la.in_pieces()
+    projections = [Projection("in_proj_qkv", la_prefix + "in_proj_qkv", q + k + v, blocks=(tp, (q, k, v)))]
+    projections += [Projection(n, la_prefix + n, size) for n, size in (("in_proj_z", z), ("in_proj_b", b),
+                                                                        ("in_proj_a", a))]
+    return [_Base(L + "in_proj", projections, True, 1),
+            _Base(L + "out", [Projection("out_proj", la_prefix + "out_proj", cfg.hidden_size)], False, 1)]
+
+
 def check_model(chunk_cfg, cfg: PeftConfig) -> None:
     """Refuse, naming the field, a model LoRA is not built for here (before any weight is read)."""
     names = spec_of(chunk_cfg).peft
@@ -362,13 +381,12 @@ def check_model(chunk_cfg, cfg: PeftConfig) -> None:
         _check_latent(chunk_cfg, cfg, names, wanted)
     if chunk_cfg.moe is None:
         unmatched = sorted(wanted - set(cfg.module_targets(names)))
-    elif not names.experts:  # Qwen2-MoE: peft's names are its nn.Linears only
+    elif not names.experts:  # Qwen2-MoE, gpt-oss: peft's names are their nn.Linears only
         experts = sorted(wanted & ({"gate"} | set(EXPERT_PARAMS)) - set(names.modules))
         if experts:
             raise UnsupportedConfigError(f"peft.target_modules: {experts} on {chunk_cfg.model_type}: peft reaches its "
                                          "routed experts and router only through target_parameters (no v4-name "
-                                         "mapping for this model), which is not built; target attention, the shared "
-                                         "expert (gate_proj up_proj down_proj) and shared_expert_gate")
+                                         f"mapping for this model), which is not built; target {' '.join(names.modules)}")
         unmatched = sorted(wanted - set(names.modules))
         shared = set(cfg.module_targets(names)) - set(ATTENTION)
         if shared and (cfg.method == "dora" or cfg.dropout):
@@ -415,7 +433,9 @@ def _check_saved(chunk_cfg, cfg: PeftConfig) -> None:
     if not moe:
         return
     shared = chunk_cfg.moe is not None and bool(chunk_cfg.moe.shared_expert_ffn_size)
-    absent = [m for m in moe if chunk_cfg.moe is None or (m == SHARED_GATE and not shared)]
+    # gpt-oss's router is `mlp.router`, with a bias: not the `gate` peft's suffix match would save
+    absent = [m for m in moe if chunk_cfg.moe is None or (m == SHARED_GATE and not shared)
+              or (m == "gate" and chunk_cfg.moe.router_bias)]
     if absent:
         raise UnsupportedConfigError(f"peft.modules_to_save: {absent[0]} is not a module of this "
                                      f"{chunk_cfg.model_type} model")
@@ -522,11 +542,12 @@ def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
             local = f"{base.local}.adapter.{p.name}."
             hf = f"{PEFT_PREFIX}{p.module}."
             b_kind = "rows" if base.column and not base.replicated else "replicated"
+            blocks = p.blocks or base.blocks
             out += [AdapterTensor(local + "lora_A", hf + "lora_A.weight", "replicated" if base.column else "cols"),
-                    AdapterTensor(local + "lora_B", hf + "lora_B.weight", b_kind, blocks=base.blocks)]
+                    AdapterTensor(local + "lora_B", hf + "lora_B.weight", b_kind, blocks=blocks)]
             if getattr(adapter, p.name).dora:
                 out.append(AdapterTensor(local + "lora_magnitude_vector", hf + "lora_magnitude_vector",
-                                         "rows" if base.column else "replicated", blocks=base.blocks))
+                                         "rows" if base.column else "replicated", blocks=blocks))
     for i, layer in _moe_layers(chunk):
         loras = {"gate_up_proj": getattr(layer.experts, "fc1_lora", None),
                  "down_proj": getattr(layer.experts, "fc2_lora", None)}

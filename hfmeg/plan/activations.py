@@ -43,6 +43,22 @@ Per layer, recompute `none`:
   (16·R), the all-to-all keeps nothing, and the combined rows (n·k) take the place of
   the expert outputs. The model takes balanced routing, R = n·k (each EP rank gets
   its experts' share of every rank's tokens); a skewed router moves bytes between ranks;
+- Qwen3.5's gated attention (`attn_output_gate`) also keeps its gate rows in the fused QKV output, the gate's
+  sigmoid (e·sb·nh·d) and, Q never a view of QKV there, Q's copy and the output projection's input copy;
+- a Gated DeltaNet layer (models/gated_deltanet.py; per TP rank kh key and vh value heads of dk and dv dims, c conv
+  channels, P in_proj rows, K taps, rows padded to n chunks of C = 64, S = nC): the in_proj output (e·sbP), the
+  convolution's padded input (e·b(s + K − 1)c) and SiLU's input (e·sbc), the L2 norms' inputs (fp32: SiLU's output,
+  4·sbc; else fp32 copies of q and k, 8·sb·kh·dk) and rsqrts (8·b·kh·s), the decay's exp(A_log) twice (8·vh),
+  softplus's input and output (8·sb·vh), beta's sigmoid (e·sb·vh); the delta rule in fp32: six [b, vh, n, C, C]
+  tensors (the float document mask, the decays, k kᵀ, the system, q kᵀ, the scores: 24·b·vh·nC²), the boolean masks
+  (b·nC(C + 1)), three per-token scalars (exp of the summed decay, beta, the decay from the chunk start: 12·b·vh·S),
+  k, k·beta, the solved w, q and the end-decayed k (20·b·vh·S·dk) and, with more than one chunk, the start-decayed q
+  (4·b·vh·S·dk), v, the solved values and the corrected ones (12·b·vh·S·dv), one state per chunk (4·b·vh·n·dk·dv);
+  the gated norm's input (fp32: the padded output, 4·b·vh·S·dv; else its fp32 copy, 4·sb·vh·dv), rsqrt (4·sb·vh),
+  normalised rows, scaled rows, SiLU of the gate (fp32: 12·sb·vh·dv; else 12·sb·vh·dv + 2e·sb·vh·dv with the gate's
+  fp32 copy) and the output projection's input (e·sb·vh·dv); `selective` keeps the in_proj output and the output
+  projection's input. Exact (the meter) for rows of more than one chunk; a row of one chunk saves a few views in
+  place of copies, which this count does not follow;
 - per chunk, not per layer: RoPE's cos and sin (2·e·bs·r, r the rotated dims: d, or fewer with
   partial rotary) for each table its layers read (Gemma 3's and OLMo 3's: one per layer type).
 `selective` checkpoints the attention core (RoPE + SDPA), as Megatron does: the
@@ -68,14 +84,19 @@ attention skips the tiles beyond the window and caps in its `score_mod`, saving 
 saves): rows of one document, as counted here, attend plain causal, but a windowed layer
 of a row longer than its window attends under the boolean `[1, 1, s, s]` window mask, of
 which SDPA saves an additive copy in the model dtype, e·s² per such layer. Soft-capped
-scores are computed explicitly (models/document_attention.py `_softcapped`), which saves,
-instead of SDPA's output and log-sum-exp: the rotated Q, K and V repeated to the query heads
-(K transposed into a copy; the rotated K itself is then saved by nothing, nor, without
-QK-norm, the fused QKV output), the scores' tanh (e·b·nh·s·S, S the keys: s, or the whole
-row under CP), the fp32 probabilities (4·b·nh·s·S, and their e-byte copy below fp32), the
-boolean mask of the call (s² bytes; under CP the additive mask is added, which saves nothing,
+scores and scores with sinks (gpt-oss) are computed explicitly (models/document_attention.py
+`_explicit`), which saves, instead of SDPA's output and log-sum-exp: the rotated Q, K and V
+repeated to the query heads (K transposed into a copy; the rotated K itself is then saved by
+nothing, nor, without QK-norm, the fused QKV output), the scores' tanh (e·b·nh·s·S, S the
+keys: s, or the whole row under CP; none without a cap), the fp32 probabilities
+(4·b·nh·s·S, a column more with sinks, and their e-byte copy below fp32), the boolean mask of the call (s² bytes; under CP the additive mask is added, which saves nothing,
 so no chunk mask either), and the output projection's input, always a copy. Every family
 that caps its scores has RoPE, which this count assumes.
+
+On CUDA flex's sinks (rescaled by its log-sum-exp) save besides an fp32 factor per query and head (and its
+cast below fp32), 4·b·nh·s; counted from the code, as no CPU run takes that path. gpt-oss's experts add an
+int64 row index per bias (16·R bytes for R routed rows) and the clamped SwiGLU three e·R·F tensors more than
+SwiGLU (the clamped gate, the sigmoid, up + 1).
 
 Fused (compiled) kernels save less; the count is then an upper bound.
 """
@@ -85,6 +106,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import ModelConfig
+from ..models.gated_delta_rule import CHUNK
 
 
 @dataclass(frozen=True)
@@ -132,26 +154,57 @@ def _head_norms(cfg: ModelConfig, x: Shape) -> int:
     nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
     total = 0
     if cfg.qk_norm:
-        q_is_view = nkv == 1 or nh == nkv
+        q_is_view = _q_is_view(cfg, nh, nkv)
         inputs = 4 * b * s * (nh + nkv) * d if e != 4 else (0 if q_is_view else e * b * s * nh * d)
         if cfg.qk_norm_whole:  # one rsqrt per token and norm; the normalised rows scaled in the model dtype
             total += inputs + 2 * 4 * b * s + e * b * s * (nh + nkv) * d
         else:
             total += inputs + 4 * b * s * (nh + nkv) + _scaled(cfg, e, b * s * nh, d) + _scaled(cfg, e, b * s * nkv, d)
     if cfg.v_norm:  # no weight: its output is the V that attention saves (its own storage, not QKV's)
-        normed = e * b * s * nkv * d if x.cp == 1 and not (x.dense_mask and cfg.attn_softcap is not None) else 0
+        normed = e * b * s * nkv * d if x.cp == 1 and not (x.dense_mask and explicit_scores(cfg)) else 0
         total += 4 * b * s * nkv + (4 * b * s * nkv * d if e != 4 else 0) + normed
     return total
 
 
-def _capped_core(cfg: ModelConfig, x: Shape) -> int:
-    """The explicit soft-capped attention's saved bytes (the CPU path: module docstring)."""
+def explicit_scores(cfg: ModelConfig) -> bool:
+    """Whether the CPU path computes the attention scores explicitly: soft-capped, or with sinks (module docstring)."""
+    return cfg.attn_softcap is not None or cfg.attn_sinks
+
+
+def _explicit_core(cfg: ModelConfig, x: Shape) -> int:
+    """The explicit attention's saved bytes (the CPU path of soft-capped scores or sinks: module docstring)."""
     b, s, keys, e, d = x.micro_batch, x.seq, x.seq_len, x.dtype_bytes, cfg.head_dim
     nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
     qkv = e * s * b * (nh + 2 * nkv) * d if cfg.qk_norm else 0  # the q/k norms' inputs are views of it
     rows = e * b * nh * d * (2 * s + 2 * keys)  # rotated Q, the repeated K and V, the output projection's input
-    scores = b * nh * s * keys * (e + 4 + (e if e != 4 else 0))  # tanh, fp32 probabilities (and their cast)
+    tanh = e if cfg.attn_softcap is not None else 0
+    # the tanh, the fp32 probabilities (a column more with sinks) and their cast below fp32
+    scores = b * nh * s * keys * (tanh + 4 + (e if e != 4 else 0)) + (4 * b * nh * s if cfg.attn_sinks else 0)
     return qkv + rows + scores + (s * s if x.cp == 1 else 0)
+
+
+def _q_is_view(cfg: ModelConfig, nh: int, nkv: int) -> bool:
+    """Whether Q is a view of the fused QKV output (one KV group per rank, or one query head per group, and no gate
+    rows between the heads)."""
+    return (nkv == 1 or nh == nkv) and not cfg.attn_output_gate
+
+
+def _linear_attention(cfg: ModelConfig, x: Shape) -> int:
+    """A Gated DeltaNet layer's saved bytes beside its input projection's input (module doc)."""
+    la, b, s, e = cfg.linear_attention, x.micro_batch, x.seq, x.dtype_bytes
+    t, kh, vh, dk, dv = b * s, la.key_heads // x.tp, la.value_heads // x.tp, la.key_dim, la.value_dim
+    c, width, out = la.conv_channels // x.tp, sum(la.in_pieces()) // x.tp, e * b * s * vh * dv
+    if x.recompute == "selective":
+        return e * t * width + out
+    n = -(-s // CHUNK)
+    rows, pairs = 4 * b * vh * n * CHUNK, 4 * b * vh * n * CHUNK * CHUNK
+    conv = e * t * width + e * b * (s + la.conv_kernel - 1) * c + e * t * c
+    qk = (4 * t * c if e == 4 else 8 * t * kh * dk) + 8 * b * kh * s
+    gates = 8 * vh + 8 * t * vh + e * t * vh
+    rule = 6 * pairs + b * n * CHUNK * (CHUNK + 1) + 3 * rows + rows * dk * (5 + (n > 1)) + rows * dv * 3 \
+        + n * 4 * b * vh * dk * dv
+    norm = 4 * t * vh + (rows * dv + 12 * t * vh * dv if e == 4 else 12 * t * vh * dv + 2 * out)
+    return conv + qk + gates + rule + norm + out
 
 
 def _windowed_mask(cfg: ModelConfig, x: Shape, layer: int) -> bool:
@@ -161,13 +214,17 @@ def _windowed_mask(cfg: ModelConfig, x: Shape, layer: int) -> bool:
 
 
 def _attention_core(cfg: ModelConfig, x: Shape, layer: int) -> int:
-    if x.dense_mask and cfg.attn_softcap is not None:
-        return _capped_core(cfg, x) + _head_norms(cfg, x)
+    if x.dense_mask and explicit_scores(cfg):
+        return _explicit_core(cfg, x) + _head_norms(cfg, x)
     sb, e, d = x.seq * x.micro_batch, x.dtype_bytes, cfg.head_dim
     nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
-    q_is_view = nkv == 1 or nh == nkv
+    q_is_view = _q_is_view(cfg, nh, nkv)
+    # flex's sinks (CUDA): the rescaling's fp32 factor per query and head, and its cast below fp32
+    sunk = (4 + (e if e != 4 else 0)) * x.micro_batch * nh * x.seq if cfg.attn_sinks else 0
     total = 4 * x.micro_batch * nh * x.seq + e * sb * nh * d + (0 if q_is_view else e * sb * nh * d) \
-        + _head_norms(cfg, x)
+        + _head_norms(cfg, x) + sunk
+    if cfg.attn_output_gate:  # the gate's sigmoid, and the wider fused QKV output (its gate rows)
+        total += e * sb * nh * d * (1 + (x.cp == 1))
     rotates = cfg.uses_rope(layer)
     if x.cp == 1:
         window_mask = e * x.seq * x.seq if _windowed_mask(cfg, x, layer) else 0  # SDPA's additive copy
@@ -182,8 +239,9 @@ def _attention_core(cfg: ModelConfig, x: Shape, layer: int) -> int:
 
 
 def layer_kinds(cfg: ModelConfig) -> list[int]:
-    """One layer index of each kind the model has (dense, sparse), for costs that differ only by kind."""
-    kinds = {cfg.is_sparse(i): i for i in reversed(range(cfg.num_layers))}
+    """One layer index of each kind the model has (dense, sparse; attention, linear attention), for costs that differ
+    only by kind."""
+    kinds = {(cfg.is_sparse(i), cfg.is_linear(i)): i for i in reversed(range(cfg.num_layers))}
     return sorted(kinds.values())
 
 
@@ -200,6 +258,10 @@ def _moe(cfg: ModelConfig, x: Shape) -> int:
         + n * k * (4 if m.combine_fp32 else e)
     offsets = 4 * (m.num_experts // x.ep)  # the grouped GEMMs' int32 offsets, one tensor kept by fc1's and fc2's
     experts = e * n * k * (3 * h + 4 * f) + offsets + (16 * n * k if x.ep > 1 else 0)  # R = n·k received rows
+    if m.expert_bias:  # gpt-oss: each bias's rows gathered by an int64 index (repeat_interleave)
+        experts += 16 * n * k
+    if m.swiglu_limit is not None:  # the clamped SwiGLU: the clamped gate, the sigmoid and up + 1 besides
+        experts += 3 * e * n * k * f
     shared = e * n * (4 * m.shared_expert_ffn_size + 1 + h) if m.shared_expert_ffn_size else 0
     return e * x.local_seq * x.micro_batch * h + routing + experts + shared
 
@@ -213,9 +275,11 @@ def layer_bytes(cfg: ModelConfig, x: Shape, layer: int = 0) -> int:
     column_input = e * sb * h
     mlp = _moe(cfg, x) if cfg.is_sparse(layer) else \
         column_input + e * sb * (4 * f if cfg.gated_mlp else 2 * f)
-    if x.recompute == "selective":
+    if cfg.is_linear(layer):
+        attention = column_input + _linear_attention(cfg, x)
+    elif x.recompute == "selective":
         nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
-        attention = column_input + e * sb * (2 * nh + 2 * nkv) * cfg.head_dim
+        attention = column_input + e * sb * (nh * cfg.q_rows // cfg.head_dim + nh + 2 * nkv) * cfg.head_dim
     else:
         attention = column_input + _attention_core(cfg, x, layer)
     return (2 * cfg.pre_norms + 2 * cfg.sandwich_norms) * _norm(cfg, x) + attention + mlp
@@ -226,8 +290,9 @@ def chunk_bytes(cfg: ModelConfig, x: Shape, layers: range, pre_process: bool, po
     bs, e = x.micro_batch * x.seq, x.dtype_bytes
     total = sum(layer_bytes(cfg, x, i) for i in layers)
     if x.recompute == "none":  # cos and sin of each RoPE table the layers read (Gemma 3's: one per layer type)
-        total += 2 * e * bs * cfg.rotary_dim * len({cfg.rope_key(i) for i in layers if cfg.uses_rope(i)})
-    if layers and x.cp > 1 and x.dense_mask and x.recompute == "none" and cfg.attn_softcap is None:
+        total += 2 * e * bs * cfg.rotary_dim * len({cfg.rope_key(i) for i in layers
+                                                    if cfg.uses_rope(i) and not cfg.is_linear(i)})
+    if layers and x.cp > 1 and x.dense_mask and x.recompute == "none" and not explicit_scores(cfg):
         # the CP attention's additive mask, saved by every layer's SDPA (recompute holds it outside autograd), and
         # the windowed layers' own
         total += e * bs * x.seq_len * (2 if any(_windowed_mask(cfg, x, i) for i in layers) else 1)

@@ -20,6 +20,13 @@ useful model work.
 A layer with a sliding window w computes fewer (query, key) pairs than the causal s(s+1)/2:
 sum over positions of min(i + 1, w). Its attention term keeps Megatron's convention (s keys per
 token for a causal layer) scaled by that ratio (`attended_keys`).
+
+A Gated DeltaNet layer (Qwen3.5's linear attention) has no s^2 term: its projections count as matmul
+parameters, and the chunked delta rule (`models/gated_delta_rule.py`, chunks of C tokens, C = min(64, s))
+costs per token and value head, forward, 2 (2 C dk + C (dk + dv) / 2 + C dv + 3 dk dv) FLOPs: the chunk's
+k k^T and q k^T products, its two triangular solves (half a C x C matrix per column), the scores times the
+corrected values, and three products with the dk x dv state; times 3 for forward + backward, as the matmuls.
+The depthwise convolution's 2 K FLOPs per channel and token are counted too.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..models.gated_delta_rule import CHUNK
 from .hardware import GPUS, gpu_kind
 
 def peak_flops(device: torch.device) -> float | None:
@@ -42,12 +50,15 @@ def layer_matmul_params(cfg: ModelConfig, layer: int) -> int:
     """Matmul parameters one token goes through in `layer`: for an MoE layer the router, its top-k
     experts and the shared expert (the experts it is not routed to cost it nothing)."""
     h, d = cfg.hidden_size, cfg.head_dim
-    qkv = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-    out = cfg.num_heads * d * h
-    if cfg.mla is not None:  # its projections: every attention parameter but the two latent norms'
+    if cfg.is_linear(layer):
+        la = cfg.linear_attention
+        qkv, out = h * sum(la.in_pieces()), la.value_heads * la.value_dim * h
+    elif cfg.mla is not None:  # its projections: every attention parameter but the two latent norms'
         a = cfg.mla
-        qkv = a.num_params(h, cfg.num_heads) - (a.q_lora_rank or 0) - a.kv_lora_rank
-        out = 0
+        qkv, out = a.num_params(h, cfg.num_heads) - (a.q_lora_rank or 0) - a.kv_lora_rank, 0
+    else:
+        qkv = h * (cfg.num_heads * cfg.q_rows + 2 * cfg.num_kv_heads * d)
+        out = cfg.num_heads * d * h
     m = cfg.moe
     if cfg.is_sparse(layer):
         shared = 3 * h * m.shared_expert_ffn_size + h * m.shared_expert_gate if m.shared_expert_ffn_size else 0
@@ -67,6 +78,15 @@ def attended_keys(cfg: ModelConfig, layer: int, seq_len: int) -> float:
     return seq_len * pairs / (seq_len * (seq_len + 1) / 2)
 
 
+def delta_rule_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token of one Gated DeltaNet layer's convolution and chunked delta rule (module
+    doc)."""
+    la = cfg.linear_attention
+    c, dk, dv = min(CHUNK, seq_len), la.key_dim, la.value_dim
+    rule = 2 * (2 * c * dk + c * (dk + dv) / 2 + c * dv + 3 * dk * dv) * la.value_heads
+    return 3 * (rule + 2 * la.conv_kernel * la.conv_channels)
+
+
 def training_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     """FLOPs of one forward + backward over `batch` sequences of `seq_len` tokens."""
     tokens = batch * seq_len
@@ -75,9 +95,11 @@ def training_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     widths = cfg.num_heads * cfg.head_dim + value_width
     layers = sum(layer_matmul_params(cfg, i) for i in range(cfg.num_layers))
     dense = 6 * tokens * (layers + cfg.hidden_size * cfg.vocab_size)
-    keys = sum(attended_keys(cfg, i, seq_len) for i in range(cfg.num_layers))
+    attending = [i for i in range(cfg.num_layers) if not cfg.is_linear(i)]
+    keys = sum(attended_keys(cfg, i, seq_len) for i in attending)
     attention = 6 * tokens * keys * widths
-    return float(dense + attention)
+    linear = tokens * (cfg.num_layers - len(attending)) * delta_rule_flops(cfg, seq_len) if cfg.linear_attention else 0
+    return float(dense + attention + linear)
 
 
 def mfu(cfg: ModelConfig, tokens_per_s: float, seq_len: int, peak_flops_per_device: float, devices: int) -> float:

@@ -87,6 +87,10 @@ class LoopArgs:
     eval_batches: int = 4
     seed: int = 1234
     max_skipped_steps: int = 10  # this many skipped (non-finite) steps in a row: save and abort; 0: never
+    # How long a collective waits for its peers (init_process_group's timeout; torch's own default is longer).
+    collective_timeout_s: float = 600.0
+    # A rank silent this long is lost: every other rank names it and exits (parallel/heartbeat.py); 0: off.
+    heartbeat_timeout_s: float = 60.0
     # Steps before this one run with every layer sharing layer 0's parameters (models/shared_layers.py); 0: never.
     shared_layers_until: int = 0
 

@@ -12,7 +12,8 @@ One step:
    (`expert_load`); evaluation, checkpointing and a requested stop follow.
 
 Around the loop: rank 0 holds `<out>`'s run lock from start to end (`run_lock.py`);
-a worker whose launcher dies stops (`stop.LauncherWatch`); `train.max_skipped_steps`
+a worker whose launcher dies stops (`stop.LauncherWatch`); a peer silent for `train.heartbeat_timeout_s` ends
+every other rank with one line naming it (`parallel/heartbeat.py`), also where a collective failed first; `train.max_skipped_steps`
 skipped steps in a row (non-finite gradients: the run has diverged) save a
 checkpoint and abort with `TrainingDiverged`. After the final checkpoint, the last
 collective of the run, rank 0 alone exports (and uploads) while the other ranks
@@ -54,6 +55,7 @@ from ..models.moe import expert_load
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.agree import agree
+from ..parallel.heartbeat import Heartbeat
 from ..parallel.pipeline import TokenMean, forward_backward
 from ..parallel.state import ParallelState, join_world, ranks_per_host
 from ..plan.flops import mfu, peak_flops
@@ -102,7 +104,29 @@ def _sum_over_world(values: torch.Tensor) -> list[float]:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig):
-        device = join_world()
+        # The process group is the trainer's to end only where it made it (not a caller's, e.g. launch.spawn's).
+        self.owns_world = not dist.is_initialized()
+        device = join_world(timeout_s=cfg.train.collective_timeout_s)
+        self.heartbeat = Heartbeat.start(cfg.train.heartbeat_timeout_s, device)
+        try:
+            self._start(cfg, device)
+        except BaseException as e:
+            self._leave(e)
+            raise
+
+    def _leave(self, error: BaseException | None = None) -> None:
+        """This rank is done with its peers: after a failed collective, a peer found lost ends the process with
+        one line (`Heartbeat.wait_verdict`); otherwise the heartbeat stops, so that its silence is no loss."""
+        if self.heartbeat is not None:
+            if error is not None:
+                self.heartbeat.wait_verdict(error)
+            self.heartbeat.stop()
+        if error is None and self.owns_world:
+            # gloo's and the store's threads end here, not in the interpreter's teardown, where a thread still
+            # joinable aborts the process ("terminate called without an active exception")
+            dist.destroy_process_group()
+
+    def _start(self, cfg: TrainConfig, device: torch.device) -> None:
         cfg, self.prediction = resolve_layout(cfg, device)  # the planner's layout with parallel.layout auto
         self.cfg = cfg
         self.ps = ParallelState(cfg.parallel, dist.get_rank(), dist.get_world_size(), device, ranks_per_host())
@@ -252,6 +276,11 @@ class Trainer:
             if self.is_logger and summary.stopped_by is None:
                 final = summary.checkpoint or self._unexported_final()
                 summary.hf = self.export(final) if final is not None else self._exported()
+        except BaseException as e:
+            self._leave(e)
+            raise
+        else:
+            self._leave()
         finally:
             if self.lock is not None:
                 self.lock.release()

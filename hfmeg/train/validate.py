@@ -60,10 +60,12 @@ def _ranges(cfg: TrainConfig) -> None:
                          (o.weight_decay, "optim.weight_decay"), (o.grad_clip, "optim.grad_clip"),
                          (lr.min_lr, "lr.min_lr"), (cfg.data.eval_holdout, "data.eval_holdout"),
                          (t.shared_layers_until, "train.shared_layers_until"),
-                         (t.seed, "train.seed"), (cfg.data.seed, "data.seed")):  # numpy refuses negative seeds
+                         (t.seed, "train.seed"), (cfg.data.seed, "data.seed"),
+                         (t.heartbeat_timeout_s, "train.heartbeat_timeout_s")):  # numpy refuses negative seeds
         _at_least(value, 0, field)
     _at_least(cfg.data.seq_len, 2, "data.seq_len")
     _positive(o.lr, "optim.lr")
+    _positive(t.collective_timeout_s, "train.collective_timeout_s")
     _positive(o.eps, "optim.eps")
     for value, field in ((o.beta1, "optim.beta1"), (o.beta2, "optim.beta2")):
         if not 0 <= value < 1:

@@ -1,0 +1,131 @@
+"""Peers that stop: every rank beats in the job's store, and a rank whose peers fall silent stops itself.
+
+A rank blocked in a collective cannot tell a slow peer from a lost one: gloo waits out its timeout (the
+run's `train.collective_timeout_s`) when a peer's host or link is gone, or a peer is stopped (SIGSTOP), and
+where a peer's process died it fails at once with "Connection closed by peer", naming an address, not a
+rank. So a thread on each rank adds 1 to its counter in the job's TCPStore every `interval` (an eighth of
+the timeout) and reads every other rank's counter in one `multi_get`. A rank whose counter has not moved
+for `timeout - interval` is lost (and with it the ranks that missed two beats or more: the
+same host's, whose beats fall a little later); so is the store itself when it does not answer within the timeout (its
+host or link is gone). The survivor then prints one line naming the lost ranks and their host, and exits
+with `EXIT_PEER_LOST` (`os._exit`: its main thread may be inside a collective that would never return), so
+that torchrun's agent restarts the round (`--max-restarts`) and the run resumes from its newest complete
+checkpoint. A peer is declared lost at most `timeout` after its last beat, so a survivor exits within
+`timeout` of the loss (plus its own exit).
+
+A rank that finishes (or fails by itself) marks itself gone first, so that its silence is not a loss.
+The keys live under a prefix drawn by rank 0 for this world (broadcast at start), so a restarted round
+never reads a dead round's counters. The thread holds its own store connection: a client serves one
+request at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+EXIT_PEER_LOST = 3
+BEATS_PER_TIMEOUT = 8
+
+
+def host_label() -> str:
+    """This rank's host as its peers should read it: torchrun's node rank, the host name and the address it
+    reaches the store from (namespace hosts share one host name)."""
+    node = os.environ.get("GROUP_RANK")
+    addr = "?"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # no packet is sent: a route is chosen
+            s.connect((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+            addr = s.getsockname()[0]
+    except (OSError, KeyError, ValueError):
+        pass
+    name = f"{socket.gethostname()} {addr}"
+    return f"host {node} ({name})" if node is not None else f"host {name}"
+
+
+class Heartbeat:
+    def __init__(self, store: dist.Store, rank: int, world: int, timeout_s: float, hosts: list[str]):
+        self.store, self.rank, self.world, self.timeout_s, self.hosts = store, rank, world, timeout_s, hosts
+        self.interval = timeout_s / BEATS_PER_TIMEOUT
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="hfmeg-heartbeat")
+
+    @classmethod
+    def start(cls, timeout_s: float, device: torch.device) -> "Heartbeat | None":
+        """Collective: start this rank's heartbeat (None for a world of one, or `timeout_s` 0: off)."""
+        world = dist.get_world_size()
+        if timeout_s <= 0 or world == 1 or "MASTER_ADDR" not in os.environ:
+            return None
+        rank = dist.get_rank()
+        token = torch.randint(1 << 62, (1,), device=device) if rank == 0 else torch.zeros(1, dtype=torch.int64,
+                                                                                             device=device)
+        dist.broadcast(token, 0)
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=timedelta(seconds=timeout_s))
+        store = dist.PrefixStore(f"hfmeg/heartbeat/{int(token.item()):x}/", client)
+        store.set(f"host/{rank}", host_label())
+        store.add(f"beat/{rank}", 1)
+        store.set(f"gone/{rank}", "0")
+        dist.barrier()  # every rank's keys exist: one multi_get reads them all
+        hosts = [b.decode() for b in store.multi_get([f"host/{r}" for r in range(world)])]
+        beat = cls(store, rank, world, timeout_s, hosts)
+        beat._thread.start()
+        return beat
+
+    def _run(self) -> None:
+        keys = [f"beat/{r}" for r in range(self.world)] + [f"gone/{r}" for r in range(self.world)]
+        last = [-1] * self.world
+        moved = [time.monotonic()] * self.world
+        while not self._stop.wait(self.interval):
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                values = [int(v) for v in self.store.multi_get(keys)]
+            except (RuntimeError, ValueError) as e:  # the store's host or link is gone (or it timed out)
+                if self._stop.is_set():
+                    return
+                self._lost(f"the job's store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+                           f"does not answer ({str(e).splitlines()[0][:120]})")
+                return
+            now = time.monotonic()
+            quiet = []  # ranks (not gone) that missed two beats or more: named beside a lost one (the same host's)
+            for r in range(self.world):
+                if values[r] != last[r]:
+                    last[r], moved[r] = values[r], now
+                elif r != self.rank and not values[self.world + r] and now - moved[r] > 2 * self.interval:
+                    quiet.append(r)
+            if any(now - moved[r] > self.timeout_s - self.interval for r in quiet):
+                where = sorted({self.hosts[r] for r in quiet})
+                self._lost(f"rank{'s' if len(quiet) > 1 else ''} {', '.join(map(str, quiet))} on "
+                           f"{', '.join(where)}: no heartbeat for {now - min(moved[r] for r in quiet):.1f} s")
+
+    def _lost(self, what: str) -> None:
+        if self._stop.is_set():
+            return
+        print(f"hfmeg: lost {what} (train.heartbeat_timeout_s {self.timeout_s:g}); rank {self.rank} on "
+              f"{self.hosts[self.rank]} stops (exit {EXIT_PEER_LOST})", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_LOST)
+
+    def wait_verdict(self, error: BaseException) -> None:
+        """After a collective failed: wait (at most a timeout and a beat) for the thread to name a lost peer,
+        which ends the process; returns if none is found (the error is another one)."""
+        if not (isinstance(error, dist.DistError) or "gloo" in str(error)):
+            return
+        deadline = time.monotonic() + self.timeout_s + 2 * self.interval
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._thread.join(self.interval)
+
+    def stop(self) -> None:
+        """This rank leaves: its silence from now on is not a loss."""
+        try:
+            self.store.set(f"gone/{self.rank}", "1")
+        except RuntimeError:  # the store is gone too: nobody is left to read it
+            pass
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,156 @@
+"""A host lost, a link down, a rank stopped, a host's workers killed: across namespace hosts (tests/multihost.py).
+
+Runs are TP2 inside a host x DP2 across two hosts, with `train.heartbeat_timeout_s` BOUND. A survivor
+prints its line and exits at most BOUND after a peer's last beat, which comes before the loss
+(parallel/heartbeat.py): the line is timed against BOUND + WAKE_S (a thread's wake-up on a loaded 2-core
+machine shared with other suites). The survivors' launcher notices within its monitor interval
+(MONITOR_S, tests/multihost.py) and then stops the host's other workers and reports (GRACE_S). A stopped
+rank stops beating at once, so the same bound holds; the issue asks for twice BOUND.
+
+`HFMEG_HOST_KILLS=5` kills five times at seeded steps instead of the suite's once (the issue's sweep).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from bounds import within
+from hfmeg.train.metrics import read_metrics
+from multihost import MONITOR_S, Hosts, NamespaceUnavailable, run_job, train_args, wait_all, wait_for, worker_ranks
+from test_train import ALPACA, _assets
+
+BOUND = 4.0
+WAKE_S = 1.0
+GRACE_S = 3.0
+LOST_LINE = "hfmeg: lost "
+
+
+def _steps(out) -> int:
+    path = out / "metrics.jsonl"
+    return len([r for r in read_metrics(path) if "loss" in r]) if path.is_file() else 0
+
+
+def _start(bed: Hosts, tmp_path, *flags: str, steps: int = 100000, **kw):
+    out = tmp_path / "run"
+    args = train_args(_assets(), ALPACA, out, "--tp", "2", "--set", f"train.heartbeat_timeout_s={BOUND}", *flags,
+                      steps=steps)
+    logs = [tmp_path / f"host{i}.log" for i in range(bed.n)]
+    return out, logs, [bed.torchrun(i, 2, args, logs[i], **kw) for i in range(bed.n)]
+
+
+def _time_to_exit(procs, log) -> tuple[float, float]:
+    """Seconds from now to the first survivor's line in `log`, and to the exit of the launcher `procs[0]`."""
+    t0, line = time.monotonic(), None
+    while procs[0].poll() is None and time.monotonic() - t0 < BOUND * 4:
+        if line is None and LOST_LINE in log.read_text(errors="replace"):
+            line = time.monotonic() - t0
+        time.sleep(0.05)
+    seconds = time.monotonic() - t0
+    return (seconds if line is None else line), seconds
+
+
+def _lost_lines(log) -> list[str]:
+    """The survivors' lines (each may follow rank 0's progress bar, which ends without a newline)."""
+    text = log.read_text(errors="replace").replace("\r", "\n")
+    return [LOST_LINE + part.split("\n", 1)[0] for part in text.split(LOST_LINE)[1:]]
+
+
+@pytest.mark.parametrize("how", ["processes-killed", "link-down"])
+def test_survivors_name_the_lost_host_and_stop_within_the_bound(namespace_hosts, tmp_path, how):
+    bed = namespace_hosts(2)
+    out, logs, procs = _start(bed, tmp_path)
+    wait_for(lambda: _steps(out) >= 2, 120, "second step", procs)
+    lost = sorted(worker_ranks(bed, 1, procs[1]).values())
+    if how == "link-down":
+        bed.link_down(1)
+    else:
+        for pid in bed.pids(1):
+            os.kill(pid, signal.SIGKILL)
+    line_s, exit_s = _time_to_exit(procs, logs[0])
+    assert procs[0].returncode not in (None, 0), logs[0].read_text()[-3000:]
+    lines = _lost_lines(logs[0])
+    # One line from a survivor, naming both lost ranks; its neighbour on the host prints the same line unless
+    # the agent, stopping the host's workers once one has exited, ends it first.
+    assert 1 <= len(lines) <= 2, logs[0].read_text()[-3000:]
+    assert all(f"lost ranks {lost[0]}, {lost[1]} on host" in line and f"{bed.addr(1)})" in line for line in lines), \
+        lines
+    within(line_s, BOUND + WAKE_S, f"loss ({how}) to a survivor's line, s")
+    within(exit_s, BOUND + WAKE_S + MONITOR_S + GRACE_S, f"loss ({how}) to the survivors' launcher's exit, s")
+
+
+def test_a_stopped_rank_is_named_within_twice_the_bound(namespace_hosts, tmp_path):
+    bed = namespace_hosts(2)
+    out, logs, procs = _start(bed, tmp_path)
+    wait_for(lambda: _steps(out) >= 2, 120, "second step", procs)
+    pid, rank = next(iter(worker_ranks(bed, 1, procs[1]).items()))
+    os.kill(pid, signal.SIGSTOP)
+    line_s, exit_s = _time_to_exit(procs, logs[0])
+    lines = _lost_lines(logs[0])
+    assert 1 <= len(lines) <= 3 and all(f"lost rank {rank} on host" in line for line in lines), \
+        logs[0].read_text()[-3000:]
+    within(line_s, 2 * BOUND, "SIGSTOP of one rank to a survivor's line, s")
+    within(exit_s, 2 * BOUND + MONITOR_S + GRACE_S, "SIGSTOP of one rank to the survivors' launcher's exit, s")
+
+
+STEPS, SAVE_EVERY = 12, 2
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final checkpoint's safetensors files (path -> bytes) of the run the killed ones must reproduce."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    try:
+        with Hosts(2) as bed:
+            run_job(bed, 2, _resumable(tmp / "run"), tmp / "logs", max_restarts=3)
+    except NamespaceUnavailable as e:
+        pytest.skip(str(e))
+    return _final(tmp / "run")
+
+
+def _resumable(out) -> list[str]:
+    return train_args(_assets(), ALPACA, out, "--tp", "2", "--save-every", str(SAVE_EVERY), "--keep-last", "2",
+                      "--resume", "auto", "--set", f"train.heartbeat_timeout_s={BOUND}", steps=STEPS)
+
+
+def _final(out) -> dict[str, bytes]:
+    folder = out / "checkpoints" / f"iter_{STEPS:07d}"
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))}
+
+
+# The agents' store for each round afresh: without it, an agent started again after its host was lost cannot
+# join (torch: a node new to a later round waits for the store's address, which only the first round writes).
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+@pytest.mark.parametrize("lost, seed", [("workers", s) for s in range(int(os.environ.get("HFMEG_HOST_KILLS", "1")))]
+                         + [("host", 0)])
+def test_a_host_killed_mid_run_comes_back_to_the_same_model(namespace_hosts, tmp_path, uninterrupted, lost, seed):
+    """torchrun --max-restarts 3, killed at a seeded random step: host 1's workers (its agent restarts them,
+    on torch's shared store), or all of host 1 (the scheduler starts its torchrun again, here after 2 s, on a
+    store per round). The job restarts by itself, resumes from its newest complete checkpoint and ends with
+    the uninterrupted run's final checkpoint, byte for byte."""
+    bed = namespace_hosts(2)
+    out = tmp_path / "run"
+    logs = [tmp_path / f"host{i}.log" for i in range(3)]
+    env = FRESH_STORE if lost == "host" else {}
+    procs = [bed.torchrun(i, 2, _resumable(out), logs[i], env, max_restarts=3) for i in range(2)]
+    at_step = random.Random(seed).randrange(1, STEPS - 1)
+    wait_for(lambda: _steps(out) >= at_step, 120, f"step {at_step}", procs)
+    saved = (out / "checkpoints" / "latest_checkpointed_iteration.txt").is_file()  # else it starts over
+    for pid in (bed.pids(1) if lost == "host" else worker_ranks(bed, 1, procs[1])):
+        os.kill(pid, signal.SIGKILL)
+    if lost == "host":
+        procs[1].wait()
+        time.sleep(2)
+        procs[1] = bed.torchrun(1, 2, _resumable(out), logs[2], env, max_restarts=3)
+    codes = wait_all(procs, 180)
+    text = "".join(log.read_text(errors="replace") for log in logs if log.is_file())
+    assert codes == [0, 0], "\n".join(log.read_text(errors="replace")[-3000:] for log in logs if log.is_file())
+    assert ("resuming from" in text) == saved, saved
+    final = _final(out)
+    assert final.keys() == uninterrupted.keys() and final == uninterrupted, sorted(final)
