@@ -25,7 +25,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import load_balancing_loss_fun
 
 from bounds import within
 from convert_helpers import assert_same_tensors
-from helpers import make_ps
+from helpers import gather_tp, make_ps
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
@@ -40,7 +40,7 @@ from hfmeg.parallel.data_parallel import DataParallel
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.stored_names import stored_tensors
-from test_tp_parity import _gather_tp
+
 from tiny_models import WINDOW, save_tiny, tiny_config
 from tool_loader import load_tool
 
@@ -145,7 +145,7 @@ def _grad_diff(chunks, ps, ref_grads):
     for chunk in chunks:
         grads = stored_tensors(chunk, lambda p: p.main_grad)
         for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process, chunk.experts):
-            for name, g in to_hf(rule, _gather_tp(grads[rule.local], ps), chunk.cfg).items():
+            for name, g in to_hf(rule, gather_tp(grads[rule.local], ps), chunk.cfg).items():
                 ref = ref_grads[name] if rule.expert is None else ref_grads[name][rule.expert]
                 worst = max(worst, ((g - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item())
                 seen.add(name)
@@ -161,7 +161,7 @@ def _check_layouts(folder, ref_logits, ref_grads):
         row = dict(layout=(tp, pp, sp, ep))
         if pp == 1:
             with torch.no_grad():
-                logits = torch.cat(_gather_tp(chunks[0](ids, position_ids=pos, segment_ids=seg), ps), dim=-1)
+                logits = torch.cat(gather_tp(chunks[0](ids, position_ids=pos, segment_ids=seg), ps), dim=-1)
             row["logit_diff"] = (logits[..., :VOCAB] - ref_logits).abs().max().item()
         # Every DP replica takes the same rows, 1/dp of the loss each; the wrapper sums the gradients as training does.
         wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)

@@ -30,7 +30,7 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from hfmeg.parallel.pipeline import forward_backward
 from optim_harness import check_within_rounding, truth_of
-from test_tp_parity import _gather_tp
+from helpers import gather_tp
 from tiny_models import STORIES, save_tiny
 
 CPU = torch.device("cpu")
@@ -138,7 +138,7 @@ def _run_cases(folders: dict, cases: list[Case]) -> list[dict]:
         else:
             forward_backward(chunks, ps, mine, schedule=case.schedule, num_tokens=num_tokens, forward_only=True)
         for chunk in chunks:
-            for name, g in _hf_grads(chunk, lambda t: _gather_tp(t, ps)).items():
+            for name, g in _hf_grads(chunk, lambda t: gather_tp(t, ps)).items():
                 ref = ref_grads[name]
                 row["grad_rel"] = max(row["grad_rel"], ((g - ref).abs().max() / ref.abs().max()).item())
                 row["names"].add(name)
