@@ -347,11 +347,17 @@ def test_training_flops_count_latent_attention_and_active_experts():
     assert training_flops(cfg, 1, s) == 6 * s * matmuls + 2 * 3 * s * scores_values
 
 
-def test_the_planner_refuses_latent_attention(checkpoints, capsys):
-    assert plan_main(["--model", str(checkpoints["moe"]), "--gpu", "h100", "--gpus", "8", "--global-batch-size", "8",
-                      "--seq-len", "128"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "config.json field kv_lora_rank:" in err[0], err
+def test_the_planner_plans_latent_attention_with_expert_parallelism(checkpoints, capsys):
+    """`hfmeg plan` searches DeepSeek-V3's layouts (EP among them) and evaluates one; its memory is checked against
+    the meter in test_plan_memory.py."""
+    args = ["--model", str(checkpoints["moe"]), "--gpu", "h100", "--gpus", "8", "--global-batch-size", "8",
+            "--seq-len", "128", "--json"]
+    assert plan_main(args) == 0
+    best = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert best["memory_bytes_per_gpu"] > 0 and best["step_s"] > 0, best
+    assert plan_main(args + ["--tp", "2", "--ep", "2", "--recompute", "selective"]) == 0
+    one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert one["layout"] == "tp2sp-pp1-dp4-ep2-mb1-selective-overlapped" and one["step_s"] > 0, one
 
 
 @pytest.mark.parametrize("overrides, peft, field", [

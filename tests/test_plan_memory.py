@@ -167,3 +167,21 @@ def test_gpipe_keeps_every_microbatch_and_dp_shards_optimizer_state():
     dp1 = stage_memory(cfg, PlanLayout(1, 1, 1, 1), 0, 8, SEQ, 2)
     dp4 = stage_memory(cfg, PlanLayout(1, 1, 4, 1), 0, 8, SEQ, 2)
     assert dp4.optimizer_state * 4 == dp1.optimizer_state + 12 * (dp4.grad_buffer - dp1.grad_buffer) // 4
+
+
+def test_deepseek_v3_memory_matches_meter_exactly():
+    """DeepSeek-V3's latent attention (values narrower than queries and keys, so the CPU's SDPA takes its math path;
+    with and without a query latent), its grouped sigmoid routing and ungated shared expert, and the all-dense
+    variant; under TP + SP, without SP, on two stages with selective recompute, and selective under SP (the
+    gathered rotated key kept)."""
+    from tiny_models import tiny_config
+
+    moe = model_config_from_hf(tiny_config("deepseek_v3"))
+    dense = model_config_from_hf(tiny_config("deepseek_v3", first_k_dense_replace=3))
+    no_q_latent = model_config_from_hf(tiny_config("deepseek_v3", q_lora_rank=None))
+    assert dense.moe is None and moe.moe is not None
+    _check([Case(moe, PlanLayout(2, 1, 1, 2), 2 * 2, SEQ, 5000),
+            Case(moe, PlanLayout(1, 2, 1, 2, recompute="selective"), 2 * 2, SEQ, 5000),
+            Case(moe, PlanLayout(2, 1, 1, 2, recompute="selective"), 2 * 2, SEQ, 5000),
+            Case(dense, PlanLayout(2, 1, 1, 2, sequence_parallel=False), 2 * 2, SEQ, 5000),
+            Case(no_q_latent, PlanLayout(2, 1, 1, 1), 2, SEQ, 5000)])

@@ -59,6 +59,19 @@ Per layer, recompute `none`:
   fp32 copy) and the output projection's input (e·sb·vh·dv); `selective` keeps the in_proj output and the output
   projection's input. Exact (the meter) for rows of more than one chunk; a row of one chunk saves a few views in
   place of copies, which this count does not follow;
+- DeepSeek's latent attention (models/latent_attention.py; per TP rank nh heads, q/k dk = nope + r and v dv wide,
+  latents rq and rkv wide, n the rank's tokens: s'b) in place of the norm's column input and attention: the
+  a-projections' input (the norm's output on the rank's tokens, e·n·h), each latent norm on the rank's tokens as a
+  norm counts (x.float(): in fp32 the kv latent is a view of kv_a's whole output, 4·n(rkv + r)), each b-projection's
+  input (the normed latent, gathered under SP: e·sb·rq and e·sb·rkv; without a query latent q's input, gathered under SP, else the
+  norm's output), kv_b's output (e·sb·nh(nope + dv), V views it), the output projection's input (e·sb·nh·dv) and the
+  core's: with dk ≠ dv the CPU's SDPA takes its math path, which saves Q and Kᵀ scaled copies (2e·sb·nh·dk) and the
+  probabilities (e·b·nh·s²); flash (and dk = dv) saves the concatenated Q and K, the output and log-sum-exp
+  instead; the RoPE'd rotated part is concatenated into K, so nothing keeps it apart. `selective` keeps the core's
+  inputs instead: q_b's output, kv_b's, and k_rot (gathered under SP, else a view of kv_a's output). Under CP
+  (counted from the code, not metered) K and V are gathered padded to one width. DeepSeek's grouped sigmoid
+  routing keeps what the softmax router keeps (its group ranking and mask are dropped with the forward) and its
+  shared experts, ungated, a gated MLP on n tokens;
 - per chunk, not per layer: RoPE's cos and sin (2·e·bs·r, r the rotated dims: d, or fewer with
   partial rotary) for each table its layers read (Gemma 3's and OLMo 3's: one per layer type).
 `selective` checkpoints the attention core (RoPE + SDPA), as Megatron does: the
@@ -207,6 +220,34 @@ def _linear_attention(cfg: ModelConfig, x: Shape) -> int:
     return conv + qk + gates + rule + norm + out
 
 
+def _latent_attention(cfg: ModelConfig, x: Shape) -> int:
+    """A latent attention layer's saved bytes, its input (the norm's output) included (module doc)."""
+    m, b, s, e, h = cfg.mla, x.micro_batch, x.seq, x.dtype_bytes, cfg.hidden_size
+    n, t, nh = x.local_seq * b, s * b, cfg.num_heads // x.tp
+    qk, dv, kv_rows = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+
+    def latent(width: int, fp32_input: int) -> int:  # a latent norm on the rank's tokens, then the gathered latent
+        return fp32_input + 4 * n + _scaled(cfg, e, n, width) + e * t * width
+
+    if m.q_lora_rank is None:  # under SP q gathers the norm's output; else it reads the a-projections' input
+        total = e * n * h + (e * t * h if x.sp else 0)
+    else:
+        total = e * n * h + latent(m.q_lora_rank, 4 * n * m.q_lora_rank)
+    # in fp32 the kv norm's x.float() is the latent, a view of kv_a's whole output
+    total += latent(kv_rows, 4 * n * (kv_rows + (m.qk_rope_head_dim if e == 4 else 0)))
+    total += e * t * nh * dv  # the output projection's input
+    kv_out = e * t * nh * (m.qk_nope_head_dim + dv)  # kv_b's output, which V views
+    if x.recompute == "selective":  # the core's inputs: q, kv and k_rot (gathered under SP, else kv_a's output)
+        k_rot = e * t * m.qk_rope_head_dim if x.sp else (0 if e == 4 else e * n * (kv_rows + m.qk_rope_head_dim))
+        return total + kv_out + e * t * nh * qk + k_rot
+    if x.cp > 1:  # q, the gathered K and V padded to one width in one storage, the output, the log-sum-exp
+        return total + e * t * nh * qk + 2 * e * b * nh * x.seq_len * max(qk, dv) + e * t * nh * dv \
+            + 4 * b * nh * s
+    if x.dense_mask and qk != dv:  # the CPU's math SDPA: scaled Q and Kᵀ copies, the probabilities, V
+        return total + 2 * e * t * nh * qk + e * b * nh * s * s + kv_out
+    return total + 2 * e * t * nh * qk + kv_out + e * t * nh * dv + 4 * b * nh * s  # Q, K, V, output, lse
+
+
 def _windowed_mask(cfg: ModelConfig, x: Shape, layer: int) -> bool:
     """Whether layer `layer` attends under the window's dense mask (the CPU path, rows longer than the window)."""
     window = cfg.window(layer)
@@ -262,7 +303,8 @@ def _moe(cfg: ModelConfig, x: Shape) -> int:
         experts += 16 * n * k
     if m.swiglu_limit is not None:  # the clamped SwiGLU: the clamped gate, the sigmoid and up + 1 besides
         experts += 3 * e * n * k * f
-    shared = e * n * (4 * m.shared_expert_ffn_size + 1 + h) if m.shared_expert_ffn_size else 0
+    shared = e * n * (4 * m.shared_expert_ffn_size + (1 + h if m.shared_expert_gate else 0)) \
+        if m.shared_expert_ffn_size else 0
     return e * x.local_seq * x.micro_batch * h + routing + experts + shared
 
 
@@ -275,7 +317,9 @@ def layer_bytes(cfg: ModelConfig, x: Shape, layer: int = 0) -> int:
     column_input = e * sb * h
     mlp = _moe(cfg, x) if cfg.is_sparse(layer) else \
         column_input + e * sb * (4 * f if cfg.gated_mlp else 2 * f)
-    if cfg.is_linear(layer):
+    if cfg.mla is not None:
+        attention = _latent_attention(cfg, x)
+    elif cfg.is_linear(layer):
         attention = column_input + _linear_attention(cfg, x)
     elif x.recompute == "selective":
         nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp

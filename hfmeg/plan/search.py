@@ -17,7 +17,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from ..config import ModelConfig, require
+from ..config import ModelConfig
 from ..errors import HfmegError, LayoutError
 from ..peft.config import PeftConfig
 from .hardware import ClusterSpec
@@ -63,11 +63,6 @@ class Job:
     # False: refuse a TP or EP group across nodes, as the trainer does without parallel.allow_cross_host
     # (`--layout auto`); `hfmeg plan` times them over the inter-node link instead
     cross_host: bool = True
-
-    def __post_init__(self) -> None:
-        require(self.cfg.mla is None, "kv_lora_rank", f"{self.cfg.model_type}'s multi-head latent attention has no "
-                "memory or step-time formulas in the planner yet (set parallel.tp/pp/ep by hand; `hfmeg plan` and "
-                "layout auto refuse it)")
 
 
 def evaluate(job: Job, lay: PlanLayout) -> Evaluation:

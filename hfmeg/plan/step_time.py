@@ -26,6 +26,10 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
   both); on a GPU the host launches kernels ahead of the device, so a layer takes
   the longer of its device work and its fixed cost, and the ends' fixed costs hide
   behind the stage's device work the same way;
+- DeepSeek's latent attention (MLA): its five GEMMs at their own sizes (the a-projections on the rank's
+  tokens only), the core's QK^T at the keys' width and PV at the values' narrower one, and TP moving the
+  latents before the attention instead of the hidden state (`_Stage._latent_attention`); its grouped
+  sigmoid router adds a few fp32 passes over the token x expert scores forward (`_grouped_routing`);
 - recompute: `full` runs each layer's forward again, `selective` the attention core;
 - gradient accumulation: every micro-batch's weight gradients are added into the
   fp32 main grads, a pass over all the stage's parameters at streaming bandwidth
@@ -200,14 +204,17 @@ class _Stage:
         return mm, 0 if x.sp else 0.5, a2a
 
     def _attention(self) -> tuple[float, float]:
-        """(forward, backward) seconds of one layer's attention core (see the module docstring)."""
-        x, prof = self.shape, self.prof
-        nh, d, e = self.cfg.num_heads // self.lay.tp, self.cfg.head_dim, x.dtype_bytes
+        """(forward, backward) seconds of one layer's attention core (see the module docstring): QK^T at the
+        keys' width, PV at the values' (MLA's values are narrower than its queries and keys)."""
+        x, prof, c = self.shape, self.prof, self.cfg
+        nh, e = c.num_heads // self.lay.tp, x.dtype_bytes
+        dk, dv = c.head_dim, (c.mla.v_head_dim if c.mla is not None else c.head_dim)
         scores = x.micro_batch * nh * x.seq * x.seq_len  # a CP rank's queries over the whole row
         if self.attention == "flash":
-            fwd = 2.0 * scores * d / (prof.peak_flops * prof.attention_efficiency)
+            fwd = 1.0 * scores * (dk + dv) / (prof.peak_flops * prof.attention_efficiency)
             return fwd, 2 * fwd
-        pair = max(self._mm(x.micro_batch * nh * x.seq, d, x.seq_len) * 2,  # QK^T and PV, batched
+        queries = x.micro_batch * nh * x.seq
+        pair = max(self._mm(queries, dk, x.seq_len) + self._mm(queries, dv, x.seq_len),  # QK^T and PV, batched
                    2 * e * scores / prof.memory_bytes_per_s)
         fwd = pair + (2 * e + 2 * e + 1) * scores / prof.memory_bytes_per_s
         return fwd, 2 * pair + (3 * e + 2 * e + 1) * scores / prof.memory_bytes_per_s
@@ -218,27 +225,66 @@ class _Stage:
         tok, h, d = x.micro_batch * x.seq, c.hidden_size, c.head_dim
         nh, nkv = c.num_heads // t, c.num_kv_heads // t
         mlp, mlp_collectives, a2a = self._mlp(layer)
-        mm = self._mm(tok, h, (nh + 2 * nkv) * d) + self._mm(tok, nh * d, h) + mlp
+        if c.mla is not None:
+            attention_mm, attention_comm, kv_width = self._latent_attention()
+        else:
+            attention_mm, kv_width = self._mm(tok, h, (nh + 2 * nkv) * d) + self._mm(tok, nh * d, h), nkv * d
+        mm = attention_mm + mlp
         attn, attn_bwd = self._attention()
         none = replace(x, recompute="none")
         elementwise = 3 * layer_bytes(c, none, layer) / self.prof.memory_bytes_per_s
         kernels = self.prof.layer_fixed_s(c.moe.num_experts // self.lay.ep if c.is_sparse(layer) else None)
         # (device work, fixed cost) of the forward and of the backward
-        fwd = mm + attn + elementwise / 3, kernels / 3
+        fwd = mm + attn + elementwise / 3 + self._grouped_routing(layer), kernels / 3
         bwd = 2 * mm + attn_bwd + 2 * elementwise / 3, 2 * kernels / 3
         ar = _ring(x.dtype_bytes * tok * h, t, self.tp_link, passes=2) * self.sp_comm
+        if c.mla is None:
+            attention_comm = 2 * ar
         # CP: the K/V all-gather forward (again when the core is recomputed), its reduce-scatter backward.
-        kv = _ring(2 * x.dtype_bytes * x.micro_batch * nkv * x.seq_len * d, self.lay.cp, self.cp_link) \
+        kv = _ring(2 * x.dtype_bytes * x.micro_batch * kv_width * x.seq_len, self.lay.cp, self.cp_link) \
             if self.lay.cp > 1 else 0.0
-        comm = (2 + mlp_collectives) * ar + 2 * kv
+        comm = attention_comm + mlp_collectives * ar + 2 * kv
         ep_comm = 2 * a2a  # the forward's two exchanges, and the backward's two
         if x.recompute == "full":
             bwd = bwd[0] + fwd[0], bwd[1] + self.prof.full_recompute_fixed * kernels
-            comm, ep_comm = comm + 2 * ar + kv, ep_comm + a2a
+            comm, ep_comm = comm + attention_comm / 2 + ar + kv, ep_comm + a2a
         elif x.recompute == "selective":
             bwd = bwd[0] + attn, bwd[1] + self.prof.selective_recompute_fixed * kernels
             comm += kv
         return self.with_fixed(*fwd) * self.slow, self.with_fixed(*bwd) * self.slow, comm, ep_comm
+
+    def _latent_attention(self) -> tuple[float, float, int]:
+        """(matmul seconds, TP seconds per forward + backward, K/V width gathered per key under CP) of MLA.
+
+        The a-projections run on the rank's tokens (its SP shard, else every token), the b-projections and the
+        output projection on every token and the rank's heads. TP moves the latents (the query's, the kv latent and
+        the shared rotated key: or the hidden state, for a query without a latent) where a layer moves its hidden
+        state, an all-gather forward and a reduce-scatter backward under SP (an all-reduce of their gradients
+        without), and the output projection's one collective of the hidden state as any layer's."""
+        c, x, m = self.cfg, self.shape, self.cfg.mla
+        tok, local, h, nh = x.micro_batch * x.seq, x.local_seq * x.micro_batch, c.hidden_size, c.num_heads // self.lay.tp
+        qk, dv, kv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank + m.qk_rope_head_dim
+        mm = self._mm(local, h, kv) + self._mm(tok, m.kv_lora_rank, nh * (m.qk_nope_head_dim + dv)) \
+            + self._mm(tok, nh * dv, h)
+        if m.q_lora_rank is None:
+            mm += self._mm(tok, h, nh * qk)
+            latents = h + kv
+        else:
+            mm += self._mm(local, h, m.q_lora_rank) + self._mm(tok, m.q_lora_rank, nh * qk)
+            latents = m.q_lora_rank + kv
+        e, t = x.dtype_bytes, self.lay.tp
+        comm = (_ring(e * tok * h, t, self.tp_link, passes=2) + _ring(e * tok * latents, t, self.tp_link, passes=2)) \
+            * self.sp_comm
+        return mm, comm, nh * max(qk, dv)  # CP gathers K and V padded to one width
+
+    def _grouped_routing(self, layer: int) -> float:
+        """Forward seconds of DeepSeek-V3's grouped routing beyond a softmax router's: the biased scores, the
+        eligible experts' mask and the masked scores (fp32, 4 + 1 + 4 bytes per token and expert), each written
+        and read once at streaming bandwidth."""
+        c = self.cfg
+        if not c.is_sparse(layer) or c.moe.scoring != "sigmoid":
+            return 0.0
+        return 2 * 9 * moe_tokens(self.shape) * c.moe.num_experts / self.prof.memory_bytes_per_s
 
     def with_fixed(self, device: float, fixed: float) -> float:
         """Seconds of device work with a fixed cost: added on a CPU, overlapped on a GPU (see the module docstring)."""
