@@ -29,6 +29,7 @@ from hfmeg.train.config import TrainConfig
 from hfmeg.train.dataclass_io import build
 from hfmeg.train.run_lock import LOCK_FILE, RunLock
 from peft_helpers import make_base_and_adapter
+from recipe_models import RECIPE_MODELS
 from test_peft_train import _config as lora_config
 from test_train import ALPACA, _assets, _config, _losses, _run
 from tiny_models import save_tiny
@@ -142,9 +143,9 @@ def test_print_config_prints_yaml_that_reads_back_to_the_same_config(tmp_path, c
     assert hfmeg(_train_argv(tmp_path, "--tp", "3", "--print-config")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: parallel."), err
-    # Every built-in recipe is shipped and valid at the world size it is laid out for.
-    monkeypatch.setenv("WORLD_SIZE", "16")
+    # Every built-in recipe is shipped and valid at the world size it is laid out for (16: the others').
     for name in RECIPES:
+        monkeypatch.setenv("WORLD_SIZE", str(RECIPE_MODELS.get(name, (None, 16))[1]))
         assert hfmeg(["train", "--recipe", name, "--model", "m", "--data", "d", "--print-config"]) == 0, name
         recipe = yaml.safe_load((RECIPE_DIR / f"{name}.yaml").read_text())
         assert yaml.safe_load(capsys.readouterr().out)["parallel"]["tp"] == recipe["parallel"]["tp"]

@@ -7,6 +7,7 @@ import re
 from dataclasses import replace
 
 import pytest
+import yaml
 from transformers import LlamaConfig, MixtralConfig
 
 from hfmeg.errors import HfmegError
@@ -18,6 +19,8 @@ from hfmeg.plan.memory import memory
 from hfmeg.plan.models import resolve_model
 from hfmeg.plan.profile import default_profile, load_profile
 from hfmeg.plan.search import Job, best_layout, candidates, evaluate, search
+from hfmeg.train.cli import RECIPE_DIR
+from recipe_models import RECIPE_MODELS
 
 JOB = ["--gpu", "h100", "--gpus", "16", "--global-batch-size", "64", "--seq-len", "2048"]
 
@@ -273,3 +276,28 @@ def test_published_comparison_reports_every_row(capsys, monkeypatch):
     assert main(["published", "--uncalibrated"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {
         "rows": 2, "median_abs_error": pytest.approx(lines[-1]["median_abs_error"], abs=1), "profile": "a100 (assumed)"}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPE_MODELS))
+def test_recipe_memory_arithmetic_is_the_planners(name, tmp_path, capsys):
+    """Each recipe's memory lines (`= x GiB  [key]` in its YAML comment) are what `hfmeg plan` says for its real
+    model (tests/recipe_models.py) in its layout on its GPUs, to the 0.1 GiB they are stated to; the layout fits."""
+    config, gpus = RECIPE_MODELS[name]
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(config))
+    text = (RECIPE_DIR / f"{name}.yaml").read_text()
+    recipe = yaml.safe_load(text)
+    par, train = recipe["parallel"], recipe["train"]
+    argv = ["--model", str(model), "--gpu", "h100", "--gpus", str(gpus), "--global-batch-size",
+            str(train["global_batch_size"]), "--seq-len", str(recipe["data"]["seq_len"]), "--tp", str(par["tp"]),
+            "--pp", str(par["pp"]), "--ep", str(par.get("ep", 1)), "--micro-batch-size", str(train["micro_batch_size"]),
+            "--recompute", recipe["model"]["recompute"], "--json"]
+    if par["tp"] > 1 and not par["sequence_parallel"]:
+        argv.append("--no-sequence-parallel")
+    assert main(argv) == 0, capsys.readouterr().err  # an out-of-memory layout exits 2
+    planned = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
+    stated = {key: float(gib) for gib, key in re.findall(r"= *([0-9.]+) GiB +\[(\w+)\]", text)}
+    assert set(stated) == {"param_buffer", "grad_buffer", "optimizer_state", "activations", "transient", "total"}
+    for key, gib in stated.items():
+        assert abs(gib - planned[key] / 2**30) <= 0.05 + 1e-9, (key, gib, planned[key] / 2**30)
+    assert planned["total"] < gpu_spec("h100").memory_bytes, planned

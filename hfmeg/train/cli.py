@@ -37,6 +37,9 @@ RECIPES = {  # name -> what it trains; each is RECIPE_DIR / f"{name}.yaml"
     "pretrain_llama": "continued pre-training of a LLaMA-family model on plain text",
     "sft_mixtral": "supervised fine-tuning, Mixtral-8x7B on two nodes of 8 x 80 GB (PP2 x DP8, EP8)",
     "dpo_llama": "preference tuning (DPO) of an SFT'd LLaMA-3-8B on one node of 8 x 80 GB (TP2 x DP4, SP)",
+    "sft_gpt_oss": "supervised fine-tuning, gpt-oss-20b on one node of 8 x 80 GB (DP8, EP8)",
+    "sft_qwen3_5": "supervised fine-tuning, Qwen3.5-9B on one node of 8 x 80 GB (TP2 x DP4, SP)",
+    "sft_deepseek_v3": "supervised fine-tuning, DeepSeek-V3 on 32 nodes of 8 x 80 GB (PP32 x DP8, EP8)",
 }
 TRAIN_DESCRIPTION = """Train a model: a YAML config (CONFIG) or a built-in recipe (--recipe), plus flags that override it.
 
