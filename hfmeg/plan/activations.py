@@ -63,8 +63,8 @@ Per layer, recompute `none`:
   latents rq and rkv wide, n the rank's tokens: s'b) in place of the norm's column input and attention: the
   a-projections' input (the norm's output on the rank's tokens, e·n·h), each latent norm on the rank's tokens as a
   norm counts (x.float(): in fp32 the kv latent is a view of kv_a's whole output, 4·n(rkv + r)), each b-projection's
-  input (the normed latent, gathered under SP: e·sb·rq and e·sb·rkv; without a query latent q's input, gathered under SP, else the
-  norm's output), kv_b's output (e·sb·nh(nope + dv), V views it), the output projection's input (e·sb·nh·dv) and the
+  input (the normed latent, gathered under SP: e·sb·rq and e·sb·rkv; without a query latent q's input, gathered
+  under SP, else the norm's output), kv_b's output (e·sb·nh(nope + dv), V views it), the output projection's input (e·sb·nh·dv) and the
   core's: with dk ≠ dv the CPU's SDPA takes its math path, which saves Q and Kᵀ scaled copies (2e·sb·nh·dk) and the
   probabilities (e·b·nh·s²); flash (and dk = dv) saves the concatenated Q and K, the output and log-sum-exp
   instead; the RoPE'd rotated part is concatenated into K, so nothing keeps it apart. `selective` keeps the core's
