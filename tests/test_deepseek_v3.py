@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -345,6 +346,26 @@ def test_training_flops_count_latent_attention_and_active_experts():
     matmuls = 3 * attention + dense + 2 * sparse + h * 300
     scores_values = 3 * s * H * (12 + 6)  # per token: s keys, the score and value products' widths
     assert training_flops(cfg, 1, s) == 6 * s * matmuls + 2 * 3 * s * scores_values
+
+
+def test_step_time_moves_the_latents_over_tp():
+    """Under TP + SP, MLA all-gathers its latents forward and reduce-scatters their gradients backward where a layer
+    moves its hidden state: 100 more kv-latent columns cost each of the 3 layers two ring passes of 100 e-byte
+    columns per token, over the TP link, and nothing else the TP link carries."""
+    from hfmeg.plan.hardware import ClusterSpec, gpu_spec
+    from hfmeg.plan.layout import PlanLayout
+    from hfmeg.plan.profile import default_profile
+    from hfmeg.plan.step_time import step_time
+
+    gpu = gpu_spec("h100")
+    cluster, prof = ClusterSpec(gpu, 2), default_profile("h100", gpu.peak_flops, gpu.hbm_bytes_per_s)
+    dense = model_config_from_hf(tiny_config("deepseek_v3", **DENSE))
+    wide = replace(dense, mla=replace(dense.mla, kv_lora_rank=dense.mla.kv_lora_rank + 100))
+    seq, e = 64, 2
+    comm = [step_time(cfg, PlanLayout(2, 1, 1, 1), cluster, prof, 1, seq, e).tp_comm_s for cfg in (dense, wide)]
+    bandwidth = cluster.link(2, 1)[0] * prof.link_efficiency
+    expected = 3 * 2 * (1 / 2) * e * seq * 100 / bandwidth * prof.sequence_parallel_comm
+    assert comm[1] - comm[0] == pytest.approx(expected, rel=1e-9)
 
 
 def test_the_planner_plans_latent_attention_with_expert_parallelism(checkpoints, capsys):
