@@ -87,3 +87,27 @@ def test_linear_attention_layers_have_no_quadratic_term():
     assert abs(growth - (quadratic(2 * s) - 2 * quadratic(s))) < 1e-9 * growth
     rule = 2 * (2 * 64 * 128 + 64 * 256 / 2 + 64 * 128 + 3 * 128 * 128) * 32
     assert delta_rule_flops(cfg, s) == 3 * (rule + 2 * 4 * (2 * 16 * 128 + 32 * 128))
+
+
+def test_linear_and_full_attention_layers_are_timed_each_as_its_kind():
+    """Qwen3.5 mixes Gated DeltaNet and full-attention layers: the step time sums each layer at its own kind's cost,
+    so replacing one of four linear layers by a full one moves the step by a quarter of the all-full difference."""
+    from hfmeg.families import model_config_from_hf
+    from hfmeg.plan.hardware import ClusterSpec, gpu_spec
+    from hfmeg.plan.layout import PlanLayout
+    from hfmeg.plan.profile import default_profile
+    from hfmeg.plan.step_time import step_time
+    from tiny_models import tiny_config
+
+    spec = gpu_spec("h100")
+    cluster, prof = ClusterSpec(spec, 1, 1), default_profile("h100", spec.peak_flops, spec.hbm_bytes_per_s)
+    lay = PlanLayout(1, 1, 1, 1)
+
+    def compute(types):
+        return step_time(model_config_from_hf(tiny_config("qwen3_5", layer_types=types)), lay, cluster, prof, 4,
+                         16384).compute_s  # long rows: attention's s² makes the kinds' costs differ
+
+    linear, full = compute(["linear_attention"] * 4), compute(["full_attention"] * 4)
+    assert abs(full - linear) > 0.1 * linear
+    mixed = compute(["linear_attention"] * 3 + ["full_attention"])
+    assert abs((mixed - linear) - (full - linear) / 4) <= 1e-9 * full

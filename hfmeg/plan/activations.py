@@ -279,10 +279,14 @@ def _attention_core(cfg: ModelConfig, x: Shape, layer: int) -> int:
     return total + gathered_kv + query
 
 
+def layer_kind(cfg: ModelConfig, layer: int) -> tuple[bool, bool]:
+    """What a layer's costs depend on beyond the shapes: (sparse MLP, linear attention)."""
+    return cfg.is_sparse(layer), cfg.is_linear(layer)
+
+
 def layer_kinds(cfg: ModelConfig) -> list[int]:
-    """One layer index of each kind the model has (dense, sparse; attention, linear attention), for costs that differ
-    only by kind."""
-    kinds = {(cfg.is_sparse(i), cfg.is_linear(i)): i for i in reversed(range(cfg.num_layers))}
+    """One layer index of each kind the model has (`layer_kind`), for costs that differ only by kind."""
+    kinds = {layer_kind(cfg, i): i for i in reversed(range(cfg.num_layers))}
     return sorted(kinds.values())
 
 

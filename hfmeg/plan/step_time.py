@@ -90,7 +90,7 @@ from ..errors import UnsupportedConfigError
 from ..optim.config import OptimizerConfig
 from ..parallel.layout import rank_chunks, split_layers
 from .flops import training_flops
-from .activations import Shape, layer_bytes, layer_kinds, moe_tokens
+from .activations import Shape, layer_bytes, layer_kind, layer_kinds, moe_tokens
 from .hardware import ClusterSpec
 from .layout import PlanLayout
 from .memory import Memory, plan_shape, stage_memories
@@ -329,14 +329,14 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     ep_link = _link(cluster, prof, lay.ep, lay.tp * lay.cp, all_to_all=True)  # DP neighbours: TP x CP ranks apart
     edp_link = _link(cluster, prof, lay.edp * lay.cp, lay.tp * lay.ep)
     stage = _Stage(cfg, lay, prof, shape, tp_link, ep_link, slow, attention, cp_link)
-    costs = {cfg.is_sparse(i): stage.layer(i) for i in layer_kinds(cfg)}  # layers of one kind cost the same
+    costs = {layer_kind(cfg, i): stage.layer(i) for i in layer_kinds(cfg)}  # layers of one kind cost the same
     head_f, head_b = stage.head()
     p2p_msg = pp_link[1] + dtype_bytes * shape.local_seq * lay.micro_batch * cfg.hidden_size / pp_link[0]
     specs = split_layers(cfg.num_layers, lay.pp, lay.vpp)
     stages = []
     for r in range(lay.pp):
         mine = rank_chunks(specs, r)
-        fwd_l, bwd_l, comm_l, a2a_l = (sum(parts) for parts in zip(*(costs[cfg.is_sparse(i)]
+        fwd_l, bwd_l, comm_l, a2a_l = (sum(parts) for parts in zip(*(costs[layer_kind(cfg, i)]
                                                                      for s in mine for i in s.layers)))
         post = any(s.post_process for s in mine)
         comm_l += sum(stage.ends_comm(s.pre_process, s.post_process) for s in mine)
