@@ -12,14 +12,20 @@ rank stops beating at once, so the same bound holds; the issue asks for twice BO
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import time
 
 import pytest
+from safetensors import safe_open
 
 from bounds import within
+from hfmeg.checkpoint.mp_layout import LATEST_FILE, WRITER_KEY
+from hfmeg.optim.state_io import read_meta
+from hfmeg.parallel.grid import RankGrid
+from hfmeg.train.checkpointing import STALE_PATTERNS
 from hfmeg.train.metrics import read_metrics
 from multihost import MONITOR_S, Hosts, NamespaceUnavailable, run_job, train_args, wait_all, wait_for, worker_ranks
 from test_train import ALPACA, _assets
@@ -102,14 +108,48 @@ STEPS, SAVE_EVERY = 12, 2
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The final checkpoint's safetensors files (path -> bytes) of the run the killed ones must reproduce."""
+    """The `<out>` and logs of the run the killed ones must reproduce: 2 hosts x 2 ranks writing one `--out`."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
     try:
         with Hosts(2) as bed:
             run_job(bed, 2, _resumable(tmp / "run"), tmp / "logs", max_restarts=3)
     except NamespaceUnavailable as e:
         pytest.skip(str(e))
-    return _final(tmp / "run")
+    return tmp / "run", tmp / "logs"
+
+
+def _writer(path) -> int:
+    with safe_open(str(path), "pt") as f:
+        return int(f.metadata()[WRITER_KEY])
+
+
+def test_one_writer_per_shard_and_latest_after_all_on_a_shared_out(uninterrupted):
+    """Every model shard written by the DP-rank-0 rank of its TP coordinate, every optimizer shard by the rank at
+    its coordinates, on that rank's host; `latest` names the last save and is newer than every file of it (the
+    saver's rank 0 writes it after the rename, which comes after every rank reported its part written); no
+    temporary left; the export once, by rank 0 on host 0. That a resume across hosts reproduces this run byte
+    for byte is `test_a_host_killed_mid_run_comes_back_to_the_same_model`."""
+    out, logs = uninterrupted
+    grid = RankGrid.of_world(4, tp=2, per_host=2)  # TP2 inside a host, DP2 across
+    root = out / "checkpoints"
+    saves = sorted(p.name for p in root.glob("iter_*"))
+    assert saves == [f"iter_{s:07d}" for s in (STEPS - SAVE_EVERY, STEPS)]  # --keep-last 2
+    assert (root / LATEST_FILE).read_text().strip() == str(STEPS)
+    for name in saves:
+        folder = root / name
+        model = {tp: _writer(folder / f"mp_rank_{tp:02d}" / "model.safetensors") for tp in range(2)}
+        assert model == {tp: grid.rank(tp=tp, dp=0) for tp in range(2)}
+        optim = {f.name: read_meta(f)["writer"] for f in (folder / "optim").glob("*.safetensors")}
+        assert optim == {f"optim_pp000_tp{tp:02d}_dp{dp:03d}.safetensors": grid.rank(tp=tp, dp=dp)
+                         for tp in range(2) for dp in range(2)}
+        assert {grid.host(r) for r in optim.values()} == {0, 1}  # each host wrote its own ranks' shards
+    newest = max(p.stat().st_mtime_ns for p in (root / saves[-1]).rglob("*") if p.is_file())
+    assert (root / LATEST_FILE).stat().st_mtime_ns >= newest
+    assert not [p for sub, names in STALE_PATTERNS.items() for n in names for p in (out / sub).glob(n)]
+    assert json.loads((out / "export.json").read_text())["step"] == STEPS
+    assert (out / "hf" / "model.safetensors").is_file()
+    said = {i: (logs / f"host{i}.log").read_text(errors="replace").count(f"{out / 'hf'}") for i in range(2)}
+    assert said[0] >= 1 and said[1] == 0, said
 
 
 def _resumable(out) -> list[str]:
@@ -152,5 +192,5 @@ def test_a_host_killed_mid_run_comes_back_to_the_same_model(namespace_hosts, tmp
     text = "".join(log.read_text(errors="replace") for log in logs if log.is_file())
     assert codes == [0, 0], "\n".join(log.read_text(errors="replace")[-3000:] for log in logs if log.is_file())
     assert ("resuming from" in text) == saved, saved
-    final = _final(out)
-    assert final.keys() == uninterrupted.keys() and final == uninterrupted, sorted(final)
+    final, expected = _final(out), _final(uninterrupted[0])
+    assert final.keys() == expected.keys() and final == expected, sorted(final)

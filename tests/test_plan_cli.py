@@ -129,7 +129,7 @@ def test_expert_all_to_all_time_is_the_routed_bytes_over_the_ep_link(moe):
         cluster = ClusterSpec(spec, 16, per_node, inter_node_bytes_per_s=400e9 / 8)
         lay = PlanLayout(1, 1, 16, mb, optimizer="distributed", ep=ep)
         t = evaluate(Job(cfg, cluster, prof, 16 * mb * m, seq), lay).time
-        bw, lat = cluster.link(ep, 1, all_to_all=True)
+        bw, lat = cluster.link(ep, 1, all_to_all=True, crosses=per_node < ep)
         assert (bw == spec.intra_node_bytes_per_s) == (per_node == 8)
         one = (ep - 1) / ep * 2 * mb * seq * 2 * cfg.hidden_size / (bw * prof.link_efficiency) + (ep - 1) * lat
         per_layer = 2 * (2 * one + (ep - 1) * lat)
@@ -203,7 +203,7 @@ def test_seed_example_by_default_prefers_model_parallelism_over_plain_dp():
 
 def test_rings_cross_each_node_once_and_all_to_alls_send_each_ranks_bytes_off_node():
     cluster = ClusterSpec(gpu_spec("a100-80"), 32, 8, inter_node_bytes_per_s=100e9)
-    assert cluster.link(4, 2) == (300e9, cluster.intra_node_latency_s)  # 8 ranks: one node, NVLink
+    assert cluster.link(4, 2, crosses=False) == (300e9, cluster.intra_node_latency_s)  # one node: NVLink
     # A node's NICs (100 GB/s) are shared by the groups that have members in it: G/k groups of k members.
     assert cluster.link(32, 1)[0] == pytest.approx(100e9)  # one group, 8 members per node
     assert cluster.link(4, 8)[0] == pytest.approx(12.5e9)  # 8 groups (TP 8), one member each

@@ -62,6 +62,9 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 HF_DIR = "hf"
 RANK_FILE = "model.safetensors"
 EXPERT_FILE = "model-experts-{first:03d}-{last:03d}.safetensors"  # an EP rank's experts first..last
+# safetensors metadata of the files a training save writes (model shards, optimizer shards): the global rank
+# of the process that wrote the file, so that a checkpoint on a path many hosts share shows its writers
+WRITER_KEY = "hfmeg_writer"
 # HF side files kept beside the weights: config, generation config, tokenizer (any flavour), and a multimodal
 # model's processor configs (image, video), so its export loads with its processor too.
 HF_SIDE_PATTERNS = (

@@ -8,8 +8,9 @@ Collective over the default process group; every rank calls it. Protocol of `sta
 2. the caller writes into that temporary folder: `write_model_shard` (every rank
    with dp_rank 0 writes its own `mp_rank_TT[_PPP]/model.safetensors`; DP replicas
    hold identical weights; with expert parallelism the other EP ranks of DP rank 0's
-   EP group add their experts beside it, `mp_layout.EXPERT_FILE`) and whatever else
-   its checkpoint holds; barrier.
+   EP group add their experts beside it, `mp_layout.EXPERT_FILE`; each file records
+   its writer's global rank, `mp_layout.WRITER_KEY`) and whatever else its checkpoint
+   holds; barrier.
 3. rank 0 renames the temporary folder to `iter_XXXXXXX` (replacing an older one
    of the same number) and only then rewrites `latest_checkpointed_iteration.txt`,
    so a crash at any point leaves the previous checkpoint as the latest one.
@@ -40,8 +41,8 @@ from ..parallel.roles import named_roles
 from ..parallel.state import ParallelState
 from ..parallel.stored_names import stored_slices, stored_tensors
 from .atomic import replace_dir
-from .mp_layout import (EXPERT_FILE, HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, iteration_dir_name,
-                        write_latest)
+from .mp_layout import (EXPERT_FILE, HF_DIR, RANK_FILE, WRITER_KEY, MPLayout, copy_hf_side_files, dtype_name,
+                        iteration_dir_name, write_latest)
 from .rules import chunk_rules
 from .st_stream import StreamingSafetensorsWriter
 
@@ -138,7 +139,7 @@ def write_model_shard(chunks: list[ModelChunk], ps: ParallelState, layout: MPLay
         mine = chunks[0].experts
         name = RANK_FILE if ps.ep_rank == 0 else EXPERT_FILE.format(first=mine[0], last=mine[-1])
         specs = {n: (p.dtype, tuple(p.shape)) for n, p in params}
-        with StreamingSafetensorsWriter(rank_dir / name, specs, {"format": "pt"}) as writer:
+        with StreamingSafetensorsWriter(rank_dir / name, specs, {"format": "pt", WRITER_KEY: str(ps.rank)}) as writer:
             for n, p in params:
                 writer.write(n, p)
     return rank_dir

@@ -12,7 +12,9 @@ parallelism, also the other EP ranks of its EP group, each only its own experts:
 `DataParallel.primary`). With EP > 1 the routed experts' state is sharded over the
 expert-DP group instead; their names carry the global expert index, so the pieces of
 all files of a (PP, TP) coordinate hold every expert once, whatever the EP size. The
-metadata also holds `iteration`, the steps taken, which decides when compression starts.
+metadata also holds `iteration`, the steps taken, which decides when compression starts,
+and `writer`, the global rank that wrote the file (a checkpoint on a path many hosts share
+shows its writers; one JSON document, as safetensors orders several metadata keys by chance).
 
 With PowerSGD configured, every rank also writes `powersgd_pp{PP}_tp{TP}_dp{DP}.safetensors`:
 Q and the residual of each compressed matrix (`PowerSGD.state_dict`), during the
@@ -87,7 +89,7 @@ def save_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> Path 
     compressor = opt.data_parallel.compressor
     if compressor is not None:
         _write(_file(folder, "powersgd", ps, ps.dp_cp_rank), compressor.state_dict(),
-               {"format": FORMAT, "dp": ps.dp_cp, "powersgd_rank": opt.cfg.powersgd_rank})
+               {"format": FORMAT, "dp": ps.dp_cp, "powersgd_rank": opt.cfg.powersgd_rank, "writer": ps.rank})
     if not any(opt.data_parallel.primary(b) for b in opt.buckets):
         return None
     opt.wait_params()
@@ -97,7 +99,7 @@ def save_optimizer_state(opt: DistributedOptimizer, folder: str | Path) -> Path 
         "step": float(step.item()) if step is not None else 0.0, "skipped_steps": opt.skipped_steps,
         "iteration": opt.iteration,
         "loss_scale": opt.loss_scale, "good_steps": opt.scaler.good_steps if opt.scaler else 0,
-        "pieces": _pieces(opt, primary_only=True),
+        "pieces": _pieces(opt, primary_only=True), "writer": ps.rank,
     }
     path = _file(folder, "optim", ps, ps.dp_cp_rank)
     _write(path, {"master": opt.master, "exp_avg": opt.exp_avg, "exp_avg_sq": opt.exp_avg_sq}, meta)

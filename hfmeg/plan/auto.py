@@ -43,13 +43,14 @@ GLOO_LATENCY_S = 1e-4
 
 
 def cpu_cluster(profile: Profile, ranks: int, per_host: int | None = None,
-                memory_per_rank: float = float("inf")) -> ClusterSpec:
+                memory_per_rank: float = float("inf"), **links) -> ClusterSpec:
     """`ranks` gloo ranks, `per_host` (default all) on each host: the profile's gloo link measured with
-    that many ranks on the host (a profile without one: the loopback figures above)."""
+    that many ranks on the host (a profile without one: the loopback figures above); `links`: the
+    `ClusterSpec`'s link between hosts (`inter_node_bytes_per_s`, `inter_node_latency_s`)."""
     per_host = per_host or ranks
     bw, latency = profile.link(per_host) or (GLOO_BYTES_PER_S, GLOO_LATENCY_S)
     spec = GpuSpec("cpu", profile.peak_flops, memory_per_rank, profile.memory_bytes_per_s, bw)
-    return ClusterSpec(spec, ranks, per_host, intra_node_latency_s=latency, reserved_bytes=0)
+    return ClusterSpec(spec, ranks, per_host, intra_node_latency_s=latency, reserved_bytes=0, **links)
 
 
 def detect_cluster(world_size: int, local_world_size: int, device: torch.device,

@@ -24,7 +24,8 @@ from ..parallel.grid import check_world
 from ..peft.config import PeftConfig
 from . import published, scaling
 from .calibrate import calibrate
-from .hardware import GPUS, ClusterSpec, gpu_spec
+from .auto import cpu_cluster
+from .hardware import GB, GPUS, ClusterSpec, gpu_spec
 from .layout import PlanLayout, parse_layout
 from .models import resolve_model
 from .profile import default_profile, load_profile
@@ -91,8 +92,11 @@ def _job(a) -> tuple[Job, list[str]]:
             defaulted.append(key)
     spec = gpu_spec(a.gpu, peak_tflops=a.peak_tflops, memory_gb=a.memory_gb, hbm_gbps=a.hbm_gbps,
                     nvlink_gbps=a.nvlink_gbps)
-    cluster = ClusterSpec(spec, a.gpus, a.gpus_per_node, inter_node_bytes_per_s=a.inter_node_gbps * 1e9 / 8)
+    link = {"inter_node_bytes_per_s": a.inter_node_gbps * 1e9 / 8}
     prof = load_profile(a.profile) if a.profile else default_profile(a.gpu, spec.peak_flops, spec.hbm_bytes_per_s)
+    # A CPU profile: gloo ranks, --gpus-per-node of them to a host, the hosts sharing the machine it measured
+    cluster = cpu_cluster(prof, a.gpus, a.gpus_per_node, (a.memory_gb or float("inf")) * GB, **link) if prof.gloo \
+        else ClusterSpec(spec, a.gpus, a.gpus_per_node, **link)
     peft = PeftConfig(method=a.peft, r=a.peft_r, target_modules=a.peft_targets)
     peft.check()
     reference = a.loss_type in ("sigmoid", "ipo")

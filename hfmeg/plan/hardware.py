@@ -81,8 +81,10 @@ class ClusterSpec:
     def usable_memory(self) -> float:
         return self.gpu.memory_bytes - self.reserved_bytes
 
-    def link(self, group_size: int, stride: int, all_to_all: bool = False) -> tuple[float, float]:
-        """(bytes/s per GPU, latency) of a collective over `group_size` ranks `stride` apart in the rank grid.
+    def link(self, group_size: int, stride: int, all_to_all: bool = False,
+             crosses: bool = True) -> tuple[float, float]:
+        """(bytes/s per GPU, latency) of a collective over `group_size` ranks `stride` apart in the rank grid;
+        `crosses`: whether the rank grid puts the group on more than one node (`RankGrid.crossing`).
 
         A group that stays inside one node rides NVLink. One that spans nodes is limited
         by the NICs, which all groups of a node share when every group communicates at
@@ -94,7 +96,7 @@ class ClusterSpec:
         every member sends its own (n − k)/n off the node, each at inter_node / G; the
         rate returned is the one at which the whole (n − 1)/n of a rank's bytes move.
         """
-        if group_size == 1 or group_size * stride <= self.gpus_per_node:  # one rank sends nothing
+        if group_size == 1 or not crosses:  # one rank sends nothing
             return self.gpu.intra_node_bytes_per_s, self.intra_node_latency_s
         per_gpu = self.inter_node_bytes_per_s / min(self.gpus_per_node, self.gpus)
         k = min(group_size, max(1, self.gpus_per_node // stride))

@@ -139,12 +139,22 @@ class StepTime:
                 "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu}
 
 
-def _link(cluster: ClusterSpec, prof: Profile, size: int, stride: int, all_to_all: bool = False) -> tuple[float, float]:
+def _link(cluster: ClusterSpec, prof: Profile, crossing: set[str], kind: str, size: int, stride: int,
+          all_to_all: bool = False) -> tuple[float, float]:
+    """(bytes/s, latency) of a `kind` group (of `grid.GROUP_KINDS`, or "world") of `size` ranks `stride` apart;
+    `crossing`: the kinds whose groups the rank grid puts on more than one node.
+
+    On gloo (a CPU profile) every message pays the gloo link measured with all the job's ranks on the
+    machine; one that crosses nodes also goes through the node's link: the ring moves at the slower of
+    the two and pays both latencies."""
+    crosses = kind in crossing
     measured = prof.link(cluster.gpus)  # CPU: gloo as measured with this many ranks on the host
-    if measured is not None:
+    bw, lat = cluster.link(size, stride, all_to_all, crosses)
+    if measured is None:
+        return bw * prof.link_efficiency, lat
+    if not crosses or size == 1:
         return measured
-    bw, lat = cluster.link(size, stride, all_to_all)
-    return bw * prof.link_efficiency, lat
+    return min(measured[0], bw), measured[1] + lat
 
 
 def _ring(nbytes: float, n: int, link: tuple[float, float], passes: int = 1, collectives: int = 1) -> float:
@@ -154,6 +164,16 @@ def _ring(nbytes: float, n: int, link: tuple[float, float], passes: int = 1, col
         return 0.0
     bw, lat = link
     return passes * ((n - 1) / n * nbytes / bw + collectives * (n - 1) * lat)
+
+
+def crossing_kinds(lay: PlanLayout, cluster: ClusterSpec) -> set[str]:
+    """The kinds of process group whose groups span nodes when `lay`'s rank grid is placed `cluster.gpus_per_node`
+    ranks to a node (`RankGrid.crossing`), and "world" when there is more than one node. "pp" only when the
+    first stage boundary crosses: p2p is timed at one boundary's link, and a node that holds the first two
+    stages keeps that boundary on NVLink."""
+    grid = replace(lay.grid, per_host=min(cluster.gpus_per_node, lay.gpus))
+    kinds = set(grid.crossing()) - {"pp"} | ({"world"} if grid.hosts > 1 else set())
+    return kinds | ({"pp"} if lay.pp > 1 and grid.host(grid.rank(pp=1)) != grid.host(0) else set())
 
 
 ATTENTION_KERNELS = ("flash", "unfused")
@@ -322,12 +342,16 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     shape = plan_shape(lay, seq_len, dtype_bytes)
     m = lay.microbatches(global_batch)
     slow = prof.compute_slowdown(lay.gpus)
-    tp_link = _link(cluster, prof, lay.tp, 1)
-    pp_link = _link(cluster, prof, 2, lay.tp * lay.cp * lay.dp)
-    dp_link = _link(cluster, prof, lay.replicas, lay.tp)  # gradients are summed over DP x CP
-    cp_link = _link(cluster, prof, lay.cp, lay.tp)
-    ep_link = _link(cluster, prof, lay.ep, lay.tp * lay.cp, all_to_all=True)  # DP neighbours: TP x CP ranks apart
-    edp_link = _link(cluster, prof, lay.edp * lay.cp, lay.tp * lay.ep)
+    crossing = crossing_kinds(lay, cluster)
+    tp_link = _link(cluster, prof, crossing, "tp", lay.tp, 1)
+    pp_link = _link(cluster, prof, crossing, "pp", 2, lay.tp * lay.cp * lay.dp)
+    dp_kind = "dp_cp" if lay.cp > 1 else "dp"
+    dp_link = _link(cluster, prof, crossing, dp_kind, lay.replicas, lay.tp)  # gradients are summed over DP x CP
+    cp_link = _link(cluster, prof, crossing, "cp", lay.cp, lay.tp)
+    # EP ranks are DP neighbours: TP x CP ranks apart
+    ep_link = _link(cluster, prof, crossing, "ep", lay.ep, lay.tp * lay.cp, all_to_all=True)
+    edp_link = _link(cluster, prof, crossing, "expert_dp" if lay.ep > 1 else dp_kind, lay.edp * lay.cp,
+                     lay.tp * lay.ep)
     stage = _Stage(cfg, lay, prof, shape, tp_link, ep_link, slow, attention, cp_link)
     costs = {layer_kind(cfg, i): stage.layer(i) for i in layer_kinds(cfg)}  # layers of one kind cost the same
     head_f, head_b = stage.head()
@@ -387,7 +411,7 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
 
     tails = [dp_and_update(sf, sb, mem) for sf, sb, _, _, _, mem in stages]
     dp_exposed, update = max(tails, key=lambda t: t[0] + t[1])
-    norm_latency = _link(cluster, prof, lay.gpus, 1)[1] * math.log2(max(lay.gpus, 2))
+    norm_latency = _link(cluster, prof, crossing, "world", lay.gpus, 1)[1] * math.log2(max(lay.gpus, 2))
     reference = 0.0
     if reference_forward:
         forward = [sf + (sc + se + sp) / 2 for sf, _, sc, se, sp, _ in stages]

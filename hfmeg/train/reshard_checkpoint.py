@@ -135,6 +135,7 @@ def _save_optimizer_shard(iter_dir: Path, p: int, t: int, layout: MPLayout, old_
         pieces.append([n, 0, numel, off])
         off += numel
     meta = {**old_meta, "dp": 1, "tp": layout.tp, "pp": layout.pp, "pieces": pieces}
+    meta.pop("writer", None)  # the rank that wrote the source shard; this one is written offline, by none
     save_tensors(flats, iter_dir / OPTIM_DIR / f"optim_pp{p:03d}_tp{t:02d}_dp000.safetensors",
                  {"hfmeg_optimizer": json.dumps(meta)})
 
