@@ -125,14 +125,14 @@ def sequence_logps(per_token: torch.Tensor, mb: PairBatch, ps) -> tuple[torch.Te
 
 class PreferenceLoss:
     """The `MicroBatchLoss` of a preference step (module doc); `totals` sums the step's metrics over this rank's
-    micro-batches (`METRICS` order, then the pair count), detached."""
+    micro-batches (`METRICS` order), detached."""
 
     def __init__(self, cfg: PreferenceConfig, ps, num_pairs: int, chosen_tokens: int):
         if num_pairs < 1:
             raise LayoutError(f"a preference step needs at least one pair, got {num_pairs}")
         self.cfg, self.ps = cfg, ps
         self.num_pairs, self.chosen_tokens = num_pairs, max(chosen_tokens, 1)
-        self.totals = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=ps.device)
+        self.totals = torch.zeros(len(METRICS), dtype=torch.float64, device=ps.device)
 
     def __call__(self, per_token: torch.Tensor, mb: PairBatch) -> torch.Tensor:
         cfg = self.cfg
@@ -157,14 +157,13 @@ class PreferenceLoss:
         loss = per_pair.sum() / self.num_pairs
         if cfg.rpo_alpha:
             loss = loss + cfg.rpo_alpha * -logps[0::2].sum() / self.chosen_tokens
-        self._add_metrics(rewards.detach(), (scores if cfg.loss_type == "simpo" else logps).detach(), mb.num_pairs)
+        self._add_metrics(rewards.detach(), (scores if cfg.loss_type == "simpo" else logps).detach())
         return loss / self.ps.cp
 
-    def _add_metrics(self, rewards: torch.Tensor, logps: torch.Tensor, pairs: int) -> None:
+    def _add_metrics(self, rewards: torch.Tensor, logps: torch.Tensor) -> None:
         rc, rr = rewards[0::2], rewards[1::2]
         values = (rc.sum(), rr.sum(), (rc > rr).sum(), (rc - rr).sum(), logps[0::2].sum(), logps[1::2].sum())
-        self.totals += torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values] +
-                                   [torch.tensor(float(pairs), dtype=torch.float64, device=rewards.device)])
+        self.totals += torch.stack([v.double() for v in values])
 
     def metrics(self, totals) -> dict[str, float]:
         """The global batch's means from `totals` (a sequence of numbers) summed over the ranks that hold distinct
