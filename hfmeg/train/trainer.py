@@ -121,9 +121,10 @@ class Trainer:
             if error is not None:
                 self.heartbeat.wait_verdict(error)
             self.heartbeat.stop()
-        if error is None and self.owns_world:
+        if self.owns_world and dist.is_initialized():
             # gloo's and the store's threads end here, not in the interpreter's teardown, where a thread still
-            # joinable aborts the process ("terminate called without an active exception")
+            # joinable aborts the process ("terminate called without an active exception"); after an error too,
+            # once the heartbeat found no peer lost (it ends the process itself when one is)
             dist.destroy_process_group()
 
     def _start(self, cfg: TrainConfig, device: torch.device) -> None:
