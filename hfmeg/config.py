@@ -148,6 +148,9 @@ class ModelConfig:
     # layer but `full_attention_layers` (`layer_types`' full_attention ones); None: no window anywhere.
     sliding_window: int | None = None
     bos_token_id: int | None = None
+    # The embedding row that never trains (transformers' `nn.Embedding(padding_idx=pad_token_id)`, every family
+    # but GPT-2): its gradient is zero; its LM-head row, where tied, still trains. None: every row trains.
+    pad_token_id: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (before RoPE)
     # OLMo 2: the q/k norms span the whole projection (all heads of a token, weight heads * head_dim), not one head.
     qk_norm_whole: bool = False
@@ -258,9 +261,10 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         # Fields added after format version 1 appear only when set, so a dense model's
         # layout JSON (and the comparison with checkpoints written before them) is unchanged.
+        # pad_token_id changes no tensor and no forward (only which embedding row trains): not layout.
         later = {f.name: f.default for f in fields(self) if f.name in LATER_FIELDS}
         out = {k: v for k, v in self.__dict__.items()
-               if k != "hf_config" and k not in later and k not in ("moe", "mla", "linear_attention")}
+               if k not in later and k not in ("hf_config", "pad_token_id", "moe", "mla", "linear_attention")}
         for k, default in later.items():
             v = getattr(self, k)
             if v != default:

@@ -83,6 +83,16 @@ def rope_per_layer_type(hf: PretrainedConfig) -> None:
             f"null: {hf.model_type}'s sliding layers need a window")
 
 
+def padding_row(hf: PretrainedConfig) -> int | None:
+    """The embedding row transformers builds its `nn.Embedding` with as `padding_idx` (`pad_token_id`; a
+    negative id counts from the end, as torch counts it)."""
+    pad, vocab = getattr(hf, "pad_token_id", None), hf.vocab_size
+    if pad is None:
+        return None
+    require(-vocab <= pad < vocab, "pad_token_id", f"{pad} is not a row of the vocabulary of {vocab}")
+    return pad % vocab
+
+
 def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bias: bool | None = None,
                    window: Callable[[PretrainedConfig], Window] = lambda hf: (None, ()), qk_norm: bool = False,
                    moe: Callable[[PretrainedConfig], MoEConfig] | None = None,
@@ -124,6 +134,7 @@ def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bi
         sliding_window=sliding,
         full_attention_layers=full_layers,
         bos_token_id=getattr(hf, "bos_token_id", None),
+        pad_token_id=padding_row(hf),
         qk_norm=qk_norm,
         partial_rotary_factor=rotary,
         moe=moe(hf) if moe is not None else None,

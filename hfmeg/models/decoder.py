@@ -113,7 +113,8 @@ class ModelChunk(nn.Module):
         # The global indices of the routed experts this rank holds in each MoE layer (None: a dense model).
         self.experts = local_experts(cfg.moe.num_experts, ps.ep, ps.ep_rank) if cfg.moe is not None else None
         if pre_process:
-            self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps, tied=cfg.tie_embeddings)
+            self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps, tied=cfg.tie_embeddings,
+                                                padding_idx=cfg.pad_token_id)
             if cfg.positions == "learned":
                 self.pos_embed = nn.Embedding(cfg.max_positions, cfg.hidden_size)
                 # Replicated; not sequence-parallel: `_embed` scatters its output, so each rank's gradient is full.

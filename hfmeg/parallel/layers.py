@@ -126,13 +126,17 @@ class VocabParallelEmbedding(nn.Module):
 
     Takes token ids `[b, s]`, returns `[s, b, h]` (or `[s/tp, b, h]` under SP): each
     rank looks up the ids in its range, zeros the rest, and the TP sum fills in all.
+    Row `padding_idx` (a vocabulary id) gets no gradient, as in transformers' `nn.Embedding(padding_idx)`.
     """
 
-    def __init__(self, padded_vocab: int, hidden: int, ps: ParallelState, tied: bool = False):
+    def __init__(self, padded_vocab: int, hidden: int, ps: ParallelState, tied: bool = False,
+                 padding_idx: int | None = None):
         super().__init__()
         self.ps = ps
         self.per_rank = padded_vocab // ps.tp
         self.start = ps.tp_rank * self.per_rank
+        inside = padding_idx is not None and self.start <= padding_idx < self.start + self.per_rank
+        self.local_padding_idx = padding_idx - self.start if inside else None  # the row on this rank, if here
         # `tied`: the LM head of the last stage is a copy of this weight (summed over the embedding group).
         add_param(self, "weight", self.per_rank, hidden,
                   role=ParamRole("embedding", tp_dim=0, tied="embedding" if tied else None))
@@ -140,10 +144,10 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.t()  # [s, b]: sequence-first layout
         if self.ps.tp == 1:
-            return embedding(ids, self.weight)
+            return embedding(ids, self.weight, self.local_padding_idx)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = embedding(local.masked_fill(outside, 0), self.weight)
+        out = embedding(local.masked_fill(outside, 0), self.weight, self.local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.ps.sequence_parallel:
             return reduce_scatter_to_sequence(out, self.ps)

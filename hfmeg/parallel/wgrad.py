@@ -129,24 +129,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class _FusedEmbedding(torch.autograd.Function):
-    """Row lookup whose backward adds the output gradient's rows into the weight's sink."""
+    """Row lookup whose backward adds the output gradient's rows into the weight's sink (none into row
+    `padding_idx`, as `F.embedding`'s)."""
 
     @staticmethod
-    def forward(ctx, ids, weight, sink):
+    def forward(ctx, ids, weight, sink, padding_idx):
         ctx.save_for_backward(ids)
-        ctx.sink = sink  # see _FusedLinear
+        ctx.sink, ctx.padding_idx = sink, padding_idx  # the sink: see _FusedLinear
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, g):
         (ids,) = ctx.saved_tensors
+        if ctx.padding_idx is not None:
+            g = g.masked_fill((ids == ctx.padding_idx).unsqueeze(-1), 0.0)
         embedding_wgrad(ctx.sink, ids, g)
-        return None, None, None
+        return None, None, None, None
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.embedding`, with the weight gradient fused into its main grad where the weight has a sink."""
+def embedding(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
+    """`F.embedding`, with the weight gradient fused into its main grad where the weight has a sink; row
+    `padding_idx` (local to `weight`) gets no gradient."""
     sink = sink_of(weight)
     if sink is None:
-        return F.embedding(ids, weight)
-    return _FusedEmbedding.apply(ids, weight, sink)
+        return F.embedding(ids, weight, padding_idx)
+    return _FusedEmbedding.apply(ids, weight, sink, padding_idx)
