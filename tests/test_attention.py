@@ -21,7 +21,8 @@ from hfmeg.checkpoint.load import load_chunks
 from hfmeg.data.microbatch import MicroBatch
 from hfmeg.errors import LayoutError
 from hfmeg.models.document_attention import (DocumentMask, MaskPlanner, _sunk, attend, document_causal_mask,
-                                             flex_applies, layer_mask, plan)
+                                             flex_applies, layer_mask, plan, split_block_mask,
+                                             split_causal_mask)
 from hfmeg.parallel.activation_meter import SavedTensorMeter
 from optim_harness import FP32_EPS, ROUNDING_FACTOR
 from tiny_models import save_tiny
@@ -296,13 +297,35 @@ def test_attention_sinks_in_compiled_flex_forward_and_backward_on_cuda():
         assert (got - ref).abs().max() <= 1e-4 * ref.abs().max().clamp_min(1.0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_windowed_soft_capped_flex_compiles_as_one_graph_on_cuda():
+    """Gemma 2's attention as training runs it on a GPU: packed documents, a sliding window shorter than them
+    and soft-capped scores through flex_attention, inside a `torch.compile(fullgraph=True)` region (a graph
+    break raises), forward and backward against the explicit path under the dense windowed mask; fp32, two
+    kernels' summation orders (the sinks test's bound)."""
+    q, k, v = (t.cuda().requires_grad_() for t in _qkv(d=64))
+    seg = SEGMENTS.cuda()
+    index = torch.arange(seg.shape[1], device="cuda")
+    window, cap, scale = 37, 0.5, 64 ** -0.5  # the cap bites: scores reach ~1
+    block = split_block_mask(index, index, seg, seg, window)
+    dense = DocumentMask(dense=split_causal_mask(index, index, seg, seg, window))
+    compiled = torch.compile(lambda q, k, v: attend(q, k, v, block, scale, gqa=True, softcap=cap), fullgraph=True)
+    outs = []
+    for run in (compiled, lambda q, k, v: attend(q, k, v, dense, scale, gqa=True, softcap=cap)):
+        o = run(q, k, v)
+        outs.append((o, *torch.autograd.grad(o, (q, k, v), torch.ones_like(o))))
+    for got, ref in zip(*outs):
+        assert (got - ref).abs().max() <= 1e-4 * ref.abs().max().clamp_min(1.0)
+
+
 def _split_block_mask_matches_dense(device: str) -> None:
     """Each CP rank's flex block mask (`split_block_mask`: its queries over the gathered keys) against the dense
     split mask: element by element, and through `attend` forward and backward (flex vs SDPA), with documents of
     lengths that cross the 128-token blocks and the 2·CP chunk boundaries, and without documents; with a sliding window too."""
     from torch.nn.attention.flex_attention import create_mask
 
-    from hfmeg.models.document_attention import plan_split, split_causal_mask
+    from hfmeg.models.document_attention import plan_split
     from hfmeg.parallel.context import gathered_index, token_index
 
     s, b, heads, kv_heads, d = 1024, 2, 8, 2, 64

@@ -97,11 +97,31 @@ def test_tiny_moe_run_counts_the_active_experts_and_the_planner_predicts_it():
     assert row["predicted_bytes"] > 0 and row["predicted_step_s"] > 0
 
 
+def test_a_family_at_the_bench_shapes_has_transformers_losses():
+    """`--family`: transformers' default config of that model_type at the bench's shapes and `--set` fields (Gemma 2:
+    soft-capped scores, so the anchor attends eagerly; a window shorter than the rows), fp32 losses equal step by
+    step as for the LLaMA."""
+    out = subprocess.run([sys.executable, str(TOOL), "--tiny", "--family", "gemma2", "--set", "head_dim=16",
+                          "--set", "sliding_window=8"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["shapes"]["family"] == "gemma2" and r["shapes"]["overrides"] == {"head_dim": 16, "sliding_window": 8}
+    assert r["hf_settings"].startswith("eager,")
+    hf = _tool().hf_config(r["shapes"])
+    assert (hf.model_type, hf.head_dim, hf.sliding_window, hf.hidden_size) == ("gemma2", 16, 8, r["shapes"]["hidden"])
+    assert hf.sliding_window < r["shapes"]["seq"] and hf.attn_logit_softcapping
+    for ours, theirs in zip(r["hfmeg_losses"], r["hf_losses"], strict=True):
+        assert math.isfinite(ours) and abs(ours - theirs) <= 2e-5 * abs(theirs), (r["hfmeg_losses"], r["hf_losses"])
+
+
 def test_bad_arguments_exit_2_with_one_message(capsys):
     tool = _tool()
     for argv, field in ((["--tiny", "--heads", "5"], "--heads"), (["--tiny", "--seq", "0"], "--seq"),
                         (["--tiny", "--warmup", "-1"], "--warmup"), (["--tiny", "--top-k", "2"], "--top-k"),
-                        (["--tiny", "--experts", "2", "--top-k", "3"], "--top-k")):
+                        (["--tiny", "--experts", "2", "--top-k", "3"], "--top-k"),
+                        (["--tiny", "--family", "gpt_oss", "--experts", "4"], "--experts"),
+                        (["--tiny", "--set", "head_dim=16"], "--set"),
+                        (["--tiny", "--family", "gemma2", "--set", "head_dim"], "--set")):
         with pytest.raises(SystemExit) as e:
             tool.parse_args(argv)
         assert e.value.code == 2

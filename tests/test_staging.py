@@ -167,7 +167,8 @@ def test_staging_on_a_side_stream_trains_as_staging_in_the_step(tmp_path, monkey
     rounding of the same sums: the fp32 tolerance of the flex-vs-dense GPU test (test_attention.py)."""
     built_on = _record_mask_builds(monkeypatch)
     ps = make_ps(world=1, device="cuda")
-    chunks = load_chunks(HFCheckpoint(save_tiny("llama3", tmp_path / "m", num_attention_heads=4)), ps)
+    # heads of 16 (flex's smallest): head_dim is set with the head count, not derived after the config is built
+    chunks = load_chunks(HFCheckpoint(save_tiny("llama3", tmp_path / "m", num_attention_heads=4, head_dim=16)), ps)
     stager = chunks[0].stager()
     assert stager.planner.flex and stager.stream is not None
     ahead, plain = _data(tmp_path, prefetch=2, stage=stager), _data(tmp_path, prefetch=0)

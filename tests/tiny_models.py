@@ -11,6 +11,8 @@ from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, 
                           Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig,
                           SmolLM3Config)
 
+from hfmeg.models import random_init
+
 ASSETS = Path(__file__).resolve().parents[2] / "shared" / "assets"
 STORIES = ASSETS / "models" / "stories260K"
 
@@ -193,15 +195,10 @@ def save_tiny_wrapped(kind: str, folder: Path, seed: int = 0, **text) -> Path:
 
 
 def reference_attention(folder: Path) -> str:
-    """The transformers attention to compare with: `eager` where scores are soft-capped (SDPA refuses it) or the
-    class has no SDPA path (gpt-oss, for its sinks)."""
+    """The transformers attention to compare a saved tiny checkpoint with (`random_init.reference_attention`)."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    config = AutoConfig.from_pretrained(folder)
-    sdpa = type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa
-    capped = json.loads((Path(folder) / "config.json").read_text()).get("attn_logit_softcapping")
-    return "eager" if capped or not sdpa else "sdpa"
+    return random_init.reference_attention(AutoConfig.from_pretrained(folder))
 
 
 def rewrite_config_v4(folder: Path) -> None:

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, MixtralConfig
+from transformers import AutoConfig, LlamaConfig, MixtralConfig, PretrainedConfig
 
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.mp_layout import parse_dtype
@@ -138,7 +138,29 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
                    help="packed SFT rows with position_ids/segment_ids, as the recipe feeds the trainer")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--hf-compile", action="store_true", help="torch.compile the transformers model too")
-    return resolve_args(p, p.parse_args(argv), cuda)
+    p.add_argument("--family", metavar="MODEL_TYPE", default=None,
+                   help="another family than LLaMA (qwen3, gemma2, gpt_oss, deepseek_v3, qwen3_5_text, ...): "
+                        "transformers' default config of that model_type at these shapes")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="with --family: one more config field, VALUE as JSON where it parses (sliding_window=512, "
+                        "num_local_experts=8)")
+    a = p.parse_args(argv)
+    if a.family and a.experts:
+        p.error("--experts makes a Mixtral: give a --family's experts with --set (its own field names)")
+    if a.overrides and not a.family:
+        p.error("--set needs --family")
+    a.overrides = dict(_field(p, kv) for kv in a.overrides)
+    return resolve_args(p, a, cuda)
+
+
+def _field(p: argparse.ArgumentParser, kv: str) -> tuple[str, object]:
+    name, sep, value = kv.partition("=")
+    if not sep or not name:
+        p.error(f"--set {kv!r}: expected FIELD=VALUE")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
 
 
 def bench_device(a) -> torch.device:
@@ -153,21 +175,26 @@ def settings(a, device: torch.device) -> tuple[torch.dtype, dict]:
     shapes = dict(layers=a.layers, hidden=a.hidden, ffn=a.ffn, heads=a.heads, vocab=a.vocab, seq=a.seq,
                   experts=a.experts, top_k=a.top_k, micro_batch_size=a.micro_batch_size, grad_accum=a.grad_accum,
                   steps=a.steps, warmup=a.warmup)
+    if getattr(a, "family", None):  # bench_mfu's own flags; its lines without them read as LLaMA
+        shapes.update(family=a.family, overrides=a.overrides)
     return dtype, shapes
 
 
-def hf_config(shapes: dict) -> LlamaConfig | MixtralConfig:
+def hf_config(shapes: dict) -> PretrainedConfig:
     """The transformers config of a run's `shapes` (its JSON line's dict), also read by tools/check_plan_gpu.py.
 
-    LLaMA, or Mixtral when `experts` is set (lines written before `--experts` have no such key).
-    Both have as many K/V heads as query heads and untied embeddings. The Mixtral's router
-    logits are not output, so neither side adds the load-balancing loss: both train on the
-    same cross-entropy.
+    LLaMA, or Mixtral when `experts` is set (lines written before `--experts` have no such key), or the
+    default config of `family` with its `overrides`. All have as many K/V heads as query heads and untied
+    embeddings. Router logits are not output, so neither side adds a load-balancing loss: both train on
+    the same cross-entropy.
     """
     common = dict(hidden_size=shapes["hidden"], intermediate_size=shapes["ffn"], num_hidden_layers=shapes["layers"],
                   num_attention_heads=shapes["heads"], num_key_value_heads=shapes["heads"],
                   vocab_size=shapes["vocab"], max_position_embeddings=shapes["seq"], rms_norm_eps=1e-5,
                   tie_word_embeddings=False)
+    if shapes.get("family"):
+        return AutoConfig.for_model(shapes["family"], **{**common, "output_router_logits": False,
+                                                         **shapes["overrides"]})
     if shapes.get("experts"):
         return MixtralConfig(**common, num_local_experts=shapes["experts"], num_experts_per_tok=shapes["top_k"],
                              output_router_logits=False)
@@ -312,7 +339,8 @@ def main(argv=None) -> dict:
 
     model = random_hf_model(hf_cfg, seed=a.seed, dtype=dtype, device=device)
     # transformers runs the experts with torch's grouped_mm where it can, else with its eager loop: record which.
-    experts_impl = f"experts={model.config._experts_implementation}, " if a.experts else ""
+    experts_impl = f"experts={model.config._experts_implementation}, " if cfg.moe else ""
+    hf_attention = model.config._attn_implementation
     source = TensorSource.snapshot(model)  # on the CPU: not counted in either side's GPU memory
     hf = run_hf(model, batches, a, device)
     del model
@@ -339,7 +367,7 @@ def main(argv=None) -> dict:
         shapes=shapes,
         hfmeg_settings=f"compile={'inductor' if a.compile else 'none'} recompute={a.recompute} chunked-CE "
                        "overlapped DistributedOptimizer fused AdamW, fp32 master + main grads",
-        hf_settings=f"sdpa, {experts_impl}fused AdamW on {result_dtype} params, clip foreach, "
+        hf_settings=f"{hf_attention}, {experts_impl}fused AdamW on {result_dtype} params, clip foreach, "
                     f"activation_checkpointing={a.recompute == 'full'}, torch.compile={a.hf_compile}",
     )
     _print_table(result)

@@ -11,13 +11,16 @@
 #   bash tools/gpu_checklist.sh 4   # peers side by side (tools/bench_peers.py): hfmeg, transformers (eager and
 #                                   # compiled), torchtitan, Megatron-Core on 4 LLaMA-7B layers and a 1-layer
 #                                   # Mixtral; JSON lines into docs/measurements/ (wheels: tools/peer_wheels.sh)
+#   bash tools/gpu_checklist.sh 5   # what is new since the last GPU: every GPU-marked test (each newer family's
+#                                   # bf16 parity, windowed + soft-capped flex in one graph), tokens/s of five
+#                                   # families against transformers, DPO against TRL's DPOTrainer
 #
 # Logs and JSON go to $OUT (default out/gpu). Wheels in .whl/ (missing packages, carried to the
 # machine) are installed into /tmp/site first; the assets are looked for in .gpu/assets when
 # ../shared/assets is absent. Every step has its own time limit so that a hang costs one step,
 # not the part. LAYERS (default 16) sets the 7B-shape layers of the MFU runs.
 set -u
-part=${1:?usage: gpu_checklist.sh 1|2|3|4}
+part=${1:?usage: gpu_checklist.sh 1|2|3|4|5}
 OUT=${OUT:-out/gpu}
 PY=${PY:-python3}
 LAYERS=${LAYERS:-16}
@@ -111,6 +114,23 @@ for d in ('torch', 'transformers', 'torchtitan', 'megatron-core', 'transformer-e
     --experts 8 --top-k 2 --steps 3 --warmup 2 --systems hfmeg,transformers,torchtitan,megatron-core \
     | tee "$OUT/peers_moe.log" | grep '^{' >docs/measurements/gpu_bench_peers_moe.jsonl
   cat "$OUT/peers.log" "$OUT/peers_moe.log" | grep -v '^{'
+}
+
+part5() {
+  step "GPU-marked tests" 240 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu.py \
+    tests/test_attention.py tests/test_staging.py tests/test_linear_cross_entropy.py
+  # Small shapes (4 layers of 1024, 16 heads, seq 2048, packed rows as the trainer feeds them): the family's own
+  # layers against transformers' (eager where it has no SDPA path or caps scores); windows shorter than the row.
+  local small="--layers 4 --hidden 1024 --ffn 2816 --heads 16 --vocab 32000 --seq 2048 --micro-batch-size 2
+    --grad-accum 1 --steps 3 --warmup 2 --trainer-path"
+  for family in "qwen3" "gemma2 --set sliding_window=512" "gpt_oss --set num_local_experts=8 --set sliding_window=512" \
+      "deepseek_v3 --set n_routed_experts=8 --set n_group=1 --set topk_group=1 --set first_k_dense_replace=1" \
+      "qwen3_5_text"; do
+    step "tokens/s, $family" 70 "$PY" tools/bench_mfu.py $small --family $family | tee -a "$OUT/families.log"
+  done
+  grep '^{' "$OUT/families.log" >"$OUT/families.jsonl"
+  step "DPO vs TRL" 120 "$PY" tools/bench_dpo.py --hidden 1024 --layers 8 --seq 1024 --rows 8 --trl-batch 4 \
+    --pairs 128 --steps 6 --warmup 2
 }
 
 "part$part" 2>&1 | tee "$OUT/part$part.log"
