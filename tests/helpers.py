@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,11 +39,11 @@ def gather_tp(t: torch.Tensor, ps: ParallelState) -> list[torch.Tensor]:
     return parts
 
 
-def moe_layer(ep: int = 1, ep_rank: int = 0, ep_group=None, hidden: int = 32, ffn: int = 16) -> MoELayer:
-    """A Qwen3-MoE layer (8 experts, top-2, TP 1) with random weights, on CPU in fp32."""
+def moe_layer(ps: ParallelState | None = None, hidden: int = 32, ffn: int = 16) -> MoELayer:
+    """A Qwen3-MoE layer (8 experts, top-2, TP 1) of `ps`'s EP rank (default: a world of one) with random weights,
+    on CPU in fp32."""
     cfg = model_config_from_hf(tiny_config("qwen3_moe", num_experts=8, hidden_size=hidden, moe_intermediate_size=ffn))
-    ps = SimpleNamespace(tp=1, tp_rank=0, sequence_parallel=True, ep=ep, ep_rank=ep_rank, ep_group=ep_group)
-    layer = MoELayer(cfg, ps, Kernels())
+    layer = MoELayer(cfg, ps or make_ps(), Kernels())
     torch.manual_seed(1)
     with torch.no_grad():
         for p in layer.parameters():

@@ -118,7 +118,7 @@ def test_moe_layer_reads_nothing_on_the_host_at_ep1():
 
 def _reads_at_ep2():
     ps = make_ps(ep=2)
-    layer = moe_layer(ep=2, ep_rank=ps.ep_rank, ep_group=ps.ep_group)
+    layer = moe_layer(ps)
     torch.manual_seed(2 + ps.rank)
     x = torch.randn(5, 1, 32, requires_grad=True)
     with _counting_host_reads(raise_on_read=False) as forward:
