@@ -1,12 +1,16 @@
 """What the benchmark tools share: argument types (a bad value is argparse's one-line error, exit 2), the flags
-and results of the tools that compare training runs' losses, and the reshaped random architecture."""
+and results of the tools that compare training runs' losses, the reshaped random architecture, and a process's
+peak memory."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -90,3 +94,10 @@ def shaped_config(source: str, a: argparse.Namespace, folder: Path) -> str:
     config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return str(folder)
+
+
+def peak_bytes(device: torch.device) -> float:
+    """This process's peak memory: CUDA bytes allocated on a GPU `device`, else its peak RSS."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux: KiB

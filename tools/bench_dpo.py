@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_args import add_layout_model_args, at_least
+from bench_args import add_layout_model_args, at_least, peak_bytes
 from bench_optimizer import make_model
 
 from hfmeg.data import DataConfig, SourceConfig
@@ -55,9 +54,7 @@ MODES = ("full", "full_simpo", "lora", "trl")
 
 
 def _peak() -> float:
-    if torch.cuda.is_available():
-        return float(torch.cuda.max_memory_allocated())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # Linux: KiB
+    return peak_bytes(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
 
 
 def write_pairs(path: Path, n: int) -> Path:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_args import add_layout_model_args, at_least
+from bench_args import add_layout_model_args, at_least, peak_bytes
 from bench_optimizer import make_model
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
@@ -51,13 +50,6 @@ MODES = ("full", "lora", "peft")
 
 def _device(a) -> torch.device:
     return torch.device("cuda", dist.get_rank()) if a.device == "cuda" else torch.device("cpu")
-
-
-def _peak(a, device: torch.device) -> torch.Tensor:
-    """This rank's peak memory: CUDA bytes allocated on a GPU, RSS on the CPU."""
-    if device.type == "cuda":
-        return torch.tensor([float(torch.cuda.max_memory_allocated(device))])
-    return torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])  # Linux: KiB
 
 
 def _microbatches(a, dp_rank: int) -> list[MicroBatch]:
@@ -97,7 +89,7 @@ def _peft_rank(folder: str, a) -> dict:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[a.warmup:])
-    return dict(step_s=step_s, tokens_per_s=ntok / step_s, peak_bytes=int(_peak(a, device).item()),
+    return dict(step_s=step_s, tokens_per_s=ntok / step_s, peak_bytes=int(peak_bytes(device)),
                 trainable_params=sum(p.numel() for p in params), opt_state_bytes=sum(
                     t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim()),
                 main_grad_bytes=sum(p.numel() * p.element_size() for p in params))
@@ -132,7 +124,7 @@ def _rank(mode: str, folder: str, a) -> dict:
         times.append(time.perf_counter() - t0)
     timed = torch.tensor(times[a.warmup:])
     dist.all_reduce(timed, op=dist.ReduceOp.MAX)
-    peak = _peak(a, device)
+    peak = torch.tensor([peak_bytes(device)])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     step_s = statistics.median(timed.tolist())
     return dict(step_s=step_s, tokens_per_s=ntok / step_s, peak_bytes=int(peak.item()),
