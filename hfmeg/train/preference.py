@@ -46,6 +46,8 @@ from ..parallel.comm import all_reduce_cp
 from .dataclass_io import ConfigError
 
 LossType = Literal["none", "sigmoid", "ipo", "simpo"]
+# Each loss type's usual name (a model card's tag) and its name in words.
+NAMES = {"sigmoid": ("dpo", "DPO (sigmoid loss)"), "ipo": ("ipo", "IPO"), "simpo": ("simpo", "SimPO")}
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 
@@ -92,11 +94,11 @@ class PreferenceConfig:
     @property
     def tag(self) -> str | None:
         """The method's usual name (a model card's tag): dpo, ipo, simpo."""
-        return {"sigmoid": "dpo", "ipo": "ipo", "simpo": "simpo"}.get(self.loss_type)
+        return NAMES[self.loss_type][0] if self.enabled else None
 
     def describe(self, adapters: bool) -> str:
         """The objective in words, for a model card (`adapters`: a LoRA/DoRA run)."""
-        name = {"sigmoid": "DPO (sigmoid loss)", "ipo": "IPO", "simpo": "SimPO"}[self.loss_type]
+        name = NAMES[self.loss_type][1]
         extras = [f"beta {self.beta:g}"]
         if self.loss_type == "simpo":
             extras.append(f"gamma {self.simpo_gamma:g}")
