@@ -205,11 +205,11 @@ def test_rings_cross_each_node_once_and_all_to_alls_send_each_ranks_bytes_off_no
     cluster = ClusterSpec(gpu_spec("a100-80"), 32, 8, inter_node_bytes_per_s=100e9)
     assert cluster.link(4, 2, crosses=False) == (300e9, cluster.intra_node_latency_s)  # one node: NVLink
     # A node's NICs (100 GB/s) are shared by the groups that have members in it: G/k groups of k members.
-    assert cluster.link(32, 1)[0] == pytest.approx(100e9)  # one group, 8 members per node
-    assert cluster.link(4, 8)[0] == pytest.approx(12.5e9)  # 8 groups (TP 8), one member each
-    assert cluster.link(8, 2)[0] == pytest.approx(50e9)  # 2 groups of 4 members
+    assert cluster.link(32, 1, crosses=True)[0] == pytest.approx(100e9)  # one group, 8 members per node
+    assert cluster.link(4, 8, crosses=True)[0] == pytest.approx(12.5e9)  # 8 groups (TP 8), one member each
+    assert cluster.link(8, 2, crosses=True)[0] == pytest.approx(50e9)  # 2 groups of 4 members
     # all-to-all over 32 ranks: 24/32 of each rank's bytes leave the node at 100/8 GB/s each, the rest on NVLink
-    bw, _ = cluster.link(32, 1, all_to_all=True)
+    bw, _ = cluster.link(32, 1, all_to_all=True, crosses=True)
     assert 31 / 32 / bw == pytest.approx(24 / 32 / 12.5e9)
 
 

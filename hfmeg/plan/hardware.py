@@ -81,8 +81,8 @@ class ClusterSpec:
     def usable_memory(self) -> float:
         return self.gpu.memory_bytes - self.reserved_bytes
 
-    def link(self, group_size: int, stride: int, all_to_all: bool = False,
-             crosses: bool = True) -> tuple[float, float]:
+    def link(self, group_size: int, stride: int, all_to_all: bool = False, *,
+             crosses: bool) -> tuple[float, float]:
         """(bytes/s per GPU, latency) of a collective over `group_size` ranks `stride` apart in the rank grid;
         `crosses`: whether the rank grid puts the group on more than one node (`RankGrid.crossing`).
 

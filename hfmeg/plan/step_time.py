@@ -149,7 +149,7 @@ def _link(cluster: ClusterSpec, prof: Profile, crossing: set[str], kind: str, si
     the two and pays both latencies."""
     crosses = kind in crossing
     measured = prof.link(cluster.gpus)  # CPU: gloo as measured with this many ranks on the host
-    bw, lat = cluster.link(size, stride, all_to_all, crosses)
+    bw, lat = cluster.link(size, stride, all_to_all, crosses=crosses)
     if measured is None:
         return bw * prof.link_efficiency, lat
     if not crosses or size == 1:
