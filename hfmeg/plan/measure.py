@@ -52,8 +52,8 @@ def _batches(cfg: ModelConfig, n: int, rows: int, seq: int, seed: int) -> list[M
 
 def _run_case(case: Case, steps: int) -> dict:
     lay, cfg = case.layout, case.cfg
-    ps = ParallelState(ParallelConfig(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, sequence_parallel=lay.sp, ep=lay.ep),
-                       dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    ps = ParallelState(ParallelConfig(tp=lay.tp, pp=lay.pp, vpp=lay.vpp, sequence_parallel=lay.sp, ep=lay.ep,
+                                      cp=lay.cp), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
     torch.manual_seed(0)
     chunks = [ModelChunk(cfg, ps, s.layers, pre_process=s.pre_process, post_process=s.post_process,
                          recompute=lay.recompute)
@@ -64,7 +64,8 @@ def _run_case(case: Case, steps: int) -> dict:
                 p.normal_(0.0, 0.02)
     opt = DistributedOptimizer(chunks, ps, OptimizerConfig(mode=lay.optimizer, bucket_size=case.bucket_size))
     m = lay.microbatches(case.global_batch)
-    mbs = _batches(cfg, m, lay.micro_batch, case.seq_len, seed=ps.dp_rank)
+    # a DP replica's rows, each CP rank with its share of every row (parallel/context.py)
+    mbs = [mb.shard(ps.cp_rank, ps.cp) for mb in _batches(cfg, m, lay.micro_batch, case.seq_len, seed=ps.dp_rank)]
     tokens = case.global_batch * (case.seq_len - 1)
     meter = SavedTensorMeter(chunks)
     times = []
