@@ -22,6 +22,9 @@ weight decay 0.1 except norms) and the update.
   `--recompute full` turns on HF activation checkpointing too (same memory regime);
   `--hf-compile` wraps the HF model in `torch.compile`.
 
+`--family MODEL_TYPE` (with `--set FIELD=VALUE` for its own fields) trains transformers' default config of another
+family at these shapes instead, the anchor attending eagerly where that family has no SDPA path or soft-caps scores.
+
 `--trainer-path` feeds both sides what the SFT recipe feeds: rows packed by
 `hfmeg.data.packing` from synthetic prompt/response documents (lengths log-normal
 around seq/14, so ~14 documents per row, prompts masked from the loss), with
