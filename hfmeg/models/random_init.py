@@ -26,9 +26,9 @@ def random_hf_model(hf_config: PretrainedConfig, *, seed: int, dtype: torch.dtyp
                     attn_implementation: str | None = None) -> torch.nn.Module:
     """A transformers causal LM with HF's own random initialisation, created directly on `device`, attending
     as `attn_implementation` (default: `reference_attention`)."""
+    attention = attn_implementation or reference_attention(hf_config)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
-                                                 attn_implementation=attn_implementation or reference_attention(hf_config))
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attention)
     model.config.use_cache = False  # training: no KV cache
     return model
