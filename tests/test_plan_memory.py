@@ -26,13 +26,12 @@ def _llama(layers: int, kv: int):
                                             max_position_embeddings=128))
 
 
-def _check(cases, activations_within: float = 0.0):
+def _check(cases):
     for case, per_rank in zip(cases, measure_cases(cases, steps=0)):
         opt = OptimizerConfig(mode=case.layout.optimizer, bucket_size=case.bucket_size)
         for r in per_rank:
             m = stage_memory(case.cfg, case.layout, r["pp_rank"], case.global_batch, SEQ, 4, opt, dense_mask=True)
-            assert abs(m.activations - r["activations"]) <= activations_within * r["activations"], \
-                (case.layout.name(), m.activations, r)
+            assert m.activations == r["activations"], (case.layout.name(), m.activations, r)
             assert m.param_buffer + m.grad_buffer == r["buffers"], (case.layout.name(), r)
             assert m.optimizer_state == r["optimizer_state"], (case.layout.name(), r)
 
@@ -48,9 +47,10 @@ def test_memory_model_matches_meter_and_optimizer_exactly():
 
 
 def test_memory_model_matches_meter_under_context_parallelism():
-    """CP 2 as `plan measure` runs it (each rank half of every row, the DP x CP optimizer shards): buffers and
-    optimizer state exact, activations within the CP activation model's 5 % (test_plan_cp.py)."""
-    _check([Case(_llama(4, 4), PlanLayout(1, 1, 1, 2, cp=2), 2 * 2, SEQ, 5000)], activations_within=0.05)
+    """CP 2 as `plan measure` runs it (each rank half of every row, the DP x CP optimizer shards). One row per
+    micro-batch: the model counts the CP mask per row, as packed rows need it; `plan measure`'s unpacked rows
+    share one, so with more rows the meter would see less than the trainer keeps."""
+    _check([Case(_llama(4, 4), PlanLayout(1, 1, 1, 1, cp=2), 2, SEQ, 5000)])
 
 
 def test_windowed_and_soft_capped_attention_memory_matches_meter_exactly():
