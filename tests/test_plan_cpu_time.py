@@ -79,7 +79,7 @@ def test_each_bucket_pays_its_latency_on_gloo():
 
 
 def test_sequence_parallel_collectives_at_their_measured_cost():
-    """All but the loss's three statistics (all-reduced with or without SP) cost the factor more."""
+    """All but the loss's two all-reduces (of its statistics, with or without SP) cost the factor more."""
     sp = PlanLayout(2, 1, 1, 2)
     ratio = _time(LLAMA, sp, replace(CPU, sequence_parallel_comm=1.4)).tp_comm_s / _time(LLAMA, sp).tp_comm_s
     assert 1.3 < ratio < 1.4
@@ -132,3 +132,49 @@ def test_executor_fixed_costs():
     m = 2  # micro-batches
     assert extra.compute_s - base.compute_s == pytest.approx(m * 2 * 1e-3)
     assert extra.step_s - base.step_s > m * 2 * 1e-3 + 5e-3
+
+
+def _count_tp_all_reduces(cfg, microbatches: int) -> tuple[int, int]:
+    """(all-reduces, their bytes) a TP 2 rank makes over its TP group in one step of the pipeline executor
+    (every layer, the embedding, the LM head and the loss), counted on the real model."""
+    import torch
+    import torch.distributed as dist
+
+    from hfmeg.data.microbatch import MicroBatch
+    from hfmeg.models.decoder import ModelChunk
+    from hfmeg.parallel.pipeline import forward_backward
+    from hfmeg.parallel.state import ParallelConfig, ParallelState
+
+    ps = ParallelState(ParallelConfig(tp=2), dist.get_rank(), 2, torch.device("cpu"))
+    chunk = ModelChunk(cfg, ps, range(cfg.num_layers), pre_process=True, post_process=True)
+    ids = torch.randint(0, cfg.vocab_size, (1, SEQ))
+    calls, all_reduce = [], dist.all_reduce
+
+    def counted(t, *a, group=None, **k):
+        if group is ps.tp_group:
+            calls.append(t.numel() * t.element_size())
+        return all_reduce(t, *a, group=group, **k)
+
+    dist.all_reduce = counted
+    try:
+        forward_backward([chunk], ps, [MicroBatch(input_ids=ids, labels=ids)] * microbatches, schedule="1f1b",
+                         num_tokens=microbatches * SEQ, sync_loss=False)
+    finally:
+        dist.all_reduce = all_reduce
+    return len(calls), sum(calls)
+
+
+def test_gloo_tp_collectives_are_the_ones_the_model_makes():
+    """SP off, TP 2: with an unbounded link the communication is two latencies (a message each way) per
+    all-reduce, with no latency the all-reduced bytes over the bus rate; both as a real TP 2 step makes them
+    over its TP group, ends and loss included."""
+    from hfmeg.parallel.launch import spawn
+
+    latency, rate = 1e-3, 1e9
+    lay = PlanLayout(2, 1, 1, 1, sequence_parallel=False)
+    by_latency = _time(LLAMA, lay, replace(CPU, links=((2, float("inf"), latency),)), microbatches=2).tp_comm_s
+    by_bytes = _time(LLAMA, lay, replace(CPU, links=((2, rate, 0.0),)), microbatches=2).tp_comm_s
+    (calls, nbytes), other = spawn(_count_tp_all_reduces, 2, LLAMA, 2)
+    assert other == (calls, nbytes) and calls == 2 * (4 * LLAMA.num_layers + 4)
+    assert by_latency == pytest.approx(calls * 2 * latency, rel=1e-12)
+    assert by_bytes == pytest.approx(nbytes / rate, rel=1e-12)

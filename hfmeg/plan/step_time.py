@@ -93,7 +93,7 @@ from .flops import training_flops
 from .activations import Shape, layer_bytes, layer_kind, layer_kinds, moe_tokens
 from .hardware import ClusterSpec
 from .layout import PlanLayout
-from .memory import Memory, plan_shape, stage_memories
+from .memory import CE_CHUNK_TOKENS, Memory, plan_shape, stage_memories
 from .profile import Profile
 
 ADAMW_BYTES_PER_ELEMENT = 36
@@ -311,13 +311,15 @@ class _Stage:
         return device + fixed if self.prof.gloo else max(device, fixed)
 
     def ends_comm(self, pre: bool, post: bool) -> float:
-        """gloo: the TP all-reduces of the ends per micro-batch, the vocab-parallel embedding's output
-        and the loss's three per-token statistics (max, sum of exponentials, target logit)."""
+        """gloo: the TP collectives of the ends per micro-batch: the vocab-parallel embedding's output, the LM
+        head input's gradient (hidden-sized, as a layer's), and per chunk of the loss's tokens two all-reduces
+        (the logits' maximum; the sum of exponentials and the target logit)."""
         if not self.prof.gloo:
             return 0.0
-        tok, e = self.shape.micro_batch * self.shape.seq, self.shape.dtype_bytes
-        return (pre * _ring(e * tok * self.cfg.hidden_size, self.lay.tp, self.tp_link, passes=2) * self.sp_comm
-                + post * 3 * _ring(4 * tok, self.lay.tp, self.tp_link, passes=2))
+        tok, e, t = self.shape.micro_batch * self.shape.seq, self.shape.dtype_bytes, self.lay.tp
+        hidden = _ring(e * tok * self.cfg.hidden_size, t, self.tp_link, passes=2) * self.sp_comm
+        loss = _ring(12 * tok, t, self.tp_link, passes=2, collectives=2 * math.ceil(tok / CE_CHUNK_TOKENS))
+        return pre * hidden + post * (hidden + loss)
 
     def head(self) -> tuple[float, float]:
         x, t = self.shape, self.lay.tp
