@@ -66,7 +66,14 @@ def write_pairs(path: Path, n: int) -> Path:
     return path
 
 
+def threads_per_rank(world: int) -> int:
+    """Intra-op threads each rank computes with on a CPU: the cores shared out, as accelerate does for TRL's
+    process (spawned gloo ranks start with one)."""
+    return max(1, len(os.sched_getaffinity(0)) // world)
+
+
 def _hfmeg_rank(mode: str, model: str, data: str, out: str, a) -> dict:
+    torch.set_num_threads(threads_per_rank(a.world))
     cfg = TrainConfig(
         model=ModelArgs(path=model, dtype="auto"),
         parallel=ParallelArgs(tp=a.tp, pp=a.pp),
@@ -89,6 +96,7 @@ def _hfmeg_rank(mode: str, model: str, data: str, out: str, a) -> dict:
 
 def _trl_rank(model: str, data: str, out: str, a) -> dict:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    torch.set_num_threads(threads_per_rank(1))
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
@@ -161,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:11} {r['answer_tokens_per_s']:13.1f} {r['peak_bytes'] / 2**20:13.1f}")
     full, simpo, lora, trl = (rows[m] for m in MODES)
     print(json.dumps(dict(device="cuda" if torch.cuda.is_available() else "cpu", world=a.world, tp=a.tp, pp=a.pp,
+                          cpu_threads_per_rank={"hfmeg": threads_per_rank(a.world), "trl": threads_per_rank(1)},
                           hidden=a.hidden, layers=a.layers, seq=a.seq, params=params, model_bytes=4 * params,
                           by_mode=rows,
                           full_vs_trl_tokens_per_s=full["answer_tokens_per_s"] / trl["answer_tokens_per_s"],
