@@ -36,7 +36,7 @@ $(LOWEST_STAMP): pyproject.toml
 	@touch $(LOWEST_STAMP)
 
 test: $(STAMP) $(LOWEST_STAMP)  ## the test suite (CPU; tests marked gpu run after the others when CUDA is there)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 lint: $(STAMP)  ## ruff over hfmeg, tests, tools, recipes and data (rules in pyproject.toml [tool.ruff])
 	$(PY) -m ruff check hfmeg tests tools recipes data
