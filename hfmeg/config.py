@@ -232,6 +232,11 @@ class ModelConfig:
         """Whether layer `layer`'s MLP is the mixture-of-experts block."""
         return self.moe is not None and layer in self.moe.sparse_layers
 
+    @property
+    def adds_aux_loss(self) -> bool:
+        """Whether the model adds the router's load-balancing loss to the training loss."""
+        return self.moe is not None and self.moe.output_router_logits
+
     def num_params(self) -> int:
         """Parameter count of the unpadded model, every expert included (for MFU and reports; biases left out)."""
         h, v = self.hidden_size, self.vocab_size

@@ -90,11 +90,12 @@ def test_family_features_memory_matches_meter_exactly():
 def test_gpt_oss_memory_matches_meter_exactly():
     """gpt-oss's sinks in the explicit scores (with its window on layer 0, and with a cap too), its router bias (nothing
     saved), its experts' biases (an index per bias) and clamped SwiGLU; under TP + SP, on two stages with selective
-    recompute. (Its load-balancing loss is off: the planner does not count what that loss saves, ~36 bytes here.)"""
+    recompute; with its load-balancing loss on (what the loss saves on the last stage: 4·(2E + 1) bytes)."""
     from tiny_models import tiny_config
 
     cfg = model_config_from_hf(tiny_config("gpt_oss", hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
-                                           output_router_logits=False))
+                                           output_router_logits=True))
+    assert cfg.adds_aux_loss
     _check([Case(cfg, PlanLayout(2, 1, 1, 2), 2 * 2, SEQ, 5000),
             Case(cfg, PlanLayout(1, 2, 1, 2, recompute="selective"), 2 * 2, SEQ, 5000),
             Case(replace(cfg, attn_softcap=0.5), PlanLayout(2, 1, 1, 1), 2, SEQ, 5000)])

@@ -218,7 +218,7 @@ class ModelChunk(nn.Module):
     @property
     def adds_aux_loss(self) -> bool:
         """Whether the model adds the router's load-balancing loss to the training loss."""
-        return self.cfg.moe is not None and self.cfg.moe.output_router_logits
+        return self.cfg.adds_aux_loss
 
     def router_sums(self, received: torch.Tensor | None) -> torch.Tensor:
         """The router sums of the last forward through this chunk and the chunks before it

@@ -349,6 +349,8 @@ def chunk_bytes(cfg: ModelConfig, x: Shape, layers: range, pre_process: bool, po
             + (e if cfg.embed_scale else 0)
     if post_process:
         total += _norm(cfg, x) + e * bs * cfg.hidden_size + (8 + 4 + 1) * bs
+        if cfg.adds_aux_loss:  # the load-balancing loss's product (C/R by P/R, E fp32 each) and P/R's divisor
+            total += 4 * (2 * cfg.moe.num_experts + 1)
     return total
 
 
