@@ -36,6 +36,7 @@ from ..parallel.comm import scatter_to_sequence
 from ..parallel.context import local_positions
 from ..parallel.expert_dispatch import local_experts
 from ..parallel.layers import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_head
+from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from ..parallel.params_ready import mark_compiled_block
 from ..parallel.roles import ParamRole, set_role
 from ..parallel.state import ParallelState
@@ -94,7 +95,7 @@ class ModelChunk(nn.Module):
         post_process: bool,
         vocab_multiple: int = 128,
         recompute: str = "none",
-        ce_chunk_tokens: int = 4096,
+        ce_chunk_tokens: int = CE_CHUNK_TOKENS,
         compile_backend: str | None = None,
     ):
         super().__init__()
@@ -191,7 +192,7 @@ class ModelChunk(nn.Module):
                 x = layer(x, rope, docs, selective=self.recompute == "selective" and torch.is_grad_enabled())
         if not self.post_process:
             return x
-        if labels is not None and self.adds_aux_loss:
+        if labels is not None and self.cfg.adds_aux_loss:
             moe = self.cfg.moe
             sums = self.router_sums(received_sums)
             self.aux_loss = moe.router_aux_loss_coef * load_balancing_loss(sums, moe.num_experts, self.ps)
@@ -214,11 +215,6 @@ class ModelChunk(nn.Module):
     def stager(self) -> Stager:
         """What stages this rank's batches in the data prefetch thread (models/staging.py)."""
         return Stager(self.mask_planner())
-
-    @property
-    def adds_aux_loss(self) -> bool:
-        """Whether the model adds the router's load-balancing loss to the training loss."""
-        return self.cfg.adds_aux_loss
 
     def router_sums(self, received: torch.Tensor | None) -> torch.Tensor:
         """The router sums of the last forward through this chunk and the chunks before it

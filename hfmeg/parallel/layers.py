@@ -34,7 +34,7 @@ from .comm import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
-from .linear_cross_entropy import linear_cross_entropy
+from .linear_cross_entropy import CE_CHUNK_TOKENS, linear_cross_entropy
 from .roles import ParamRole, add_param
 from .state import ParallelState
 from .wgrad import embedding, linear
@@ -186,5 +186,6 @@ class VocabParallelHead(nn.Module):
         add_param(self, "weight", padded_vocab // ps.tp, hidden, role=ParamRole(
             "embedding", tp_dim=0, tied="embedding" if tied_copy else None, tied_copy=tied_copy))
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = 4096) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
+                chunk_tokens: int = CE_CHUNK_TOKENS) -> torch.Tensor:
         return vocab_parallel_head(x, self.weight, labels, self.ps, self.vocab_size, chunk_tokens, self.softcap)

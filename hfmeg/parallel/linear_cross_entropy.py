@@ -35,6 +35,8 @@ import torch.distributed as dist
 from .state import ParallelState
 from .wgrad import add_product, sink_of
 
+CE_CHUNK_TOKENS = 4096  # tokens whose logits exist at once, unless a caller says otherwise
+
 
 def _chunk_logits(x: torch.Tensor, w: torch.Tensor, vocab_start: int, vocab_size: int,
                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -124,7 +126,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ps: ParallelState, vocab_size: int,
-    chunk_tokens: int = 4096, softcap: float | None = None,
+    chunk_tokens: int = CE_CHUNK_TOKENS, softcap: float | None = None,
 ) -> torch.Tensor:
     """Per-token fp32 loss of `x @ weight.T` (soft-capped at `softcap` where given) against `target` (-100
     ignored).

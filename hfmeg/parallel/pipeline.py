@@ -99,7 +99,7 @@ class _Executor:
         self.shape = (local_s, b, chunks[0].cfg.hidden_size)
         self.dtype = next(chunks[0].parameters()).dtype
         # Router sums travel beside the activations (module doc): MoE models with the aux loss, PP > 1.
-        self.sided = self.n_chunks > 1 and chunks[0].adds_aux_loss
+        self.sided = self.n_chunks > 1 and chunks[0].cfg.adds_aux_loss
         self.inbox: dict[tuple[str, int, int], tuple] = {}  # -> (activation or its gradient, side or None)
         # (chunk, mb) -> (input, output or loss, received router sums, sent router sums)
         self.saved: dict[tuple[int, int], tuple] = {}

@@ -44,14 +44,13 @@ from ..optim.config import OptimizerConfig
 from ..parallel.buffers import bucket_parts, plan_buckets
 from ..parallel.grid import RankGrid
 from ..parallel.layout import rank_chunks, split_layers
+from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from ..parallel.roles import named_roles
 from ..parallel.schedules import plan
 from ..peft.adapters import attach
 from ..peft.config import PeftConfig
 from .activations import Shape, chunk_bytes, received_input_bytes, recompute_transient_bytes
 from .layout import PlanLayout
-
-CE_CHUNK_TOKENS = 4096  # ModelChunk's default `ce_chunk_tokens`
 
 
 @dataclass(frozen=True)

@@ -89,11 +89,12 @@ from ..config import ModelConfig
 from ..errors import UnsupportedConfigError
 from ..optim.config import OptimizerConfig
 from ..parallel.layout import rank_chunks, split_layers
+from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from .flops import training_flops
 from .activations import Shape, layer_bytes, layer_kind, layer_kinds, moe_tokens
 from .hardware import ClusterSpec
 from .layout import PlanLayout
-from .memory import CE_CHUNK_TOKENS, Memory, plan_shape, stage_memories
+from .memory import Memory, plan_shape, stage_memories
 from .profile import Profile
 
 ADAMW_BYTES_PER_ELEMENT = 36

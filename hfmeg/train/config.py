@@ -23,6 +23,7 @@ from ..checkpoint.mp_layout import parse_dtype
 from ..data.config import DataConfig
 from ..optim.config import OptimizerConfig
 from ..optim.lr_schedule import LRScheduleConfig
+from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from ..parallel.state import ParallelConfig
 from ..peft.config import PeftConfig
 from .dataclass_io import to_dict
@@ -40,7 +41,7 @@ class ModelArgs:
     recompute: Literal["none", "full", "selective"] = "none"
     compile: bool = False  # torch.compile each dense decoder layer's forward as one graph, MoE layers' norm/RoPE/SwiGLU (GPU)
     vocab_multiple: int = 128
-    ce_chunk_tokens: int = 4096
+    ce_chunk_tokens: int = CE_CHUNK_TOKENS
 
     @property
     def source(self) -> str:
