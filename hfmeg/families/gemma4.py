@@ -20,7 +20,7 @@ from dataclasses import replace
 from transformers import PretrainedConfig
 
 from ..config import ModelConfig, require
-from .gemma2 import gemma_switches
+from .gemma2 import ACT_FIELD, gemma_switches
 from .llama import decoder_config, layer_types_window, llama_layout, rope_per_layer_type
 
 # The fields that switch on what hfmeg does not build, and the value that leaves it off.
@@ -39,7 +39,7 @@ def normalise(hf: PretrainedConfig) -> ModelConfig:
     require(not layers, "per_layer_config", f"layers {sorted(layers)} override {attrs}: per-layer attention shapes "
             f"are not supported for {hf.model_type}")
     rope_per_layer_type(hf)
-    cfg = gemma_switches(hf, decoder_config(hf, window=layer_types_window, qk_norm=True))
+    cfg = gemma_switches(hf, decoder_config(hf, window=layer_types_window, qk_norm=True, act_field=ACT_FIELD))
     return replace(cfg, rope_per_layer_type=True, attn_softcap=None, norm_offset=False, norm_fp32_scale=True,
                    v_norm=True, query_pre_attn_scalar=1.0)
 
