@@ -14,6 +14,8 @@ and shapes are checked against what the layout implies.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pathlib import Path
 
 import torch
@@ -48,6 +50,8 @@ class MPCheckpoint:
         # How the source stored MoE experts is not in config.json: the layout recorded it at conversion.
         fused = (self.layout.model_config.get("moe") or {}).get("fused_experts", False)
         self.cfg = with_fused_experts(model_config_from_hf(load_hf_config(self.hf_dir)), fused)
+        if not self.layout.model_config.get("tie_embeddings", True):  # untied as stored (`placement.as_stored`)
+            self.cfg = replace(self.cfg, tie_embeddings=False)
         if self.cfg.to_dict() != self.layout.model_config:
             raise CheckpointError(
                 f"{self.folder / LAYOUT_FILE}: field model_config disagrees with {self.hf_dir / 'config.json'}"

@@ -238,7 +238,13 @@ def llama_layout(model_types: tuple[str, ...], architecture: str, normalise: Cal
     def rules(cfg: ModelConfig, i: int, held: Collection[int]) -> list[TensorRule]:
         return layer_rules(cfg, i, held, experts or MLP)
     return FamilySpec(model_types, architecture, normalise, rules, embedding="model.embed_tokens.weight", final_norm="model.norm",
-                      experts=experts, peft=peft)
+                      experts=experts, peft=peft, carried=rope_buffer)
+
+
+def rope_buffer(name: str, config: dict) -> bool:
+    """The RoPE frequencies older LLaMA-layout checkpoints hold per layer (`self_attn.rotary_emb.inv_freq`, a buffer
+    transformers < 4.31 saved): transformers computes its own and ignores them, so they are carried verbatim."""
+    return name.endswith(".self_attn.rotary_emb.inv_freq")
 
 
 LLAMA = llama_layout(("llama",), "LlamaForCausalLM", decoder_config)
