@@ -180,6 +180,10 @@ class ModelConfig:
     # Qwen3.5: the attention output times sigmoid of a gate the q projection also makes (per head, `[q_h; gate_h]`
     # rows), and Gated DeltaNet layers in place of attention on `linear_attention.layers`.
     attn_output_gate: bool = False
+    # Ministral 3 (Llama 4's attention scaling): each query, after RoPE, times 1 + beta * log(1 + floor(p / period)) at
+    # position p, so 1 within the first `period` positions (`rope.query_scale`); None: no scaling.
+    query_scale_beta: float | None = None
+    query_scale_period: int | None = None
     linear_attention: LinearAttentionConfig | None = None
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # DeepSeek's latent attention instead of the fused-QKV one
@@ -290,7 +294,7 @@ class ModelConfig:
 LATER_FIELDS = ("qk_norm", "nope_layers", "partial_rotary_factor", "full_attention_layers", "norm_offset",
                 "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
                 "rope_per_layer_type", "qk_norm_whole", "pre_norms", "norm_fp32_scale", "v_norm", "attn_sinks",
-                "attn_output_gate")
+                "attn_output_gate", "query_scale_beta", "query_scale_period")
 # MoEConfig fields added after the MoE families' first layout JSON: written only when set (ModelConfig.to_dict).
 MOE_LATER_FIELDS = ("router_bias", "expert_bias", "swiglu_alpha", "swiglu_limit", "scoring", "n_group", "topk_group",
                     "routed_scaling_factor", "score_correction_bias", "shared_expert_gate")

@@ -36,6 +36,7 @@ RELEASES = [
     ("llama3_1_8b", None),  # llama3 RoPE scaling under the legacy rope_scaling key
     ("mistral_small_3_1_24b", "4.x"),  # untied LM head under language_model.lm_head, class default tied
     ("mistral_small_3_1_24b", "5.x"),
+    ("ministral3_8b", "5.x"),  # ministral3 language model: queries scaled by position (Llama 4's scaling)
 ]
 IDS = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(7))  # below every shrunk vocabulary
 NEW_TOKENS = 3

@@ -104,7 +104,10 @@ class ParallelAttention(nn.Module):
         if self.cfg.v_norm:
             v = self.kernels.rms_norm_fp32(v, None, self.cfg.norm_eps)
         if rope is not None and self.rotates:
-            q, k = self.kernels.rope(q, *rope), self.kernels.rope(k, *rope)
+            cos, sin, *query_scale = rope
+            q, k = self.kernels.rope(q, cos, sin), self.kernels.rope(k, cos, sin)
+            if query_scale:  # Ministral 3's per-position query scale (`rope.RotaryEmbedding`)
+                q = q * query_scale[0]
         k, v = gather_kv(k, v, self.ps)  # the whole row's under context parallelism
         o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1, softcap=self.cfg.attn_softcap, sinks=self.sinks)
         if gate is not None:  # Qwen3.5's gated attention
