@@ -1,7 +1,7 @@
 """The checkpoints people download, as published (`tests/releases/`, built by `release_models.save_release`): each
 converts at TP2 x PP2, computes transformers' fp32 logits (max-abs <= 1e-4, the numerics contract) and its greedy
 continuation, comes back bit-exact (every tensor, and config.json as published), and trains 3 steps at TP2 x PP2
-(LoRA; full fine-tuning on a multimodal wrapper, where LoRA is refused). Adding a release: its shrunk published
+(LoRA; full fine-tuning on a multimodal wrapper, where LoRA is refused, and on a family LoRA is not built for). Adding a release: its shrunk published
 config in `tests/releases/<name>.json` and its line in `RELEASES`.
 
 All releases share one 4-process world for the parity run and one for the training runs. A tensor the conversion
@@ -25,6 +25,7 @@ from helpers import make_ps
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.parity import reference_outputs, sharded_outputs
 from hfmeg.errors import CheckpointError
+from hfmeg.families import family_of
 from hfmeg.parallel.launch import spawn
 from release_models import published, save_release
 
@@ -37,6 +38,7 @@ RELEASES = [
     ("mistral_small_3_1_24b", "4.x"),  # untied LM head under language_model.lm_head, class default tied
     ("mistral_small_3_1_24b", "5.x"),
     ("ministral3_8b", "5.x"),  # ministral3 language model: queries scaled by position (Llama 4's scaling)
+    ("qwen3_next_80b_a3b", None),  # Gated DeltaNet with per-key-head fused projections, MoE with a shared expert
 ]
 IDS = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(7))  # below every shrunk vocabulary
 NEW_TOKENS = 3
@@ -128,7 +130,8 @@ def test_three_training_steps_at_tp2_pp2(converted, tmp_path):
         shutil.copytree(src, model)
         for name in ("tokenizer.json", "tokenizer_config.json"):  # stories260K's ids (< 512) fit every vocabulary
             shutil.copy(stories / name, model / name)
-        peft = PeftConfig(method="none" if layout else "lora", r=4, target_modules=["all-linear"])
+        lora = layout is None and family_of(published(key.split("-")[0])["model_type"]).peft is not None
+        peft = PeftConfig(method="lora" if lora else "none", r=4, target_modules=["all-linear"])
         cfgs.append(TrainConfig(model=ModelArgs(path=str(model), dtype="fp32"), parallel=ParallelArgs(tp=2, pp=2),
                                 optim=OptimizerConfig(lr=1e-3, eps=1e-5), peft=peft,
                                 data=DataConfig(sources=[SourceConfig(str(alpaca))], seq_len=64),

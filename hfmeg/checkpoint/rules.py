@@ -25,7 +25,9 @@ Split kinds:
   transpose), whole on every TP rank as `[gate; up]`.
 - `parts`: the HF tensors' rows, concatenated, cut into `rule.pieces` (Gated DeltaNet's q, k, v, z, b, a),
   each piece split dim 0 over TP, and rank r's slices of all pieces concatenated (`gate_up` is the case of
-  two equal pieces). The HF tensors' shapes are the rule's `shapes`.
+  two equal pieces). The HF tensors' shapes are the rule's `shapes`. With `rule.groups` each HF tensor holds
+  its pieces grouped (`[group 0's share of each piece; group 1's; ...]`, Qwen3-Next's per-key-head layout): it is
+  ungrouped to piece after piece first, and grouped again on the way back.
 
 MoE layers (Mixtral `block_sparse_moe.*`, Qwen `mlp.*`: the family's `ExpertNames`) map the router (`gate`) and
 every expert's tensors one to one, by expert index, so each tensor travels alone
@@ -123,6 +125,30 @@ def _qkv_unfuse(cfg: ModelConfig, fused: torch.Tensor) -> tuple[torch.Tensor, ..
     return q, k, v
 
 
+def _tensor_pieces(rule: TensorRule) -> list[list[int]]:
+    """The row counts of the pieces each HF tensor of a `parts` rule holds (its rows are whole pieces, in order)."""
+    out, pieces = [], list(rule.pieces)
+    for shape in rule.shapes:
+        held = []
+        while sum(held) < shape[0]:
+            held.append(pieces.pop(0))
+        out.append(held)
+    return out
+
+
+def _ungroup(t: torch.Tensor, pieces: list[int], groups: int) -> torch.Tensor:
+    """Rows `[g: each piece's g-th share]` for g in groups -> `[piece 0; piece 1; ...]`."""
+    rest = t.shape[1:]
+    shares = t.reshape(groups, -1, *rest).split([p // groups for p in pieces], dim=1)
+    return torch.cat([share.reshape(-1, *rest) for share in shares], dim=0)
+
+
+def _group(t: torch.Tensor, pieces: list[int], groups: int) -> torch.Tensor:
+    """`_ungroup`'s inverse."""
+    rest = t.shape[1:]
+    return torch.cat([p.reshape(groups, -1, *rest) for p in t.split(pieces, dim=0)], dim=1).reshape(-1, *rest)
+
+
 def to_local(
     rule: TensorRule, hf: list[torch.Tensor], cfg: ModelConfig, tp: int, tp_rank: int, vocab_multiple: int = 128
 ) -> torch.Tensor:
@@ -149,6 +175,8 @@ def to_local(
     elif kind == "interleaved":
         out = torch.cat([hf[0][0::2], hf[0][1::2]], dim=0)
     elif kind == "parts":
+        if rule.groups:
+            hf = [_ungroup(t, pieces, rule.groups) for t, pieces in zip(hf, _tensor_pieces(rule))]
         out = torch.cat([p.chunk(tp, dim=0)[tp_rank] for p in torch.cat(hf, dim=0).split(rule.pieces, dim=0)])
     elif kind == "vocab":
         full = hf[0]
@@ -208,6 +236,8 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
         slices = [s.split([p // tp for p in rule.pieces], dim=0) for s in shards]
         whole = torch.cat([torch.cat([rank[i] for rank in slices], dim=0) for i in range(len(rule.pieces))], dim=0)
         outs = list(whole.split([shape[0] for shape in rule.shapes], dim=0))
+        if rule.groups:
+            outs = [_group(t, pieces, rule.groups) for t, pieces in zip(outs, _tensor_pieces(rule))]
     else:
         raise ValueError(f"unknown split kind {kind!r} for {rule.local}")
     if rule.transpose:
