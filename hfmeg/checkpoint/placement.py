@@ -34,6 +34,12 @@ def as_stored(cfg: ModelConfig, source) -> ModelConfig:
     return cfg
 
 
+def as_saved(cfg: ModelConfig, layout_config: dict) -> ModelConfig:
+    """`cfg`, read from an MP folder's copy of config.json, with the LM head untied where the conversion untied it
+    (`as_stored`), as the folder's layout records (`MPLayout.model_config`)."""
+    return cfg if layout_config.get("tie_embeddings", True) else replace(cfg, tie_embeddings=False)
+
+
 def _embedding(cfg: ModelConfig) -> str:
     return chunk_rules(cfg, (), True, False)[0].hf[0]
 
