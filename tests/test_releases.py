@@ -34,7 +34,10 @@ RELEASES = [
     ("llama2_13b", None),  # pretraining_tp 2
     ("smollm3_3b", None),  # pretraining_tp 2, NoPE every 4th layer, tied
     ("gemma2_9b", None),  # hidden_act beside hidden_activation, soft caps, sliding window
+    ("gemma2_27b", None),  # query_pre_attn_scalar not head_dim
     ("llama3_1_8b", None),  # llama3 RoPE scaling under the legacy rope_scaling key
+    ("qwen3_8b", None),  # QK-norm, head_dim of its own, max_window_layers with the window off
+    ("mixtral_8x7b", None),  # experts (LoRA on them and the router)
     ("mistral_small_3_1_24b", "4.x"),  # untied LM head under language_model.lm_head, class default tied
     ("mistral_small_3_1_24b", "5.x"),
     ("ministral3_8b", "5.x"),  # ministral3 language model: queries scaled by position (Llama 4's scaling)

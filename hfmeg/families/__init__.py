@@ -35,7 +35,7 @@ from .wrappers import WRAPPERS, Wrapper
 
 __all__ = ["FAMILIES", "WRAPPERS", "family_of", "model_config_from_hf", "spec_of", "text_config", "wrapper_of"]
 
-FAMILIES = (LLAMA, MISTRAL, MINISTRAL3, QWEN2, QWEN3, SMOLLM3, PHI3, GEMMA2, GEMMA3, GEMMA4, OLMO2, OLMO3, QWEN3_5,
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, GEMMA2, GEMMA3, GEMMA4, OLMO2, OLMO3, MINISTRAL3, QWEN3_5,
             MIXTRAL, QWEN2_MOE, QWEN3_MOE, QWEN3_5_MOE, QWEN3_NEXT, GPT_OSS, DEEPSEEK_V3, GPT2)
 _BY_TYPE = {t: spec for spec in FAMILIES for t in spec.model_types}
 _WRAPPER_BY_TYPE = {t: w for w in WRAPPERS for t in w.model_types}
