@@ -236,6 +236,17 @@ class ModelConfig:
         """Whether layer `layer`'s MLP is the mixture-of-experts block."""
         return self.moe is not None and layer in self.moe.sparse_layers
 
+    def kv_replicas(self, tp: int) -> int:
+        """How many TP ranks hold each KV head: 1 when TP divides the KV heads, else TP / KV heads.
+
+        With fewer KV heads than TP ranks each rank keeps a full copy of the one KV head its query
+        heads use (as Megatron-Core does for fewer query groups than ranks): `models/attention.py`."""
+        return max(1, tp // self.num_kv_heads)
+
+    def local_kv_heads(self, tp: int) -> int:
+        """The KV heads one TP rank computes (copies included)."""
+        return max(1, self.num_kv_heads // tp)
+
     @property
     def adds_aux_loss(self) -> bool:
         """Whether the model adds the router's load-balancing loss to the training loss."""
@@ -335,7 +346,13 @@ def rope_check(hf: PretrainedConfig, *, partial: bool = False) -> float:
 def check_tp(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> None:
     """Raise if `cfg` cannot be split `tp` ways (heads, KV heads, FFN)."""
     require(cfg.num_heads % tp == 0, "num_attention_heads", f"{cfg.num_heads} is not divisible by TP={tp}")
-    require(cfg.num_kv_heads % tp == 0, "num_key_value_heads", f"{cfg.num_kv_heads} is not divisible by TP={tp}")
+    kv = cfg.num_kv_heads
+    require(kv % tp == 0 or tp % kv == 0, "num_key_value_heads",
+            f"{kv} does not divide TP={tp} and is not divisible by it (fewer KV heads than TP ranks are "
+            "replicated, which needs TP to be a multiple of them)")
+    require(kv % tp == 0 or not cfg.qk_norm_whole, "num_key_value_heads",
+            f"{kv} is fewer than TP={tp}: replicated KV heads with a key norm over all of a token's heads "
+            "(OLMo 2's qk norm) are not supported")
     if cfg.linear_attention is not None:  # each TP rank holds whole key heads and the value heads they serve
         require(cfg.linear_attention.key_heads % tp == 0, "linear_num_key_heads",
                 f"{cfg.linear_attention.key_heads} is not divisible by TP={tp}")

@@ -16,6 +16,9 @@ Split kinds:
   then split dim 0 so each rank owns whole groups (and GQA needs no communication).
   From three HF tensors, or from one HF tensor of `[q; k; v]` rows (GPT-2's `c_attn`,
   Phi-3's `qkv_proj`), cut by their sizes (q: heads x d rows, k and v: kv heads x d each).
+  With fewer KV heads than TP ranks, the `n = TP / KV` ranks of group g each hold
+  `[their n-th of group g's q rows; k_g; v_g]` (copies of k_g, v_g); back to HF, the q rows are
+  concatenated and k_g, v_g are taken from the group's first rank.
 - `gate_up`: gate and up each split dim 0, then `[gate_r; up_r]` on rank r; from two HF
   tensors, or from one of `[gate; up]` rows (Phi-3's `gate_up_proj`), cut in halves.
 - `vocab`: rows padded with zeros to the padded vocabulary, then split dim 0.
@@ -125,6 +128,31 @@ def _qkv_unfuse(cfg: ModelConfig, fused: torch.Tensor) -> tuple[torch.Tensor, ..
     return q, k, v
 
 
+def _qkv_local(cfg: ModelConfig, fused: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s rows of the fused QKV (whole groups; or, with replicated KV heads, its share of
+    its group's q rows and the group's k and v)."""
+    n = cfg.kv_replicas(tp)
+    if n == 1:
+        return fused.chunk(tp, dim=0)[tp_rank]
+    block = fused.chunk(cfg.num_kv_heads, dim=0)[tp_rank // n]  # [q_g; k_g; v_g]
+    kv = 2 * cfg.head_dim
+    q, kv = block.split([block.shape[0] - kv, kv], dim=0)
+    return torch.cat([q.chunk(n, dim=0)[tp_rank % n], kv], dim=0)
+
+
+def _qkv_whole(cfg: ModelConfig, shards: list[torch.Tensor]) -> torch.Tensor:
+    """`_qkv_local`'s inverse: the fused QKV from every TP rank's rows (copies read from their first holder)."""
+    n = cfg.kv_replicas(len(shards))
+    if n == 1:
+        return torch.cat(shards, dim=0)
+    kv = 2 * cfg.head_dim
+    blocks = []
+    for g in range(cfg.num_kv_heads):
+        holders = shards[g * n : (g + 1) * n]
+        blocks += [s[: s.shape[0] - kv] for s in holders] + [holders[0][-kv:]]
+    return torch.cat(blocks, dim=0)
+
+
 def _tensor_pieces(rule: TensorRule) -> list[list[int]]:
     """The row counts of the pieces each HF tensor of a `parts` rule holds (its rows are whole pieces, in order)."""
     out, pieces = [], list(rule.pieces)
@@ -166,7 +194,7 @@ def to_local(
         out = hf[0].chunk(tp, dim=1)[tp_rank]
     elif kind == "qkv":
         q, k, v = hf if len(hf) == 3 else hf[0].split(_qkv_sizes(cfg), dim=0)
-        out = _qkv_fuse(cfg, q, k, v).chunk(tp, dim=0)[tp_rank]
+        out = _qkv_local(cfg, _qkv_fuse(cfg, q, k, v), tp, tp_rank)
     elif kind == "gate_up":
         gate, up = hf if len(hf) == 2 else hf[0].chunk(2, dim=0)
         out = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
@@ -219,7 +247,7 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
     elif kind == "cols":
         outs = [torch.cat(shards, dim=1)]
     elif kind == "qkv":
-        q, k, v = _qkv_unfuse(cfg, torch.cat(shards, dim=0))
+        q, k, v = _qkv_unfuse(cfg, _qkv_whole(cfg, shards))
         outs = [q, k, v] if len(rule.hf) == 3 else [torch.cat([q, k, v], dim=0)]
     elif kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]

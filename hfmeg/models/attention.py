@@ -4,6 +4,13 @@ The fused QKV weight is laid out per KV group, `[q heads of group g; k_g; v_g]`,
 split by whole groups across TP ranks, so each rank computes its heads with no
 communication between the QKV projection and the output projection.
 
+With fewer KV heads than TP ranks (Gemma-3-1B's one, at TP 2) the KV heads are replicated, as
+Megatron-Core does: the `TP / KV` consecutive ranks whose query heads share KV head g each hold
+`[their share of group g's q heads; k_g; v_g]` (`checkpoint/rules.py` builds and undoes that layout).
+The K and V rows are copies, so their gradients, which each holder gets from its own queries only,
+are summed over the holders once per step (role `shared_rows`, `parallel/roles.py`); a per-head k norm
+already sums over TP. The forward needs nothing new: each rank attends with its one KV head.
+
 Qwen3's q/k norms (`cfg.qk_norm`) are RMSNorms over the head dim, applied to every
 query and key head before RoPE. One weight serves all heads, so it is TP-replicated;
 each rank's gradient comes from its own heads only, so its role says
@@ -54,14 +61,16 @@ class ParallelAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, layer: int, kernels: Kernels):
         super().__init__()
         self.cfg, self.kernels, self.ps = cfg, kernels, ps
-        self.groups = cfg.num_kv_heads // ps.tp  # KV groups on this rank
-        self.rep = cfg.num_heads // cfg.num_kv_heads  # query heads per KV head
+        self.groups = cfg.local_kv_heads(ps.tp)  # KV groups on this rank
+        self.rep = cfg.num_heads // ps.tp // self.groups  # query heads per KV head on this rank
         self.scale = cfg.attn_scale(layer)
         self.rotates = cfg.uses_rope(layer)
         self.window = cfg.window(layer)
         d = cfg.head_dim
-        qkv_out = cfg.num_heads * cfg.q_rows + 2 * cfg.num_kv_heads * d
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias)
+        replicas = cfg.kv_replicas(ps.tp)
+        qkv_out = cfg.num_heads * cfg.q_rows + 2 * cfg.num_kv_heads * replicas * d  # each holder's copy counted
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias,
+                                        shared_rows=2 * d if replicas > 1 else 0, shared_by=replicas)
         self.out = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, ps, bias=cfg.out_bias)
         if cfg.qk_norm and cfg.qk_norm_whole:
             self.q_norm = HeadsRMSNorm(cfg.num_heads, d, cfg.norm_eps, ps)

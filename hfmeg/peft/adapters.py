@@ -319,7 +319,7 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
         else:
             if cfg.mla is None:
                 out.append(column(L + "attn.qkv", a, [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
-                                  cfg.num_kv_heads // tp))
+                                  cfg.local_kv_heads(tp)))
             else:
                 out += _latent_bases(cfg, a, L + "attn.", chunk.ps.sequence_parallel)
             out.append(_Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1))
@@ -493,6 +493,11 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
     for base in _bases(chunk):
         if not targeted & {p.name for p in base.projections}:
             continue
+        if base.local.endswith(".attn.qkv") and chunk.cfg.kv_replicas(chunk.ps.tp) > 1:
+            raise UnsupportedConfigError(
+                f"peft.target_modules: LoRA on the attention's q/k/v projections with KV heads replicated over TP "
+                f"(num_key_value_heads {chunk.cfg.num_kv_heads} < TP={chunk.ps.tp}) is not supported; target the "
+                "other modules, or use a TP that divides the KV heads")
         layer = chunk.get_submodule(base.local)
         adapter = LoraAdapter(base.projections, targeted, layer.weight.shape[1], base.column, base.groups, cfg,
                               chunk.ps, base.replicated, base.whole_partial)
