@@ -348,8 +348,8 @@ def check_tp(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> N
     require(cfg.num_heads % tp == 0, "num_attention_heads", f"{cfg.num_heads} is not divisible by TP={tp}")
     kv = cfg.num_kv_heads
     require(kv % tp == 0 or tp % kv == 0, "num_key_value_heads",
-            f"{kv} does not divide TP={tp} and is not divisible by it (fewer KV heads than TP ranks are "
-            "replicated, which needs TP to be a multiple of them)")
+            f"{kv} is not divisible by TP={tp}, nor TP by it (fewer KV heads than TP ranks are replicated, "
+            "which needs TP to be a multiple of them)")
     require(kv % tp == 0 or not cfg.qk_norm_whole, "num_key_value_heads",
             f"{kv} is fewer than TP={tp}: replicated KV heads with a key norm over all of a token's heads "
             "(OLMo 2's qk norm) are not supported")
