@@ -2,9 +2,9 @@
 the output contract, and what the figures must satisfy whatever the timings (no timing is asserted)."""
 
 from __future__ import annotations
+import forkrun
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +12,7 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def _last_json(*args: str) -> dict:
-    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
+    out = forkrun.run([sys.executable, *args], timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
