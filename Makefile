@@ -11,7 +11,7 @@ LOWEST_VENV ?= .venv-lowest
 LOWEST_SPEC := $(shell sed -nE 's/^ *"transformers>=([0-9.]+).*/transformers==\1/p' pyproject.toml) jinja2
 LOWEST_STAMP := $(LOWEST_VENV)/.installed
 
-.PHONY: help demo test lint clean
+.PHONY: help demo test test-quick lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  make \1\t/' | expand -t 16
@@ -35,8 +35,11 @@ $(LOWEST_STAMP): pyproject.toml
 	$(LOWEST_VENV)/bin/python -m pip install -q $(LOWEST_SPEC)
 	@touch $(LOWEST_STAMP)
 
-test: $(STAMP) $(LOWEST_STAMP)  ## the test suite (CPU; tests marked gpu run after the others when CUDA is there)
+test: $(STAMP) $(LOWEST_STAMP)  ## the test suite (CPU; tests marked gpu run after the others when CUDA is there); ends with the 25 slowest and the suite's wall and CPU time
 	$(PY) -m pytest -q --durations=25 tests
+
+test-quick: $(STAMP)  ## the suite less its multi-process end-to-end and multi-host tests (markers e2e, multihost): minutes, for development
+	$(PY) -m pytest -q --durations=10 -m "not e2e and not multihost" tests
 
 lint: $(STAMP)  ## ruff over hfmeg, tests, tools, recipes and data (rules in pyproject.toml [tool.ruff])
 	$(PY) -m ruff check hfmeg tests tools recipes data

@@ -1,5 +1,7 @@
 import os
+import resource
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,10 +17,68 @@ from tiny_models import ASSETS, RANDOM_KINDS, rewrite_config_v4, save_tiny  # no
 os.environ.setdefault(BACKEND_ENV, "gloo")
 
 
-def pytest_collection_modifyitems(items):
-    """Tests marked `gpu` run after all others: once autograd has run on CUDA in this process it
-    keeps a device thread, and ranks forked after that (`launch.spawn`) cannot run backward."""
+# The lanes. `make test` runs every test; `make test-quick` (`-m "not e2e and not multihost"`) the rest, in a
+# few minutes, for development. Assigned here, by file or by test, so that one list says which lane a test is in:
+# - multihost: the namespace-host beds (tests/multihost.py), several machines' worth of processes per test;
+# - e2e: a multi-process end-to-end run: a trainer, recipe, tool or bench run (in a fresh interpreter, a forked
+#   one or spawned ranks), a process start checked as such, or one model's forward + backward over a whole
+#   matrix of layouts or families (the parity suites).
+# None: every test of the file; otherwise the named tests (parametrised ones by their function's name).
+LANES: dict[str, dict[str, set[str] | None]] = {
+    "multihost": {name: None for name in ("test_multihost_bed.py", "test_multihost_faults.py",
+                                          "test_multihost_parity.py")},
+    "e2e": {
+        **{name: None for name in (
+            "test_bench_activations.py", "test_bench_attention.py", "test_bench_comm_reduction.py",
+            "test_bench_cp.py", "test_bench_dpo.py", "test_bench_moe.py", "test_bench_optimizer.py",
+            "test_bench_peft.py", "test_bench_powersgd_convergence.py", "test_bench_shared_unlock.py",
+            "test_bench_wgrad_fusion.py", "test_checkpoint_recovery.py", "test_cp_train.py", "test_dpo_train.py",
+            "test_kill_sweep.py", "test_launch_recipes.py", "test_moe_recipe.py", "test_peft_parity.py",
+            "test_peft_reshard.py", "test_peft_resume.py", "test_peft_run.py", "test_peft_train.py",
+            "test_reshard_training.py", "test_run_lifecycle.py", "test_shared_unlock_train.py",
+            "test_tokenizer_lowest.py", "test_tp_parity.py", "test_train.py", "test_verify_parity.py")},
+        "test_bench_mfu.py": {"test_tiny_run_reports_both_sides_with_equal_losses",
+                              "test_tiny_moe_run_counts_the_active_experts_and_the_planner_predicts_it",
+                              "test_a_family_at_the_bench_shapes_has_transformers_losses",
+                              "test_trainer_path_runs_packed_rows_and_defaults_to_tiny_without_a_gpu"},
+        "test_bench_peers.py": {"test_tiny_cpu_run_reports_every_row_and_skips_each_absent_peer_once"},
+        "test_cli.py": {"test_python_m_hfmeg_help_lists_every_command"},
+        "test_config_validation.py": {"test_under_torchrun_a_config_error_is_one_line_and_workers_exit_2"},
+        "test_docs.py": {"test_every_cpu_command_parses", "test_the_parse_check_catches_a_wrong_flag"},
+        "test_import_cost.py": None,
+        "test_moe_checkpoint.py": {"test_verify_parity_cli_on_moe"},
+        "test_peft_damage.py": {"test_an_empty_trainer_state_under_torchrun_makes_every_rank_exit_2"},
+    },
+}
+
+
+def lanes_of(item) -> list[str]:
+    file, test = Path(str(item.fspath)).name, getattr(item, "originalname", item.name)
+    return [lane for lane, files in LANES.items()
+            if file in files and (files[file] is None or test in files[file])]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test gets its lane's marker (LANES). Tests marked `gpu` run after all others: once autograd has run
+    on CUDA in this process it keeps a device thread, and ranks forked after that (`launch.spawn`) cannot run
+    backward."""
+    for item in items:
+        for lane in lanes_of(item):
+            item.add_marker(lane)
     items.sort(key=lambda item: item.get_closest_marker("gpu") is not None)  # stable: order kept otherwise
+
+
+_START = time.monotonic()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    """The run's wall time and CPU time, its children's included (spawned ranks, subprocesses, torchrun and
+    its workers: every process waited for), as the last line, the figure README's suite time is read from."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    terminalreporter.write_line(f"suite time: {time.monotonic() - _START:.0f} s wall, {cpu:.0f} s CPU "
+                                f"(children included) on {os.cpu_count()} CPUs")
 
 
 @pytest.fixture(scope="session")

@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkrun
+
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOLS / "bench_moe.py"), *args], capture_output=True, text=True,
+    return forkrun.run([sys.executable, str(TOOLS / "bench_moe.py"), *args],
                           timeout=300)
 
 

@@ -2,9 +2,9 @@
 hfmeg's full and LoRA modes and the peft + transformers anchor (timings are reported, never asserted)."""
 
 from __future__ import annotations
+import forkrun
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,9 +12,8 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def test_bench_peft_reports_both_modes():
-    out = subprocess.run([sys.executable, str(TOOLS / "bench_peft.py"), "--world", "2", "--tp", "2", "--hidden", "128",
-                          "--layers", "2", "--seq", "16", "--vocab", "256", "--r", "4", "--steps", "1"],
-                         capture_output=True, text=True, timeout=300)
+    out = forkrun.run([sys.executable, str(TOOLS / "bench_peft.py"), "--world", "2", "--tp", "2", "--hidden", "128",
+                          "--layers", "2", "--seq", "16", "--vocab", "256", "--r", "4", "--steps", "1"], timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     full, lora, anchor = r["by_mode"]["full"], r["by_mode"]["lora"], r["by_mode"]["peft"]

@@ -8,14 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkrun
 from helpers import stories_or_skip
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOLS / "bench_shared_unlock.py"), *args], capture_output=True,
-                          text=True, timeout=600)
+    return forkrun.run([sys.executable, str(TOOLS / "bench_shared_unlock.py"), *args], timeout=600)
 
 
 def test_bench_shared_unlock_reports_three_runs_and_the_shared_phase_volume(tmp_path):

@@ -66,9 +66,9 @@ def sharded_outputs(mp_dir: str | Path, ids: torch.Tensor, max_new_tokens: int, 
         ps = ParallelState(config, rank, world, torch.device("cpu"))
     chunks = load_chunks(MPCheckpoint(mp_dir), ps, dtype=torch.float32)
     logits = full_logits(chunks, ps, ids)
-    if ps.world_size > 1:
-        box = [logits]
-        dist.broadcast_object_list(box, src=ps.grid.rank(pp=ps.pp - 1))  # last stage, TP, CP and DP rank 0
+    if ps.world_size > 1:  # from this replica's last stage (TP and CP rank 0) to its other ranks: each DP replica
+        box = [logits]     # is a whole model, so a world's replicas need not wait for one another (or run at all)
+        dist.broadcast_object_list(box, src=ps.grid.rank(pp=ps.pp - 1, dp=ps.dp_rank), group=ps.mp_group)
         logits = box[0]
     generated = greedy_generate(chunks, ps, ids, max_new_tokens)
     return logits, generated

@@ -28,7 +28,6 @@ from dataclasses import replace
 from typing import Collection
 
 from transformers import PretrainedConfig
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
 from ..config import MLAConfig, ModelConfig, MoEConfig, require
 from .llama import _moe_rules, decoder_config, layer_prefix
@@ -44,6 +43,10 @@ PROJECTIONS = (QUERY, *QUERY_LATENT, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"
 
 
 def _mla(hf: PretrainedConfig) -> MLAConfig:
+    # Imported here: the modeling module pulls in transformers' modeling utilities (accelerate, FSDP,
+    # torch._dynamo, ~0.6 s and more under load) into every process that imports hfmeg.families.
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
     qk = hf.qk_nope_head_dim + hf.qk_rope_head_dim
     require(hf.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", f"{hf.qk_rope_head_dim}: RoPE rotates pairs (use an even size)")
     return MLAConfig(q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=hf.qk_nope_head_dim,

@@ -46,7 +46,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import LlamaConfig, MixtralConfig
 
 from ..data.microbatch import MicroBatch
 from ..families import model_config_from_hf
@@ -123,6 +122,10 @@ LAYERS = 4
 def _tiny_chunk(ps, device, ends: bool = False, experts: int = 0, recompute: str = "none") -> ModelChunk:
     """Four decoder layers (and with `ends` the embedding and LM head + loss; with `experts`, MoE layers
     routing each token to two of them) so small that their compute is negligible: what is left is fixed cost."""
+    # Imported here: a model's config module pulls in transformers' loading machinery (torch.distributed.tensor,
+    # sympy, accelerate), which a trainer that only imports this module (through auto_layout) should not pay.
+    from transformers import LlamaConfig, MixtralConfig
+
     dims = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
                 vocab_size=128, max_position_embeddings=16)
     hf = MixtralConfig(**dims, num_key_value_heads=4, num_local_experts=experts, num_experts_per_tok=2) \

@@ -1,0 +1,60 @@
+"""tests/forkrun.py: a forked run behaves as a fresh interpreter's would, where a test can tell."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from forkrun import run
+
+
+def _script(tmp_path, body: str):
+    path = tmp_path / "script.py"
+    path.write_text(body)
+    return path
+
+
+def test_exit_code_argv_cwd_and_separate_streams(tmp_path):
+    script = _script(tmp_path, "import os, sys\n"
+                               "print('out', sys.argv[1:], os.getcwd(), sys.path[0])\n"
+                               "os.write(2, b'err at fd level\\n')\n"
+                               "print('err', file=sys.stderr)\n"
+                               "sys.exit(2)\n")
+    proc = run([sys.executable, str(script), "a", "--b"], cwd=tmp_path.parent)
+    assert proc.returncode == 2
+    assert proc.stdout == f"out ['a', '--b'] {tmp_path.parent} {tmp_path}\n"
+    assert proc.stderr == "err at fd level\nerr\n"
+
+
+def test_environment_is_the_childs_and_does_not_leak(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORKRUN_PARENT", "1")
+    script = _script(tmp_path, "import os\nos.environ['FORKRUN_LEAK'] = '1'\n"
+                               "print(os.environ.get('FORKRUN_PARENT'), os.environ.get('FORKRUN_GIVEN'))\n")
+    proc = run([sys.executable, str(script)], env={"FORKRUN_GIVEN": "yes", "PATH": os.environ["PATH"]})
+    assert (proc.returncode, proc.stdout) == (0, "None yes\n")
+    assert "FORKRUN_LEAK" not in os.environ and os.environ["FORKRUN_PARENT"] == "1"
+
+
+def test_settings_read_at_import_follow_the_childs_environment(tmp_path):
+    import huggingface_hub.constants as constants
+
+    before = constants.HF_HUB_OFFLINE
+    script = _script(tmp_path, "import huggingface_hub.constants as c\nprint(c.HF_HUB_OFFLINE, c.HF_HOME)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "0" if before else "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = run([sys.executable, str(script)], env=env)
+    assert proc.stdout == f"{not before} {tmp_path / 'hf'}\n", proc.stderr
+    assert constants.HF_HUB_OFFLINE == before
+
+
+def test_an_exception_is_a_failed_run_with_its_traceback(tmp_path):
+    proc = run([sys.executable, str(_script(tmp_path, "raise ValueError('broken input')\n"))])
+    assert proc.returncode == 1 and "ValueError: broken input" in proc.stderr and proc.stdout == ""
+
+
+def test_module_runs_and_a_hung_child_is_killed_at_the_timeout(tmp_path):
+    proc = run([sys.executable, "-m", "json.tool", "--help"])
+    assert proc.returncode == 0 and "json.tool" in proc.stdout
+    with pytest.raises(subprocess.TimeoutExpired):
+        run([sys.executable, str(_script(tmp_path, "import time\ntime.sleep(60)\n"))], timeout=1)
