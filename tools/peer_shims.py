@@ -37,7 +37,7 @@ class _MissingDataParallelMeshDims:
 
 
 def _accepts(fn, name: str) -> bool:
-    return name in inspect.signature(inspect.unwrap(fn)).parameters
+    return getattr(fn, "_peer_shim", False) or name in inspect.signature(fn).parameters
 
 
 def _drop_separate_full_blocks(create):
@@ -48,6 +48,7 @@ def _drop_separate_full_blocks(create):
             raise RuntimeError(f"torch {torch.__version__}'s create_block_mask always separates full blocks: "
                                "torchtitan's batch-invariant mode needs a newer torch")
         return create(*args, **kwargs)
+    call._peer_shim = True  # the shim itself takes the keyword (its signature shows the wrapped function's)
     return call
 
 

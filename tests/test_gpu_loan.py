@@ -1,0 +1,159 @@
+"""tools/gpu_loan.py --tiny on the CPU: every step and every system, rows appended as measured; a crash of one step
+and an error of one system leave the other rows written. No timing is asserted.
+
+The peers (torchtitan, Megatron-Core) are not hfmeg dependencies: where one is absent its rows carry the skip reason,
+and the row's hfmeg side, the rotation and the summary still run. Megatron-Core is CUDA only (its grad buffers and
+schedule are), so on a CPU its row is always a skip; its SDPA attention and fused-AdamW switch are tested without it
+in tests/test_peer_shims.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tool_loader import load_tool
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "gpu_loan.py"
+# The GPU image has no `datasets`: the loan runs with it unimportable, so that an import of it anywhere fails here.
+NO_DATASETS = """
+import runpy, sys
+class NoDatasets:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "datasets":
+            raise ImportError("datasets is not on the GPU image")
+sys.meta_path.insert(0, NoDatasets())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _loan(tmp_path: Path, *args: str) -> list[dict]:
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", NO_DATASETS, str(TOOL), "--tiny", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    assert [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")] == rows  # echoed too
+    assert len({r["loan"] for r in rows}) == 1 and rows[-1]["kind"] == "done"
+    return rows
+
+
+def _of(rows, **match) -> list[dict]:
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+@pytest.fixture(scope="module")
+def tiny_rows(tmp_path_factory) -> list[dict]:
+    return _loan(tmp_path_factory.mktemp("loan"))
+
+
+def test_tiny_runs_every_step_in_order(tiny_rows):
+    tool = load_tool("gpu_loan")
+    ends = _of(tiny_rows, kind="step")
+    assert [r["step"] for r in ends] == list(tool.STEPS)
+    assert all(r["status"] == "ok" and r["exitcode"] == 0 for r in ends), ends
+    env, = _of(tiny_rows, kind="env")
+    assert env["device"].startswith("cpu") and env["gemm_tflops"] > 0
+    assert env["versions"]["torch"] and env["versions"]["transformers"] and "datasets" not in env["versions"]
+
+
+def test_tiny_smoke_steps_every_system_once(tiny_rows):
+    smoke = _of(tiny_rows, kind="smoke")
+    assert Counter((r["model"], r["system"]) for r in smoke) == Counter(
+        [("dense", s) for s in ("hfmeg", "transformers", "torchtitan", "megatron-core")]
+        + [("moe", "hfmeg"), ("moe", "transformers")])
+    for r in smoke:
+        if r["system"] in ("hfmeg", "transformers"):
+            assert r["loss"] > 0 and r["tokens"] > 0, r
+        else:  # a peer either ran or says why not (Megatron-Core: not installed, or CUDA only)
+            assert "loss" in r or r["skipped"], r
+    assert _of(smoke, system="megatron-core")[0].get("skipped")
+    # both systems train the same tokens from the same weights: the same first loss (fp32, toy shapes)
+    for model in ("dense", "moe"):
+        h, t = (_of(smoke, model=model, system=s)[0]["loss"] for s in ("hfmeg", "transformers"))
+        assert h == pytest.approx(t, rel=1e-3)
+
+
+@pytest.mark.parametrize("step, systems", [("row1", ("hfmeg", "transformers")),
+                                           ("row2", ("hfmeg", "hfmeg-unpacked")),
+                                           ("row3", ("hfmeg", "transformers"))])
+def test_tiny_rows_rotate_three_rounds_and_summarise(tiny_rows, step, systems):
+    rounds = _of(tiny_rows, step=step, kind="round")
+    assert Counter(r["system"] for r in rounds) == Counter({s: 3 for s in systems}) + Counter(
+        {s: 3 for s in ("torchtitan",) if _of(tiny_rows, step=step, kind="round", system=s)})
+    ran = list(dict.fromkeys(r["system"] for r in rounds if r["round"] == 0))
+    for r in (1, 2):  # each round starts one system later
+        order = [x["system"] for x in rounds if x["round"] == r]
+        assert order == ran[r % len(ran):] + ran[:r % len(ran)]
+    summary = {r["system"]: r for r in _of(tiny_rows, step=step, kind="row")}
+    for name in ran:
+        row = summary[name]
+        tps = [x["tokens_per_s"] for x in rounds if x["system"] == name]
+        assert row["rounds"] == 3 and row["tokens_per_s_all"] == tps and min(tps) <= row["tokens_per_s"] <= max(tps)
+        anchor = summary["hfmeg" if row["packed"] else "hfmeg-unpacked"]["tokens_per_s"]
+        assert row["ratio_vs_hfmeg"] == pytest.approx(row["tokens_per_s"] / anchor)
+        assert row["mfu"] is None  # no peak FLOP/s for a CPU
+    if step == "row3":
+        assert rounds[0]["shapes"]["experts"] and rounds[0]["shapes"]["top_k"] == 2
+    if step == "row2":  # Megatron-Core takes unpacked rows: the hfmeg row beside it is unpacked too
+        assert summary["hfmeg-unpacked"]["packed"] is False and "unpacked" in summary["hfmeg-unpacked"]["note"]
+        assert summary["hfmeg"]["packed"] is True
+        assert _of(tiny_rows, step="row2", kind="row", system="megatron-core")[0]["skipped"]
+        assert "torchtitan" in summary or _of(tiny_rows, step="row2", system="torchtitan")[0]["skipped"]
+
+
+def test_tiny_row4_says_not_built(tiny_rows):
+    row, = _of(tiny_rows, step="row4", kind="row")
+    assert row["skipped"].startswith("not built")
+
+
+def test_a_crashed_step_and_a_failing_system_leave_the_other_rows(tmp_path):
+    rows = _loan(tmp_path, "--steps-only", "env,row1,row4", "--inject-crash", "env",
+                 "--inject-crash", "row1:transformers")
+    env_end, = _of(rows, kind="step", step="env")
+    assert env_end["status"] == "error" and env_end["exitcode"] != 0  # aborted: no row of its own
+    assert not _of(rows, kind="env")
+    error, = _of(rows, step="row1", kind="error")
+    assert error["system"] == "transformers" and "injected crash" in error["error"]
+    assert len(_of(rows, step="row1", kind="round", system="hfmeg")) == 3
+    hfmeg, = _of(rows, step="row1", kind="row")
+    assert hfmeg["system"] == "hfmeg" and hfmeg["rounds"] == 3
+    assert _of(rows, kind="step", step="row1")[0]["status"] == "ok"
+    assert _of(rows, step="row4", kind="row")
+
+
+def test_a_step_given_less_than_its_minimum_is_skipped(tmp_path):
+    rows = _loan(tmp_path, "--steps-only", "row4", "--budget", "1")
+    end, = _of(rows, kind="step")
+    assert end["status"] == "skipped" and "budget" in end["reason"]
+
+
+def test_bad_arguments_exit_2_with_one_message(capsys):
+    tool = load_tool("gpu_loan")
+    for argv, flag in ((["--steps-only", "row9"], "--steps-only"), (["--rounds", "0"], "--rounds"),
+                       (["--steps-only", ","], "--steps-only")):
+        with pytest.raises(SystemExit) as e:
+            tool.parse_args(argv)
+        assert e.value.code == 2
+        assert flag in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_features_refuse_while_the_speed_run_holds_the_lock(tmp_path, monkeypatch, capsys):
+    import fcntl
+    tool = load_tool("gpu_loan")
+    features = load_tool("loan_features")
+    lock_path = tmp_path / "lock"
+    monkeypatch.setattr(features, "LOCK", lock_path)
+    with open(lock_path, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        a = tool.parse_args(["--features", "--tiny", "--out", str(tmp_path)])
+        assert features.run_features(a) == 2
+    assert "still running" in capsys.readouterr().err
+    assert not (tmp_path / "features.jsonl").exists()
