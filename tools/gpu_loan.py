@@ -59,6 +59,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = Path("/tmp/hfmeg_loan_inductor")  # Inductor's cache for the run (packed into --out at the end)
 CARRIED_CACHE = REPO / ".loan" / "compile_cache.tar.gz"
+WHEELS = REPO / ".whl"  # tools/peer_wheels.sh's, carried to the device
+SITE = Path("/tmp/hfmeg_loan_site")  # where they are installed there (--target: the image's packages untouched)
 CACHE_LIMIT = 16 * 2**20  # the largest file a device call brings back
 LOCK = Path("/tmp/hfmeg_loan.lock")  # held by the speed run; --features refuses to start beside it
 PACKAGES = ("torch", "triton", "transformers", "torchtitan", "megatron-core", "transformer-engine", "apex", "torchao",
@@ -516,6 +518,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def _install_wheels() -> None:
+    """The carried wheels into SITE, first on the path of this process and of every child (pip itself reaches no
+    index: --no-index, --no-deps; each wheel is pinned by tools/peer_wheels.sh)."""
+    wheels = sorted(WHEELS.glob("*.whl"))
+    if wheels and not SITE.exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--target", str(SITE), *map(str, wheels)], check=True)
+    if SITE.exists():
+        sys.path.insert(0, str(SITE))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")]))
+
+
 def _unpack_cache() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
     if CARRIED_CACHE.is_file() and not CACHE_DIR.exists():
@@ -544,6 +558,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO / "tools"))
     sys.path.insert(0, str(REPO))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if not a.tiny:  # --tiny (the CPU suite) uses what is installed: the wheels are the GPU machine's Python's
+        _install_wheels()
     if a.features:
         from loan_features import run_features
         return run_features(a)
