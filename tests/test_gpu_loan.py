@@ -157,3 +157,16 @@ def test_features_refuse_while_the_speed_run_holds_the_lock(tmp_path, monkeypatc
         assert features.run_features(a) == 2
     assert "still running" in capsys.readouterr().err
     assert not (tmp_path / "features.jsonl").exists()
+
+
+def test_loan_table_lists_every_measured_row_and_every_skip(tiny_rows):
+    text = load_tool("loan_table").table(tiny_rows)
+    measured = _of(tiny_rows, kind="row")
+    lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| row ")]
+    assert len(lines) == sum("tokens_per_s" in r for r in measured)
+    for r in measured:
+        if "tokens_per_s" in r:
+            assert any(f"| {r['system']} |" in line and f"{r['tokens_per_s']:,.0f}" in line for line in lines)
+        else:
+            assert f"{r['system']}: {r['skipped']}" in text
+    assert text.startswith("cpu")

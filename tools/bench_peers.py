@@ -17,7 +17,8 @@ Rows (`--systems` picks some; all by default):
   MoE: its `SequentialMLP` experts, top-k router, no aux loss. CUDA only (its grad buffers and schedule are).
 
 A peer that is not installed (or cannot run here) keeps its JSON row with `"skipped": reason` and one line
-`skip NAME: reason` on stderr. The peers are never dependencies of hfmeg: `tools/peer_wheels.sh` downloads them.
+`skip NAME: reason` on stderr. The peers are never dependencies of hfmeg: `tools/peer_wheels.sh` downloads them, and
+`tools/gpu_loan.py` runs them on a GPU loan (docs/gpu.md).
 
 Every system trains the same token ids (bench_mfu.make_batches) with the same global batch (`--grad-accum` ×
 `--micro-batch-size` × `--seq`), AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1 off the norms, clipping at 1.0.
