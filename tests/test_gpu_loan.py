@@ -130,7 +130,10 @@ def test_a_crashed_step_and_a_failing_system_leave_the_other_rows(tmp_path):
 
 
 def test_a_step_given_less_than_its_minimum_is_skipped(tmp_path):
-    rows = _loan(tmp_path, "--steps-only", "row4", "--budget", "1")
+    tool = load_tool("gpu_loan")
+    a = tool.parse_args(["--tiny", "--budget", str(tool.MIN_STEP_S / 2), "--out", str(tmp_path)])
+    tool.run_steps(tool.Loan(a, tool.Rows(tmp_path / "rows.jsonl", "t")), ["row4"], tool.STEPS)
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     end, = _of(rows, kind="step")
     assert end["status"] == "skipped" and "budget" in end["reason"]
 

@@ -466,9 +466,12 @@ def _child(loan: Loan, name: str) -> None:
 
 def run_steps(loan: Loan, names: list[str], limits: dict[str, float]) -> None:
     """Each step in a forked child under min(its limit, what is left of the budget); one row for how it ended."""
+    import torch
     end = time.monotonic() + loan.a.budget
-    ctx = multiprocessing.get_context("fork")  # the parent never touches CUDA: the child initialises it
+    ctx = multiprocessing.get_context("fork")  # the parent never touches CUDA: each child initialises its own
     for name in names:
+        if torch.cuda.is_initialized():
+            raise RuntimeError("gpu_loan: CUDA was initialised in the parent; its forked steps could not use it")
         left = end - time.monotonic()
         if left < MIN_STEP_S:
             loan.rows.write(step=name, kind="step", status="skipped", reason=f"budget spent ({left:.0f} s left)")
@@ -558,6 +561,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO / "tools"))
     sys.path.insert(0, str(REPO))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() without touching the driver
     if not a.tiny:  # --tiny (the CPU suite) uses what is installed: the wheels are the GPU machine's Python's
         _install_wheels()
     if a.features:
