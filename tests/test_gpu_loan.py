@@ -173,3 +173,21 @@ def test_loan_table_lists_every_measured_row_and_every_skip(tiny_rows):
         else:
             assert f"{r['system']}: {r['skipped']}" in text
     assert text.startswith("cpu")
+
+
+def test_tiny_features_call_runs_each_check_and_records_its_result(tmp_path):
+    """The second call at toy shapes on the CPU: the GPU-marked tests (skipping themselves here), a family against
+    transformers and DPO against TRL, each one line with its status and the check's own JSON result."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(TOOL), "--features", "--tiny", "--out", str(out)], capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "features.jsonl").read_text().splitlines()]
+    features = load_tool("loan_features")
+    assert [r["name"] for r in _of(rows, kind="feature")] == [name for name, _, _ in features.checks(tiny=True)]
+    assert all(r["status"] == "ok" and r["exitcode"] == 0 for r in _of(rows, kind="feature")), rows
+    family, = _of(rows, name="family-qwen3")
+    assert family["result"]["hfmeg_losses"][0] == pytest.approx(family["result"]["hf_losses"][0], rel=1e-4)
+    dpo, = _of(rows, name="dpo")
+    assert dpo["result"]["by_mode"]  # bench_dpo's JSON line, kept
+    assert rows[-1]["kind"] == "done"
