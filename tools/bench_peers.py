@@ -8,13 +8,18 @@ Rows (`--systems` picks some; all by default):
   master; a Mixtral runs its default experts implementation), eager and under `torch.compile`;
 - `torchtitan` (0.3.x): its Llama 3 model built from its own layer configs at these shapes (a Mixtral: its Qwen3-MoE
   layers without QK-norm, top-k softmax router, no load balancing), its `parallelize_*` with FSDP2 on a mesh of one
-  (fp32 parameters, bf16 compute through FSDP2's MixedPrecisionPolicy, fp32 reduce) and its compile flag (per block,
-  `--compile`); fused AdamW on the fp32 parameters; FlexAttention (its LM default) on CUDA, its SDPA module on CPU,
-  where torch has no FlexAttention backward;
-- `megatron-core` (0.19.x): `GPTModel` with the local layer spec (the Transformer Engine spec where TE imports),
-  `DistributedDataParallel` (fp32 grad buffer, overlapped reduce) + the distributed optimizer (fp32 main params),
-  per-token loss through its no-pipelining schedule, gradient-accumulation fusion where apex's CUDA extension imports;
-  MoE: its `SequentialMLP` experts, top-k router, no aux loss. CUDA only (its grad buffers and schedule are).
+  (fp32 parameters, bf16 compute through FSDP2's MixedPrecisionPolicy, fp32 reduce), its compile settings (per
+  block and the loss, `--compile`), its ChunkedLossWrapper over its CrossEntropyLoss (the LM head inside the loss),
+  its OptimizersContainer from `default_adamw` (fused AdamW) and its clip_grad_norm_; FlexAttention (its LM
+  default) on CUDA, with its block-causal document mask on packed rows, its SDPA module on CPU, where torch has no
+  FlexAttention backward; on torch 2.11 through tools/peer_shims.py;
+- `megatron-core` (0.19.x): `GPTModel` with the Transformer Engine spec where TE imports, else the local spec with
+  torch's SDPA as core attention (peer_shims.SdpaCoreAttention; the local DotProductAttention materialises the scores
+  in fp32), `DistributedDataParallel` (fp32 grad buffer, overlapped reduce) + the distributed optimizer (fp32 main
+  params; TE/apex FusedAdam, else torch's AdamW on its fused kernel), per-token loss through its no-pipelining
+  schedule, gradient-accumulation fusion where apex's CUDA extension imports; unpacked rows (packed documents need
+  TE's THD attention); MoE: its `SequentialMLP` experts, top-k router, no aux loss. CUDA only (its grad buffers and
+  schedule are).
 
 A peer that is not installed (or cannot run here) keeps its JSON row with `"skipped": reason` and one line
 `skip NAME: reason` on stderr. The peers are never dependencies of hfmeg: `tools/peer_wheels.sh` downloads them, and

@@ -242,10 +242,21 @@ def step_row(loan: Loan, row: Row) -> None:
                 continue
             t0 = time.monotonic()
             try:
-                if not resident:
-                    loan.crash(row.name, label)
-                step = built[label] if resident else system.build(b)
-                res = _window(step, b, warmup=a.warmup if windows[label] == 0 else min(1, a.warmup), offset=r)
+                try:
+                    if not resident:
+                        loan.crash(row.name, label)
+                    step = built[label] if resident else system.build(b)
+                    res = _window(step, b, warmup=a.warmup if windows[label] == 0 else min(1, a.warmup), offset=r)
+                except torch.cuda.OutOfMemoryError:
+                    if not resident:
+                        raise
+                    # the estimate let everything stay resident, the activations did not fit: rebuild from here on
+                    step, resident = None, False
+                    built.clear()
+                    _free(b.device)
+                    step = system.build(b)
+                    res = _window(step, b, warmup=a.warmup, offset=r)
+                res["resident"] = resident
                 windows[label] += 1
             except Exception as e:
                 errors[label] = _error(e)
@@ -257,8 +268,8 @@ def step_row(loan: Loan, row: Row) -> None:
                     step = None
                     _free(b.device)
             results[label].append(res)
-            loan.rows.write(**info, kind="round", system=label, round=r, resident=resident,
-                            tokens_per_s=res["tokens"] / res["seconds"], window_s=time.monotonic() - t0, **res)
+            loan.rows.write(**info, kind="round", system=label, round=r, tokens_per_s=res["tokens"] / res["seconds"],
+                            window_s=time.monotonic() - t0, **res)
         last_round = time.monotonic() - round_start
     built.clear()
     _summarise(loan, info, order, results, errors, benches, a)
@@ -277,7 +288,8 @@ def _summarise(loan, info, order, results, errors, benches, a) -> None:
             continue  # its error row stands
         tps = [r["tokens"] / r["seconds"] for r in results[label]]
         anchor = medians.get("hfmeg" if b.a.trainer_path else "hfmeg-unpacked")  # hfmeg on the same rows
-        mems = [r["peak_mem_bytes"] for r in results[label] if r["peak_mem_bytes"] is not None]
+        # a resident window's peak counts every resident system's state: only rebuilt windows give a system's own
+        mems = [r["peak_mem_bytes"] for r in results[label] if r["peak_mem_bytes"] is not None and not r["resident"]]
         loan.rows.write(
             **info, kind="row", system=label, version=_version(system.package), packed=b.a.trainer_path,
             precision=system.precision(b), settings=system.settings(b), rounds=len(tps),
@@ -295,7 +307,8 @@ def step_row4(loan: Loan) -> None:
 
 
 def _window(step, b, warmup: int, offset: int) -> dict:
-    """`warmup` untimed steps, then `steps` timed ones, between device syncs; peak memory since the window began."""
+    """`warmup` untimed steps, then `steps` timed ones, between device syncs; the device's peak memory over the
+    timed steps (with resident systems, theirs included)."""
     import torch
     n = len(b.batches)
     for i in range(warmup):
