@@ -196,3 +196,26 @@ def test_tiny_features_call_runs_each_check_and_records_its_result(tmp_path):
     family, = _of(rows, name="family-qwen3")
     assert family["result"]["hfmeg_losses"][0] == pytest.approx(family["result"]["hf_losses"][0], rel=1e-4)
     assert rows[-1]["kind"] == "done"
+
+
+def test_the_compile_cache_goes_to_out_and_comes_back_from_the_carried_folder(tmp_path, monkeypatch):
+    tool = load_tool("gpu_loan")
+    cache = tmp_path / "inductor"
+    (cache / "fxgraph").mkdir(parents=True)
+    (cache / "fxgraph" / "entry").write_bytes(b"compiled" * 1000)
+    monkeypatch.setattr(tool, "CACHE_DIR", cache)
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = tool.Rows(out / "rows.jsonl", "t")
+    tool._pack_cache(out, rows)
+    row = json.loads((out / "rows.jsonl").read_text())
+    assert row["kind"] == "compile_cache" and row["kept"] and (out / "compile_cache.tar.gz").stat().st_size == row["bytes"]
+
+    # the next loan: carried as .loan/compile_cache.tar.gz, unpacked before the first compile
+    import shutil
+    shutil.rmtree(cache)
+    monkeypatch.setattr(tool, "CARRIED_CACHE", out / "compile_cache.tar.gz")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset")  # restored after the test
+    tool._unpack_cache()
+    assert (cache / "fxgraph" / "entry").read_bytes() == b"compiled" * 1000
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache)

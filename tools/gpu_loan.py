@@ -547,7 +547,7 @@ def _install_wheels() -> None:
 
 
 def _unpack_cache() -> None:
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(CACHE_DIR)
     if CARRIED_CACHE.is_file() and not CACHE_DIR.exists():
         with tarfile.open(CARRIED_CACHE) as tar:
             tar.extractall(CACHE_DIR.parent, filter="data")
@@ -557,8 +557,12 @@ def _pack_cache(out: Path, rows: Rows) -> None:
     """Inductor's cache into out/compile_cache.tar.gz when it fits what a call brings back."""
     if not CACHE_DIR.is_dir():
         return
+    raw = sum(f.stat().st_size for f in CACHE_DIR.rglob("*") if f.is_file())
+    if raw > 8 * CACHE_LIMIT:  # would not compress to 16 MiB; packing it would only spend the call's last seconds
+        rows.write(kind="compile_cache", kept=False, raw_bytes=raw, reason="too large to return")
+        return
     target = out / "compile_cache.tar.gz"
-    with tarfile.open(target, "w:gz") as tar:
+    with tarfile.open(target, "w:gz", compresslevel=1) as tar:
         tar.add(CACHE_DIR, arcname=CACHE_DIR.name)
     size = target.stat().st_size
     if size > CACHE_LIMIT:
