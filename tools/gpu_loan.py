@@ -30,7 +30,7 @@ Output, in `--out` (default `$OUT`, else `out/loan`): `rows.jsonl` (every line J
 
 `--features` is the second, separate call (after this one has returned): the GPU-marked tests, each family's tokens/s
 against transformers and DPO against TRL, rows in `features.jsonl`. `--tiny` runs the whole script, every step and
-every system, on the CPU at toy shapes in well under a minute (tests/test_gpu_loan.py). How a loan is run:
+every system, on the CPU at toy shapes in about 20 s of CPU time (tests/test_gpu_loan.py). How a loan is run:
 docs/gpu.md.
 
     python tools/gpu_loan.py                    # on the lent GPU, first call
