@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import gc
 import importlib.metadata
 import json
 import multiprocessing
@@ -434,16 +433,13 @@ def _commit() -> str | None:
 
 
 def _sync(device) -> None:
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    from bench_mfu import _sync as sync  # imported late: the repository is on the path only once main() runs
+    sync(device)
 
 
 def _free(device) -> None:
-    import torch
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    from bench_mfu import _free as free
+    free(device)
 
 
 def _error(e: BaseException) -> str:
