@@ -29,10 +29,11 @@ family at these shapes instead, the anchor attending eagerly where that family h
 `hfmeg.data.packing` from synthetic prompt/response documents (lengths log-normal
 around seq/14, so ~14 documents per row, prompts masked from the loss), with
 `position_ids` and `segment_ids`; hfmeg attends within documents (flex_attention on
-CUDA), as the trainer does. transformers' SDPA path has no packed-document mask, so
-the anchor attends across documents (causal over the whole row, the same work as one
-long document) and its losses are not comparable; tokens/s and MFU count every
-position of every row, padding included, as without the flag.
+CUDA), as the trainer does. transformers gets the rows' `position_ids`, from which it
+finds the documents itself (`masking_utils.find_packed_sequence_indices`) and attends
+within them through SDPA with a block-diagonal causal mask, as its users train on packed
+rows; tokens/s and MFU count every position of every row, padding included, as without
+the flag.
 
 Timing: `--warmup` untimed steps (compilation, allocator warm-up), then `--steps`
 steps between two `torch.cuda.synchronize()` + `perf_counter()`. Peak memory is
@@ -256,6 +257,11 @@ def fused_adamw(model: torch.nn.Module) -> torch.optim.AdamW:
 
 def run_hf(model, batches, a, device) -> SideResult:
     """The anchor: transformers' own loss (it shifts labels), fused AdamW on the bf16 parameters."""
+    return _measure(build_hf(model, batches, a, device), a, device)
+
+
+def build_hf(model, batches, a, device):
+    """run_hf's training step on `model`: `step(i)` trains on global batch i, returns (loss, tokens)."""
     if a.recompute == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -268,7 +274,8 @@ def run_hf(model, batches, a, device) -> SideResult:
         for mb in batches[i]:
             # transformers shifts labels itself: un-shift the pre-shifted ones (the last is always ignored).
             labels = torch.cat([torch.full_like(mb.labels[:, :1], IGNORE), mb.labels[:, :-1]], dim=1)
-            loss = forward(input_ids=mb.input_ids, labels=labels).loss / len(batches[i])
+            # packed rows: the documents' positions, from which transformers builds its document-causal mask
+            loss = forward(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=labels).loss / len(batches[i])
             loss.backward()
             total += loss.detach().float()
         torch.nn.utils.clip_grad_norm_(params, OPTIM.grad_clip, foreach=True)
@@ -276,11 +283,16 @@ def run_hf(model, batches, a, device) -> SideResult:
         opt.zero_grad(set_to_none=True)
         return total.item(), sum(mb.input_ids.numel() for mb in batches[i])
 
-    return _measure(step, a, device)
+    return step
 
 
 def run_hfmeg(source, batches, a, device, dtype) -> SideResult:
     """hfmeg as the trainer runs it, in a world of one: forward_backward + the overlapped optimizer."""
+    return _measure(build_hfmeg(source, batches, a, device, dtype), a, device)
+
+
+def build_hfmeg(source, batches, a, device, dtype):
+    """run_hfmeg's model, optimizer and step (as build_hf's)."""
     ps = ParallelState(ParallelConfig(), 0, 1, device)
     chunk = load_chunks(source, ps, dtype=dtype, recompute=a.recompute,
                         compile_backend="inductor" if a.compile else None)[0]
@@ -294,7 +306,7 @@ def run_hfmeg(source, batches, a, device, dtype) -> SideResult:
         opt.step()
         return loss, sum(mb.input_ids.numel() for mb in mbs)
 
-    return _measure(step, a, device)
+    return step
 
 
 def packed_microbatches(a, rng: np.random.Generator) -> MicroBatch:

@@ -8,16 +8,22 @@ Rows (`--systems` picks some; all by default):
   master; a Mixtral runs its default experts implementation), eager and under `torch.compile`;
 - `torchtitan` (0.3.x): its Llama 3 model built from its own layer configs at these shapes (a Mixtral: its Qwen3-MoE
   layers without QK-norm, top-k softmax router, no load balancing), its `parallelize_*` with FSDP2 on a mesh of one
-  (fp32 parameters, bf16 compute through FSDP2's MixedPrecisionPolicy, fp32 reduce) and its compile flag (per block,
-  `--compile`); fused AdamW on the fp32 parameters; FlexAttention (its LM default) on CUDA, its SDPA module on CPU,
-  where torch has no FlexAttention backward;
-- `megatron-core` (0.19.x): `GPTModel` with the local layer spec (the Transformer Engine spec where TE imports),
-  `DistributedDataParallel` (fp32 grad buffer, overlapped reduce) + the distributed optimizer (fp32 main params),
-  per-token loss through its no-pipelining schedule, gradient-accumulation fusion where apex's CUDA extension imports;
-  MoE: its `SequentialMLP` experts, top-k router, no aux loss. CUDA only (its grad buffers and schedule are).
+  (fp32 parameters, bf16 compute through FSDP2's MixedPrecisionPolicy, fp32 reduce), its compile settings (per
+  block and the loss, `--compile`), its ChunkedLossWrapper over its CrossEntropyLoss (the LM head inside the loss),
+  its OptimizersContainer from `default_adamw` (fused AdamW) and its clip_grad_norm_; FlexAttention (its LM
+  default) on CUDA, with its block-causal document mask on packed rows, its SDPA module on CPU, where torch has no
+  FlexAttention backward; on torch 2.11 through tools/peer_shims.py;
+- `megatron-core` (0.19.x): `GPTModel` with the Transformer Engine spec where TE imports, else the local spec with
+  torch's SDPA as core attention (peer_shims.SdpaCoreAttention; the local DotProductAttention materialises the scores
+  in fp32), `DistributedDataParallel` (fp32 grad buffer, overlapped reduce) + the distributed optimizer (fp32 main
+  params; TE/apex FusedAdam, else torch's AdamW on its fused kernel), per-token loss through its no-pipelining
+  schedule, gradient-accumulation fusion where apex's CUDA extension imports; unpacked rows (packed documents need
+  TE's THD attention); MoE: its `SequentialMLP` experts, top-k router, no aux loss. CUDA only (its grad buffers and
+  schedule are).
 
 A peer that is not installed (or cannot run here) keeps its JSON row with `"skipped": reason` and one line
-`skip NAME: reason` on stderr. The peers are never dependencies of hfmeg: `tools/peer_wheels.sh` downloads them.
+`skip NAME: reason` on stderr. The peers are never dependencies of hfmeg: `tools/peer_wheels.sh` downloads them, and
+`tools/gpu_loan.py` runs them on a GPU loan (docs/gpu.md).
 
 Every system trains the same token ids (bench_mfu.make_batches) with the same global batch (`--grad-accum` ×
 `--micro-batch-size` × `--seq`), AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1 off the norms, clipping at 1.0.
@@ -55,8 +61,9 @@ from hfmeg.data.packing import IGNORE
 from hfmeg.models.random_init import random_hf_model
 from hfmeg.plan.flops import mfu, training_flops
 from bench_args import at_least
-from bench_mfu import (OPTIM, SideResult, _free, _measure, bench_device, fused_adamw, hf_config, make_batches,
-                       peak_flops_of, resolve_args, run_hf, run_hfmeg, run_main, settings, shape_parser)
+from bench_mfu import (OPTIM, SideResult, _free, _measure, bench_device, build_hf, build_hfmeg, hf_config,
+                       make_batches, peak_flops_of, resolve_args, run_main, settings, shape_parser)
+from peer_shims import SdpaCoreAttention, apply_torchtitan_shims, fuse_torch_adamw
 
 FLOP_CONVENTION = ("Megatron-LM: 6 x matmul parameters a token goes through (+ LM head) + 12 s l h attention "
                    "(full s x s scores, not the causal half); recompute not counted")
@@ -94,7 +101,12 @@ class System:
     precision: Callable[[Bench], str]
     settings: Callable[[Bench], str]
     unavailable: Callable[[Bench], str | None]  # why it cannot run here, None when it can
-    run: Callable[[Bench], SideResult]  # build, warm up, time, then leave nothing behind
+    build: Callable[[Bench], Callable[[int], tuple[float, int]]]  # model + optimizer; step(i) -> (loss, tokens)
+    packed: bool = True  # whether it attends within documents of packed rows (else rows must be unpacked)
+
+    def run(self, b: Bench) -> SideResult:
+        """Build, warm up, time, then leave nothing behind."""
+        return _measure(self.build(b), b.a, b.device)
 
 
 def _missing(module: str) -> str | None:
@@ -108,11 +120,11 @@ def _missing(module: str) -> str | None:
 
 # --- hfmeg and transformers: bench_mfu's two sides -------------------------------------------------------------------
 
-def _run_transformers(compiled: bool) -> Callable[[Bench], SideResult]:
-    def run(b: Bench) -> SideResult:
+def _build_transformers(compiled: bool):
+    def build(b: Bench):
         model = random_hf_model(hf_config(b.shapes), seed=b.a.seed, dtype=b.dtype, device=b.device)
-        return run_hf(model, b.batches, argparse.Namespace(**{**vars(b.a), "hf_compile": compiled}), b.device)
-    return run
+        return build_hf(model, b.batches, argparse.Namespace(**{**vars(b.a), "hf_compile": compiled}), b.device)
+    return build
 
 
 def _experts_impl(b: Bench) -> str:
@@ -127,22 +139,24 @@ HFMEG = System(
     "hfmeg", None,
     precision=lambda b: f"{b.compute} params; fp32 master weights, fp32 main grads, fp32 AdamW moments",
     settings=lambda b: f"compile={'inductor' if b.a.compile else 'none'}, chunked CE, overlapped "
-                       "DistributedOptimizer, fused AdamW, document-causal attention",
+                       "DistributedOptimizer, fused AdamW, "
+                       f"{'document-causal' if b.a.trainer_path else 'causal'} attention",
     unavailable=lambda b: None,
-    run=lambda b: run_hfmeg(b.source, b.batches, b.a, b.device, b.dtype),
+    build=lambda b: build_hfmeg(b.source, b.batches, b.a, b.device, b.dtype),
 )
 TRANSFORMERS = [System(
     "transformers-compiled" if compiled else "transformers", "transformers",
     precision=lambda b: f"{b.compute} params, grads and AdamW moments; no fp32 master",
     settings=lambda b, c=compiled: f"sdpa, {_experts_impl(b)}fused AdamW, clip foreach, torch.compile={c}",
     unavailable=lambda b: None,
-    run=_run_transformers(compiled),
+    build=_build_transformers(compiled),
 ) for compiled in (False, True)]
 
 
 # --- torchtitan ------------------------------------------------------------------------------------------------------
 
 def _torchtitan_unavailable(b: Bench) -> str | None:
+    apply_torchtitan_shims()  # before torchtitan's first import: it binds the names at import
     return _missing("torchtitan.models.llama3")
 
 
@@ -188,7 +202,15 @@ def _torchtitan_model(b: Bench):
     return config, parallelize
 
 
-def _run_torchtitan(b: Bench) -> SideResult:
+def _build_torchtitan(b: Bench):
+    """torchtitan as its llama3_8b trainer config runs it, less what would change the work (no selective AC, as no
+    other row recomputes): its model and parallelize function (FSDP2 on a world of one, bf16 compute through its
+    MixedPrecisionPolicy, per-block compile), its ChunkedLossWrapper over its CrossEntropyLoss (8 chunks, the LM head
+    inside the loss; the loss compiled with the model), its OptimizersContainer with default_adamw (fused AdamW,
+    weight decay 0.1 on every parameter) and its clip_grad_norm_. Packed rows: its block-causal document mask from
+    the positions (flex attention on CUDA)."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.optimizer.optimizer import default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import parallel_dims as titan_dims
@@ -203,36 +225,40 @@ def _run_torchtitan(b: Bench) -> SideResult:
         model = config.build()
     training = TrainingConfig(mixed_precision_param="bfloat16" if b.bf16 else "float32",
                               mixed_precision_reduce="float32", seq_len=b.a.seq)
+    compile_config = CompileConfig(enable=b.a.compile, components=["model", "loss"])
     model = parallelize(model, parallel_dims=dims, training=training, parallelism=parallelism,
-                        compile_config=CompileConfig(enable=b.a.compile, components=["model"]), ac_config=None,
-                        dump_folder=os.devnull)
+                        compile_config=compile_config, ac_config=None, dump_folder=os.devnull)
     model.to_empty(device=b.device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.train()
+    loss_fn = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=b.shapes["vocab"])).build(
+        compile_config=compile_config)
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True  # as its trainer does with the chunked loss: the head runs inside the loss
     params = list(model.parameters())
-    opt = fused_adamw(model)
+    opt = default_adamw(lr=OPTIM.lr).build(model_parts=[model])
     flex = b.device.type == "cuda"
 
     def step(i):
         total = torch.zeros((), device=b.device)
-        n = b.global_tokens(i)
+        n = torch.tensor(b.global_tokens(i), device=b.device)
         for mb in b.batches[i]:
             ids = mb.input_ids
-            positions = torch.arange(ids.shape[1], device=b.device).expand_as(ids)
-            # as its trainer does per micro-batch: block-causal masks from the positions (one document per row)
+            positions = (mb.position_ids if mb.position_ids is not None
+                         else torch.arange(ids.shape[1], device=b.device).expand_as(ids))
+            # as its trainer does per micro-batch: block-causal masks from the positions (documents reset them)
             masks = model.get_attention_masks(positions) if flex else None
-            logits = model(ids, positions=positions, attention_masks=masks)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), mb.labels.flatten(), ignore_index=IGNORE,
-                                   reduction="sum") / n
+            hidden = model(ids, positions=positions, attention_masks=masks)
+            loss, _ = loss_fn(hidden, mb.labels, n, positions=positions)
             loss.backward()
             total += loss.detach()
         titan_dist.clip_grad_norm_(params, OPTIM.grad_clip, foreach=True)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         return total.item(), sum(mb.input_ids.numel() for mb in b.batches[i])
 
-    return _measure(step, b.a, b.device)
+    return step
 
 
 TORCHTITAN = System(
@@ -240,10 +266,12 @@ TORCHTITAN = System(
     precision=lambda b: f"fp32 params (FSDP2 shards), {b.compute} compute (MixedPrecisionPolicy), fp32 grads "
                         "and reduce, fp32 AdamW moments",
     settings=lambda b: f"{'Qwen3-MoE layers without QK-norm' if b.a.experts else 'Llama 3 model'}, FSDP2 world of "
-                       f"one, compile={b.a.compile}, attention={'flex' if b.device.type == 'cuda' else 'sdpa'}, "
-                       "fused AdamW, its clip_grad_norm_",
+                       f"one, compile={b.a.compile} (model per block + loss), "
+                       f"attention={'flex, document mask' if b.device.type == 'cuda' else 'sdpa, causal over the row'}"
+                       ", ChunkedLossWrapper(8), OptimizersContainer default_adamw (fused, wd 0.1 on all), "
+                       "its clip_grad_norm_",
     unavailable=_torchtitan_unavailable,
-    run=_run_torchtitan,
+    build=_build_torchtitan,
 )
 
 
@@ -271,7 +299,7 @@ def _megatron_parallel_state():
         model_parallel_cuda_manual_seed(0)  # its TP layers initialise weights under this RNG tracker
 
 
-def _run_megatron(b: Bench) -> SideResult:
+def _build_megatron(b: Bench):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -292,6 +320,8 @@ def _run_megatron(b: Bench) -> SideResult:
         optimizer="adam", lr=OPTIM.lr, weight_decay=OPTIM.weight_decay, adam_beta1=OPTIM.beta1,
         adam_beta2=OPTIM.beta2, adam_eps=OPTIM.eps, clip_grad=OPTIM.grad_clip, bf16=b.bf16, params_dtype=b.dtype,
         use_distributed_optimizer=True), [ddp])
+    if not _megatron_fused_optimizer():
+        fuse_torch_adamw(opt)  # its fallback to torch's AdamW, on torch's fused kernel
     forward_backward = get_forward_backward_func()
 
     def forward_step(data, m):
@@ -317,7 +347,7 @@ def _run_megatron(b: Bench) -> SideResult:
         return (float(sum(o["loss"] for o in out)) / b.global_tokens(i),
                 sum(mb.input_ids.numel() for mb in b.batches[i]))
 
-    return _measure(step, b.a, b.device)
+    return step
 
 
 def _megatron_config(b: Bench):
@@ -338,10 +368,20 @@ def _megatron_config(b: Bench):
 def _megatron_spec(b: Bench):
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
-    spec = get_gpt_layer_with_transformer_engine_spec if _have("transformer_engine") else get_gpt_layer_local_spec
+    te = _have("transformer_engine")
+    spec = get_gpt_layer_with_transformer_engine_spec if te else get_gpt_layer_local_spec
     if b.shapes["experts"]:
-        return spec(num_experts=b.shapes["experts"], moe_grouped_gemm=False, normalization="RMSNorm")
-    return spec(normalization="RMSNorm")
+        spec = spec(num_experts=b.shapes["experts"], moe_grouped_gemm=False, normalization="RMSNorm")
+    else:
+        spec = spec(normalization="RMSNorm")
+    if not te:  # the local spec's DotProductAttention materialises the scores in fp32: torch's SDPA instead
+        spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+    return spec
+
+
+def _megatron_fused_optimizer() -> bool:
+    """Megatron's own fused Adam comes from Transformer Engine or apex; without both it uses torch's AdamW."""
+    return _have("transformer_engine") or _have("apex")
 
 
 def _megatron_wgrad_fusion() -> bool:
@@ -353,11 +393,15 @@ MEGATRON = System(
     "megatron-core", "megatron-core",
     precision=lambda b: f"{b.compute} params; fp32 main grads (grad_reduce_in_fp32), fp32 main params and Adam "
                         "moments in the distributed optimizer",
-    settings=lambda b: f"GPTModel, {'TE' if _have('transformer_engine') else 'local'} spec"
+    settings=lambda b: f"GPTModel, {'TE' if _have('transformer_engine') else 'local spec with torch SDPA attention'}"
                        f"{', SequentialMLP experts, allgather dispatcher' if b.a.experts else ''}, DDP overlap_grad_reduce + distributed "
-                       f"optimizer, per-token loss, gradient_accumulation_fusion={_megatron_wgrad_fusion()}",
+                       f"optimizer ("
+                       f"{'TE/apex FusedAdam' if _megatron_fused_optimizer() else 'torch AdamW, fused kernel'}), "
+                       f"per-token loss, gradient_accumulation_fusion={_megatron_wgrad_fusion()}, unpacked rows "
+                       "(packed documents need TE's THD attention)",
     unavailable=_megatron_unavailable,
-    run=_run_megatron,
+    build=_build_megatron,
+    packed=False,
 )
 
 SYSTEMS = [HFMEG, *TRANSFORMERS, TORCHTITAN, MEGATRON]
