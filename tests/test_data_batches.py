@@ -137,7 +137,7 @@ def test_eval_split_and_eval_sources(tmp_path):
     data = [build_data(cfg, tok, dp_rank=r, **layout) for r in range(2)]
     train = [next(d) for _ in range(2) for d in data]
     assert firsts(train) == trained + trained[:4]  # 4 training records, then the second epoch
-    assert data[0].epoch == 2.0 and data[0].train_records == [4]
+    assert data[0].epoch == 2.0 and data[0].split == [(path, 4, 3)]
     # a fraction rounds up as datasets' does; more than half is refused in one line naming the source
     assert next(build_data(replace(cfg, eval_split=0.3), tok, dp_rank=0, **layout)) is not None
     assert len(list(Source(SourceConfig(path), eval_split=0.3).held_out())) == 3

@@ -280,9 +280,9 @@ class TrainData:
         return progress(self._stream.pipe.sources, self._consumed.position)
 
     @property
-    def train_records(self) -> list[int | None]:
-        """Each source's training records per epoch (None: a stream of unknown length)."""
-        return [s.train_size for s in self._stream.pipe.sources]
+    def split(self) -> list[tuple[str, int | None, int]]:
+        """Each source's (name, training records per epoch (None: a stream of unknown length), held-out records)."""
+        return [(s.name, s.train_size, s.held_size) for s in self._stream.pipe.sources]
 
     @property
     def step(self) -> int:

@@ -202,7 +202,7 @@ class Source:
 
     `records(epoch, start)`: the training records of epoch `epoch` from the `start`-th on; `held_out()`: the eval
     split's records; `everything()`: every record in file order (an eval source); `train_size`: the training
-    records per epoch (None for a Hub stream of unknown length)."""
+    records per epoch (None for a Hub stream of unknown length); `held_size`: the held-out ones."""
 
     def __init__(self, cfg: SourceConfig, number: int = 0, *, seed: int = 0, eval_split: int | float = 0,
                  shuffle: bool = False, shuffle_buffer: int = 1000):
@@ -233,6 +233,10 @@ class Source:
         info = self._stream().info.splits
         split = info.get(self.cfg.split) if info else None
         return None if split is None or not split.num_examples else split.num_examples - self._hub_held()
+
+    @property
+    def held_size(self) -> int:
+        return self._hub_held() if self.files is None else len(self._local()[1])
 
     def records(self, epoch: int = 0, start: int = 0) -> Iterator[Raw]:
         if self.files is None:
@@ -282,8 +286,9 @@ class Source:
         if self.shuffle:
             seed = int(np.random.SeedSequence([self.seed, self.number]).generate_state(1)[0])
             ds = ds.shuffle(seed=seed, buffer_size=self.shuffle_buffer)
-            ds.set_epoch(epoch)
-        yield from self._hub_indexed(ds.skip(start) if start else ds, start)
+        ds = ds.skip(start) if start else ds
+        ds.set_epoch(epoch)  # last: a dataset made by skip() starts again at epoch 0
+        yield from self._hub_indexed(ds, start)
 
     def _hub_indexed(self, ds, start: int) -> Iterator[Raw]:
         for i, rec in enumerate(ds, start):

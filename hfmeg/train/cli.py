@@ -76,6 +76,10 @@ FLAGS = {
     "--micro-batch-size": ("train.micro_batch_size", int, "rows per micro-batch"),
     "--global-batch-size": ("train.global_batch_size", int, "rows per optimizer step, all DP ranks"),
     "--max-steps": ("train.max_steps", int, "optimizer steps"),
+    "--num-epochs": ("train.num_epochs", float, "stop after this many epochs of the training data, or at "
+                     "--max-steps: the first reached"),
+    "--eval-split": ("data.eval_split", str, "records of each source held out for eval, never trained on: a "
+                     "count (64) or a fraction (0.05)"),
     "--eval-every": ("train.eval_every", int, "evaluate every N steps (0: never)"),
     "--lr": ("optim.lr", float, "peak learning rate"),
     "--warmup-steps": ("lr.warmup_steps", int, "linear warm-up steps"),
