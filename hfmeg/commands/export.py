@@ -29,6 +29,7 @@ from ..train.export import export_run
 from ..train.parts import part_class
 from ..train.run_lock import RunLock
 from ..train.validate import check_hub_login, check_push_target
+from ..flags import Parser
 
 CHECKPOINTS = "checkpoints"  # a run's checkpoint root under its --out (train/checkpointing.py)
 
@@ -74,7 +75,7 @@ def export(args) -> Path:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", metavar="OUT", help="a training run's --out folder, or one checkpoint in it")
     ap.add_argument("--iteration", type=int, default=None,
                     help="the checkpoint of this step (default: the latest, or the one OUT names)")

@@ -22,6 +22,7 @@ from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.mp_reader import MPCheckpoint
 from ..checkpoint.parity import compare, prompt_ids, reference_outputs, sharded_outputs
 from ..parallel.launch import spawn
+from ..flags import Parser
 
 
 def _text(ids: list[int], tok) -> str:
@@ -62,7 +63,7 @@ def verify(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mp", required=True, help="MP checkpoint folder")
     ap.add_argument("--hf", required=True, help="HF folder or Hub id to compare with")
     ap.add_argument("--prompt", default="Once upon a time", help="prompt text (needs a tokenizer in the checkpoint)")

@@ -30,6 +30,7 @@ from ..errors import HfmegError
 from .config import TrainConfig
 from .validate import check_hub_login, load_config
 from .dataclass_io import ConfigError, to_yaml
+from ..flags import Parser
 
 RECIPE_DIR = Path(__file__).parent / "recipes"  # package data (pyproject.toml), found by an installed hfmeg too
 RECIPES = {  # name -> what it trains; each is RECIPE_DIR / f"{name}.yaml"
@@ -120,7 +121,7 @@ def recipe_config(name: str) -> Path:
 def parser(description: str, default_config: Path | None, prog: str | None = None) -> argparse.ArgumentParser:
     """A recipe script's parser (`default_config`: its YAML, which `--config` replaces), or `hfmeg train`'s
     (None: a CONFIG argument or `--recipe`)."""
-    ap = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     if default_config is not None:
         ap.add_argument("--config", default=str(default_config), help="YAML config (default: %(default)s)")
     else:

@@ -77,19 +77,30 @@ def _ranges(cfg: TrainConfig) -> None:
 
 
 def _layout(cfg: TrainConfig, world_size: int) -> None:
-    """The rank grid's own checks (`grid.RankGrid`), each reported under the field it is about."""
+    """The rank grid's own checks (`grid.RankGrid`), each reported under the field it is about; those that do not
+    depend on one another all at once (one line each), so a layout is fixed in one go."""
     p, t = cfg.parallel, cfg.train
     _checked("parallel.tp x parallel.cp x parallel.pp", check_world, world_size, p.tp, p.cp, p.pp)
     grid = _checked("parallel.ep", p.grid, world_size)
     hosts = _checked("LOCAL_WORLD_SIZE", replace, grid, per_host=ranks_per_host())
     inside = [kind for kind in KEPT_INSIDE_A_HOST if kind in hosts.crossing()]
-    _checked(f"parallel.{inside[0]}" if inside else "", hosts.check_hosts, p.allow_cross_host)
-    if p.pp_layers is not None:
-        if len(p.pp_layers) != p.pp * p.vpp or min(p.pp_layers) < 1:
-            raise ConfigError(f"parallel.pp_layers: expected {p.pp * p.vpp} layer counts >= 1 (pp x vpp), "
-                              f"got {p.pp_layers}")
-    _checked("data.seq_len", grid.check_sequence, cfg.data.seq_len)
-    _checked("train.global_batch_size", grid.check_batch, t.global_batch_size, t.micro_batch_size)
+    problems = []
+    for check in (lambda: _checked(f"parallel.{inside[0]}" if inside else "", hosts.check_hosts, p.allow_cross_host),
+                  lambda: _pp_layers(p), lambda: _checked("data.seq_len", grid.check_sequence, cfg.data.seq_len),
+                  lambda: _checked("train.global_batch_size", grid.check_batch, t.global_batch_size,
+                                   t.micro_batch_size)):
+        try:
+            check()
+        except ConfigError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError("\nerror: ".join(problems))
+
+
+def _pp_layers(p) -> None:
+    if p.pp_layers is not None and (len(p.pp_layers) != p.pp * p.vpp or min(p.pp_layers) < 1):
+        raise ConfigError(f"parallel.pp_layers: expected {p.pp * p.vpp} layer counts >= 1 (pp x vpp), "
+                          f"got {p.pp_layers}")
 
 
 def _checked(field: str, check, *args, **kwargs):
