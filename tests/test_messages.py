@@ -46,3 +46,22 @@ def test_every_layout_problem_is_reported_at_once(capsys, monkeypatch):
     assert lines == ["error: data.seq_len: the 4096 tokens of each CP rank (sequence length 4096 / CP=1) do not "
                      "divide over TP=3 (sequence parallelism)",
                      "error: train.global_batch_size: global batch 7 is not divisible by DP x micro-batch = 2 x 1"]
+
+
+def test_verify_on_a_lora_checkpoint_and_export_of_a_run_without_one_say_what_they_were_given(tmp_path, capsys):
+    from hfmeg.checkpoint.mp_layout import LAYOUT_FILE
+    from hfmeg.commands import export, verify
+
+    ckpt = tmp_path / "run" / "checkpoints" / "iter_0000005"
+    (ckpt / "mp_rank_00").mkdir(parents=True)
+    (ckpt / LAYOUT_FILE).write_text("{}")
+    (ckpt / "mp_rank_00" / "adapter.safetensors").write_bytes(b"")
+    assert verify.main(["--mp", str(ckpt), "--hf", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{ckpt}: a LoRA/DoRA training checkpoint (adapter shards on a frozen base, no model weights)" in err
+    assert "`hfmeg export OUT`" in err and "missing rank file" not in err
+    live = tmp_path / "live"
+    live.mkdir()
+    (live / "config.yaml").write_text("train: {}\n")
+    assert export.main([str(live)]) == 2
+    assert f"{live}: a training run's --out with no checkpoint yet" in capsys.readouterr().err
