@@ -17,8 +17,10 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else list(args)
         known = [o for o in self._option_string_actions if o.startswith("--")]
+        # a subcommand's flags are its own parser's to check
+        commands = {c for a in self._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices}
         for token in argv:
-            if token == "--":
+            if token == "--" or token in commands:
                 break
             flag = token.split("=", 1)[0]
             if flag.startswith("--") and flag not in known:
