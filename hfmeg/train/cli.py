@@ -29,10 +29,12 @@ import torch
 from ..errors import HfmegError
 from .config import TrainConfig
 from .validate import check_hub_login, load_config
-from .dataclass_io import ConfigError, to_yaml
+from .dataclass_io import ConfigError, load_yaml, to_yaml
 from ..flags import Parser
 
 RECIPE_DIR = Path(__file__).parent / "recipes"  # package data (pyproject.toml), found by an installed hfmeg too
+PRESET_DIR = RECIPE_DIR / "presets"
+PRESETS = ("cpu",)  # PRESET_DIR / f"{name}.yaml"
 RECIPES = {  # name -> what it trains; each is RECIPE_DIR / f"{name}.yaml"
     "sft_llama13b": "supervised fine-tuning, LLaMA-2-13B on one node of 8 x 80 GB (TP4 x DP2, SP)",
     "pretrain_llama": "continued pre-training of a LLaMA-family model on plain text",
@@ -128,6 +130,8 @@ def parser(description: str, default_config: Path | None, prog: str | None = Non
         which = ap.add_mutually_exclusive_group()
         which.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config of the run")
         which.add_argument("--recipe", choices=RECIPES, help="a built-in recipe's YAML config (listed above)")
+    ap.add_argument("--preset", choices=PRESETS, help="sizes for a kind of machine, over the config's: cpu (lr, "
+                    "batch, sequence length, eval split and steps for a tiny model on CPU; recipes/presets/cpu.yaml)")
     ap.add_argument("--data", action="append", help="data source (Hub id, file, folder or glob); repeatable")
     ap.add_argument("--format", help="data format: alpaca | messages | sharegpt | text | preference | sharegpt_preference "
                     "(pairs, with --loss-type)")
@@ -155,12 +159,23 @@ def _config_file(args: argparse.Namespace) -> str | Path:
                       f"(--recipe {'|'.join(RECIPES)})")
 
 
+def _flat(data: dict, prefix: str = "") -> dict[str, object]:
+    """A nested YAML mapping as dotted keys (`{"optim": {"lr": 1}}` -> `{"optim.lr": 1}`)."""
+    out: dict[str, object] = {}
+    for k, v in data.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in FLAGS.items()}
-    overrides["parallel.sequence_parallel"] = args.sequence_parallel
-    overrides["hub.private"] = args.private
-    overrides["checkpoint.overwrite"] = args.overwrite
-    overrides["data.format"] = args.format
+    # a preset first: every flag and --set below overrides it
+    overrides = _flat(load_yaml(PRESET_DIR / f"{args.preset}.yaml")) if getattr(args, "preset", None) else {}
+    overrides |= {key: v for flag, (key, _, _) in FLAGS.items()
+                  if (v := getattr(args, flag[2:].replace("-", "_"))) is not None or key not in overrides}
+    for key, value in (("parallel.sequence_parallel", args.sequence_parallel), ("hub.private", args.private),
+                       ("checkpoint.overwrite", args.overwrite), ("data.format", args.format)):
+        if value is not None or key not in overrides:
+            overrides[key] = value
     if args.data:
         overrides["data.sources"] = [{"path": d} for d in args.data]
     for item in args.set:
