@@ -43,6 +43,9 @@ RECIPES = {  # name -> what it trains; each is RECIPE_DIR / f"{name}.yaml"
     "sft_gpt_oss": "supervised fine-tuning, gpt-oss-20b on one node of 8 x 80 GB (DP8, EP8)",
     "sft_qwen3_5": "supervised fine-tuning, Qwen3.5-9B on one node of 8 x 80 GB (TP2 x DP4, SP)",
     "sft_deepseek_v3": "supervised fine-tuning, DeepSeek-V3 on 32 nodes of 8 x 80 GB (PP32 x DP8, EP8)",
+    "sft_qwen3": "supervised fine-tuning, Qwen3-8B on one node of 8 x 80 GB (TP2 x DP4, SP)",
+    "sft_gemma3": "supervised fine-tuning, Gemma 3 12B on one node of 8 x 80 GB (TP4 x DP2, SP)",
+    "sft_phi4": "supervised fine-tuning, Phi-4 on one node of 8 x 80 GB (TP2 x PP2 x DP2, SP)",
 }
 TRAIN_DESCRIPTION = """Train a model: a YAML config (CONFIG) or a built-in recipe (--recipe), plus flags that override it.
 
