@@ -28,9 +28,37 @@ from .checkpoint.hub_ids import hub_id, is_local
 from .errors import HfmegError
 
 
+EXPORT_FOLDERS = ("hf", "adapter")  # where a run writes its exports (<out>/hf, <out>/adapter)
+
+
 def public_name(path: str) -> str:
-    """What a card may say about `path`: its Hub id, else only its final name (never a local path)."""
-    return hub_id(path) or Path(path).name or path
+    """What a card may say about `path`: its Hub id, else only its final name (never a local path); an hfmeg
+    export (`<out>/hf`) by its run's folder name, which is what names it."""
+    if hub_id(path):
+        return hub_id(path)
+    p = Path(path).resolve() if Path(path).exists() else Path(path)
+    return (p.parent.name if p.name in EXPORT_FOLDERS and p.parent.name else p.name) or path
+
+
+def trained_from(base_model: str) -> str | None:
+    """The Hub id a local base was itself trained from, as its card's front matter declares (an hfmeg SFT export
+    fine-tuned from a Hub model); None for a Hub base or a folder without one."""
+    if hub_id(base_model) or not (Path(base_model) / "README.md").is_file():
+        return None
+    found = _front_matter((Path(base_model) / "README.md").read_text()).get("base_model")
+    return found if isinstance(found, str) and hub_id(found) == found else None
+
+
+def data_name(path: str) -> str:
+    """A data source as a card names it: a Hub id as it is, a local one by its file name and record count."""
+    if hub_id(path):
+        return f"`{hub_id(path)}`"
+    from .data.sources import Table, local_files
+
+    try:
+        return f"`{Path(path).name}` (local, {len(Table(local_files(path) or [])):,} records)"
+    except (HfmegError, OSError, ValueError):
+        return f"`{Path(path).name}` (local)"
 
 
 def _front_matter(text: str) -> dict[str, Any]:
@@ -103,7 +131,7 @@ def _card_metadata(*, base_model: str, data: list[str], from_scratch: bool, adap
                   method: str = "lora", tags: tuple[str, ...] = ()) -> ModelCardData:
     """The front matter the Hub reads: base model and relation (it builds the model tree from them), data sets,
     license, pipeline and library (`huggingface_hub.ModelCardData`, so the Hub's own field names)."""
-    base = None if from_scratch else hub_id(base_model)
+    base = None if from_scratch else hub_id(base_model) or trained_from(base_model)
     datasets = [d for d in dict.fromkeys(hub_id(p) for p in data) if d]
     return ModelCardData(
         base_model=base, base_model_relation=("adapter" if adapter else "finetune") if base else None,
@@ -143,7 +171,10 @@ def write_model_card(folder: Path, *, base_model: str, data: list[str], config: 
     if diverged:
         lines += ["> **This run diverged** (non-finite loss or gradients): these weights are a snapshot for "
                   "inspection, not a usable fine-tuned model.", ""]
-    origin = "" if meta.base_model or from_scratch else " (a local folder, not a Hub repo, so no `base_model` is declared)"
+    ancestor = trained_from(base_model)
+    origin = ("" if from_scratch or hub_id(base_model)
+              else f" (a local fine-tune of **{ancestor}**, declared as `base_model`)" if ancestor
+              else " (a local folder, not a Hub repo, so no `base_model` is declared)")
     lines += [
         (f"Pretrained from random weights with the architecture and tokenizer of **{base}**{origin}, "
          if from_scratch else f"Fine-tuned from **{base}**{origin} ") + "with hfmeg "
@@ -160,7 +191,7 @@ def write_model_card(folder: Path, *, base_model: str, data: list[str], config: 
         *([f"- prompt format: {prompt_format}"] if prompt_format else []),
         "",
         "## Data",
-        *[f"- `{public_name(d)}`" for d in data],
+        *[f"- {data_name(d)}" for d in data],
         "",
         "## Metrics at the last step" + (" (diverged: not a result)" if diverged else ""),
         "",

@@ -61,7 +61,7 @@ def _refused(capsys, argv: list[str], expect: str) -> None:
     (["--cp", "0"], "parallel.cp: must be >= 1, got 0"),
     (["--ep", "2"], "parallel.ep: EP=2 does not divide DP=1 (expert-parallel ranks are data-parallel ranks)"),
     (["--resume", "no/such/checkpoint"], "checkpoint.resume: 'no/such/checkpoint' is neither none, auto nor"),
-    (["--set", "data.eval_holdout=0"], "train.eval_every: 100 asks for evaluation but there is no eval data"),
+    (["--set", "data.eval_split=0"], "train.eval_every: 100 asks for evaluation but there is no eval data"),
     (["--push-to-hub", "bad//id"], "hub.push_to_hub: 'bad//id' is not a valid Hub repo id"),
     (["--push-to-hub", "me/tiny"], "hub.push_to_hub: no Hugging Face token found"),
     (["--layout", "sideways"], "parallel.layout: 'sideways' is not one of ['manual', 'auto']"),
@@ -123,7 +123,7 @@ def test_the_recipes_defaults_evaluate_on_held_out_data():
     """The recipes evaluate every 100/200 steps: they must bring eval data (they crashed at that step)."""
     for yaml, world in ((SFT, 8), (PRETRAIN, 8), (MIXTRAL, 16)):
         cfg, warnings = load_config(yaml, {"model.path": "m", "data.sources": [{"path": "d.json"}]}, world_size=world)
-        assert 0 < cfg.train.eval_every <= cfg.train.max_steps and cfg.data.eval_holdout > 0
+        assert 0 < cfg.train.eval_every <= cfg.train.max_steps and cfg.data.eval_split > 0
         assert warnings == []
 
 

@@ -125,7 +125,7 @@ def write_jsonl(path: Path, recs) -> Path:
 
 
 def read(src: SourceConfig, start: int = 0):
-    raws = list(Source(src).records(start))
+    raws = list(Source(src).records(0, start))
     assert all(r.problem is None for r in raws)
     return [r.record for r in raws], [r.where for r in raws]
 
@@ -181,7 +181,7 @@ def test_weighted_mixture_is_deterministic_resumable_and_cycles(tmp_path):
     picks = np.array([c for _, (c, _, _) in run])
     assert abs((picks == 0).mean() - 0.75) < 0.04
     assert [c for _, (c, _, _) in zip(range(3000), Mixture(sources, seed=6))] != picks.tolist()
-    # every source cycles through its records in order, epoch after epoch
+    # every source cycles through its records, epoch after epoch (in file order: these Sources do not shuffle)
     assert [r.record for _, (c, r, _) in run if c == 1][:5] == [RECORDS[0], RECORDS[1], RECORDS[0], RECORDS[1],
                                                                  RECORDS[0]]
     pos = run[1999][1][2]
@@ -205,7 +205,8 @@ def bad_file(tmp_path: Path) -> Path:
 
 
 def run_data(src: SourceConfig, rows: int = 4, **cfg):
-    data = build_data(DataConfig(sources=[src], **cfg), char_tokenizer(), dp_rank=0, dp_size=1,
+    """The first batch and the report, records in file order (the cases the tests name are the first ones)."""
+    data = build_data(DataConfig(sources=[src], shuffle=False, **cfg), char_tokenizer(), dp_rank=0, dp_size=1,
                       micro_batch_size=1, global_batch_size=rows)
     return next(data), data.report
 
@@ -277,7 +278,7 @@ def test_text_with_the_stories260k_tokenizer():
 
     tok = AutoTokenizer.from_pretrained(stories_or_skip())
     own = Path(__file__).resolve().parents[1] / "data" / "text_sample.txt"
-    cfg = DataConfig(sources=[SourceConfig(str(own), format="text")], seq_len=256)
+    cfg = DataConfig(sources=[SourceConfig(str(own), format="text")], seq_len=256, shuffle=False)
     batch = next(build_data(cfg, tok, dp_rank=0, dp_size=1, micro_batch_size=2, global_batch_size=2))
     lines = own.read_text().splitlines()
     k = 0

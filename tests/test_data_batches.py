@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.data import DataConfig, MicroBatch, SourceConfig, build_data, build_eval_data
 from hfmeg.data.microbatch import token_index
+from hfmeg.data.sources import Source
 from hfmeg.errors import DataError
 from test_data import RECORDS, bad_file, char_tokenizer, llama2_or_skip, write_jsonl
 from tiny_models import save_tiny
@@ -100,7 +102,7 @@ def test_global_batch_is_the_same_for_dp_1_2_4(tmp_path):
 
 def test_exact_resume_also_with_another_dp_size(tmp_path):
     for packing in (True, False):
-        cfg = mixed_config(tmp_path, packing=packing, eval_holdout=3)
+        cfg = mixed_config(tmp_path, packing=packing, eval_split=3)
         ref, _, ref_report = global_batches(cfg, dp=1, mbs=2, gbs=8, steps=7)
         first, state, _ = global_batches(cfg, dp=2, mbs=2, gbs=8, steps=3)
         assert state["step"] == 3 and (state["packer"]["open"] or not packing)
@@ -111,7 +113,11 @@ def test_exact_resume_also_with_another_dp_size(tmp_path):
         global_batches(mixed_config(tmp_path, seq_len=64), dp=1, mbs=1, gbs=8, steps=1, state=state)
 
 
-def test_eval_holdout_and_eval_sources(tmp_path):
+def test_eval_split_and_eval_sources(tmp_path):
+    """The eval split is `datasets`' train_test_split test set (same seed, same records, same order), read once as
+    eval batches; training, in file order without shuffle, reads the other records only, epoch after epoch."""
+    import datasets
+
     tok = char_tokenizer()
     path = str(write_jsonl(tmp_path / "r.jsonl", RECORDS))
     layout = dict(dp_size=2, micro_batch_size=1, global_batch_size=4)
@@ -120,13 +126,25 @@ def test_eval_holdout_and_eval_sources(tmp_path):
         return ["".join(tok.convert_ids_to_tokens(m.input_ids[0][m.segment_ids[0] == 1].tolist()))
                 .split("\n")[1] for b in batches for m in b.microbatches if m.segment_ids[0].max() > 0]
 
-    cfg = DataConfig(sources=[SourceConfig(path)], seq_len=64, packing=False, eval_holdout=5)
+    split = datasets.Dataset.from_list(RECORDS).train_test_split(test_size=3, seed=4)
+    held = [r["instruction"] for r in split["test"]]
+    trained = [r["instruction"] for r in RECORDS if r["instruction"] not in held]
+    cfg = DataConfig(sources=[SourceConfig(path)], seq_len=64, packing=False, eval_split=3, seed=4, shuffle=False)
     evals = [list(build_eval_data(cfg, tok, dp_rank=r, **layout)) for r in range(2)]
-    assert [len(e) for e in evals] == [2, 2]  # 5 rows + 3 empty rows, as 2 global batches
-    assert firsts([evals[0][0], evals[1][0], evals[0][1], evals[1][1]]) == ["q0", "q1", "q2", "q3", "q4"]
-    assert evals[1][1].microbatches[1].segment_ids.max() == 0 and evals[0][1].num_tokens == 3  # "a4</s>"
-    train = [next(build_data(cfg, tok, dp_rank=r, **layout)) for r in range(2)]
-    assert firsts(train) == ["q5", "q6", "q0", "q1"]  # training starts after the holdout, then cycles
+    assert [len(e) for e in evals] == [1, 1]  # 3 rows + 1 empty row, as 1 global batch
+    assert firsts([evals[0][0], evals[1][0]]) == held
+    assert evals[1][0].microbatches[1].segment_ids.max() == 0
+    data = [build_data(cfg, tok, dp_rank=r, **layout) for r in range(2)]
+    train = [next(d) for _ in range(2) for d in data]
+    assert firsts(train) == trained + trained[:4]  # 4 training records, then the second epoch
+    assert data[0].epoch == 2.0 and data[0].split == [(path, 4, 3)]
+    # a fraction rounds up as datasets' does; more than half is refused in one line naming the source
+    assert next(build_data(replace(cfg, eval_split=0.3), tok, dp_rank=0, **layout)) is not None
+    assert len(list(Source(SourceConfig(path), eval_split=0.3).held_out())) == 3
+    with pytest.raises(DataError, match=f"data source {path}: data.eval_split 4 holds out 4 of its 7 records"):
+        next(build_data(replace(cfg, eval_split=4), tok, dp_rank=0, **layout))
+    with pytest.raises(DataError, match="data.eval_split and data.eval_sources both"):
+        DataConfig(sources=[SourceConfig(path)], eval_sources=[SourceConfig(path)], eval_split=2)
     cfg = DataConfig(sources=[SourceConfig(path)], eval_sources=[SourceConfig(path)], seq_len=300)
     (batch,) = build_eval_data(cfg, tok, dp_rank=0, dp_size=1, micro_batch_size=4, global_batch_size=4)
     assert batch.microbatches[0].segment_ids[0].max() == 7 and batch.num_tokens == 7 * 3
@@ -134,7 +152,7 @@ def test_eval_holdout_and_eval_sources(tmp_path):
 
 def test_llama2_tokenizer_on_the_projects_own_sft_sample():
     tok = llama2_or_skip()
-    cfg = DataConfig(sources=[SourceConfig(str(OWN / "sft_sample.jsonl"))], seq_len=256)
+    cfg = DataConfig(sources=[SourceConfig(str(OWN / "sft_sample.jsonl"))], seq_len=256, shuffle=False)
     batch = next(build_data(cfg, tok, dp_rank=0, dp_size=1, micro_batch_size=2, global_batch_size=2))
     records = [json.loads(line) for line in (OWN / "sft_sample.jsonl").read_text().splitlines()]
     k = 0
@@ -178,25 +196,24 @@ def test_cp_ranks_hold_only_their_chunks_and_resume_at_another_cp(tmp_path):
     assert token_index(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
 
 
-def test_bad_records_in_the_eval_holdout_are_counted_like_training_ones(tmp_path):
+def test_bad_records_in_the_eval_split_are_counted_like_training_ones(tmp_path):
     """A malformed record among the held-out ones is reported by the training stream, eval on or off, once; with
     bad_data: fail it stops the run as a training record would."""
     tok = char_tokenizer()
     path = str(write_jsonl(tmp_path / "r.jsonl", [RECORDS[0], '{"instruction": "broken"', *RECORDS[1:]]))
     layout = dict(dp_rank=0, dp_size=1, micro_batch_size=1, global_batch_size=2)
-    cfg = DataConfig(sources=[SourceConfig(path)], seq_len=64, packing=False, eval_holdout=3)
+    cfg = DataConfig(sources=[SourceConfig(path)], seq_len=64, packing=False, eval_split=3, seed=1)  # 5, 0, 1
     data = build_data(cfg, tok, **layout)
     next(data)
     assert data.report.counts == {"malformed_json": 1}
     assert data.report.first["malformed_json"].startswith(f"{path}:2: ")
-    assert data.report.first["malformed_json"].endswith("(eval hold-out)")
+    assert data.report.first["malformed_json"].endswith("(eval split)")
     assert data.report.documents == 2  # only the training rows' documents are packed
     evals = build_eval_data(cfg, tok, **layout)
     list(evals)  # eval meets the same record, counted in its own pass's report, not announced again
     assert evals.report.counts == {"malformed_json": 1} and not evals.report.announce
-    with pytest.raises(DataError, match=f"{path}:2: .*eval hold-out"):
-        next(build_data(DataConfig(sources=[SourceConfig(path)], seq_len=64, packing=False, eval_holdout=3,
-                                   bad_data="fail"), tok, **layout))
+    with pytest.raises(DataError, match=f"{path}:2: .*eval split"):
+        next(build_data(replace(cfg, bad_data="fail"), tok, **layout))
 
 
 def test_microbatch_checks_its_shapes_and_splits_every_field_by_its_kind():

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,8 +164,9 @@ def pair_file(tmp_path: Path, n: int = 40) -> Path:
 
 
 def pair_config(path, **cfg) -> DataConfig:
+    """Preference data in file order (the tests name the pairs by their records)."""
     return DataConfig(sources=[SourceConfig(str(path))], format="preference", seq_len=cfg.pop("seq_len", 64),
-                      read_ahead=cfg.pop("read_ahead", 5), **cfg)
+                      read_ahead=cfg.pop("read_ahead", 5), shuffle=cfg.pop("shuffle", False), **cfg)
 
 
 def loader(path, dp=1, rank=0, mbs=2, gbs=8, cp=1, cp_rank=0, **cfg):
@@ -245,22 +247,22 @@ def test_cp_ranks_cut_the_sequence_ids_of_the_same_rows(tmp_path):
         assert part.num_pairs == whole.num_pairs and torch.equal(part.sequence_ids, whole.sequence_ids[:, cols])
 
 
-def test_exact_resume_at_another_dp_size_and_eval_holdout(tmp_path):
+def test_exact_resume_at_another_dp_size_and_eval_split(tmp_path):
     path = pair_file(tmp_path)
     for packing in (True, False):
-        ref, _, ref_report = global_pairs(path, dp=1, mbs=4, gbs=8, steps=6, packing=packing, eval_holdout=5)
-        first, state, _ = global_pairs(path, dp=2, mbs=2, gbs=8, steps=2, packing=packing, eval_holdout=5)
+        ref, _, ref_report = global_pairs(path, dp=1, mbs=4, gbs=8, steps=6, packing=packing, eval_split=5)
+        first, state, _ = global_pairs(path, dp=2, mbs=2, gbs=8, steps=2, packing=packing, eval_split=5)
         assert state["step"] == 2 and (any(state["packer"]["open"]) or not packing)
         rest, _, report = global_pairs(path, dp=4, mbs=2, gbs=8, steps=4, state=state, packing=packing,
-                                       eval_holdout=5)
+                                       eval_split=5)
         assert [p for p, _ in first + rest] == [p for p, _ in ref]
         assert report.documents == ref_report.documents
-    evals = list(build_eval_data(pair_config(path, eval_holdout=5), char_tokenizer(), dp_rank=0, dp_size=1, micro_batch_size=2,
+    evals = list(build_eval_data(pair_config(path, eval_split=5), char_tokenizer(), dp_rank=0, dp_size=1, micro_batch_size=2,
                                  global_batch_size=4))
     pairs = [p for b in evals for m in b.microbatches for p in check_pairs(m)]
     assert len(pairs) == sum(b.num_pairs for b in evals) == 5  # the held-out records, as pairs
-    assert evals[-1].microbatches[-1].num_pairs == 0  # padding of the last batch: rows without pairs
-    assert text(pairs[0]) == ("yes</s>", "no</s>")  # record 0, every answer token a label
+    held = np.random.default_rng(0).permutation(40)[:5]  # the eval split's records, every answer token a label
+    assert [text(p) for p in pairs] == [(f"yes{'a' * (i % 11)}</s>", f"no{'b' * (i % 5)}</s>") for i in held]
 
 
 def test_truncation_and_bad_pairs_are_counted_by_kind(tmp_path):

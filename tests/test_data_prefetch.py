@@ -36,7 +36,7 @@ def loader(cfg: DataConfig, dp_rank: int = 0, dp_size: int = 1):
 
 
 def test_prefetch_yields_the_same_batches_states_and_reports(tmp_path):
-    cfg = mixed_config(tmp_path, seq_len=256, eval_holdout=2)
+    cfg = mixed_config(tmp_path, seq_len=256, eval_split=2)
     plain, ahead = loader(replace(cfg, prefetch=0)), loader(replace(cfg, prefetch=3))
     states, seen = [], []
     for _ in range(6):

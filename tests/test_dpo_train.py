@@ -37,7 +37,7 @@ def _config(out: Path, model: Path, *, tp=1, pp=1, steps=30, lr=1e-3, peft="none
         optim=OptimizerConfig(lr=lr, weight_decay=0.0, eps=1e-8),
         lr=LRScheduleConfig(warmup_steps=2, total_steps=schedule_steps or steps, min_lr=lr / 10),
         data=DataConfig(sources=[SourceConfig(str(PAIRS))], format="sharegpt_preference", seq_len=256,
-                        eval_holdout=8 if eval_every else 0),
+                        eval_split=8 if eval_every else 0),
         preference=PreferenceConfig(loss_type=loss_type, beta=0.1, reference=reference),
         peft=PeftConfig(method=peft, r=8, alpha=16, dropout=0.0),
         train=LoopArgs(micro_batch_size=2, global_batch_size=4, max_steps=steps, eval_every=eval_every, eval_batches=2),

@@ -137,7 +137,7 @@ def test_pretrain_recipe_from_random_weights_unlocks_and_exports(tmp_path):
         [sys.executable, str(ROOT / "recipes" / "pretrain_llama.py"), "--init", "random", "--config-from", str(model),
          "--data", str(TEXT), "--set", f"train.shared_layers_until={UNTIL}", "--tp", "1", "--no-sequence-parallel",
          "--max-steps", "5", "--seq-len", "64", "--global-batch-size", "4", "--lr", "3e-3", "--warmup-steps", "1",
-         "--set", "data.eval_holdout=0", "--eval-every", "0", "--out", str(out), "--resume", "none"], timeout=600)
+         "--set", "data.eval_split=0", "--eval-every", "0", "--out", str(out), "--resume", "none"], timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"step {UNTIL}: layers unlocked" in proc.stdout
     assert len(_losses(out)) == 5

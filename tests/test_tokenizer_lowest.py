@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 texts, chat = json.loads(sys.argv[2]), json.loads(sys.argv[3])
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 ids = [tok(t).input_ids for t in texts]
-print(json.dumps({"version": transformers.__version__, "ids": ids, "decoded": [tok.decode(i) for i in ids],
+print(json.dumps({"version": transformers.__version__, "ids": ids, "inputs": sorted(tok(texts[0])), "decoded": [tok.decode(i) for i in ids],
                   "chat": tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
                   if tok.chat_template else None}))
 """
@@ -65,6 +65,8 @@ def _same_in_both(lowest: str, folder: Path) -> dict:
     theirs, ours = _probe(lowest, folder), _probe(sys.executable, folder)
     assert Version(theirs["version"]) == Version(_lowest_version()), "`.venv-lowest` is stale: rerun `make test`"
     assert theirs["ids"] == ours["ids"] and theirs["decoded"] == ours["decoded"] and theirs["chat"] == ours["chat"]
+    # what a decoder-only model's generate() takes, no token_type_ids (4.x's default for a fast tokenizer)
+    assert theirs["inputs"] == ours["inputs"] == ["attention_mask", "input_ids"]
     return ours
 
 

@@ -36,7 +36,7 @@ ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
 
 
 def _config(out: Path, model: Path, *, tp=1, pp=1, steps=10, save_every=0, resume="none", gbs=8, lr=2e-3,
-            sp=False, schedule_steps=None, eval_every=0, eval_holdout=0, powersgd_from=None) -> TrainConfig:
+            sp=False, schedule_steps=None, eval_every=0, eval_split=0, powersgd_from=None) -> TrainConfig:
     compression = dict(compression="powersgd", powersgd_rank=2, compression_start_step=powersgd_from) \
         if powersgd_from is not None else {}
     return TrainConfig(
@@ -44,7 +44,7 @@ def _config(out: Path, model: Path, *, tp=1, pp=1, steps=10, save_every=0, resum
         parallel=ParallelArgs(tp=tp, pp=pp, sequence_parallel=sp),
         optim=OptimizerConfig(lr=lr, weight_decay=0.01, eps=1e-5, **compression),
         lr=LRScheduleConfig(warmup_steps=2, total_steps=schedule_steps or steps, min_lr=lr / 10),
-        data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=64, eval_holdout=eval_holdout),
+        data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=64, eval_split=eval_split),
         train=LoopArgs(micro_batch_size=1, global_batch_size=gbs, max_steps=steps, eval_every=eval_every,
                        eval_batches=2),
         checkpoint=CheckpointArgs(out=str(out), save_every=save_every, resume=resume, keep_last=2),
@@ -73,7 +73,7 @@ def test_finetune_exports_a_working_model(tp, pp, world, tmp_path):
     """TP2xPP2 and TP2xDP2: loss goes down, export loads in transformers, parity holds."""
     model = _assets()
     out = tmp_path / "run"
-    cfg = _config(out, model, tp=tp, pp=pp, steps=30, sp=True, lr=5e-3, eval_every=15, eval_holdout=16)
+    cfg = _config(out, model, tp=tp, pp=pp, steps=30, sp=True, lr=5e-3, eval_every=15, eval_split=16)
     hf, ckpt = spawn(_run, world, cfg)[0]
     losses = _losses(out)
     assert len(losses) == 30
@@ -229,7 +229,7 @@ def test_pretrain_recipe_on_text(tmp_path):
     out = tmp_path / "run"
     proc = forkrun.run([sys.executable, str(ROOT / "recipes" / "pretrain_llama.py"), "--model", str(model),
                            "--data", str(c4), "--tp", "1", "--seq-len", "128", "--global-batch-size", "4", "--max-steps", "3",
-                           "--out", str(out), "--set", "tensorboard=false", "--set", "data.eval_holdout=0"],
+                           "--out", str(out), "--set", "tensorboard=false", "--set", "data.eval_split=0"],
                        timeout=300)  # the density check is on the first records
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]

@@ -5,6 +5,10 @@ not know, leaves `clean_up_tokenization_spaces` out (5 reads that as False, 4.x 
 the chat template in `chat_template.jinja`, which 4.45 does not read. `PreTrainedTokenizerFast`
 (the same class in 5), an explicit `clean_up_tokenization_spaces` and a `chat_template` field in
 `tokenizer_config.json` mean the same to both.
+
+4.x's `PreTrainedTokenizerFast` also returns `token_type_ids` unless `model_input_names` says otherwise, and a
+causal LM's `generate(**tok(text, return_tensors="pt"))` then raises on the unknown argument: every model hfmeg
+writes is decoder-only, so its tokenizer config names the inputs such a model takes (`DECODER_INPUTS`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ CONFIG_FILE = "tokenizer_config.json"
 JINJA_FILE = "chat_template.jinja"
 PORTABLE_CLASS = "PreTrainedTokenizerFast"
 TRANSFORMERS_5_CLASS = "TokenizersBackend"
+DECODER_INPUTS = ["input_ids", "attention_mask"]
 
 
 def save_tokenizer(tokenizer, folder: Path) -> None:
@@ -37,6 +42,7 @@ def make_portable(folder: Path, chat_template: str | None = None) -> None:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable ({e})") from e
     before = dict(config)
+    config.setdefault("model_input_names", DECODER_INPUTS)
     if config.get("tokenizer_class") == TRANSFORMERS_5_CLASS:
         config["tokenizer_class"] = PORTABLE_CLASS
         config.setdefault("clean_up_tokenization_spaces", False)  # what 5 reads for a missing field

@@ -23,6 +23,7 @@ from ..errors import HfmegError
 from ..peft.adapter_files import read_peft_folder
 from ..peft.export import export_checkpoint, is_adapter_checkpoint
 from ..peft.layout_shards import import_adapter
+from ..flags import Parser
 
 TO_MP = """Convert an HF checkpoint (folder or Hub id) into Megatron-style TP x PP shards.
 
@@ -100,7 +101,7 @@ DIRECTIONS = {  # name -> (description, arguments, run)
 
 def _direction(name: str, argv: list[str] | None, prog: str | None) -> int:
     description, add_args, run = DIRECTIONS[name]
-    ap = argparse.ArgumentParser(prog=prog, description=description,
+    ap = Parser(prog=prog, description=description,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(ap)
     return run(ap.parse_args(argv))
@@ -117,7 +118,7 @@ def to_hf(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="direction", metavar="DIRECTION", title="directions", required=True)
     for name, (description, add_args, run) in DIRECTIONS.items():
         p = sub.add_parser(name, help=description.splitlines()[0], description=description,

@@ -28,13 +28,19 @@ from ..train.dataclass_io import ConfigError, build
 from ..train.export import export_run
 from ..train.parts import part_class
 from ..train.run_lock import RunLock
+from ..train.trainer import CONFIG_FILE
 from ..train.validate import check_hub_login, check_push_target
+from ..flags import Parser
 
 CHECKPOINTS = "checkpoints"  # a run's checkpoint root under its --out (train/checkpointing.py)
 
 
 def _checkpoint(path: Path, iteration: int | None) -> tuple[Path, Path]:
     """(run folder, iteration folder) of `path`: a run's --out, its checkpoints/ or one checkpoint in it."""
+    if not (path / CHECKPOINTS).is_dir() and (path / CONFIG_FILE).is_file():
+        raise CheckpointError(f"{path}: a training run's --out with no checkpoint yet (a run saves one every "
+                              "checkpoint.save_every steps, at the end and when stopped by SIGTERM/SIGINT); export it "
+                              "once one is saved")
     iter_dir = resolve_iteration_dir(path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path, iteration)
     if iter_dir.parent.name != CHECKPOINTS:
         raise CheckpointError(f"{iter_dir}: not a checkpoint of a training run (it is not inside a run's "
@@ -74,7 +80,7 @@ def export(args) -> Path:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", metavar="OUT", help="a training run's --out folder, or one checkpoint in it")
     ap.add_argument("--iteration", type=int, default=None,
                     help="the checkpoint of this step (default: the latest, or the one OUT names)")

@@ -9,6 +9,7 @@ import sys
 from typing import NamedTuple
 
 from .. import __version__
+from ..flags import Parser
 
 
 class Command(NamedTuple):
@@ -36,7 +37,7 @@ COMMANDS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hfmeg", description="Megatron-style TP/PP/DP fine-tuning of Hugging Face "
+    ap = Parser(prog="hfmeg", description="Megatron-style TP/PP/DP fine-tuning of Hugging Face "
                                  "models. `hfmeg COMMAND --help` describes each command.")
     ap.add_argument("--version", action="version", version=f"hfmeg {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", title="commands", required=True)

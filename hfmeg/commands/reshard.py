@@ -19,10 +19,11 @@ from ..checkpoint.mp_layout import resolve_iteration_dir
 from ..checkpoint.reshard import reshard_mp
 from ..train.checkpointing import STATE_FILE
 from ..train.parts import reshard_training_checkpoint
+from ..flags import Parser
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mp", required=True, help="source MP checkpoint folder")
     add_output_args(ap)
     add_layout_args(ap)

@@ -14,21 +14,41 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch.distributed as dist
 
 from ..checkpoint.cli import run_cli
 from ..checkpoint.hub_source import resolve_hf_source
+from ..checkpoint.mp_layout import RANK_FILE, resolve_iteration_dir
 from ..checkpoint.mp_reader import MPCheckpoint
+from ..errors import CheckpointError
+from ..peft.adapter_files import SHARD_FILE as ADAPTER_SHARD
 from ..checkpoint.parity import compare, prompt_ids, reference_outputs, sharded_outputs
 from ..parallel.launch import spawn
+from ..flags import Parser
 
 
 def _text(ids: list[int], tok) -> str:
     return repr(tok.decode(ids)) if tok is not None else str(ids)
 
 
+def _refuse_adapters_only(mp: str) -> None:
+    """A LoRA/DoRA training checkpoint holds adapter shards and no model weights: say so, and what to run, rather
+    than report its model files as missing."""
+    try:
+        folder = resolve_iteration_dir(Path(mp))
+    except CheckpointError:
+        return  # MPCheckpoint says what is wrong
+    if list(folder.glob(f"mp_rank_*/{ADAPTER_SHARD}")) and not list(folder.glob(f"mp_rank_*/{RANK_FILE}")):
+        raise CheckpointError(f"{folder}: a LoRA/DoRA training checkpoint (adapter shards on a frozen base, no model "
+                              "weights), which verify cannot run; `hfmeg export OUT` writes the merged model "
+                              "(OUT/hf) and the adapter, and `hfmeg convert to-mp` of OUT/hf gives a checkpoint to "
+                              "verify")
+
+
 def verify(args) -> int:
+    _refuse_adapters_only(args.mp)
     layout = MPCheckpoint(args.mp).layout  # validates every rank file here, not inside the workers
     hf_dir = resolve_hf_source(args.hf)
     ids, tok = prompt_ids(args.mp, args.prompt, layout.model_config["vocab_size"])
@@ -62,7 +82,7 @@ def verify(args) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mp", required=True, help="MP checkpoint folder")
     ap.add_argument("--hf", required=True, help="HF folder or Hub id to compare with")
     ap.add_argument("--prompt", default="Once upon a time", help="prompt text (needs a tokenizer in the checkpoint)")

@@ -60,9 +60,12 @@ class DataConfig:
     # split: pieces of seq_len (text); preference data: truncate only (TRL's keep_start, data/preference.py)
     overlong: Literal["truncate", "drop", "split"] = "truncate"
     bad_data: Literal["report", "fail"] = "report"
-    seed: int = 0  # seeds the weighted mixing of sources
+    seed: int = 0  # seeds the eval split, each epoch's shuffle and the weighted mixing of sources
+    shuffle: bool = True  # each source's training records in a new seeded order every epoch (False: file order)
+    shuffle_buffer: int = 1000  # records in `datasets`' shuffle buffer, for streamed Hub datasets
     eval_sources: list[SourceConfig] = field(default_factory=list)
-    eval_holdout: int = 0  # first N records of the training mixture go to eval instead
+    # held out of each training source for eval, never trained on: a count of records, or a fraction in (0, 1)
+    eval_split: int | float = 0
     read_ahead: int = 64  # records rendered and tokenized per batch call
     prefetch: int = 2  # global batches built ahead in a thread; in training on the device, masks built (0: when asked for)
 
@@ -73,8 +76,12 @@ class DataConfig:
             raise DataError(f"data.read_ahead must be >= 1, got {self.read_ahead}")
         if self.prefetch < 0:
             raise DataError(f"data.prefetch must be >= 0, got {self.prefetch}")
-        if self.eval_holdout < 0:
-            raise DataError(f"data.eval_holdout must be >= 0, got {self.eval_holdout}")
+        if not (0 < self.eval_split < 1 if isinstance(self.eval_split, float) else self.eval_split >= 0):
+            raise DataError(f"data.eval_split must be a count >= 0 or a fraction in (0, 1), got {self.eval_split}")
+        if self.eval_split and self.eval_sources:
+            raise DataError("data.eval_split and data.eval_sources both name eval data: set one of them")
+        if self.shuffle_buffer < 1:
+            raise DataError(f"data.shuffle_buffer must be >= 1, got {self.shuffle_buffer}")
         kinds = {f in PREFERENCE_FORMATS for f in self._formats()}
         if len(kinds) > 1:
             raise DataError("data sources mix preference pairs and SFT/text records: a run trains on one kind")

@@ -11,7 +11,9 @@
     data.report.counts            # data problems by kind so far ({"overlong": 311, ...}); .first: each one's first case
     data.close()                  # stop the thread that builds batches ahead (data.prefetch)
 
-    for batch in build_eval_data(...):  # finite: eval_sources once, or the eval_holdout records
+    data.epoch                    # epochs of training data drawn so far (2.25: a quarter into the third)
+
+    for batch in build_eval_data(...):  # finite: eval_sources once, or the records of the eval split
 
 Every rank of every layout runs the same deterministic pipeline (mixture of
 sources -> `Formatter` -> overlong policy -> `Packer`), so global batch k is the
@@ -19,8 +21,8 @@ same rows whatever TP/PP/DP; see `batches.py` for the DP slicing. Records are
 rendered and tokenized `read_ahead` at a time (one batched tokenizer call); the
 state only counts records whose documents were consumed, so read-ahead never
 leaks into a resumed stream. With `data.prefetch`, the next batches are built in
-a background thread while the step runs (`TrainData`). Records are not shuffled: they are read in file order
-and mixed across sources by weight (shuffle files offline when order matters).
+a background thread while the step runs (`TrainData`). Each source holds out its eval split and reads its training
+records in a new seeded order every epoch (sources.py), mixed across sources by weight (mixing.py).
 
 Preference data (`DataConfig.preference`) takes the same path with `PairFormatter` (data/preference.py: a record
 becomes its chosen and rejected documents) and `PairPacker` (data/pairs.py: row pairs) in place of `Formatter` and
@@ -42,7 +44,7 @@ from .batches import StepBatch, check_batch_layout, step_batch
 from .microbatch import split_chunks
 from .config import DataConfig
 from .formats import BadRecord, Doc, Formatter
-from .mixing import Mixture, Position, single_pass
+from .mixing import Mixture, Position, progress, single_pass
 from .packing import Packer
 from .pairs import PairPacker
 from .preference import PairFormatter
@@ -112,7 +114,7 @@ def documents(cfg: DataConfig, fmt: Formatter, sources: list[Source], raws: Iter
 
 def consume(item: Item, packer: Packer, report: DataReport) -> None:
     # A bad record is counted once: met again in a later epoch of its source, it is the same record.
-    if item.problem and item.position.epochs[item.source] == 0:
+    if item.problem and (item.position is None or item.position.epochs[item.source] == 0):
         report.bad(item.problem[0], item.where, item.problem[1])
     packer.add_record(item.docs)
     report.documents += len(item.docs)
@@ -129,13 +131,16 @@ class _Pipeline:
     """What every batch builder shares: config, formatter, sources, this rank's place in the layout."""
 
     def __init__(self, cfg: DataConfig, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size,
-                 cp_rank=0, cp_size=1):
+                 cp_rank=0, cp_size=1, eval_only: bool = False):
         check_batch_layout(global_batch_size, micro_batch_size, dp_size, dp_rank, cfg.preference)
         if cp_size > 1:
             split_chunks(cfg.seq_len, cp_size, cp_rank)  # refuse a length the split cannot cut, before any data
         self.cfg = cfg
         self.formatter = (PairFormatter if cfg.preference else Formatter)(cfg, tokenizer)
-        self.sources = [Source(s) for s in sources]
+        # training sources carry the eval split and the shuffle; an eval source is read whole, in file order
+        split = {} if eval_only else dict(seed=cfg.seed, eval_split=cfg.eval_split, shuffle=cfg.shuffle,
+                                          shuffle_buffer=cfg.shuffle_buffer)
+        self.sources = [Source(s, c, **split) for c, s in enumerate(sources)]
         self.pad_id = pad_id_of(tokenizer)
         self.layout = (dp_rank, dp_size, micro_batch_size, cp_rank, cp_size)
         self.global_batch_size = global_batch_size
@@ -169,29 +174,21 @@ class _Stream:
         self._items: Iterator[Item] | None = None
         self._epoch: list[tuple[int, bool, int] | None] = [None] * len(pipe.sources)
 
-    def initial_position(self) -> Position:
-        """Where training starts: after the records held out for eval."""
-        mixture = Mixture(self.pipe.sources, self.pipe.cfg.seed)
-        pos = mixture.pos.copy()
-        for _, _, pos in islice(mixture, self.pipe.cfg.eval_holdout):
-            pass
-        return pos
-
-    def _hold_out(self) -> Position:
-        """`initial_position`, the held-out records read on the way: their problems are counted and reported
+    def start(self) -> Position:
+        """Where training starts, the eval split's records read on the way: their problems are counted and reported
         as training records' are, whether or not eval runs (EvalData does not report them again)."""
-        pipe, pos = self.pipe, self.initial_position()
-        held = islice(Mixture(pipe.sources, pipe.cfg.seed), pipe.cfg.eval_holdout)
+        pipe = self.pipe
+        held = single_pass(pipe.sources, held_out=True)
         for item in documents(pipe.cfg, pipe.formatter, pipe.sources, held):
             if item.problem:
-                self.state.report.bad(item.problem[0], item.where, item.problem[1] + " (eval hold-out)")
-        return pos
+                self.state.report.bad(item.problem[0], item.where, item.problem[1] + " (eval split)")
+        return start_position(pipe.sources)
 
     def next(self) -> tuple[StepBatch, Consumed]:
         """The next batch and a snapshot of the state right after it."""
         st, pipe = self.state, self.pipe
         if st.position is None:
-            st.position = self._hold_out()
+            st.position = self.start()
         if self._items is None:
             raws = iter(Mixture(pipe.sources, pipe.cfg.seed, st.position))
             self._items = documents(pipe.cfg, pipe.formatter, pipe.sources, raws)
@@ -227,6 +224,10 @@ class _Stream:
         st.report.load_state_dict(d["report"])
         self._items = None
         self._epoch = [None] * len(self.pipe.sources)
+
+
+def start_position(sources: list[Source]) -> Position:
+    return Position(0, [0] * len(sources), [0] * len(sources))
 
 
 def _staged_next(stream: _Stream, stage: Callable[[StepBatch], StepBatch]) -> tuple[StepBatch, Consumed]:
@@ -273,6 +274,17 @@ class TrainData:
         return self._consumed.report
 
     @property
+    def epoch(self) -> float | None:
+        """Epochs of training data drawn up to the last batch consumed (`mixing.progress`); None for a streamed
+        source of unknown length."""
+        return progress(self._stream.pipe.sources, self._consumed.position)
+
+    @property
+    def split(self) -> list[tuple[str, int | None, int]]:
+        """Each source's (name, training records per epoch (None: a stream of unknown length), held-out records)."""
+        return [(s.name, s.train_size, s.held_size) for s in self._stream.pipe.sources]
+
+    @property
     def step(self) -> int:
         """Batches consumed (across resumes)."""
         return self._consumed.step
@@ -298,7 +310,7 @@ class TrainData:
     def state_dict(self) -> dict[str, Any]:
         c = self._consumed
         return {"version": VERSION, "fingerprint": fingerprint(self.cfg), "step": c.step,
-                "position": position_out(c.position or self._stream.initial_position()),
+                "position": position_out(c.position or start_position(self._stream.pipe.sources)),
                 "packer": c.packer.state_dict(), "report": c.report.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -309,30 +321,27 @@ class TrainData:
 
 
 class EvalData(_Pipeline):
-    """Finite eval batches: `eval_sources` read once each, else the `eval_holdout` records.
+    """Finite eval batches: `eval_sources` read once each, else each training source's eval split.
 
     The last global batch is filled with all-padding rows (no labels), so every DP
     rank gets the same number of micro-batches. Data problems are logged on the
-    first pass only (every pass meets the same ones), and not at all for the hold-out, whose problems the
+    first pass only (every pass meets the same ones), and not at all for the eval split, whose problems the
     training stream reports; `report` counts the last pass.
     """
 
     def __init__(self, cfg: DataConfig, tokenizer, *, dp_rank: int, dp_size: int, micro_batch_size: int,
                  global_batch_size: int, cp_rank: int = 0, cp_size: int = 1):
-        if not cfg.eval_sources and not cfg.eval_holdout:
-            raise DataError("no eval data: set data.eval_sources or data.eval_holdout")
+        if not cfg.eval_sources and not cfg.eval_split:
+            raise DataError("no eval data: set data.eval_sources or data.eval_split")
         sources = cfg.eval_sources or cfg.sources
         super().__init__(cfg, tokenizer, sources, dp_rank, dp_size, micro_batch_size, global_batch_size, cp_rank,
-                         cp_size)
+                         cp_size, eval_only=bool(cfg.eval_sources))
         self.report = DataReport(cfg.bad_data, announce=self.announce and bool(cfg.eval_sources))
 
     def __iter__(self) -> Iterator[StepBatch]:
         cfg = self.cfg
         packer = self.packer()
-        if cfg.eval_sources:
-            raws = single_pass(self.sources)
-        else:
-            raws = islice(Mixture(self.sources, cfg.seed), cfg.eval_holdout)
+        raws = single_pass(self.sources, held_out=not cfg.eval_sources)
         self.report = DataReport(cfg.bad_data, announce=self.report.announce and not self.report.first)
         rows: list[list[Doc]] = []
         for item in documents(cfg, self.formatter, self.sources, raws):

@@ -4,8 +4,8 @@ Draw k picks source `choice(k)`, sampled with probabilities proportional to the
 weights from `numpy.random.default_rng([seed, k // BLOCK])`: the choices come in
 blocks that can be regenerated from the draw count alone, so the mixer's whole
 state is one integer. Each draw consumes exactly one raw record of the chosen
-source (a malformed one included); a source that runs out starts its next epoch
-from its first record. (`datasets.interleave_datasets` would mix too, but its
+source (a malformed one included); a source that runs out starts its next epoch,
+in that epoch's order (`Source.records`). (`datasets.interleave_datasets` would mix too, but its
 resume state is not exact once a source is exhausted; this mixer's is.)
 """
 
@@ -24,7 +24,7 @@ BLOCK = 4096
 
 @dataclass
 class Position:
-    """Where the mixture stands: draws made, and (epoch, records read this epoch) per source."""
+    """Where the mixture stands: draws made, and (epoch, training records read this epoch) per source."""
 
     draws: int = 0
     epochs: list[int] = field(default_factory=list)
@@ -56,7 +56,7 @@ class Mixture:
 
     def __iter__(self) -> Iterator[tuple[int, Raw, Position]]:
         pos = self.pos
-        readers = [src.records(i) for src, i in zip(self.sources, pos.index)]
+        readers = [src.records(e, i) for src, e, i in zip(self.sources, pos.epochs, pos.index)]
         for c in self._choices():
             raw = next(readers[c], None)
             if raw is None:  # end of this source's epoch
@@ -64,7 +64,7 @@ class Mixture:
                     raise DataError(f"data source {self.sources[c].name}: no records")
                 pos.epochs[c] += 1
                 pos.index[c] = 0
-                readers[c] = self.sources[c].records(0)
+                readers[c] = self.sources[c].records(pos.epochs[c], 0)
                 raw = next(readers[c], None)
                 if raw is None:
                     raise DataError(f"data source {self.sources[c].name}: no records")
@@ -73,8 +73,17 @@ class Mixture:
             yield c, raw, pos.copy()
 
 
-def single_pass(sources: list[Source]) -> Iterator[tuple[int, Raw, None]]:
-    """Every record of every source once, in order (eval sets)."""
+def single_pass(sources: list[Source], held_out: bool) -> Iterator[tuple[int, Raw, None]]:
+    """Eval records once, source after source: each training source's held-out ones, or every eval source's."""
     for c, src in enumerate(sources):
-        for raw in src.records(0):
+        for raw in src.held_out() if held_out else src.everything():
             yield c, raw, None
+
+
+def progress(sources: list[Source], position: Position | None) -> float | None:
+    """Epochs of training data drawn: draws over the training records of all sources (one source: its epoch and the
+    fraction of the next read); None when a streamed source's length is unknown."""
+    sizes = [s.train_size for s in sources]
+    if None in sizes:
+        return None
+    return (position.draws if position else 0) / max(sum(sizes), 1)

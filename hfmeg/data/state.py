@@ -8,7 +8,7 @@ it depends on TP/PP/DP, so a run may resume with another DP size. Records read
 ahead but not yet consumed are not part of it: they are read again on resume.
 
 `fingerprint` covers the config fields that change what the stream contains
-(sources, formats, seq_len, packing, masking, seed); resuming under a different one
+(sources, formats, seq_len, packing, masking, seed, shuffle, eval split); resuming under a different one
 is refused with a message instead of silently yielding other batches.
 """
 
@@ -23,9 +23,9 @@ from ..errors import DataError
 from .config import DataConfig
 from .mixing import Position
 
-VERSION = 1
+VERSION = 2  # 1: before the eval split and the epochs' shuffle
 _STREAM_FIELDS = ("sources", "format", "system_prompt", "train_on_prompt", "seq_len", "packing", "overlong",
-                  "seed", "eval_holdout")
+                  "seed", "shuffle", "shuffle_buffer", "eval_split")
 
 
 def fingerprint(cfg: DataConfig) -> str:
@@ -47,4 +47,4 @@ def check_state(d: dict[str, Any], cfg: DataConfig) -> None:
         raise DataError(f"data state: expected version {VERSION}, got {version!r}")
     if d.get("fingerprint") != fingerprint(cfg):
         raise DataError("data state was saved with a different data config (sources, format, seq_len, packing, "
-                        "masking, seed or eval_holdout changed); it cannot resume this stream")
+                        "masking, seed, shuffle or eval_split changed); it cannot resume this stream")

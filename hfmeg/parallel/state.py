@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..errors import LayoutError, UnsupportedConfigError
 from .grid import RankGrid, RankPlace
 from .rendezvous import round_store
+from .threads import share_cores
 
 BACKEND_ENV = "HFMEG_BACKEND"  # "gloo" or "nccl": overrides the default choice of ParallelState.from_env
 
@@ -153,7 +154,8 @@ def join_world(*, backend: str | None = None, timeout_s: float = 600.0) -> torch
     and gloo otherwise (`choose_backend`); an already initialised default group (e.g.
     `launch.spawn`'s gloo world) keeps its own. The CUDA device is bound before the
     group is created, so NCCL's communicator is built on it. A single process without
-    launcher variables runs as a world of one. Separate from `ParallelState` because a
+    launcher variables runs as a world of one. The process computes with its share of the host's cores
+    (`threads.share_cores`). Separate from `ParallelState` because a
     run may need the world before it knows its layout (the trainer's `--layout auto`
     chooses on rank 0 and broadcasts the choice).
     """
@@ -165,6 +167,7 @@ def join_world(*, backend: str | None = None, timeout_s: float = 600.0) -> torch
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        share_cores()  # whatever launched it (launch.spawn's ranks keep the one thread it gives them)
         kwargs = dict(backend=backend, timeout=timedelta(seconds=timeout_s),
                       device_id=device if device.type == "cuda" else None)
         if "RANK" in os.environ:

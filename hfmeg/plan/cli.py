@@ -30,6 +30,7 @@ from .layout import PlanLayout, parse_layout
 from .models import resolve_model
 from .profile import default_profile, load_profile
 from .search import Evaluation, Job, best_layout, evaluate, search
+from ..flags import Parser
 
 GIB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -61,7 +62,7 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+    ap = Parser(prog=prog, description=__doc__.split("\n")[0],
                                  epilog=f"other modes, each with --help: {prog} calibrate (measure this machine's "
                                  f"profile), {prog} scaling (overlapped vs distributed optimizer over GPU counts), "
                                  f"{prog} published (predicted vs Megatron-LM's published A100 table)")
@@ -167,7 +168,7 @@ def _plan(a) -> int:
 
 
 def _calibrate(argv, prog: str) -> int:
-    ap = argparse.ArgumentParser(prog=f"{prog} calibrate", description="measure this machine's profile")
+    ap = Parser(prog=f"{prog} calibrate", description="measure this machine's profile")
     ap.add_argument("--device", default="cpu", help="cpu (gloo links too) or cuda[:N]")
     ap.add_argument("--peak-tflops", type=float, help="reference peak (GPU: its datasheet dense bf16 figure)")
     ap.add_argument("--max-n", type=int, help="largest square matmul")

@@ -26,7 +26,6 @@ measured A100 profile (used as is). Nothing is tuned per row.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from dataclasses import replace
@@ -39,6 +38,7 @@ from .hardware import ClusterSpec, gpu_spec
 from .layout import PlanLayout
 from .profile import Profile, default_profile, load_profile
 from .search import Evaluation, Job, evaluate
+from ..flags import Parser
 
 # params (B), heads, hidden, layers, TP, PP, GPUs, batch, published TFLOP/s per GPU
 MEGATRON_2021 = [
@@ -96,7 +96,7 @@ def calibrate_matmul(prof: Profile, row: tuple, grad_accumulation: bool = False)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="hfmeg plan published", description=__doc__.split("\n")[0])
+    ap = Parser(prog="hfmeg plan published", description=__doc__.split("\n")[0])
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--profile", help="a measured A100 calibration profile, used as is")
     which.add_argument("--uncalibrated", action="store_true", help="the assumed A100 profile as is")

@@ -11,7 +11,6 @@ shows: DP traffic grows as the per-GPU compute shrinks.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from .hardware import ClusterSpec, gpu_spec
@@ -19,12 +18,13 @@ from .models import resolve_model
 from .profile import default_profile, load_profile
 from .layout import PlanLayout
 from .search import Job, best_layout, evaluate
+from ..flags import Parser
 
 MODES = ("overlapped", "distributed")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="hfmeg plan scaling", description=__doc__.split("\n")[0])
+    ap = Parser(prog="hfmeg plan scaling", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama2-13b", help="built-in name, HF folder, config.json or Hub id "
                     "(default: %(default)s)")
     ap.add_argument("--gpu", default="h100", help="GPU kind (default: %(default)s)")

@@ -29,9 +29,12 @@ import torch
 from ..errors import HfmegError
 from .config import TrainConfig
 from .validate import check_hub_login, load_config
-from .dataclass_io import ConfigError, to_yaml
+from .dataclass_io import ConfigError, load_yaml, to_yaml
+from ..flags import Parser
 
 RECIPE_DIR = Path(__file__).parent / "recipes"  # package data (pyproject.toml), found by an installed hfmeg too
+PRESET_DIR = RECIPE_DIR / "presets"
+PRESETS = ("cpu",)  # PRESET_DIR / f"{name}.yaml"
 RECIPES = {  # name -> what it trains; each is RECIPE_DIR / f"{name}.yaml"
     "sft_llama13b": "supervised fine-tuning, LLaMA-2-13B on one node of 8 x 80 GB (TP4 x DP2, SP)",
     "pretrain_llama": "continued pre-training of a LLaMA-family model on plain text",
@@ -40,6 +43,9 @@ RECIPES = {  # name -> what it trains; each is RECIPE_DIR / f"{name}.yaml"
     "sft_gpt_oss": "supervised fine-tuning, gpt-oss-20b on one node of 8 x 80 GB (DP8, EP8)",
     "sft_qwen3_5": "supervised fine-tuning, Qwen3.5-9B on one node of 8 x 80 GB (TP2 x DP4, SP)",
     "sft_deepseek_v3": "supervised fine-tuning, DeepSeek-V3 on 32 nodes of 8 x 80 GB (PP32 x DP8, EP8)",
+    "sft_qwen3": "supervised fine-tuning, Qwen3-8B on one node of 8 x 80 GB (TP2 x DP4, SP)",
+    "sft_gemma3": "supervised fine-tuning, Gemma 3 12B on one node of 8 x 80 GB (TP4 x DP2, SP)",
+    "sft_phi4": "supervised fine-tuning, Phi-4 on one node of 8 x 80 GB (TP2 x PP2 x DP2, SP)",
 }
 TRAIN_DESCRIPTION = """Train a model: a YAML config (CONFIG) or a built-in recipe (--recipe), plus flags that override it.
 
@@ -76,6 +82,10 @@ FLAGS = {
     "--micro-batch-size": ("train.micro_batch_size", int, "rows per micro-batch"),
     "--global-batch-size": ("train.global_batch_size", int, "rows per optimizer step, all DP ranks"),
     "--max-steps": ("train.max_steps", int, "optimizer steps"),
+    "--num-epochs": ("train.num_epochs", float, "stop after this many epochs of the training data, or at "
+                     "--max-steps: the first reached"),
+    "--eval-split": ("data.eval_split", str, "records of each source held out for eval, never trained on: a "
+                     "count (64) or a fraction (0.05)"),
     "--eval-every": ("train.eval_every", int, "evaluate every N steps (0: never)"),
     "--lr": ("optim.lr", float, "peak learning rate"),
     "--warmup-steps": ("lr.warmup_steps", int, "linear warm-up steps"),
@@ -116,13 +126,15 @@ def recipe_config(name: str) -> Path:
 def parser(description: str, default_config: Path | None, prog: str | None = None) -> argparse.ArgumentParser:
     """A recipe script's parser (`default_config`: its YAML, which `--config` replaces), or `hfmeg train`'s
     (None: a CONFIG argument or `--recipe`)."""
-    ap = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     if default_config is not None:
         ap.add_argument("--config", default=str(default_config), help="YAML config (default: %(default)s)")
     else:
         which = ap.add_mutually_exclusive_group()
         which.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config of the run")
         which.add_argument("--recipe", choices=RECIPES, help="a built-in recipe's YAML config (listed above)")
+    ap.add_argument("--preset", choices=PRESETS, help="sizes for a kind of machine, over the config's: cpu (lr, "
+                    "batch, sequence length, eval split and steps for a tiny model on CPU; recipes/presets/cpu.yaml)")
     ap.add_argument("--data", action="append", help="data source (Hub id, file, folder or glob); repeatable")
     ap.add_argument("--format", help="data format: alpaca | messages | sharegpt | text | preference | sharegpt_preference "
                     "(pairs, with --loss-type)")
@@ -150,12 +162,23 @@ def _config_file(args: argparse.Namespace) -> str | Path:
                       f"(--recipe {'|'.join(RECIPES)})")
 
 
+def _flat(data: dict, prefix: str = "") -> dict[str, object]:
+    """A nested YAML mapping as dotted keys (`{"optim": {"lr": 1}}` -> `{"optim.lr": 1}`)."""
+    out: dict[str, object] = {}
+    for k, v in data.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    overrides = {key: getattr(args, flag[2:].replace("-", "_")) for flag, (key, _, _) in FLAGS.items()}
-    overrides["parallel.sequence_parallel"] = args.sequence_parallel
-    overrides["hub.private"] = args.private
-    overrides["checkpoint.overwrite"] = args.overwrite
-    overrides["data.format"] = args.format
+    # a preset first: every flag and --set below overrides it
+    overrides = _flat(load_yaml(PRESET_DIR / f"{args.preset}.yaml")) if getattr(args, "preset", None) else {}
+    overrides |= {key: v for flag, (key, _, _) in FLAGS.items()
+                  if (v := getattr(args, flag[2:].replace("-", "_"))) is not None or key not in overrides}
+    for key, value in (("parallel.sequence_parallel", args.sequence_parallel), ("hub.private", args.private),
+                       ("checkpoint.overwrite", args.overwrite), ("data.format", args.format)):
+        if value is not None or key not in overrides:
+            overrides[key] = value
     if args.data:
         overrides["data.sources"] = [{"path": d} for d in args.data]
     for item in args.set:

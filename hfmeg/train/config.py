@@ -84,6 +84,9 @@ class LoopArgs:
     micro_batch_size: int = 1
     global_batch_size: int = 8  # sequences per optimizer step, over all DP ranks
     max_steps: int = 100
+    # Stop once this many epochs of training data are drawn (data.epoch), or at max_steps: the first reached.
+    # The LR schedule spans max_steps (lr.total_steps): set it to the epochs' steps for a schedule that ends with them.
+    num_epochs: float | None = None
     eval_every: int = 0  # 0: no evaluation
     eval_batches: int = 4
     seed: int = 1234

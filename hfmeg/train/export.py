@@ -19,6 +19,7 @@ from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.mp_layout import HF_DIR
 from ..checkpoint.tokenizer_files import make_portable
 from ..data.formats import Formatter
+from ..data.sources import Source
 from ..hub import push_to_hub, write_model_card
 from ..peft.export import read_info
 from .config import TrainConfig
@@ -35,11 +36,25 @@ def prompt_format(cfg: TrainConfig, tokenizer) -> tuple[str | None, str]:
     tokenizer that has none, recorded then), or none for plain text."""
     if all(cfg.data.fields_of(s)[0] == "text" for s in cfg.data.sources):
         return None, "plain text, no chat template (none was used in training, none recorded)"
+    if cfg.data.preference and _string_pairs(cfg):
+        return None, ("preference pairs used as their texts are (prompt, then the answer with EOS appended; no chat "
+                      "template was used, none recorded)")
     template = Formatter(cfg.data, tokenizer).template
     if template == tokenizer.chat_template:
         return None, "the base tokenizer's own chat template"
     return template, ("hfmeg's default chat template (`### Instruction:` / `### Response:`), which the base "
                       "tokenizer lacked; recorded as this tokenizer's `chat_template`")
+
+
+def _string_pairs(cfg: TrainConfig) -> bool:
+    """The first source's first record has string answers (TRL's standard layout, used as it is) rather than
+    messages; a Hub stream is not opened for this (False)."""
+    source = Source(cfg.data.sources[0])
+    fmt, fields = cfg.data.fields_of(source.cfg)
+    if source.files is None:
+        return False
+    first = next((r.record for r in source.everything() if r.record is not None), None)
+    return fmt == "preference" and first is not None and isinstance(first.get(fields["chosen"]), str)
 
 
 def export_run(out: Path, checkpoint: Path, cfg: TrainConfig, *, step: int, skipped_steps: int,

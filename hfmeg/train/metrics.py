@@ -26,7 +26,8 @@ from tqdm import tqdm
 from ..checkpoint.atomic import write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
-STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "skipped")
+# epoch: epochs of training data drawn after the step (data.epoch; None for a stream of unknown length)
+STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "skipped", "epoch")
 # An objective's own per-step values (a preference run's `rewards/...`, `logps/...`): `objective` in a row,
 # written flat into metrics.jsonl and to TensorBoard under their names.
 OBJECTIVE = "objective"
@@ -57,10 +58,11 @@ class MetricsLog:
         self._file.flush()
         self.bar.update(1)
         mfu = "n/a" if row["mfu"] is None else f"{row['mfu']:.3f}"  # None: device peak unknown (CPU)
+        epoch = {} if row["epoch"] is None else {"epoch": f"{row['epoch']:.2f}"}
         self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", gnorm=f"{row['grad_norm']:.3f}",
-                             tok_s=f"{row['tokens_per_s']:.0f}", mfu=mfu)
+                             tok_s=f"{row['tokens_per_s']:.0f}", mfu=mfu, **epoch)
         if self.tb is not None:
-            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "epoch"):
                 if row[k] is not None:
                     self.tb.add_scalar(f"train/{k}", row[k], row["step"])
             for k, v in extra.items():

@@ -35,6 +35,8 @@ class RunSummary:
     objective: dict[str, float] = field(default_factory=dict)  # the last step's objective metrics (DPO rewards)
     eval_objective: dict[str, float] = field(default_factory=dict)
     data: DataReport = field(default_factory=DataReport)
+    epoch: float | None = None  # epochs of training data drawn by the end (None: a stream of unknown length)
+    split: list[tuple[str, int | None, int]] = field(default_factory=list)  # (source, training, held-out records)
     checkpoint: Path | None = None
     hf: Path | None = None
     stopped_by: str | None = None  # the signal that stopped the run early
@@ -52,7 +54,11 @@ class RunSummary:
         for label, values in (("last step", self.objective), (f"eval (step {self.eval_step})", self.eval_objective)):
             if values:
                 out.append(f"  {label}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
-        out.append(f"  data (whole run): {self.data.documents:,} documents packed")
+        out.append(f"  data (whole run): {self.data.documents:,} documents packed"
+                   + ("" if self.epoch is None else f", {self.epoch:.2f} epochs of the training records drawn"))
+        for name, train, held in self.split:
+            size = "a stream" if train is None else f"{train:,} training records"
+            out.append(f"  data source {name}: {size}, {held:,} held out for eval (never trained on)")
         for kind, n in sorted(self.data.counts.items()):
             out.append(f"  data problem {kind}: {n:,} records (first: {self.data.first[kind]})")
         for label, path in (("metrics", self.out / "metrics.jsonl"), ("loss curve", self.out / "loss.png"),

@@ -307,7 +307,7 @@ class Trainer:
         tokens_per_step = cfg.train.global_batch_size * seq_len
         started = time.perf_counter()
         try:
-            while self.step < cfg.train.max_steps:
+            while not self._done():
                 self.launcher.check()
                 note = self.part.rebuild_note(self.step)
                 if note:
@@ -330,7 +330,7 @@ class Trainer:
                     tps = tokens_per_step / dt
                     metrics.log_step(dict(
                         step=self.step, loss=loss, lr=lr, grad_norm=result.grad_norm, tokens=batch.num_tokens,
-                        tokens_per_s=tps, skipped=result.skipped,
+                        tokens_per_s=tps, skipped=result.skipped, epoch=self.data.epoch,
                         mfu=mfu(self.model_cfg, tps, seq_len, self.peak, ps.world_size) if self.peak else None,
                         objective=objective, **load))
                 line = check.after_step(self.step, dt) if check is not None else None  # every rank: a collective
@@ -349,7 +349,7 @@ class Trainer:
                         metrics.log_eval(self.step, summary.eval_loss, summary.eval_objective)
                 stopped = stop.should_stop(ps.device)
                 due = cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0
-                if due or stopped or self.step == cfg.train.max_steps:
+                if due or stopped or self._done():
                     summary.checkpoint = self.save()
                 if stopped:
                     summary.stopped_by = stop.signal_name or "a signal on another rank"
@@ -364,9 +364,24 @@ class Trainer:
                 metrics.close()
         summary.seconds = time.perf_counter() - started
         summary.data = self.data.report  # read at the end: the data pipeline may hand out a snapshot
+        summary.epoch, summary.split = self.data.epoch, self.data.split
         if self.is_logger and summary.train_loss is None:  # no step in this session: what the run logged last
             summary.train_loss, summary.eval_loss, summary.eval_step = last_losses(self.out / METRICS_FILE)
         return summary
+
+    def _done(self) -> bool:
+        """train.max_steps taken, or train.num_epochs epochs of data drawn: the first reached. Every rank reads the
+        same data state, so all stop at the same step without a collective."""
+        epochs = self.cfg.train.num_epochs
+        if self.step >= self.cfg.train.max_steps:
+            return True
+        if epochs is None:
+            return False
+        drawn = self.data.epoch
+        if drawn is None:
+            raise DataError("train.num_epochs: a streamed data source's length is unknown, so are its epochs; "
+                            "stop the run with train.max_steps")
+        return drawn >= epochs
 
     def _forward_backward(self, batch, mbs, key: tuple[str, int]) -> tuple[torch.Tensor, PreferenceLoss | None]:
         """One global batch, `key` ("train", step) or ("eval", index), through the pipeline (forward only for eval):
@@ -418,7 +433,7 @@ class Trainer:
     def _unexported_final(self) -> Path | None:
         """After a session that ran no step: the final checkpoint it resumed from, if the run that saved it
         died before its export (and push) finished, which `<out>/EXPORT_RECORD` says."""
-        if self.resume_dir is None or self.step < self.cfg.train.max_steps or self._exported() is not None:
+        if self.resume_dir is None or not self._done() or self._exported() is not None:
             return None
         return self.resume_dir
 

@@ -58,7 +58,7 @@ def _ranges(cfg: TrainConfig) -> None:
     for value, field in ((t.eval_every, "train.eval_every"), (t.max_skipped_steps, "train.max_skipped_steps"),
                          (c.save_every, "checkpoint.save_every"), (lr.warmup_steps, "lr.warmup_steps"),
                          (o.weight_decay, "optim.weight_decay"), (o.grad_clip, "optim.grad_clip"),
-                         (lr.min_lr, "lr.min_lr"), (cfg.data.eval_holdout, "data.eval_holdout"),
+                         (lr.min_lr, "lr.min_lr"), (cfg.data.eval_split, "data.eval_split"),
                          (t.shared_layers_until, "train.shared_layers_until"),
                          (t.seed, "train.seed"), (cfg.data.seed, "data.seed"),
                          (t.heartbeat_timeout_s, "train.heartbeat_timeout_s")):  # numpy refuses negative seeds
@@ -66,6 +66,8 @@ def _ranges(cfg: TrainConfig) -> None:
     _at_least(cfg.data.seq_len, 2, "data.seq_len")
     _positive(o.lr, "optim.lr")
     _positive(t.collective_timeout_s, "train.collective_timeout_s")
+    if t.num_epochs is not None:
+        _positive(t.num_epochs, "train.num_epochs")
     _positive(o.eps, "optim.eps")
     for value, field in ((o.beta1, "optim.beta1"), (o.beta2, "optim.beta2")):
         if not 0 <= value < 1:
@@ -75,19 +77,30 @@ def _ranges(cfg: TrainConfig) -> None:
 
 
 def _layout(cfg: TrainConfig, world_size: int) -> None:
-    """The rank grid's own checks (`grid.RankGrid`), each reported under the field it is about."""
+    """The rank grid's own checks (`grid.RankGrid`), each reported under the field it is about; those that do not
+    depend on one another all at once (one line each), so a layout is fixed in one go."""
     p, t = cfg.parallel, cfg.train
     _checked("parallel.tp x parallel.cp x parallel.pp", check_world, world_size, p.tp, p.cp, p.pp)
     grid = _checked("parallel.ep", p.grid, world_size)
     hosts = _checked("LOCAL_WORLD_SIZE", replace, grid, per_host=ranks_per_host())
     inside = [kind for kind in KEPT_INSIDE_A_HOST if kind in hosts.crossing()]
-    _checked(f"parallel.{inside[0]}" if inside else "", hosts.check_hosts, p.allow_cross_host)
-    if p.pp_layers is not None:
-        if len(p.pp_layers) != p.pp * p.vpp or min(p.pp_layers) < 1:
-            raise ConfigError(f"parallel.pp_layers: expected {p.pp * p.vpp} layer counts >= 1 (pp x vpp), "
-                              f"got {p.pp_layers}")
-    _checked("data.seq_len", grid.check_sequence, cfg.data.seq_len)
-    _checked("train.global_batch_size", grid.check_batch, t.global_batch_size, t.micro_batch_size)
+    problems = []
+    for check in (lambda: _checked(f"parallel.{inside[0]}" if inside else "", hosts.check_hosts, p.allow_cross_host),
+                  lambda: _pp_layers(p), lambda: _checked("data.seq_len", grid.check_sequence, cfg.data.seq_len),
+                  lambda: _checked("train.global_batch_size", grid.check_batch, t.global_batch_size,
+                                   t.micro_batch_size)):
+        try:
+            check()
+        except ConfigError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError("\nerror: ".join(problems))
+
+
+def _pp_layers(p) -> None:
+    if p.pp_layers is not None and (len(p.pp_layers) != p.pp * p.vpp or min(p.pp_layers) < 1):
+        raise ConfigError(f"parallel.pp_layers: expected {p.pp * p.vpp} layer counts >= 1 (pp x vpp), "
+                          f"got {p.pp_layers}")
 
 
 def _checked(field: str, check, *args, **kwargs):
@@ -172,9 +185,9 @@ def _preference(cfg: TrainConfig) -> None:
 
 def _eval(cfg: TrainConfig) -> None:
     t, d = cfg.train, cfg.data
-    if 0 < t.eval_every <= t.max_steps and not d.eval_sources and not d.eval_holdout:
+    if 0 < t.eval_every <= t.max_steps and not d.eval_sources and not d.eval_split:
         raise ConfigError(f"train.eval_every: {t.eval_every} asks for evaluation but there is no eval data: set "
-                          "data.eval_holdout (records held out of training, e.g. 64) or data.eval_sources, or "
+                          "data.eval_split (records held out of training, e.g. 64 or 0.05) or data.eval_sources, or "
                           "train.eval_every=0")
 
 
