@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,16 +24,24 @@ from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config,
 
 from bounds import within
 from convert_helpers import assert_same_tensors
-from helpers import make_ps
+from helpers import make_ps, stories_or_skip
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.parity import reference_outputs, sharded_outputs
+from hfmeg.data import DataConfig, SourceConfig
+from hfmeg.optim import OptimizerConfig
+from hfmeg.optim.lr_schedule import LRScheduleConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.quant.fp8_blocks import dequantize_fp8_blocks
+from hfmeg.peft.config import PeftConfig
 from hfmeg.quant.mxfp4 import E2M1, dequantize_mxfp4
+from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, ParallelArgs, TrainConfig
+from hfmeg.train.trainer import Trainer
+from tiny_models import ASSETS
 from tool_loader import load_tool
 
 RELEASES = Path(__file__).parent / "releases"
+ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3, 8, 250, 11]])
 NEW_TOKENS = 4
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -268,3 +277,42 @@ def test_a_dequantized_checkpoint_that_kept_its_quantization_config_reads_as_sto
     stored = load_file(src / "model.safetensors")
     assert set(source.keys()) == set(stored)
     assert all(torch.equal(source.get(n), t) and source.dtype(n) == t.dtype for n, t in stored.items())
+
+
+# --- training on a release as published ---
+
+def _train(cfg):
+    return str(Trainer(cfg).run().hf_folder)
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "deepseek_v3"])
+def test_lora_steps_on_the_release_as_published(releases, kind, tmp_path):
+    """3 LoRA steps at TP 2 straight from the quantized folder (the trainer reads it dequantized, as `convert`
+    does): the loss is finite, and the merged export is the dequantized model with the update: no
+    `quantization_config`, no scales, every tensor but the adapted ones equal to transformers' dequantizing load."""
+    stories = stories_or_skip()
+    if not ALPACA.is_file():
+        pytest.skip(f"{ALPACA} is absent")
+    model = tmp_path / "model"
+    shutil.copytree(releases[kind], model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(stories / name, model / name)
+    steps = 3
+    cfg = TrainConfig(model=ModelArgs(path=str(model), dtype="fp32"), parallel=ParallelArgs(tp=2),
+                      peft=PeftConfig(method="lora", r=4, target_modules=["o_proj"]),
+                      optim=OptimizerConfig(lr=1e-3), lr=LRScheduleConfig(warmup_steps=1, total_steps=steps),
+                      data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=64),
+                      train=LoopArgs(micro_batch_size=1, global_batch_size=2, max_steps=steps, eval_every=0),
+                      checkpoint=CheckpointArgs(out=str(tmp_path / "run"), save_every=0, keep_last=1),
+                      tensorboard=False)
+    exported = Path(spawn(_train, 2, cfg)[0])
+    assert "quantization_config" not in json.loads((exported / "config.json").read_text())
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if '"loss"' in line]
+    assert len(losses) == steps and all(math.isfinite(x) for x in losses), losses
+    with safe_open(str(exported / "model.safetensors"), "pt") as f:
+        assert not [n for n in f.keys() if n.endswith(("_blocks", "_scales", "_scale_inv"))]
+    ours = AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.bfloat16).state_dict()
+    theirs = _dequantizing_load(releases[kind], torch.bfloat16).state_dict()
+    changed = {n for n, t in theirs.items() if not torch.equal(ours[n].float(), t.float())}
+    assert changed and all(n.endswith("o_proj.weight") for n in changed), changed

@@ -85,6 +85,14 @@ class QuantizedTensors:
         """The stored names the logical ones replace."""
         return {n for pair in self.pairs.values() for n in pair} - set(self.pairs)
 
+    def float_name(self, stored: str) -> str | None:
+        """The name a stored tensor is read under: a quantized tensor's data -> the float tensor's, its scale ->
+        None (folded into it), any other -> itself."""
+        if stored in self.pairs:
+            return stored
+        return next((name for name, (data, scale) in self.pairs.items() if stored == data), None) \
+            if stored in self.hidden() else stored
+
     def shape(self, name: str) -> tuple[int, ...]:
         data = self._shape(self.pairs[name][0])
         if self.fmt.method == "fp8":
