@@ -27,6 +27,8 @@ from convert_helpers import assert_same_tensors
 from helpers import make_ps, stories_or_skip
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import saved_dtype
+from hfmeg.checkpoint.mp_reader import MPCheckpoint
 from hfmeg.checkpoint.parity import reference_outputs, sharded_outputs
 from hfmeg.data import DataConfig, SourceConfig
 from hfmeg.optim import OptimizerConfig
@@ -204,15 +206,17 @@ def _tp2_ep2(tp2, tp1, ids):
     return {"tp2": sharded_outputs(tp2, ids, NEW_TOKENS), "ep2": sharded_outputs(tp1, ids, NEW_TOKENS, ps=make_ps(ep=2))}
 
 
-@pytest.mark.parametrize("kind,dtype", [("gpt_oss", "auto"), ("deepseek_v3", "fp32")])
+@pytest.mark.parametrize("kind,dtype", [("gpt_oss", "auto"), ("deepseek_v3", "auto"), ("deepseek_v3", "fp32")])
 def test_logits_equal_transformers_dequantizing_load_at_tp2_and_ep2(releases, kind, dtype, tmp_path):
-    """MXFP4 is exact in bf16, so gpt-oss converts as released (bf16); the FP8 product is rounded, so DeepSeek-V3 is
-    converted in fp32, the dtype of the reference (`reference_outputs` loads in fp32, where transformers keeps the
-    fp32 product too). Bound: fp32 sums of at most K = hidden + ffn terms per layer, each rounding at most K eps of
-    the logits' scale, over the layers."""
+    """The reference is what `hfmeg verify` compares with: transformers' dequantizing load in the dtype the
+    converted checkpoint holds (bf16 as released, or fp32 on request: the FP8 product unrounded), run in fp32.
+    MXFP4 is exact in bf16. Bound: fp32 sums of at most K = hidden + ffn terms per layer, each rounding at most
+    K eps of the logits' scale, over the layers."""
     src = releases[kind]
     tp2, tp1 = (hf_to_mp(src, tmp_path / f"tp{tp}", tp=tp, pp=1, dtype=dtype) for tp in (2, 1))
-    ref_logits, ref_generated = reference_outputs(src, IDS, NEW_TOKENS)
+    weights_dtype = saved_dtype(MPCheckpoint(tp2).layout)
+    assert weights_dtype == (torch.bfloat16 if dtype == "auto" else torch.float32)
+    ref_logits, ref_generated = reference_outputs(src, IDS, NEW_TOKENS, weights_dtype)
     cfg = json.loads((src / "config.json").read_text())
     ffn = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
     bound = cfg["num_hidden_layers"] * (cfg["hidden_size"] + ffn) * torch.finfo(torch.float32).eps \
