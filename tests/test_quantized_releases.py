@@ -1,6 +1,7 @@
 """Quantized releases converted directly (`hfmeg/quant/`, `hfmeg/checkpoint/quantized.py`): gpt-oss with its MXFP4
 experts and DeepSeek-V3 with its block-scaled FP8 weights, each a tiny checkpoint whose config.json is the published
-one shrunk (`tests/releases/`), its weights quantized here in the published format.
+one shrunk (`tests/releases/`), its weights quantized here in the published format; and a Qwen3-FP8-shaped dense
+model (the family tests' tiny Qwen3 with Qwen's FP8 quantization_config) for the export.
 
 For each: the converted checkpoint (TP 2) exported back is the model transformers' own dequantizing load makes
 (`Mxfp4Config` / `FineGrainedFP8Config(dequantize=True)`), tensor for tensor, bit for bit, in the release's bf16;
@@ -39,7 +40,7 @@ from hfmeg.peft.config import PeftConfig
 from hfmeg.quant.mxfp4 import E2M1, dequantize_mxfp4
 from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, ParallelArgs, TrainConfig
 from hfmeg.train.trainer import Trainer
-from tiny_models import ASSETS
+from tiny_models import ASSETS, tiny_config
 from tool_loader import load_tool
 
 RELEASES = Path(__file__).parent / "releases"
@@ -47,6 +48,12 @@ ALPACA = ASSETS / "data" / "alpaca_en_demo.json"
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3, 8, 250, 11]])
 NEW_TOKENS = 4
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+# Qwen3-FP8-shaped: the tiny Qwen3 of the family tests (not a published config: QK-norm, head_dim 16 != 64 / 8
+# heads, GQA 8/4, so Q/K/V are fused from three dequantized tensors) with Qwen's FP8 quantization_config, its blocks
+# shrunk to 32 x 32 so that every weight holds several
+QWEN3_FP8 = {k: v for k, v in tiny_config("qwen3").to_dict().items() if k not in ("dtype", "torch_dtype")} | {
+    "torch_dtype": "bfloat16", "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                                       "quant_method": "fp8", "weight_block_size": [32, 32]}}
 
 
 def release_config(name: str) -> dict:
@@ -112,14 +119,14 @@ def save_gpt_oss_mxfp4(folder: Path, config: dict | None = None) -> Path:
 
 
 def _fp8_quantized(name: str, t: torch.Tensor) -> bool:
-    """DeepSeek-V3's FP8 tensors: every linear weight of attention and the MLPs; not the router, norms, embedding,
-    LM head."""
-    return t.dim() == 2 and ".mlp.gate." not in name and name.endswith("proj.weight") or "proj_with_mqa" in name
+    """DeepSeek-V3's and Qwen3-FP8's FP8 tensors: every linear weight of attention and the MLPs; not the router,
+    norms, embedding, LM head."""
+    return t.dim() == 2 and ".mlp.gate." not in name and name.endswith(("proj.weight", "proj_with_mqa.weight"))
 
 
 def save_deepseek_v3_fp8(folder: Path, config: dict | None = None, quantize: bool = True) -> Path:
-    """DeepSeek-V3 as published: per-expert tensors (save_pretrained's names), the linear weights `F8_E4M3` with a
-    `weight_scale_inv` per 128 x 128 block, everything else bf16."""
+    """DeepSeek-V3 as published (or another FP8 release's `config`): per-expert tensors (save_pretrained's names),
+    the linear weights `F8_E4M3` with a `weight_scale_inv` per block, everything else bf16."""
     config = config or release_config("deepseek-v3")
     plain = folder.parent / (folder.name + "-bf16")
     _random_model(config, 1).save_pretrained(plain)
@@ -139,7 +146,8 @@ def save_deepseek_v3_fp8(folder: Path, config: dict | None = None, quantize: boo
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
-    return {"gpt_oss": save_gpt_oss_mxfp4(root / "gpt_oss"), "deepseek_v3": save_deepseek_v3_fp8(root / "deepseek_v3")}
+    return {"gpt_oss": save_gpt_oss_mxfp4(root / "gpt_oss"), "deepseek_v3": save_deepseek_v3_fp8(root / "deepseek_v3"),
+            "qwen3_fp8": save_deepseek_v3_fp8(root / "qwen3_fp8", QWEN3_FP8)}
 
 
 def _dequantizing_load(src: Path, dtype: torch.dtype):
@@ -182,7 +190,7 @@ def test_fp8_block_dequantization_with_edge_blocks_is_the_blockwise_product():
 
 # --- the releases, converted ---
 
-@pytest.mark.parametrize("kind", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["gpt_oss", "deepseek_v3", "qwen3_fp8"])
 def test_export_is_transformers_dequantizing_load_bit_for_bit_and_round_trips(releases, kind, tmp_path):
     src = releases[kind]
     assert HFCheckpoint(src).quantized.pairs  # the checkpoint is quantized, and read so
