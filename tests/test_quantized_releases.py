@@ -131,8 +131,12 @@ def save_deepseek_v3_fp8(folder: Path, config: dict | None = None, quantize: boo
     plain = folder.parent / (folder.name + "-bf16")
     _random_model(config, 1).save_pretrained(plain)
     block = tuple(config["quantization_config"]["weight_block_size"])
+    stored = load_file(plain / "model.safetensors")
+    if config.get("num_nextn_predict_layers"):  # an MTP layer, numbered after the model's (layer 1's tensors)
+        last, mtp = f"model.layers.{config['num_hidden_layers'] - 1}.", f"model.layers.{config['num_hidden_layers']}."
+        stored |= {mtp + n[len(last):]: t.clone() for n, t in stored.items() if n.startswith(last)}
     tensors = {}
-    for name, t in load_file(plain / "model.safetensors").items():
+    for name, t in stored.items():
         if quantize and _fp8_quantized(name, t):
             tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(t, block)
         else:
@@ -205,6 +209,10 @@ def test_export_is_transformers_dequantizing_load_bit_for_bit_and_round_trips(re
     assert ours.keys() == theirs.keys()
     for name, t in theirs.items():  # (transformers keeps DeepSeek's router in fp32 on one load and not the other)
         assert torch.equal(ours[name].float(), t.float()), name
+    source, exported = HFCheckpoint(src), HFCheckpoint(out)
+    mtp = [n for n in source.keys() if n.startswith(f"model.layers.{config['num_hidden_layers']}.")]
+    assert bool(mtp) == (kind == "deepseek_v3")  # DeepSeek's MTP layer: carried, dequantized like the rest
+    assert all(torch.equal(exported.get(n), source.get(n).to(torch.bfloat16)) for n in mtp)
     again = mp_to_hf(hf_to_mp(out, tmp_path / "mp2", tp=2, pp=1), tmp_path / "hf2")
     assert assert_same_tensors(out, again) > 0  # the export converts back to itself
 

@@ -44,6 +44,8 @@ class QuantizedTensors:
             self._pair_mxfp4(names)
         else:
             self._pair_fp8(names)
+        self._float_names = {data: name for name, (data, _) in self.pairs.items()}
+        self._float_names.update({scale: None for _, scale in self.pairs.values()})
 
     def _pair_mxfp4(self, names: list[str]) -> None:
         have = set(names)
@@ -83,15 +85,12 @@ class QuantizedTensors:
 
     def hidden(self) -> set[str]:
         """The stored names the logical ones replace."""
-        return {n for pair in self.pairs.values() for n in pair} - set(self.pairs)
+        return set(self._float_names) - set(self.pairs)
 
     def float_name(self, stored: str) -> str | None:
         """The name a stored tensor is read under: a quantized tensor's data -> the float tensor's, its scale ->
         None (folded into it), any other -> itself."""
-        if stored in self.pairs:
-            return stored
-        return next((name for name, (data, scale) in self.pairs.items() if stored == data), None) \
-            if stored in self.hidden() else stored
+        return self._float_names.get(stored, stored)
 
     def shape(self, name: str) -> tuple[int, ...]:
         data = self._shape(self.pairs[name][0])
