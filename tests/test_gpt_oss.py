@@ -12,9 +12,6 @@ assembled as `GptOssForCausalLM` assembles it: cross-entropy plus `router_aux_lo
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,7 +30,6 @@ from hfmeg.checkpoint.mp_layout import iteration_dir_name
 from hfmeg.checkpoint.mp_save import chunks_layout, staged_save, write_model_shard
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.data.microbatch import MicroBatch
-from hfmeg.errors import UnsupportedConfigError
 from hfmeg.families import model_config_from_hf
 from hfmeg.models.generate import greedy_generate
 from hfmeg.parallel.data_parallel import DataParallel
@@ -42,7 +38,6 @@ from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.stored_names import stored_tensors
 
 from tiny_models import WINDOW, save_tiny, tiny_config
-from tool_loader import load_tool
 
 LAYER_TYPES = ["sliding_attention", "full_attention"] * 2
 # (tp, pp, sp, ep) in a world of 4 (the rest DP)
@@ -59,7 +54,7 @@ def gpt_oss(tmp_path_factory):
     return save_tiny("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "m", num_hidden_layers=4, layer_types=LAYER_TYPES)
 
 
-def test_config_reader_switches_gpt_oss_maths_on_and_refuses_quantized_experts():
+def test_config_reader_switches_gpt_oss_maths_on():
     cfg = model_config_from_hf(tiny_config("gpt_oss", num_hidden_layers=4, layer_types=LAYER_TYPES))
     assert cfg.attn_sinks and cfg.qkv_bias and cfg.out_bias and cfg.norm_fp32_scale and not cfg.mlp_bias
     assert [cfg.window(i) for i in range(4)] == [WINDOW, None, WINDOW, None]
@@ -67,20 +62,7 @@ def test_config_reader_switches_gpt_oss_maths_on_and_refuses_quantized_experts()
     assert (m.router_bias, m.expert_bias, m.swiglu_alpha, m.swiglu_limit) == (True, True, 1.702, 0.1)
     assert (m.num_experts, m.top_k, m.norm_topk_prob, m.sparse_layers) == (4, 2, True, [0, 1, 2, 3])
     assert cfg.to_dict()["attn_sinks"] and cfg.to_dict()["moe"]["swiglu_limit"] == 0.1
-    quantized = tiny_config("gpt_oss", quantization_config={"quant_method": "mxfp4"})
-    with pytest.raises(UnsupportedConfigError, match="config.json field quantization_config: 'mxfp4'"):
-        model_config_from_hf(quantized)
-
-
-def test_converter_refuses_an_mxfp4_checkpoint_in_one_line(gpt_oss, tmp_path, capsys):
-    src = tmp_path / "mxfp4"
-    shutil.copytree(gpt_oss, src)
-    cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
-    rc = load_tool("convert_hf_to_mp").main(["--hf", str(src), "--out", str(tmp_path / "out"), "--tp", "1", "--pp", "1"])
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert rc == 2 and len(err) == 1 and "config.json field quantization_config: 'mxfp4'" in err[0], err
-    assert not (tmp_path / "out").exists()
+    # openai's MXFP4 release converts directly (tests/test_quantized_releases.py)
 
 
 def test_round_trip_bit_exact_at_tp2_pp2(gpt_oss, tmp_path):

@@ -41,7 +41,7 @@ def copy_carried(src: Path, dst: Path) -> None:
     specs = {name: (source.dtype(name), tuple(source.shape(name))) for name in source.carried}
     with StreamingSafetensorsWriter(dst / CARRIED_FILE, specs, {"format": "pt", _NAMING: json.dumps(source.naming)}) as w:
         for name in source.carried:
-            w.write(name, source.get(name))
+            w.write(name, source.get(name).to(specs[name][0]))  # a quantized release's: dequantized (fp32 for FP8)
 
 
 def carried_naming(hf_dir: Path) -> tuple[str, str] | None:

@@ -9,6 +9,10 @@ A multimodal wrapper's checkpoint (`families/wrappers.py`) is read as its langua
 text model's own names (`model.layers.…`, `lm_head.…`), so the family's rules apply unchanged; its other tensors
 (`carried`), and the family's fixed tensors (`FamilySpec.fixed`, each checked to hold its value), travel verbatim
 (`checkpoint/carried.py`).
+
+A quantized release (`quantization_config`: gpt-oss's MXFP4 experts, DeepSeek-V3's and Qwen3-FP8's block-scaled
+FP8) is read as the float model it encodes: `quantized.py` pairs each quantized tensor with its scales and
+dequantizes it when it is read, under the name transformers gives the float tensor.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from safetensors import SafetensorError, safe_open
 from ..errors import CheckpointError, UnsupportedConfigError
 from ..families import family_of, wrapper_of
 from ..families.wrappers import TEXT_NAMINGS, text_name
+from ..quant.formats import quant_format
+from .quantized import QuantizedTensors
 from .st_stream import CODE_DTYPES, read_tensor
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -71,6 +77,8 @@ class HFCheckpoint:
         except (json.JSONDecodeError, OSError):
             meta = {}  # load_hf_config names the problem where the config is read
         self.naming: tuple[str, str] | None = None
+        self.quantized: QuantizedTensors | None = None
+        top = meta
         if wrapper_of(meta.get("model_type")) is not None:
             found = [n for n in TEXT_NAMINGS if n[0] + "embed_tokens.weight" in self._files]
             if not found:
@@ -80,6 +88,7 @@ class HFCheckpoint:
         names = {k: text_name(k, self.naming) for k in self._files}
         self._stored = {name: k for k, name in names.items() if name is not None}
         self.carried = [k for k, name in names.items() if name is None]  # the wrapper's other tensors
+        self._dequantized(top, meta)
         try:
             family = family_of(meta.get("model_type"))
         except UnsupportedConfigError:
@@ -92,6 +101,24 @@ class HFCheckpoint:
                 raise UnsupportedConfigError(f"{self.folder}: tensor {self._stored[name]} is {value.tolist()}: "
                                              f"{meta['model_type']} is supported only where it is {fixed(name)}")
             self.carried.append(self._stored[name])
+
+    def _dequantized(self, top: dict, meta: dict) -> None:
+        """Read a quantized release's tensors dequantized, under the float tensors' names (`quantized.py`)."""
+        try:
+            fmt = quant_format(top.get("quantization_config"))
+        except UnsupportedConfigError as e:
+            raise UnsupportedConfigError(f"{self.folder / str(e)}") from e
+        if fmt is None:
+            return
+        declared = top.get("torch_dtype") or top.get("dtype") or meta.get("torch_dtype") or meta.get("dtype")
+        declared = getattr(torch, declared) if isinstance(declared, str) else torch.bfloat16
+        raw = dict(self._stored)
+        self.quantized = QuantizedTensors(fmt, self.folder, list(raw), lambda n: self._raw_shape(raw[n]),
+                                          lambda n: self._raw_dtype(raw[n]), declared)
+        self._raw_names = raw
+        for name in self.quantized.hidden():
+            del self._stored[name]
+        self._stored.update({name: name for name in self.quantized.pairs})
 
     def _open(self, path: Path):
         if path not in self._handles:
@@ -127,8 +154,15 @@ class HFCheckpoint:
         except CheckpointError:
             return False
 
+    def _dequantizes(self, name: str) -> bool:
+        return self.quantized is not None and name in self.quantized.pairs
+
     def get(self, name: str) -> torch.Tensor:
-        key = self.resolve(name)
+        if self._dequantizes(name):
+            return self.quantized.get(name, lambda n: self._raw_get(self._raw_names[n]))
+        return self._raw_get(self.resolve(name))
+
+    def _raw_get(self, key: str) -> torch.Tensor:
         path = self._files[key]
         handle = self._open(path)
         try:
@@ -139,7 +173,11 @@ class HFCheckpoint:
             raise CheckpointError(f"{path}: cannot read tensor {key} ({type(e).__name__}: {e})") from e
 
     def shape(self, name: str) -> tuple[int, ...]:
-        key = self.resolve(name)
+        if self._dequantizes(name):
+            return self.quantized.shape(name)
+        return self._raw_shape(self.resolve(name))
+
+    def _raw_shape(self, key: str) -> tuple[int, ...]:
         path = self._files[key]
         handle = self._open(path)
         if path.suffix == ".safetensors":
@@ -147,11 +185,19 @@ class HFCheckpoint:
         return tuple(handle[key].shape)
 
     def dtype(self, name: str) -> torch.dtype:
-        key = self.resolve(name)
+        if self._dequantizes(name):
+            return self.quantized.dtype(name)
+        return self._raw_dtype(self.resolve(name))
+
+    def _raw_dtype(self, key: str) -> torch.dtype:
         path = self._files[key]
         handle = self._open(path)
         if path.suffix == ".safetensors":
-            return CODE_DTYPES[handle.get_slice(key).get_dtype()]
+            code = handle.get_slice(key).get_dtype()
+            if code not in CODE_DTYPES:
+                raise CheckpointError(f"{path}: tensor {key} is stored as {code}, which hfmeg cannot read "
+                                      f"(it reads {', '.join(CODE_DTYPES)})")
+            return CODE_DTYPES[code]
         return handle[key].dtype
 
     def files(self) -> list[Path]:

@@ -9,7 +9,8 @@ merged from its TP slices and written (by a write-behind thread, so the next
 merge overlaps this write) and dropped.
 
 `config.json` keeps every field of the source config; only `torch_dtype` / `dtype`
-are set to what was written. Tokenizer and generation config files are copied
+are set to what was written, and a `quantization_config` is dropped: hfmeg reads a quantized release dequantized
+(`quantized.py`) and writes float tensors back, so the export is the dequantized model. Tokenizer and generation config files are copied
 verbatim. A multimodal wrapper's text tensors get the names they were read with, and the
 carried tensors (`carried.py`: the wrapper's other towers, a family's fixed tensors) are
 written after them as stored, in their own dtype.
@@ -64,8 +65,10 @@ def plan_shards(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], max_bytes
 
 
 def write_config(src: Path, dst: Path, dtype: str) -> None:
-    """Copy config.json keeping every field; set the dtype field(s) it has (both when it has neither)."""
+    """Copy config.json keeping every field but `quantization_config` (the tensors written are not quantized); set
+    the dtype field(s) it has (both when it has neither)."""
     cfg = json.loads(src.read_text())
+    cfg.pop("quantization_config", None)
     for key in [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype", "dtype"]:
         cfg[key] = dtype
     dst.write_text(json.dumps(cfg, indent=2) + "\n")

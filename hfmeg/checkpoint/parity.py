@@ -75,16 +75,22 @@ def sharded_outputs(mp_dir: str | Path, ids: torch.Tensor, max_new_tokens: int, 
 
 
 @torch.no_grad()
-def reference_outputs(hf_dir: str | Path, ids: torch.Tensor, max_new_tokens: int):
-    """(logits, generated ids) from transformers in fp32 (a multimodal wrapper's own class, on text)."""
+def reference_outputs(hf_dir: str | Path, ids: torch.Tensor, max_new_tokens: int,
+                      weights_dtype: torch.dtype = torch.float32):
+    """(logits, generated ids) from transformers in fp32 (a multimodal wrapper's own class, on text).
+
+    A quantized release (`quantization_config`) is loaded by transformers' dequantizing load in `weights_dtype`, the
+    dtype the converted checkpoint holds (its dequantized weights rounded to it, as the converter rounds them), and
+    then run in fp32 like any other."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(str(hf_dir))
+    load_dtype = weights_dtype if getattr(config, "quantization_config", None) else torch.float32
     text = text_config(config)
     auto = AutoModelForCausalLM if text is config else AutoModelForImageTextToText
     # SDPA refuses soft-capped scores (Gemma): transformers' eager attention computes them.
     capped = getattr(text, "attn_logit_softcapping", None)
-    model = auto.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager" if capped else None)
+    model = auto.from_pretrained(str(hf_dir), dtype=load_dtype, attn_implementation="eager" if capped else None).float()
     logits = model(input_ids=ids).logits.float()
     generated = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
     return logits, generated

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..checkpoint.cli import run_cli
 from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.mp_layout import RANK_FILE, resolve_iteration_dir
+from ..checkpoint.load import saved_dtype
 from ..checkpoint.mp_reader import MPCheckpoint
 from ..errors import CheckpointError
 from ..peft.adapter_files import SHARD_FILE as ADAPTER_SHARD
@@ -65,7 +66,7 @@ def verify(args) -> int:
         ours = sharded_outputs(args.mp, ids, n)
     rc = 0
     if not under_launcher or dist.get_rank() == 0:
-        report = compare(ours, reference_outputs(hf_dir, ids, n), ids.shape[1], args.tol)
+        report = compare(ours, reference_outputs(hf_dir, ids, n, saved_dtype(layout)), ids.shape[1], args.tol)
         print(f"layout: TP={layout.tp} PP={layout.pp} VPP={layout.vpp} on {world} process(es); prompt {ids.shape[1]} tokens")
         print(f"max_abs_logit_diff={report.max_abs_logit_diff:.3e}")
         print(f"transformers greedy: {_text(report.reference, tok)}")

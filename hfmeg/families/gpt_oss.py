@@ -12,8 +12,9 @@ take expert e's slice, transpose it and de-interleave its rows into hfmeg's `[ga
 
 Its RMSNorms scale by w in fp32 and round once (`norm_fp32_scale`, as Gemma 4's). LoRA: peft (0.21) has no mapping
 for gpt-oss's experts (not `nn.Linear`s; `target_parameters` on their transposed interleaved stacks is not built),
-so `PeftNames` adapts attention only and expert or router targets are refused. MXFP4-quantized checkpoints
-(`quantization_config`, as openai publishes them) are refused: dequantize them first."""
+so `PeftNames` adapts attention only and expert or router targets are refused. The experts as openai publishes them,
+in MXFP4 (`quantization_config`, `*_blocks` / `*_scales`), are dequantized as they are read
+(`checkpoint/quantized.py`)."""
 
 from __future__ import annotations
 
@@ -42,9 +43,6 @@ def gpt_oss_moe(hf: PretrainedConfig) -> MoEConfig:
 
 
 def normalise(hf: PretrainedConfig) -> ModelConfig:
-    quant = getattr(hf, "quantization_config", None)
-    require(quant is None, "quantization_config", f"{(quant or {}).get('quant_method', quant)!r}: quantized experts "
-            "are not supported (load the model dequantized, e.g. Mxfp4Config(dequantize=True), and save it)")
     cfg = decoder_config(hf, window=layer_types_window, moe=gpt_oss_moe)
     return replace(cfg, attn_sinks=True, norm_fp32_scale=True)
 

@@ -13,10 +13,16 @@ expert e the update `scale B_e A_e`; it goes into whichever names the base store
 stacked `mlp.experts.gate_up_proj` / `down_proj`, or one tensor per expert as the family's
 checkpoints name them (its `ExpertNames`: Mixtral `block_sparse_moe.experts.e.w1/w3/w2`, Qwen
 `mlp.experts.e.gate_proj/up_proj/down_proj`): gate_up's first F rows to the gate, the rest to up.
+
+A quantized base (gpt-oss's MXFP4 experts, DeepSeek-V3's FP8 weights) is merged as hfmeg reads it, dequantized
+(`checkpoint/quantized.py`): every tensor is written in float (the base's declared dtype), the scales folded in,
+the shard index renamed to match and the `quantization_config` dropped, as `hfmeg export` writes a converted
+release. (Adding an update to the FP8 codes themselves would be wrong: their scales would not be redone.)
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -24,6 +30,9 @@ import torch
 from safetensors import safe_open
 
 from ..checkpoint.atomic import atomic_output_dir, save_tensors
+from ..checkpoint.hf_reader import SAFE_INDEX, HFCheckpoint
+from ..checkpoint.hf_writer import write_config
+from ..checkpoint.mp_layout import dtype_name
 from ..config import load_hf_config
 from ..errors import CheckpointError
 from ..families import family_of
@@ -80,6 +89,18 @@ def _merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, magnitude: torch.
     return full.to(w.dtype)
 
 
+def _dequantized_side_files(quant: HFCheckpoint, folder: Path) -> None:
+    """The config and shard index of a merged quantized base: no `quantization_config`, the float tensors' names."""
+    write_config(quant.folder / "config.json", folder / "config.json", dtype_name(quant.quantized.declared))
+    index = folder / SAFE_INDEX
+    if index.is_file():
+        found = json.loads(index.read_text())
+        found["weight_map"] = {quant.quantized.float_name(k): v for k, v in found["weight_map"].items()
+                               if quant.quantized.float_name(k) is not None}
+        found.get("metadata", {}).pop("total_size", None)  # the float tensors' size differs; loading does not need it
+        index.write_text(json.dumps(found, indent=2) + "\n")
+
+
 def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig, out: Path, *,
                   overwrite: bool = True) -> Path:
     """Write `base` (an HF folder) with the PEFT `tensors` of an adapter with settings `cfg` merged in to `out`,
@@ -102,14 +123,21 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
     updates = {k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight": k
                for k in tensors if k.endswith(".lora_A.weight") and ".mlp.experts" not in k and ".mlp.gate." not in k}
     merged = set()
+    quant = HFCheckpoint(base) if "quantization_config" in json.loads((base / "config.json").read_text()) else None
     with atomic_output_dir(out, overwrite=overwrite, inputs=(base,)) as tmp:
         for path in sorted(base.iterdir()):
             if path.suffix == ".safetensors":
                 weights = {}
                 with safe_open(str(path), "pt") as f:
                     meta = f.metadata()
-                    for name in f.keys():
-                        w = f.get_tensor(name)
+                    for stored in f.keys():
+                        name = stored if quant is None else quant.quantized.float_name(stored)
+                        if name is None:
+                            continue  # a scale, folded into its tensor
+                        if quant is not None and name in quant.quantized.pairs:
+                            w = quant.get(name).to(quant.dtype(name))
+                        else:
+                            w = f.get_tensor(stored)
                         if name in deltas:
                             w = (w.float() + deltas[name]).to(w.dtype)
                             merged.add(name)
@@ -126,6 +154,8 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
                 save_tensors(weights, tmp / path.name, meta)
             elif path.is_file() and path.suffix != ".bin":
                 shutil.copyfile(path, tmp / path.name)
+        if quant is not None:
+            _dequantized_side_files(quant, tmp)
         missing = sorted((set(updates) | set(saved) | set(deltas)) - merged)
         if missing:
             raise CheckpointError(f"{base}: no base weight {missing[0]} for its adapter (the adapter was trained on "
