@@ -107,13 +107,20 @@ def _read_txt(path: Path, skip: int) -> Reader:
 
 def _read_parquet(path: Path, skip: int) -> Reader:
     import datasets
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = pq.ParquetFile(path).metadata.num_rows
+    try:
+        rows = pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:  # a damaged or truncated file: its footer is unreadable
+        raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from e
     if skip < rows:
         ds = datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)
-        for i, rec in enumerate(ds.skip(skip), skip):
-            yield Raw(f"{path}[{i}]", rec)
+        try:
+            for i, rec in enumerate(ds.skip(skip), skip):
+                yield Raw(f"{path}[{i}]", rec)
+        except (pa.ArrowException, OSError) as e:  # a damaged row group
+            raise DataError(f"{path}: unreadable Parquet data ({str(e).splitlines()[0]})") from e
     return rows
 
 

@@ -67,6 +67,7 @@ from .dataclass_io import to_yaml
 from .export import EXPORT_RECORD, export_run
 from .metrics import METRICS_FILE, MetricsLog, last_losses, tensorboard_available
 from .parts import part_class
+from .preflight import check_inputs
 from .parts.reference import Precomputed, Reference
 from .preference import PreferenceLoss
 from .rng import seed_all
@@ -134,6 +135,7 @@ class Trainer:
         self.launcher = LauncherWatch.start()
         self.is_logger = self.ps.rank == 0
         self.out = Path(cfg.checkpoint.out)
+        check_inputs(cfg, device)  # before the lock, the first thing a run writes
         self.lock = lock_run(self.out, self.ps)
         try:
             ck = cfg.checkpoint
