@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from ..errors import HfmegError
 from .config import TrainConfig
 from .validate import check_hub_login, load_config
 from .dataclass_io import ConfigError, to_yaml
+from .stop import exit_together
 
 RECIPE_DIR = Path(__file__).parent / "recipes"  # package data (pyproject.toml), found by an installed hfmeg too
 RECIPES = {  # name -> what it trains; each is RECIPE_DIR / f"{name}.yaml"
@@ -210,12 +210,6 @@ def fit_to_model(cfg: TrainConfig) -> None:
         cfg.data.seq_len = max_pos
 
 
-def _exit_together() -> None:
-    """Every rank found the same error and exits 2 itself: torchrun SIGTERMs the other workers as soon as one
-    exits, which would make the quiet ranks (or rank 0, before its line) die by a signal instead."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
 def main(description: str, default_config: Path | None, argv: list[str] | None = None,
          prog: str | None = None) -> int:
     """A recipe script (`default_config`: its YAML) or, with None, `hfmeg train`; returns the exit code."""
@@ -233,7 +227,7 @@ def main(description: str, default_config: Path | None, argv: list[str] | None =
             _say(check_hub_login(cfg.hub.push_to_hub))
         fit_to_model(cfg)
     except HfmegError as e:
-        _exit_together()
+        exit_together()
         if _is_rank0():
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:
@@ -245,7 +239,7 @@ def main(description: str, default_config: Path | None, argv: list[str] | None =
         Trainer(cfg).run()  # rank 0 prints the run's summary, the exported folder included
     except HfmegError as e:
         if e.agreed:
-            _exit_together()
+            exit_together()
         if e.agreed and not _is_rank0():  # every rank raised it together: rank 0 says it (see above)
             time.sleep(QUIET_RANK_EXIT_DELAY_S)
         else:

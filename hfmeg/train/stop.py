@@ -50,6 +50,13 @@ class GracefulStop:
             signal.signal(s, handler)
 
 
+def exit_together() -> None:
+    """Every rank found the same error and exits 2 itself: from here SIGTERM is ignored, since a launcher
+    (torchrun, accelerate) terminates the other workers as soon as one exits, which would make them die by a
+    signal, with the launcher's report of it, instead of exiting 2 (and rank 0 perhaps before its line)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class LauncherGone(HfmegError):
     """The process that launched this worker has died; the worker stops without writing."""
 

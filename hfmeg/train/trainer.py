@@ -72,7 +72,7 @@ from .parts.reference import Precomputed, Reference
 from .preference import PreferenceLoss
 from .rng import seed_all
 from .run_lock import LOCK_FILE, lock_run
-from .stop import GracefulStop, LauncherWatch
+from .stop import GracefulStop, LauncherWatch, exit_together
 from .summary import RunSummary
 
 
@@ -118,6 +118,9 @@ class Trainer:
     def _leave(self, error: BaseException | None = None) -> None:
         """This rank is done with its peers: after a failed collective, a peer found lost ends the process with
         one line (`Heartbeat.wait_verdict`); otherwise the heartbeat stops, so that its silence is no loss."""
+        if getattr(error, "agreed", False):  # every rank raised it together, so every rank is here
+            exit_together()
+            dist.barrier()  # no rank exits (and has its launcher stop the others) before all ignore SIGTERM
         if self.heartbeat is not None:
             if error is not None:
                 self.heartbeat.wait_verdict(error)
