@@ -298,6 +298,8 @@ class Trainer:
     def _train(self) -> RunSummary:
         cfg, ps = self.cfg, self.ps
         if self.is_logger:
+            for line in self.checkpoints.set_aside():  # started: what lies above the resume point is moved
+                print(line, flush=True)
             (self.out / CONFIG_FILE).write_text(to_yaml(cfg))
             print(f"config: {self.out / CONFIG_FILE}", flush=True)
             if ps.grid.hosts > 1:
