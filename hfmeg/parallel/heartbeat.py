@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 EXIT_PEER_LOST = 3
 BEATS_PER_TIMEOUT = 8
+SIGNAL_POLL_S = 0.1  # how often a rank waiting for the verdict looks for a signal that ends the wait
 
 
 def host_label() -> str:
@@ -112,14 +114,28 @@ class Heartbeat:
               f"{self.hosts[self.rank]} stops (exit {EXIT_PEER_LOST})", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_LOST)
 
-    def wait_verdict(self, error: BaseException) -> None:
+    def wait_verdict(self, error: BaseException, until: Callable[[], bool] = lambda: False) -> bool:
         """After a collective failed: wait (at most a timeout and a beat) for the thread to name a lost peer,
-        which ends the process; returns if none is found (the error is another one)."""
+        which ends the process; returns False if none is found (the error is another one), True at once when
+        `until()` holds (a signal came: the launcher is stopping this worker, no verdict is needed)."""
         if not (isinstance(error, dist.DistError) or "gloo" in str(error)):
-            return
+            return False
         deadline = time.monotonic() + self.timeout_s + 2 * self.interval
         while self._thread.is_alive() and time.monotonic() < deadline:
-            self._thread.join(self.interval)
+            if until():
+                return True
+            self._thread.join(min(self.interval, SIGNAL_POLL_S))
+        return until()
+
+    def signalled(self, signal_name: str | None, error: BaseException, code: int) -> None:
+        """End the process at once, with one line, after a collective failed and a signal came (a launcher
+        stops the other workers once one died): `os._exit`, since tearing the process group down would wait
+        on the peer that is gone, and the launcher would SIGKILL this worker after its grace period."""
+        self._stop.set()
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        print(f"hfmeg: rank {self.rank} on {self.hosts[self.rank]} stops on {signal_name} after a collective with "
+              f"its peers failed ({first}) (exit {code})", file=sys.stderr, flush=True)
+        os._exit(code)
 
     def stop(self) -> None:
         """This rank leaves: its silence from now on is not a loss."""

@@ -213,6 +213,14 @@ def fit_to_model(cfg: TrainConfig) -> None:
 def main(description: str, default_config: Path | None, argv: list[str] | None = None,
          prog: str | None = None) -> int:
     """A recipe script (`default_config`: its YAML) or, with None, `hfmeg train`; returns the exit code."""
+    try:
+        return _main(description, default_config, argv, prog)
+    except KeyboardInterrupt:  # Ctrl-C before the trainer holds SIGINT (it saves and exits 130 itself after)
+        _say("interrupted before training started; nothing was written", sys.stderr)
+        return 130
+
+
+def _main(description: str, default_config: Path | None, argv: list[str] | None, prog: str | None) -> int:
     from .trainer import Trainer
 
     args = parser(description, default_config, prog).parse_args(
@@ -236,7 +244,7 @@ def main(description: str, default_config: Path | None, argv: list[str] | None =
             time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return 2
     try:
-        Trainer(cfg).run()  # rank 0 prints the run's summary, the exported folder included
+        result = Trainer(cfg).run()  # rank 0 prints the run's summary, the exported folder included
     except HfmegError as e:
         if e.agreed:
             exit_together()
@@ -248,7 +256,7 @@ def main(description: str, default_config: Path | None, argv: list[str] | None =
     except OSError as e:  # e.g. a full disk under a write no deeper layer named; the traceback adds nothing
         print(f"error: {e.filename or cfg.checkpoint.out}: {e.strerror or e}", file=sys.stderr)
         return 2
-    return 0
+    return result.exit_code  # 128 + the signal that stopped the run (130: Ctrl-C), its checkpoint saved
 
 
 def train_command(argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -92,6 +92,7 @@ class RunResult:
     checkpoint: Path | None
     hf_folder: Path | None
     stopped_by_signal: bool
+    exit_code: int  # the process's: 0, or 128 + the signal that stopped the run (agreed over the ranks)
     is_logger: bool  # global rank 0, which logs and exports; hf_folder is None on the other ranks
     summary: RunSummary
 
@@ -107,8 +108,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         # The process group is the trainer's to end only where it made it (not a caller's, e.g. launch.spawn's).
         self.owns_world = not dist.is_initialized()
-        device = join_world(timeout_s=cfg.train.collective_timeout_s)
-        self.heartbeat = Heartbeat.start(cfg.train.heartbeat_timeout_s, device)
+        self.stop = GracefulStop()  # held to the end (`_leave`): a signal during start-up or export is no traceback
+        try:
+            device = join_world(timeout_s=cfg.train.collective_timeout_s)
+            self.heartbeat = Heartbeat.start(cfg.train.heartbeat_timeout_s, device)
+        except BaseException:
+            self.stop.restore()
+            raise
         try:
             self._start(cfg, device)
         except BaseException as e:
@@ -117,14 +123,16 @@ class Trainer:
 
     def _leave(self, error: BaseException | None = None) -> None:
         """This rank is done with its peers: after a failed collective, a peer found lost ends the process with
-        one line (`Heartbeat.wait_verdict`); otherwise the heartbeat stops, so that its silence is no loss."""
+        one line (`Heartbeat.wait_verdict`), and so does a signal (the launcher stopping the workers once one
+        died); otherwise the heartbeat stops, so that its silence is no loss."""
         if getattr(error, "agreed", False):  # every rank raised it together, so every rank is here
             exit_together()
             dist.barrier()  # no rank exits (and has its launcher stop the others) before all ignore SIGTERM
         if self.heartbeat is not None:
-            if error is not None:
-                self.heartbeat.wait_verdict(error)
+            if error is not None and self.heartbeat.wait_verdict(error, until=lambda: self.stop.requested):
+                self.heartbeat.signalled(self.stop.signal_name, error, self.stop.exit_code)
             self.heartbeat.stop()
+        self.stop.restore()
         if self.owns_world and dist.is_initialized():
             # gloo's and the store's threads end here, not in the interpreter's teardown, where a thread still
             # joinable aborts the process ("terminate called without an active exception"); after an error too,
@@ -293,7 +301,8 @@ class Trainer:
         if self.is_logger:
             print("\n".join(summary.lines()), flush=True)
         return RunResult(self.out, self.step, summary.train_loss, summary.checkpoint, summary.hf,
-                         summary.stopped_by is not None, self.is_logger, summary)
+                         summary.stopped_by is not None, self.stop.exit_code if summary.stopped_by else 0,
+                         self.is_logger, summary)
 
     def _train(self) -> RunSummary:
         cfg, ps = self.cfg, self.ps
@@ -308,7 +317,7 @@ class Trainer:
         metrics = MetricsLog(self.out, cfg.train.max_steps, self.step, cfg.tensorboard) if self.is_logger else None
         check = None if self.prediction is None else LayoutReport(self.prediction, self.step, cfg.train.max_steps,
                                                                   ps.device)
-        stop = GracefulStop()
+        stop = self.stop
         skipped_in_a_row, stopped = 0, False
         seq_len = cfg.data.seq_len
         tokens_per_step = cfg.train.global_batch_size * seq_len
@@ -359,13 +368,12 @@ class Trainer:
                 if due or stopped or self.step == cfg.train.max_steps:
                     summary.checkpoint = self.save()
                 if stopped:
-                    summary.stopped_by = stop.signal_name or "a signal on another rank"
+                    summary.stopped_by = stop.signal_name
                     if metrics is not None:
                         metrics.bar.write(f"{stop.signal_name}: saved step {self.step} to {summary.checkpoint}, "
                                           "exiting")
                     break
         finally:
-            stop.restore()
             self.data.close()  # stops the prefetch thread, also when the loop raised
             if metrics is not None:
                 metrics.close()
