@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -78,3 +79,25 @@ def test_a_bad_input_is_one_line_exit_2_and_out_unchanged(case, tmp_path, capfd,
     assert code == 2 and len(errors) == 1 and errors[0].startswith(f"error: {expected}"), (code, captured)
     assert "Traceback" not in captured.err
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # no lock, config, hf_source, metrics
+
+
+def test_an_unreachable_hub_dataset_is_one_line_before_the_model_loads(tmp_path, capfd, monkeypatch):
+    """No network (an endpoint that refuses): one probe, no retries; the bound is the probe's timeout (the
+    refusal itself is immediate), well inside issue 45's 10 s."""
+    from huggingface_hub import constants
+
+    from hfmeg.checkpoint.hub_source import PROBE_TIMEOUT_S
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    out = tmp_path / "run"
+    started = time.monotonic()
+    code = train_command(["--recipe", "sft_llama13b", "--model", str(_assets()), "--data", "tatsu-lab/alpaca",
+                          "--tp", "1", "--max-steps", "2", "--set", "tensorboard=false", "--out", str(out)])
+    took = time.monotonic() - started
+    captured = capfd.readouterr()
+    errors = [line for line in (captured.out + captured.err).splitlines() if line.startswith("error:")]
+    assert code == 2 and errors == ["error: data source tatsu-lab/alpaca: a Hub dataset, and 127.0.0.1 cannot be "
+                                    "reached (Connection refused); set HF_HUB_OFFLINE=1 to use the cache alone"], captured
+    assert took < PROBE_TIMEOUT_S + 5, took  # the probe, and the config checks before it
+    assert not out.exists()

@@ -173,6 +173,7 @@ class Source:
         try:
             ds = datasets.load_dataset(c.path, c.config, split=c.split, revision=c.revision, streaming=True)
         except Exception as e:  # network, auth, missing dataset/config/split: one line naming the source
-            raise DataError(f"data source {self.name}: cannot open Hub dataset ({type(e).__name__}: {e})") from e
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise DataError(f"data source {self.name}: cannot open Hub dataset ({type(e).__name__}: {first})") from e
         for i, rec in enumerate(ds.skip(start) if start else ds, start):
             yield Raw(f"{self.name}#{i}", rec)
