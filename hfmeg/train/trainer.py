@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.agree import agree
 from ..parallel.heartbeat import Heartbeat
+from ..parallel.rendezvous import rejoin_warning
 from ..parallel.pipeline import TokenMean, forward_backward
 from ..parallel.state import ParallelState, join_world, ranks_per_host
 from ..plan.flops import mfu, peak_flops
@@ -313,6 +315,8 @@ class Trainer:
             print(f"config: {self.out / CONFIG_FILE}", flush=True)
             if ps.grid.hosts > 1:
                 print(f"hosts: {ps.grid.hosts_line()}", flush=True)
+            if (warning := rejoin_warning()) is not None:
+                print(warning, file=sys.stderr, flush=True)
         summary = RunSummary(self.out, self.step, self.step, cfg.train.max_steps)
         metrics = MetricsLog(self.out, cfg.train.max_steps, self.step, cfg.tensorboard) if self.is_logger else None
         check = None if self.prediction is None else LayoutReport(self.prediction, self.step, cfg.train.max_steps,
@@ -338,6 +342,8 @@ class Trainer:
                 load = {"expert_load": expert_load(self.chunks, ps)} if self.model_cfg.moe is not None else {}
                 dt = time.perf_counter() - t0
                 self.step += 1
+                if self.heartbeat is not None:
+                    self.heartbeat.step = self.step  # its beats report it: a lost rank is named with its step
                 summary.step, summary.train_loss = self.step, loss
                 summary.tokens += batch.num_tokens
                 summary.skipped += result.skipped
