@@ -25,6 +25,11 @@ timeout and a beat of the freeze; torchrun's agents then stop the round (the fro
 their grace period) and restart it. A thread of the rank itself would not do: a frozen process's threads
 are all frozen, and the point is to watch rank 0 from the other ranks.
 
+A frozen process cannot act on its launcher's SIGTERM, so torchrun's agent would wait out its grace period
+(30 s) before its SIGKILL, and only then start the next round. So a survivor that names a lost rank on its
+own host (by the host label every rank published, with its pid) kills it itself with SIGKILL before it exits;
+the agent then finds every worker gone at its next look.
+
 Each beat carries the rank's last finished step (`Heartbeat.step`, set by the trainer), so a line names
 where the lost rank stood. When the store goes away (its rank exited, say after finding a frozen peer
 itself) while some peer is already quiet, the line names that peer rather than the store.
@@ -38,6 +43,7 @@ request at a time.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -69,8 +75,10 @@ def host_label() -> str:
 
 
 class Heartbeat:
-    def __init__(self, store: dist.Store, rank: int, world: int, timeout_s: float, hosts: list[str]):
+    def __init__(self, store: dist.Store, rank: int, world: int, timeout_s: float, hosts: list[str],
+                 pids: list[int]):
         self.store, self.rank, self.world, self.timeout_s, self.hosts = store, rank, world, timeout_s, hosts
+        self.pids = pids
         self.interval = timeout_s / BEATS_PER_TIMEOUT
         self.step = 0  # this rank's last finished step, which its beats report
         self.steps = [0] * world  # every rank's, as last read
@@ -94,11 +102,13 @@ class Heartbeat:
                                timeout=timedelta(seconds=timeout_s))
         store = dist.PrefixStore(f"hfmeg/heartbeat/{int(token.item()):x}/", client)
         store.set(f"host/{rank}", host_label())
+        store.set(f"pid/{rank}", str(os.getpid()))
         store.set(f"beat/{rank}", "0 0")
         store.set(f"gone/{rank}", "0")
         dist.barrier()  # every rank's keys exist: one multi_get reads them all
         hosts = [b.decode() for b in store.multi_get([f"host/{r}" for r in range(world)])]
-        beat = cls(store, rank, world, timeout_s, hosts)
+        pids = [int(b) for b in store.multi_get([f"pid/{r}" for r in range(world)])]
+        beat = cls(store, rank, world, timeout_s, hosts, pids)
         beat._thread.start()
         beat._watch.start()
         return beat
@@ -119,8 +129,8 @@ class Heartbeat:
                 why = str(e).splitlines()[0][:120]
                 if self._quiet:  # the store went away after a peer fell silent: that peer is the news
                     self._lost(f"{self._ranks(self._quiet, time.monotonic() - min(moved[r] for r in self._quiet))}"
-                               f" (then the job's store went away: {why})")
-                self._lost(f"{self._store_holder()} ({why})")
+                               f" (then the job's store went away: {why})", self._quiet)
+                self._lost(f"{self._store_holder()} ({why})", self._holder())
                 return
             now = self.answered = time.monotonic()
             self._quiet = []  # ranks (not gone) that missed two beats or more: named beside a lost one (same host's)
@@ -131,13 +141,17 @@ class Heartbeat:
                 elif r != self.rank and values[self.world + r] == b"0" and now - moved[r] > 2 * self.interval:
                     self._quiet.append(r)
             if any(now - moved[r] > self.timeout_s - self.interval for r in self._quiet):
-                self._lost(self._ranks(self._quiet, now - min(moved[r] for r in self._quiet)))
+                self._lost(self._ranks(self._quiet, now - min(moved[r] for r in self._quiet)), self._quiet)
 
     def _ranks(self, ranks: list[int], silent_s: float) -> str:
         where = sorted({self.hosts[r] for r in ranks})
         steps = ", ".join(str(self.steps[r]) for r in ranks)
         return (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on {', '.join(where)}: no "
                 f"heartbeat for {silent_s:.1f} s (last step {steps})")
+
+    def _holder(self) -> list[int]:
+        """The rank whose process holds the store: [0] outside torchrun's shared store, else none."""
+        return [] if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else [0]
 
     def _store_holder(self) -> str:
         """What a store that does not answer means: rank 0 itself where the store lives in it."""
@@ -152,13 +166,20 @@ class Heartbeat:
         while not self._stop.wait(self.interval):
             silent = time.monotonic() - self.answered
             if silent > self.timeout_s:
-                self._lost(f"{self._store_holder()} for {silent:.1f} s")
+                self._lost(f"{self._store_holder()} for {silent:.1f} s", self._holder())
 
-    def _lost(self, what: str) -> None:
+    def _lost(self, what: str, ranks: list[int]) -> None:
+        """Say what is lost, kill the lost `ranks` that run on this host (see the module docstring), and exit."""
         if self._stop.is_set():
             return
         print(f"hfmeg: lost {what} (train.heartbeat_timeout_s {self.timeout_s:g}); rank {self.rank} on "
               f"{self.hosts[self.rank]} stops (exit {EXIT_PEER_LOST})", file=sys.stderr, flush=True)
+        for r in ranks:
+            if r != self.rank and self.hosts[r] == self.hosts[self.rank]:
+                try:
+                    os.kill(self.pids[r], signal.SIGKILL)
+                except OSError:  # gone already, or not ours to signal
+                    pass
         os._exit(EXIT_PEER_LOST)
 
     def wait_verdict(self, error: BaseException, until: Callable[[], bool] = lambda: False) -> bool:
