@@ -13,7 +13,10 @@ scaling type, so we call them rather than re-deriving the formulas.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -312,14 +315,47 @@ MOE_LATER_FIELDS = ("router_bias", "expert_bias", "swiglu_alpha", "swiglu_limit"
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:
-    """Read `config.json` from a local folder with transformers (no network)."""
+    """Read `config.json` from a local folder with transformers (no network).
+
+    Guarded: whatever transformers raises for a config it cannot build (an unknown `model_type`, a field the
+    named model type's config class does not take, as a relabelled `model_type` gives: "property 'head_dim'
+    of 'FalconConfig' object has no setter") becomes one line naming the file and, where it can be told, the
+    field."""
     path = Path(path)
-    if not (path / "config.json").is_file():
+    file = path / "config.json"
+    if not file.is_file():
         raise UnsupportedConfigError(f"{path}: no config.json found")
+    quiet = logging.getLogger("transformers.configuration_utils")  # it logs the whole config before raising
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        raise UnsupportedConfigError(f"{path / 'config.json'}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - any config transformers cannot build is the user's file, named
+        raise UnsupportedConfigError(_config_error_line(file, e)) from e
+    finally:
+        quiet.setLevel(level)
+
+
+def _config_error_line(file: Path, error: Exception) -> str:
+    """One line for transformers' `error` on `file`: the field its message names (a key of the file, quoted
+    as transformers quotes names), or `model_type` when the message is about that type."""
+    message = " ".join(str(error).split())
+    try:
+        fields = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        return f"{file}: not readable JSON ({' '.join(str(e).split())[:160]})"
+    if not isinstance(fields, dict):
+        return f"{file}: expected a JSON object, got {type(fields).__name__}"
+    declared = fields.get("model_type")  # named in the message when transformers refused the type itself
+    quoted = re.findall(r"['`\"]([A-Za-z_][\w.]*)['`\"]", message)
+    named = next((q for q in quoted if q in fields and q != "model_type"), None)
+    first = message.split(". ")[0][:200]
+    if named is not None:
+        return (f"{file} field {named}: does not fit model_type {declared!r} ({type(error).__name__}: {first}); "
+                "is model_type right for this file?")
+    if isinstance(declared, str) and declared in quoted:
+        return f"{file} field model_type: {declared!r} is not a model type this transformers knows ({first})"
+    return f"{file}: transformers cannot build a config from it ({type(error).__name__}: {first})"
 
 
 def require(cond: bool, where: str, msg: str) -> None:

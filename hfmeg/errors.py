@@ -24,3 +24,7 @@ class LayoutError(HfmegError):
 
 class DataError(HfmegError):
     """Training data that cannot be read or used (names the file and record or the config field)."""
+
+
+class RunLockedError(HfmegError):
+    """`--out` belongs to another live run (or cannot be locked); names the holder."""

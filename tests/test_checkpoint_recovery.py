@@ -63,7 +63,7 @@ def test_resume_auto_without_a_readable_latest_takes_the_newest_complete_checkpo
     if latest is not None:
         (root / "latest_checkpointed_iteration.txt").write_text(latest)
     found = find_resume(root, "auto")
-    assert found.folder == root / "iter_0000004" and found.keep_newer
+    assert found.folder == root / "iter_0000004" and found.newer == {5: root / "iter_0000005"}
     assert len(found.notes) == 1 and found.notes[0].endswith("resuming from iter_0000004, the newest complete "
                                                              "checkpoint"), found.notes
     assert incomplete(root / "iter_0000005") == f"no {STATE_FILE}"
@@ -79,8 +79,7 @@ def test_resume_none_over_checkpoints_needs_overwrite_and_auto_keeps_a_newer_tim
     assert find_resume(root, "none", overwrite=True).folder is None
     (root / "latest_checkpointed_iteration.txt").write_text("4\n")  # e.g. a crash before `latest` named 6
     found = find_resume(root, "auto")
-    assert found.folder == root / "iter_0000004" and found.keep_newer
-    assert "iter_0000006" in found.notes[0] and "kept" in found.notes[0]
+    assert found.folder == root / "iter_0000004" and found.newer == {6: root / "iter_0000006"}
     for n in (2, 4, 6):
         shutil.rmtree(root / f"iter_{n:07d}")
     _fake_checkpoint(root / "iter_0000003", complete=False)

@@ -126,10 +126,14 @@ class _Parquet:
     """A parquet file's rows, through a memory-mapped Arrow table."""
 
     def __init__(self, path: Path):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         self.path = path
-        self.table = pq.read_table(path, memory_map=True)
+        try:
+            self.table = pq.read_table(path, memory_map=True)
+        except (pa.ArrowException, OSError) as e:  # a damaged or truncated file: its footer is unreadable
+            raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from e
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -271,7 +275,8 @@ class Source:
         try:
             return datasets.load_dataset(c.path, c.config, split=c.split, revision=c.revision, streaming=True)
         except Exception as e:  # network, auth, missing dataset/config/split: one line naming the source
-            raise DataError(f"data source {self.name}: cannot open Hub dataset ({type(e).__name__}: {e})") from e
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise DataError(f"data source {self.name}: cannot open Hub dataset ({type(e).__name__}: {first})") from e
 
     def _hub_held(self) -> int:
         if isinstance(self.eval_split, float):

@@ -34,6 +34,19 @@ def shared_across_rounds() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
+def rejoin_warning() -> str | None:
+    """The line to print when a host started again could not rejoin this job: several hosts, restarts allowed,
+    on torchrun's shared store, where a node new to a later round waits for the store's address, which only
+    the first round publishes (docs/multihost.md, Restarts). None where that cannot happen."""
+    hosts = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if hosts > 1 and restarts > 0 and shared_across_rounds():
+        return (f"hfmeg: {hosts} hosts with --max-restarts {restarts} on torchrun's shared store: a host whose "
+                "torchrun is started again cannot rejoin; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every "
+                "host's torchrun environment (docs/multihost.md)")
+    return None
+
+
 @contextmanager
 def round_store(timeout_s: float):
     """`init_process_group`'s store arguments for this round: {} outside torchrun's shared store, else a

@@ -31,11 +31,14 @@ the previous checkpoint as the newest complete one.
   `checkpoint.overwrite` asks for a new timeline;
 - pruning keeps the newest `keep_last` by iteration NUMBER along this run's
   timeline, and never removes the checkpoint `latest` names or the one this run
-  resumed from. Checkpoints numbered above the resume point belong to another
-  timeline: kept for good after `--resume auto` (they may be the newest work, e.g.
-  when a crash fell between a checkpoint's rename and its `latest` update), pruned as
-  oldest only after the user chose that timeline (an explicit `--resume PATH` to an
-  earlier checkpoint, or `overwrite`), which the run says at start;
+  resumed from. Folders numbered above the resume point are not on this run's
+  timeline. After `--resume auto` they are a run's that died before `latest` named
+  them (a crash between a checkpoint's rename and its `latest` update) or damaged
+  ones: this run would save over their numbers, so they are kept under names no save
+  collides with (`iter_0000006.orphan`, `-2`, ...; `set_aside`, once the run has started)
+  and the run says so. After an explicit `--resume PATH` to an earlier checkpoint, or
+  `overwrite`, the user chose to leave them: they are replaced or pruned as oldest as
+  the run saves, which the run says at start;
 - temporary folders of saves and exports that died (`.iter_*.tmp`, `.hf.tmp-*`, `.adapter.tmp-*`, ...)
   are removed at start, by rank 0 holding the run's lock, which proves their
   writer gone (`remove_stale`).
@@ -69,6 +72,7 @@ STATE_FILE = "trainer_state.json"
 OPTIM_DIR = "optim"
 RNG_DIR = "rng"
 HF_SOURCE_DIR = "hf_source"
+ORPHAN = "orphan"  # the suffix of a folder set aside from above an automatic resume point (`set_aside`)
 # trainer_state.json: field -> type; `shared_layers` is absent from checkpoints older than layer sharing,
 # `peft_base` (the base's path and sha256) from all but LoRA/DoRA runs', `dp` (the data-parallel size that
 # trained to this step, for the model card) from checkpoints older than the cards' layout line.
@@ -107,7 +111,7 @@ class Resume:
 
     folder: Path | None
     notes: list[str]
-    keep_newer: bool  # checkpoints above `folder` belong to a timeline this run must not prune
+    newer: dict[int, Path]  # `--resume auto`: folders numbered above `folder`, to be set aside (not this timeline's)
 
 
 def find_resume(root: Path, resume: str, *, overwrite: bool = False) -> Resume:
@@ -120,7 +124,7 @@ def find_resume(root: Path, resume: str, *, overwrite: bool = False) -> Resume:
                                   "to start over (they are pruned as the new run saves), or another --out")
         notes = [f"checkpoint.overwrite: starting over; the checkpoints in {root} are pruned as this run saves"] \
             if iters else []
-        return Resume(None, notes, keep_newer=False)
+        return Resume(None, notes, {})
     if resume != "auto":
         folder = Path(resume)
         if not (folder / STATE_FILE).is_file():
@@ -128,10 +132,10 @@ def find_resume(root: Path, resume: str, *, overwrite: bool = False) -> Resume:
         newer = {n: p for n, p in iters.items() if folder.parent.resolve() == root.resolve()
                  and n > (_iteration(folder) or 0)}
         notes = [f"checkpoint.resume: {_names(newer)} in {root} are newer than {folder.name} and belong to the "
-                 "timeline this run leaves; they are pruned as it saves"] if newer else []
-        return Resume(folder, notes, keep_newer=False)
+                 "timeline this run leaves; they are replaced or pruned as it saves"] if newer else []
+        return Resume(folder, notes, {})
     if not iters and not (root / LATEST_FILE).exists():
-        return Resume(None, [], keep_newer=True)  # a first run
+        return Resume(None, [], {})  # a first run
     why = None
     try:
         folder = resolve_iteration_dir(root)
@@ -140,16 +144,14 @@ def find_resume(root: Path, resume: str, *, overwrite: bool = False) -> Resume:
     except CheckpointError as e:  # missing, empty or garbled, or naming a folder that is gone
         why = str(e) if (root / LATEST_FILE).exists() else f"{root}: no {LATEST_FILE}"
     if why is None:
-        newer = {n: p for n, p in iters.items() if n > _iteration(folder) and incomplete(p) is None}
-        notes = [f"checkpoint.resume: {_names(newer)} in {root} are newer than {folder.name}, which {LATEST_FILE} "
-                 "names; they are kept (resume from one with --resume PATH)"] if newer else []
-        return Resume(folder, notes, keep_newer=True)
+        return Resume(folder, [], {n: p for n, p in iters.items() if n > _iteration(folder)})
     complete = {n: p for n, p in iters.items() if incomplete(p) is None}
     if not complete:
         raise CheckpointError(f"{why}, and no folder in {root} is a complete checkpoint; pass --resume PATH, or "
                               "--resume none --overwrite to start over")
-    newest = complete[max(complete)]
-    return Resume(newest, [f"{why}: resuming from {newest.name}, the newest complete checkpoint"], keep_newer=True)
+    newest = max(complete)
+    return Resume(complete[newest], [f"{why}: resuming from {complete[newest].name}, the newest complete checkpoint"],
+                  {n: p for n, p in iters.items() if n > newest})
 
 
 def _names(iters: dict[int, Path]) -> str:
@@ -175,10 +177,28 @@ class RunCheckpoints:
         except HfmegError as e:
             error = e
         agree(error, device)
-        self.resume_dir, self.notes = found.folder, found.notes
-        resumed_at = _iteration(found.folder) if found.folder is not None else 0
-        # Protected for good: the other timeline's checkpoints above the resume point (see the module docstring).
-        self.kept = {n for n in _iterations(self.root) if n > (resumed_at or 0)} if found.keep_newer else set()
+        self.resume_dir, self.notes, self.newer = found.folder, found.notes, found.newer
+
+    def set_aside(self) -> list[str]:
+        """Rank 0, once the run has started: rename the folders above an automatic resume point to names no
+        save collides with (see the module docstring); one line each saying so."""
+        lines = []
+        for n in sorted(self.newer):
+            folder = self.newer[n]
+            aside = folder.with_name(f"{folder.name}.{ORPHAN}")
+            k = 1
+            while aside.exists():
+                k += 1
+                aside = folder.with_name(f"{folder.name}.{ORPHAN}-{k}")
+            folder.rename(aside)
+            what = "a complete checkpoint" if incomplete(aside) is None else f"incomplete ({incomplete(aside)})"
+            lines.append(f"checkpoint.resume: {folder.name} in {self.root} is newer than "
+                         f"{self.resume_dir.name if self.resume_dir else 'step 0'}, where this run resumes, and not "
+                         f"on its timeline ({what}, left by a run that died before {LATEST_FILE} named it): kept "
+                         f"as {aside.name}, which no save of this run overwrites; resume from it with "
+                         f"--resume {aside}")
+        self.newer = {}
+        return lines
 
     def remove_stale(self) -> list[Path]:
         """Rank 0, holding the run's lock: remove temporary folders and files of saves and exports that died."""
@@ -217,7 +237,6 @@ class RunCheckpoints:
             _rng_file(folder).write_text(json.dumps(rng_state(ps.device)))
             if ps.rank == 0:
                 (folder / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
-        self.kept.discard(step)  # replaced by this run's own
         if ps.rank == 0:
             self.prune(step)
         return self.root / iteration_dir_name(step)
@@ -231,7 +250,7 @@ class RunCheckpoints:
             protected.add(self.resume_dir.resolve())
         removed = []
         for n in newest_first[self.keep_last:]:
-            if iters[n].resolve() not in protected and n not in self.kept:
+            if iters[n].resolve() not in protected:
                 shutil.rmtree(iters[n], ignore_errors=True)
                 removed.append(iters[n])
         return removed

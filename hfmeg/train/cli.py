@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from .config import TrainConfig
 from .validate import check_hub_login, load_config
 from .dataclass_io import ConfigError, load_yaml, to_yaml
 from ..flags import Parser
+from .stop import exit_together
 
 RECIPE_DIR = Path(__file__).parent / "recipes"  # package data (pyproject.toml), found by an installed hfmeg too
 PRESET_DIR = RECIPE_DIR / "presets"
@@ -233,15 +233,17 @@ def fit_to_model(cfg: TrainConfig) -> None:
         cfg.data.seq_len = max_pos
 
 
-def _exit_together() -> None:
-    """Every rank found the same error and exits 2 itself: torchrun SIGTERMs the other workers as soon as one
-    exits, which would make the quiet ranks (or rank 0, before its line) die by a signal instead."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
 def main(description: str, default_config: Path | None, argv: list[str] | None = None,
          prog: str | None = None) -> int:
     """A recipe script (`default_config`: its YAML) or, with None, `hfmeg train`; returns the exit code."""
+    try:
+        return _main(description, default_config, argv, prog)
+    except KeyboardInterrupt:  # Ctrl-C before the trainer holds SIGINT (it saves and exits 130 itself after)
+        _say("interrupted before training started; nothing was written", sys.stderr)
+        return 130
+
+
+def _main(description: str, default_config: Path | None, argv: list[str] | None, prog: str | None) -> int:
     from .trainer import Trainer
 
     args = parser(description, default_config, prog).parse_args(
@@ -256,7 +258,7 @@ def main(description: str, default_config: Path | None, argv: list[str] | None =
             _say(check_hub_login(cfg.hub.push_to_hub))
         fit_to_model(cfg)
     except HfmegError as e:
-        _exit_together()
+        exit_together()
         if _is_rank0():
             print(f"error: {e}", file=sys.stderr, flush=True)
         else:
@@ -265,10 +267,10 @@ def main(description: str, default_config: Path | None, argv: list[str] | None =
             time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return 2
     try:
-        Trainer(cfg).run()  # rank 0 prints the run's summary, the exported folder included
+        result = Trainer(cfg).run()  # rank 0 prints the run's summary, the exported folder included
     except HfmegError as e:
         if e.agreed:
-            _exit_together()
+            exit_together()
         if e.agreed and not _is_rank0():  # every rank raised it together: rank 0 says it (see above)
             time.sleep(QUIET_RANK_EXIT_DELAY_S)
         else:
@@ -277,7 +279,7 @@ def main(description: str, default_config: Path | None, argv: list[str] | None =
     except OSError as e:  # e.g. a full disk under a write no deeper layer named; the traceback adds nothing
         print(f"error: {e.filename or cfg.checkpoint.out}: {e.strerror or e}", file=sys.stderr)
         return 2
-    return 0
+    return result.exit_code  # 128 + the signal that stopped the run (130: Ctrl-C), its checkpoint saved
 
 
 def train_command(argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -6,8 +6,8 @@ is written there and keeps the file open until the run ends; the file records
 the holder's host and pid, which a refused second run names. The kernel releases
 a flock when its holder dies (also on kill -9), so a lock file that still names a
 holder but can be locked was left by a run that died: it is taken over with a
-note. A clean end empties the file. Every rank learns rank 0's verdict through one
-all-reduce, so a refused run stops on all ranks instead of hanging in a collective.
+note. A clean end empties the file. Every rank learns rank 0's verdict through `agree`, so a
+refused run stops on all ranks, with one line for the job, instead of hanging in a collective.
 """
 
 from __future__ import annotations
@@ -19,16 +19,10 @@ import socket
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from ..errors import HfmegError
+from ..errors import RunLockedError
+from ..parallel.agree import agree
 
 LOCK_FILE = ".lock"
-
-
-class RunLockedError(HfmegError):
-    """`--out` belongs to another live run (or cannot be locked)."""
 
 
 class RunLock:
@@ -97,7 +91,8 @@ def _describe(holder: dict | None) -> str:
 
 
 def lock_run(out: Path, ps) -> RunLock | None:
-    """Collective: rank 0 takes `out`'s lock (returned; None elsewhere); every rank raises if it failed."""
+    """Collective: rank 0 takes `out`'s lock (returned; None elsewhere); a refusal is agreed (`parallel.agree`):
+    every rank raises rank 0's error, which rank 0 alone prints, and every rank exits 2."""
     lock, error = None, None
     if ps.rank == 0:
         lock = RunLock(out)
@@ -107,12 +102,5 @@ def lock_run(out: Path, ps) -> RunLock | None:
                 print(note, file=sys.stderr, flush=True)
         except RunLockedError as e:
             lock, error = None, e
-    refused = torch.tensor([int(error is not None)], device=ps.device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(refused, op=dist.ReduceOp.MAX)
-    if error is not None:
-        raise error
-    if refused.item():
-        raise RunLockedError(f"{Path(out) / LOCK_FILE}: rank 0 could not take the run's lock (its error names "
-                             "the holder)")
+    agree(error, ps.device)
     return lock

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
 from ..parallel.agree import agree
 from ..parallel.heartbeat import Heartbeat
+from ..parallel.rendezvous import rejoin_warning
 from ..parallel.pipeline import TokenMean, forward_backward
 from ..parallel.state import ParallelState, join_world, ranks_per_host
 from ..plan.flops import mfu, peak_flops
@@ -67,11 +69,12 @@ from .dataclass_io import to_yaml
 from .export import EXPORT_RECORD, export_run
 from .metrics import METRICS_FILE, MetricsLog, last_losses, tensorboard_available
 from .parts import part_class
+from .preflight import check_inputs
 from .parts.reference import Precomputed, Reference
 from .preference import PreferenceLoss
 from .rng import seed_all
 from .run_lock import LOCK_FILE, lock_run
-from .stop import GracefulStop, LauncherWatch
+from .stop import GracefulStop, LauncherWatch, exit_together
 from .summary import RunSummary
 
 
@@ -91,6 +94,7 @@ class RunResult:
     checkpoint: Path | None
     hf_folder: Path | None
     stopped_by_signal: bool
+    exit_code: int  # the process's: 0, or 128 + the signal that stopped the run (agreed over the ranks)
     is_logger: bool  # global rank 0, which logs and exports; hf_folder is None on the other ranks
     summary: RunSummary
 
@@ -106,8 +110,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         # The process group is the trainer's to end only where it made it (not a caller's, e.g. launch.spawn's).
         self.owns_world = not dist.is_initialized()
-        device = join_world(timeout_s=cfg.train.collective_timeout_s)
-        self.heartbeat = Heartbeat.start(cfg.train.heartbeat_timeout_s, device)
+        self.stop = GracefulStop()  # held to the end (`_leave`): a signal during start-up or export is no traceback
+        try:
+            device = join_world(timeout_s=cfg.train.collective_timeout_s)
+            self.heartbeat = Heartbeat.start(cfg.train.heartbeat_timeout_s, device)
+        except BaseException:
+            self.stop.restore()
+            raise
         try:
             self._start(cfg, device)
         except BaseException as e:
@@ -116,11 +125,16 @@ class Trainer:
 
     def _leave(self, error: BaseException | None = None) -> None:
         """This rank is done with its peers: after a failed collective, a peer found lost ends the process with
-        one line (`Heartbeat.wait_verdict`); otherwise the heartbeat stops, so that its silence is no loss."""
+        one line (`Heartbeat.wait_verdict`), and so does a signal (the launcher stopping the workers once one
+        died); otherwise the heartbeat stops, so that its silence is no loss."""
+        if getattr(error, "agreed", False):  # every rank raised it together, so every rank is here
+            exit_together()
+            dist.barrier()  # no rank exits (and has its launcher stop the others) before all ignore SIGTERM
         if self.heartbeat is not None:
-            if error is not None:
-                self.heartbeat.wait_verdict(error)
+            if error is not None and self.heartbeat.wait_verdict(error, until=lambda: self.stop.requested):
+                self.heartbeat.signalled(self.stop.signal_name, error, self.stop.exit_code)
             self.heartbeat.stop()
+        self.stop.restore()
         if self.owns_world and dist.is_initialized():
             # gloo's and the store's threads end here, not in the interpreter's teardown, where a thread still
             # joinable aborts the process ("terminate called without an active exception"); after an error too,
@@ -134,6 +148,7 @@ class Trainer:
         self.launcher = LauncherWatch.start()
         self.is_logger = self.ps.rank == 0
         self.out = Path(cfg.checkpoint.out)
+        check_inputs(cfg, device)  # before the lock, the first thing a run writes
         self.lock = lock_run(self.out, self.ps)
         try:
             ck = cfg.checkpoint
@@ -288,20 +303,25 @@ class Trainer:
         if self.is_logger:
             print("\n".join(summary.lines()), flush=True)
         return RunResult(self.out, self.step, summary.train_loss, summary.checkpoint, summary.hf,
-                         summary.stopped_by is not None, self.is_logger, summary)
+                         summary.stopped_by is not None, self.stop.exit_code if summary.stopped_by else 0,
+                         self.is_logger, summary)
 
     def _train(self) -> RunSummary:
         cfg, ps = self.cfg, self.ps
         if self.is_logger:
+            for line in self.checkpoints.set_aside():  # started: what lies above the resume point is moved
+                print(line, flush=True)
             (self.out / CONFIG_FILE).write_text(to_yaml(cfg))
             print(f"config: {self.out / CONFIG_FILE}", flush=True)
             if ps.grid.hosts > 1:
                 print(f"hosts: {ps.grid.hosts_line()}", flush=True)
+            if (warning := rejoin_warning()) is not None:
+                print(warning, file=sys.stderr, flush=True)
         summary = RunSummary(self.out, self.step, self.step, cfg.train.max_steps)
         metrics = MetricsLog(self.out, cfg.train.max_steps, self.step, cfg.tensorboard) if self.is_logger else None
         check = None if self.prediction is None else LayoutReport(self.prediction, self.step, cfg.train.max_steps,
                                                                   ps.device)
-        stop = GracefulStop()
+        stop = self.stop
         skipped_in_a_row, stopped = 0, False
         seq_len = cfg.data.seq_len
         tokens_per_step = cfg.train.global_batch_size * seq_len
@@ -322,6 +342,8 @@ class Trainer:
                 load = {"expert_load": expert_load(self.chunks, ps)} if self.model_cfg.moe is not None else {}
                 dt = time.perf_counter() - t0
                 self.step += 1
+                if self.heartbeat is not None:
+                    self.heartbeat.step = self.step  # its beats report it: a lost rank is named with its step
                 summary.step, summary.train_loss = self.step, loss
                 summary.tokens += batch.num_tokens
                 summary.skipped += result.skipped
@@ -352,13 +374,12 @@ class Trainer:
                 if due or stopped or self._done():
                     summary.checkpoint = self.save()
                 if stopped:
-                    summary.stopped_by = stop.signal_name or "a signal on another rank"
+                    summary.stopped_by = stop.signal_name
                     if metrics is not None:
                         metrics.bar.write(f"{stop.signal_name}: saved step {self.step} to {summary.checkpoint}, "
                                           "exiting")
                     break
         finally:
-            stop.restore()
             self.data.close()  # stops the prefetch thread, also when the loop raised
             if metrics is not None:
                 metrics.close()
