@@ -13,7 +13,7 @@ them with the tokens, and they sit at the label's position (the log-probability 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -31,7 +31,8 @@ class CompletionBatch(MicroBatch):
     `sequence_ids` `[b, s]`: the completion each counted label token belongs to (-1 elsewhere).
     `old_logps`, `ref_logps` `[b, s]` float32: the log-probability of each label token under the policy
     before this step's updates (GRPO's π_old; None: the policy itself, detached, as TRL has it when
-    `num_iterations` is 1) and under the reference (None: no KL term), 0 where no label counts.
+    `num_iterations` is 1) and under the reference (None: no KL term), 0 where no label counts; `gen_logps`
+    likewise the generating engine's (for the train/generation mismatch metric; None: not given).
     `advantages` `[num_completions]` float32: each completion's advantage within its group."""
 
     num_completions: int
@@ -39,6 +40,7 @@ class CompletionBatch(MicroBatch):
     advantages: torch.Tensor = field(metadata=PER_SEQUENCE)
     old_logps: torch.Tensor | None = field(default=None, metadata=PER_TOKEN)
     ref_logps: torch.Tensor | None = field(default=None, metadata=PER_TOKEN)
+    gen_logps: torch.Tensor | None = field(default=None, metadata=PER_TOKEN)
 
     def _check_sequences(self) -> None:
         if self.num_completions < 0:
@@ -62,31 +64,42 @@ class Completion:
 
 
 def pack_completions(completions: list[Completion], advantages: torch.Tensor, per_row: int, seq_len: int,
-                     pad_id: int, masked: list[bool] | None = None) -> list[CompletionBatch]:
-    """Micro-batches of one row each, `per_row` completions packed per row as documents, in order.
+                     pad_id: int, rows: int = 1, masked: list[bool] | None = None) -> list[CompletionBatch]:
+    """Micro-batches of `rows` rows each, `per_row` completions packed per row as documents, in order (completion
+    k of a micro-batch is its k-th). Where the completions carry the generator's log-probabilities, they become
+    `gen_logps`.
 
     `masked[i]`: completion i trains on no token (TRL's `mask_truncated_completions`), yet it still counts
     as a completion (the loss's mean over completions includes it, as TRL's does)."""
-    if len(completions) % per_row:
-        raise LayoutError(f"{len(completions)} completions do not fill rows of {per_row}")
+    per_mb = per_row * rows
+    if len(completions) % per_mb:
+        raise LayoutError(f"{len(completions)} completions do not fill micro-batches of {rows} rows x {per_row}")
     out = []
-    for lo in range(0, len(completions), per_row):
-        group = completions[lo:lo + per_row]
-        docs = []
-        for i, c in enumerate(group):
-            ids = np.array(c.prompt_ids + c.completion_ids)
-            mask = np.zeros(len(ids), dtype=bool)
-            if not (masked and masked[lo + i]):
-                mask[len(c.prompt_ids):] = True
-            docs.append(Doc(ids, mask))
-        if sum(len(d.ids) for d in docs) > seq_len:
-            raise LayoutError(f"{per_row} completions of {sum(len(d.ids) for d in docs)} tokens do not fit a row of "
-                              f"data.seq_len {seq_len}")
-        row = build_row(docs, seq_len, pad_id)
-        seq = np.where(row["labels"] != IGNORE, row["segment_ids"] - 1, -1)  # documents 1.. -> completions 0..
-        out.append(CompletionBatch(num_completions=len(group), sequence_ids=torch.from_numpy(seq)[None],
-                                   advantages=advantages[lo:lo + per_row].float(),
-                                   **{k: torch.from_numpy(v)[None] for k, v in row.items()}))
+    for lo in range(0, len(completions), per_mb):
+        built = []
+        for r in range(lo, lo + per_mb, per_row):
+            docs = []
+            for i in range(r, r + per_row):
+                c = completions[i]
+                ids = np.array(c.prompt_ids + c.completion_ids)
+                mask = np.zeros(len(ids), dtype=bool)
+                if not (masked and masked[i]):
+                    mask[len(c.prompt_ids):] = True
+                docs.append(Doc(ids, mask))
+            if sum(len(d.ids) for d in docs) > seq_len:
+                raise LayoutError(f"{per_row} completion(s) of {sum(len(d.ids) for d in docs)} tokens do not fit a "
+                                  f"row of data.seq_len {seq_len}")
+            row = build_row(docs, seq_len, pad_id)
+            # documents 1.. of the row -> completions (r - lo).. of the micro-batch
+            row["sequence_ids"] = np.where(row["labels"] != IGNORE, row["segment_ids"] - 1 + (r - lo), -1)
+            built.append(row)
+        fields = {k: torch.from_numpy(np.stack([b[k] for b in built])) for k in built[0]}
+        mb = CompletionBatch(num_completions=per_mb, advantages=advantages[lo:lo + per_mb].float(), **fields)
+        group = completions[lo:lo + per_mb]
+        if all(c.logps is not None for c in group):
+            mb = replace(mb, gen_logps=token_values(mb, [c.logps if not (masked and masked[lo + k]) else []
+                                                         for k, c in enumerate(group)]))
+        out.append(mb)
     return out
 
 

@@ -33,7 +33,9 @@ gradients), and a CP rank's loss is its own tokens' share: the CP ranks' losses 
 
 Metrics, TRL's: `kl` (mean of the k3 term over tokens), `clip_ratio/low_mean` (w < 1 − ε with A < 0),
 `clip_ratio/high_mean` (w > 1 + ε_high with A > 0), `clip_ratio/region_mean` (either), means over tokens
-(token level) or over completions (sequence level).
+(token level) or over completions (sequence level); where the generating engine's log-probabilities came
+with the completions, the train/generation mismatch `sampling/sampling_logp_difference/mean`, the mean
+over tokens of |π − π_generator| (π from this forward, the training layout's).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from .dataclass_io import ConfigError
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+MISMATCH = "sampling/sampling_logp_difference/mean"  # TRL's name: mean |π_train − π_generator| over tokens
 
 
 @dataclass
@@ -89,8 +92,8 @@ class GRPOSettings:
         if not 0 <= self.epsilon < 1 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise ConfigError(f"grpo.epsilon must be in [0, 1) and epsilon_high >= 0, got {self.epsilon}, "
                               f"{self.epsilon_high}")
-        if self.delta is not None and not self.delta > 1 + self.eps_high:
-            raise ConfigError(f"grpo.delta must be > 1 + epsilon_high = {1 + self.eps_high}, got {self.delta}")
+        if self.delta is not None and not self.delta > 0:  # TRL recommends > 1 + epsilon_high
+            raise ConfigError(f"grpo.delta must be > 0, got {self.delta}")
         if self.num_generations < 2:
             raise ConfigError(f"grpo.num_generations must be >= 2 (a group's advantages need two completions), "
                               f"got {self.num_generations}")
@@ -151,8 +154,8 @@ class GRPOLoss:
             raise LayoutError(f"a GRPO step needs at least one completion, got {num_completions}")
         self.cfg, self.ps = cfg, ps
         self.num_completions, self.num_tokens = num_completions, max(num_tokens, 1)
-        # kl sum, tokens, low, high, region (clip numerators), clip denominator
-        self.totals = torch.zeros(6, dtype=torch.float64, device=ps.device)
+        # kl sum, tokens, |π − π_gen| sum, its tokens; low, high, region (clip numerators), clip denominator
+        self.totals = torch.zeros(8, dtype=torch.float64, device=ps.device)
 
     def __call__(self, per_token: torch.Tensor, mb: CompletionBatch) -> torch.Tensor:
         cfg, ps = self.cfg, self.ps
@@ -193,20 +196,23 @@ class GRPOLoss:
             loss = loss_t.sum() / (self.num_completions * cfg.max_completion_length)
         else:  # bnpo, dapo
             loss = loss_t.sum() / self.num_tokens
+        gen = None if mb.gen_logps is None else mb.gen_logps[kept]
         if cfg.importance_sampling_level == "sequence":
-            self._add_metrics(kl, logp, weight_seq.detach(), adv, per_sequence=True, capped_seq=cfg.delta)
+            self._add_metrics(kl, logp, gen, weight_seq.detach(), adv, per_sequence=True, capped_seq=cfg.delta)
         else:
-            self._add_metrics(kl, logp, capped.detach(), a, per_sequence=False)
+            self._add_metrics(kl, logp, gen, capped.detach(), a, per_sequence=False)
         return loss
 
-    def _add_metrics(self, kl, logp, weight, adv, per_sequence: bool, capped_seq=None) -> None:
+    def _add_metrics(self, kl, logp, gen, weight, adv, per_sequence: bool, capped_seq=None) -> None:
         cfg = self.cfg
         if capped_seq is not None:
             weight = weight.clamp(max=capped_seq)
         low = (weight < 1 - cfg.epsilon) & (adv < 0)
         high = (weight > 1 + cfg.eps_high) & (adv > 0)
-        tokens = torch.stack([kl.detach().sum() if kl is not None else logp.new_zeros(()),
-                              logp.new_tensor(float(logp.numel()))]).double()
+        zero = logp.new_zeros(())
+        tokens = torch.stack([kl.detach().sum() if kl is not None else zero, logp.new_tensor(float(logp.numel())),
+                              (logp.detach() - gen).abs().sum() if gen is not None else zero,
+                              logp.new_tensor(float(logp.numel() if gen is not None else 0))]).double()
         clips = torch.stack([low.sum(), high.sum(), (low | high).sum()]).double()
         clip_den = torch.tensor([float(weight.numel())], dtype=torch.float64, device=clips.device)
         if self.ps.cp > 1:  # token sums are this rank's share; sequence-level values are whole on every CP rank
@@ -219,11 +225,13 @@ class GRPOLoss:
 
     def metrics(self, totals) -> dict[str, float]:
         """The step's metrics from `totals` summed over the ranks that hold distinct completions."""
-        kl, tokens, low, high, region, den = (float(v) for v in totals)
+        kl, tokens, mismatch, compared, low, high, region, den = (float(v) for v in totals)
         out = {"clip_ratio/low_mean": low / max(den, 1), "clip_ratio/high_mean": high / max(den, 1),
                "clip_ratio/region_mean": region / max(den, 1)}
         if self.cfg.beta:
             out["kl"] = kl / max(tokens, 1)
+        if compared:
+            out[MISMATCH] = mismatch / compared
         return out
 
 
