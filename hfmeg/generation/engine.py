@@ -8,7 +8,9 @@ the training forward recomputes: their difference is the train/generation mismat
 takes new weights from an HF model folder (the trained shards exported: train/rollout.py).
 
 Sampling is seeded per completion (`seeds`): the same prompt, weights and seed give the same completion
-whatever else is in the batch, so a resumed run regenerates what an uninterrupted one would have.
+whatever else is in the batch (up to the float rounding of other batch shapes, which could flip a draw
+that falls on a boundary), and the same batch gives the same completions, so a resumed run regenerates
+what an uninterrupted one would have.
 """
 
 from __future__ import annotations
