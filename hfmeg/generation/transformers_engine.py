@@ -71,8 +71,8 @@ class TransformersEngine:
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         eos = self.eos.to(self.device)
         for _ in range(params.max_new_tokens):
-            res = self.model(input_ids=step_ids, past_key_values=cache, use_cache=True)
-            cache = res.past_key_values
+            res = self.model(input_ids=step_ids, cache=cache, use_cache=True)
+            cache = res.cache
             logits = res.logits[:, -1].float()
             if params.temperature == 0:
                 nxt = logits.argmax(-1)

@@ -41,7 +41,7 @@ over tokens of |π − π_generator| (π from this forward, the training layout'
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal
 
 import torch
@@ -60,8 +60,11 @@ MISMATCH = "sampling/sampling_logp_difference/mean"  # TRL's name: mean |π_trai
 
 @dataclass
 class GRPOSettings:
-    """The GRPO objective and its sampling, as TRL's `GRPOConfig` names them (defaults TRL's)."""
+    """The GRPO objective and its sampling, as TRL's `GRPOConfig` names them (defaults TRL's). A run is a GRPO run
+    when it names reward functions (`rewards.py`)."""
 
+    reward_funcs: list[str] = field(default_factory=list)  # built-in names or module:function
+    generator: Literal["transformers", "vllm"] = "transformers"
     loss_type: LossType = "dapo"
     beta: float = 0.0  # weight of the KL to the reference; 0: no reference is held
     epsilon: float = 0.2
@@ -80,6 +83,11 @@ class GRPOSettings:
     top_k: int = 0
 
     def __post_init__(self) -> None:
+        if self.generator != "transformers":
+            raise ConfigError(f"grpo.generator {self.generator!r}: only transformers is built (no vLLM engine yet)")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(f"grpo.reward_weights: {len(self.reward_weights)} weights for "
+                              f"{len(self.reward_funcs)} reward functions")
         if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
             raise ConfigError(f"grpo.loss_type must be grpo, bnpo, dr_grpo or dapo, got {self.loss_type!r}")
         if self.scale_rewards not in ("group", "batch", "none"):
@@ -103,6 +111,10 @@ class GRPOSettings:
             # The training log-probabilities are at temperature 1 (the head's loss); TRL scales the logits by
             # 1 / temperature in both places, which hfmeg's head does not yet do.
             raise ConfigError(f"grpo.temperature {self.temperature}: only 1.0 is supported")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.reward_funcs)
 
     @property
     def eps_high(self) -> float:
@@ -258,3 +270,28 @@ def annotate_logps(chunks, mbs: list[CompletionBatch], ps, schedule: str, field:
     if not ps.is_last_stage:
         return mbs
     return [replace(mb, **{field: t}) for mb, t in zip(mbs, logps.out, strict=True)]
+
+
+def check_config(cfg) -> None:
+    """What a GRPO run (`cfg.grpo.enabled`) refuses before anything is written, naming the field; the reward functions
+    are imported here, so one that cannot be is refused too."""
+    g = cfg.grpo
+    if not g.enabled:
+        return
+    from .rewards import resolve
+
+    if cfg.preference.enabled:
+        raise ConfigError(f"preference.loss_type {cfg.preference.loss_type}: a GRPO run (grpo.reward_funcs) has its own "
+                          "loss; set preference.loss_type none")
+    if len(cfg.data.sources) != 1:
+        raise ConfigError(f"data.sources: a GRPO run reads its prompts from one source, got {len(cfg.data.sources)}")
+    if cfg.train.global_batch_size % g.num_generations:
+        raise ConfigError(f"grpo.num_generations {g.num_generations} does not divide train.global_batch_size "
+                          f"{cfg.train.global_batch_size} (the generation batch: completions per step)")
+    if g.max_completion_length >= cfg.data.seq_len:
+        raise ConfigError(f"grpo.max_completion_length {g.max_completion_length} leaves no room for a prompt in "
+                          f"data.seq_len {cfg.data.seq_len}")
+    if cfg.train.eval_every:
+        raise ConfigError("train.eval_every: a GRPO run has no evaluation yet; set it to 0")
+    for name in g.reward_funcs:
+        resolve(name)
