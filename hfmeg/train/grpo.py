@@ -293,5 +293,9 @@ def check_config(cfg) -> None:
                           f"data.seq_len {cfg.data.seq_len}")
     if cfg.train.eval_every:
         raise ConfigError("train.eval_every: a GRPO run has no evaluation yet; set it to 0")
+    if g.needs_reference and cfg.peft.enabled and (cfg.peft.init_from or cfg.peft.modules_to_save):
+        # as for DPO: a LoRA run's reference is the base with the adapters off, where fresh adapters start
+        raise ConfigError("peft.init_from / peft.modules_to_save: grpo.beta > 0 measures the policy against the base "
+                          "with the adapters off, which is not where these start; merge first or set grpo.beta 0")
     for name in g.reward_funcs:
         resolve(name)
