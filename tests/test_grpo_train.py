@@ -91,6 +91,18 @@ def test_grpo_tp2_pp2_matches_one_process(tmp_path):
     assert (tmp_path / "grid" / "hf" / "config.json").is_file()
 
 
+def broken(prompts, completions, **kwargs):
+    raise ValueError("no answer column")
+
+
+def test_a_failing_reward_stops_every_rank_in_one_line(tmp_path):
+    """At DP 2 rank 0 scores; its failure reaches the other rank instead of leaving it waiting for the batch."""
+    cfg = _config(tmp_path / "out", _prompts(tmp_path), reward_funcs=[f"{__name__}:broken"])
+    with pytest.raises(Exception, match=r"reward function broken raised ValueError: no answer column \(prompt "
+                                        r"'Once upon a time'\)"):
+        spawn(_run, 2, cfg)
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(grpo=dict(num_generations=3)), "grpo.num_generations 3 does not divide train.global_batch_size 16"),
     (dict(grpo=dict(max_completion_length=64)), "grpo.max_completion_length 64 leaves no room"),

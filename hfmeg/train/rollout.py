@@ -8,7 +8,9 @@ state and its report). For a step it:
 2. on rank 0: takes `global_batch_size / num_generations` prompts (`data/prompts.py`), samples each
    `num_generations` times with a seed per (train.seed, epoch, record, sample), scores them (`rewards.py`)
    and turns the rewards into advantages with each group whole (`grpo.group_advantages`), then sends the
-   completions and advantages to every rank (one broadcast);
+   completions and advantages to every rank (one broadcast); what fails there (a reward function that
+   raises or returns the wrong count, a bad prompt) stops every rank with rank 0's one line, the last
+   checkpoint as it was;
 3. each DP rank packs its contiguous share, one completion per row, `micro_batch_size` rows per
    micro-batch, cut for its CP rank; with `num_iterations` > 1 the policy's forward-only pass fills π_old
    (`old_logps`) and the same batch serves `num_iterations` optimizer steps.
@@ -33,6 +35,8 @@ from ..data import DataReport
 from ..data.batches import check_batch_layout
 from ..data.prompts import PromptReader
 from ..data.rollouts import CompletionBatch, pack_completions
+from ..parallel.agree import agree
+from ..errors import HfmegError
 from ..generation.engine import SamplingParams
 from ..generation.transformers_engine import TransformersEngine
 from .grpo import annotate_logps, group_advantages
@@ -92,7 +96,13 @@ class Rollouts:
             self.uses += 1
             return self.held
         hf = self._push_weights()
-        payload = [self._generate(hf) if self.ps.rank == 0 else None]
+        payload, error = [None], None
+        if self.ps.rank == 0:
+            try:
+                payload = [self._generate(hf)]
+            except HfmegError as e:  # a reward function's failure, a bad prompt: every rank stops with its line
+                error = e
+        agree(error, self.ps.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
         completions, advantages, masked, metrics = payload[0]
