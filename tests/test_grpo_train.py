@@ -88,7 +88,9 @@ def test_grpo_tp2_pp2_matches_one_process(tmp_path):
             within(row[MISMATCH], 2 * TOL, "grpo run train/generation mismatch", x["step"])
     completions = (tmp_path / "grid" / "completions.jsonl").read_text().splitlines()
     assert len(completions) == 3 * 4  # one group a step
-    assert (tmp_path / "grid" / "hf" / "config.json").is_file()
+    card = (tmp_path / "grid" / "hf" / "README.md").read_text()
+    assert "online RL, GRPO family (dapo loss" in card and "scored by grpo_toy_rewards:park" in card
+    assert "- grpo\n" in card.split("---")[1]  # the card's tags
 
 
 def broken(prompts, completions, **kwargs):
