@@ -93,6 +93,16 @@ def test_grpo_tp2_pp2_matches_one_process(tmp_path):
     assert "- grpo\n" in card.split("---")[1]  # the card's tags
 
 
+def test_num_iterations_reuses_the_batch_against_its_old_logps(tmp_path):
+    """num_iterations 2: the second step trains on the first's completions (generated once), its importance weights
+    against π_old from the training forward at generation, so its loss is no longer the on-policy 0."""
+    spawn(_run, 1, _config(tmp_path / "out", _prompts(tmp_path), steps=2, num_iterations=2, loss_type="grpo"))
+    a, b = _rows(tmp_path / "out")
+    assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+    assert len((tmp_path / "out" / "completions.jsonl").read_text().splitlines()) == G  # one generation
+    assert a["clip_ratio/region_mean"] == 0 and abs(b["loss"]) > 1e-6
+
+
 def broken(prompts, completions, **kwargs):
     raise ValueError("no answer column")
 
