@@ -4,7 +4,8 @@ in a circle (inside a package too).
 The levels, lowest first: `errors`, `config` and `flags` (the command-line parser), then `families` (one spec per model family, the only code that
 knows a `model_type`: a test below holds every other module to that), `data` and `quant` (number formats and their
 arithmetic, for the checkpoint reader's dequantization and the FP8 compute of `parallel`/`models`), `parallel`, `models`,
-`checkpoint`, `peft` (adapters on the model, saved in checkpoint formats), `optim`, `hub`, `plan`, `train`, and
+`checkpoint`, `peft` (adapters on the model, saved in checkpoint formats), `optim`, `hub` and `generation` (RL
+rollout engines), `plan`, `train`, and
 at the top `commands` (the `hfmeg` console command, whose subcommands use every package) with `hfmeg/__main__.py`
 (`python -m hfmeg`). `plan` sits below `train` because the
 trainer asks the planner for its layout (`--layout auto`) and counts MFU with the
@@ -22,7 +23,7 @@ import hfmeg
 from hfmeg.families import FAMILIES
 
 LEVELS = {"errors": 0, "config": 0, "flags": 0, "families": 1, "data": 2, "quant": 2, "parallel": 3, "models": 4, "checkpoint": 5, "peft": 6,
-          "optim": 7, "hub": 8, "plan": 9, "train": 10, "commands": 11, "__main__": 11}
+          "optim": 7, "hub": 8, "generation": 8, "plan": 9, "train": 10, "commands": 11, "__main__": 11}
 ROOT = Path(hfmeg.__file__).parent
 
 

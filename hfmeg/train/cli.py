@@ -40,6 +40,7 @@ RECIPES = {  # name -> what it trains; each is RECIPE_DIR / f"{name}.yaml"
     "pretrain_llama": "continued pre-training of a LLaMA-family model on plain text",
     "sft_mixtral": "supervised fine-tuning, Mixtral-8x7B on two nodes of 8 x 80 GB (PP2 x DP8, EP8)",
     "dpo_llama": "preference tuning (DPO) of an SFT'd LLaMA-3-8B on one node of 8 x 80 GB (TP2 x DP4, SP)",
+    "grpo_llama": "online RL (GRPO family, verifiable rewards) of an SFT'd LLaMA-3-8B on one node of 8 x 80 GB (TP2 x DP4)",
     "sft_gpt_oss": "supervised fine-tuning, gpt-oss-20b on one node of 8 x 80 GB (DP8, EP8)",
     "sft_qwen3_5": "supervised fine-tuning, Qwen3.5-9B on one node of 8 x 80 GB (TP2 x DP4, SP)",
     "sft_deepseek_v3": "supervised fine-tuning, DeepSeek-V3 on 32 nodes of 8 x 80 GB (PP32 x DP8, EP8)",
@@ -75,7 +76,12 @@ FLAGS = {
                  "recompute)"),
     "--loss-type": ("preference.loss_type", str, "none | sigmoid (DPO) | ipo | simpo: the preference loss, named as "
                     "TRL names it (none: next-token training; docs/preference.md)"),
-    "--beta": ("preference.beta", float, "the preference loss's beta (DPO's KL weight; SimPO's reward scale)"),
+    "--beta": ("preference.beta", float, "the preference loss's beta (DPO's KL weight; SimPO's reward scale); in a "
+               "GRPO run (--reward-funcs) grpo.beta, the KL weight, and --loss-type grpo.loss_type "
+               "(grpo | bnpo | dr_grpo | dapo)"),
+    "--num-generations": ("grpo.num_generations", int, "GRPO: completions sampled per prompt (docs/grpo.md)"),
+    "--max-completion-length": ("grpo.max_completion_length", int, "GRPO: tokens a completion may have"),
+    "--generator": ("grpo.generator", str, "GRPO: the generation engine (transformers; vllm is not built yet)"),
     "--peft": ("peft.method", str, "none | lora | dora (train adapters on a frozen base; docs/peft.md)"),
     "--peft-r": ("peft.r", int, "LoRA rank"),
     "--seq-len": ("data.seq_len", int, "tokens per packed row"),
@@ -140,6 +146,8 @@ def parser(description: str, default_config: Path | None, prog: str | None = Non
                     "(pairs, with --loss-type)")
     for flag, (key, typ, text) in FLAGS.items():
         ap.add_argument(flag, type=typ, help=f"{text} [{key}]")
+    ap.add_argument("--reward-funcs", help="GRPO: reward functions, comma-separated: built-in names (accuracy, "
+                    "think_format) or module:function; makes the run a GRPO run [grpo.reward_funcs]")
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                     help="sequence parallelism inside TP regions [parallel.sequence_parallel]")
     ap.add_argument("--private", action="store_true", default=None, help="create the Hub repo private [hub.private]")
@@ -181,6 +189,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             overrides[key] = value
     if args.data:
         overrides["data.sources"] = [{"path": d} for d in args.data]
+    if args.reward_funcs:
+        overrides["grpo.reward_funcs"] = [f for f in args.reward_funcs.split(",") if f]
+    if args.reward_funcs or load_yaml(_config_file(args)).get("grpo", {}).get("reward_funcs"):
+        for key in ("loss_type", "beta"):  # a GRPO run's --loss-type and --beta are its own (TRL's names)
+            overrides[f"grpo.{key}"] = overrides.pop(f"preference.{key}")
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
@@ -244,6 +257,7 @@ def main(description: str, default_config: Path | None, argv: list[str] | None =
 
 
 def _main(description: str, default_config: Path | None, argv: list[str] | None, prog: str | None) -> int:
+    from .grpo_trainer import GRPOTrainer
     from .trainer import Trainer
 
     args = parser(description, default_config, prog).parse_args(
@@ -267,7 +281,7 @@ def _main(description: str, default_config: Path | None, argv: list[str] | None,
             time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return 2
     try:
-        result = Trainer(cfg).run()  # rank 0 prints the run's summary, the exported folder included
+        result = (GRPOTrainer if cfg.grpo.enabled else Trainer)(cfg).run()  # rank 0 prints the run's summary, the exported folder included
     except HfmegError as e:
         if e.agreed:
             exit_together()

@@ -27,6 +27,7 @@ from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from ..parallel.state import ParallelConfig
 from ..peft.config import PeftConfig
 from .dataclass_io import to_dict
+from .grpo import GRPOSettings
 from .preference import PreferenceConfig
 
 
@@ -129,6 +130,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)  # method none: full fine-tuning
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)  # loss_type none: next-token loss
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)  # online RL when it names reward functions
     train: LoopArgs = field(default_factory=LoopArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     hub: HubArgs = field(default_factory=HubArgs)

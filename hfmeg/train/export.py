@@ -25,6 +25,7 @@ from ..peft.export import read_info
 from .config import TrainConfig
 from .metrics import METRICS_FILE, rows_until
 from .parts import part_class
+from .grpo import CARD_METRICS as GRPO_METRICS
 from .preference import METRICS
 
 EXPORT_RECORD = "export.json"  # {"step", "pushed_to"} of the finished export in <out>/hf
@@ -66,13 +67,14 @@ def export_run(out: Path, checkpoint: Path, cfg: TrainConfig, *, step: int, skip
     hf, adapter = part_class(cfg).export(checkpoint, out)
     logged = rows_until(out / METRICS_FILE, step)
     rows = [r for r in logged if "loss" in r]
-    shown = ("step", "loss", "grad_norm", "tokens_per_s", *METRICS)  # a preference run's rewards too
+    shown = ("step", "loss", "grad_norm", "tokens_per_s", *METRICS, *GRPO_METRICS)  # an objective's rewards too
     final = {k: rows[-1][k] for k in shown if k in rows[-1]} if rows else {}
     evals = [r for r in logged if "eval_loss" in r]
     if evals:
         final["eval_loss"] = evals[-1]["eval_loss"]
     final["skipped_steps"] = skipped_steps
-    m, p, pref = cfg.model, cfg.parallel, cfg.preference
+    m, p = cfg.model, cfg.parallel
+    objective = cfg.grpo if cfg.grpo.enabled else cfg.preference  # the one that is enabled, if any
     template, trained_format = prompt_format(cfg, AutoTokenizer.from_pretrained(str(checkpoint / HF_DIR)))
     make_portable(hf, chat_template=template)  # the export loads with AutoTokenizer as training rendered
     layout = dict(tp=p.tp, pp=p.pp, **({"dp": dp} if dp else {}), cp=p.cp, ep=p.ep,
@@ -80,8 +82,8 @@ def export_run(out: Path, checkpoint: Path, cfg: TrainConfig, *, step: int, skip
     card = dict(base_model=m.source, data=[s.path for s in cfg.data.sources], config=cfg.to_dict(),
                 metrics=final, repo_id=cfg.hub.push_to_hub, peft=read_info(checkpoint)[0] if adapter else None,
                 layout=layout, dtype=m.dtype, prompt_format=trained_format,
-                objective=pref.describe(adapter is not None) if pref.enabled else None,
-                tags=(pref.tag,) if pref.enabled else ())
+                objective=objective.describe(adapter is not None) if objective.enabled else None,
+                tags=(objective.tag,) if objective.enabled else ())
     write_model_card(hf, **card, from_scratch=m.init == "random")
     if adapter is not None:  # a LoRA run publishes its adapter, which names the base it loads onto
         write_model_card(adapter, **card, adapter=True)

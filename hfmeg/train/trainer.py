@@ -211,8 +211,8 @@ class Trainer:
                          global_batch_size=loop.global_batch_size, cp_rank=self.ps.cp_rank, cp_size=self.ps.cp)
         # Micro-batches go to the device and get their attention masks in the data thread, ahead of their step.
         self.stager = self.chunks[0].stager()
-        self.data = build_data(cfg.data, self.tokenizer, stage=self.stager, **data_args)
         self.data_args = data_args
+        self.data = self._build_data()
         self.last_save: tuple[int, Path] | None = None  # (step, folder) of this run's newest checkpoint
         if self.resume_dir is not None:
             load_trainer_state(self.resume_dir, self.opt, self.part.optimizer_names(saved))
@@ -230,6 +230,15 @@ class Trainer:
         self.model_cfg = self.chunks[0].cfg
         self.peak = peak_flops(self.ps.device)
         self.reference = self._reference()
+
+    def _build_data(self):
+        """The stream of global batches the loop trains on (a GRPO run's: its rollouts, grpo_trainer.py)."""
+        return build_data(self.cfg.data, self.tokenizer, stage=self.stager, **self.data_args)
+
+    def _objective(self, batch):
+        """The loss of a global batch: a preference loss (which keeps its metrics), or None for the next-token loss."""
+        pref = self.cfg.preference
+        return PreferenceLoss(pref, self.ps, batch.num_pairs, batch.chosen_tokens) if pref.enabled else None
 
     def _reference(self) -> Reference | Precomputed | None:
         """A preference loss's reference model, whose log-probabilities come first each step; or, precomputed, those
@@ -408,9 +417,8 @@ class Trainer:
         """One global batch, `key` ("train", step) or ("eval", index), through the pipeline (forward only for eval):
         this rank's share of the loss, a 0-dim device tensor (last stage; zero elsewhere), and the preference loss
         that holds the batch's metrics."""
-        cfg, ps = self.cfg, self.ps
-        objective = (PreferenceLoss(cfg.preference, ps, batch.num_pairs, batch.chosen_tokens)
-                     if cfg.preference.enabled else None)
+        ps = self.ps
+        objective = self._objective(batch)
         if self.reference is not None:
             mbs = self.reference.annotate(mbs, ps, self.schedule, key)
         train = key[0] == "train"

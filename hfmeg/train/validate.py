@@ -31,6 +31,7 @@ from ..parallel.grid import KEPT_INSIDE_A_HOST, check_world
 from ..parallel.state import ranks_per_host
 from .config import AUTO_FIELDS, TrainConfig
 from .dataclass_io import ConfigError, build, load_yaml, set_dotted
+from .grpo import check_config as check_grpo
 from .parts import part_class
 
 WHOAMI_TIMEOUT_S = 10.0
@@ -265,6 +266,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collec
     _init(cfg)
     _peft(cfg)
     _preference(cfg)
+    check_grpo(cfg)
     _eval(cfg)
     _resume(cfg)
     _out(cfg)

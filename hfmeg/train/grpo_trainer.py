@@ -1,0 +1,49 @@
+"""The trainer of a GRPO run (`grpo.reward_funcs` set): the SFT/DPO loop with rollouts for data and the GRPO loss.
+
+What differs from `Trainer` is three answers: the batches come from `rollout.Rollouts` (generated from
+the current weights each step, scored, with advantages); a batch's loss is `grpo.GRPOLoss`, which also
+carries the generation's metrics (rewards, completion lengths) into the logged ones; and with `grpo.beta`
+> 0 the reference (a frozen copy for full fine-tuning, the base with the adapters off for LoRA, as for
+DPO: parts/reference.py) fills each completion token's reference log-probability forward-only before
+the policy's pass. Checkpoints, resume (the prompt cursor is the data state), export and the card are
+the loop's own.
+"""
+
+from __future__ import annotations
+
+from .grpo import GRPOLoss, annotate_logps
+from .rollout import Rollouts
+from .trainer import Trainer
+
+
+class TokenReference:
+    """The reference of a GRPO run: per-token log-probabilities of the completions (`CompletionBatch.ref_logps`)."""
+
+    def __init__(self, reference):
+        self.reference = reference
+
+    def annotate(self, mbs, ps, schedule: str, key):
+        return annotate_logps(self.reference.chunks, mbs, ps, schedule, "ref_logps", self.reference.switched)
+
+
+class _Loss(GRPOLoss):
+    """The GRPO loss of a step, its metrics with the step's generation metrics beside them."""
+
+    def __init__(self, cfg, ps, batch):
+        super().__init__(cfg, ps, batch.num_completions, batch.num_tokens)
+        self.generation = batch.metrics
+
+    def metrics(self, totals) -> dict[str, float]:
+        return {**self.generation, **super().metrics(totals)}
+
+
+class GRPOTrainer(Trainer):
+    def _build_data(self):
+        return Rollouts(self.cfg, self.ps, self.tokenizer, lambda: self.chunks, self.part, self.checkpoints.hf_source,
+                        self.out, self.schedule)
+
+    def _objective(self, batch):
+        return _Loss(self.cfg.grpo, self.ps, batch)
+
+    def _reference(self):
+        return TokenReference(self.part.reference(self.chunks)) if self.cfg.grpo.needs_reference else None

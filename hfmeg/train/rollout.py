@@ -1,0 +1,171 @@
+"""The data of a GRPO run: each step's completions, generated from the current weights, scored and packed.
+
+`Rollouts` stands where an SFT run's data pipeline stands (the trainer asks it for the next batch, its
+state and its report). For a step it:
+1. pushes the trained weights to the engine: every rank writes its shard (`staged_save`, as a checkpoint's
+   model part, into `<out>/rollout_weights/mp`), rank 0 exports them to an HF folder (the model part's
+   export: a LoRA run merges its adapters) and the engine loads it (`generation/`);
+2. on rank 0: takes `global_batch_size / num_generations` prompts (`data/prompts.py`), samples each
+   `num_generations` times with a seed per (train.seed, epoch, record, sample), scores them (`rewards.py`)
+   and turns the rewards into advantages with each group whole (`grpo.group_advantages`), then sends the
+   completions and advantages to every rank (one broadcast); what fails there (a reward function that
+   raises or returns the wrong count, a bad prompt) stops every rank with rank 0's one line, the last
+   checkpoint as it was;
+3. each DP rank packs its contiguous share, one completion per row, `micro_batch_size` rows per
+   micro-batch, cut for its CP rank; with `num_iterations` > 1 the policy's forward-only pass fills π_old
+   (`old_logps`) and the same batch serves `num_iterations` optimizer steps.
+Rank 0 appends the step's first group, with its rewards, to `<out>/completions.jsonl`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.mp_layout import iteration_dir_name
+from ..checkpoint.mp_save import chunks_layout, staged_save
+from ..data import DataReport
+from ..data.batches import check_batch_layout
+from ..data.prompts import PromptReader
+from ..data.rollouts import CompletionBatch, pack_completions
+from ..parallel.agree import agree
+from ..errors import HfmegError
+from ..generation.engine import SamplingParams
+from ..generation.transformers_engine import TransformersEngine
+from .grpo import annotate_logps, group_advantages
+from .rewards import name_of, resolve, score, text_of
+
+COMPLETIONS_FILE = "completions.jsonl"
+WEIGHTS_DIR = "rollout_weights"
+
+
+@dataclass
+class RolloutBatch:
+    """A step's share of completions for this rank, and the global counts and generation metrics."""
+
+    microbatches: list[CompletionBatch]
+    num_tokens: int  # completion tokens that count, whole global batch
+    num_completions: int  # whole global batch
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def sample_seed(seed: int, epoch: int, record: int, sample: int) -> int:
+    digest = hashlib.sha256(f"{seed}:{epoch}:{record}:{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class Rollouts:
+    def __init__(self, cfg, ps, tokenizer, chunks: Callable[[], list], part, hf_source: Path, out: Path,
+                 schedule: str):
+        self.cfg, self.ps, self.tok, self.chunks, self.part = cfg, ps, tokenizer, chunks, part
+        self.hf_source, self.out, self.schedule = hf_source, out, schedule
+        g, t = cfg.grpo, cfg.train
+        check_batch_layout(t.global_batch_size, t.micro_batch_size, ps.dp, ps.dp_rank)
+        self.funcs = [resolve(n) for n in g.reward_funcs]
+        self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.funcs))
+        self.reader = PromptReader(cfg.data.sources[0], tokenizer, cfg.data.seq_len - g.max_completion_length)
+        self.report = DataReport()
+        self.engine: TransformersEngine | None = None
+        self.held: RolloutBatch | None = None
+        self.uses = 0
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": list(self.reader.cursor), "report": self.report.state_dict()}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.reader = PromptReader(self.cfg.data.sources[0], self.tok, self.reader.limit, tuple(d["cursor"]))
+        self.report.load_state_dict(d["report"])
+
+    def close(self) -> None:
+        self.engine = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> RolloutBatch:
+        g = self.cfg.grpo
+        if self.held is not None and self.uses < g.num_iterations:
+            self.uses += 1
+            return self.held
+        hf = self._push_weights()
+        payload, error = [None], None
+        if self.ps.rank == 0:
+            try:
+                payload = [self._generate(hf)]
+            except HfmegError as e:  # a reward function's failure, a bad prompt: every rank stops with its line
+                error = e
+        agree(error, self.ps.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(payload, src=0)
+        completions, advantages, masked, metrics = payload[0]
+        self.report.documents += len(completions)
+        self.held, self.uses = self._pack(completions, advantages, masked, metrics), 1
+        return self.held
+
+    def _push_weights(self) -> Path | None:
+        """Collective: the current weights as an HF folder (rank 0's path; None elsewhere)."""
+        root = self.out / WEIGHTS_DIR
+        chunks = self.chunks()
+        layout = chunks_layout(chunks, self.ps, self.step, pp_layers=self.cfg.parallel.pp_layers)
+        with staged_save(layout, self.ps, root / "mp", self.hf_source) as folder:
+            self.part.write_model(chunks, self.ps, layout, folder)
+        iteration, self.step = self.step, self.step + 1
+        if self.ps.rank != 0:
+            return None
+        hf, _ = self.part.export(root / "mp" / iteration_dir_name(iteration), root / "export")
+        shutil.rmtree(root / "mp" / iteration_dir_name(iteration), ignore_errors=True)
+        return hf
+
+    def _generate(self, hf: Path):
+        g, tok = self.cfg.grpo, self.tok
+        if self.engine is None:
+            self.engine = TransformersEngine(hf, [tok.eos_token_id], tok.pad_token_id if tok.pad_token_id is not None
+                                             else tok.eos_token_id)
+        else:
+            self.engine.load(hf)
+        epoch = self.reader.epoch
+        prompts = self.reader.take(self.cfg.train.global_batch_size // g.num_generations)
+        ids = [p.ids for p in prompts for _ in range(g.num_generations)]
+        seeds = [sample_seed(self.cfg.train.seed, epoch, p.index, k) for p in prompts for k in range(g.num_generations)]
+        params = SamplingParams(g.max_completion_length, g.temperature, g.top_p, g.top_k)
+        completions = self.engine.generate(ids, params, seeds)
+        texts = [tok.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
+        as_given = [p.text for p in prompts for _ in range(g.num_generations)]
+        if isinstance(as_given[0], list):  # conversational: TRL hands the reward a message list
+            texts = [[{"role": "assistant", "content": t}] for t in texts]
+        keys = sorted({k for p in prompts for k in p.columns})
+        columns = {k: [p.columns.get(k) for p in prompts for _ in range(g.num_generations)] for k in keys}
+        rewards = score(self.funcs, as_given, texts, columns)
+        advantages, metrics = group_advantages(rewards, self.weights, g, [name_of(f) for f in self.funcs])
+        lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.float64)
+        metrics["completions/mean_length"] = float(lengths.mean())
+        metrics["completions/clipped_ratio"] = sum(c.truncated for c in completions) / len(completions)
+        masked = [c.truncated for c in completions] if g.mask_truncated_completions else None
+        with open(self.out / COMPLETIONS_FILE, "a") as f:
+            for i in range(g.num_generations):
+                f.write(json.dumps(dict(step=self.step, prompt=as_given[i], completion=text_of(texts[i]),
+                                        rewards=[None if r != r else r for r in rewards[i].tolist()],
+                                        advantage=float(advantages[i]))) + "\n")
+        return completions, advantages, masked, metrics
+
+    def _pack(self, completions, advantages, masked, metrics) -> RolloutBatch:
+        ps, t = self.ps, self.cfg.train
+        share = len(completions) // ps.dp
+        lo = ps.dp_rank * share
+        mine = slice(lo, lo + share)
+        mbs = pack_completions(completions[mine], advantages[mine], 1, self.cfg.data.seq_len,
+                               self.tok.eos_token_id, rows=t.micro_batch_size,
+                               masked=masked[mine] if masked else None)
+        mbs = [mb.shard(ps.cp_rank, ps.cp) for mb in mbs]
+        if self.cfg.grpo.num_iterations > 1:  # π_old: the policy as it generated, by the training forward
+            mbs = annotate_logps(self.chunks(), mbs, ps, self.schedule, "old_logps")
+        tokens = sum(len(c.completion_ids) for i, c in enumerate(completions) if not (masked and masked[i]))
+        return RolloutBatch(mbs, tokens, len(completions), metrics)

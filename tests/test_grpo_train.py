@@ -1,0 +1,128 @@
+"""End-to-end GRPO on stories260K with a verifiable toy reward (`recipes/grpo_toy_rewards.py:park`).
+
+A one-process run and a TP2 x PP2 one: each step both push their weights to the transformers engine through
+the checkpoint/export path and sample the same prompts with the same seeds, so they must score the same
+completions (rewards equal exactly) and compute the same loss; the generator's log-probabilities agree with
+the training forward's (the mismatch metric); bad input is refused in one line.
+
+Bounds: on-policy (num_iterations 1, beta 0) the DAPO loss is Σ −A_i n_i / T over the completions whatever the
+log-probabilities (every importance weight is exp(0) = 1), so the two layouts' losses differ by the float32
+rounding of that sum (T terms of at most max|A| = (G − 1)/√G each: T · 2⁻²⁴ · max|A|); their gradient norms,
+sums the layouts add in another order, within the suite's layout bound EPS relative; the mismatch, a mean of
+|π_train − π_generator|, is within 2 TOL (both within TOL of transformers' logits, test_grpo_generation.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from bounds import within
+from helpers import stories_or_skip
+
+from hfmeg.data import DataConfig, SourceConfig
+from hfmeg.optim.config import OptimizerConfig
+from hfmeg.optim.lr_schedule import LRScheduleConfig
+from hfmeg.parallel.launch import spawn
+from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, ParallelArgs, TrainConfig
+from hfmeg.train.dataclass_io import ConfigError
+from hfmeg.train.grpo import MISMATCH, GRPOSettings
+from hfmeg.train.grpo_trainer import GRPOTrainer
+from hfmeg.train.metrics import read_metrics
+from hfmeg.train.validate import validate
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+PROMPTS = ["Once upon a time", "One day, a little girl named Lily", "Tom and his mom went to the", "The cat saw a big"]
+TOL = 1e-4
+EPS = 1e-4  # the suite's layout bound on sums the layouts add in another order (test_train.py, test_dpo_train.py)
+G = 4
+
+
+def _prompts(root: Path) -> Path:
+    import json
+
+    path = root / "prompts.jsonl"
+    path.write_text("".join(json.dumps(dict(prompt=p)) + "\n" for p in PROMPTS))
+    return path
+
+
+def _config(out: Path, data: Path, *, tp=1, pp=1, steps=3, **grpo) -> TrainConfig:
+    return TrainConfig(
+        model=ModelArgs(path=str(stories_or_skip()), dtype="fp32"),
+        parallel=ParallelArgs(tp=tp, pp=pp),
+        optim=OptimizerConfig(lr=1e-3, weight_decay=0.0, eps=1e-8),
+        lr=LRScheduleConfig(warmup_steps=0, total_steps=steps),
+        data=DataConfig(sources=[SourceConfig(str(data))], seq_len=64),
+        grpo=GRPOSettings(**{**dict(reward_funcs=["grpo_toy_rewards:park"], num_generations=G,
+                                    max_completion_length=16), **grpo}),
+        train=LoopArgs(micro_batch_size=4, global_batch_size=16, max_steps=steps),
+        checkpoint=CheckpointArgs(out=str(out)),
+        tensorboard=False,
+    )
+
+
+def _run(cfg: TrainConfig):
+    sys.path.insert(0, str(RECIPES))  # the toy reward's module, as `python recipes/grpo_llama.py` finds it
+    GRPOTrainer(cfg).run()
+
+
+def _rows(out: Path) -> list[dict]:
+    return [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+def test_grpo_tp2_pp2_matches_one_process(tmp_path):
+    data = _prompts(tmp_path)
+    spawn(_run, 1, _config(tmp_path / "single", data))
+    spawn(_run, 4, _config(tmp_path / "grid", data, tp=2, pp=2))
+    a, b = _rows(tmp_path / "single"), _rows(tmp_path / "grid")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        for k in ("reward", "reward_std", "rewards/park/mean", "frac_reward_zero_std", "completions/mean_length"):
+            assert x[k] == y[k], (k, x["step"])  # the same completions were sampled from both layouts' weights
+        max_advantage = (G - 1) / G ** 0.5  # one group's |r - mean| / std at most (Bessel std)
+        within(abs(x["loss"] - y["loss"]), x["tokens"] * 2 ** -24 * max_advantage, "grpo run loss tp2pp2 vs 1",
+               x["step"])
+        within(abs(x["grad_norm"] - y["grad_norm"]), EPS * x["grad_norm"], "grpo run grad norm tp2pp2 vs 1", x["step"])
+        for row in (x, y):
+            within(row[MISMATCH], 2 * TOL, "grpo run train/generation mismatch", x["step"])
+    completions = (tmp_path / "grid" / "completions.jsonl").read_text().splitlines()
+    assert len(completions) == 3 * 4  # one group a step
+    card = (tmp_path / "grid" / "hf" / "README.md").read_text()
+    assert "online RL, GRPO family (dapo loss" in card and "scored by grpo_toy_rewards:park" in card
+    assert "- grpo\n" in card.split("---")[1]  # the card's tags
+
+
+def test_num_iterations_reuses_the_batch_against_its_old_logps(tmp_path):
+    """num_iterations 2: the second step trains on the first's completions (generated once), its importance weights
+    against π_old from the training forward at generation, so its loss is no longer the on-policy 0."""
+    spawn(_run, 1, _config(tmp_path / "out", _prompts(tmp_path), steps=2, num_iterations=2, loss_type="grpo"))
+    a, b = _rows(tmp_path / "out")
+    assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+    assert len((tmp_path / "out" / "completions.jsonl").read_text().splitlines()) == G  # one generation
+    assert a["clip_ratio/region_mean"] == 0 and abs(b["loss"]) > 1e-6
+
+
+def broken(prompts, completions, **kwargs):
+    raise ValueError("no answer column")
+
+
+def test_a_failing_reward_stops_every_rank_in_one_line(tmp_path):
+    """At DP 2 rank 0 scores; its failure reaches the other rank instead of leaving it waiting for the batch."""
+    cfg = _config(tmp_path / "out", _prompts(tmp_path), reward_funcs=[f"{__name__}:broken"])
+    with pytest.raises(Exception, match=r"reward function broken raised ValueError: no answer column \(prompt "
+                                        r"'Once upon a time'\)"):
+        spawn(_run, 2, cfg)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(grpo=dict(num_generations=3)), "grpo.num_generations 3 does not divide train.global_batch_size 16"),
+    (dict(grpo=dict(max_completion_length=64)), "grpo.max_completion_length 64 leaves no room"),
+    (dict(grpo=dict(reward_funcs=["nowhere:reward"])), "reward function 'nowhere:reward': cannot import"),
+])
+def test_bad_grpo_config_refused(tmp_path, change, match):
+    cfg = _config(tmp_path / "out", _prompts(tmp_path), **change.get("grpo", {}))
+    with pytest.raises(Exception, match=match) as e:
+        validate(cfg, world_size=1)
+    assert isinstance(e.value, ConfigError) or type(e.value).__name__ == "RewardError"
+    assert not (tmp_path / "out").exists()
