@@ -22,7 +22,7 @@ from bounds import within
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.reshard import reshard_mp
 from hfmeg.parallel.launch import spawn
-from release_models import save_release
+from release_models import published, save_release
 from test_releases import _bytes, _raw
 from test_tp_parity import _assert_report, _check_layouts
 
@@ -66,10 +66,30 @@ def _train_all(cfgs):
 
     out = []
     for cfg in cfgs:
-        Trainer(cfg).run()
+        trainer = Trainer(cfg)
+        trainer.run()
         rows = read_metrics(Path(cfg.checkpoint.out) / "metrics.jsonl")
-        out.append([(r["loss"], r["grad_norm"]) for r in rows if "loss" in r])
+        out.append(([(r["loss"], r["grad_norm"]) for r in rows if "loss" in r], _copies_equal(trainer)))
     return out
+
+
+def _copies_equal(trainer) -> dict[str, bool]:
+    """{parameter holding K/V copies: whether its copies are equal on all their holders} after training (they
+    must take identical steps)."""
+    import torch.distributed as dist
+
+    from hfmeg.parallel.roles import named_roles
+
+    equal = {}
+    for name, p, role in named_roles(trainer.chunks[0]):
+        span = role.shared_span(p.shape)
+        if span is None:
+            continue
+        mine = p.detach().reshape(-1)[span[0]:span[1]].contiguous()
+        held = [torch.empty_like(mine) for _ in range(role.shared_by)]
+        dist.all_gather(held, mine, group=trainer.ps.tp_block_group(role.shared_by))
+        equal[name] = all(torch.equal(h, held[0]) for h in held)
+    return equal
 
 
 def test_training_takes_the_losses_of_one_process(sources, tmp_path):
@@ -100,8 +120,10 @@ def test_training_takes_the_losses_of_one_process(sources, tmp_path):
     # Gemma at TP 2 x DP 2 (the copies' sums and the sharded optimizer together), LLaMA at TP 4 (blocks of 2)
     single = spawn(_train_all, 1, [config(n, 1, False) for n in RELEASES])[0]
     sharded = spawn(_train_all, 4, [config("gemma3_1b", 2, True), config("llama3_1_8b", 4, False)])[0]
-    for name, a, b in zip(RELEASES, single, sharded):
+    for name, (a, _), (b, equal) in zip(RELEASES, single, sharded):
         assert len(a) == len(b) == 4
+        layers = published(name)["num_hidden_layers"]  # one QKV weight per layer (no biases)
+        assert len(equal) == layers and all(equal.values()), equal
         assert min(norm for _, norm in a) > 0.5, a  # clipped every step: the norm counts each K/V element once
         for i, what in enumerate(("loss", "grad norm")):
             within(max(abs(x[i] - y[i]) / abs(x[i]) for x, y in zip(a, b)), 1e-4,
