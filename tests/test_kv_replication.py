@@ -130,6 +130,22 @@ def test_training_takes_the_losses_of_one_process(sources, tmp_path):
                    f"{name}: 1 process vs TP {what} rel", (a, b))
 
 
+def test_lora_on_replicated_kv_is_refused_before_any_process_starts(sources):
+    """The recipes' check of the model against the run config (`train/cli.fit_to_model`) refuses it."""
+    from hfmeg.errors import UnsupportedConfigError
+    from hfmeg.peft.config import PeftConfig
+    from hfmeg.train.cli import fit_to_model
+    from hfmeg.train.config import ModelArgs, ParallelArgs, TrainConfig
+
+    def cfg(tp: int) -> TrainConfig:
+        return TrainConfig(model=ModelArgs(path=str(sources["gemma3_1b"])), parallel=ParallelArgs(tp=tp),
+                           peft=PeftConfig(method="lora", r=4, target_modules=["v_proj"]))
+
+    fit_to_model(cfg(1))
+    with pytest.raises(UnsupportedConfigError, match=r"num_key_value_heads 1 < TP=2\) is not supported"):
+        fit_to_model(cfg(2))
+
+
 def _lora_refused(folder):
     from hfmeg.checkpoint.hf_reader import HFCheckpoint
     from hfmeg.checkpoint.load import load_chunks
