@@ -165,3 +165,17 @@ def _lora_refused(folder):
 
 def test_lora_on_replicated_kv_is_refused(sources):
     assert spawn(_lora_refused, 2, str(sources["gemma3_1b"])) == [True, True]
+
+
+def test_shared_rows_are_the_last_rows_of_a_column_split_tensor():
+    from hfmeg.optim.distributed_optimizer import _without
+    from hfmeg.parallel.roles import ParamRole
+
+    role = ParamRole("weight", tp_dim=0, shared_rows=2, shared_by=2)
+    assert role.shared_span(torch.Size([5, 3])) == (9, 15)
+    assert ParamRole("weight", tp_dim=0).shared_span(torch.Size([5, 3])) is None
+    with pytest.raises(ValueError, match="split on dim 0"):
+        ParamRole("weight", tp_dim=1, shared_rows=2, shared_by=2)
+    assert _without(0, 20, [(3, 5), (9, 15)]) == [(0, 3), (5, 9), (15, 20)]
+    assert _without(4, 12, [(0, 5), (9, 15)]) == [(5, 9)]
+    assert _without(10, 12, [(0, 20)]) == []
