@@ -22,7 +22,7 @@ from bounds import within
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.reshard import reshard_mp
 from hfmeg.parallel.launch import spawn
-from release_models import save_release
+from release_models import published, save_release
 from test_releases import _bytes, _raw
 from test_tp_parity import _assert_report, _check_layouts
 
@@ -66,10 +66,30 @@ def _train_all(cfgs):
 
     out = []
     for cfg in cfgs:
-        Trainer(cfg).run()
+        trainer = Trainer(cfg)
+        trainer.run()
         rows = read_metrics(Path(cfg.checkpoint.out) / "metrics.jsonl")
-        out.append([(r["loss"], r["grad_norm"]) for r in rows if "loss" in r])
+        out.append(([(r["loss"], r["grad_norm"]) for r in rows if "loss" in r], _copies_equal(trainer)))
     return out
+
+
+def _copies_equal(trainer) -> dict[str, bool]:
+    """{parameter holding K/V copies: whether its copies are equal on all their holders} after training (they
+    must take identical steps)."""
+    import torch.distributed as dist
+
+    from hfmeg.parallel.roles import named_roles
+
+    equal = {}
+    for name, p, role in named_roles(trainer.chunks[0]):
+        span = role.shared_span(p.shape)
+        if span is None:
+            continue
+        mine = p.detach().reshape(-1)[span[0]:span[1]].contiguous()
+        held = [torch.empty_like(mine) for _ in range(role.shared_by)]
+        dist.all_gather(held, mine, group=trainer.ps.tp_block_group(role.shared_by))
+        equal[name] = all(torch.equal(h, held[0]) for h in held)
+    return equal
 
 
 def test_training_takes_the_losses_of_one_process(sources, tmp_path):
@@ -100,12 +120,30 @@ def test_training_takes_the_losses_of_one_process(sources, tmp_path):
     # Gemma at TP 2 x DP 2 (the copies' sums and the sharded optimizer together), LLaMA at TP 4 (blocks of 2)
     single = spawn(_train_all, 1, [config(n, 1, False) for n in RELEASES])[0]
     sharded = spawn(_train_all, 4, [config("gemma3_1b", 2, True), config("llama3_1_8b", 4, False)])[0]
-    for name, a, b in zip(RELEASES, single, sharded):
+    for name, (a, _), (b, equal) in zip(RELEASES, single, sharded):
         assert len(a) == len(b) == 4
+        layers = published(name)["num_hidden_layers"]  # one QKV weight per layer (no biases)
+        assert len(equal) == layers and all(equal.values()), equal
         assert min(norm for _, norm in a) > 0.5, a  # clipped every step: the norm counts each K/V element once
         for i, what in enumerate(("loss", "grad norm")):
             within(max(abs(x[i] - y[i]) / abs(x[i]) for x, y in zip(a, b)), 1e-4,
                    f"{name}: 1 process vs TP {what} rel", (a, b))
+
+
+def test_lora_on_replicated_kv_is_refused_before_any_process_starts(sources):
+    """The recipes' check of the model against the run config (`train/cli.fit_to_model`) refuses it."""
+    from hfmeg.errors import UnsupportedConfigError
+    from hfmeg.peft.config import PeftConfig
+    from hfmeg.train.cli import fit_to_model
+    from hfmeg.train.config import ModelArgs, ParallelArgs, TrainConfig
+
+    def cfg(tp: int) -> TrainConfig:
+        return TrainConfig(model=ModelArgs(path=str(sources["gemma3_1b"])), parallel=ParallelArgs(tp=tp),
+                           peft=PeftConfig(method="lora", r=4, target_modules=["v_proj"]))
+
+    fit_to_model(cfg(1))
+    with pytest.raises(UnsupportedConfigError, match=r"num_key_value_heads 1 < TP=2\) is not supported"):
+        fit_to_model(cfg(2))
 
 
 def _lora_refused(folder):
@@ -127,3 +165,17 @@ def _lora_refused(folder):
 
 def test_lora_on_replicated_kv_is_refused(sources):
     assert spawn(_lora_refused, 2, str(sources["gemma3_1b"])) == [True, True]
+
+
+def test_shared_rows_are_the_last_rows_of_a_column_split_tensor():
+    from hfmeg.optim.distributed_optimizer import _without
+    from hfmeg.parallel.roles import ParamRole
+
+    role = ParamRole("weight", tp_dim=0, shared_rows=2, shared_by=2)
+    assert role.shared_span(torch.Size([5, 3])) == (9, 15)
+    assert ParamRole("weight", tp_dim=0).shared_span(torch.Size([5, 3])) is None
+    with pytest.raises(ValueError, match="split on dim 0"):
+        ParamRole("weight", tp_dim=1, shared_rows=2, shared_by=2)
+    assert _without(0, 20, [(3, 5), (9, 15)]) == [(0, 3), (5, 9), (15, 20)]
+    assert _without(4, 12, [(0, 5), (9, 15)]) == [(5, 9)]
+    assert _without(10, 12, [(0, 20)]) == []

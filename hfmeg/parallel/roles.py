@@ -82,7 +82,7 @@ class ParamRole:
 
     def counted_on(self, tp_rank: int) -> bool:
         """Whether this rank's copy counts in the global gradient norm (each model element once; the
-        `shared_rows` of a holder other than the first are left out by `Bucket.shared_runs`' user)."""
+        optimizer leaves out the `shared_rows` of every holder but the first, `Bucket.shared_runs`)."""
         return not self.tied_copy and (self.tp_dim is not None or tp_rank == 0)
 
     def shared_span(self, shape: torch.Size) -> tuple[int, int] | None:

@@ -362,12 +362,20 @@ def _linear_attention_bases(cfg, i: int, tp: int) -> list[_Base]:
             _Base(L + "out", [Projection("out_proj", la_prefix + "out_proj", cfg.hidden_size)], False, 1)]
 
 
-def check_model(chunk_cfg, cfg: PeftConfig) -> None:
+def check_model(chunk_cfg, cfg: PeftConfig, tp: int = 1) -> None:
     """Refuse, naming the field, a model LoRA is not built for here (before any weight is read)."""
     names = spec_of(chunk_cfg).peft
     if names is None or not chunk_cfg.gated_mlp:
         raise UnsupportedConfigError(f"peft.method: {cfg.method} is built for LLaMA-family models (fused QKV, "
                                      f"gate/up); this is a {chunk_cfg.model_type} model")
+    # KV heads replicated over TP (models/attention.py): an adapter on the fused QKV would need its K/V factors
+    # replicated and summed like the base's copies, which is not built
+    qkv = {"q_proj", "k_proj", "v_proj", names.fused_bases.get("attn.qkv")}
+    if chunk_cfg.mla is None and chunk_cfg.kv_replicas(tp) > 1 and qkv & set(cfg.module_targets(names)):
+        raise UnsupportedConfigError(
+            f"peft.target_modules: LoRA on the attention's q/k/v projections with KV heads replicated over TP "
+            f"(num_key_value_heads {chunk_cfg.num_kv_heads} < TP={tp}) is not supported; target the other "
+            "modules, or use a TP that divides the KV heads")
     # peft keeps a module of modules_to_save as its own trained copy: on a tied model that unties the embedding
     # from the head at load, so the adapter would not give the model hfmeg trained (the one tied weight)
     tied = [m for m in ("embed_tokens", "lm_head") if m in cfg.modules_to_save] if chunk_cfg.tie_embeddings else []
@@ -475,7 +483,7 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
 
     Call it after the base weights are loaded and before the data-parallel wrapper and the
     optimizer are built, so they see only the adapters as trainable."""
-    check_model(chunk.cfg, cfg)
+    check_model(chunk.cfg, cfg, chunk.ps.tp)
     for p in chunk.parameters():
         p.requires_grad_(False)
     params = dict(chunk.named_parameters())
@@ -493,11 +501,6 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
     for base in _bases(chunk):
         if not targeted & {p.name for p in base.projections}:
             continue
-        if base.local.endswith(".attn.qkv") and chunk.cfg.kv_replicas(chunk.ps.tp) > 1:
-            raise UnsupportedConfigError(
-                f"peft.target_modules: LoRA on the attention's q/k/v projections with KV heads replicated over TP "
-                f"(num_key_value_heads {chunk.cfg.num_kv_heads} < TP={chunk.ps.tp}) is not supported; target the "
-                "other modules, or use a TP that divides the KV heads")
         layer = chunk.get_submodule(base.local)
         adapter = LoraAdapter(base.projections, targeted, layer.weight.shape[1], base.column, base.groups, cfg,
                               chunk.ps, base.replicated, base.whole_partial)
