@@ -140,6 +140,10 @@ def test_lora_training_matches_peft_and_exports(stories_lora, tmp_path):
     assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in again)
     merged_files = [load_file(str(d / "model.safetensors")) for d in (out / "hf", tmp_path / "conv_merged")]
     assert all(torch.equal(merged_files[0][k], merged_files[1][k]) for k in merged_files[0])
+    # both converted folders carry their cards, the adapter's as the run's own export writes it
+    cards = [(d / "README.md").read_text() for d in (tmp_path / "conv", tmp_path / "conv_merged")]
+    assert "library_name: peft" in cards[0] and "this folder is the LoRA adapter" in cards[0]
+    assert "library_name: transformers" in cards[1]
 
 
 def test_dora_training_matches_peft(stories_lora, tmp_path):

@@ -21,7 +21,9 @@ from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.mp_layout import resolve_iteration_dir
 from ..errors import HfmegError
 from ..peft.adapter_files import read_peft_folder
-from ..peft.export import export_checkpoint, is_adapter_checkpoint
+from ..hub import write_model_card
+from ..peft.export import export_checkpoint, is_adapter_checkpoint, read_info
+from ..train.checkpointing import STATE_FILE, read_trainer_state
 from ..peft.layout_shards import import_adapter
 from ..flags import Parser
 
@@ -86,11 +88,27 @@ def run_to_hf(args: argparse.Namespace) -> int:
 def _to_hf(args) -> Path:
     iter_dir = resolve_iteration_dir(args.mp, args.iteration)
     if is_adapter_checkpoint(iter_dir):
-        return export_checkpoint(iter_dir, args.out, merged=args.merge, overwrite=args.overwrite)
+        out = export_checkpoint(iter_dir, args.out, merged=args.merge, overwrite=args.overwrite)
+        _adapter_cards(iter_dir, out, Path(args.merge) if args.merge else None)
+        return out
     if args.merge:
         raise HfmegError(f"--merge: {iter_dir} holds no LoRA adapters (a full model exports to --out alone)")
     return mp_to_hf(args.mp, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
                     overwrite=args.overwrite, iteration=args.iteration)
+
+
+def _adapter_cards(iter_dir: Path, adapter: Path, merged: Path | None) -> None:
+    """The cards a run's own export writes (`hub.write_model_card`): the adapter's, and the merged model's; the
+    training config and step from the checkpoint's trainer state where it has one (a training checkpoint)."""
+    peft, base = read_info(iter_dir)
+    state = read_trainer_state(iter_dir) if (iter_dir / STATE_FILE).is_file() else {}
+    config = state.get("config", {})
+    data = [s["path"] for s in config.get("data", {}).get("sources", [])]
+    card = dict(base_model=base["path"], data=data, config=config,
+                metrics={"step": state["step"]} if "step" in state else {}, peft=peft)
+    write_model_card(adapter, **card, adapter=True)
+    if merged is not None:
+        write_model_card(merged, **card)
 
 
 DIRECTIONS = {  # name -> (description, arguments, run)

@@ -40,7 +40,7 @@ import math
 import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +168,18 @@ class Table:
         return self.files[k].get(i - (int(self.ends[k - 1]) if k else 0))
 
 
+@lru_cache(maxsize=16)
+def _cached_table(files: tuple[Path, ...], stamps: tuple[tuple[int, int], ...]) -> Table:
+    return Table(list(files))
+
+
+def open_table(files: list[Path]) -> Table:
+    """The table of `files`, scanned once per process while they are unchanged (size and mtime): every evaluation
+    and every reader of a run opens the same sources again."""
+    stamps = tuple((f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _cached_table(tuple(files), stamps)
+
+
 def local_files(path: str) -> list[Path] | None:
     """The files a local source names (sorted), or None when `path` is a Hub dataset id."""
     p = Path(path).expanduser()
@@ -220,7 +232,7 @@ class Source:
     def _local(self) -> tuple[Table, np.ndarray, np.ndarray]:
         """The table, the held-out indices (eval order) and the training indices (file order), made once."""
         if self._split is None:
-            table = Table(self.files)
+            table = open_table(self.files)
             n = len(table)
             k = held_out_count(self.eval_split, n, self.name)
             if k:
@@ -263,7 +275,7 @@ class Source:
         if self.files is None:
             yield from self._hub_indexed(self._stream(), 0)
             return
-        table = Table(self.files)
+        table = open_table(self.files)
         for i in range(len(table)):
             yield table.get(i)
 
