@@ -110,8 +110,10 @@ class HFCheckpoint:
             raise UnsupportedConfigError(f"{self.folder / str(e)}") from e
         if fmt is None:
             return
-        declared = top.get("torch_dtype") or top.get("dtype") or meta.get("torch_dtype") or meta.get("dtype")
-        declared = getattr(torch, declared) if isinstance(declared, str) else torch.bfloat16
+        # the dtype the release declares (its unquantized tensors'); gpt-oss declares none and stores them in bf16
+        name = top.get("torch_dtype") or top.get("dtype") or meta.get("torch_dtype") or meta.get("dtype")
+        declared = getattr(torch, name, None) if isinstance(name, str) else None
+        declared = declared if isinstance(declared, torch.dtype) else torch.bfloat16
         raw = dict(self._stored)
         self.quantized = QuantizedTensors(fmt, self.folder, list(raw), lambda n: self._raw_shape(raw[n]),
                                           lambda n: self._raw_dtype(raw[n]), declared)
