@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -49,7 +50,7 @@ def run(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | Path |
         timeout: float = 300.0) -> subprocess.CompletedProcess:
     """`subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)`, forked where
     the ranks are forked. `argv[0]` is the interpreter; then a script path or `-m module`, then its arguments."""
-    if start_method() != "fork" or argv[0] != sys.executable:
+    if start_method() != "fork" or argv[0] != sys.executable or _other_threads():
         return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         for stream in (sys.stdout, sys.stderr):
@@ -61,6 +62,12 @@ def run(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | Path |
         out.seek(0), err.seek(0)
         return subprocess.CompletedProcess(argv, code, out.read().decode(errors="replace"),
                                            err.read().decode(errors="replace"))
+
+
+def _other_threads() -> list[str]:
+    """Python threads of the test process besides the main one and tqdm's monitor (whose lock the child replaces):
+    a lock such a thread holds at the fork would stay held in the child forever, so then the run is a real one."""
+    return [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.name != "tqdm_monitor"]
 
 
 def _wait(pid: int, timeout: float, argv: list[str]) -> int:
@@ -127,7 +134,12 @@ def _child(args: list[str], env: dict[str, str] | None, cwd, out_fd: int, err_fd
 
 
 def _fresh_interpreter_state() -> None:
-    """Logging, warnings and signal handlers as a new interpreter starts with them, not as pytest set them."""
+    """tqdm's lock, logging, warnings and signal handlers as a new interpreter starts with them, not as the test
+    process (pytest, its other threads) left them."""
+    tqdm = sys.modules.get("tqdm.std")
+    if tqdm is not None:  # its write lock may be held by the monitor thread, which the child does not have
+        tqdm.tqdm.set_lock(tqdm.TqdmDefaultWriteLock())
+        tqdm.tqdm.monitor = None
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)

@@ -58,3 +58,19 @@ def test_module_runs_and_a_hung_child_is_killed_at_the_timeout(tmp_path):
     assert proc.returncode == 0 and "json.tool" in proc.stdout
     with pytest.raises(subprocess.TimeoutExpired):
         run([sys.executable, str(_script(tmp_path, "import time\ntime.sleep(60)\n"))], timeout=1)
+
+
+def test_another_live_thread_makes_it_a_real_process(tmp_path):
+    """A lock another thread holds at the fork would stay held in the child: then the run starts an interpreter."""
+    import threading
+
+    script = _script(tmp_path, "import sys\nprint('pytest' in sys.modules)\n")
+    assert run([sys.executable, str(script)]).stdout == "True\n"  # forked: the test process's modules
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, name="holds-a-lock")
+    worker.start()
+    try:
+        assert run([sys.executable, str(script)]).stdout == "False\n"
+    finally:
+        stop.set()
+        worker.join()
