@@ -42,3 +42,16 @@ def test_a_checkpoint_left_above_latest_is_kept_aside_as_the_message_says(tmp_pa
     cfg.train.max_steps = 6
     spawn(_run, 1, cfg)
     assert "orphan" not in capfd.readouterr().out
+
+
+def test_resuming_from_a_folder_set_aside_reads_its_step(tmp_path):
+    """`--resume .../iter_0000006.orphan`, as the line suggests: newer means above its step, not above 0."""
+    from hfmeg.train.checkpointing import find_resume
+
+    root = tmp_path / "checkpoints"
+    for name, step in (("iter_0000003", 3), ("iter_0000006", 6), ("iter_0000006.orphan", 6), ("iter_0000009", 9)):
+        (root / name).mkdir(parents=True)
+        (root / name / STATE_FILE).write_text(json.dumps({"step": step}))
+    found = find_resume(root, str(root / "iter_0000006.orphan"))
+    assert found.folder == root / "iter_0000006.orphan" and len(found.notes) == 1
+    assert found.notes[0].startswith(f"checkpoint.resume: iter_0000009 in {root} are newer than iter_0000006.orphan")

@@ -129,8 +129,13 @@ def find_resume(root: Path, resume: str, *, overwrite: bool = False) -> Resume:
         folder = Path(resume)
         if not (folder / STATE_FILE).is_file():
             raise CheckpointError(f"{folder}: not a complete hfmeg training checkpoint (no {STATE_FILE})")
-        newer = {n: p for n, p in iters.items() if folder.parent.resolve() == root.resolve()
-                 and n > (_iteration(folder) or 0)}
+        at = _iteration(folder)
+        if at is None:  # a folder set aside (`iter_0000006.orphan`): its step is in its state
+            try:
+                at = int(json.loads((folder / STATE_FILE).read_text())["step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                at = 0
+        newer = {n: p for n, p in iters.items() if folder.parent.resolve() == root.resolve() and n > at}
         notes = [f"checkpoint.resume: {_names(newer)} in {root} are newer than {folder.name} and belong to the "
                  "timeline this run leaves; they are replaced or pruned as it saves"] if newer else []
         return Resume(folder, notes, {})
