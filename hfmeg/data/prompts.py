@@ -65,13 +65,13 @@ class PromptReader:
 
     def _next(self) -> Prompt:
         if self._records is None:
-            self._records = self.source.records(self.record)
+            self._records = self.source.records(self.epoch, self.record)
         raw = next(self._records, None)
         if raw is None:  # the epoch is done: the next starts at record 0
             if self.record == 0:
                 raise DataError(f"data source {self.source.name}: no records")
             self.epoch, self.record = self.epoch + 1, 0
-            self._records = self.source.records(0)
+            self._records = self.source.records(self.epoch)
             raw = next(self._records)
         if raw.record is None:
             raise DataError(f"{raw.where}: {raw.problem}")

@@ -131,6 +131,7 @@ class _Parquet:
 
         self.path = path
         try:
+            pq.ParquetFile(path).metadata  # the footer first: its error names what is wrong, not the mapping
             self.table = pq.read_table(path, memory_map=True)
         except (pa.ArrowException, OSError) as e:  # a damaged or truncated file: its footer is unreadable
             raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from e
