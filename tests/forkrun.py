@@ -21,7 +21,14 @@ Kept in a real interpreter on purpose (they call subprocess directly): what must
 the multi-host beds, a launcher whose workers must die with it), tests/test_tokenizer_lowest.py (another venv's
 interpreter), tests/test_import_cost.py (what an import alone pulls into a fresh sys.modules), and runs that
 must be signalled or killed from outside while they work (test_train's SIGTERM, test_checkpoint_recovery's
-hand-started ranks)."""
+hand-started ranks).
+
+Not yet moved (they still call subprocess): the recipe, converter and verify_parity runs of test_train,
+test_peft_run, test_peft_train, test_peft_resume, test_run_lifecycle, test_shared_unlock_train,
+test_moe_checkpoint, test_verify_parity and the bench_mfu/peers/dpo runs. A forked verify_parity run hung at
+start (a futex, no CPU) after test_verify_parity's module fixture had converted checkpoints in the test process;
+until that is understood, only runs checked in their whole file's order use this runner (test_bench_moe,
+test_bench_peft, test_bench_shared_unlock, test_bench_optimizer)."""
 
 from __future__ import annotations
 

@@ -5,10 +5,10 @@ reference copy, fp32 main grads and Adam state). Timings are reported, never ass
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
-import forkrun
 from helpers import stories_or_skip
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
@@ -16,8 +16,8 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 def test_bench_dpo_reports_every_mode_and_lora_saves_a_copy():
     stories_or_skip()
-    out = forkrun.run([sys.executable, str(TOOLS / "bench_dpo.py"), "--hidden", "512", "--layers", "2",
-                          "--seq", "64", "--steps", "1", "--pairs", "16"], timeout=600)
+    out = subprocess.run([sys.executable, str(TOOLS / "bench_dpo.py"), "--hidden", "512", "--layers", "2",
+                          "--seq", "64", "--steps", "1", "--pairs", "16"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     modes = r["by_mode"]

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-import forkrun
 import pytest
 from transformers import LlamaConfig, MixtralConfig
 
@@ -38,7 +38,8 @@ def _tool():
 
 def test_tiny_run_reports_both_sides_with_equal_losses():
     peak_tflops = 0.5
-    out = forkrun.run([sys.executable, str(TOOL), "--tiny", "--peak-tflops", str(peak_tflops)], timeout=300)
+    out = subprocess.run([sys.executable, str(TOOL), "--tiny", "--peak-tflops", str(peak_tflops)],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     r = json.loads(lines[-1])
@@ -69,8 +70,8 @@ def test_tiny_run_reports_both_sides_with_equal_losses():
 
 
 def test_tiny_moe_run_counts_the_active_experts_and_the_planner_predicts_it():
-    out = forkrun.run([sys.executable, str(TOOL), "--tiny", "--experts", "4", "--top-k", "2", "--peak-tflops",
-                          "0.5"], timeout=300)
+    out = subprocess.run([sys.executable, str(TOOL), "--tiny", "--experts", "4", "--top-k", "2", "--peak-tflops",
+                          "0.5"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     sh = r["shapes"]
@@ -100,8 +101,8 @@ def test_a_family_at_the_bench_shapes_has_transformers_losses():
     """`--family`: transformers' default config of that model_type at the bench's shapes and `--set` fields (Gemma 2:
     soft-capped scores, so the anchor attends eagerly; a window shorter than the rows), fp32 losses equal step by
     step as for the LLaMA."""
-    out = forkrun.run([sys.executable, str(TOOL), "--tiny", "--family", "gemma2", "--set", "head_dim=16",
-                          "--set", "sliding_window=8"], timeout=300)
+    out = subprocess.run([sys.executable, str(TOOL), "--tiny", "--family", "gemma2", "--set", "head_dim=16",
+                          "--set", "sliding_window=8"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["shapes"]["family"] == "gemma2" and r["shapes"]["overrides"] == {"head_dim": 16, "sliding_window": 8}
@@ -129,7 +130,7 @@ def test_bad_arguments_exit_2_with_one_message(capsys):
 
 def test_trainer_path_runs_packed_rows_and_defaults_to_tiny_without_a_gpu():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a machine without a GPU, also when the tests have one
-    out = forkrun.run([sys.executable, str(TOOL), "--trainer-path"],
+    out = subprocess.run([sys.executable, str(TOOL), "--trainer-path"], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "no GPU, running the tiny smoke shapes" in out.stderr

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
-import forkrun
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -104,7 +104,7 @@ def test_verify_parity_cli_on_moe(tmp_path):
     mp = hf_to_mp(src, tmp_path / "mp", tp=2, pp=2)
     cmd = [sys.executable, str(ROOT / "tools" / "verify_parity.py"), "--mp", str(mp), "--hf", str(src),
            "--max-new-tokens", "8"]
-    proc = forkrun.run(cmd, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PARITY OK" in proc.stdout.splitlines()
 

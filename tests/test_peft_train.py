@@ -9,10 +9,10 @@ the reference starts from the same adapter.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
-import forkrun
 import torch
 from bounds import within
 from helpers import make_ps
@@ -132,9 +132,10 @@ def test_lora_training_matches_peft_and_exports(stories_lora, tmp_path):
     within((merged - with_adapter).abs().max(), 1e-4, "merged logits max-abs", None)
     AutoTokenizer.from_pretrained(out / "hf")
     # The offline converter gives the same two folders from the checkpoint alone.
-    proc = forkrun.run([sys.executable, str(ROOT / "tools" / "convert_mp_to_hf.py"), "--mp",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mp_to_hf.py"), "--mp",
                            str(out / "checkpoints"), "--out", str(tmp_path / "conv"),
-                           "--merge", str(tmp_path / "conv_merged")], timeout=300)
+                           "--merge", str(tmp_path / "conv_merged")],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     again = load_file(str(tmp_path / "conv" / WEIGHTS_FILE))
     assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in again)

@@ -14,11 +14,11 @@ tokenizer) on the project's text sample, layers shared until step 3:
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-import forkrun
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -133,11 +133,12 @@ def test_powersgd_from_the_unlock_on_resumes_exactly(tmp_path):
 def test_pretrain_recipe_from_random_weights_unlocks_and_exports(tmp_path):
     model = stories_or_skip()
     out = tmp_path / "run"
-    proc = forkrun.run(
+    proc = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "pretrain_llama.py"), "--init", "random", "--config-from", str(model),
          "--data", str(TEXT), "--set", f"train.shared_layers_until={UNTIL}", "--tp", "1", "--no-sequence-parallel",
          "--max-steps", "5", "--seq-len", "64", "--global-batch-size", "4", "--lr", "3e-3", "--warmup-steps", "1",
-         "--set", "data.eval_split=0", "--eval-every", "0", "--out", str(out), "--resume", "none"], timeout=600)
+         "--set", "data.eval_split=0", "--eval-every", "0", "--out", str(out), "--resume", "none"],
+        capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"step {UNTIL}: layers unlocked" in proc.stdout
     assert len(_losses(out)) == 5

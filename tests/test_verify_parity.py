@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import forkrun
 import pytest
 import torch
 import torch.distributed as dist
@@ -107,7 +106,7 @@ def test_verify_parity_cli_stories(converted):
         pytest.skip("stories260K assets absent")
     src, mps = converted["stories260K"]
     cmd = [sys.executable, str(ROOT / "tools" / "verify_parity.py"), "--mp", str(mps[(2, 2, 1)]), "--hf", str(src)]
-    proc = forkrun.run(cmd, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     diff = float(next(line for line in lines if line.startswith("max_abs_logit_diff=")).split("=")[1])
