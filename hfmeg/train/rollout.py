@@ -84,6 +84,18 @@ class Rollouts:
         self.reader = PromptReader(self.cfg.data.sources[0], self.tok, self.reader.limit, tuple(d["cursor"]))
         self.report.load_state_dict(d["report"])
 
+    @property
+    def epoch(self) -> float | None:
+        """Epochs of prompts drawn (as `TrainData.epoch`); None for a streamed source of unknown length."""
+        size = self.reader.source.train_size
+        return None if not size else self.reader.epoch + self.reader.record / size
+
+    @property
+    def split(self) -> list[tuple[str, int | None, int]]:
+        """The prompt source's (name, records per epoch, held-out records), as `TrainData.split`."""
+        source = self.reader.source
+        return [(source.name, source.train_size, source.held_size)]
+
     def close(self) -> None:
         self.engine = None
 
