@@ -26,7 +26,7 @@ os.environ.setdefault(BACKEND_ENV, "gloo")
 # None: every test of the file; otherwise the named tests (parametrised ones by their function's name).
 LANES: dict[str, dict[str, set[str] | None]] = {
     "multihost": {name: None for name in ("test_multihost_bed.py", "test_multihost_faults.py",
-                                          "test_multihost_parity.py")},
+                                          "test_multihost_frozen.py", "test_multihost_parity.py")},
     "e2e": {
         **{name: None for name in (
             "test_bench_activations.py", "test_bench_attention.py", "test_bench_comm_reduction.py",
@@ -36,7 +36,10 @@ LANES: dict[str, dict[str, set[str] | None]] = {
             "test_kill_sweep.py", "test_launch_recipes.py", "test_moe_recipe.py", "test_peft_parity.py",
             "test_peft_reshard.py", "test_peft_resume.py", "test_peft_run.py", "test_peft_train.py",
             "test_reshard_training.py", "test_run_lifecycle.py", "test_shared_unlock_train.py",
-            "test_tokenizer_lowest.py", "test_tp_parity.py", "test_train.py", "test_verify_parity.py")},
+            "test_tokenizer_lowest.py", "test_tp_parity.py", "test_train.py", "test_verify_parity.py",
+            "test_torchrun_faults.py", "test_releases.py", "test_quantized_releases.py", "test_grpo_parity.py",
+            "test_gpu_loan.py", "test_kv_replication.py", "test_family_recipes.py", "test_resume_messages.py",
+            "test_data_epochs.py")},
         "test_bench_mfu.py": {"test_tiny_run_reports_both_sides_with_equal_losses",
                               "test_tiny_moe_run_counts_the_active_experts_and_the_planner_predicts_it",
                               "test_a_family_at_the_bench_shapes_has_transformers_losses",

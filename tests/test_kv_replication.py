@@ -24,7 +24,7 @@ from hfmeg.checkpoint.reshard import reshard_mp
 from hfmeg.parallel.launch import spawn
 from release_models import published, save_release
 from test_releases import _bytes, _raw
-from test_tp_parity import _assert_report, _check_layouts
+from test_tp_parity import _check_layouts, _check_report
 
 RELEASES = ["gemma3_1b", "llama3_1_8b"]  # 4 query heads on 1 and on 2 KV heads
 
@@ -41,8 +41,9 @@ def _both(folders, ids):
 
 def test_logits_loss_and_gradients_are_transformers_at_tp2_and_tp4(sources):
     ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
-    for report in spawn(_both, 4, [str(sources[n]) for n in RELEASES], ids)[0]:
-        _assert_report([report])
+    folders = [str(sources[n]) for n in RELEASES]
+    for folder, report in zip(folders, spawn(_both, 4, folders, ids)[0]):
+        _check_report(folder, ids, report)
 
 
 @pytest.mark.parametrize("name", RELEASES)
