@@ -16,6 +16,8 @@ Split kinds:
   then split dim 0 so each rank owns whole groups (and GQA needs no communication).
   From three HF tensors, or from one HF tensor of `[q; k; v]` rows (GPT-2's `c_attn`,
   Phi-3's `qkv_proj`), cut by their sizes (q: heads x d rows, k and v: kv heads x d each).
+  The KV heads and d are the rule's layer's (`ModelConfig.attention_shape(rule.layer)`); a layer whose values
+  are its keys (Gemma 4's `attention_k_eq_v`) fuses two, `[q heads of g; k_g]`.
 - `gate_up`: gate and up each split dim 0, then `[gate_r; up_r]` on rank r; from two HF
   tensors, or from one of `[gate; up]` rows (Phi-3's `gate_up_proj`), cut in halves.
 - `vocab`: rows padded with zeros to the padded vocabulary, then split dim 0.
@@ -98,29 +100,24 @@ def chunk_rules(cfg: ModelConfig, layers: Iterable[int], pre_process: bool, post
     return rules
 
 
-def _qkv_fuse(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    g, d = cfg.num_kv_heads, cfg.head_dim
-    rest = q.shape[1:]
-    q = q.reshape(g, (cfg.num_heads // g) * cfg.q_rows, *rest)
-    k = k.reshape(g, d, *rest)
-    v = v.reshape(g, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+def _qkv_fuse(cfg: ModelConfig, layer: int | None, parts: list[torch.Tensor]) -> torch.Tensor:
+    """`[q heads of g; k_g; v_g]` (or `[q heads of g; k_g]`) for each KV group g, from the HF q, k (, v)."""
+    g = cfg.attention_shape(layer).num_kv_heads
+    rest = parts[0].shape[1:]
+    return torch.cat([p.reshape(g, -1, *rest) for p in parts], dim=1).reshape(-1, *rest)
 
 
-def _qkv_sizes(cfg: ModelConfig) -> list[int]:
-    return [cfg.num_heads * cfg.q_rows, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+def _qkv_sizes(cfg: ModelConfig, layer: int | None) -> list[int]:
+    """The rows of the HF q, k (, v) projections of layer `layer`."""
+    a = cfg.attention_shape(layer)
+    return [cfg.num_heads * cfg.q_rows_of(layer)] + [a.num_kv_heads * a.head_dim] * a.kv_parts
 
 
-def _qkv_unfuse(cfg: ModelConfig, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    g, d = cfg.num_kv_heads, cfg.head_dim
-    rep = cfg.num_heads // g
+def _qkv_unfuse(cfg: ModelConfig, layer: int | None, fused: torch.Tensor) -> list[torch.Tensor]:
+    g = cfg.attention_shape(layer).num_kv_heads
     rest = fused.shape[1:]
-    qr = rep * cfg.q_rows
-    f = fused.reshape(g, qr + 2 * d, *rest)
-    q = f[:, :qr].reshape(-1, *rest)
-    k = f[:, qr : qr + d].reshape(-1, *rest)
-    v = f[:, qr + d :].reshape(-1, *rest)
-    return q, k, v
+    per_group = [size // g for size in _qkv_sizes(cfg, layer)]
+    return [p.reshape(-1, *rest) for p in fused.reshape(g, sum(per_group), *rest).split(per_group, dim=1)]
 
 
 def to_local(
@@ -139,8 +136,8 @@ def to_local(
     elif kind == "cols":
         out = hf[0].chunk(tp, dim=1)[tp_rank]
     elif kind == "qkv":
-        q, k, v = hf if len(hf) == 3 else hf[0].split(_qkv_sizes(cfg), dim=0)
-        out = _qkv_fuse(cfg, q, k, v).chunk(tp, dim=0)[tp_rank]
+        parts = hf if len(hf) > 1 else hf[0].split(_qkv_sizes(cfg, rule.layer), dim=0)
+        out = _qkv_fuse(cfg, rule.layer, list(parts)).chunk(tp, dim=0)[tp_rank]
     elif kind == "gate_up":
         gate, up = hf if len(hf) == 2 else hf[0].chunk(2, dim=0)
         out = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
@@ -191,8 +188,8 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
     elif kind == "cols":
         outs = [torch.cat(shards, dim=1)]
     elif kind == "qkv":
-        q, k, v = _qkv_unfuse(cfg, torch.cat(shards, dim=0))
-        outs = [q, k, v] if len(rule.hf) == 3 else [torch.cat([q, k, v], dim=0)]
+        parts = _qkv_unfuse(cfg, rule.layer, torch.cat(shards, dim=0))
+        outs = parts if len(rule.hf) > 1 else [torch.cat(parts, dim=0)]
     elif kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
         outs = [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
@@ -219,9 +216,8 @@ def expected_hf_shape(rule: TensorRule, index: int, cfg: ModelConfig) -> tuple[i
     """The shape `config.json` implies for HF tensor `rule.hf[index]` (for input validation)."""
     if rule.shapes is not None:
         return rule.shapes[index]
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv, f, v = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.ffn_size, cfg.vocab_size
-    q_rows = cfg.num_heads * cfg.q_rows
+    h, f, v = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
+    q = cfg.num_heads * cfg.attention_shape(rule.layer).head_dim
     is_bias = rule.local.endswith(".bias")
     if rule.kind == "vocab":
         return (v, h)
@@ -230,7 +226,8 @@ def expected_hf_shape(rule: TensorRule, index: int, cfg: ModelConfig) -> tuple[i
             return (cfg.max_positions, h)
         return (h,)
     if rule.kind == "qkv":
-        out = (q_rows + 2 * kv,) if len(rule.hf) == 1 else ((q_rows, kv, kv)[index],)
+        sizes = _qkv_sizes(cfg, rule.layer)
+        out = (sum(sizes),) if len(rule.hf) == 1 else (sizes[index],)
     elif rule.kind == "gate_up":
         out = (f if len(rule.hf) == 2 else 2 * f,)
     elif rule.kind == "rows":

@@ -16,12 +16,14 @@ from .llama import decoder_config, layer_types_window, llama_layout
 GELU_TANH = "gelu_pytorch_tanh"
 
 
-def gemma_switches(hf: PretrainedConfig, cfg: ModelConfig) -> ModelConfig:
-    """The Gemma switches on a LLaMA-layout config, from the fields Gemma 2 and 3 share."""
+def gemma_switches(hf: PretrainedConfig, cfg: ModelConfig, causal_on_text: tuple[str, ...] = ()) -> ModelConfig:
+    """The Gemma switches on a LLaMA-layout config, from the fields Gemma 2 and 3 share. `causal_on_text`: values of
+    `use_bidirectional_attention` that leave text tokens causal (Gemma 4's 'vision': only image tokens see ahead)."""
     act = hf.hidden_activation
     require(act == GELU_TANH, "hidden_activation", f"{act!r} is not supported for {hf.model_type} (only {GELU_TANH!r})")
-    require(not getattr(hf, "use_bidirectional_attention", False), "use_bidirectional_attention",
-            "bidirectional attention is not supported (causal language models only)")
+    bidirectional = getattr(hf, "use_bidirectional_attention", None)
+    require(not bidirectional or bidirectional in causal_on_text, "use_bidirectional_attention",
+            f"{bidirectional!r}: bidirectional attention is not supported (causal language models only)")
     caps = {}
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         cap = getattr(hf, name, None)

@@ -31,6 +31,7 @@ class TensorRule:
     shapes: tuple[tuple[int, ...], ...] | None = None  # HF shapes, where the kind does not imply them
     expert: int | None = None  # the HF tensor stacks all experts on dim 0: this rule is expert `expert`'s slice
     pieces: tuple[int, ...] | None = None  # kind `parts`: the row counts of the pieces split over TP one by one
+    layer: int | None = None  # kinds `qkv` and an attention's `cols`: the decoder layer whose attention shape applies
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,7 @@ class ExpertLora(nn.Module):
 
 
 def _moe_layers(chunk: ModelChunk) -> list[tuple[int, MoELayer]]:
+    # The blocks that are a layer's MLP: Gemma 4's, beside its MLP, has no LoRA on its router or experts (not built)
     return [(int(i), layer.mlp) for i, layer in chunk.layers.items() if isinstance(layer.mlp, MoELayer)]
 
 
@@ -300,7 +301,7 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
     cfg, tp = chunk.cfg, chunk.ps.tp
     names = spec_of(cfg).peft
     experts_mapped, fused = bool(names.experts), names.fused_bases
-    q, kv, h, f = cfg.num_heads * cfg.q_rows, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.ffn_size
+    h, f = cfg.hidden_size, cfg.ffn_size
 
     def column(local: str, prefix: str, parts: list[tuple[str, int]], groups: int) -> _Base:
         """A fused column-parallel base: one projection per HF part, or one over all (`fused_bases`)."""
@@ -317,13 +318,16 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
         if cfg.is_linear(int(i)):
             out += _linear_attention_bases(cfg, i, tp)
         else:
-            if cfg.mla is None:
-                out.append(column(L + "attn.qkv", a, [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
-                                  cfg.num_kv_heads // tp))
+            if cfg.mla is None:  # the layer's shape (`attention_shape`): no v_proj where the values are the keys
+                shape = cfg.attention_shape(int(i))
+                q, kv = cfg.num_heads * cfg.q_rows_of(int(i)), shape.num_kv_heads * shape.head_dim
+                parts = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)][:1 + shape.kv_parts]
+                out.append(column(L + "attn.qkv", a, parts, shape.num_kv_heads // tp))
             else:
                 out += _latent_bases(cfg, a, L + "attn.", chunk.ps.sequence_parallel)
             out.append(_Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1))
-        if not cfg.is_sparse(int(i)) and not experts_mapped:
+        dense = not cfg.is_sparse(int(i)) or cfg.moe.beside_dense  # Gemma 4's dense MLP beside its experts
+        if dense and not experts_mapped:
             out += [column(L + "mlp.fc1", m, [("gate_proj", f), ("up_proj", f)], 1),
                     _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
         elif cfg.is_sparse(int(i)) and cfg.moe.shared_expert_ffn_size and not experts_mapped:
