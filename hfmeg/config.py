@@ -196,6 +196,9 @@ class ModelConfig:
     # values are RMS-normalised over each head with no weight, as the q/k norms are with theirs.
     norm_fp32_scale: bool = False
     v_norm: bool = False
+    # Gemma 4: each layer's output times its `layer_scalar` (one value a layer, held and saved by transformers as a
+    # buffer: loaded and exported as a frozen parameter, never trained).
+    layer_scalar: bool = False
     # gpt-oss: a learned logit per query head joins each query's softmax normaliser (an attention sink) and takes
     # no value: softmax over [scores, sink], the sink's column dropped.
     attn_sinks: bool = False
@@ -294,6 +297,7 @@ class ModelConfig:
         norms = (2 * self.pre_norms + 2 * self.sandwich_norms) * h * (2 if self.norm == "layer" else 1)
         n_sparse = len(self.moe.sparse_layers) if self.moe else 0
         beside = self.moe is not None and self.moe.beside_dense  # Gemma 4: dense MLP, 3 norms, 2 scales more
+        norms += self.layer_scalar  # Gemma 4's one frozen value a layer
         total = self.num_layers * norms + (self.num_layers if beside else self.num_layers - n_sparse) * dense
         la = self.linear_attention
         n_linear = len(la.layers) if la else 0
@@ -340,7 +344,7 @@ class ModelConfig:
 LATER_FIELDS = ("qk_norm", "nope_layers", "partial_rotary_factor", "full_attention_layers", "norm_offset",
                 "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
                 "rope_per_layer_type", "qk_norm_whole", "pre_norms", "norm_fp32_scale", "v_norm", "attn_sinks",
-                "attn_output_gate")
+                "attn_output_gate", "layer_scalar")
 # MoEConfig fields added after the MoE families' first layout JSON: written only when set (ModelConfig.to_dict).
 MOE_LATER_FIELDS = ("router_bias", "expert_bias", "swiglu_alpha", "swiglu_limit", "scoring", "n_group", "topk_group",
                     "routed_scaling_factor", "score_correction_bias", "shared_expert_gate", "router_scales",

@@ -11,7 +11,7 @@ merge overlaps this write) and dropped.
 `config.json` keeps every field of the source config; only `torch_dtype` / `dtype`
 are set to what was written. Tokenizer and generation config files are copied
 verbatim. A multimodal wrapper's text tensors get the names they were read with, and the
-carried tensors (`carried.py`: the wrapper's other towers, a family's fixed tensors) are
+carried tensors (`carried.py`: the wrapper's other towers, a family's untrained extras) are
 written after them as stored, in their own dtype.
 """
 

@@ -2,25 +2,33 @@
 per layer type, four norms a layer, GeGLU, scaled embedding, final-logit soft-capping, per-head QK-norm) with three
 changes: its RMSNorms scale by w, not 1 + w, in fp32 (`ModelConfig.norm_fp32_scale`); the values are RMS-normalised
 per head with no weight (`v_norm`); and the attention scale is 1 (the q/k norms set the scores' size; transformers'
-Gemma 4 has no `query_pre_attn_scalar`). Each layer's `layer_scalar` tensor multiplies its output: hfmeg keeps it
-verbatim and refuses a checkpoint where it is not 1 (`FamilySpec.fixed`).
+Gemma 4 has no `query_pre_attn_scalar`). Each layer's `layer_scalar` tensor (a buffer in transformers, saved with the
+weights) multiplies its output: hfmeg loads it as a frozen parameter and exports it unchanged
+(`ModelConfig.layer_scalar`).
 
-The released 31B and 26B-A4B shape their full-attention layers apart (`ModelConfig.global_attention`): wider heads
-(`global_head_dim`, 512 against 256) and, with `attention_k_eq_v`, fewer KV heads (`num_global_key_value_heads`)
-whose values are their keys (no `v_proj`: the raw key projection, value-normed). transformers keeps these as
-per-layer overrides (`per_layer_config`); hfmeg reads them there and builds them where they override the full
-layers alike, on `head_dim` and `num_key_value_heads` only. The full layers' `proportional` RoPE (the first
-`partial_rotary_factor` of each head's frequencies, the rest zero) is transformers' own table.
+As the 31B and the 26B-A4B are published (`tests/releases/`):
+- their full-attention layers have a shape of their own (`ModelConfig.global_attention`): wider heads
+  (`global_head_dim`, 512 against 256) and, with `attention_k_eq_v`, fewer KV heads (`num_global_key_value_heads`)
+  whose values are their keys (no `v_proj`: the raw key projection, value-normed). transformers keeps the shape as
+  per-layer overrides (`per_layer_config`); hfmeg builds overrides of `head_dim` and `num_key_value_heads` that are
+  the same on every full layer, and refuses others naming the field;
+- the full layers' `proportional` RoPE (the first `partial_rotary_factor` of each head's frequencies, the rest zero)
+  is transformers' own table over the wider head;
+- `use_bidirectional_attention: vision` lets image tokens see ahead; text, all hfmeg trains on, stays causal ('all'
+  is refused);
+- the 26B-A4B's MoE block (`enable_moe_block`) runs in every layer beside the dense MLP (`MoEConfig.beside_dense`,
+  `router_scales`; `models/moe.py`): transformers names it beside `mlp` (`router.*`, stacked `experts.*`,
+  `pre_feedforward_layernorm_2`, `post_feedforward_layernorm_1`/`_2`), and its experts spread over EP ranks. LoRA
+  adapts the attention and the dense MLP (peft's names); the router and the experts are not adapted (peft's
+  `all-linear` would take the router's `proj` too: name the projections).
 
-What Gemma 4 adds beyond that is refused, by the config field that switches it on: per-layer input embeddings
-(`hidden_size_per_layer_input`), KV sharing across layers (`num_kv_shared_layers`) and the MoE block
-(`enable_moe_block`). `use_double_wide_mlp` widens only the KV-sharing layers' MLPs, so it changes nothing once
-sharing is refused."""
+What the E2B and E4B add is refused, by the config field that switches it on: per-layer input embeddings
+(`hidden_size_per_layer_input`) and KV sharing across layers (`num_kv_shared_layers`). `use_double_wide_mlp` widens
+only the KV-sharing layers' MLPs, so it changes nothing once sharing is refused."""
 
 from __future__ import annotations
 
 import logging
-import re
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Collection
@@ -113,11 +121,7 @@ def _normalise(hf: PretrainedConfig) -> ModelConfig:
     # transformers' full layers are those `layer_types` names full_attention (as `layer_types_window` reads them).
     full = tuple(i for i, t in enumerate(hf.layer_types) if t == "full_attention")
     return replace(cfg, rope_per_layer_type=True, attn_softcap=None, norm_offset=False, norm_fp32_scale=True,
-                   v_norm=True, query_pre_attn_scalar=1.0, global_attention=global_attention(hf, full))
-
-
-def fixed(name: str) -> float | None:
-    return 1.0 if re.fullmatch(r"model\.layers\.\d+\.layer_scalar", name) else None
+                   v_norm=True, query_pre_attn_scalar=1.0, global_attention=global_attention(hf, full), layer_scalar=True)
 
 
 def _moe_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[TensorRule]:
@@ -147,4 +151,4 @@ def _layer_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[Ten
 
 # LoRA: peft's names for the attention and the dense MLP; the MoE block's router and experts are not adapted.
 GEMMA4 = FamilySpec(("gemma4_text",), "Gemma4ForCausalLM", normalise, _layer_rules, embedding="model.embed_tokens.weight",
-                    final_norm="model.norm", peft=PeftNames(PROJECTIONS), fixed=fixed)
+                    final_norm="model.norm", peft=PeftNames(PROJECTIONS))

@@ -216,6 +216,8 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Exp
             TensorRule(L + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up"),
             TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols"),
         ]
+    if cfg.layer_scalar:
+        rules.append(TensorRule(L + "layer_scalar", (p + "layer_scalar",), "replicated", shapes=((1,),)))
     if cfg.qkv_bias:
         rules.append(TensorRule(L + "attn.qkv.bias", tuple(f"{a}{n}.bias" for n in qkv), "qkv", layer=i))
     if cfg.out_bias:

@@ -80,10 +80,6 @@ class FamilySpec:
     position_embedding: str | None = None  # learned positions' HF tensor
     experts: ExpertNames | None = None  # MoE families
     peft: PeftNames | None = None  # None: LoRA is not built for this family
-    # HF tensor name -> the value it must hold, for tensors the family's checkpoints hold that hfmeg does not compute
-    # with, at the value where that changes nothing (Gemma 4's `layer_scalar`: 1); None for every other tensor.
-    # Checked on reading (`checkpoint/hf_reader.py`), kept verbatim on export (`checkpoint/carried.py`).
-    fixed: Callable[[str], float | None] = lambda name: None
     # (HF tensor name, config.json as a dict) -> whether it is a tensor the family's checkpoints hold that transformers
     # does not compute with either (DeepSeek-V3's MTP layers): carried verbatim, unchecked (`checkpoint/carried.py`).
     carried: Callable[[str, dict], bool] = lambda name, config: False

@@ -40,7 +40,7 @@ from ..parallel.expert_dispatch import local_experts
 from ..parallel.layers import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_head
 from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from ..parallel.params_ready import mark_compiled_block
-from ..parallel.roles import ParamRole, set_role
+from ..parallel.roles import ParamRole, add_param, set_role
 from ..parallel.state import ParallelState
 from .attention import ParallelAttention
 from .document_attention import DocumentMask, MaskPlanner, flex_applies
@@ -78,6 +78,11 @@ class DecoderLayer(nn.Module):
             self.dense_out_norm = make_norm(cfg, sp, kernels)
             self.moe_out_norm = make_norm(cfg, sp, kernels)
         self.sandwich = cfg.sandwich_norms
+        if cfg.layer_scalar:  # Gemma 4: the layer's output times a value it loads and never trains (a buffer in HF)
+            add_param(self, "layer_scalar", 1, role=ParamRole("bias"))
+            self.layer_scalar.requires_grad_(False)
+        else:
+            self.layer_scalar = None
         if self.sandwich:  # Gemma: the attention's and the MLP's outputs are normed before the residual add
             self.attn_out_norm = make_norm(cfg, sp, kernels)
             self.mlp_out_norm = make_norm(cfg, sp, kernels)
@@ -88,7 +93,8 @@ class DecoderLayer(nn.Module):
         m = self.mlp(self.post_attn_norm(x))
         if self.moe is not None:
             m = self.dense_out_norm(m) + self.moe_out_norm(self.moe(x))
-        return x + (self.mlp_out_norm(m) if self.sandwich else m)
+        x = x + (self.mlp_out_norm(m) if self.sandwich else m)
+        return x if self.layer_scalar is None else x * self.layer_scalar
 
     @property
     def moe_block(self) -> MoELayer | None:
