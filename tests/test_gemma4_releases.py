@@ -211,3 +211,27 @@ def test_26b_a4b_trains_at_tp2_and_exports(tmp_path):
         assert not torch.equal(before[name], after[name]), name
     assert all(torch.equal(before[n], after[n]) for n in before if n.endswith("layer_scalar"))
     assert type(AutoModelForCausalLM.from_pretrained(hf)).__name__ == "Gemma4ForCausalLM"
+
+
+def test_26b_a4b_as_its_published_multimodal_wrapper(tmp_path):
+    """The release is published as `Gemma4ForConditionalGeneration` (vision tower beside the language model): with the
+    shrunk 26B-A4B text config under `text_config`, HF -> TP2 x PP2 shards -> HF is bit-exact, vision tower included,
+    and the language model's logits on text are the wrapper class's."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from hfmeg.checkpoint.parity import reference_outputs
+
+    text = json.loads((RELEASES / "gemma-4-26B-A4B.json").read_text())["config"]
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
+    torch.manual_seed(0)
+    Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=vision, audio_config=None)) \
+        .save_pretrained(tmp_path / "src")
+    hf_to_mp(tmp_path / "src", tmp_path / "mp", tp=2, pp=2)
+    mp_to_hf(tmp_path / "mp", tmp_path / "back")
+    assert assert_same_tensors(tmp_path / "src", tmp_path / "back") > 0
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))  # no image tokens
+    want, _ = reference_outputs(tmp_path / "src", ids, 1)
+    with torch.no_grad():
+        got = load_chunks(HFCheckpoint(tmp_path / "src"), make_ps(world=1))[0](ids)[..., :512]
+    within((got - want).abs().max().item(), TOL, "wrapped logits vs transformers")

@@ -56,6 +56,8 @@ def _check_layouts(folder, ids):
         worst = 0.0
         seen = set()
         for rule in chunk_rules(chunk.cfg, chunk.layer_ids, True, True):
+            if not params[rule.local].requires_grad:  # frozen, as transformers' buffer (Gemma 4's layer_scalar)
+                continue
             full = to_hf(rule, gather_tp(params[rule.local].grad, ps), chunk.cfg)
             for name, g in full.items():
                 ref = ref_grads[name if name in ref_grads else name.replace("transformer.", "", 1)]
