@@ -35,6 +35,7 @@ from hfmeg.data.microbatch import MicroBatch
 from hfmeg.families import model_config_from_hf
 from hfmeg.families.llama import PROJECTIONS
 from hfmeg.models.generate import full_logits, greedy_generate
+from hfmeg.plan.flops import layer_matmul_params
 from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
@@ -78,7 +79,7 @@ def make_adapter(base: Path, out: Path, targets, seed: int = 1) -> Path:
     return out
 
 
-def test_31b_config_as_published_is_read():
+def test_release_configs_are_read():
     cfg = model_config_from_hf(release_config("gemma-4-31B"))
     full = [i for i in range(cfg.num_layers) if cfg.window(i) is None]
     assert full == [5]
@@ -86,6 +87,15 @@ def test_31b_config_as_published_is_read():
     a = cfg.attention_shape(5)
     assert (a.num_kv_heads, a.head_dim, a.values_from_keys) == (2, 16, True)
     assert cfg.rotary_dim_of(5) == 16 and cfg.rotary_dim_of(0) == 8
+    # The planner's and the MFU's count: q (8 heads x 16) and k (2 x 16), no v, o (8 x 16 back), the GeGLU MLP
+    h, f = 32, 64
+    assert layer_matmul_params(cfg, 5) == h * (8 * 16 + 2 * 16) + 8 * 16 * h + 3 * h * f
+    assert layer_matmul_params(cfg, 0) == h * (8 * 8 + 2 * 4 * 8) + 8 * 8 * h + 3 * h * f
+    for name in RELEASE_CASES:  # every parameter and each layer's scalar, the MoE block's beside the dense MLP
+        model = AutoModelForCausalLM.from_config(release_config(name))
+        held = sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers()
+                                                                  if n.endswith("layer_scalar"))
+        assert model_config_from_hf(release_config(name)).num_params() == held, name
 
 
 def _parity(base: str, adapter: str, ids: torch.Tensor, mp_shards: str, layouts, exact: dict[str, torch.Tensor]):
