@@ -62,8 +62,10 @@ from ..families.spec import TensorRule
 
 
 def with_expert_layout(cfg: ModelConfig, names) -> ModelConfig:
-    """`cfg` with `moe.fused_experts` read off the HF tensor names `names` (anything supporting `in`)."""
-    if cfg.moe is None or not cfg.moe.sparse_layers:
+    """`cfg` with `moe.fused_experts` read off the HF tensor names `names` (anything supporting `in`), for a family
+    whose checkpoints may hold either layout (one naming its per-expert tensors: `FamilySpec.experts`); the others'
+    (gpt-oss, Gemma 4) hold theirs stacked only, as their readers set."""
+    if cfg.moe is None or not cfg.moe.sparse_layers or spec_of(cfg).experts is None:
         return cfg
     return with_fused_experts(cfg, stacked_expert_names(cfg.moe.sparse_layers[0])[0] in names)
 
