@@ -205,6 +205,10 @@ class ModelConfig:
     # Qwen3.5: the attention output times sigmoid of a gate the q projection also makes (per head, `[q_h; gate_h]`
     # rows), and Gated DeltaNet layers in place of attention on `linear_attention.layers`.
     attn_output_gate: bool = False
+    # Ministral 3 (Llama 4's attention scaling): each query, after RoPE, times 1 + beta * log(1 + floor(p / period)) at
+    # position p, so 1 within the first `period` positions (`rope.query_scale`); None: no scaling.
+    query_scale_beta: float | None = None
+    query_scale_period: int | None = None
     linear_attention: LinearAttentionConfig | None = None
     # Gemma 4: the full-attention layers' (those without a window, as `rope_key` reads them) own shape, transformers' per-layer
     # `head_dim`/`num_key_value_heads` overrides (`global_head_dim`, `num_global_key_value_heads`) and
@@ -277,6 +281,18 @@ class ModelConfig:
         """Whether layer `layer`'s MLP is the mixture-of-experts block."""
         return self.moe is not None and layer in self.moe.sparse_layers
 
+    def kv_replicas(self, tp: int, layer: int | None = None) -> int:
+        """How many TP ranks hold each KV head of layer `layer` (None: the model's shape): 1 when TP divides its
+        KV heads, else TP / KV heads (`attention_shape`: Gemma 4's full-attention layers have fewer).
+
+        With fewer KV heads than TP ranks each rank keeps a full copy of the one KV head its query
+        heads use (as Megatron-Core does for fewer query groups than ranks): `models/attention.py`."""
+        return max(1, tp // self.attention_shape(layer).num_kv_heads)
+
+    def local_kv_heads(self, tp: int, layer: int | None = None) -> int:
+        """The KV heads one TP rank computes in layer `layer` (copies included)."""
+        return max(1, self.attention_shape(layer).num_kv_heads // tp)
+
     @property
     def adds_aux_loss(self) -> bool:
         """Whether the model adds the router's load-balancing loss to the training loss."""
@@ -344,7 +360,7 @@ class ModelConfig:
 LATER_FIELDS = ("qk_norm", "nope_layers", "partial_rotary_factor", "full_attention_layers", "norm_offset",
                 "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
                 "rope_per_layer_type", "qk_norm_whole", "pre_norms", "norm_fp32_scale", "v_norm", "attn_sinks",
-                "attn_output_gate", "layer_scalar")
+                "attn_output_gate", "layer_scalar", "query_scale_beta", "query_scale_period")
 # MoEConfig fields added after the MoE families' first layout JSON: written only when set (ModelConfig.to_dict).
 MOE_LATER_FIELDS = ("router_bias", "expert_bias", "swiglu_alpha", "swiglu_limit", "scoring", "n_group", "topk_group",
                     "routed_scaling_factor", "score_correction_bias", "shared_expert_gate", "router_scales",
@@ -386,10 +402,16 @@ def rope_check(hf: PretrainedConfig, *, partial: bool = False) -> float:
 def check_tp(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> None:
     """Raise if `cfg` cannot be split `tp` ways (heads, KV heads, FFN)."""
     require(cfg.num_heads % tp == 0, "num_attention_heads", f"{cfg.num_heads} is not divisible by TP={tp}")
-    require(cfg.num_kv_heads % tp == 0, "num_key_value_heads", f"{cfg.num_kv_heads} is not divisible by TP={tp}")
-    if cfg.global_attention is not None:
-        kv = cfg.global_attention.num_kv_heads
-        require(kv % tp == 0, "num_global_key_value_heads", f"{kv} is not divisible by TP={tp}")
+    kv_fields = [(cfg.num_kv_heads, "num_key_value_heads")]
+    if cfg.global_attention is not None:  # Gemma 4's full-attention layers: their own (fewer) KV heads
+        kv_fields.append((cfg.global_attention.num_kv_heads, "num_global_key_value_heads"))
+    for kv, name in kv_fields:
+        require(kv % tp == 0 or tp % kv == 0, name,
+                f"{kv} is not divisible by TP={tp}, nor TP by it (fewer KV heads than TP ranks are replicated, "
+                "which needs TP to be a multiple of them)")
+        require(kv % tp == 0 or not cfg.qk_norm_whole, name,
+                f"{kv} is fewer than TP={tp}: replicated KV heads with a key norm over all of a token's heads "
+                "(OLMo 2's qk norm) are not supported")
     if cfg.linear_attention is not None:  # each TP rank holds whole key heads and the value heads they serve
         require(cfg.linear_attention.key_heads % tp == 0, "linear_num_key_heads",
                 f"{cfg.linear_attention.key_heads} is not divisible by TP={tp}")

@@ -223,13 +223,15 @@ def test_damaged_checkpoints_and_a_full_disk_are_one_line_from_all_ranks(tmp_pat
 
 
 def test_a_run_that_fails_at_start_is_one_line_and_leaves_nothing(tmp_path):
-    """A wrong --model path, and a TP that does not divide the KV heads (found when the shards are cut)."""
+    """A wrong --model path, and a TP that does not divide the KV heads nor is a multiple of them (found when the
+    shards are cut)."""
     stories = _assets()
-    model = save_tiny("llama3", tmp_path / "kv1", num_attention_heads=4, num_key_value_heads=1)
+    model = save_tiny("llama3", tmp_path / "kv3", hidden_size=48, num_attention_heads=6, num_key_value_heads=3)
     for tokenizer_file in stories.glob("tok*"):
         shutil.copy(tokenizer_file, model)
     for path, line in ((tmp_path / "nowhere", f"error: {tmp_path / 'nowhere'}: no such folder"),
-                       (model, "error: config.json field num_key_value_heads: 1 is not divisible by TP=2")):
+                       (model, "error: config.json field num_key_value_heads: 3 is not divisible by TP=2, nor TP by it "
+                               "(fewer KV heads than TP ranks are replicated, which needs TP to be a multiple of them)")):
         out = tmp_path / "runs" / path.name
         assert _one_error(*_workers(_args(path, out, 2), 2)) == line
         assert not (tmp_path / "runs").exists()  # no lock, no copied HF files, no folder

@@ -108,7 +108,8 @@ def test_unsupported_architecture(capsys, tmp_path, stories):
 def test_tp_must_divide_heads_kv_heads_and_ffn(capsys, tmp_path, stories):
     out = tmp_path / "out"
     _to_mp(capsys, stories, out, "num_attention_heads: 8 is not divisible by TP=3", "--tp", "3")
-    _to_mp(capsys, stories, out, "num_key_value_heads: 4 is not divisible by TP=8", "--tp", "8")
+    kv3 = save_tiny("llama3", tmp_path / "kv3", hidden_size=48, num_attention_heads=6, num_key_value_heads=3)
+    _to_mp(capsys, kv3, out, "num_key_value_heads: 3 is not divisible by TP=2, nor TP by it", "--tp", "2")
     ffn = save_tiny("llama3", tmp_path / "ffn", intermediate_size=130)  # 130 = 2 * 65: TP=4 cannot split it
     _to_mp(capsys, ffn, out, "intermediate_size: 130 is not divisible by TP=4", "--tp", "4")
     _to_mp(capsys, stories, out, "--vocab-multiple must be >= 1", "--vocab-multiple", "0")

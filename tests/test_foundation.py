@@ -98,8 +98,8 @@ def _build(folder, tp):
 
 
 def test_heads_not_divisible_by_tp(tmp_path):
-    folder = save_tiny("llama3", tmp_path / "m", num_key_value_heads=2)
-    with pytest.raises(Exception, match="num_key_value_heads: 2 is not divisible by TP=4"):
+    folder = save_tiny("llama3", tmp_path / "m", hidden_size=96, num_attention_heads=12, num_key_value_heads=3)
+    with pytest.raises(Exception, match="num_key_value_heads: 3 is not divisible by TP=4, nor TP by it"):
         spawn(_build, 4, str(folder), 4)
 
 

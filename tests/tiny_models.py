@@ -136,18 +136,23 @@ def save_tiny(kind: str, folder: Path, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     cfg = tiny_config(kind, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # give norms and biases non-trivial values so their layout is tested
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith(("gate.weight", "shared_expert_gate.weight", "router.weight")):
-                # Routers 10x HF's init: clear top-k choices, so fp32 rounding differences cannot flip them.
-                p.mul_(10.0)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek's: large enough to change choices
-                b.normal_(0, 0.5)
+    perturb(model)
     model.save_pretrained(folder)
     return folder
+
+
+@torch.no_grad()
+def perturb(model: torch.nn.Module) -> None:
+    """Give norms and biases non-trivial values so their layout is tested, and routers clear choices."""
+    for name, p in model.named_parameters():
+        if "norm" in name or "ln_" in name or name.endswith("bias"):
+            p.add_(torch.randn_like(p) * 0.1)
+        if name.endswith(("gate.weight", "shared_expert_gate.weight", "router.weight")):
+            # Routers 10x HF's init: clear top-k choices, so fp32 rounding differences cannot flip them.
+            p.mul_(10.0)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek's: large enough to change choices
+            b.normal_(0, 0.5)
 
 
 WRAPPED_KINDS = ("gemma3", "mistral3", "gemma4", "qwen3_5", "qwen3_5_moe")

@@ -38,7 +38,8 @@ from .hub_source import resolve_hf_source
 from .mp_layout import (HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, iteration_dir_name, parse_dtype,
                         write_latest)
 from .mp_reader import MPCheckpoint, local_shape, rank_rules
-from .rules import expected_hf_shape, rule_tensors, to_local, with_expert_layout
+from .placement import as_stored, check_placed
+from .rules import expected_hf_shape, rule_tensors, to_local
 from .st_stream import StreamingSafetensorsWriter, WriteBehind
 
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES) + tuple(w.architecture for w in WRAPPERS)
@@ -136,7 +137,8 @@ def hf_to_mp(hf: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1,
     folder = resolve_hf_source(hf)
     target = parse_dtype(dtype)
     source = HFCheckpoint(folder)
-    cfg = with_expert_layout(load_model_config(folder), source)
+    cfg = as_stored(load_model_config(folder), source)
+    check_placed(source, cfg)
     with config_errors_name(folder):
         layout = MPLayout.build(cfg, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers, vocab_multiple=vocab_multiple)
     return write_mp_checkpoint(source, cfg, layout, folder, out, dtype=target, overwrite=overwrite,

@@ -101,7 +101,8 @@ class HFCheckpoint:
         text = set(self._stored.values())
         return list(self._stored) + [k for k in self.carried if k not in text]
 
-    def _resolve(self, name: str) -> str:
+    def resolve(self, name: str) -> str:
+        """The stored name of tensor `name` (the text model's name, or a carried one's own)."""
         if name in self._stored:
             return self._stored[name]
         if name in self.carried:
@@ -113,13 +114,13 @@ class HFCheckpoint:
 
     def __contains__(self, name: str) -> bool:
         try:
-            self._resolve(name)
+            self.resolve(name)
             return True
         except CheckpointError:
             return False
 
     def get(self, name: str) -> torch.Tensor:
-        key = self._resolve(name)
+        key = self.resolve(name)
         path = self._files[key]
         handle = self._open(path)
         try:
@@ -130,7 +131,7 @@ class HFCheckpoint:
             raise CheckpointError(f"{path}: cannot read tensor {key} ({type(e).__name__}: {e})") from e
 
     def shape(self, name: str) -> tuple[int, ...]:
-        key = self._resolve(name)
+        key = self.resolve(name)
         path = self._files[key]
         handle = self._open(path)
         if path.suffix == ".safetensors":
@@ -138,7 +139,7 @@ class HFCheckpoint:
         return tuple(handle[key].shape)
 
     def dtype(self, name: str) -> torch.dtype:
-        key = self._resolve(name)
+        key = self.resolve(name)
         path = self._files[key]
         handle = self._open(path)
         if path.suffix == ".safetensors":

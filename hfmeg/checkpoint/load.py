@@ -39,7 +39,8 @@ from ..parallel.stored_names import stored_tensors
 from .hf_reader import HFCheckpoint
 from .mp_layout import DTYPES, MPLayout
 from .mp_reader import MPCheckpoint
-from .rules import chunk_rules, expected_hf_shape, rule_tensors, to_local, with_expert_layout
+from .placement import as_stored, check_placed
+from .rules import chunk_rules, expected_hf_shape, rule_tensors, to_local
 from .tensor_source import TensorSource
 
 WeightSource = HFCheckpoint | TensorSource | MPCheckpoint
@@ -74,9 +75,12 @@ def load_chunks(
 
 
 def source_config(source: HFCheckpoint | TensorSource) -> ModelConfig:
-    """The model config of an HF-named source (a folder's `config.json`, and how it stores MoE experts)."""
+    """The model config of an HF-named source (a folder's `config.json`, and how it stores MoE experts and its LM
+    head: `placement.as_stored`); a folder with a tensor nothing places or carries is refused."""
     if isinstance(source, HFCheckpoint):
-        return with_expert_layout(model_config_from_hf(load_hf_config(source.folder)), source)
+        cfg = as_stored(model_config_from_hf(load_hf_config(source.folder)), source)
+        check_placed(source, cfg)
+        return cfg
     return source.cfg
 
 

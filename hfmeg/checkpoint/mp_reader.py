@@ -14,6 +14,7 @@ and shapes are checked against what the layout implies.
 
 from __future__ import annotations
 
+
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from ..config import ModelConfig, load_hf_config
 from ..families import model_config_from_hf
 from ..errors import CheckpointError
 from ..families.spec import TensorRule
+from .placement import as_saved
 from .mp_layout import HF_DIR, LAYOUT_FILE, MPLayout, rank_files, resolve_iteration_dir
 from .rules import chunk_rules, expected_hf_shape, to_hf, to_local, with_fused_experts
 from .st_stream import CODE_DTYPES, read_tensor
@@ -47,7 +49,8 @@ class MPCheckpoint:
         self.hf_dir = self.folder / HF_DIR
         # How the source stored MoE experts is not in config.json: the layout recorded it at conversion.
         fused = (self.layout.model_config.get("moe") or {}).get("fused_experts", False)
-        self.cfg = with_fused_experts(model_config_from_hf(load_hf_config(self.hf_dir)), fused)
+        self.cfg = as_saved(with_fused_experts(model_config_from_hf(load_hf_config(self.hf_dir)), fused),
+                            self.layout.model_config)
         if self.cfg.to_dict() != self.layout.model_config:
             raise CheckpointError(
                 f"{self.folder / LAYOUT_FILE}: field model_config disagrees with {self.hf_dir / 'config.json'}"

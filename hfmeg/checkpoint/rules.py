@@ -18,6 +18,9 @@ Split kinds:
   Phi-3's `qkv_proj`), cut by their sizes (q: heads x d rows, k and v: kv heads x d each).
   The KV heads and d are the rule's layer's (`ModelConfig.attention_shape(rule.layer)`); a layer whose values
   are its keys (Gemma 4's `attention_k_eq_v`) fuses two, `[q heads of g; k_g]`.
+  With fewer KV heads than TP ranks (counted per layer), the `n = TP / KV` ranks of group g each hold
+  `[their n-th of group g's q rows; k_g; v_g]` (or `[...; k_g]`; copies of k_g, v_g); back to HF, the q rows
+  are concatenated and k_g, v_g are taken from the group's first rank.
 - `gate_up`: gate and up each split dim 0, then `[gate_r; up_r]` on rank r; from two HF
   tensors, or from one of `[gate; up]` rows (Phi-3's `gate_up_proj`), cut in halves.
 - `vocab`: rows padded with zeros to the padded vocabulary, then split dim 0.
@@ -27,7 +30,9 @@ Split kinds:
   transpose), whole on every TP rank as `[gate; up]`.
 - `parts`: the HF tensors' rows, concatenated, cut into `rule.pieces` (Gated DeltaNet's q, k, v, z, b, a),
   each piece split dim 0 over TP, and rank r's slices of all pieces concatenated (`gate_up` is the case of
-  two equal pieces). The HF tensors' shapes are the rule's `shapes`.
+  two equal pieces). The HF tensors' shapes are the rule's `shapes`. With `rule.groups` each HF tensor holds
+  its pieces grouped (`[group 0's share of each piece; group 1's; ...]`, Qwen3-Next's per-key-head layout): it is
+  ungrouped to piece after piece first, and grouped again on the way back.
 
 MoE layers (Mixtral `block_sparse_moe.*`, Qwen `mlp.*`: the family's `ExpertNames`) map the router (`gate`) and
 every expert's tensors one to one, by expert index, so each tensor travels alone
@@ -122,6 +127,57 @@ def _qkv_unfuse(cfg: ModelConfig, layer: int | None, fused: torch.Tensor) -> lis
     return [p.reshape(-1, *rest) for p in fused.reshape(g, sum(per_group), *rest).split(per_group, dim=1)]
 
 
+def _qkv_local(cfg: ModelConfig, layer: int | None, fused: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s rows of layer `layer`'s fused QKV (whole groups; or, with replicated KV heads, its
+    share of its group's q rows and the group's k and v, or k alone where the values are the keys)."""
+    n = cfg.kv_replicas(tp, layer)
+    if n == 1:
+        return fused.chunk(tp, dim=0)[tp_rank]
+    a = cfg.attention_shape(layer)
+    block = fused.chunk(a.num_kv_heads, dim=0)[tp_rank // n]  # [q_g; k_g; v_g]
+    kv = a.kv_parts * a.head_dim
+    q, kv = block.split([block.shape[0] - kv, kv], dim=0)
+    return torch.cat([q.chunk(n, dim=0)[tp_rank % n], kv], dim=0)
+
+
+def _qkv_whole(cfg: ModelConfig, layer: int | None, shards: list[torch.Tensor]) -> torch.Tensor:
+    """`_qkv_local`'s inverse: the fused QKV from every TP rank's rows (copies read from their first holder)."""
+    n = cfg.kv_replicas(len(shards), layer)
+    if n == 1:
+        return torch.cat(shards, dim=0)
+    a = cfg.attention_shape(layer)
+    kv = a.kv_parts * a.head_dim
+    blocks = []
+    for g in range(a.num_kv_heads):
+        holders = shards[g * n : (g + 1) * n]
+        blocks += [s[: s.shape[0] - kv] for s in holders] + [holders[0][-kv:]]
+    return torch.cat(blocks, dim=0)
+
+
+def _tensor_pieces(rule: TensorRule) -> list[list[int]]:
+    """The row counts of the pieces each HF tensor of a `parts` rule holds (its rows are whole pieces, in order)."""
+    out, pieces = [], list(rule.pieces)
+    for shape in rule.shapes:
+        held = []
+        while sum(held) < shape[0]:
+            held.append(pieces.pop(0))
+        out.append(held)
+    return out
+
+
+def _ungroup(t: torch.Tensor, pieces: list[int], groups: int) -> torch.Tensor:
+    """Rows `[g: each piece's g-th share]` for g in groups -> `[piece 0; piece 1; ...]`."""
+    rest = t.shape[1:]
+    shares = t.reshape(groups, -1, *rest).split([p // groups for p in pieces], dim=1)
+    return torch.cat([share.reshape(-1, *rest) for share in shares], dim=0)
+
+
+def _group(t: torch.Tensor, pieces: list[int], groups: int) -> torch.Tensor:
+    """`_ungroup`'s inverse."""
+    rest = t.shape[1:]
+    return torch.cat([p.reshape(groups, -1, *rest) for p in t.split(pieces, dim=0)], dim=1).reshape(-1, *rest)
+
+
 def to_local(
     rule: TensorRule, hf: list[torch.Tensor], cfg: ModelConfig, tp: int, tp_rank: int, vocab_multiple: int = 128
 ) -> torch.Tensor:
@@ -139,7 +195,7 @@ def to_local(
         out = hf[0].chunk(tp, dim=1)[tp_rank]
     elif kind == "qkv":
         parts = hf if len(hf) > 1 else hf[0].split(_qkv_sizes(cfg, rule.layer), dim=0)
-        out = _qkv_fuse(cfg, rule.layer, list(parts)).chunk(tp, dim=0)[tp_rank]
+        out = _qkv_local(cfg, rule.layer, _qkv_fuse(cfg, rule.layer, list(parts)), tp, tp_rank)
     elif kind == "gate_up":
         gate, up = hf if len(hf) == 2 else hf[0].chunk(2, dim=0)
         out = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
@@ -148,6 +204,8 @@ def to_local(
     elif kind == "interleaved":
         out = torch.cat([hf[0][0::2], hf[0][1::2]], dim=0)
     elif kind == "parts":
+        if rule.groups:
+            hf = [_ungroup(t, pieces, rule.groups) for t, pieces in zip(hf, _tensor_pieces(rule))]
         out = torch.cat([p.chunk(tp, dim=0)[tp_rank] for p in torch.cat(hf, dim=0).split(rule.pieces, dim=0)])
     elif kind == "vocab":
         full = hf[0]
@@ -190,7 +248,7 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
     elif kind == "cols":
         outs = [torch.cat(shards, dim=1)]
     elif kind == "qkv":
-        parts = _qkv_unfuse(cfg, rule.layer, torch.cat(shards, dim=0))
+        parts = _qkv_unfuse(cfg, rule.layer, _qkv_whole(cfg, rule.layer, shards))
         outs = parts if len(rule.hf) > 1 else [torch.cat(parts, dim=0)]
     elif kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
@@ -207,6 +265,8 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
         slices = [s.split([p // tp for p in rule.pieces], dim=0) for s in shards]
         whole = torch.cat([torch.cat([rank[i] for rank in slices], dim=0) for i in range(len(rule.pieces))], dim=0)
         outs = list(whole.split([shape[0] for shape in rule.shapes], dim=0))
+        if rule.groups:
+            outs = [_group(t, pieces, rule.groups) for t, pieces in zip(outs, _tensor_pieces(rule))]
     else:
         raise ValueError(f"unknown split kind {kind!r} for {rule.local}")
     if rule.transpose:

@@ -17,6 +17,7 @@ from .gemma4 import GEMMA4
 from .gpt2 import GPT2
 from .gpt_oss import GPT_OSS
 from .llama import LLAMA
+from .ministral3 import MINISTRAL3
 from .mistral import MISTRAL
 from .mixtral import MIXTRAL
 from .olmo2 import OLMO2
@@ -27,14 +28,15 @@ from .qwen2_moe import QWEN2_MOE
 from .qwen3 import QWEN3
 from .qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from .qwen3_moe import QWEN3_MOE
+from .qwen3_next import QWEN3_NEXT
 from .smollm3 import SMOLLM3
 from .spec import FamilySpec
 from .wrappers import WRAPPERS, Wrapper
 
 __all__ = ["FAMILIES", "WRAPPERS", "family_of", "model_config_from_hf", "spec_of", "text_config", "wrapper_of"]
 
-FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, GEMMA2, GEMMA3, GEMMA4, OLMO2, OLMO3, QWEN3_5,
-            MIXTRAL, QWEN2_MOE, QWEN3_MOE, QWEN3_5_MOE, GPT_OSS, DEEPSEEK_V3, GPT2)
+FAMILIES = (LLAMA, MISTRAL, QWEN2, QWEN3, SMOLLM3, PHI3, GEMMA2, GEMMA3, GEMMA4, OLMO2, OLMO3, MINISTRAL3, QWEN3_5,
+            MIXTRAL, QWEN2_MOE, QWEN3_MOE, QWEN3_5_MOE, QWEN3_NEXT, GPT_OSS, DEEPSEEK_V3, GPT2)
 _BY_TYPE = {t: spec for spec in FAMILIES for t in spec.model_types}
 _WRAPPER_BY_TYPE = {t: w for w in WRAPPERS for t in w.model_types}
 

@@ -13,14 +13,13 @@ from transformers import PretrainedConfig
 from ..config import ModelConfig, require
 from .llama import decoder_config, layer_types_window, llama_layout
 
-GELU_TANH = "gelu_pytorch_tanh"
+ACT_FIELD = "hidden_activation"  # what transformers' Gemma MLP reads; published configs also carry hidden_act
 
 
 def gemma_switches(hf: PretrainedConfig, cfg: ModelConfig, causal_on_text: tuple[str, ...] = ()) -> ModelConfig:
-    """The Gemma switches on a LLaMA-layout config, from the fields Gemma 2 and 3 share. `causal_on_text`: values of
-    `use_bidirectional_attention` that leave text tokens causal (Gemma 4's 'vision': only image tokens see ahead)."""
-    act = hf.hidden_activation
-    require(act == GELU_TANH, "hidden_activation", f"{act!r} is not supported for {hf.model_type} (only {GELU_TANH!r})")
+    """The Gemma switches on a LLaMA-layout config (read with `act_field=ACT_FIELD`), from the fields Gemma 2 and 3
+    share. `causal_on_text`: values of `use_bidirectional_attention` that leave text tokens causal (Gemma 4's
+    'vision': only image tokens see ahead)."""
     bidirectional = getattr(hf, "use_bidirectional_attention", None)
     require(not bidirectional or bidirectional in causal_on_text, "use_bidirectional_attention",
             f"{bidirectional!r}: bidirectional attention is not supported (causal language models only)")
@@ -29,13 +28,13 @@ def gemma_switches(hf: PretrainedConfig, cfg: ModelConfig, causal_on_text: tuple
         cap = getattr(hf, name, None)
         require(cap is None or cap > 0, name, f"{cap} is not a cap (use a positive number or null)")
         caps[name] = cap
-    return replace(cfg, activation="gelu_tanh", norm_offset=True, embed_scale=True, sandwich_norms=True,
+    return replace(cfg, norm_offset=True, embed_scale=True, sandwich_norms=True,
                    attn_softcap=caps["attn_logit_softcapping"], final_softcap=caps["final_logit_softcapping"],
                    query_pre_attn_scalar=getattr(hf, "query_pre_attn_scalar", None))
 
 
 def normalise(hf: PretrainedConfig) -> ModelConfig:
-    return gemma_switches(hf, decoder_config(hf, window=layer_types_window))
+    return gemma_switches(hf, decoder_config(hf, window=layer_types_window, act_field=ACT_FIELD))
 
 
 GEMMA2 = llama_layout(("gemma2",), "Gemma2ForCausalLM", normalise)

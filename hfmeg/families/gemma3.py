@@ -12,13 +12,13 @@ from dataclasses import replace
 from transformers import PretrainedConfig
 
 from ..config import ModelConfig
-from .gemma2 import gemma_switches
+from .gemma2 import ACT_FIELD, gemma_switches
 from .llama import decoder_config, layer_types_window, llama_layout, rope_per_layer_type
 
 
 def normalise(hf: PretrainedConfig) -> ModelConfig:
     rope_per_layer_type(hf)
-    cfg = gemma_switches(hf, decoder_config(hf, window=layer_types_window, qk_norm=True))
+    cfg = gemma_switches(hf, decoder_config(hf, window=layer_types_window, qk_norm=True, act_field=ACT_FIELD))
     return replace(cfg, rope_per_layer_type=True, attn_softcap=None)
 
 

@@ -36,7 +36,7 @@ from typing import Collection
 from transformers import PretrainedConfig
 
 from ..config import AttentionShape, ModelConfig, MoEConfig, require
-from .gemma2 import gemma_switches
+from .gemma2 import ACT_FIELD, gemma_switches
 from .llama import PROJECTIONS, decoder_config, layer_prefix, layer_rules, layer_types_window, rope_per_layer_type
 from .spec import FamilySpec, PeftNames, TensorRule
 
@@ -116,8 +116,8 @@ def _normalise(hf: PretrainedConfig) -> ModelConfig:
         require(not value, name, f"{value!r}: {what} are not supported for {hf.model_type} (use 0, false or null)")
     rope_per_layer_type(hf, also=("proportional",))
     # 'vision' (the released 26B and 31B): image tokens attend both ways; text, all hfmeg trains on, is causal.
-    cfg = gemma_switches(hf, decoder_config(hf, window=layer_types_window, qk_norm=True, moe=moe_block),
-                         causal_on_text=("vision",))
+    cfg = gemma_switches(hf, decoder_config(hf, window=layer_types_window, qk_norm=True, moe=moe_block,
+                                            act_field=ACT_FIELD), causal_on_text=("vision",))
     # transformers' full layers are those `layer_types` names full_attention (as `layer_types_window` reads them).
     full = tuple(i for i, t in enumerate(hf.layer_types) if t == "full_attention")
     return replace(cfg, rope_per_layer_type=True, attn_softcap=None, norm_offset=False, norm_fp32_scale=True,

@@ -64,5 +64,11 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[Tens
     return rules
 
 
+def causal_mask_buffer(name: str, config: dict) -> bool:
+    """The causal masks the original GPT-2 checkpoints hold per layer (`attn.bias`, `attn.masked_bias`): transformers
+    ignores them on loading (`_keys_to_ignore_on_load_unexpected`) and builds its own mask, so they are carried."""
+    return name.endswith((".attn.bias", ".attn.masked_bias"))
+
+
 GPT2 = FamilySpec(("gpt2",), "GPT2LMHeadModel", normalise, layer_rules, embedding="transformer.wte.weight", final_norm="transformer.ln_f",
-                  position_embedding="transformer.wpe.weight")
+                  position_embedding="transformer.wpe.weight", carried=causal_mask_buffer)

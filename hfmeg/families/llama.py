@@ -95,18 +95,26 @@ def padding_row(hf: PretrainedConfig) -> int | None:
     return pad % vocab
 
 
+# The MLP activations hfmeg builds: the HF name (`ACT2FN`'s key) -> ModelConfig.activation.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
 def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bias: bool | None = None,
                    window: Callable[[PretrainedConfig], Window] = lambda hf: (None, ()), qk_norm: bool = False,
                    moe: Callable[[PretrainedConfig], MoEConfig] | None = None,
-                   partial_rotary: bool = False) -> ModelConfig:
+                   partial_rotary: bool = False, act_field: str = "hidden_act") -> ModelConfig:
     """A LLaMA-layout config; a bias left None follows `attention_bias`, `window` returns the sliding window
-    and the layers without it (or refuses a window), `moe` reads the MoE fields, `partial_rotary` lets `partial_rotary_factor` be below 1."""
+    and the layers without it (or refuses a window), `moe` reads the MoE fields, `partial_rotary` lets `partial_rotary_factor` be
+    below 1, `act_field` names the field the family's transformers MLP reads its activation from (Gemma's
+    `hidden_activation`: its published configs carry a `hidden_act` too, which transformers keeps and never reads).
+
+    Fields transformers keeps but does not compute with are not read, so never refused: `pretraining_tp` (LLaMA 2,
+    SmolLM3 publish 2; transformers 5's forward ignores it, and 4.x's split matmuls summed the same products) stays
+    in the HF config and is exported verbatim."""
     rotary = rope_check(hf, partial=partial_rotary)
     t = hf.model_type
-    act = getattr(hf, "hidden_act", "silu")
-    require(act == "silu", "hidden_act", f"{act!r} is not supported for {t} (only 'silu')")
-    pretraining_tp = getattr(hf, "pretraining_tp", 1) or 1
-    require(pretraining_tp == 1, "pretraining_tp", "only 1 is supported")
+    act = getattr(hf, act_field, "silu")
+    require(act in ACTIVATIONS, act_field, f"{act!r} is not supported for {t} (supported: {', '.join(ACTIVATIONS)})")
     heads = hf.num_attention_heads
     kv = getattr(hf, "num_key_value_heads", None) or heads
     require(heads % kv == 0, "num_key_value_heads", f"{kv} does not divide num_attention_heads={heads}")
@@ -126,7 +134,7 @@ def decoder_config(hf: PretrainedConfig, *, qkv_bias: bool | None = None, out_bi
         max_positions=hf.max_position_embeddings,
         norm="rms",
         norm_eps=hf.rms_norm_eps,
-        activation="silu",
+        activation=ACTIVATIONS[act],
         gated_mlp=True,
         positions="rope",
         qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
@@ -236,7 +244,13 @@ def llama_layout(model_types: tuple[str, ...], architecture: str, normalise: Cal
     def rules(cfg: ModelConfig, i: int, held: Collection[int]) -> list[TensorRule]:
         return layer_rules(cfg, i, held, experts or MLP)
     return FamilySpec(model_types, architecture, normalise, rules, embedding="model.embed_tokens.weight", final_norm="model.norm",
-                      experts=experts, peft=peft)
+                      experts=experts, peft=peft, carried=rope_buffer)
+
+
+def rope_buffer(name: str, config: dict) -> bool:
+    """The RoPE frequencies older LLaMA-layout checkpoints hold per layer (`self_attn.rotary_emb.inv_freq`, a buffer
+    transformers < 4.31 saved): transformers computes its own and ignores them, so they are carried verbatim."""
+    return name.endswith(".self_attn.rotary_emb.inv_freq")
 
 
 LLAMA = llama_layout(("llama",), "LlamaForCausalLM", decoder_config)

@@ -27,7 +27,7 @@ from typing import Callable
 from transformers import PretrainedConfig
 
 from ..config import LinearAttentionConfig, ModelConfig, MoEConfig, require
-from .llama import ATTENTION, MLP, PROJECTIONS, decoder_config, layer_prefix, layer_rules, llama_layout
+from .llama import ATTENTION, MLP, PROJECTIONS, decoder_config, layer_prefix, layer_rules, llama_layout, rope_buffer
 from .spec import PeftNames, TensorRule
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -92,7 +92,17 @@ def rules(cfg: ModelConfig, i: int, experts) -> list[TensorRule]:
 LINEAR_ATTENTION = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 PEFT = PeftNames(ATTENTION + LINEAR_ATTENTION + PROJECTIONS[4:])
 
-QWEN3_5 = replace(llama_layout(("qwen3_5_text",), "Qwen3_5ForCausalLM", normalise, peft=PEFT), layer_rules=rules)
+
+
+def mtp_module(name: str, config: dict) -> bool:
+    """The multi-token-prediction module published checkpoints hold (`mtp.…`): transformers does not build it (it
+    ignores `^mtp.*` on loading), so it is carried verbatim, as are LLaMA-layout RoPE buffers (`llama.rope_buffer`)."""
+    return name.startswith("mtp.") or rope_buffer(name, config)
+
+
+QWEN3_5 = replace(llama_layout(("qwen3_5_text",), "Qwen3_5ForCausalLM", normalise, peft=PEFT), layer_rules=rules,
+                  carried=mtp_module)
 # LoRA on the MoE variant is not built (peft reaches its stacked experts only through target_parameters).
 QWEN3_5_MOE = replace(llama_layout(("qwen3_5_moe_text",), "Qwen3_5MoeForCausalLM",
-                                   lambda hf: normalise(hf, sparse_mlp), experts=MLP, peft=None), layer_rules=rules)
+                                   lambda hf: normalise(hf, sparse_mlp), experts=MLP, peft=None), layer_rules=rules,
+                      carried=mtp_module)

@@ -32,6 +32,9 @@ class TensorRule:
     expert: int | None = None  # the HF tensor stacks all experts on dim 0: this rule is expert `expert`'s slice
     pieces: tuple[int, ...] | None = None  # kind `parts`: the row counts of the pieces split over TP one by one
     layer: int | None = None  # kinds `qkv` and an attention's `cols`: the decoder layer whose attention shape applies
+    # kind `parts`: each HF tensor's rows are laid out by `groups` groups, each holding its share of every piece the
+    # tensor holds (Qwen3-Next's `in_proj_qkvz`: per key head, [q; k; v; z] of it); None: piece after piece
+    groups: int | None = None
 
 
 @dataclass(frozen=True)

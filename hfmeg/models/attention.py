@@ -4,6 +4,13 @@ The fused QKV weight is laid out per KV group, `[q heads of group g; k_g; v_g]`,
 split by whole groups across TP ranks, so each rank computes its heads with no
 communication between the QKV projection and the output projection.
 
+With fewer KV heads than TP ranks (Gemma-3-1B's one, at TP 2) the KV heads are replicated, as
+Megatron-Core does: the `TP / KV` consecutive ranks whose query heads share KV head g each hold
+`[their share of group g's q heads; k_g; v_g]` (`checkpoint/rules.py` builds and undoes that layout).
+The K and V rows are copies, so their gradients, which each holder gets from its own queries only,
+are summed over the holders once per step (role `shared_rows`, `parallel/roles.py`); a per-head k norm
+already sums over TP. The forward needs nothing new: each rank attends with its one KV head.
+
 Qwen3's q/k norms (`cfg.qk_norm`) are RMSNorms over the head dim, applied to every
 query and key head before RoPE. One weight serves all heads, so it is TP-replicated;
 each rank's gradient comes from its own heads only, so its role says
@@ -20,7 +27,9 @@ query head's rows, `[q_h; gate_h]` (so the gate is split over TP with its head).
 
 Gemma 4's full-attention layers have a shape of their own (`ModelConfig.attention_shape`): wider heads, fewer
 KV heads, and with `attention_k_eq_v` no value projection: the fused weight is `[q heads of g; k_g]` per group and
-the values are the raw keys (before the key norm and RoPE), each then RMS-normalised (`v_norm`).
+the values are the raw keys (before the key norm and RoPE), each then RMS-normalised (`v_norm`). KV replication
+is decided per layer with the layer's own KV heads, so a full-attention layer may replicate where the sliding
+ones do not; keys-as-values replicate as k_g alone (the shared rows are its key rows).
 
 A layer with a sliding window (`cfg.window`) attends under the micro-batch's windowed mask
 (`DocumentMask.sliding`, document_attention.py), the others under its full one.
@@ -59,15 +68,18 @@ class ParallelAttention(nn.Module):
         super().__init__()
         self.cfg, self.kernels, self.ps = cfg, kernels, ps
         shape = self.shape = cfg.attention_shape(layer)
-        self.groups = shape.num_kv_heads // ps.tp  # KV groups on this rank
-        self.rep = cfg.num_heads // shape.num_kv_heads  # query heads per KV head
+        self.groups = cfg.local_kv_heads(ps.tp, layer)  # KV groups on this rank
+        self.rep = cfg.num_heads // ps.tp // self.groups  # query heads per KV head on this rank
         self.scale = cfg.attn_scale(layer)
         self.rotates = cfg.uses_rope(layer)
         self.window = cfg.window(layer)
         d = self.d = shape.head_dim
         self.q_rows = cfg.q_rows_of(layer)
-        qkv_out = cfg.num_heads * self.q_rows + shape.kv_parts * shape.num_kv_heads * d
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias)
+        replicas = cfg.kv_replicas(ps.tp, layer)
+        kv = shape.kv_parts * d  # a group's key (and value) rows
+        qkv_out = cfg.num_heads * self.q_rows + shape.num_kv_heads * replicas * kv  # each holder's copy counted
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias,
+                                        shared_rows=kv if replicas > 1 else 0, shared_by=replicas)
         self.out = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, ps, bias=cfg.out_bias)
         if cfg.qk_norm and cfg.qk_norm_whole:
             self.q_norm = HeadsRMSNorm(cfg.num_heads, d, cfg.norm_eps, ps)
@@ -111,7 +123,10 @@ class ParallelAttention(nn.Module):
         if self.cfg.v_norm:
             v = self.kernels.rms_norm_fp32(v, None, self.cfg.norm_eps)
         if rope is not None and self.rotates:
-            q, k = self.kernels.rope(q, *rope), self.kernels.rope(k, *rope)
+            cos, sin, *query_scale = rope
+            q, k = self.kernels.rope(q, cos, sin), self.kernels.rope(k, cos, sin)
+            if query_scale:  # Ministral 3's per-position query scale (`rope.RotaryEmbedding`)
+                q = q * query_scale[0]
         k, v = gather_kv(k, v, self.ps)  # the whole row's under context parallelism
         o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1, softcap=self.cfg.attn_softcap, sinks=self.sinks)
         if gate is not None:  # Qwen3.5's gated attention

@@ -14,6 +14,9 @@ rotated dims (`dim`: Gemma 4's full-attention heads are twice as wide as its sli
 full layers use `proportional` RoPE: transformers' frequencies cover the whole head, those past
 `partial_rotary_factor` of it zero (cos 1, sin 0: those dims pass unrotated), so the table is a plain one.
 
+Ministral 3 scales each query after the rotation by a factor of its position (`ModelConfig.query_scale_beta`): the
+table then carries it as a third entry, `[b, 1, s, 1]`, which the attention multiplies the rotated queries by.
+
 With a partial rotary factor (Phi-4-mini: 0.75) the tables cover the first `cfg.rotary_dim`
 dims of a head only; `kernels.rope` leaves the rest as they are.
 """
@@ -39,6 +42,7 @@ class RotaryEmbedding(nn.Module):
         if layer_type is not None:
             params = dict(params[layer_type])
         self.kw = {"layer_type": layer_type} if layer_type is not None else {}
+        self.query_scale = (cfg.query_scale_beta, cfg.query_scale_period) if cfg.query_scale_beta is not None else None
         self.rope_type = params.get("rope_type", "default")
         self.hf = hf
         if self.rope_type == "default":
@@ -67,10 +71,15 @@ class RotaryEmbedding(nn.Module):
             self._inv_freq_on[key] = (self.long_inv_freq if long else self.inv_freq).to(key[0])
         return self._inv_freq_on[key]
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape `[b, s, rotary_dim]` for `position_ids` `[b, s]`."""
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin of shape `[b, s, rotary_dim]` for `position_ids` `[b, s]` (and the query scale, where set)."""
         inv_freq = self._inv_freq_for(position_ids)
         freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        tables = (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        if self.query_scale is None:
+            return tables
+        beta, period = self.query_scale  # in fp32 and then rounded to the queries' dtype, as transformers does
+        scale = 1 + beta * torch.log(1 + torch.floor(position_ids / period))
+        return *tables, scale[:, None, :, None].to(dtype)
 

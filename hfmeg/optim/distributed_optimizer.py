@@ -99,9 +99,11 @@ class DistributedOptimizer:
         self.optimizers: dict[int, torch.optim.AdamW] = {}  # bucket index -> AdamW over its owned shard
         for b in dp.forward_order:
             grad = self._own(b, b.grad_buf)
+            # Rows a replicated KV head's holders share count on the first holder only.
+            copies = [(lo, hi) for lo, hi, n in b.shared_runs(dp.shard_rank(b)) if ps.tp_rank % n]
             for lo, hi, ok in b.runs(dp.shard_rank(b), lambda s: s.role.counted_on(ps.tp_rank)):
                 if ok and (per_replica or dp.primary(b)):
-                    self._norm_grads.append(grad[lo:hi])
+                    self._norm_grads += [grad[a:z] for a, z in _without(lo, hi, copies)]
             adamw = self._bucket_adamw(b, grad)
             if adamw is not None:
                 self.optimizers[b.index] = adamw
@@ -241,3 +243,14 @@ class DistributedOptimizer:
     def wait_params(self, buckets: list[int] | None = None) -> None:
         """Wait for the parameter all-gathers of `buckets` (default: all still in flight)."""
         self.data_parallel.wait_params(buckets)
+
+
+def _without(lo: int, hi: int, cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of [lo, hi) outside every range of `cuts` (sorted, disjoint)."""
+    out = []
+    for a, z in cuts:
+        if a < hi and z > lo:
+            if a > lo:
+                out.append((lo, a))
+            lo = max(lo, z)
+    return out + [(lo, hi)] if lo < hi else out

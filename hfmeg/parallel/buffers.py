@@ -84,6 +84,17 @@ class Bucket:
                 runs.append([a, b, k])
         return [tuple(r) for r in runs]
 
+    def shared_runs(self, rank: int) -> list[tuple[int, int, int]]:
+        """(lo, hi, n): the ranges of shard `rank` (shard-relative) that hold rows `n` TP ranks share
+        (`ParamRole.shared_rows`)."""
+        base, out = rank * self.shard_size, []
+        for slot, lo, hi in self.segments(rank):
+            span = slot.role.shared_span(slot.param.shape)
+            if span is not None and max(lo, span[0]) < min(hi, span[1]):
+                out.append((slot.offset + max(lo, span[0]) - base, slot.offset + min(hi, span[1]) - base,
+                            slot.role.shared_by))
+        return out
+
     def segments(self, rank: int) -> list[tuple[Slot, int, int]]:
         """(slot, lo, hi): the part [lo, hi) of each parameter's flat range inside shard `rank`."""
         a, b = rank * self.shard_size, (rank + 1) * self.shard_size

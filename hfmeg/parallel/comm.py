@@ -184,12 +184,29 @@ def sync_sequence_parallel_grads(modules, ps: ParallelState) -> None:
     Summing over TP once per step (not per micro-batch) restores the full one. Which
     parameters of `modules`: those whose role says `sequence_parallel`. This is the plain
     `.grad` path; under the data-parallel wrapper, `DataParallel.finish_grad_sync` sums
-    the same parameters' owned shards.
+    the same parameters' owned shards. The rows replicated KV heads copy are summed over their holders.
     """
     if ps.tp == 1:
         return
-    all_reduce_coalesced([p.grad for m in modules for _, p, role in named_roles(m)
-                          if role.sequence_parallel and p.grad is not None], ps.tp_group)
+    named = [(p, role) for m in modules for _, p, role in named_roles(m) if p.grad is not None]
+    all_reduce_coalesced([p.grad for p, role in named if role.sequence_parallel], ps.tp_group)
+    shared = []
+    for p, role in named:
+        span = role.shared_span(p.shape)
+        if span is not None:
+            shared.append((p.grad.view(-1)[span[0]:span[1]], role.shared_by))
+    sum_shared_rows(shared, ps)
+
+
+def sum_shared_rows(grads: list[tuple[torch.Tensor, int]], ps: ParallelState) -> None:
+    """Sum in place, over their holders, the gradients of rows that `n` consecutive TP ranks hold copies of
+    (replicated KV heads, `ParamRole.shared_rows`): `grads` is (gradient view, n) pairs; one coalesced
+    all-reduce per n."""
+    by_block: dict[int, list[torch.Tensor]] = {}
+    for g, n in grads:
+        by_block.setdefault(n, []).append(g)
+    for n, tensors in by_block.items():
+        all_reduce_coalesced(tensors, ps.tp_block_group(n))
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:

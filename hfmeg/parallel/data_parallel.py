@@ -45,7 +45,7 @@ from torch import nn
 
 from .bucket_comm import SumGroup, all_gather_async
 from .buffers import Bucket, build_groups
-from .comm import all_reduce_coalesced
+from .comm import all_reduce_coalesced, sum_shared_rows
 from .grad_sync import GradSync
 from .params_ready import is_compiled_block, set_params_barrier
 from .powersgd import PowerSGD
@@ -81,6 +81,8 @@ class DataParallel:
         self._sp_grads = [self.owned(b, b.grad_buf)[lo:hi] for b in self.buckets
                           for lo, hi, sp in b.runs(self.shard_rank(b), lambda s: s.role.sequence_parallel) if sp] \
             if ps.tp > 1 else []
+        self._shared_grads = [(self.owned(b, b.grad_buf)[lo:hi], n) for b in self.buckets
+                              for lo, hi, n in b.shared_runs(self.shard_rank(b))]
         self._tied = [b for b in self.buckets if b.isolated]  # only when PP > 1 and embeddings are tied
         self._pending: dict[int, object] = {}  # bucket index -> in-flight parameter all-gather
         self._register_forward_hooks()
@@ -125,6 +127,7 @@ class DataParallel:
         self.grad_sync.finish()
         if self._sp_grads:
             all_reduce_coalesced(self._sp_grads, self.ps.tp_group)
+        sum_shared_rows(self._shared_grads, self.ps)  # replicated KV heads' copies (roles.py)
         for b in self._tied:
             dist.all_reduce(self.owned(b, b.grad_buf), group=self.ps.embedding_group)
 

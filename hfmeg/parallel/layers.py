@@ -45,16 +45,20 @@ class ColumnParallelLinear(nn.Module):
 
     Input: the full activation (`[s, b, in]`, or `[s/tp, b, in]` under SP).
     Output: this rank's output features, `[s, b, out/tp]`.
+    `shared_rows`/`shared_by`: the last `shared_rows` of a rank's rows are a copy held by `shared_by`
+    consecutive ranks (replicated KV heads, `models/attention.py`; `out_features` counts them per rank).
     """
 
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool):
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState, bias: bool,
+                 shared_rows: int = 0, shared_by: int = 1):
         super().__init__()
         if out_features % ps.tp:
             raise ValueError(f"output features {out_features} not divisible by TP={ps.tp}")
         self.ps = ps
-        add_param(self, "weight", out_features // ps.tp, in_features, role=ParamRole("weight", tp_dim=0))
+        role = ParamRole("weight", tp_dim=0, shared_rows=shared_rows, shared_by=shared_by)
+        add_param(self, "weight", out_features // ps.tp, in_features, role=role)
         if bias:
-            add_param(self, "bias", out_features // ps.tp, role=ParamRole("bias", tp_dim=0))
+            add_param(self, "bias", out_features // ps.tp, role=replace(role, kind="bias"))
         else:
             self.bias = None
         self.adapter: nn.Module | None = None  # see the module docstring

@@ -25,6 +25,11 @@ read one record instead of matching names or ad-hoc attributes:
   over the expert-data-parallel group (`data_parallel.py`); consumers find them by this
   flag, never by name. The router and Qwen2-MoE's
   shared expert are not experts in this sense: every rank holds them.
+- `shared_rows`, `shared_by`: a TP-sharded tensor (`tp_dim` 0) whose last `shared_rows` rows (dim 0) are a copy
+  held by `shared_by` consecutive TP ranks: the fused QKV's K and V rows when TP exceeds the KV heads
+  (`models/attention.py`). Each holder's gradient of those rows comes from its own query heads only, so
+  they are summed over the holders (`ParallelState.tp_block_group`) once per step, and they count in the
+  global norm on the block's first rank only (`optim/distributed_optimizer.py`).
 - `adapter`: a low-rank adapter weight (`hfmeg/peft`): trained while the base is frozen,
   saved and exported apart from the base. Its layout is said by the other fields: a
   LoRA factor held whole on every TP rank sees only this rank's share of the base's
@@ -60,8 +65,12 @@ class ParamRole:
     tied_copy: bool = False
     expert: bool = False
     adapter: bool = False
+    shared_rows: int = 0
+    shared_by: int = 1
 
     def __post_init__(self) -> None:
+        if self.shared_by > 1 and self.tp_dim != 0:
+            raise ValueError("rows shared by TP ranks belong to a tensor split on dim 0")
         if self.sequence_parallel and self.tp_dim is not None:
             raise ValueError("a sequence-parallel parameter is TP-replicated (tp_dim must be None)")
         if self.tied_copy and self.tied is None:
@@ -72,8 +81,16 @@ class ParamRole:
         return self.tp_dim is None
 
     def counted_on(self, tp_rank: int) -> bool:
-        """Whether this rank's copy counts in the global gradient norm (each model element once)."""
+        """Whether this rank's copy counts in the global gradient norm (each model element once; the
+        optimizer leaves out the `shared_rows` of every holder but the first, `Bucket.shared_runs`)."""
         return not self.tied_copy and (self.tp_dim is not None or tp_rank == 0)
+
+    def shared_span(self, shape: torch.Size) -> tuple[int, int] | None:
+        """The flat element range [lo, hi) of the rows shared with other TP ranks, None if there are none."""
+        if self.shared_by == 1:
+            return None
+        numel = shape.numel()
+        return numel - self.shared_rows * (numel // shape[0]), numel
 
 
 def set_role(module: nn.Module, name: str, role: ParamRole) -> None:

@@ -97,6 +97,12 @@ class ParallelState(RankPlace):
         if self.cp > 1:
             self.cp_group = self._build("cp")
             self.dp_cp_group = self._build("dp_cp")
+        # Blocks of n consecutive TP ranks (n a proper divisor of TP): the holders of one replicated KV head
+        # (`ModelConfig.kv_replicas`), whose copies' gradients are summed there. n = TP is the TP group.
+        self._tp_blocks = {self.tp: self.tp_group}
+        for n in range(2, self.tp):
+            if self.tp % n == 0:
+                self._tp_blocks[n] = self._build_blocks(n)
         # Expert layers: tokens travel over the EP group, expert gradients are summed over the expert-DP group.
         self.ep_group, self.expert_dp_group = None, self.dp_cp_group
         if self.ep > 1:
@@ -112,6 +118,20 @@ class ParallelState(RankPlace):
                 mine = group
                 setattr(self, f"{kind}_ranks", ranks)
         return mine
+
+    def _build_blocks(self, n: int):
+        """Create every block of `n` consecutive ranks of each TP group; return this rank's."""
+        mine = None
+        for tp_ranks in self.grid.groups("tp"):
+            for i in range(0, self.tp, n):
+                group = dist.new_group(tp_ranks[i : i + n]) if self.world_size > 1 else None
+                if self.rank in tp_ranks[i : i + n]:
+                    mine = group
+        return mine
+
+    def tp_block_group(self, n: int):
+        """The group of this rank's block of `n` consecutive TP ranks (`n` divides TP)."""
+        return self._tp_blocks[n]
 
     @classmethod
     def from_env(cls, config: ParallelConfig, *, backend: str | None = None,

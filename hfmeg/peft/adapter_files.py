@@ -34,6 +34,7 @@ from safetensors.torch import load_file
 
 from ..checkpoint.atomic import atomic_output_dir, save_tensors
 from ..checkpoint.convert import load_model_config
+from ..checkpoint.placement import as_saved
 from ..checkpoint.hub_ids import portable_name
 from ..checkpoint.mp_layout import HF_DIR, MPLayout
 from ..errors import CheckpointError, UnsupportedConfigError
@@ -169,7 +170,7 @@ def check_adapter_shards(iter_dir: Path, cfg: PeftConfig) -> MPLayout:
     tensors and shapes the layout and `cfg` (its `peft.*` settings) imply. Returns the layout."""
     layout = MPLayout.read(iter_dir)
     layout.check_rank_dirs(iter_dir)
-    model_cfg = load_model_config(iter_dir / HF_DIR)
+    model_cfg = as_saved(load_model_config(iter_dir / HF_DIR), layout.model_config)
     for ps, chunks in meta_rank_chunks(model_cfg, layout, cfg):
         rank_dir = iter_dir / layout.rank_dir(ps.tp_rank, ps.pp_rank)
         want = {}

@@ -322,7 +322,7 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
                 shape = cfg.attention_shape(int(i))
                 q, kv = cfg.num_heads * cfg.q_rows_of(int(i)), shape.num_kv_heads * shape.head_dim
                 parts = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)][:1 + shape.kv_parts]
-                out.append(column(L + "attn.qkv", a, parts, shape.num_kv_heads // tp))
+                out.append(column(L + "attn.qkv", a, parts, cfg.local_kv_heads(tp, int(i))))
             else:
                 out += _latent_bases(cfg, a, L + "attn.", chunk.ps.sequence_parallel)
             out.append(_Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1))
@@ -366,12 +366,24 @@ def _linear_attention_bases(cfg, i: int, tp: int) -> list[_Base]:
             _Base(L + "out", [Projection("out_proj", la_prefix + "out_proj", cfg.hidden_size)], False, 1)]
 
 
-def check_model(chunk_cfg, cfg: PeftConfig) -> None:
+def check_model(chunk_cfg, cfg: PeftConfig, tp: int = 1) -> None:
     """Refuse, naming the field, a model LoRA is not built for here (before any weight is read)."""
     names = spec_of(chunk_cfg).peft
     if names is None or not chunk_cfg.gated_mlp:
         raise UnsupportedConfigError(f"peft.method: {cfg.method} is built for LLaMA-family models (fused QKV, "
                                      f"gate/up); this is a {chunk_cfg.model_type} model")
+    # KV heads replicated over TP (models/attention.py): an adapter on the fused QKV would need its K/V factors
+    # replicated and summed like the base's copies, which is not built
+    qkv = {"q_proj", "k_proj", "v_proj", names.fused_bases.get("attn.qkv")}
+    # (each layer's KV heads: Gemma 4's full-attention layers have fewer)
+    kv, field = chunk_cfg.num_kv_heads, "num_key_value_heads"
+    if chunk_cfg.global_attention is not None and chunk_cfg.global_attention.num_kv_heads < kv:
+        kv, field = chunk_cfg.global_attention.num_kv_heads, "num_global_key_value_heads"
+    if chunk_cfg.mla is None and kv < tp and qkv & set(cfg.module_targets(names)):
+        raise UnsupportedConfigError(
+            f"peft.target_modules: LoRA on the attention's q/k/v projections with KV heads replicated over TP "
+            f"({field} {kv} < TP={tp}) is not supported; target the other modules, or use a TP that divides the "
+            "KV heads")
     # peft keeps a module of modules_to_save as its own trained copy: on a tied model that unties the embedding
     # from the head at load, so the adapter would not give the model hfmeg trained (the one tied weight)
     tied = [m for m in ("embed_tokens", "lm_head") if m in cfg.modules_to_save] if chunk_cfg.tie_embeddings else []
@@ -479,7 +491,7 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
 
     Call it after the base weights are loaded and before the data-parallel wrapper and the
     optimizer are built, so they see only the adapters as trainable."""
-    check_model(chunk.cfg, cfg)
+    check_model(chunk.cfg, cfg, chunk.ps.tp)
     for p in chunk.parameters():
         p.requires_grad_(False)
     params = dict(chunk.named_parameters())

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.convert import load_model_config
+from ..checkpoint.placement import as_saved
 from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.mp_layout import HF_DIR, MPLayout
 from ..errors import CheckpointError
@@ -101,6 +102,6 @@ def import_adapter(iter_dir: Path, cfg: PeftConfig, tensors: dict[str, torch.Ten
     `convert_mp_to_hf.py` then exports the adapter (and `--merge`s it) from the shards."""
     iter_dir = Path(iter_dir)
     layout = MPLayout.read(iter_dir)
-    model_cfg = load_model_config(iter_dir / HF_DIR)
+    model_cfg = as_saved(load_model_config(iter_dir / HF_DIR), layout.model_config)
     write_layout_shards(iter_dir, model_cfg, layout, cfg, tensors)
     write_info(iter_dir, cfg, {"path": base, "sha256": base_fingerprint(resolve_hf_source(base))})

@@ -164,7 +164,7 @@ def _norm(cfg: ModelConfig, x: Shape) -> int:
 def _head_norms(cfg: ModelConfig, x: Shape) -> int:
     """The q/k norms' and the value norm's saved bytes (module docstring), beside the fused QKV output they read."""
     b, s, e, d = x.micro_batch, x.seq, x.dtype_bytes, cfg.head_dim
-    nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
+    nh, nkv = cfg.num_heads // x.tp, cfg.local_kv_heads(x.tp)
     total = 0
     if cfg.qk_norm:
         q_is_view = _q_is_view(cfg, nh, nkv)
@@ -187,7 +187,7 @@ def explicit_scores(cfg: ModelConfig) -> bool:
 def _explicit_core(cfg: ModelConfig, x: Shape) -> int:
     """The explicit attention's saved bytes (the CPU path of soft-capped scores or sinks: module docstring)."""
     b, s, keys, e, d = x.micro_batch, x.seq, x.seq_len, x.dtype_bytes, cfg.head_dim
-    nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
+    nh, nkv = cfg.num_heads // x.tp, cfg.local_kv_heads(x.tp)
     qkv = e * s * b * (nh + 2 * nkv) * d if cfg.qk_norm else 0  # the q/k norms' inputs are views of it
     rows = e * b * nh * d * (2 * s + 2 * keys)  # rotated Q, the repeated K and V, the output projection's input
     tanh = e if cfg.attn_softcap is not None else 0
@@ -258,7 +258,7 @@ def _attention_core(cfg: ModelConfig, x: Shape, layer: int) -> int:
     if x.dense_mask and explicit_scores(cfg):
         return _explicit_core(cfg, x) + _head_norms(cfg, x)
     sb, e, d = x.seq * x.micro_batch, x.dtype_bytes, cfg.head_dim
-    nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
+    nh, nkv = cfg.num_heads // x.tp, cfg.local_kv_heads(x.tp)
     q_is_view = _q_is_view(cfg, nh, nkv)
     # flex's sinks (CUDA): the rescaling's fp32 factor per query and head, and its cast below fp32
     sunk = (4 + (e if e != 4 else 0)) * x.micro_batch * nh * x.seq if cfg.attn_sinks else 0
@@ -326,7 +326,7 @@ def layer_bytes(cfg: ModelConfig, x: Shape, layer: int = 0) -> int:
     elif cfg.is_linear(layer):
         attention = column_input + _linear_attention(cfg, x)
     elif x.recompute == "selective":
-        nh, nkv = cfg.num_heads // x.tp, cfg.num_kv_heads // x.tp
+        nh, nkv = cfg.num_heads // x.tp, cfg.local_kv_heads(x.tp)
         attention = column_input + e * sb * (nh * cfg.q_rows // cfg.head_dim + nh + 2 * nkv) * cfg.head_dim
     else:
         attention = column_input + _attention_core(cfg, x, layer)

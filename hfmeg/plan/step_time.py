@@ -244,7 +244,7 @@ class _Stage:
         """(forward compute, backward compute, TP communication, EP all-to-all) of decoder layer `layer`."""
         c, t, x = self.cfg, self.lay.tp, self.shape
         tok, h, d = x.micro_batch * x.seq, c.hidden_size, c.head_dim
-        nh, nkv = c.num_heads // t, c.num_kv_heads // t
+        nh, nkv = c.num_heads // t, c.local_kv_heads(t)
         mlp, mlp_collectives, a2a = self._mlp(layer)
         if c.mla is not None:
             attention_mm, attention_comm, kv_width = self._latent_attention()

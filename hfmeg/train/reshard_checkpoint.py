@@ -36,6 +36,7 @@ from safetensors import safe_open
 
 from ..checkpoint.atomic import atomic_output_dir, save_tensors
 from ..checkpoint.convert import config_errors_name, load_model_config, write_mp_checkpoint, write_mp_shards
+from ..checkpoint.placement import as_saved
 from ..checkpoint.mp_layout import (
     HF_DIR,
     RANK_FILE,
@@ -175,7 +176,7 @@ def reshard_adapters(mp: str | Path, out: str | Path, *, tp: int, pp: int, vpp: 
         raise CheckpointError(f"{folder}: not a training checkpoint (no {STATE_FILE})")
     cfg, _ = read_info(folder)
     old = check_adapter_shards(folder, cfg)
-    model_cfg = load_model_config(folder / HF_DIR)
+    model_cfg = as_saved(load_model_config(folder / HF_DIR), old.model_config)
     with config_errors_name(folder / HF_DIR):
         layout = MPLayout.build(model_cfg, tp=tp, pp=pp, vpp=vpp, pp_layers=pp_layers,
                                 vocab_multiple=old.vocab_multiple, dtype=old.dtype, iteration=old.iteration)
