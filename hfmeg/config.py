@@ -69,6 +69,12 @@ class MoEConfig:
     expert_bias: bool = False
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    # Gemma 4's block (`enable_moe_block`): the router reads the layer's residual stream RMS-normalised with no weight,
+    # times a learned per-channel `scale` and hidden^-0.5, and each chosen expert's renormalised weight is times its
+    # learned `per_expert_scale` (`router_scales`); the experts read their own norm of the residual stream and run
+    # beside the layer's dense MLP, the two outputs each normed and summed (`beside_dense`, `models/decoder.py`).
+    router_scales: bool = False
+    beside_dense: bool = False
 
 
 @dataclass
@@ -121,6 +127,22 @@ class LinearAttentionConfig:
         """The row counts of the fused input projection `[q; k; v; z; b; a]` (each split over TP by heads)."""
         key, value = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         return key, key, value, value, self.value_heads, self.value_heads
+
+
+@dataclass
+class AttentionShape:
+    """One layer's attention shape where it is not the model's (`ModelConfig.global_attention`): its KV heads, its
+    head size, and whether its values are its keys (`values_from_keys`: Gemma 4's `attention_k_eq_v`, no v_proj;
+    the values are the raw key projection, before the key norm and RoPE)."""
+
+    num_kv_heads: int
+    head_dim: int
+    values_from_keys: bool = False
+
+    @property
+    def kv_parts(self) -> int:
+        """The key/value blocks of each KV group in the fused QKV weight: k and v, or k alone."""
+        return 1 if self.values_from_keys else 2
 
 
 @dataclass
@@ -177,6 +199,9 @@ class ModelConfig:
     # values are RMS-normalised over each head with no weight, as the q/k norms are with theirs.
     norm_fp32_scale: bool = False
     v_norm: bool = False
+    # Gemma 4: each layer's output times its `layer_scalar` (one value a layer, held and saved by transformers as a
+    # buffer: loaded and exported as a frozen parameter, never trained).
+    layer_scalar: bool = False
     # gpt-oss: a learned logit per query head joins each query's softmax normaliser (an attention sink) and takes
     # no value: softmax over [scores, sink], the sink's column dropped.
     attn_sinks: bool = False
@@ -188,6 +213,10 @@ class ModelConfig:
     query_scale_beta: float | None = None
     query_scale_period: int | None = None
     linear_attention: LinearAttentionConfig | None = None
+    # Gemma 4: the full-attention layers' (those without a window, as `rope_key` reads them) own shape, transformers' per-layer
+    # `head_dim`/`num_key_value_heads` overrides (`global_head_dim`, `num_global_key_value_heads`) and
+    # `attention_k_eq_v`; None: every layer has the model's (`attention_shape`).
+    global_attention: AttentionShape | None = None
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # DeepSeek's latent attention instead of the fused-QKV one
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
@@ -197,21 +226,33 @@ class ModelConfig:
         step = multiple * tp
         return int(math.ceil(self.vocab_size / step) * step)
 
+    def attention_shape(self, layer: int | None) -> AttentionShape:
+        """Layer `layer`'s KV heads, head size and value source (None: the model's, as every layer but Gemma 4's
+        full-attention ones has it)."""
+        if self.global_attention is not None and layer is not None and self.window(layer) is None:
+            return self.global_attention
+        return AttentionShape(self.num_kv_heads, self.head_dim)
+
     def attn_scale(self, layer: int) -> float:
         if self.mla is not None:
             return self.mla.softmax_scale
         if self.query_pre_attn_scalar is not None:
             return self.query_pre_attn_scalar ** -0.5  # as transformers' Gemma computes it
-        scale = 1.0 / math.sqrt(self.head_dim) if self.attn_scale_weights else 1.0
+        d = self.attention_shape(layer).head_dim
+        scale = 1.0 / math.sqrt(d) if self.attn_scale_weights else 1.0
         return scale / (layer + 1) if self.attn_scale_inverse_layer else scale
 
     @property
     def rotary_dim(self) -> int:
         """The dims of each head RoPE rotates (transformers' `int(head_dim * partial_rotary_factor)`; MLA: its
         rotated part)."""
+        return self.rotary_dim_of(None)
+
+    def rotary_dim_of(self, layer: int | None) -> int:
+        """`rotary_dim` of layer `layer`'s heads (Gemma 4's full-attention heads are wider: `attention_shape`)."""
         if self.mla is not None:
             return self.mla.qk_rope_head_dim
-        return int(self.head_dim * self.partial_rotary_factor)
+        return int(self.attention_shape(layer).head_dim * self.partial_rotary_factor)
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None where it attends over the whole causal past."""
@@ -229,7 +270,11 @@ class ModelConfig:
     @property
     def q_rows(self) -> int:
         """Rows per query head in the fused QKV weight: the head, and its output gate where there is one."""
-        return self.head_dim * (2 if self.attn_output_gate else 1)
+        return self.q_rows_of(None)
+
+    def q_rows_of(self, layer: int | None) -> int:
+        """`q_rows` of layer `layer` (its head size: `attention_shape`)."""
+        return self.attention_shape(layer).head_dim * (2 if self.attn_output_gate else 1)
 
     def is_linear(self, layer: int) -> bool:
         """Whether layer `layer` is a Gated DeltaNet layer rather than attention."""
@@ -239,16 +284,17 @@ class ModelConfig:
         """Whether layer `layer`'s MLP is the mixture-of-experts block."""
         return self.moe is not None and layer in self.moe.sparse_layers
 
-    def kv_replicas(self, tp: int) -> int:
-        """How many TP ranks hold each KV head: 1 when TP divides the KV heads, else TP / KV heads.
+    def kv_replicas(self, tp: int, layer: int | None = None) -> int:
+        """How many TP ranks hold each KV head of layer `layer` (None: the model's shape): 1 when TP divides its
+        KV heads, else TP / KV heads (`attention_shape`: Gemma 4's full-attention layers have fewer).
 
         With fewer KV heads than TP ranks each rank keeps a full copy of the one KV head its query
         heads use (as Megatron-Core does for fewer query groups than ranks): `models/attention.py`."""
-        return max(1, tp // self.num_kv_heads)
+        return max(1, tp // self.attention_shape(layer).num_kv_heads)
 
-    def local_kv_heads(self, tp: int) -> int:
-        """The KV heads one TP rank computes (copies included)."""
-        return max(1, self.num_kv_heads // tp)
+    def local_kv_heads(self, tp: int, layer: int | None = None) -> int:
+        """The KV heads one TP rank computes in layer `layer` (copies included)."""
+        return max(1, self.attention_shape(layer).num_kv_heads // tp)
 
     @property
     def adds_aux_loss(self) -> bool:
@@ -258,18 +304,23 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count of the unpadded model, every expert included (for MFU and reports; biases left out)."""
         h, v = self.hidden_size, self.vocab_size
-        qkv = h * (self.num_heads * self.q_rows + 2 * self.num_kv_heads * self.head_dim)
-        qk = (self.num_heads + self.num_kv_heads) * self.head_dim if self.qk_norm_whole else 2 * self.head_dim
-        attn = qkv + self.num_heads * self.head_dim * h + (qk if self.qk_norm else 0)
-        if self.mla is not None:
-            attn = self.mla.num_params(h, self.num_heads)
+
+        def attention(layer: int) -> int:
+            if self.mla is not None:
+                return self.mla.num_params(h, self.num_heads)
+            a = self.attention_shape(layer)
+            qkv = h * (self.num_heads * self.q_rows_of(layer) + a.kv_parts * a.num_kv_heads * a.head_dim)
+            qk = (self.num_heads + a.num_kv_heads) * a.head_dim if self.qk_norm_whole else 2 * a.head_dim
+            return qkv + self.num_heads * a.head_dim * h + (qk if self.qk_norm else 0)
         dense = (3 if self.gated_mlp else 2) * h * self.ffn_size
         norms = (2 * self.pre_norms + 2 * self.sandwich_norms) * h * (2 if self.norm == "layer" else 1)
         n_sparse = len(self.moe.sparse_layers) if self.moe else 0
-        total = self.num_layers * norms + (self.num_layers - n_sparse) * dense
+        beside = self.moe is not None and self.moe.beside_dense  # Gemma 4: dense MLP, 3 norms, 2 scales more
+        norms += self.layer_scalar  # Gemma 4's one frozen value a layer
+        total = self.num_layers * norms + (self.num_layers if beside else self.num_layers - n_sparse) * dense
         la = self.linear_attention
         n_linear = len(la.layers) if la else 0
-        total += (self.num_layers - n_linear) * attn
+        total += sum(attention(i) for i in range(self.num_layers) if not self.is_linear(i))
         if la:  # in_proj, the convolution, A_log and dt_bias, the gated norm, out_proj
             total += n_linear * (h * sum(la.in_pieces()) + la.conv_channels * la.conv_kernel + 2 * la.value_heads
                                  + la.value_dim + la.value_heads * la.value_dim * h)
@@ -277,6 +328,7 @@ class ModelConfig:
             m = self.moe
             shared = 3 * h * m.shared_expert_ffn_size + h * m.shared_expert_gate if m.shared_expert_ffn_size else 0
             total += n_sparse * (m.num_experts * h + m.num_experts * 3 * h * m.expert_ffn_size + shared)
+            total += n_sparse * (4 * h + m.num_experts) if beside else 0
         emb = v * h * (1 if self.tie_embeddings else 2)
         pos = self.max_positions * h if self.positions == "learned" else 0
         return total + emb + pos + h
@@ -287,7 +339,8 @@ class ModelConfig:
         # pad_token_id changes no tensor and no forward (only which embedding row trains): not layout.
         later = {f.name: f.default for f in fields(self) if f.name in LATER_FIELDS}
         out = {k: v for k, v in self.__dict__.items()
-               if k not in later and k not in ("hf_config", "pad_token_id", "moe", "mla", "linear_attention")}
+               if k not in later and k not in ("hf_config", "pad_token_id", "moe", "mla", "linear_attention",
+                                               "global_attention")}
         for k, default in later.items():
             v = getattr(self, k)
             if v != default:
@@ -301,6 +354,8 @@ class ModelConfig:
                                        for k, v in asdict(self.linear_attention).items()}
         if self.mla is not None:
             out["mla"] = asdict(self.mla)
+        if self.global_attention is not None:
+            out["global_attention"] = asdict(self.global_attention)
         return out
 
 
@@ -308,10 +363,11 @@ class ModelConfig:
 LATER_FIELDS = ("qk_norm", "nope_layers", "partial_rotary_factor", "full_attention_layers", "norm_offset",
                 "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
                 "rope_per_layer_type", "qk_norm_whole", "pre_norms", "norm_fp32_scale", "v_norm", "attn_sinks",
-                "attn_output_gate", "query_scale_beta", "query_scale_period")
+                "attn_output_gate", "layer_scalar", "query_scale_beta", "query_scale_period")
 # MoEConfig fields added after the MoE families' first layout JSON: written only when set (ModelConfig.to_dict).
 MOE_LATER_FIELDS = ("router_bias", "expert_bias", "swiglu_alpha", "swiglu_limit", "scoring", "n_group", "topk_group",
-                    "routed_scaling_factor", "score_correction_bias", "shared_expert_gate")
+                    "routed_scaling_factor", "score_correction_bias", "shared_expert_gate", "router_scales",
+                    "beside_dense")
 
 
 def load_hf_config(path: str | Path) -> PretrainedConfig:
@@ -382,17 +438,21 @@ def rope_check(hf: PretrainedConfig, *, partial: bool = False) -> float:
 def check_tp(cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False) -> None:
     """Raise if `cfg` cannot be split `tp` ways (heads, KV heads, FFN)."""
     require(cfg.num_heads % tp == 0, "num_attention_heads", f"{cfg.num_heads} is not divisible by TP={tp}")
-    kv = cfg.num_kv_heads
-    require(kv % tp == 0 or tp % kv == 0, "num_key_value_heads",
-            f"{kv} is not divisible by TP={tp}, nor TP by it (fewer KV heads than TP ranks are replicated, "
-            "which needs TP to be a multiple of them)")
-    require(kv % tp == 0 or not cfg.qk_norm_whole, "num_key_value_heads",
-            f"{kv} is fewer than TP={tp}: replicated KV heads with a key norm over all of a token's heads "
-            "(OLMo 2's qk norm) are not supported")
+    kv_fields = [(cfg.num_kv_heads, "num_key_value_heads")]
+    if cfg.global_attention is not None:  # Gemma 4's full-attention layers: their own (fewer) KV heads
+        kv_fields.append((cfg.global_attention.num_kv_heads, "num_global_key_value_heads"))
+    for kv, name in kv_fields:
+        require(kv % tp == 0 or tp % kv == 0, name,
+                f"{kv} is not divisible by TP={tp}, nor TP by it (fewer KV heads than TP ranks are replicated, "
+                "which needs TP to be a multiple of them)")
+        require(kv % tp == 0 or not cfg.qk_norm_whole, name,
+                f"{kv} is fewer than TP={tp}: replicated KV heads with a key norm over all of a token's heads "
+                "(OLMo 2's qk norm) are not supported")
     if cfg.linear_attention is not None:  # each TP rank holds whole key heads and the value heads they serve
         require(cfg.linear_attention.key_heads % tp == 0, "linear_num_key_heads",
                 f"{cfg.linear_attention.key_heads} is not divisible by TP={tp}")
-    if any(not cfg.is_sparse(i) for i in range(cfg.num_layers)):  # experts are not TP-split (models/moe.py)
+    beside = cfg.moe is not None and cfg.moe.beside_dense  # Gemma 4: a dense MLP in every layer
+    if beside or any(not cfg.is_sparse(i) for i in range(cfg.num_layers)):  # experts are not TP-split (models/moe.py)
         require(cfg.ffn_size % tp == 0, "intermediate_size", f"{cfg.ffn_size} is not divisible by TP={tp}")
 
 

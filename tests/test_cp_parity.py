@@ -102,6 +102,8 @@ def _hf_grads(chunk, ps) -> dict[str, torch.Tensor]:
     grads = stored_tensors(chunk, lambda p: p.grad)
     out = {}
     for rule in chunk_rules(chunk.cfg, chunk.layer_ids, chunk.pre_process, chunk.post_process, chunk.experts):
+        if grads[rule.local] is None:  # a frozen tensor (Gemma 4's layer_scalar)
+            continue
         for name, g in to_hf(rule, _gather(grads[rule.local], ps.tp_group, ps.tp), chunk.cfg).items():
             out[name if rule.expert is None else f"{name}[{rule.expert}]"] = g
     return out
@@ -151,7 +153,8 @@ def _one_layout(folder, lay: Layout, mb: MicroBatch, ntok: int, ref_logits, ref_
     grads = {}
     for chunk in chunks:
         for p in chunk.parameters():  # partial sums over tokens, as DP replicas' are
-            dist.all_reduce(p.grad, group=ps.cp_group)
+            if p.requires_grad:
+                dist.all_reduce(p.grad, group=ps.cp_group)
         for _, p, role in named_roles(chunk):  # tied embeddings with PP: the stages' copies sum (roles.py)
             if role.tied and ps.pp > 1:
                 dist.all_reduce(p.grad, group=ps.embedding_group)

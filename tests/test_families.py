@@ -201,33 +201,26 @@ def _train(cfg):
     return Trainer(cfg).run().hf_folder
 
 
-@pytest.mark.parametrize("field, value", [("hidden_size_per_layer_input", 4), ("num_kv_shared_layers", 1),
-                                          ("attention_k_eq_v", True), ("enable_moe_block", True)])
+@pytest.mark.parametrize("field, value", [("hidden_size_per_layer_input", 4), ("num_kv_shared_layers", 1)])
 def test_gemma4_features_not_built_are_refused_naming_the_field(field, value):
     with pytest.raises(UnsupportedConfigError, match=rf"^config.json field {field}: {value!r}: .* are not supported for "
                                                      r"gemma4_text \(use 0, false or null\)$"):
         model_config_from_hf(tiny_config("gemma4", **{field: value}))
 
 
-def test_gemma4_per_layer_attention_shapes_and_proportional_rope_are_refused():
+def test_gemma4_per_layer_shapes_off_the_full_layers_are_refused():
+    """The full layers' own shape is built (tests/test_gemma4_releases.py); an override elsewhere is refused."""
     base = {k: v for k, v in tiny_config("gemma4").to_dict().items() if k != "per_layer_config"}
-    wider = type(tiny_config("gemma4"))(**{**base, "global_head_dim": 16})
-    with pytest.raises(UnsupportedConfigError, match=r"^config.json field per_layer_config: layers \[1\] override "
-                                                     r"\['head_dim'\]: per-layer attention shapes are not supported"):
-        model_config_from_hf(wider)
-    proportional = {**base["rope_parameters"], "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
-                                                                  "partial_rotary_factor": 0.25}}
-    with pytest.raises(UnsupportedConfigError, match=r"^config.json field rope_parameters.full_attention.rope_type: "
-                                                     r"'proportional' is not supported"):
-        model_config_from_hf(tiny_config("gemma4", rope_parameters=proportional))
+    sliding = type(tiny_config("gemma4"))(**{**base, "per_layer_config": {0: {"head_dim": 16}}})
+    with pytest.raises(UnsupportedConfigError, match=r"^config.json field per_layer_config: layers \[0\] override the "
+                                                     r"attention shape but are not full_attention layers"):
+        model_config_from_hf(sliding)
 
 
 def test_gemma4_refusals_at_conversion_and_start_up(tmp_path, capsys):
-    """A config field (KV sharing) and a layer_scalar other than 1: the loader raises, the converter says one line and
-    exits 2 with no output."""
+    """A config field hfmeg does not build (KV sharing): the loader raises, the converter says one line and exits 2
+    with no output."""
     import json
-
-    from safetensors.torch import load_file, save_file
 
     from tool_loader import load_tool
 
@@ -241,17 +234,4 @@ def test_gemma4_refusals_at_conversion_and_start_up(tmp_path, capsys):
                                              "--pp", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "config.json field num_kv_shared_layers: 1" in err[0], err
-    assert not (tmp_path / "mp").exists()
-    (folder / "config.json").write_text(json.dumps(config))
-    weights = load_file(str(folder / "model.safetensors"))
-    weights["model.layers.1.layer_scalar"] = torch.tensor([0.5])
-    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    line = r"tensor model.layers.1.layer_scalar is \[0.5\]: gemma4_text is supported only where it is 1.0$"
-    with pytest.raises(UnsupportedConfigError, match=line):
-        load_chunks(HFCheckpoint(folder), make_ps(world=1))
-    capsys.readouterr()
-    rc = load_tool("convert_hf_to_mp").main(["--hf", str(folder), "--out", str(tmp_path / "mp"), "--tp", "1",
-                                                   "--pp", "1"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "model.layers.1.layer_scalar is [0.5]" in err[0]
     assert not (tmp_path / "mp").exists()

@@ -53,6 +53,8 @@ def _layout(folder, ids, ps, dtype=torch.float32):
     params = dict(chunk.named_parameters())
     grads = {}
     for rule in chunk_rules(chunk.cfg, chunk.layer_ids, True, True):
+        if not params[rule.local].requires_grad:  # frozen, as transformers' buffer (Gemma 4's layer_scalar)
+            continue
         for name, g in to_hf(rule, gather_tp(params[rule.local].grad, ps), chunk.cfg).items():
             grads[name] = g.double()
     return logits.detach().double(), loss.item(), grads

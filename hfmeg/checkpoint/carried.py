@@ -1,7 +1,8 @@
 """Carried tensors: the HF tensors a checkpoint holds that hfmeg does not train, kept byte for byte.
 
-They are a multimodal wrapper's other tensors (vision tower, projector, ...: `families/wrappers.py`) and a family's
-fixed tensors (`FamilySpec.fixed`, checked on reading). Whatever folder a checkpoint's side files are copied from
+They are a multimodal wrapper's other tensors (vision tower, projector, ...: `families/wrappers.py`) and those a
+family's checkpoints hold that transformers does not compute with either (`FamilySpec.carried`: DeepSeek-V3's MTP
+layers). Whatever folder a checkpoint's side files are copied from
 (`mp_layout.copy_hf_side_files`), the carried tensors go with them into `hf/carried.safetensors`: taken from an HF
 model folder's weights, or copied from an MP folder's `hf/`; the file's metadata records the wrapper's naming of the
 text tensors. The export (`hf_writer.py`) writes them beside the trained text tensors, in their own dtype, and the

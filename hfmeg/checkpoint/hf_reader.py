@@ -7,8 +7,7 @@ memory-mapped so they stay lazy too.
 
 A multimodal wrapper's checkpoint (`families/wrappers.py`) is read as its language model: its text tensors under the
 text model's own names (`model.layers.…`, `lm_head.…`), so the family's rules apply unchanged; its other tensors
-(`carried`), and the family's fixed tensors (`FamilySpec.fixed`, each checked to hold its value), travel verbatim
-(`checkpoint/carried.py`).
+(`carried`), and those the family carries (`FamilySpec.carried`), travel verbatim (`checkpoint/carried.py`).
 
 A quantized release (`quantization_config`: gpt-oss's MXFP4 experts, DeepSeek-V3's and Qwen3-FP8's block-scaled
 FP8) is read as the float model it encodes: `quantized.py` pairs each quantized tensor with its scales and
@@ -93,14 +92,7 @@ class HFCheckpoint:
             family = family_of(meta.get("model_type"))
         except UnsupportedConfigError:
             return  # refused with its config line by whoever normalises the config
-        fixed = family.fixed
         self.carried += [self._stored[n] for n in self._stored if family.carried(n, meta)]
-        for name in [n for n in self._stored if fixed(n) is not None]:
-            value = self.get(name)
-            if not bool((value == fixed(name)).all()):
-                raise UnsupportedConfigError(f"{self.folder}: tensor {self._stored[name]} is {value.tolist()}: "
-                                             f"{meta['model_type']} is supported only where it is {fixed(name)}")
-            self.carried.append(self._stored[name])
 
     def _dequantized(self, top: dict, meta: dict) -> None:
         """Read a quantized release's tensors dequantized, under the float tensors' names (`quantized.py`)."""

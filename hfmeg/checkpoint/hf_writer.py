@@ -12,7 +12,7 @@ merge overlaps this write) and dropped.
 are set to what was written, and a `quantization_config` is dropped: hfmeg reads a quantized release dequantized
 (`quantized.py`) and writes float tensors back, so the export is the dequantized model. Tokenizer and generation config files are copied
 verbatim. A multimodal wrapper's text tensors get the names they were read with, and the
-carried tensors (`carried.py`: the wrapper's other towers, a family's fixed tensors) are
+carried tensors (`carried.py`: the wrapper's other towers, a family's untrained extras) are
 written after them as stored, in their own dtype.
 """
 

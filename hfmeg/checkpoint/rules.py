@@ -16,9 +16,11 @@ Split kinds:
   then split dim 0 so each rank owns whole groups (and GQA needs no communication).
   From three HF tensors, or from one HF tensor of `[q; k; v]` rows (GPT-2's `c_attn`,
   Phi-3's `qkv_proj`), cut by their sizes (q: heads x d rows, k and v: kv heads x d each).
-  With fewer KV heads than TP ranks, the `n = TP / KV` ranks of group g each hold
-  `[their n-th of group g's q rows; k_g; v_g]` (copies of k_g, v_g); back to HF, the q rows are
-  concatenated and k_g, v_g are taken from the group's first rank.
+  The KV heads and d are the rule's layer's (`ModelConfig.attention_shape(rule.layer)`); a layer whose values
+  are its keys (Gemma 4's `attention_k_eq_v`) fuses two, `[q heads of g; k_g]`.
+  With fewer KV heads than TP ranks (counted per layer), the `n = TP / KV` ranks of group g each hold
+  `[their n-th of group g's q rows; k_g; v_g]` (or `[...; k_g]`; copies of k_g, v_g); back to HF, the q rows
+  are concatenated and k_g, v_g are taken from the group's first rank.
 - `gate_up`: gate and up each split dim 0, then `[gate_r; up_r]` on rank r; from two HF
   tensors, or from one of `[gate; up]` rows (Phi-3's `gate_up_proj`), cut in halves.
 - `vocab`: rows padded with zeros to the padded vocabulary, then split dim 0.
@@ -65,8 +67,10 @@ from ..families.spec import TensorRule
 
 
 def with_expert_layout(cfg: ModelConfig, names) -> ModelConfig:
-    """`cfg` with `moe.fused_experts` read off the HF tensor names `names` (anything supporting `in`)."""
-    if cfg.moe is None or not cfg.moe.sparse_layers:
+    """`cfg` with `moe.fused_experts` read off the HF tensor names `names` (anything supporting `in`), for a family
+    whose checkpoints may hold either layout (one naming its per-expert tensors: `FamilySpec.experts`); the others'
+    (gpt-oss, Gemma 4) hold theirs stacked only, as their readers set."""
+    if cfg.moe is None or not cfg.moe.sparse_layers or spec_of(cfg).experts is None:
         return cfg
     return with_fused_experts(cfg, stacked_expert_names(cfg.moe.sparse_layers[0])[0] in names)
 
@@ -103,51 +107,48 @@ def chunk_rules(cfg: ModelConfig, layers: Iterable[int], pre_process: bool, post
     return rules
 
 
-def _qkv_fuse(cfg: ModelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    g, d = cfg.num_kv_heads, cfg.head_dim
-    rest = q.shape[1:]
-    q = q.reshape(g, (cfg.num_heads // g) * cfg.q_rows, *rest)
-    k = k.reshape(g, d, *rest)
-    v = v.reshape(g, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+def _qkv_fuse(cfg: ModelConfig, layer: int | None, parts: list[torch.Tensor]) -> torch.Tensor:
+    """`[q heads of g; k_g; v_g]` (or `[q heads of g; k_g]`) for each KV group g, from the HF q, k (, v)."""
+    g = cfg.attention_shape(layer).num_kv_heads
+    rest = parts[0].shape[1:]
+    return torch.cat([p.reshape(g, -1, *rest) for p in parts], dim=1).reshape(-1, *rest)
 
 
-def _qkv_sizes(cfg: ModelConfig) -> list[int]:
-    return [cfg.num_heads * cfg.q_rows, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+def _qkv_sizes(cfg: ModelConfig, layer: int | None) -> list[int]:
+    """The rows of the HF q, k (, v) projections of layer `layer`."""
+    a = cfg.attention_shape(layer)
+    return [cfg.num_heads * cfg.q_rows_of(layer)] + [a.num_kv_heads * a.head_dim] * a.kv_parts
 
 
-def _qkv_unfuse(cfg: ModelConfig, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    g, d = cfg.num_kv_heads, cfg.head_dim
-    rep = cfg.num_heads // g
+def _qkv_unfuse(cfg: ModelConfig, layer: int | None, fused: torch.Tensor) -> list[torch.Tensor]:
+    g = cfg.attention_shape(layer).num_kv_heads
     rest = fused.shape[1:]
-    qr = rep * cfg.q_rows
-    f = fused.reshape(g, qr + 2 * d, *rest)
-    q = f[:, :qr].reshape(-1, *rest)
-    k = f[:, qr : qr + d].reshape(-1, *rest)
-    v = f[:, qr + d :].reshape(-1, *rest)
-    return q, k, v
+    per_group = [size // g for size in _qkv_sizes(cfg, layer)]
+    return [p.reshape(-1, *rest) for p in fused.reshape(g, sum(per_group), *rest).split(per_group, dim=1)]
 
 
-def _qkv_local(cfg: ModelConfig, fused: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
-    """TP rank `tp_rank`'s rows of the fused QKV (whole groups; or, with replicated KV heads, its share of
-    its group's q rows and the group's k and v)."""
-    n = cfg.kv_replicas(tp)
+def _qkv_local(cfg: ModelConfig, layer: int | None, fused: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s rows of layer `layer`'s fused QKV (whole groups; or, with replicated KV heads, its
+    share of its group's q rows and the group's k and v, or k alone where the values are the keys)."""
+    n = cfg.kv_replicas(tp, layer)
     if n == 1:
         return fused.chunk(tp, dim=0)[tp_rank]
-    block = fused.chunk(cfg.num_kv_heads, dim=0)[tp_rank // n]  # [q_g; k_g; v_g]
-    kv = 2 * cfg.head_dim
+    a = cfg.attention_shape(layer)
+    block = fused.chunk(a.num_kv_heads, dim=0)[tp_rank // n]  # [q_g; k_g; v_g]
+    kv = a.kv_parts * a.head_dim
     q, kv = block.split([block.shape[0] - kv, kv], dim=0)
     return torch.cat([q.chunk(n, dim=0)[tp_rank % n], kv], dim=0)
 
 
-def _qkv_whole(cfg: ModelConfig, shards: list[torch.Tensor]) -> torch.Tensor:
+def _qkv_whole(cfg: ModelConfig, layer: int | None, shards: list[torch.Tensor]) -> torch.Tensor:
     """`_qkv_local`'s inverse: the fused QKV from every TP rank's rows (copies read from their first holder)."""
-    n = cfg.kv_replicas(len(shards))
+    n = cfg.kv_replicas(len(shards), layer)
     if n == 1:
         return torch.cat(shards, dim=0)
-    kv = 2 * cfg.head_dim
+    a = cfg.attention_shape(layer)
+    kv = a.kv_parts * a.head_dim
     blocks = []
-    for g in range(cfg.num_kv_heads):
+    for g in range(a.num_kv_heads):
         holders = shards[g * n : (g + 1) * n]
         blocks += [s[: s.shape[0] - kv] for s in holders] + [holders[0][-kv:]]
     return torch.cat(blocks, dim=0)
@@ -193,8 +194,8 @@ def to_local(
     elif kind == "cols":
         out = hf[0].chunk(tp, dim=1)[tp_rank]
     elif kind == "qkv":
-        q, k, v = hf if len(hf) == 3 else hf[0].split(_qkv_sizes(cfg), dim=0)
-        out = _qkv_local(cfg, _qkv_fuse(cfg, q, k, v), tp, tp_rank)
+        parts = hf if len(hf) > 1 else hf[0].split(_qkv_sizes(cfg, rule.layer), dim=0)
+        out = _qkv_local(cfg, rule.layer, _qkv_fuse(cfg, rule.layer, list(parts)), tp, tp_rank)
     elif kind == "gate_up":
         gate, up = hf if len(hf) == 2 else hf[0].chunk(2, dim=0)
         out = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
@@ -247,8 +248,8 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
     elif kind == "cols":
         outs = [torch.cat(shards, dim=1)]
     elif kind == "qkv":
-        q, k, v = _qkv_unfuse(cfg, _qkv_whole(cfg, shards))
-        outs = [q, k, v] if len(rule.hf) == 3 else [torch.cat([q, k, v], dim=0)]
+        parts = _qkv_unfuse(cfg, rule.layer, _qkv_whole(cfg, rule.layer, shards))
+        outs = parts if len(rule.hf) > 1 else [torch.cat(parts, dim=0)]
     elif kind == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
         outs = [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
@@ -277,9 +278,8 @@ def expected_hf_shape(rule: TensorRule, index: int, cfg: ModelConfig) -> tuple[i
     """The shape `config.json` implies for HF tensor `rule.hf[index]` (for input validation)."""
     if rule.shapes is not None:
         return rule.shapes[index]
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv, f, v = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.ffn_size, cfg.vocab_size
-    q_rows = cfg.num_heads * cfg.q_rows
+    h, f, v = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
+    q = cfg.num_heads * cfg.attention_shape(rule.layer).head_dim
     is_bias = rule.local.endswith(".bias")
     if rule.kind == "vocab":
         return (v, h)
@@ -288,7 +288,8 @@ def expected_hf_shape(rule: TensorRule, index: int, cfg: ModelConfig) -> tuple[i
             return (cfg.max_positions, h)
         return (h,)
     if rule.kind == "qkv":
-        out = (q_rows + 2 * kv,) if len(rule.hf) == 1 else ((q_rows, kv, kv)[index],)
+        sizes = _qkv_sizes(cfg, rule.layer)
+        out = (sum(sizes),) if len(rule.hf) == 1 else (sizes[index],)
     elif rule.kind == "gate_up":
         out = (f if len(rule.hf) == 2 else 2 * f,)
     elif rule.kind == "rows":

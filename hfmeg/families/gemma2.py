@@ -16,11 +16,13 @@ from .llama import decoder_config, layer_types_window, llama_layout
 ACT_FIELD = "hidden_activation"  # what transformers' Gemma MLP reads; published configs also carry hidden_act
 
 
-def gemma_switches(hf: PretrainedConfig, cfg: ModelConfig) -> ModelConfig:
+def gemma_switches(hf: PretrainedConfig, cfg: ModelConfig, causal_on_text: tuple[str, ...] = ()) -> ModelConfig:
     """The Gemma switches on a LLaMA-layout config (read with `act_field=ACT_FIELD`), from the fields Gemma 2 and 3
-    share."""
-    require(not getattr(hf, "use_bidirectional_attention", False), "use_bidirectional_attention",
-            "bidirectional attention is not supported (causal language models only)")
+    share. `causal_on_text`: values of `use_bidirectional_attention` that leave text tokens causal (Gemma 4's
+    'vision': only image tokens see ahead)."""
+    bidirectional = getattr(hf, "use_bidirectional_attention", None)
+    require(not bidirectional or bidirectional in causal_on_text, "use_bidirectional_attention",
+            f"{bidirectional!r}: bidirectional attention is not supported (causal language models only)")
     caps = {}
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         cap = getattr(hf, name, None)

@@ -65,19 +65,21 @@ def layer_types_window(hf: PretrainedConfig) -> Window:
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-def rope_per_layer_type(hf: PretrainedConfig) -> None:
+def rope_per_layer_type(hf: PretrainedConfig, also: tuple[str, ...] = ()) -> None:
     """Refuses `rope_parameters` that are not one built RoPE per layer type (Gemma 3, OLMo 3), or a null window
-    (`ModelConfig.rope_key` picks a layer's RoPE by its window)."""
+    (`ModelConfig.rope_key` picks a layer's RoPE by its window). `also`: RoPE types the family builds besides
+    (Gemma 4's `proportional`, whose `partial_rotary_factor` zeroes frequencies rather than narrowing the table)."""
     params = getattr(hf, "rope_parameters", None) or {}
     require(set(params) == set(LAYER_TYPES), "rope_parameters", f"one entry per layer type ({', '.join(LAYER_TYPES)}) "
             f"expected, got {sorted(params)}")
-    built = tuple(t for t in SUPPORTED_ROPE_TYPES if t != "longrope")  # LongRoPE per layer type: not built
+    built = tuple(t for t in SUPPORTED_ROPE_TYPES if t != "longrope") + also  # LongRoPE per layer type: not built
     for layer_type in LAYER_TYPES:
         p = params[layer_type]
         rope_type = p.get("rope_type", "default")
         require(rope_type in built, f"rope_parameters.{layer_type}.rope_type",
                 f"{rope_type!r} is not supported for {hf.model_type} (supported: {', '.join(built)})")
-        require(p.get("partial_rotary_factor", 1.0) == 1.0, f"rope_parameters.{layer_type}.partial_rotary_factor",
+        require(rope_type in also or p.get("partial_rotary_factor", 1.0) == 1.0,
+                f"rope_parameters.{layer_type}.partial_rotary_factor",
                 f"partial rotary embeddings are not supported for {hf.model_type}")
     require(getattr(hf, "sliding_window", None) is not None, "sliding_window",
             f"null: {hf.model_type}'s sliding layers need a window")
@@ -193,9 +195,11 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Exp
     MoE layer's rules where they are not this layout's (gpt-oss)."""
     p, L = layer_prefix(i), f"layers.{i}."
     a, m = p + "self_attn.", p + "mlp."
+    shape = cfg.attention_shape(i)
+    qkv = ("q_proj", "k_proj", "v_proj")[:1 + shape.kv_parts]  # no v_proj where the values are the keys
     rules = [
-        TensorRule(L + "attn.qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), "qkv"),
-        TensorRule(L + "attn.out.weight", (a + "o_proj.weight",), "cols"),
+        TensorRule(L + "attn.qkv.weight", tuple(f"{a}{n}.weight" for n in qkv), "qkv", layer=i),
+        TensorRule(L + "attn.out.weight", (a + "o_proj.weight",), "cols", layer=i),
     ]
     # With sandwich norms (Gemma, OLMo) HF's post_attention_layernorm is the attention output's norm and the
     # pre-MLP norm is pre_feedforward_layernorm; without them post_attention_layernorm is the pre-MLP norm.
@@ -208,20 +212,22 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Exp
                   TensorRule(L + "mlp_out_norm.weight", (p + "post_feedforward_layernorm.weight",), "replicated")]
     if cfg.qk_norm and cfg.qk_norm_whole:
         # Rows by head: a TP rank's whole KV groups are contiguous q heads and contiguous kv heads.
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, kv = cfg.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
         rules += [TensorRule(L + "attn.q_norm.weight", (a + "q_norm.weight",), "rows", shapes=((q,),)),
                   TensorRule(L + "attn.k_norm.weight", (a + "k_norm.weight",), "rows", shapes=((kv,),))]
     elif cfg.qk_norm:
-        d = (cfg.head_dim,)
+        d = (shape.head_dim,)
         rules += [TensorRule(L + "attn.q_norm.weight", (a + "q_norm.weight",), "replicated", shapes=(d,)),
                   TensorRule(L + "attn.k_norm.weight", (a + "k_norm.weight",), "replicated", shapes=(d,))]
-    if not cfg.is_sparse(i):
+    if not cfg.is_sparse(i) or cfg.moe.beside_dense:  # Gemma 4's dense MLP runs beside its experts
         rules += [
             TensorRule(L + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up"),
             TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols"),
         ]
+    if cfg.layer_scalar:
+        rules.append(TensorRule(L + "layer_scalar", (p + "layer_scalar",), "replicated", shapes=((1,),)))
     if cfg.qkv_bias:
-        rules.append(TensorRule(L + "attn.qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), "qkv"))
+        rules.append(TensorRule(L + "attn.qkv.bias", tuple(f"{a}{n}.bias" for n in qkv), "qkv", layer=i))
     if cfg.out_bias:
         rules.append(TensorRule(L + "attn.out.bias", (a + "o_proj.bias",), "replicated"))
     if cfg.mlp_bias:

@@ -31,6 +31,7 @@ class TensorRule:
     shapes: tuple[tuple[int, ...], ...] | None = None  # HF shapes, where the kind does not imply them
     expert: int | None = None  # the HF tensor stacks all experts on dim 0: this rule is expert `expert`'s slice
     pieces: tuple[int, ...] | None = None  # kind `parts`: the row counts of the pieces split over TP one by one
+    layer: int | None = None  # kinds `qkv` and an attention's `cols`: the decoder layer whose attention shape applies
     # kind `parts`: each HF tensor's rows are laid out by `groups` groups, each holding its share of every piece the
     # tensor holds (Qwen3-Next's `in_proj_qkvz`: per key head, [q; k; v; z] of it); None: piece after piece
     groups: int | None = None
@@ -82,10 +83,6 @@ class FamilySpec:
     position_embedding: str | None = None  # learned positions' HF tensor
     experts: ExpertNames | None = None  # MoE families
     peft: PeftNames | None = None  # None: LoRA is not built for this family
-    # HF tensor name -> the value it must hold, for tensors the family's checkpoints hold that hfmeg does not compute
-    # with, at the value where that changes nothing (Gemma 4's `layer_scalar`: 1); None for every other tensor.
-    # Checked on reading (`checkpoint/hf_reader.py`), kept verbatim on export (`checkpoint/carried.py`).
-    fixed: Callable[[str], float | None] = lambda name: None
     # (HF tensor name, config.json as a dict) -> whether it is a tensor the family's checkpoints hold that transformers
     # does not compute with either (DeepSeek-V3's MTP layers): carried verbatim, unchecked (`checkpoint/carried.py`).
     carried: Callable[[str, dict], bool] = lambda name, config: False

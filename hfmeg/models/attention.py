@@ -25,6 +25,12 @@ query's normaliser once.
 Qwen3.5 (`cfg.attn_output_gate`) gates the attention output elementwise by sigmoid of a second half of each
 query head's rows, `[q_h; gate_h]` (so the gate is split over TP with its head).
 
+Gemma 4's full-attention layers have a shape of their own (`ModelConfig.attention_shape`): wider heads, fewer
+KV heads, and with `attention_k_eq_v` no value projection: the fused weight is `[q heads of g; k_g]` per group and
+the values are the raw keys (before the key norm and RoPE), each then RMS-normalised (`v_norm`). KV replication
+is decided per layer with the layer's own KV heads, so a full-attention layer may replicate where the sliding
+ones do not; keys-as-values replicate as k_g alone (the shared rows are its key rows).
+
 A layer with a sliding window (`cfg.window`) attends under the micro-batch's windowed mask
 (`DocumentMask.sliding`, document_attention.py), the others under its full one.
 
@@ -61,20 +67,23 @@ class ParallelAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ps: ParallelState, layer: int, kernels: Kernels):
         super().__init__()
         self.cfg, self.kernels, self.ps = cfg, kernels, ps
-        self.groups = cfg.local_kv_heads(ps.tp)  # KV groups on this rank
+        shape = self.shape = cfg.attention_shape(layer)
+        self.groups = cfg.local_kv_heads(ps.tp, layer)  # KV groups on this rank
         self.rep = cfg.num_heads // ps.tp // self.groups  # query heads per KV head on this rank
         self.scale = cfg.attn_scale(layer)
         self.rotates = cfg.uses_rope(layer)
         self.window = cfg.window(layer)
-        d = cfg.head_dim
-        replicas = cfg.kv_replicas(ps.tp)
-        qkv_out = cfg.num_heads * cfg.q_rows + 2 * cfg.num_kv_heads * replicas * d  # each holder's copy counted
+        d = self.d = shape.head_dim
+        self.q_rows = cfg.q_rows_of(layer)
+        replicas = cfg.kv_replicas(ps.tp, layer)
+        kv = shape.kv_parts * d  # a group's key (and value) rows
+        qkv_out = cfg.num_heads * self.q_rows + shape.num_kv_heads * replicas * kv  # each holder's copy counted
         self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias,
-                                        shared_rows=2 * d if replicas > 1 else 0, shared_by=replicas)
+                                        shared_rows=kv if replicas > 1 else 0, shared_by=replicas)
         self.out = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, ps, bias=cfg.out_bias)
         if cfg.qk_norm and cfg.qk_norm_whole:
             self.q_norm = HeadsRMSNorm(cfg.num_heads, d, cfg.norm_eps, ps)
-            self.k_norm = HeadsRMSNorm(cfg.num_kv_heads, d, cfg.norm_eps, ps)
+            self.k_norm = HeadsRMSNorm(shape.num_kv_heads, d, cfg.norm_eps, ps)
         elif cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg, True, kernels)
             self.k_norm = RMSNorm(d, cfg, True, kernels)
@@ -96,12 +105,13 @@ class ParallelAttention(nn.Module):
 
     def _core(self, qkv: torch.Tensor, rope, docs: DocumentMask | None) -> torch.Tensor:
         s, b = qkv.shape[:2]
-        d = self.cfg.head_dim
-        per_q = self.cfg.q_rows // d  # 2 with an output gate: each query head's rows are [q_h; gate_h]
-        qkv = qkv.view(s, b, self.groups, self.rep * per_q + 2, d).permute(1, 2, 3, 0, 4)  # [b, g, rep+2, s, d]
+        d, kv_parts = self.d, self.shape.kv_parts
+        per_q = self.q_rows // d  # 2 with an output gate: each query head's rows are [q_h; gate_h]
+        qkv = qkv.view(s, b, self.groups, self.rep * per_q + kv_parts, d).permute(1, 2, 3, 0, 4)  # [b, g, rep+2, s, d]
         # One split, not three slices: a slice's backward zero-fills a gradient the size of the whole QKV
         # output and copies its part in; split's backward concatenates the three parts once.
-        q, k, v = qkv.split([self.rep * per_q, 1, 1], dim=2)
+        q, k, *v = qkv.split([self.rep * per_q] + [1] * kv_parts, dim=2)
+        v = v[0] if v else k  # `values_from_keys`: the raw keys
         gate = None
         if per_q == 2:
             q, gate = q.unflatten(2, (self.rep, 2)).unbind(3)

@@ -13,7 +13,9 @@ losses `[b, s]` when given labels, otherwise its vocab shard of the logits
 Labels are already aligned with inputs: `labels[:, t]` is the target for position
 t (the data pipeline does the shift), and -100 marks tokens without loss.
 
-MoE models (`models/moe.py`) have the MoE block as the MLP of their sparse layers.
+MoE models (`models/moe.py`) have the MoE block as the MLP of their sparse layers; Gemma 4's (`moe.beside_dense`)
+runs beside the layer's dense MLP instead: the MLP reads the pre-MLP norm, the block the residual stream itself,
+and the sum of their outputs, each normed (`dense_out_norm`, `moe_out_norm`), is what the MLP's output norm takes.
 When the config asks for the router's load-balancing loss (`output_router_logits`), that
 loss is a product of means over every MoE layer of the model (`models/load_balancing.py`):
 each chunk adds its layers' router sums to those of the chunks before it
@@ -38,7 +40,7 @@ from ..parallel.expert_dispatch import local_experts
 from ..parallel.layers import VocabParallelEmbedding, VocabParallelHead, vocab_parallel_head
 from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from ..parallel.params_ready import mark_compiled_block
-from ..parallel.roles import ParamRole, set_role
+from ..parallel.roles import ParamRole, add_param, set_role
 from ..parallel.state import ParallelState
 from .attention import ParallelAttention
 from .document_attention import DocumentMask, MaskPlanner, flex_applies
@@ -69,8 +71,18 @@ class DecoderLayer(nn.Module):
         else:
             self.attn = (LatentAttention if cfg.mla is not None else ParallelAttention)(cfg, ps, layer, kernels)
         self.post_attn_norm = pre()  # before the MLP (HF's LLaMA name kept)
-        self.mlp = MoELayer(cfg, ps, kernels) if cfg.is_sparse(layer) else ParallelMLP(cfg, ps, kernels)
+        beside = cfg.is_sparse(layer) and cfg.moe.beside_dense
+        self.mlp = MoELayer(cfg, ps, kernels) if cfg.is_sparse(layer) and not beside else ParallelMLP(cfg, ps, kernels)
+        self.moe = MoELayer(cfg, ps, kernels) if beside else None
+        if beside:
+            self.dense_out_norm = make_norm(cfg, sp, kernels)
+            self.moe_out_norm = make_norm(cfg, sp, kernels)
         self.sandwich = cfg.sandwich_norms
+        if cfg.layer_scalar:  # Gemma 4: the layer's output times a value it loads and never trains (a buffer in HF)
+            add_param(self, "layer_scalar", 1, role=ParamRole("bias"))
+            self.layer_scalar.requires_grad_(False)
+        else:
+            self.layer_scalar = None
         if self.sandwich:  # Gemma: the attention's and the MLP's outputs are normed before the residual add
             self.attn_out_norm = make_norm(cfg, sp, kernels)
             self.mlp_out_norm = make_norm(cfg, sp, kernels)
@@ -79,7 +91,15 @@ class DecoderLayer(nn.Module):
         a = self.attn(self.input_norm(x), rope, docs, recompute_core=selective)
         x = x + (self.attn_out_norm(a) if self.sandwich else a)
         m = self.mlp(self.post_attn_norm(x))
-        return x + (self.mlp_out_norm(m) if self.sandwich else m)
+        if self.moe is not None:
+            m = self.dense_out_norm(m) + self.moe_out_norm(self.moe(x))
+        x = x + (self.mlp_out_norm(m) if self.sandwich else m)
+        return x if self.layer_scalar is None else x * self.layer_scalar
+
+    @property
+    def moe_block(self) -> MoELayer | None:
+        """This layer's MoE block, None on a dense layer."""
+        return self.moe if self.moe is not None else (self.mlp if isinstance(self.mlp, MoELayer) else None)
 
 
 class ModelChunk(nn.Module):
@@ -121,8 +141,9 @@ class ModelChunk(nn.Module):
                 # Replicated; not sequence-parallel: `_embed` scatters its output, so each rank's gradient is full.
                 set_role(self.pos_embed, "weight", ParamRole("embedding"))
         # The RoPE tables by `ModelConfig.rope_key` (one set, under None, but for Gemma 3's per layer type).
-        keys = {cfg.rope_key(i) for i in range(cfg.num_layers)} if cfg.positions == "rope" else set()
-        self.ropes = {key: RotaryEmbedding(cfg, key) for key in keys}
+        # Each key's rotated dims are those of its layers' heads (`rotary_dim_of`: one size per key).
+        keys = {cfg.rope_key(i): cfg.rotary_dim_of(i) for i in range(cfg.num_layers)} if cfg.positions == "rope" else {}
+        self.ropes = {key: RotaryEmbedding(cfg, key, dim) for key, dim in keys.items()}
         self.rope = self.ropes.get(None)
         kernels = Kernels(compile_backend)  # norm/RoPE/SwiGLU: eager, or fused by torch.compile
         self.layers = nn.ModuleDict()
@@ -219,7 +240,7 @@ class ModelChunk(nn.Module):
     def router_sums(self, received: torch.Tensor | None) -> torch.Tensor:
         """The router sums of the last forward through this chunk and the chunks before it
         (`received`: theirs, None on the first chunk), differentiable in this chunk's routing."""
-        stats = [layer.mlp.stats for layer in self.layers.values() if isinstance(layer.mlp, MoELayer)]
+        stats = [layer.moe_block.stats for layer in self.layers.values() if layer.moe_block is not None]
         return add_router_sums(received, stats, self.cfg.moe.num_experts, self.ps.device)
 
     def empty_router_sums(self) -> torch.Tensor:

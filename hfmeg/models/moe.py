@@ -14,6 +14,12 @@ Routing, as transformers computes it for these families:
 5. Qwen2-MoE adds a shared expert every token goes through, scaled by
    `sigmoid(shared_expert_gate(x))`; DeepSeek-V3 adds its shared experts (one SwiGLU MLP) ungated.
 
+Gemma 4's block (`MoEConfig.router_scales`, `beside_dense`): the router reads the residual stream x RMS-normalised
+with no weight, times a learned per-channel `router_scale` and hidden^-0.5; its renormalised top-k weights (fp32)
+are times each chosen expert's learned `per_expert_scale`; the experts are GeGLU (the model's activation) and read
+their own norm of x (`expert_norm`, HF's `pre_feedforward_layernorm_2`). The dense MLP beside them is the decoder
+layer's (`models/decoder.py`).
+
 DeepSeek-V3 routes by sigmoid scores over expert groups with a correction bias instead of steps 2-3
 (`models/routing.py`), its weights in fp32 as Mixtral's.
 
@@ -77,12 +83,14 @@ from ..parallel.state import ParallelState
 from ..parallel.stored_names import set_stored_names
 from .grouped_linear import grouped_linear
 from .kernels import Kernels
+from .norm import RMSNorm
 from .routing import ScoreBias, sigmoid_grouped_topk
 
 # Replicated, used on this rank's tokens only: partial gradients, summed over TP.
 _PARTIAL = ParamRole("weight", sequence_parallel=True)
 _EXPERT = ParamRole("weight", sequence_parallel=True, expert=True)
 _EXPERT_BIAS = ParamRole("bias", sequence_parallel=True, expert=True)
+_SCALE = ParamRole("norm", sequence_parallel=True)  # Gemma 4's router scales: no weight decay, as a norm's
 
 
 @dataclass
@@ -115,9 +123,10 @@ class GroupedExperts(nn.Module):
     `moe.expert_bias` (gpt-oss) their biases `fc1_bias` `[E_local, 2F]` and `fc2_bias` `[E_local, H]`, stored as
     `{e}.fc1.bias` and `{e}.fc2.bias`, each row given its expert's by repeating expert g's `offsets` block."""
 
-    def __init__(self, experts: range, hidden: int, ffn: int, kernels: Kernels, moe: MoEConfig):
+    def __init__(self, experts: range, hidden: int, ffn: int, kernels: Kernels, moe: MoEConfig, gelu: bool = False):
         super().__init__()
         self.kernels, self.moe = kernels, moe
+        self.glu = kernels.geglu if gelu else kernels.swiglu  # Gemma 4's experts are GeGLU
         add_param(self, "fc1", len(experts), 2 * ffn, hidden, role=_EXPERT)
         add_param(self, "fc2", len(experts), hidden, ffn, role=_EXPERT)
         for name in ("fc1", "fc2"):
@@ -144,7 +153,7 @@ class GroupedExperts(nn.Module):
         if m.swiglu_limit is not None:
             act = self.kernels.clamped_swiglu(gate, up, m.swiglu_alpha, m.swiglu_limit)
         else:
-            act = self.kernels.swiglu(gate, up)
+            act = self.glu(gate, up)
         out = grouped_linear(act, self.fc2, offsets)
         out = out if self.fc2_lora is None else out + self.fc2_lora(act, offsets)
         if counts is not None:
@@ -167,7 +176,13 @@ class MoELayer(nn.Module):
         self.router = ReplicatedLinear(h, m.num_experts, _PARTIAL, bias=m.router_bias)
         self.dispatcher = TokenDispatcher(m.num_experts, ps.ep, ps.ep_group)
         self.experts = GroupedExperts(local_experts(m.num_experts, ps.ep, ps.ep_rank), h, m.expert_ffn_size, kernels,
-                                      m)
+                                      m, gelu=cfg.activation == "gelu_tanh")
+        self.kernels, self.eps, self.root = kernels, cfg.norm_eps, h ** -0.5
+        if m.router_scales:  # Gemma 4 (module doc); ones, as transformers initialises them
+            add_param(self, "router_scale", h, role=_SCALE)
+            add_param(self, "per_expert_scale", m.num_experts, role=_SCALE)
+        if m.beside_dense:  # the experts' own input norm (a rank's tokens only: partial gradient, summed over TP)
+            self.expert_norm = RMSNorm(h, cfg, True, kernels)
         if m.score_correction_bias:
             self.score_bias = ScoreBias(m.num_experts)
         if m.shared_expert_ffn_size:
@@ -186,7 +201,10 @@ class MoELayer(nn.Module):
     def _tokens(self, x: torch.Tensor) -> torch.Tensor:
         """The MoE output of this rank's tokens `x` `[n, h]`."""
         m = self.moe
-        logits = self.router(x)
+        if m.router_scales:
+            logits = self.router(self.kernels.rms_norm_fp32(x, None, self.eps) * self.router_scale * self.root)
+        else:
+            logits = self.router(x)
         if m.scoring == "sigmoid":
             bias = self.score_bias.bias if m.score_correction_bias else None
             weights, chosen, probs = sigmoid_grouped_topk(logits, bias, m)
@@ -195,10 +213,13 @@ class MoELayer(nn.Module):
             weights, chosen = probs.topk(m.top_k, dim=-1)  # [n, k]
             if m.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
+            if m.router_scales:
+                weights = weights * self.per_expert_scale[chosen]
         if not m.combine_fp32:
             weights = weights.to(logits.dtype)
         prob_sum = probs.sum(dim=0)
-        d = self.dispatcher.dispatch(x, chosen)  # (token, slot) pairs grouped by expert, sent to their ranks
+        routed = self.expert_norm(x) if m.beside_dense else x
+        d = self.dispatcher.dispatch(routed, chosen)  # (token, slot) pairs grouped by expert, sent to their ranks
         self.stats = RouterStats(d.counts, prob_sum, x.shape[0])
         if m.score_correction_bias and self.router.weight.requires_grad:
             self.score_bias.count(d.counts)
@@ -226,8 +247,9 @@ def expert_load(chunks: list[nn.Module], ps: ParallelState) -> dict[int, list[in
     counts = torch.zeros(len(layers), cfg.moe.num_experts, dtype=torch.int64, device=ps.device)
     for chunk in chunks:
         for i, layer in chunk.layers.items():
-            if isinstance(layer.mlp, MoELayer) and layer.mlp.stats is not None:
-                counts[layers.index(int(i))] += layer.mlp.stats.tokens_per_expert
+            block = layer.moe_block
+            if block is not None and block.stats is not None:
+                counts[layers.index(int(i))] += block.stats.tokens_per_expert
     if ps.world_size > 1:
         dist.all_reduce(counts)
     return {i: [int(c.min()), int(c.max())] for i, c in zip(layers, counts.cpu())}

@@ -9,7 +9,10 @@ factors, and takes the long one when the batch's highest position passes
 `original_max_position_embeddings`, as transformers' `dynamic_rope_update` does.
 
 A model with RoPE parameters per layer type (Gemma 3: `ModelConfig.rope_key`) has one
-`RotaryEmbedding` per type, each reading its entry (`layer_type`) as transformers does.
+`RotaryEmbedding` per type, each reading its entry (`layer_type`) as transformers does, over its layers'
+rotated dims (`dim`: Gemma 4's full-attention heads are twice as wide as its sliding ones). Gemma 4's
+full layers use `proportional` RoPE: transformers' frequencies cover the whole head, those past
+`partial_rotary_factor` of it zero (cos 1, sin 0: those dims pass unrotated), so the table is a plain one.
 
 Ministral 3 scales each query after the rotation by a factor of its position (`ModelConfig.query_scale_beta`): the
 table then carries it as a third entry, `[b, 1, s, 1]`, which the attention multiplies the rotated queries by.
@@ -32,7 +35,7 @@ def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str | None = None):
+    def __init__(self, cfg: ModelConfig, layer_type: str | None = None, dim: int | None = None):
         super().__init__()
         hf = cfg.hf_config
         params = dict(getattr(hf, "rope_parameters", None) or {})
@@ -43,7 +46,7 @@ class RotaryEmbedding(nn.Module):
         self.rope_type = params.get("rope_type", "default")
         self.hf = hf
         if self.rope_type == "default":
-            inv_freq, self.scaling = _default_inv_freq(params.get("rope_theta", 10000.0), cfg.rotary_dim), 1.0
+            inv_freq, self.scaling = _default_inv_freq(params.get("rope_theta", 10000.0), dim or cfg.rotary_dim), 1.0
         else:
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[self.rope_type](hf, None, **self.kw)
         # A plain attribute, not a buffer: `module.to(bf16)` must not round the frequencies.

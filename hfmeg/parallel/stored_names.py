@@ -53,8 +53,8 @@ def stored_tensors(model: nn.Module, of: Callable[[nn.Parameter], torch.Tensor] 
     stacked parameter. `remove_duplicate=False`: a Parameter shared by several modules under each name."""
     out = {}
     for name, p, slices in _entries(model, remove_duplicate):
-        t = of(p)
-        out.update({name: t} if slices is None else {s: t[j] for j, s in enumerate(slices)})
+        t = of(p)  # None for a frozen parameter's gradient: each slice's is None too
+        out.update({name: t} if slices is None else {s: None if t is None else t[j] for j, s in enumerate(slices)})
     return out
 
 

@@ -267,6 +267,7 @@ class ExpertLora(nn.Module):
 
 
 def _moe_layers(chunk: ModelChunk) -> list[tuple[int, MoELayer]]:
+    # The blocks that are a layer's MLP: Gemma 4's, beside its MLP, has no LoRA on its router or experts (not built)
     return [(int(i), layer.mlp) for i, layer in chunk.layers.items() if isinstance(layer.mlp, MoELayer)]
 
 
@@ -300,7 +301,7 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
     cfg, tp = chunk.cfg, chunk.ps.tp
     names = spec_of(cfg).peft
     experts_mapped, fused = bool(names.experts), names.fused_bases
-    q, kv, h, f = cfg.num_heads * cfg.q_rows, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.ffn_size
+    h, f = cfg.hidden_size, cfg.ffn_size
 
     def column(local: str, prefix: str, parts: list[tuple[str, int]], groups: int) -> _Base:
         """A fused column-parallel base: one projection per HF part, or one over all (`fused_bases`)."""
@@ -317,13 +318,16 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
         if cfg.is_linear(int(i)):
             out += _linear_attention_bases(cfg, i, tp)
         else:
-            if cfg.mla is None:
-                out.append(column(L + "attn.qkv", a, [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
-                                  cfg.local_kv_heads(tp)))
+            if cfg.mla is None:  # the layer's shape (`attention_shape`): no v_proj where the values are the keys
+                shape = cfg.attention_shape(int(i))
+                q, kv = cfg.num_heads * cfg.q_rows_of(int(i)), shape.num_kv_heads * shape.head_dim
+                parts = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)][:1 + shape.kv_parts]
+                out.append(column(L + "attn.qkv", a, parts, cfg.local_kv_heads(tp, int(i))))
             else:
                 out += _latent_bases(cfg, a, L + "attn.", chunk.ps.sequence_parallel)
             out.append(_Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1))
-        if not cfg.is_sparse(int(i)) and not experts_mapped:
+        dense = not cfg.is_sparse(int(i)) or cfg.moe.beside_dense  # Gemma 4's dense MLP beside its experts
+        if dense and not experts_mapped:
             out += [column(L + "mlp.fc1", m, [("gate_proj", f), ("up_proj", f)], 1),
                     _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
         elif cfg.is_sparse(int(i)) and cfg.moe.shared_expert_ffn_size and not experts_mapped:
@@ -371,11 +375,15 @@ def check_model(chunk_cfg, cfg: PeftConfig, tp: int = 1) -> None:
     # KV heads replicated over TP (models/attention.py): an adapter on the fused QKV would need its K/V factors
     # replicated and summed like the base's copies, which is not built
     qkv = {"q_proj", "k_proj", "v_proj", names.fused_bases.get("attn.qkv")}
-    if chunk_cfg.mla is None and chunk_cfg.kv_replicas(tp) > 1 and qkv & set(cfg.module_targets(names)):
+    # (each layer's KV heads: Gemma 4's full-attention layers have fewer)
+    kv, field = chunk_cfg.num_kv_heads, "num_key_value_heads"
+    if chunk_cfg.global_attention is not None and chunk_cfg.global_attention.num_kv_heads < kv:
+        kv, field = chunk_cfg.global_attention.num_kv_heads, "num_global_key_value_heads"
+    if chunk_cfg.mla is None and kv < tp and qkv & set(cfg.module_targets(names)):
         raise UnsupportedConfigError(
             f"peft.target_modules: LoRA on the attention's q/k/v projections with KV heads replicated over TP "
-            f"(num_key_value_heads {chunk_cfg.num_kv_heads} < TP={tp}) is not supported; target the other "
-            "modules, or use a TP that divides the KV heads")
+            f"({field} {kv} < TP={tp}) is not supported; target the other modules, or use a TP that divides the "
+            "KV heads")
     # peft keeps a module of modules_to_save as its own trained copy: on a tied model that unties the embedding
     # from the head at load, so the adapter would not give the model hfmeg trained (the one tied weight)
     tied = [m for m in ("embed_tokens", "lm_head") if m in cfg.modules_to_save] if chunk_cfg.tie_embeddings else []

@@ -49,22 +49,24 @@ def peak_flops(device: torch.device) -> float | None:
 def layer_matmul_params(cfg: ModelConfig, layer: int) -> int:
     """Matmul parameters one token goes through in `layer`: for an MoE layer the router, its top-k
     experts and the shared expert (the experts it is not routed to cost it nothing)."""
-    h, d = cfg.hidden_size, cfg.head_dim
+    h = cfg.hidden_size
     if cfg.is_linear(layer):
         la = cfg.linear_attention
         qkv, out = h * sum(la.in_pieces()), la.value_heads * la.value_dim * h
     elif cfg.mla is not None:  # its projections: every attention parameter but the two latent norms'
         a = cfg.mla
         qkv, out = a.num_params(h, cfg.num_heads) - (a.q_lora_rank or 0) - a.kv_lora_rank, 0
-    else:
-        qkv = h * (cfg.num_heads * cfg.q_rows + 2 * cfg.num_kv_heads * d)
-        out = cfg.num_heads * d * h
+    else:  # the layer's own shape (Gemma 4's full layers: wider heads, fewer KV heads, maybe no value projection)
+        a = cfg.attention_shape(layer)
+        qkv = h * (cfg.num_heads * cfg.q_rows_of(layer) + a.kv_parts * a.num_kv_heads * a.head_dim)
+        out = cfg.num_heads * a.head_dim * h
     m = cfg.moe
+    dense = (3 if cfg.gated_mlp else 2) * h * cfg.ffn_size
     if cfg.is_sparse(layer):
         shared = 3 * h * m.shared_expert_ffn_size + h * m.shared_expert_gate if m.shared_expert_ffn_size else 0
-        mlp = h * m.num_experts + m.top_k * 3 * h * m.expert_ffn_size + shared
+        mlp = h * m.num_experts + m.top_k * 3 * h * m.expert_ffn_size + shared + (dense if m.beside_dense else 0)
     else:
-        mlp = (3 if cfg.gated_mlp else 2) * h * cfg.ffn_size
+        mlp = dense
     return qkv + out + mlp
 
 
@@ -90,14 +92,15 @@ def delta_rule_flops(cfg: ModelConfig, seq_len: int) -> float:
 def training_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     """FLOPs of one forward + backward over `batch` sequences of `seq_len` tokens."""
     tokens = batch * seq_len
-    # the score product's width and the value product's (MLA: values narrower than queries and keys)
-    value_width = cfg.num_heads * (cfg.mla.v_head_dim if cfg.mla is not None else cfg.head_dim)
-    widths = cfg.num_heads * cfg.head_dim + value_width
+    def widths(layer: int) -> int:
+        """The score product's width and the value product's (MLA: values narrower than queries and keys)."""
+        d = cfg.attention_shape(layer).head_dim
+        return cfg.num_heads * d + cfg.num_heads * (cfg.mla.v_head_dim if cfg.mla is not None else d)
+
     layers = sum(layer_matmul_params(cfg, i) for i in range(cfg.num_layers))
     dense = 6 * tokens * (layers + cfg.hidden_size * cfg.vocab_size)
     attending = [i for i in range(cfg.num_layers) if not cfg.is_linear(i)]
-    keys = sum(attended_keys(cfg, i, seq_len) for i in attending)
-    attention = 6 * tokens * keys * widths
+    attention = 6 * tokens * sum(attended_keys(cfg, i, seq_len) * widths(i) for i in attending)
     linear = tokens * (cfg.num_layers - len(attending)) * delta_rule_flops(cfg, seq_len) if cfg.linear_attention else 0
     return float(dense + attention + linear)
 
