@@ -33,6 +33,7 @@ test_bench_peft, test_bench_shared_unlock, test_bench_optimizer)."""
 from __future__ import annotations
 
 import faulthandler
+import gc
 import importlib
 import io
 import logging
@@ -73,8 +74,14 @@ def run(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | Path |
 
 def _other_threads() -> list[str]:
     """Python threads of the test process besides the main one and tqdm's monitor (whose lock the child replaces):
-    a lock such a thread holds at the fork would stay held in the child forever, so then the run is a real one."""
-    return [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.name != "tqdm_monitor"]
+    a lock such a thread holds at the fork would stay held in the child forever, so then the run is a real one.
+    An earlier test's unreachable data prefetcher (in a reference cycle, e.g. held by a caught exception's frames)
+    still has its thread until a collection runs its finalizer, which stops and joins the thread: collect first."""
+    def others() -> list[str]:
+        return [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.name != "tqdm_monitor"]
+    if others():
+        gc.collect()
+    return others()
 
 
 def _wait(pid: int, timeout: float, argv: list[str]) -> int:
