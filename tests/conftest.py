@@ -6,7 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from hfmeg.parallel.state import BACKEND_ENV
+# Before anything imports huggingface_hub (it reads the setting once): no test sends usage telemetry, which would
+# also leave a worker thread in the test process, and a live thread makes forkrun start real interpreters.
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+from hfmeg.parallel.state import BACKEND_ENV  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
