@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from tiny_models import STORIES, tiny_config
 
 from hfmeg.families import model_config_from_hf
@@ -55,3 +56,12 @@ def stories_or_skip() -> Path:
     if not (STORIES / "config.json").is_file():
         pytest.skip(f"{STORIES} is absent (../shared/assets not checked out beside the repo)")
     return STORIES
+
+
+def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder's safetensors files, by the name it is stored under."""
+    out = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out

@@ -21,7 +21,8 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.peft.adapters import check_model
 from hfmeg.peft.config import PeftConfig
 from test_gemma4_releases import release_config, save_release
-from test_releases import _bytes, _raw
+from helpers import folder_tensors
+from test_releases import _bytes
 from test_tp_parity import _check_layouts, _check_report
 
 RELEASE = "gemma-4-31B"
@@ -45,8 +46,8 @@ def test_logits_loss_and_gradients_are_transformers_at_tp2_and_tp4(source):
 
 
 def test_round_trip_at_tp4_is_bit_exact(source, tmp_path):
-    before = _raw(source)
-    after = _raw(mp_to_hf(hf_to_mp(source, tmp_path / "tp4", tp=4, pp=1), tmp_path / "hf"))
+    before = folder_tensors(source)
+    after = folder_tensors(mp_to_hf(hf_to_mp(source, tmp_path / "tp4", tp=4, pp=1), tmp_path / "hf"))
     assert sorted(after) == sorted(before)
     assert [k for k in before if (before[k].dtype, before[k].shape, _bytes(before[k])) !=
             (after[k].dtype, after[k].shape, _bytes(after[k]))] == []

@@ -23,7 +23,8 @@ from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.reshard import reshard_mp
 from hfmeg.parallel.launch import spawn
 from release_models import published, save_release
-from test_releases import _bytes, _raw
+from helpers import folder_tensors
+from test_releases import _bytes
 from test_tp_parity import _check_layouts, _check_report
 
 RELEASES = ["gemma3_1b", "llama3_1_8b"]  # 4 query heads on 1 and on 2 KV heads
@@ -48,13 +49,13 @@ def test_logits_loss_and_gradients_are_transformers_at_tp2_and_tp4(sources):
 
 @pytest.mark.parametrize("name", RELEASES)
 def test_round_trip_and_reshard_are_bit_exact(sources, name, tmp_path):
-    before = _raw(sources[name])
+    before = folder_tensors(sources[name])
     tp4 = hf_to_mp(sources[name], tmp_path / "tp4", tp=4, pp=1)
     backs = [mp_to_hf(tp4, tmp_path / "hf4"),
              mp_to_hf(hf_to_mp(sources[name], tmp_path / "tp2", tp=2, pp=1), tmp_path / "hf2"),
              mp_to_hf(reshard_mp(tp4, tmp_path / "tp4to2", tp=2, pp=1), tmp_path / "hf4to2")]
     for back in backs:
-        after = _raw(back)
+        after = folder_tensors(back)
         assert sorted(after) == sorted(before)
         assert [k for k in before if (before[k].dtype, before[k].shape, _bytes(before[k])) !=
                 (after[k].dtype, after[k].shape, _bytes(after[k]))] == [], back

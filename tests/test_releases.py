@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from bounds import within
-from helpers import make_ps
+from helpers import folder_tensors, make_ps
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.parity import reference_outputs, sharded_outputs
 from hfmeg.errors import CheckpointError
@@ -65,14 +64,6 @@ def converted(tmp_path_factory):
     return out
 
 
-def _raw(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})
-    return tensors
-
-
 def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
@@ -80,7 +71,7 @@ def _bytes(t: torch.Tensor) -> bytes:
 @pytest.mark.parametrize("release", RELEASES, ids=_id)
 def test_round_trip_is_bit_exact_for_every_tensor_and_the_published_config(converted, release):
     src, _, hf = converted[_id(release)]
-    before, after = _raw(src), _raw(hf)
+    before, after = folder_tensors(src), folder_tensors(hf)
     assert sorted(after) == sorted(before)
     assert [k for k in before if (before[k].dtype, before[k].shape, _bytes(before[k])) !=
             (after[k].dtype, after[k].shape, _bytes(after[k]))] == []

@@ -7,11 +7,9 @@ wrapper is refused in one line."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.mp_reader import MPCheckpoint
@@ -22,21 +20,12 @@ from hfmeg.families.wrappers import stored_name
 from hfmeg.peft.adapters import check_unwrapped
 from hfmeg.peft.config import PeftConfig
 from bounds import assert_close
-from helpers import make_ps
+from helpers import folder_tensors, make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from tiny_models import WRAPPED_KINDS, save_tiny_wrapped
 
 TEXT = "language_model."  # the prefix save_pretrained gives Gemma 3's language model's tensors (v4 names)
-
-
-def _raw(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF folder by the name it is stored under."""
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -48,7 +37,7 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
 def test_round_trip_is_bit_exact_at_tp2_and_pp2_and_logits_are_the_wrappers(tmp_path, kind):
     layers = {} if kind in ("mistral3", "qwen3_5", "qwen3_5_moe") else {"layer_types": ["sliding_attention", "full_attention"] * 2}
     src = save_tiny_wrapped(kind, tmp_path / "src", num_hidden_layers=4, **layers)
-    before = _raw(src)
+    before = folder_tensors(src)
     carried = HFCheckpoint(src).carried
     vision = "model.visual." if kind.startswith("qwen3_5") else "vision_tower"  # Qwen3.5's vision model is `visual`
     assert any(vision in k for k in carried) and all(k in before for k in carried)
@@ -56,7 +45,7 @@ def test_round_trip_is_bit_exact_at_tp2_and_pp2_and_logits_are_the_wrappers(tmp_
         mp, hf = tmp_path / f"mp{tp}{pp}", tmp_path / f"hf{tp}{pp}"
         hf_to_mp(src, mp, tp=tp, pp=pp)
         mp_to_hf(mp, hf)
-        after = _raw(hf)
+        after = folder_tensors(hf)
         assert sorted(after) == sorted(before)
         assert [k for k in before if not _same_bytes(before[k], after[k])] == []
         assert json.loads((hf / "config.json").read_text()) == json.loads((src / "config.json").read_text())
@@ -80,7 +69,7 @@ def test_trains_5_steps_and_exports_what_its_class_loads(tmp_path):
     (model / "processor_config.json").write_text(processor)
     hf = train_5_steps(model, tmp_path / "out", tp=2)
     assert (hf / "processor_config.json").read_text() == processor
-    before, after = _raw(model), _raw(hf)
+    before, after = folder_tensors(model), folder_tensors(hf)
     assert sorted(after) == sorted(before)
     others = [k for k in before if not k.startswith(TEXT)]
     assert others and [k for k in others if not _same_bytes(before[k], after[k])] == []
