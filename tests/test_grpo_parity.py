@@ -35,6 +35,7 @@ import pytest
 import torch
 from bounds import within
 from helpers import make_ps, stories_or_skip
+from peft_helpers import hfmeg_chunks
 from test_dpo_parity import _policy_and_reference, _trl_models
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
@@ -42,8 +43,7 @@ from hfmeg.checkpoint.load import load_chunks
 from hfmeg.data.rollouts import Completion, pack_completions, token_values
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
-from hfmeg.peft.adapter_files import read_peft_folder
-from hfmeg.peft.adapters import adapters_off, attach, initialise
+from hfmeg.peft.adapters import adapters_off
 from hfmeg.train.grpo import METRICS, GRPOLoss, GRPOSettings, annotate_logps, group_advantages
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -161,14 +161,11 @@ def _run_layouts(policy, reference, adapter, runs, pad_id: int):
     rows = []
     for tp, pp, cp in LAYOUTS:
         ps = make_ps(tp=tp, pp=pp, cp=cp)
-        chunks = load_chunks(HFCheckpoint(policy), ps)
         if adapter is not None:
-            peft_cfg, tensors = read_peft_folder(adapter)
-            for chunk in chunks:
-                attach(chunk, peft_cfg)
-                initialise(chunk, peft_cfg, seed=0, hf_tensors=tensors)
+            chunks, _ = hfmeg_chunks(policy, adapter, ps)
             ref_chunks, switched = chunks, (lambda: adapters_off(chunks))
         else:
+            chunks = load_chunks(HFCheckpoint(policy), ps)
             ref_chunks, switched = load_chunks(HFCheckpoint(reference), ps), None
         for i, (settings, completions, advantages, old) in enumerate(runs):
             cfg = GRPOSettings(**settings)
