@@ -25,7 +25,7 @@ import pytest
 import torch
 from bounds import within
 from helpers import make_ps, stories_or_skip
-from peft_helpers import full_adapter_grads, peft_adapter_grads, rel_diff
+from peft_helpers import full_adapter_grads, hfmeg_chunks, peft_adapter_grads, rel_diff
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
@@ -35,8 +35,7 @@ from hfmeg.data.packing import build_row
 from hfmeg.parallel.comm import sync_sequence_parallel_grads
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
-from hfmeg.peft.adapter_files import read_peft_folder
-from hfmeg.peft.adapters import adapters_off, attach, initialise
+from hfmeg.peft.adapters import adapters_off
 from hfmeg.train.parts.reference import Reference
 from hfmeg.train.preference import METRICS, PreferenceConfig, PreferenceLoss
 
@@ -175,14 +174,11 @@ def _run_layouts(policy, reference, adapter, sequences, cfg: PreferenceConfig, p
     rows = []
     for tp, pp, cp, ep in layouts:
         ps = make_ps(tp=tp, pp=pp, cp=cp, ep=ep)
-        chunks = load_chunks(HFCheckpoint(policy), ps)
         if adapter is not None:
-            peft_cfg, tensors = read_peft_folder(adapter)
-            for chunk in chunks:
-                attach(chunk, peft_cfg)
-                initialise(chunk, peft_cfg, seed=0, hf_tensors=tensors)
+            chunks, _ = hfmeg_chunks(policy, adapter, ps)
             ref = Reference(chunks, lambda: adapters_off(chunks))
         else:
+            chunks = load_chunks(HFCheckpoint(policy), ps)
             ref = Reference(load_chunks(HFCheckpoint(reference), ps))
         mbs = [mb.shard(ps.cp_rank, cp) for mb in _pair_batches(sequences, pad_id)]
         if cfg.needs_reference:
