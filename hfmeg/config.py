@@ -26,6 +26,16 @@ from transformers import AutoConfig, PretrainedConfig
 from .errors import UnsupportedConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# The vocabulary is padded to a multiple of this x TP (Megatron's `make_vocab_size_divisible_by`): the one default,
+# which the run config (`model.vocab_multiple`), conversion's `--vocab-multiple`, the layout and the planner read.
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab(rows: int, tp: int, multiple: int) -> int:
+    """The vocabulary padded so that each of `tp` ranks holds an equal, `multiple`-aligned share of its rows
+    (`parallel/splits.py` `Vocab` pads the tensors to it)."""
+    step = multiple * tp
+    return int(math.ceil(rows / step) * step)
 
 
 @dataclass
@@ -221,10 +231,8 @@ class ModelConfig:
     mla: MLAConfig | None = None  # DeepSeek's latent attention instead of the fused-QKV one
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
 
-    def padded_vocab(self, tp: int, multiple: int = 128) -> int:
-        """Vocabulary padded so that every TP rank holds `multiple`-aligned equal rows."""
-        step = multiple * tp
-        return int(math.ceil(self.vocab_size / step) * step)
+    def padded_vocab(self, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
+        return padded_vocab(self.vocab_size, tp, multiple)
 
     def attention_shape(self, layer: int | None) -> AttentionShape:
         """Layer `layer`'s KV heads, head size and value source (None: the model's, as every layer but Gemma 4's

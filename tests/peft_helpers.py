@@ -17,7 +17,7 @@ from hfmeg.checkpoint.load import load_chunks
 from hfmeg.peft.adapter_files import read_peft_folder
 from hfmeg.peft.merge import merge_into_hf
 from hfmeg.parallel.stored_names import stored_tensors
-from hfmeg.peft.adapters import adapter_tensors, attach, initialise, join_slices
+from hfmeg.peft.adapters import adapter_tensors, attach, initialise
 
 
 def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = False, dora: bool = False,
@@ -86,19 +86,19 @@ def full_adapter_grads(chunks, ps, of=lambda p: p.grad) -> dict[str, torch.Tenso
         for t in adapter_tensors(chunk):
             g = grads[t.local].contiguous()
             if t.expert is not None:
-                experts.setdefault(t.hf, (t.kind, {}))[1][t.expert[0]] = g
+                experts.setdefault(t.hf, (t.split, {}))[1][t.expert[0]] = g
                 continue
             parts = [torch.empty_like(g) for _ in range(ps.tp)] if ps.tp > 1 else [g]
             if ps.tp > 1:
                 dist.all_gather(parts, g, group=ps.tp_group)
-            out[t.hf] = join_slices(parts, t.kind, t.vocab, t.blocks)
+            out[t.hf] = t.split.join(parts)
     if getattr(ps, "ep", 1) > 1:
         every = [None] * ps.ep
         dist.all_gather_object(every, experts, group=ps.ep_group)
         experts = {hf: (kind, {e: g for rank in every for e, g in rank[hf][1].items()}) for hf, (kind, _) in
                    experts.items()}
-    for hf, (kind, pieces) in experts.items():
-        out[hf] = join_slices([pieces[e] for e in sorted(pieces)], kind)
+    for hf, (split, pieces) in experts.items():
+        out[hf] = split.join([pieces[e] for e in sorted(pieces)])
     return out
 
 

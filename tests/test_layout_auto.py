@@ -93,6 +93,8 @@ def test_the_choice_replaces_the_layout_fields_in_a_new_config():
     assert (p.tp, p.pp, p.vpp, p.sequence_parallel, p.run_schedule) == (2, 2, 2, True, "interleaved")
     assert (cfg.train.micro_batch_size, cfg.model.recompute, p.layout, cfg.model.path) == (2, "selective", "auto", "m")
     assert layout_of(cfg, 4) == lay
+    # the planner pads the vocabulary by the run's model.vocab_multiple, as the trainer does
+    assert layout_of(replace(cfg, model=replace(cfg.model, vocab_multiple=64)), 4).vocab_multiple == 64
     assert (parsed.parallel.tp, parsed.model.recompute) == (4, "none")  # the parsed config is not edited
     moe = parse_layout("tp1-pp1-dp4-ep2-mb1-none")  # an MoE model's choice carries its EP
     assert apply_layout(parsed, moe).parallel.ep == 2 and layout_of(apply_layout(parsed, moe), 4).name() == moe.name()

@@ -43,6 +43,8 @@ def test_memory_model_matches_meter_and_optimizer_exactly():
         Case(_llama(4, 4), PlanLayout(2, 1, 1, 2, recompute="selective"), 2 * 2, SEQ, 5000),
         Case(_llama(5, 8), PlanLayout(1, 2, 1, 2), 2 * 4, SEQ, 5000),
         Case(gpt2, PlanLayout(1, 1, 2, 1, recompute="full", optimizer="ddp"), 2 * 2, SEQ, 5000),
+        # the run's model.vocab_multiple (64 x TP 2: the head 384 rows, not 512): read by the planner as by the trainer
+        Case(_llama(2, 4), PlanLayout(2, 1, 1, 1, vocab_multiple=64), 2, SEQ, 5000),
     ])
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hfmeg.checkpoint.rules import chunk_rules
+from hfmeg.checkpoint.rules import chunk_rules, split_of
 from hfmeg.families import model_config_from_hf
 from hfmeg.models.decoder import ModelChunk
 from hfmeg.optim import OptimizerConfig, no_weight_decay
@@ -24,7 +24,6 @@ from hfmeg.parallel.stored_names import stored_slices
 from tests.tiny_models import MOE_KINDS, tiny_config
 
 FAMILIES = ["llama3", "llama_tied", "mistral", "qwen2", "gpt2", "qwen3_5", "qwen3_5_moe", *MOE_KINDS]
-SPLIT_DIM = {"replicated": None, "fused": None, "rows": 0, "qkv": 0, "gate_up": 0, "parts": 0, "vocab": 0, "cols": 1}
 
 
 def _chunk(kind: str, pre: bool, post: bool, sp: bool = True) -> ModelChunk:
@@ -45,7 +44,7 @@ def test_roles_match_split_kinds(kind, ends):
     assert set(roles) == set(rules)
     for name, role in roles.items():
         rule = rules[name]
-        assert role.tp_dim == SPLIT_DIM[rule.kind], name
+        assert role.tp_dim == split_of(rule, chunk.cfg).tp_dim, name
         # Replicated parameters with partial gradients: norms and row-parallel biases (SP), q/k norms, MoE.
         sp = rule.kind in ("replicated", "fused") and name != "pos_embed.weight"
         assert role.sequence_parallel == sp, name

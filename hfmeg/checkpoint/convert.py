@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ..config import ModelConfig, load_hf_config
+from ..config import VOCAB_MULTIPLE, ModelConfig, load_hf_config
 from ..families import FAMILIES, WRAPPERS, model_config_from_hf
 from ..errors import CheckpointError, UnsupportedConfigError
 from .atomic import atomic_output_dir
@@ -131,7 +131,7 @@ def write_mp_checkpoint(source, cfg: ModelConfig, layout: MPLayout, hf_side_dir:
 
 
 def hf_to_mp(hf: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None,
-             dtype: str = "auto", vocab_multiple: int = 128, overwrite: bool = False,
+             dtype: str = "auto", vocab_multiple: int = VOCAB_MULTIPLE, overwrite: bool = False,
              extra: Callable[[Path], None] | None = None) -> Path:
     """Convert an HF folder (or Hub id) into the MP shard layout at `out` (`extra`: as `write_mp_checkpoint`)."""
     folder = resolve_hf_source(hf)

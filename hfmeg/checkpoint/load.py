@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig, load_hf_config
+from ..config import VOCAB_MULTIPLE, ModelConfig, load_hf_config
 from ..families import model_config_from_hf
 from ..errors import CheckpointError, LayoutError
 from ..families.spec import TensorRule
@@ -52,7 +52,7 @@ def load_chunks(
     *,
     pp_layers: list[int] | None = None,
     dtype: torch.dtype | None = None,
-    vocab_multiple: int = 128,
+    vocab_multiple: int = VOCAB_MULTIPLE,
     **options,
 ) -> list[ModelChunk]:
     """This rank's chunks of `source` for the layout `ps`, on `ps.device` in `dtype`.

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig, check_tp
+from ..config import VOCAB_MULTIPLE, ModelConfig, check_tp
 from ..errors import CheckpointError, LayoutError
 from ..parallel.grid import RankGrid
 from ..parallel.layout import ChunkSpec, rank_chunks, split_layers
@@ -134,7 +134,7 @@ class MPLayout:
 
     @classmethod
     def build(cls, cfg: ModelConfig, *, tp: int, pp: int, vpp: int = 1, pp_layers: list[int] | None = None,
-              vocab_multiple: int = 128, dtype: str = "float32", iteration: int | None = None) -> "MPLayout":
+              vocab_multiple: int = VOCAB_MULTIPLE, dtype: str = "float32", iteration: int | None = None) -> "MPLayout":
         """Validate the layout against the model and describe it (raises UnsupportedConfigError / LayoutError)."""
         RankGrid(tp=tp, pp=pp, vpp=vpp)  # the sizes' own checks
         if vocab_multiple < 1:

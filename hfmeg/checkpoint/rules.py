@@ -3,36 +3,33 @@
 Every parameter of a model chunk has a `TensorRule`: its hfmeg name, the HF names
 it is built from, and a split kind. `to_local` builds one TP rank's slice from the
 full HF tensors; `to_hf` rebuilds the HF tensors from all TP slices. Both are pure
-data movement (cat/split/reshape/transpose/pad), so HF -> shards -> HF is bit-exact.
+data movement, so HF -> shards -> HF is bit-exact, and both are two steps: the HF tensors,
+put part after part (`torch.cat` of their rows), are the one full tensor that the rule's split
+kind (`parallel/splits.py`, `split_of`) cuts into the TP slices and joins again.
 Loading, conversion and resharding all go through these two functions. Which rules
 a model has, with which HF names, is its family's (`hfmeg/families`, `layer_rules`
 and the names around the layers); this module only assembles and applies them.
 
-Split kinds:
-- `replicated`: norms, biases after a row-parallel reduction, learned positions.
-- `rows`: split dim 0 (column-parallel output features, e.g. GPT-2 `c_fc`).
-- `cols`: split dim 1 (row-parallel input features: `o_proj`, `down_proj`).
-- `qkv`: Q, K, V fused per KV group, `[q heads of group g; k_g; v_g]` for each g,
-  then split dim 0 so each rank owns whole groups (and GQA needs no communication).
-  From three HF tensors, or from one HF tensor of `[q; k; v]` rows (GPT-2's `c_attn`,
-  Phi-3's `qkv_proj`), cut by their sizes (q: heads x d rows, k and v: kv heads x d each).
-  The KV heads and d are the rule's layer's (`ModelConfig.attention_shape(rule.layer)`); a layer whose values
-  are its keys (Gemma 4's `attention_k_eq_v`) fuses two, `[q heads of g; k_g]`.
-  With fewer KV heads than TP ranks (counted per layer), the `n = TP / KV` ranks of group g each hold
-  `[their n-th of group g's q rows; k_g; v_g]` (or `[...; k_g]`; copies of k_g, v_g); back to HF, the q rows
-  are concatenated and k_g, v_g are taken from the group's first rank.
-- `gate_up`: gate and up each split dim 0, then `[gate_r; up_r]` on rank r; from two HF
-  tensors, or from one of `[gate; up]` rows (Phi-3's `gate_up_proj`), cut in halves.
-- `vocab`: rows padded with zeros to the padded vocabulary, then split dim 0.
+A rule's `kind` names its split kind:
+- `replicated`: norms, biases after a row-parallel reduction, learned positions (`REPLICATED`).
+- `rows`: split dim 0 (column-parallel output features, e.g. GPT-2 `c_fc`) (`ROWS`).
+- `cols`: split dim 1 (row-parallel input features: `o_proj`, `down_proj`) (`COLS`).
+- `qkv`: Q, K, V fused per KV group (`models/attention.py` `qkv_split`: `Fused` with the layer's KV heads as
+  groups, replicated over TP where the layer has fewer KV heads than TP ranks), from three HF tensors (two where
+  the layer's values are its keys, Gemma 4's `attention_k_eq_v`), or from one of `[q; k; v]` rows (GPT-2's
+  `c_attn`, Phi-3's `qkv_proj`).
+- `gate_up`: gate and up (`Fused` of two equal parts, a block per rank: `[gate_r; up_r]` on rank r), from two HF
+  tensors or from one of `[gate; up]` rows (Phi-3's `gate_up_proj`).
+- `vocab`: rows padded with zeros to the padded vocabulary, then split dim 0 (`Vocab`).
 - `fused`: several HF tensors concatenated along dim 0, whole on every TP rank (an
   MoE expert's `[gate; up]`: experts are not TP-split, see `models/moe.py`).
 - `interleaved`: one HF tensor whose dim-0 entries alternate gate and up (gpt-oss's experts, after the
-  transpose), whole on every TP rank as `[gate; up]`.
-- `parts`: the HF tensors' rows, concatenated, cut into `rule.pieces` (Gated DeltaNet's q, k, v, z, b, a),
-  each piece split dim 0 over TP, and rank r's slices of all pieces concatenated (`gate_up` is the case of
-  two equal pieces). The HF tensors' shapes are the rule's `shapes`. With `rule.groups` each HF tensor holds
-  its pieces grouped (`[group 0's share of each piece; group 1's; ...]`, Qwen3-Next's per-key-head layout): it is
-  ungrouped to piece after piece first, and grouped again on the way back.
+  transpose), whole on every TP rank as `[gate; up]` (the HF tensor's own layout is `Blocks` of one row).
+- `parts`: the HF tensors' rows, concatenated, cut into `rule.pieces` (Gated DeltaNet's q, k, v, z, b, a), each
+  piece split dim 0 over TP (`Fused` of the pieces; `gate_up` is the case of two equal pieces). The HF tensors'
+  shapes are the rule's `shapes`. With `rule.groups` each HF tensor holds its pieces grouped (`[group 0's share
+  of each piece; group 1's; ...]`, Qwen3-Next's per-key-head layout, `Blocks` of `groups`): it is ungrouped to
+  piece after piece first, and grouped again on the way back.
 
 MoE layers (Mixtral `block_sparse_moe.*`, Qwen `mlp.*`: the family's `ExpertNames`) map the router (`gate`) and
 every expert's tensors one to one, by expert index, so each tensor travels alone
@@ -60,10 +57,12 @@ from typing import Collection, Iterable, Iterator
 
 import torch
 
-from ..config import ModelConfig
+from ..config import VOCAB_MULTIPLE, ModelConfig
 from ..families import spec_of
 from ..families.llama import stacked_expert_names
 from ..families.spec import TensorRule
+from ..models.attention import qkv_split
+from ..parallel.splits import COLS, REPLICATED, ROWS, Blocks, Fused, Split, Vocab
 
 
 def with_expert_layout(cfg: ModelConfig, names) -> ModelConfig:
@@ -107,53 +106,6 @@ def chunk_rules(cfg: ModelConfig, layers: Iterable[int], pre_process: bool, post
     return rules
 
 
-def _qkv_fuse(cfg: ModelConfig, layer: int | None, parts: list[torch.Tensor]) -> torch.Tensor:
-    """`[q heads of g; k_g; v_g]` (or `[q heads of g; k_g]`) for each KV group g, from the HF q, k (, v)."""
-    g = cfg.attention_shape(layer).num_kv_heads
-    rest = parts[0].shape[1:]
-    return torch.cat([p.reshape(g, -1, *rest) for p in parts], dim=1).reshape(-1, *rest)
-
-
-def _qkv_sizes(cfg: ModelConfig, layer: int | None) -> list[int]:
-    """The rows of the HF q, k (, v) projections of layer `layer`."""
-    a = cfg.attention_shape(layer)
-    return [cfg.num_heads * cfg.q_rows_of(layer)] + [a.num_kv_heads * a.head_dim] * a.kv_parts
-
-
-def _qkv_unfuse(cfg: ModelConfig, layer: int | None, fused: torch.Tensor) -> list[torch.Tensor]:
-    g = cfg.attention_shape(layer).num_kv_heads
-    rest = fused.shape[1:]
-    per_group = [size // g for size in _qkv_sizes(cfg, layer)]
-    return [p.reshape(-1, *rest) for p in fused.reshape(g, sum(per_group), *rest).split(per_group, dim=1)]
-
-
-def _qkv_local(cfg: ModelConfig, layer: int | None, fused: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
-    """TP rank `tp_rank`'s rows of layer `layer`'s fused QKV (whole groups; or, with replicated KV heads, its
-    share of its group's q rows and the group's k and v, or k alone where the values are the keys)."""
-    n = cfg.kv_replicas(tp, layer)
-    if n == 1:
-        return fused.chunk(tp, dim=0)[tp_rank]
-    a = cfg.attention_shape(layer)
-    block = fused.chunk(a.num_kv_heads, dim=0)[tp_rank // n]  # [q_g; k_g; v_g]
-    kv = a.kv_parts * a.head_dim
-    q, kv = block.split([block.shape[0] - kv, kv], dim=0)
-    return torch.cat([q.chunk(n, dim=0)[tp_rank % n], kv], dim=0)
-
-
-def _qkv_whole(cfg: ModelConfig, layer: int | None, shards: list[torch.Tensor]) -> torch.Tensor:
-    """`_qkv_local`'s inverse: the fused QKV from every TP rank's rows (copies read from their first holder)."""
-    n = cfg.kv_replicas(len(shards), layer)
-    if n == 1:
-        return torch.cat(shards, dim=0)
-    a = cfg.attention_shape(layer)
-    kv = a.kv_parts * a.head_dim
-    blocks = []
-    for g in range(a.num_kv_heads):
-        holders = shards[g * n : (g + 1) * n]
-        blocks += [s[: s.shape[0] - kv] for s in holders] + [holders[0][-kv:]]
-    return torch.cat(blocks, dim=0)
-
-
 def _tensor_pieces(rule: TensorRule) -> list[list[int]]:
     """The row counts of the pieces each HF tensor of a `parts` rule holds (its rows are whole pieces, in order)."""
     out, pieces = [], list(rule.pieces)
@@ -165,60 +117,76 @@ def _tensor_pieces(rule: TensorRule) -> list[list[int]]:
     return out
 
 
-def _ungroup(t: torch.Tensor, pieces: list[int], groups: int) -> torch.Tensor:
-    """Rows `[g: each piece's g-th share]` for g in groups -> `[piece 0; piece 1; ...]`."""
-    rest = t.shape[1:]
-    shares = t.reshape(groups, -1, *rest).split([p // groups for p in pieces], dim=1)
-    return torch.cat([share.reshape(-1, *rest) for share in shares], dim=0)
+def hf_parts(rule: TensorRule, split: Fused) -> list[tuple[int, ...]]:
+    """The parts of a fused rule's split kind that each of its HF tensors holds (indices, in order)."""
+    if len(rule.hf) == 1:
+        return [tuple(range(len(split.sizes)))]
+    counts = [len(pieces) for pieces in _tensor_pieces(rule)] if rule.pieces else [1] * len(rule.hf)
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    return [tuple(range(a, a + c)) for a, c in zip(starts, counts)]
 
 
-def _group(t: torch.Tensor, pieces: list[int], groups: int) -> torch.Tensor:
-    """`_ungroup`'s inverse."""
-    rest = t.shape[1:]
-    return torch.cat([p.reshape(groups, -1, *rest) for p in t.split(pieces, dim=0)], dim=1).reshape(-1, *rest)
+def split_of(rule: TensorRule, cfg: ModelConfig, vocab_multiple: int | None = None) -> Split:
+    """The split kind of `rule.local` over TP (`vocab_multiple`: the padding step, needed to shard a `vocab` rule)."""
+    kind = rule.kind
+    if kind == "qkv":
+        return qkv_split(cfg, rule.layer)
+    if kind == "gate_up":
+        return Fused((_gate_up_rows(rule, cfg),) * 2)
+    if kind == "parts":
+        return Fused(tuple(rule.pieces))
+    if kind == "vocab":
+        return Vocab(cfg.vocab_size, vocab_multiple)
+    if kind not in _PLAIN:
+        raise ValueError(f"unknown split kind {kind!r} for {rule.local}")
+    return _PLAIN[kind]
+
+
+def _gate_up_rows(rule: TensorRule, cfg: ModelConfig) -> int:
+    """The rows of each of a gate/up pair (from the HF shapes, so a layer of its own width is read right)."""
+    rows = sum(expected_hf_shape(rule, i, cfg)[1 if rule.transpose else 0] for i in range(len(rule.hf)))
+    return rows // 2
+
+
+# `fused`: several HF tensors concatenated, whole on every rank; `interleaved`: one HF tensor of alternating rows
+_PLAIN = {"replicated": REPLICATED, "fused": REPLICATED, "interleaved": REPLICATED, "rows": ROWS, "cols": COLS}
+
+
+def _hf_layouts(rule: TensorRule, hf_rows: list[int]) -> list[Blocks | None]:
+    """How each HF tensor holds its rows where not part after part: gpt-oss's alternating gate/up rows, the
+    groups of a grouped `parts` rule."""
+    if rule.kind == "interleaved":
+        return [Blocks(hf_rows[0] // 2, (hf_rows[0] // 2,) * 2)]
+    if rule.kind == "parts" and rule.groups:
+        return [Blocks(rule.groups, tuple(pieces)) for pieces in _tensor_pieces(rule)]
+    return [None] * len(hf_rows)
+
+
+def _hf_rows(rule: TensorRule, cfg: ModelConfig, rows: int) -> list[int]:
+    """The rows of each HF tensor of `rule` within the full tensor of `rows` rows it makes."""
+    if len(rule.hf) == 1:
+        return [rows]
+    if rule.kind == "qkv":
+        return list(qkv_split(cfg, rule.layer).sizes)
+    if rule.kind == "parts":
+        return [shape[0] for shape in rule.shapes]
+    return [rows // len(rule.hf)] * len(rule.hf)
 
 
 def to_local(
-    rule: TensorRule, hf: list[torch.Tensor], cfg: ModelConfig, tp: int, tp_rank: int, vocab_multiple: int = 128
+    rule: TensorRule, hf: list[torch.Tensor], cfg: ModelConfig, tp: int, tp_rank: int,
+    vocab_multiple: int = VOCAB_MULTIPLE
 ) -> torch.Tensor:
-    """This TP rank's slice of `rule.local`, from the full HF tensors named by `rule.hf`."""
+    """This TP rank's slice of `rule.local`, from the full HF tensors named by `rule.hf`: the HF tensors put
+    part after part into the one full tensor the rule's split kind cuts."""
     if rule.expert is not None:
         hf = [t[rule.expert] for t in hf]
     if rule.transpose:
         hf = [t.t() for t in hf]
-    kind = rule.kind
-    if kind == "replicated":
-        out = hf[0]
-    elif kind == "rows":
-        out = hf[0].chunk(tp, dim=0)[tp_rank]
-    elif kind == "cols":
-        out = hf[0].chunk(tp, dim=1)[tp_rank]
-    elif kind == "qkv":
-        parts = hf if len(hf) > 1 else hf[0].split(_qkv_sizes(cfg, rule.layer), dim=0)
-        out = _qkv_local(cfg, rule.layer, _qkv_fuse(cfg, rule.layer, list(parts)), tp, tp_rank)
-    elif kind == "gate_up":
-        gate, up = hf if len(hf) == 2 else hf[0].chunk(2, dim=0)
-        out = torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]], dim=0)
-    elif kind == "fused":
-        out = torch.cat(hf, dim=0)
-    elif kind == "interleaved":
-        out = torch.cat([hf[0][0::2], hf[0][1::2]], dim=0)
-    elif kind == "parts":
-        if rule.groups:
-            hf = [_ungroup(t, pieces, rule.groups) for t, pieces in zip(hf, _tensor_pieces(rule))]
-        out = torch.cat([p.chunk(tp, dim=0)[tp_rank] for p in torch.cat(hf, dim=0).split(rule.pieces, dim=0)])
-    elif kind == "vocab":
-        full = hf[0]
-        padded = cfg.padded_vocab(tp, vocab_multiple)
-        per = padded // tp
-        out = full.new_zeros((per,) + tuple(full.shape[1:]))
-        lo = tp_rank * per
-        n = max(0, min(per, full.shape[0] - lo))
-        out[:n] = full[lo : lo + n]
-        return out
-    else:
-        raise ValueError(f"unknown split kind {kind!r} for {rule.local}")
-    return out.contiguous()
+    layouts = _hf_layouts(rule, [t.shape[0] for t in hf])
+    hf = [t if layout is None else layout.deinterleave(t) for t, layout in zip(hf, layouts)]
+    full = hf[0] if len(hf) == 1 else torch.cat(hf, dim=0)
+    return split_of(rule, cfg, vocab_multiple).shard(full, tp, tp_rank).contiguous()
 
 
 def rule_tensors(source, rules: Iterable[TensorRule]) -> Iterator[tuple[TensorRule, list[torch.Tensor]]]:
@@ -240,35 +208,10 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
     For an `expert` rule that is the expert's slice of the stacked tensor; the caller stacks."""
     if rule.tied:
         return {}
-    kind = rule.kind
-    if kind == "replicated":
-        outs = [shards[0]]
-    elif kind == "rows":
-        outs = [torch.cat(shards, dim=0)]
-    elif kind == "cols":
-        outs = [torch.cat(shards, dim=1)]
-    elif kind == "qkv":
-        parts = _qkv_unfuse(cfg, rule.layer, _qkv_whole(cfg, rule.layer, shards))
-        outs = parts if len(rule.hf) > 1 else [torch.cat(parts, dim=0)]
-    elif kind == "gate_up":
-        halves = [s.chunk(2, dim=0) for s in shards]
-        outs = [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
-        outs = outs if len(rule.hf) == 2 else [torch.cat(outs, dim=0)]
-    elif kind == "vocab":
-        outs = [torch.cat(shards, dim=0)[: cfg.vocab_size]]
-    elif kind == "fused":
-        outs = list(shards[0].chunk(len(rule.hf), dim=0))
-    elif kind == "interleaved":
-        outs = [torch.stack(shards[0].chunk(2, dim=0), dim=1).flatten(0, 1)]
-    elif kind == "parts":
-        tp = len(shards)
-        slices = [s.split([p // tp for p in rule.pieces], dim=0) for s in shards]
-        whole = torch.cat([torch.cat([rank[i] for rank in slices], dim=0) for i in range(len(rule.pieces))], dim=0)
-        outs = list(whole.split([shape[0] for shape in rule.shapes], dim=0))
-        if rule.groups:
-            outs = [_group(t, pieces, rule.groups) for t, pieces in zip(outs, _tensor_pieces(rule))]
-    else:
-        raise ValueError(f"unknown split kind {kind!r} for {rule.local}")
+    full = split_of(rule, cfg).join(shards)
+    rows = _hf_rows(rule, cfg, full.shape[0])
+    outs = list(full.split(rows, dim=0)) if len(rows) > 1 else [full]
+    outs = [t if layout is None else layout.interleave(t) for t, layout in zip(outs, _hf_layouts(rule, rows))]
     if rule.transpose:
         outs = [t.t() for t in outs]
     return {name: t.contiguous() for name, t in zip(rule.hf, outs)}
@@ -288,7 +231,7 @@ def expected_hf_shape(rule: TensorRule, index: int, cfg: ModelConfig) -> tuple[i
             return (cfg.max_positions, h)
         return (h,)
     if rule.kind == "qkv":
-        sizes = _qkv_sizes(cfg, rule.layer)
+        sizes = qkv_split(cfg, rule.layer).sizes
         out = (sum(sizes),) if len(rule.hf) == 1 else (sizes[index],)
     elif rule.kind == "gate_up":
         out = (f if len(rule.hf) == 2 else 2 * f,)

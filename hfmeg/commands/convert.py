@@ -15,6 +15,7 @@ import argparse
 from functools import partial
 from pathlib import Path
 
+from ..config import VOCAB_MULTIPLE
 from ..checkpoint.cli import add_layout_args, add_output_args, run_cli
 from ..checkpoint.convert import hf_to_mp, mp_to_hf
 from ..checkpoint.hub_source import resolve_hf_source
@@ -55,7 +56,7 @@ def add_to_mp_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hf", required=True, help="HF folder or Hub repository id")
     add_output_args(ap)
     add_layout_args(ap)
-    ap.add_argument("--vocab-multiple", type=int, default=128,
+    ap.add_argument("--vocab-multiple", type=int, default=VOCAB_MULTIPLE,
                     help="pad the vocabulary to a multiple of this x TP (Megatron's make_vocab_size_divisible_by)")
     ap.add_argument("--adapter", default=None,
                     help="a PEFT LoRA/DoRA adapter folder (or Hub id) to import onto the shards")

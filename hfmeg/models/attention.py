@@ -57,10 +57,19 @@ from ..config import ModelConfig
 from ..parallel.context import gather_kv
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.roles import ParamRole, add_param
+from ..parallel.splits import Fused
 from ..parallel.state import ParallelState
 from .document_attention import DocumentMask, attend, layer_mask
 from .kernels import Kernels
 from .norm import HeadsRMSNorm, RMSNorm
+
+
+def qkv_split(cfg: ModelConfig, layer: int | None) -> Fused:
+    """Layer `layer`'s fused QKV rows as a split kind: the HF q, k (, v) rows, `[q heads of g; k_g; v_g]` (or
+    `[q heads of g; k_g]`) per KV group g (`parallel/splits.py`; conversion and the adapters read it too)."""
+    a = cfg.attention_shape(layer)
+    sizes = [cfg.num_heads * cfg.q_rows_of(layer)] + [a.num_kv_heads * a.head_dim] * a.kv_parts
+    return Fused(tuple(sizes), a.num_kv_heads)
 
 
 class ParallelAttention(nn.Module):
@@ -75,10 +84,10 @@ class ParallelAttention(nn.Module):
         self.window = cfg.window(layer)
         d = self.d = shape.head_dim
         self.q_rows = cfg.q_rows_of(layer)
-        replicas = cfg.kv_replicas(ps.tp, layer)
-        kv = shape.kv_parts * d  # a group's key (and value) rows
-        qkv_out = cfg.num_heads * self.q_rows + shape.num_kv_heads * replicas * kv  # each holder's copy counted
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, ps, bias=cfg.qkv_bias,
+        split = qkv_split(cfg, layer)
+        replicas = split.replicas(ps.tp)
+        kv = shape.kv_parts * d  # a group's key (and value) rows: the copies where KV heads are replicated
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, split.local_rows(ps.tp) * ps.tp, ps, bias=cfg.qkv_bias,
                                         shared_rows=kv if replicas > 1 else 0, shared_by=replicas)
         self.out = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, ps, bias=cfg.out_bias)
         if cfg.qk_norm and cfg.qk_norm_whole:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig, check_cp, check_ep, check_tp
+from ..config import VOCAB_MULTIPLE, ModelConfig, check_cp, check_ep, check_tp
 from ..data.microbatch import MicroBatch
 from ..parallel.comm import scatter_to_sequence
 from ..parallel.context import local_positions
@@ -113,7 +113,7 @@ class ModelChunk(nn.Module):
         *,
         pre_process: bool,
         post_process: bool,
-        vocab_multiple: int = 128,
+        vocab_multiple: int = VOCAB_MULTIPLE,
         recompute: str = "none",
         ce_chunk_tokens: int = CE_CHUNK_TOKENS,
         compile_backend: str | None = None,

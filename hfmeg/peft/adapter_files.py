@@ -40,9 +40,10 @@ from ..checkpoint.mp_layout import HF_DIR, MPLayout
 from ..errors import CheckpointError, UnsupportedConfigError
 from ..models.decoder import ModelChunk
 from ..parallel.params_ready import wait_params_ready
+from ..parallel.splits import from_record
 from ..parallel.grid import RankPlace
 from ..parallel.stored_names import stored_tensors
-from .adapters import adapter_tensors, attach, join_slices
+from .adapters import adapter_tensors, attach
 from .config import EXPERT_PARAMS, MODULES, PeftConfig
 
 SHARD_FILE = "adapter.safetensors"
@@ -67,7 +68,8 @@ def write_adapter_shard(chunks: list[ModelChunk], ps: RankPlace, rank_dir: Path)
         for t in adapter_tensors(chunk):
             if ep_rank == 0 or t.expert is not None:
                 tensors[t.local] = params[t.local].detach().contiguous().cpu()
-                table[t.local] = [t.hf, t.kind, t.vocab, t.expert] + ([t.blocks] if t.blocks else [])
+                kind, vocab, blocks = t.split.record(ps.tp)
+                table[t.local] = [t.hf, kind, vocab, t.expert] + ([blocks] if blocks else [])
     rank_dir.mkdir(parents=True, exist_ok=True)
     mine = chunks[0].experts
     name = SHARD_FILE if ep_rank == 0 else EXPERT_SHARD_FILE.format(first=mine[0], last=mine[-1])
@@ -201,8 +203,8 @@ def assemble(iter_dir: Path, value=None) -> dict[str, torch.Tensor]:
             # TP slices are joined by TP rank, expert pieces by expert index
             index = expert[0] if expert is not None else tp_rank
             slices.setdefault(hf, {})[index] = saved if value is None else value(path.parent, local, saved)
-            kinds[hf] = kind, vocab, blocks
-    return {hf: join_slices([by_rank[r] for r in sorted(by_rank)], *kinds[hf]) for hf, by_rank in slices.items()}
+            kinds[hf] = from_record(kind, vocab, blocks)
+    return {hf: kinds[hf].join([by_rank[r] for r in sorted(by_rank)]) for hf, by_rank in slices.items()}
 
 
 def adapter_config(cfg: PeftConfig, base: str, targets: list[str], params: list[str] = ()) -> dict:

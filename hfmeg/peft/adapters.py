@@ -18,17 +18,18 @@ Megatron fuses HF projections into one base (QKV per KV group, gate/up); each HF
 projection keeps an adapter of its own (`q_proj`, `k_proj`, `v_proj`; `gate_proj`,
 `up_proj`), so an export gives each of them exactly its A and B. The fused output is
 rebuilt in the base's local order: per KV group `[q heads; k; v]`, `[gate; up]`, with
-zeros for a projection not targeted. A family whose HF checkpoints fuse them too (Phi-3's
-`qkv_proj`, `gate_up_proj`: `PeftNames.fused_bases`) has, as in peft, one A and one B over
-all the fused rows: B's rows (and DoRA's magnitudes) are laid out like the base's
-(`blocks`: the HF tensor's parts cut into blocks and interleaved, per KV group or per TP
-rank, then split over TP, as `checkpoint/rules.py` does to the weight) and put back in
-peft's order on export. Qwen3.5's Gated DeltaNet in_proj fuses four HF projections
-(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`), each with its own adapter as in peft; `in_proj_qkv`'s
-B rows are interleaved by TP rank (`Projection.blocks`), as its q, k and v rows are in the base.
+zeros for a projection not targeted. The adapters of a fused base are derived from its conversion rule
+(`checkpoint/rules.py`): one projection per HF tensor the rule reads, whose B rows (and DoRA's magnitudes) are
+split over TP like that tensor's parts of the base's split kind (`Fused.select`, `parallel/splits.py`). So a family
+whose HF checkpoints fuse them too (Phi-3's `qkv_proj`, `gate_up_proj`) has, as in peft, one A and one B over all
+the fused rows, laid out like the base's (parts cut into blocks and interleaved, per KV group or per TP rank, then
+split over TP) and put back in peft's order on export; Qwen3.5's Gated DeltaNet in_proj (`in_proj_qkv`,
+`in_proj_z`, `in_proj_b`, `in_proj_a`) has one adapter per HF projection, `in_proj_qkv`'s B interleaved by TP rank
+as its q, k and v rows are in the base.
 
-Every adapter tensor is one HF tensor (`AdapterTensor.hf`, PEFT's key) sliced by one
-kind: `rows` (dim 0 over TP), `cols` (dim 1 over TP) or `replicated`. A fresh `A` is
+Every adapter tensor is one HF tensor (`AdapterTensor.hf`, PEFT's key) cut by one split kind
+(`AdapterTensor.split`): B as said, A of a column-parallel base whole (`REPLICATED`), of a row-parallel base split
+like the base's input (`COLS`) with B whole. A fresh `A` is
 drawn as `peft` draws it (Kaiming-uniform, a = sqrt(5)) in its full HF shape from a
 generator seeded by the run seed and the tensor's name, then sliced, so every layout
 starts from the same adapter; `B` starts at zero, so the model starts as the base.
@@ -43,7 +44,7 @@ A `[E_local, r, in]` and B `[E_local, out, r]` of this rank's experts, role `exp
 `adapter` (reduced over expert-DP like the experts), applied to the expert-sorted rows as
 two more grouped GEMMs. On disk each expert's A and B are tensors of their own under
 their global index (`parallel/stored_names.py`), so EP resharding and resumes move them
-one by one; the export stacks them into peft's two tensors (kinds `expert_A`/`expert_B`).
+one by one; the export stacks them into peft's two tensors (kinds `EXPERT_ROWS` and `EXPERT_COLS` over the experts).
 The router (`gate.weight`) gets a plain LoRA held whole on every TP rank (its input is the
 rank's token share: both factors' gradients are partial, `sequence_parallel`). In
 `modules_to_save` instead (`gate`), the router's own weight trains in full, its role already
@@ -69,11 +70,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..checkpoint.rules import chunk_rules, hf_parts, split_of
 from ..errors import CheckpointError, UnsupportedConfigError
 from ..models.decoder import ModelChunk
 from ..models.grouped_linear import grouped_linear
 from ..models.moe import MoELayer
 from ..parallel.roles import ParamRole, add_param
+from ..parallel.splits import COLS, EXPERT_COLS, EXPERT_ROWS, REPLICATED, ROWS, Split, Vocab
 from ..parallel.state import ParallelState
 from ..parallel.stored_names import set_stored_names, stored_tensors
 from ..families import spec_of, text_config
@@ -85,40 +88,31 @@ from .config import ALL_LINEAR, EXPERT_PARAMS, MOE_SAVABLE, SAVABLE, PeftConfig
 PEFT_PREFIX = "base_model.model."
 
 
-# (n, part sizes): the rows of an HF tensor `[part 0; part 1; ...]` as a fused base holds them: each part cut
-# into n blocks, then `[part 0 block b; part 1 block b; ...]` for each b (n: the KV groups of a fused QKV, the TP
-# size of a fused gate/up, whose rank r holds `[gate_r; up_r]`).
-Blocks = tuple[int, tuple[int, ...]]
-
-
 @dataclass(frozen=True)
 class Projection:
-    """One HF projection inside a base layer: its name, HF module path and full output size."""
+    """One HF projection inside a base layer: its name, HF module path, full output size and the split kind of its
+    output rows over TP (its part(s) of the base's kind, `Fused.select`: its B rows and DoRA magnitudes are laid
+    out like them)."""
     name: str
     module: str  # HF module path, e.g. model.layers.3.self_attn.q_proj
     out_features: int
-    blocks: Blocks | None = None  # its B rows as the base holds them (Gated DeltaNet's in_proj_qkv: [q_r; k_r; v_r])
+    rows: Split = ROWS
 
 
 @dataclass(frozen=True)
 class AdapterTensor:
     local: str  # the chunk's parameter name
     hf: str  # PEFT's key in adapter_model.safetensors
-    kind: str  # rows | cols | replicated | vocab (rows padded to the chunk's vocabulary, then split) | expert_A | expert_B
-    vocab: int | None = None  # the unpadded rows of a `vocab` tensor
-    expert: tuple[int, int] | None = None  # (e, E): an `expert_*` tensor is expert e's piece of a stack of E
-    blocks: Blocks | None = None  # a `rows` tensor of a fused base: its rows interleaved before the TP split
+    split: Split  # how the full HF tensor is cut over TP ranks, or over experts (`expert`)
+    expert: tuple[int, int] | None = None  # (e, E): expert e's piece of peft's stack of E
 
+    def shard(self, full: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+        """This rank's piece of the full HF tensor (expert e's, for an expert's tensor)."""
+        parts, index = (self.expert[1], self.expert[0]) if self.expert else (ps.tp, ps.tp_rank)
+        return self.split.shard(full, parts, index)
 
-def interleave(t: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    n, sizes = blocks
-    return torch.cat([part.unflatten(0, (n, -1)) for part in t.split(list(sizes))], dim=1).flatten(0, 1)
-
-
-def deinterleave(t: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    n, sizes = blocks
-    parts = t.unflatten(0, (n, -1)).split([s // n for s in sizes], dim=1)
-    return torch.cat([part.flatten(0, 1) for part in parts])
+    def full_shape(self, local: tuple[int, ...], tp: int) -> tuple[int, ...]:
+        return self.split.full_shape(local, self.expert[1] if self.expert else tp)
 
 
 class InputDropout(nn.Module):
@@ -182,7 +176,7 @@ class LoraAdapter(nn.Module):
     """The LoRA (or DoRA) update of one TP base layer: one `LoraPair` per targeted HF projection fused in it.
 
     `groups`: how many blocks the base's local output interleaves its projections in
-    (the local KV groups for QKV, 1 for gate/up or a single projection).
+    (`Fused.local_groups`: the local KV groups for QKV, 1 for gate/up or a single projection).
 
     DoRA (as `peft` computes it): with `n` the row norms of `W + scale B A` (no gradient:
     the DoRA paper's section 4.3) and `m` the trained magnitude, the output is
@@ -286,12 +280,11 @@ class _Base:
     local: str  # module path in the chunk, e.g. layers.3.attn.qkv
     projections: list[Projection]
     column: bool
-    groups: int  # local output blocks (see LoraAdapter)
+    groups: int = 1  # local output blocks (see LoraAdapter)
     replicated: bool = False  # a `ReplicatedLinear` (Qwen2-MoE's shared expert): whole on every TP rank
     # a replicated base's adapter gradients are partial over TP: true where each rank feeds it its own tokens (the
     # MoE block's), false for MLA's a-projections without SP (every rank all tokens, the full output gradient)
     whole_partial: bool = True
-    blocks: Blocks | None = None  # one projection over a whole fused base: how its rows sit in the base's
 
 
 def _bases(chunk: ModelChunk) -> list[_Base]:
@@ -300,35 +293,38 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
     expert and its gate."""
     cfg, tp = chunk.cfg, chunk.ps.tp
     names = spec_of(cfg).peft
-    experts_mapped, fused = bool(names.experts), names.fused_bases
-    h, f = cfg.hidden_size, cfg.ffn_size
+    experts_mapped = bool(names.experts)
+    h = cfg.hidden_size
+    rules = {r.local: r for r in chunk_rules(cfg, [int(i) for i in chunk.layer_ids], False, False, chunk.experts)}
 
-    def column(local: str, prefix: str, parts: list[tuple[str, int]], groups: int) -> _Base:
-        """A fused column-parallel base: one projection per HF part, or one over all (`fused_bases`)."""
-        hf = fused.get(local.split(".", 2)[2])
-        if hf is None:
-            return _Base(local, [Projection(n, prefix + n, size) for n, size in parts], True, groups)
-        sizes = tuple(size for _, size in parts)
-        return _Base(local, [Projection(hf, prefix + hf, sum(sizes))], True, 1,
-                     blocks=(groups * tp, sizes))
+    def column(local: str) -> _Base:
+        """A fused column-parallel base, from its rule: one projection per HF tensor, with that tensor's parts of
+        the base's split kind (one over all where the checkpoint fuses them, as Phi-3's `qkv_proj`)."""
+        rule = rules[local + ".weight"]
+        split = split_of(rule, cfg)
+        projections = []
+        for hf, parts in zip(rule.hf, hf_parts(rule, split)):
+            module = hf.removesuffix(".weight")
+            projections.append(Projection(module.rsplit(".", 1)[1], module, sum(split.sizes[p] for p in parts),
+                                          split.select(parts)))
+        return _Base(local, projections, True, split.local_groups(tp) if len(projections) > 1 else 1)
 
     out = []
     for i in chunk.layer_ids:
         a, m, L = f"{layer_prefix(i)}self_attn.", f"{layer_prefix(i)}mlp.", f"layers.{i}."
-        if cfg.is_linear(int(i)):
-            out += _linear_attention_bases(cfg, i, tp)
+        if cfg.is_linear(int(i)):  # Gated DeltaNet: in_proj fuses in_proj_qkv (its q, k, v pieces), z, b and a
+            la = f"{layer_prefix(i)}linear_attn."
+            out += [column(L + "attn.in_proj"),
+                    _Base(L + "attn.out", [Projection("out_proj", la + "out_proj", cfg.hidden_size)], False)]
         else:
             if cfg.mla is None:  # the layer's shape (`attention_shape`): no v_proj where the values are the keys
-                shape = cfg.attention_shape(int(i))
-                q, kv = cfg.num_heads * cfg.q_rows_of(int(i)), shape.num_kv_heads * shape.head_dim
-                parts = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)][:1 + shape.kv_parts]
-                out.append(column(L + "attn.qkv", a, parts, cfg.local_kv_heads(tp, int(i))))
+                out.append(column(L + "attn.qkv"))
             else:
                 out += _latent_bases(cfg, a, L + "attn.", chunk.ps.sequence_parallel)
             out.append(_Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1))
         dense = not cfg.is_sparse(int(i)) or cfg.moe.beside_dense  # Gemma 4's dense MLP beside its experts
         if dense and not experts_mapped:
-            out += [column(L + "mlp.fc1", m, [("gate_proj", f), ("up_proj", f)], 1),
+            out += [column(L + "mlp.fc1"),
                     _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
         elif cfg.is_sparse(int(i)) and cfg.moe.shared_expert_ffn_size and not experts_mapped:
             s, fs = m + "shared_expert.", cfg.moe.shared_expert_ffn_size
@@ -351,19 +347,6 @@ def _latent_bases(cfg, a: str, local: str, sp: bool) -> list[_Base]:
         return [_Base(local + "q", [Projection("q_proj", a + "q_proj", heads * cfg.head_dim)], True, 1)] + kv
     return [_Base(local + "q_a", [Projection("q_a_proj", a + "q_a_proj", m.q_lora_rank)], True, 1, True, sp),
             _Base(local + "q_b", [Projection("q_b_proj", a + "q_b_proj", heads * cfg.head_dim)], True, 1)] + kv
-
-
-def _linear_attention_bases(cfg, i: int, tp: int) -> list[_Base]:
-    """A Gated DeltaNet layer's (Qwen3.5's `linear_attn`): its fused in_proj holds, per TP rank, this rank's rows of
-    `in_proj_qkv` (`[q_r; k_r; v_r]`: that adapter's B rows interleaved by TP rank), `in_proj_z`, `in_proj_b` and
-    `in_proj_a`, one adapter each; `out_proj` is row-parallel."""
-    la, la_prefix, L = cfg.linear_attention, f"{layer_prefix(i)}linear_attn.", f"layers.{i}.attn."
-    q, k, v, z, b, a = la.in_pieces()
-    projections = [Projection("in_proj_qkv", la_prefix + "in_proj_qkv", q + k + v, blocks=(tp, (q, k, v)))]
-    projections += [Projection(n, la_prefix + n, size) for n, size in (("in_proj_z", z), ("in_proj_b", b),
-                                                                        ("in_proj_a", a))]
-    return [_Base(L + "in_proj", projections, True, 1),
-            _Base(L + "out", [Projection("out_proj", la_prefix + "out_proj", cfg.hidden_size)], False, 1)]
 
 
 def check_model(chunk_cfg, cfg: PeftConfig, tp: int = 1) -> None:
@@ -546,10 +529,10 @@ def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
     """Every adapter tensor of `chunk` (and every `modules_to_save` one): its stored name (`stored_tensors`),
     PEFT key and split kind."""
     params = dict(chunk.named_parameters())
-    out = [AdapterTensor(local, f"{PEFT_PREFIX}{'model.' if hf == 'embed_tokens' else ''}{hf}.weight", "vocab",
-                         chunk.cfg.vocab_size)
+    vocab = Vocab(chunk.cfg.vocab_size, chunk.vocab_multiple)
+    out = [AdapterTensor(local, f"{PEFT_PREFIX}{'model.' if hf == 'embed_tokens' else ''}{hf}.weight", vocab)
            for hf, local in SAVABLE.items() if local in params and params[local].requires_grad]
-    out += [AdapterTensor(local, hf, "replicated") for local, hf, _ in _moe_savable(chunk) if params[local].requires_grad]
+    out += [AdapterTensor(local, hf, REPLICATED) for local, hf, _ in _moe_savable(chunk) if params[local].requires_grad]
     for base in _bases(chunk):
         adapter = chunk.get_submodule(base.local).adapter
         for p in base.projections:
@@ -557,13 +540,12 @@ def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
                 continue
             local = f"{base.local}.adapter.{p.name}."
             hf = f"{PEFT_PREFIX}{p.module}."
-            b_kind = "rows" if base.column and not base.replicated else "replicated"
-            blocks = p.blocks or base.blocks
-            out += [AdapterTensor(local + "lora_A", hf + "lora_A.weight", "replicated" if base.column else "cols"),
-                    AdapterTensor(local + "lora_B", hf + "lora_B.weight", b_kind, blocks=blocks)]
+            # derived from the base's split: a column-parallel base's B (and magnitudes) is cut like its rows
+            rows = p.rows if base.column and not base.replicated else REPLICATED
+            out += [AdapterTensor(local + "lora_A", hf + "lora_A.weight", REPLICATED if base.column else COLS),
+                    AdapterTensor(local + "lora_B", hf + "lora_B.weight", rows)]
             if getattr(adapter, p.name).dora:
-                out.append(AdapterTensor(local + "lora_magnitude_vector", hf + "lora_magnitude_vector",
-                                         "rows" if base.column else "replicated", blocks=blocks))
+                out.append(AdapterTensor(local + "lora_magnitude_vector", hf + "lora_magnitude_vector", rows))
     for i, layer in _moe_layers(chunk):
         loras = {"gate_up_proj": getattr(layer.experts, "fc1_lora", None),
                  "down_proj": getattr(layer.experts, "fc2_lora", None)}
@@ -571,52 +553,14 @@ def adapter_tensors(chunk: ModelChunk) -> list[AdapterTensor]:
                                      if loras.get(p) is not None or (p == "gate.weight" and layer.router.adapter)))
         if "gate.weight" in keys:
             local = f"layers.{i}.mlp.router.adapter.gate."
-            out += [AdapterTensor(local + f, keys["gate.weight"] + f + ".weight", "replicated")
+            out += [AdapterTensor(local + f, keys["gate.weight"] + f + ".weight", REPLICATED)
                     for f in ("lora_A", "lora_B")]
         for param, name in (("gate_up_proj", "fc1_lora"), ("down_proj", "fc2_lora")):
             if param in keys:
                 out += [AdapterTensor(f"layers.{i}.mlp.experts.{name}.{e}.{f}", f"{keys[param]}{f}.weight",
-                                      f"expert_{f[-1]}", expert=(e, chunk.cfg.moe.num_experts))
+                                      EXPERT_ROWS if f == "lora_A" else EXPERT_COLS, (e, chunk.cfg.moe.num_experts))
                         for f in ("lora_A", "lora_B") for e in chunk.experts]
     return out
-
-
-def slice_for_rank(t: torch.Tensor, kind: str, ps: ParallelState, local_rows: int | None = None,
-                   expert: tuple[int, int] | None = None, blocks: Blocks | None = None) -> torch.Tensor:
-    """This TP rank's slice of the full HF adapter tensor `t` (`vocab`: padded to `local_rows` per rank;
-    `expert_A`/`expert_B`: expert `expert[0]`'s piece of peft's stack of `expert[1]`, see the module docstring;
-    `blocks`: a fused base's rows, interleaved first)."""
-    if blocks is not None:
-        t = interleave(t, blocks)
-    if kind == "replicated":
-        return t
-    if kind == "expert_A":  # [E r, in]: expert-major rows
-        return t.unflatten(0, (expert[1], -1))[expert[0]].contiguous()
-    if kind == "expert_B":  # [out, r E]: column k E + e
-        return t.unflatten(1, (-1, expert[1]))[:, :, expert[0]].contiguous()
-    if kind == "vocab":
-        padded = t.new_zeros(local_rows * ps.tp, *t.shape[1:])
-        padded[: t.shape[0]] = t
-        t, kind = padded, "rows"
-    return t.chunk(ps.tp, dim=0 if kind == "rows" else 1)[ps.tp_rank].contiguous()
-
-
-def join_slices(slices: list[torch.Tensor], kind: str, vocab: int | None = None,
-                blocks: Blocks | None = None) -> torch.Tensor:
-    """The full HF adapter tensor from all TP ranks' slices (in TP-rank order; `vocab`: padding removed;
-    `blocks`: a fused base's rows, put back in HF order), or from all experts' pieces (`expert_*`: in expert
-    order)."""
-    if blocks is not None:
-        return deinterleave(torch.cat(slices, dim=0), blocks)
-    if kind == "replicated":
-        return slices[0]
-    if kind == "expert_A":
-        return torch.cat(slices, dim=0)
-    if kind == "expert_B":
-        return torch.stack(slices, dim=2).flatten(1)
-    if kind == "vocab":
-        return torch.cat(slices, dim=0)[:vocab]
-    return torch.cat(slices, dim=0 if kind == "rows" else 1)
 
 
 def fresh_a(name: str, r: int, in_features: int, seed: int) -> torch.Tensor:
@@ -638,15 +582,11 @@ def initialise(chunk: ModelChunk, cfg: PeftConfig, seed: int, hf_tensors=None) -
             if t.hf not in hf_tensors:
                 raise CheckpointError(f"adapter has no tensor {t.hf}; adapters on only some layers are not "
                                       "supported (peft.init_from)")
-            p.copy_(slice_for_rank(hf_tensors[t.hf], t.kind, chunk.ps, p.shape[0], t.expert, t.blocks))
+            p.copy_(t.shard(hf_tensors[t.hf], chunk.ps))
         elif "lora_" not in t.hf:
             continue  # a module trained in full (`modules_to_save`) starts from the base's weights
-        elif t.kind == "expert_A":  # peft draws the whole [E r, in] stack
-            full = fresh_a(t.hf, p.shape[0] * t.expert[1], p.shape[1], seed)
-            p.copy_(slice_for_rank(full, t.kind, chunk.ps, expert=t.expert))
-        elif t.local.endswith("lora_A"):
-            in_full = p.shape[1] * (chunk.ps.tp if t.kind == "cols" else 1)
-            p.copy_(slice_for_rank(fresh_a(t.hf, p.shape[0], in_full, seed), t.kind, chunk.ps))
+        elif t.local.endswith("lora_A"):  # peft draws the whole A (of an expert stack: the whole [E r, in])
+            p.copy_(t.shard(fresh_a(t.hf, *t.full_shape(p.shape, chunk.ps.tp), seed), chunk.ps))
         else:
             p.zero_()
     if hf_tensors is None and cfg.method == "dora":

@@ -33,22 +33,6 @@ from .config import PeftConfig
 from .export import write_info
 
 
-def _full_shape(local: torch.Size, kind: str, tp: int, vocab: int | None,
-                expert: tuple[int, int] | None = None) -> tuple[int, ...]:
-    """The full HF shape of an adapter tensor whose TP slice (or expert piece) is `local` (the inverse of
-    `slice_for_rank`)."""
-    rows, *rest = local
-    if kind == "expert_A":
-        return (rows * expert[1], *rest)
-    if kind == "expert_B":
-        return (rows, rest[0] * expert[1])
-    if kind == "rows":
-        return (rows * tp, *rest)
-    if kind == "cols":
-        return (rows, rest[0] * tp)
-    return (vocab, *rest) if kind == "vocab" else tuple(local)
-
-
 def rank_adapters(model_cfg, layout: MPLayout, cfg: PeftConfig,
                   tensors: dict[str, torch.Tensor]) -> Iterator[tuple[RankPlace, list[ModelChunk]]]:
     """For every rank (TP fastest) of `layout`: (its place in the grid, its chunks holding its slices of
@@ -66,7 +50,7 @@ def rank_adapters(model_cfg, layout: MPLayout, cfg: PeftConfig,
                 if a.hf not in tensors:
                     raise CheckpointError(f"no tensor {a.hf}: the adapter does not cover every targeted "
                                           "projection of this model")
-                need = _full_shape(views[a.local].shape, a.kind, layout.tp, a.vocab, a.expert)
+                need = a.full_shape(views[a.local].shape, layout.tp)
                 if tuple(tensors[a.hf].shape) != need:
                     raise CheckpointError(f"tensor {a.hf} has shape {list(tensors[a.hf].shape)}, this model "
                                           f"needs {list(need)}")

@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
+from ..config import VOCAB_MULTIPLE
 from ..errors import HfmegError, LayoutError
 from ..parallel.grid import check_world
 from ..peft.config import PeftConfig
@@ -46,6 +48,8 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
     ap.add_argument("--seq-len", type=int, help="tokens per sequence")
     ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="training dtype (default: %(default)s)")
+    ap.add_argument("--vocab-multiple", type=int, default=VOCAB_MULTIPLE,
+                    help="the run's model.vocab_multiple: the vocabulary is padded to it x TP (default: %(default)s)")
     ap.add_argument("--optimizer", choices=("overlapped", "distributed", "ddp"), default="overlapped",
                     help="optimizer mode (default: %(default)s)")
     ap.add_argument("--profile", help="calibration JSON (default: the GPU kind's assumed profile)")
@@ -102,6 +106,7 @@ def _job(a) -> tuple[Job, list[str]]:
     peft.check()
     reference = a.loss_type in ("sigmoid", "ipo")
     return Job(resolve_model(a.model), cluster, prof, a.global_batch_size, a.seq_len, DTYPE_BYTES[a.dtype],
+               vocab_multiple=a.vocab_multiple,
                peft=peft if peft.enabled else None, reference_forward=reference,
                reference_copy=reference and not peft.enabled), defaulted
 
@@ -142,6 +147,7 @@ def _plan(a) -> int:
         lay = parse_layout(a.explain) if a.explain else PlanLayout(
             a.tp, a.pp, check_world(a.gpus, a.tp, a.cp, a.pp), a.micro_batch_size, a.vpp, a.recompute,
             not a.no_sequence_parallel, a.optimizer, ep=a.ep, cp=a.cp)
+        lay = replace(lay, vocab_multiple=a.vocab_multiple)
         ev = evaluate(job, lay)
         _explain(ev)
         if a.json:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..config import ModelConfig, check_cp, check_ep, check_tp
+from ..config import VOCAB_MULTIPLE, ModelConfig, check_cp, check_ep, check_tp
 from ..errors import HfmegError, LayoutError
 from ..models.decoder import RECOMPUTE_MODES
 from ..optim.config import MODES
@@ -34,6 +34,7 @@ class PlanLayout:
     schedule: str = "1f1b"  # becomes "interleaved" when vpp > 1; "gpipe" on request
     ep: int = 1  # expert-parallel ranks, a divisor of dp (parallel/grid.py); the expert-DP group is dp / ep
     cp: int = 1  # context-parallel ranks: each row split over them (parallel/context.py)
+    vocab_multiple: int = VOCAB_MULTIPLE  # the run's `model.vocab_multiple`: the LM head's padded rows
 
     @property
     def grid(self) -> RankGrid:

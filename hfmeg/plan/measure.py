@@ -56,7 +56,7 @@ def _run_case(case: Case, steps: int) -> dict:
                                       cp=lay.cp), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
     torch.manual_seed(0)
     chunks = [ModelChunk(cfg, ps, s.layers, pre_process=s.pre_process, post_process=s.post_process,
-                         recompute=lay.recompute)
+                         recompute=lay.recompute, vocab_multiple=lay.vocab_multiple)
               for s in rank_chunks(split_layers(cfg.num_layers, lay.pp, lay.vpp), ps.pp_rank)]
     with torch.no_grad():
         for c in chunks:

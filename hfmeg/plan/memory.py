@@ -110,7 +110,7 @@ def _chunk_elements(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool,
                     bucket_size: int, peft: PeftConfig | None) -> _Elements:
     # Dense layers are alike, so the count depends on how many; MoE models mix dense and sparse layers.
     which = tuple(cfg.is_sparse(i) for i in layers) if cfg.moe else len(layers)
-    key = (_cfg_key(cfg), lay.tp, lay.sp, lay.ep, which, pre, post, lay.pp, _shards(lay), bucket_size,
+    key = (_cfg_key(cfg), lay.tp, lay.sp, lay.ep, which, pre, post, lay.pp, _shards(lay), bucket_size, lay.vocab_multiple,
            repr(peft) if peft is not None and peft.enabled else None)
     if key not in _ELEMENTS:
         _ELEMENTS[key] = _count_chunk(cfg, lay, layers, pre, post, bucket_size, peft)
@@ -129,7 +129,7 @@ def _count_chunk(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool, po
     # TP and EP rank 0 of a grid without CP: the parameters are the same at any CP
     ps = RankGrid(tp=lay.tp, dp=lay.ep, ep=lay.ep, sequence_parallel=lay.sp).place(0)
     with torch.device("meta"):
-        chunk = ModelChunk(cfg, ps, layers, pre_process=pre, post_process=post)
+        chunk = ModelChunk(cfg, ps, layers, pre_process=pre, post_process=post, vocab_multiple=lay.vocab_multiple)
         if peft is not None and peft.enabled:
             attach(chunk, peft)
     named = [(n, p, r) for n, p, r in named_roles(chunk) if p.requires_grad][::-1]
@@ -186,7 +186,7 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
     activations = _in_flight_peak(lay, pp_rank, lay.microbatches(global_batch), per_chunk)
     transient = recompute_transient_bytes(cfg, shape)
     if any(s.post_process for s in specs):
-        vocab = cfg.padded_vocab(lay.tp) // lay.tp
+        vocab = cfg.padded_vocab(lay.tp, lay.vocab_multiple) // lay.tp
         ce = 2 * min(CE_CHUNK_TOKENS, lay.micro_batch * shape.seq) * vocab * 4 + vocab * cfg.hidden_size * dtype_bytes
         transient = max(transient, ce)
     dense = el.padded - el.expert_padded

@@ -17,7 +17,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from ..config import ModelConfig
+from ..config import VOCAB_MULTIPLE, ModelConfig
 from ..errors import HfmegError, LayoutError
 from ..peft.config import PeftConfig
 from .hardware import ClusterSpec
@@ -63,6 +63,7 @@ class Job:
     # False: refuse a TP or EP group across nodes, as the trainer does without parallel.allow_cross_host
     # (`--layout auto`); `hfmeg plan` times them over the inter-node link instead
     cross_host: bool = True
+    vocab_multiple: int = VOCAB_MULTIPLE  # the run's `model.vocab_multiple` (each layout searched pads by it)
 
 
 def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
@@ -115,7 +116,8 @@ def candidates(job: Job, optimizer: str = "overlapped") -> list[PlanLayout]:
                     for ep in expert_parallel_sizes(job.cfg, dp):
                         for mb in (1, 2, 4, 8):
                             for rec in ("none", "selective", "full"):
-                                out.append(PlanLayout(tp, pp, dp, mb, vpp, rec, True, optimizer, ep=ep, cp=cp))
+                                out.append(PlanLayout(tp, pp, dp, mb, vpp, rec, True, optimizer, ep=ep, cp=cp,
+                                                      vocab_multiple=job.vocab_multiple))
         tp *= 2
     return out
 

@@ -324,7 +324,7 @@ class _Stage:
 
     def head(self) -> tuple[float, float]:
         x, t = self.shape, self.lay.tp
-        mm = self._mm(x.micro_batch * x.seq, self.cfg.hidden_size, self.cfg.padded_vocab(t) // t)
+        mm = self._mm(x.micro_batch * x.seq, self.cfg.hidden_size, self.cfg.padded_vocab(t, self.lay.vocab_multiple) // t)
         return mm * self.slow, 3 * mm * self.slow  # backward: recomputed logits + two gradient matmuls
 
 

@@ -59,7 +59,8 @@ def layout_of(cfg: TrainConfig, world_size: int) -> PlanLayout:
     """The planner's name for the layout `cfg` runs on `world_size` ranks."""
     p = cfg.parallel
     return PlanLayout(p.tp, p.pp, p.grid(world_size).dp, cfg.train.micro_batch_size, p.vpp,
-                      cfg.model.recompute, p.sequence_parallel, cfg.optim.mode, p.run_schedule, p.ep, p.cp)
+                      cfg.model.recompute, p.sequence_parallel, cfg.optim.mode, p.run_schedule, p.ep, p.cp,
+                      cfg.model.vocab_multiple)
 
 
 def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluation | None, str]:
@@ -71,6 +72,7 @@ def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluatio
     job = Job(model, cluster, profile, cfg.train.global_batch_size, cfg.data.seq_len,
               cfg.model.torch_dtype(device).itemsize, peft=cfg.peft if cfg.peft.enabled else None,
               cross_host=cfg.parallel.allow_cross_host,  # only layouts ParallelState will accept
+              vocab_multiple=cfg.model.vocab_multiple,
               **cfg.preference.planner_terms(adapters=cfg.peft.enabled))
     ck = cfg.checkpoint
     resume = find_resume(Path(ck.out) / "checkpoints", ck.resume, overwrite=ck.overwrite).folder

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 
 from ..checkpoint.hub_source import resolve_hf_source
+from ..config import VOCAB_MULTIPLE
 from ..checkpoint.mp_layout import parse_dtype
 from ..data.config import DataConfig
 from ..optim.config import OptimizerConfig
@@ -41,7 +42,7 @@ class ModelArgs:
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # auto: bf16 on GPUs, fp32 on CPU
     recompute: Literal["none", "full", "selective"] = "none"
     compile: bool = False  # torch.compile each dense decoder layer's forward as one graph, MoE layers' norm/RoPE/SwiGLU (GPU)
-    vocab_multiple: int = 128
+    vocab_multiple: int = VOCAB_MULTIPLE
     ce_chunk_tokens: int = CE_CHUNK_TOKENS
 
     @property
