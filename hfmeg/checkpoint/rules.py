@@ -183,10 +183,15 @@ def to_local(
         hf = [t[rule.expert] for t in hf]
     if rule.transpose:
         hf = [t.t() for t in hf]
+    return split_of(rule, cfg, vocab_multiple).shard(parts_in_order(rule, hf), tp, tp_rank).contiguous()
+
+
+def parts_in_order(rule: TensorRule, hf: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of the HF tensors (or of anything indexed by their rows) part after part: the full tensor the
+    rule's split kind cuts."""
     layouts = _hf_layouts(rule, [t.shape[0] for t in hf])
     hf = [t if layout is None else layout.deinterleave(t) for t, layout in zip(hf, layouts)]
-    full = hf[0] if len(hf) == 1 else torch.cat(hf, dim=0)
-    return split_of(rule, cfg, vocab_multiple).shard(full, tp, tp_rank).contiguous()
+    return hf[0] if len(hf) == 1 else torch.cat(hf, dim=0)
 
 
 def rule_tensors(source, rules: Iterable[TensorRule]) -> Iterator[tuple[TensorRule, list[torch.Tensor]]]:

@@ -1,0 +1,33 @@
+"""A TP rank's 4-bit base weight (QLoRA), made from the HF tensors as `rules.to_local` makes a weight.
+
+peft + transformers' `BitsAndBytesConfig(load_in_4bit=True)` quantize each HF `nn.Linear` weight whole, so that is
+what is quantized here: each HF tensor of the rule, once, by bitsandbytes (`quant/nf4.py`). Their codes and absmax
+are indexed by the weight's rows, so they are put part after part exactly as the weight's rows are
+(`rules.parts_in_order`) and cut by the rule's split kind: each rank's dequantized weight is then its slice of the
+dequantized HF weights (QKV fused per KV group, gate/up per rank, and so on), bit for bit. Quantizing the fused
+tensor instead would give other double-quantization constants than bitsandbytes gives each HF tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import VOCAB_MULTIPLE, ModelConfig
+from ..errors import UnsupportedConfigError
+from ..families.spec import TensorRule
+from ..quant.nf4 import Packed4bit, quantize, shard
+from .rules import parts_in_order, split_of
+
+
+def to_local_4bit(rule: TensorRule, hf: list[torch.Tensor], cfg: ModelConfig, tp: int, tp_rank: int,
+                  quant_type: str = "nf4", double_quant: bool = True,
+                  vocab_multiple: int = VOCAB_MULTIPLE) -> Packed4bit:
+    """This TP rank's share of `rule.local` stored 4-bit, from the full HF tensors named by `rule.hf`."""
+    if rule.expert is not None or rule.transpose or any(t.dim() != 2 for t in hf):
+        raise UnsupportedConfigError(f"{rule.local}: 4-bit storage is built for 2-d nn.Linear weights read as they "
+                                     "are (not stacked experts, nor GPT-2's transposed Conv1D)")
+    packed = [quantize(name, t, quant_type, double_quant) for name, t in zip(rule.hf, hf)]
+    whole = Packed4bit(parts_in_order(rule, [p.codes for p in packed]),
+                       parts_in_order(rule, [p.absmax for p in packed]), quant_type, packed[0].blocksize,
+                       packed[0].dtype)
+    return shard(rule.local, whole, split_of(rule, cfg, vocab_multiple), tp, tp_rank)

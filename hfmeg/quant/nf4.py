@@ -1,0 +1,95 @@
+"""A 4-bit (NF4 / FP4) base weight as bitsandbytes stores it, cut per rank by the weight's own split kind.
+
+QLoRA's base is the bytes bitsandbytes produces for the full weight: `quantize_4bit` over the flattened
+weight, `blocksize` consecutive values sharing one absmax, two 4-bit codes a byte. The full weight is quantized
+once; each rank's share is then cut from those bytes, never re-quantized, so each rank's dequantized shard is
+exactly the slice of the dequantized full weight (a rank that re-quantized its own slice would get other blocks,
+other absmax and other values).
+
+Cutting works because a block never spans two rows when the row length is a multiple of `blocksize`: the codes
+are then a `[rows, cols / 2]` byte matrix and the absmax a `[rows, cols / blocksize]` one, each row of both
+belonging to one row of the weight. Any split kind that moves whole rows (`parallel/splits.py`: `ROWS`, the fused
+QKV and gate/up layouts, the padded vocabulary) applies to them unchanged; one that splits the columns (`COLS`)
+does too where each rank's columns are whole blocks. Where a split would cut a block (a row length, or a rank's
+share of it, not a multiple of `blocksize`) the weight is refused in one line naming it; padding was not chosen,
+because a padded block would have another absmax than bitsandbytes gives the unpadded weight.
+
+With double quantization (`double_quant`) bitsandbytes quantizes the absmax too (8-bit, in blocks of 256 absmax,
+offset by their mean). A rank's absmax are not whole blocks of 256 in general, so each rank holds them dequantized
+(float32, the values bitsandbytes' own dequantization computes from the nested ones), which keeps the weights
+bit-exact at 4 bytes per block instead of about one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import UnsupportedConfigError
+
+QUANT_TYPES = ("nf4", "fp4")
+
+
+def _bnb():
+    try:
+        import bitsandbytes.functional as F
+    except ImportError:
+        raise UnsupportedConfigError("peft.quantize needs bitsandbytes: pip install 'bitsandbytes>=0.50'") from None
+    return F
+
+
+@dataclass(frozen=True)
+class Packed4bit:
+    """A 4-bit weight `[rows, cols]` (or one rank's share of one): codes `[rows, cols / 2]` uint8, absmax
+    `[rows, cols / blocksize]` float32."""
+
+    codes: torch.Tensor
+    absmax: torch.Tensor
+    quant_type: str
+    blocksize: int
+    dtype: torch.dtype  # what dequantization gives
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * 2
+
+
+def quantize(name: str, weight: torch.Tensor, quant_type: str = "nf4", double_quant: bool = True,
+             blocksize: int = 64) -> Packed4bit:
+    """bitsandbytes' 4-bit quantization of the full 2-d `weight` (named `name` in a refusal)."""
+    if quant_type not in QUANT_TYPES:
+        raise UnsupportedConfigError(f"peft.quantize: {quant_type!r} is not one of {QUANT_TYPES}")
+    rows, cols = weight.shape
+    if cols % blocksize:
+        raise UnsupportedConfigError(f"{name}: rows of {cols} values are not whole {blocksize}-value quantization "
+                                     "blocks; a block would span two rows, which no split can cut")
+    F = _bnb()
+    codes, state = F.quantize_4bit(weight, blocksize=blocksize, quant_type=quant_type,
+                                   compress_statistics=double_quant)
+    absmax = state.absmax
+    if state.nested:
+        absmax = F.dequantize_blockwise(absmax, state.state2) + state.offset
+    return Packed4bit(codes.view(rows, cols // 2), absmax.float().view(rows, cols // blocksize), quant_type,
+                      blocksize, weight.dtype)
+
+
+def shard(name: str, packed: Packed4bit, split, parts: int, index: int) -> Packed4bit:
+    """Piece `index` of `parts` of `packed`, cut by the weight's split kind `split` (rows whole, or columns in
+    whole blocks)."""
+    if split.tp_dim == 1 and packed.shape[1] // parts % packed.blocksize:
+        raise UnsupportedConfigError(f"{name}: a rank's {packed.shape[1] // parts} columns are not whole "
+                                     f"{packed.blocksize}-value quantization blocks; use a TP size that keeps them "
+                                     "whole")
+    return replace(packed, codes=split.shard(packed.codes, parts, index).contiguous(),
+                   absmax=split.shard(packed.absmax, parts, index).contiguous())
+
+
+def dequantize(packed: Packed4bit) -> torch.Tensor:
+    """The weight `packed` holds, by bitsandbytes' own dequantization."""
+    F = _bnb()
+    rows, cols = packed.shape
+    state = F.QuantState(absmax=packed.absmax.flatten(), shape=torch.Size((rows, cols)),
+                         code=F.get_4bit_type(packed.quant_type, device=packed.codes.device),
+                         blocksize=packed.blocksize, quant_type=packed.quant_type, dtype=packed.dtype)
+    return F.dequantize_4bit(packed.codes.reshape(-1, 1), state)
