@@ -18,8 +18,8 @@ Megatron fuses HF projections into one base (QKV per KV group, gate/up); each HF
 projection keeps an adapter of its own (`q_proj`, `k_proj`, `v_proj`; `gate_proj`,
 `up_proj`), so an export gives each of them exactly its A and B. The fused output is
 rebuilt in the base's local order: per KV group `[q heads; k; v]`, `[gate; up]`, with
-zeros for a projection not targeted. The adapters of a fused base are derived from its conversion rule
-(`checkpoint/rules.py`): one projection per HF tensor the rule reads, whose B rows (and DoRA's magnitudes) are
+zeros for a projection not targeted. Every base's adapters are derived from its conversion rule
+(`checkpoint/rules.py`, `_bases`): one projection per HF tensor the rule reads, whose B rows (and DoRA's magnitudes) are
 split over TP like that tensor's parts of the base's split kind (`Fused.select`, `parallel/splits.py`). So a family
 whose HF checkpoints fuse them too (Phi-3's `qkv_proj`, `gate_up_proj`) has, as in peft, one A and one B over all
 the fused rows, laid out like the base's (parts cut into blocks and interleaved, per KV group or per TP rank, then
@@ -70,13 +70,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..checkpoint.rules import chunk_rules, hf_parts, split_of
+from ..checkpoint.rules import chunk_rules, expected_hf_shape, hf_parts, split_of
 from ..errors import CheckpointError, UnsupportedConfigError
 from ..models.decoder import ModelChunk
 from ..models.grouped_linear import grouped_linear
 from ..models.moe import MoELayer
 from ..parallel.roles import ParamRole, add_param
-from ..parallel.splits import COLS, EXPERT_COLS, EXPERT_ROWS, REPLICATED, ROWS, Split, Vocab
+from ..parallel.splits import COLS, EXPERT_COLS, EXPERT_ROWS, REPLICATED, ROWS, Fused, Split, Vocab
 from ..parallel.state import ParallelState
 from ..parallel.stored_names import set_stored_names, stored_tensors
 from ..families import spec_of, text_config
@@ -290,63 +290,46 @@ class _Base:
 def _bases(chunk: ModelChunk) -> list[_Base]:
     """The base layers that can carry a plain adapter: attention, a dense layer's MLP (not on Mixtral / Qwen3-MoE,
     where peft maps the MLP names to the experts, which are `_moe_layers` with the router), Qwen2-MoE's shared
-    expert and its gate."""
-    cfg, tp = chunk.cfg, chunk.ps.tp
-    names = spec_of(cfg).peft
-    experts_mapped = bool(names.experts)
-    h = cfg.hidden_size
+    expert and its gate; MLA's projections (`models/latent_attention.py`: the a-projections replicated, their
+    adapter gradients partial over TP under SP only)."""
+    cfg, tp, sp = chunk.cfg, chunk.ps.tp, chunk.ps.sequence_parallel
+    experts_mapped = bool(spec_of(cfg).peft.experts)
     rules = {r.local: r for r in chunk_rules(cfg, [int(i) for i in chunk.layer_ids], False, False, chunk.experts)}
 
-    def column(local: str) -> _Base:
-        """A fused column-parallel base, from its rule: one projection per HF tensor, with that tensor's parts of
-        the base's split kind (one over all where the checkpoint fuses them, as Phi-3's `qkv_proj`)."""
+    def base(local: str, whole_partial: bool = True) -> _Base:
+        """A base layer, from its conversion rule: one projection per HF tensor the rule reads (one over all where
+        the checkpoint fuses them, as Phi-3's `qkv_proj`), its rows split like that tensor's part(s) of the base's
+        split kind; column-parallel where the kind splits the rows, row-parallel where it splits the columns."""
         rule = rules[local + ".weight"]
         split = split_of(rule, cfg)
+        fused = isinstance(split, Fused)
+        parts = hf_parts(rule, split) if fused else [(k,) for k in range(len(rule.hf))]
         projections = []
-        for hf, parts in zip(rule.hf, hf_parts(rule, split)):
+        for k, (hf, held) in enumerate(zip(rule.hf, parts)):
             module = hf.removesuffix(".weight")
-            projections.append(Projection(module.rsplit(".", 1)[1], module, sum(split.sizes[p] for p in parts),
-                                          split.select(parts)))
-        return _Base(local, projections, True, split.local_groups(tp) if len(projections) > 1 else 1)
+            rows = split.select(held) if fused else ROWS if split == ROWS else REPLICATED
+            projections.append(Projection(module.rsplit(".", 1)[1], module, expected_hf_shape(rule, k, cfg)[0], rows))
+        groups = split.local_groups(tp) if fused and len(projections) > 1 else 1
+        return _Base(local, projections, split.tp_dim != 1, groups, split.tp_dim is None, whole_partial)
 
     out = []
     for i in chunk.layer_ids:
-        a, m, L = f"{layer_prefix(i)}self_attn.", f"{layer_prefix(i)}mlp.", f"layers.{i}."
+        L = f"layers.{i}."
         if cfg.is_linear(int(i)):  # Gated DeltaNet: in_proj fuses in_proj_qkv (its q, k, v pieces), z, b and a
-            la = f"{layer_prefix(i)}linear_attn."
-            out += [column(L + "attn.in_proj"),
-                    _Base(L + "attn.out", [Projection("out_proj", la + "out_proj", cfg.hidden_size)], False)]
+            out.append(base(L + "attn.in_proj"))
+        elif cfg.mla is None:  # the layer's shape (`attention_shape`): no v_proj where the values are the keys
+            out.append(base(L + "attn.qkv"))
         else:
-            if cfg.mla is None:  # the layer's shape (`attention_shape`): no v_proj where the values are the keys
-                out.append(column(L + "attn.qkv"))
-            else:
-                out += _latent_bases(cfg, a, L + "attn.", chunk.ps.sequence_parallel)
-            out.append(_Base(L + "attn.out", [Projection("o_proj", a + "o_proj", h)], False, 1))
+            q = [L + "attn.q"] if cfg.mla.q_lora_rank is None else [L + "attn.q_a", L + "attn.q_b"]
+            out += [base(local, whole_partial=sp or not local.endswith("_a"))
+                    for local in q + [L + "attn.kv_a", L + "attn.kv_b"]]
+        out.append(base(L + "attn.out"))
         dense = not cfg.is_sparse(int(i)) or cfg.moe.beside_dense  # Gemma 4's dense MLP beside its experts
         if dense and not experts_mapped:
-            out += [column(L + "mlp.fc1"),
-                    _Base(L + "mlp.fc2", [Projection("down_proj", m + "down_proj", h)], False, 1)]
+            out += [base(L + "mlp.fc1"), base(L + "mlp.fc2")]
         elif cfg.is_sparse(int(i)) and cfg.moe.shared_expert_ffn_size and not experts_mapped:
-            s, fs = m + "shared_expert.", cfg.moe.shared_expert_ffn_size
-            out += [_Base(L + "mlp.shared.fc1", [Projection("gate_proj", s + "gate_proj", fs),
-                                                 Projection("up_proj", s + "up_proj", fs)], True, 1, True),
-                    _Base(L + "mlp.shared.fc2", [Projection("down_proj", s + "down_proj", h)], True, 1, True),
-                    _Base(L + "mlp.shared_gate", [Projection(SHARED_GATE, m + SHARED_GATE, 1)], True, 1, True)]
+            out += [base(L + "mlp.shared.fc1"), base(L + "mlp.shared.fc2"), base(L + "mlp.shared_gate")]
     return out
-
-
-def _latent_bases(cfg, a: str, local: str, sp: bool) -> list[_Base]:
-    """MLA's projections but `o_proj` (`models/latent_attention.py`): the a-projections replicated (their adapter
-    gradients partial over TP under SP only), the b-projections (or `q_proj`) column-parallel by heads."""
-    m, heads = cfg.mla, cfg.num_heads
-    kv = [_Base(local + "kv_a", [Projection("kv_a_proj_with_mqa", a + "kv_a_proj_with_mqa",
-                                            m.kv_lora_rank + m.qk_rope_head_dim)], True, 1, True, sp),
-          _Base(local + "kv_b", [Projection("kv_b_proj", a + "kv_b_proj",
-                                            heads * (m.qk_nope_head_dim + m.v_head_dim))], True, 1)]
-    if m.q_lora_rank is None:
-        return [_Base(local + "q", [Projection("q_proj", a + "q_proj", heads * cfg.head_dim)], True, 1)] + kv
-    return [_Base(local + "q_a", [Projection("q_a_proj", a + "q_a_proj", m.q_lora_rank)], True, 1, True, sp),
-            _Base(local + "q_b", [Projection("q_b_proj", a + "q_b_proj", heads * cfg.head_dim)], True, 1)] + kv
 
 
 def check_model(chunk_cfg, cfg: PeftConfig, tp: int = 1) -> None:
