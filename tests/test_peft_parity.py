@@ -8,7 +8,7 @@ and LM head trained in full (`modules_to_save`). The adapter is one `peft` made 
 and B both random (`init_lora_weights=False`), read through `peft.init_from`'s path, so
 every adapter gradient is non-zero and the import is exercised too; at TP2 x PP2, TP4 and TP4 x PP2
 the imported shards are written and exported back, bit for bit the file `peft` wrote.
-Gradients of TP-split adapter tensors are gathered with the same `join_slices` the
+Gradients of TP-split adapter tensors are gathered with the same split kinds (`AdapterTensor.split.join`) the
 export uses.
 """
 
