@@ -6,7 +6,8 @@ communication between the QKV projection and the output projection.
 
 With fewer KV heads than TP ranks (Gemma-3-1B's one, at TP 2) the KV heads are replicated, as
 Megatron-Core does: the `TP / KV` consecutive ranks whose query heads share KV head g each hold
-`[their share of group g's q heads; k_g; v_g]` (`qkv_split` below, a `parallel/splits.py` `Fused` kind, builds and undoes that layout).
+`[their share of group g's q heads; k_g; v_g]` (`qkv_split` below, a `parallel/splits.py` `Fused` kind, builds and
+undoes that layout).
 The K and V rows are copies, so their gradients, which each holder gets from its own queries only,
 are summed over the holders once per step (role `shared_rows`, `parallel/roles.py`); a per-head k norm
 already sums over TP. The forward needs nothing new: each rank attends with its one KV head.

@@ -110,7 +110,8 @@ def _chunk_elements(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool,
                     bucket_size: int, peft: PeftConfig | None) -> _Elements:
     # Dense layers are alike, so the count depends on how many; MoE models mix dense and sparse layers.
     which = tuple(cfg.is_sparse(i) for i in layers) if cfg.moe else len(layers)
-    key = (_cfg_key(cfg), lay.tp, lay.sp, lay.ep, which, pre, post, lay.pp, _shards(lay), bucket_size, lay.vocab_multiple,
+    key = (_cfg_key(cfg), lay.tp, lay.sp, lay.ep, which, pre, post, lay.pp, _shards(lay), bucket_size,
+           lay.vocab_multiple,
            repr(peft) if peft is not None and peft.enabled else None)
     if key not in _ELEMENTS:
         _ELEMENTS[key] = _count_chunk(cfg, lay, layers, pre, post, bucket_size, peft)

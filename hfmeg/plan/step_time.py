@@ -324,7 +324,8 @@ class _Stage:
 
     def head(self) -> tuple[float, float]:
         x, t = self.shape, self.lay.tp
-        mm = self._mm(x.micro_batch * x.seq, self.cfg.hidden_size, self.cfg.padded_vocab(t, self.lay.vocab_multiple) // t)
+        vocab = self.cfg.padded_vocab(t, self.lay.vocab_multiple) // t
+        mm = self._mm(x.micro_batch * x.seq, self.cfg.hidden_size, vocab)
         return mm * self.slow, 3 * mm * self.slow  # backward: recomputed logits + two gradient matmuls
 
 
