@@ -98,10 +98,11 @@ def test_release_configs_are_read():
         assert model_config_from_hf(release_config(name)).num_params() == held, name
 
 
-def _parity(base: str, adapter: str, ids: torch.Tensor, mp_shards: str, layouts, exact: dict[str, torch.Tensor]):
-    """Per layout (tp, pp, ep) on this rank: logits and greedy generation against transformers, then LoRA logits,
-    loss against peft and adapter gradients against peft's float64 ones (`exact`); at the first layout the imported
-    adapter exported back."""
+def _parity(base: str, adapter: str, ids: torch.Tensor, mp_shards: str, layouts, exact: dict[str, torch.Tensor],
+            pp_layers: list[int] | None = None):
+    """Per layout (tp, pp, ep) on this rank, its pipeline split `pp_layers` (None: even): logits and greedy generation
+    against transformers, then LoRA logits, loss against peft and adapter gradients against peft's float64 ones
+    (`exact`); at the first layout the imported adapter exported back."""
     ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         want = ref(ids).logits
@@ -115,10 +116,10 @@ def _parity(base: str, adapter: str, ids: torch.Tensor, mp_shards: str, layouts,
     rows = []
     for n, (tp, pp, ep) in enumerate(layouts):
         ps = make_ps(tp=tp, pp=pp, ep=ep)
-        chunks = load_chunks(HFCheckpoint(base), ps)
+        chunks = load_chunks(HFCheckpoint(base), ps, pp_layers=pp_layers)
         logits = full_logits(chunks, ps, ids)
         row = {"layout": (tp, pp, ep), "gen_equal": torch.equal(greedy_generate(chunks, ps, ids[:1, :8], 6), want_gen)}
-        chunks, cfg = hfmeg_chunks(base, adapter, ps)
+        chunks, cfg = hfmeg_chunks(base, adapter, ps, pp_layers=pp_layers)
         lora_logits = full_logits(chunks, ps, ids)
         mb = [MicroBatch(input_ids=ids, labels=labels)]
         loss = forward_backward(chunks, ps, mb, schedule="1f1b", num_tokens=tokens)
