@@ -42,6 +42,7 @@ from hfmeg.families import model_config_from_hf
 from hfmeg.families.llama import PROJECTIONS
 from hfmeg.models.generate import full_logits, greedy_generate
 from hfmeg.parallel.launch import spawn
+from hfmeg.plan.flops import layer_matmul_params
 from hfmeg.peft.adapter_files import WEIGHTS_FILE
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -60,6 +61,10 @@ def test_release_configs_are_read(tmp_path):
     assert [e2b.stores_kv(i) for i in (2, 3, 4, 5)] == [False, True, True, False]
     a = e2b.attention_shape(9)  # the full layer's shape, borrowed from layer 4, with no K/V rows
     assert (a.num_kv_heads, a.head_dim, a.kv_parts) == (1, 16, 0) and e2b.kv_replicas(2, 9) == 1
+    # The planner's and the MFU's count of layer 9: q alone (8 heads x 16), o, the wide GeGLU MLP, the per-layer
+    # input's gate and projection and its share (8 rows) of the first stage's projection
+    h = 32
+    assert layer_matmul_params(e2b, 9) == h * 8 * 16 + 8 * 16 * h + 3 * h * 128 + 3 * h * 8
     e4b = model_config_from_hf(release_config("gemma-4-E4B"))
     assert e4b.kv_source == (0, 1, 2, 3, 4, 5, 6, 6, 6, 6, 6, 5) and e4b.wide_mlp_layers == ()
     for name in CASES:  # every parameter and each layer's scalar
