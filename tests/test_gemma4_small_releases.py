@@ -13,8 +13,8 @@ MLPs and its one KV head is replicated over TP.
   float64 ones as peft's own fp32 ones are (2x), the peft adapter imported onto shards and exported back bit for
   bit, HF -> shards -> HF bit-exact: the E4B at TP2 x PP2, the E2B at PP2 (LoRA is not built under KV-head
   replication) and at TP2 x PP2 for the logits;
-- CP2 x TP2 (SP) against one process (tests/test_cp_parity.py's check): the producers' keys and values are reused
-  gathered;
+- CP2 x TP2 (SP) and CP2 x PP2 against one process, every gradient (tests/test_cp_parity.py's check): the
+  producers' keys and values are reused gathered, the per-layer inputs' gradients flow back between stages;
 - 3 trainer steps with LoRA at TP2 x PP2 (E4B) and PP2 (E2B).
 """
 
@@ -148,11 +148,13 @@ def test_release_parity_lora_and_round_trip(release, tmp_path):
 
 
 def test_releases_under_context_parallelism(tmp_path):
-    """Both releases at CP2 x TP2 (SP, full recompute) on packed and plain rows of 32: logits, loss and every
-    gradient equal one process's (tests/test_cp_parity.py's check)."""
+    """Both releases at CP2 x TP2 (SP, full recompute) and CP2 x PP2 (3 layers on the first stage: the producers
+    and their readers on the second) on packed and plain rows of 32: logits, loss and every gradient (the per-layer
+    table's and projection's, through the inputs carried between stages, included) equal one process's
+    (tests/test_cp_parity.py's check)."""
     from test_cp_parity import Layout, _check, _run_layouts
 
-    layouts = [Layout(2, 2, sp=True, recompute="full")]
+    layouts = [Layout(2, 2, sp=True, recompute="full"), Layout(1, 2, 2, pp_first=3)]
     folders = {name: str(save_release(name, tmp_path / name)) for name in CASES}
     _check(spawn(_run_layouts, 4, folders, layouts), layouts, list(folders))
 

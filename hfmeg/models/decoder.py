@@ -13,6 +13,11 @@ losses `[b, s]` when given labels, otherwise its vocab shard of the logits
 Labels are already aligned with inputs: `labels[:, t]` is the target for position
 t (the data pipeline does the shift), and -100 marks tokens without loss.
 
+Gemma 4's E2B and E4B: the first chunk also makes every layer's per-layer input (`models/per_layer_inputs.py`),
+and a chunk that is not the last sends them on after its hidden state, `[s, b, hidden + layers * P]`
+(`ModelConfig.stage_width`, what the pipeline's buffers hold); a chunk's forward hands its layers one `kv_store`
+for the keys and values that later layers reuse (KV sharing, `models/attention.py`).
+
 MoE models (`models/moe.py`) have the MoE block as the MLP of their sparse layers; Gemma 4's (`moe.beside_dense`)
 runs beside the layer's dense MLP instead: the MLP reads the pre-MLP norm, the block the residual stream itself,
 and the sum of their outputs, each normed (`dense_out_norm`, `moe_out_norm`), is what the MLP's output norm takes.
