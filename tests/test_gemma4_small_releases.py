@@ -28,8 +28,6 @@ import torch
 from bounds import within
 from convert_helpers import assert_same_tensors
 from helpers import make_ps
-from peft import PeftModel
-from peft_helpers import peft_adapter_grads, rel_diff
 from safetensors.torch import load_file
 from test_gemma4_releases import TOL, _parity, float64_reference, make_adapter, release_config, save_release
 from transformers import AutoModelForCausalLM
@@ -78,25 +76,6 @@ def test_release_configs_are_read(tmp_path):
     assert not (tmp_path / "mp").exists()
 
 
-def fp32_error(base: Path, adapter: Path, ids: torch.Tensor, exact: dict[str, torch.Tensor]) -> float:
-    """The worst relative error of peft's fp32 adapter gradients against the float64 ones (`exact`) over transformers'
-    two attention paths (eager, SDPA): what summing the same terms in fp32 in another order costs on this batch.
-
-    Twelve layers of Gemma 4 attention at scale 1 over q/k-normed heads, each layer's output scaled, with random A
-    and B, are ill-conditioned enough that fp32 loses a few 1e-4 relative on the first layers' gradients, by an
-    amount that moves with the summation order; one order's error alone underestimates another's."""
-    labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
-    worst = 0.0
-    for attention in ("eager", "sdpa"):
-        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation=attention)
-        model = PeftModel.from_pretrained(plain, adapter, is_trainable=True)
-        logits = model(ids).logits.double()
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-        (loss / (labels != -100).sum()).backward()
-        worst = max([worst] + [rel_diff(g.double(), exact[k]) for k, g in peft_adapter_grads(model).items()])
-    return worst
-
-
 def _tp_parity(base: str, ids: torch.Tensor, pp_layers: list[int]):
     """TP2 x PP2 (the E2B's one KV head replicated): logits and greedy generation against transformers."""
     ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
@@ -122,8 +101,9 @@ def test_release_parity_lora_and_round_trip(release, tmp_path):
     mp_to_hf(tmp_path / "mp", tmp_path / "back")
     assert assert_same_tensors(base, tmp_path / "back") > 0
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
-    exact, _ = float64_reference(base, adapter, ids)
-    peft_err = fp32_error(base, adapter, ids, exact)
+    # Twelve layers (the E4B) are worse conditioned than the 31B's six: fp32's error moves with the summation order
+    # by more than one order's error shows, so peft's worst over transformers' two attention paths is the scale.
+    exact, peft_err = float64_reference(base, adapter, ids, ("eager", "sdpa"))
     rows = [r for rank in spawn(_parity, 4, str(base), str(adapter), ids, str(tmp_path / "lora_shards"), layouts,
                                 exact, pp_layers) for r in rank]
     assert all(r["gen_equal"] for r in rows)
