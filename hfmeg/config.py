@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -148,11 +148,12 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     values_from_keys: bool = False
+    reused: bool = False  # Gemma 4's KV sharing: the layer attends with an earlier layer's keys and values
 
     @property
     def kv_parts(self) -> int:
-        """The key/value blocks of each KV group in the fused QKV weight: k and v, or k alone."""
-        return 1 if self.values_from_keys else 2
+        """The key/value blocks of each KV group in the fused QKV weight: k and v, k alone, or none (`reused`)."""
+        return 0 if self.reused else 1 if self.values_from_keys else 2
 
 
 @dataclass
@@ -227,6 +228,13 @@ class ModelConfig:
     # `head_dim`/`num_key_value_heads` overrides (`global_head_dim`, `num_global_key_value_heads`) and
     # `attention_k_eq_v`; None: every layer has the model's (`attention_shape`).
     global_attention: AttentionShape | None = None
+    # Gemma 4 E2B/E4B. `per_layer_input_size`: the values per layer and token of the per-layer input embeddings
+    # (`models/per_layer_inputs.py`; 0: none). `kv_source[i]`: the layer whose keys and values layer i attends with
+    # (KV sharing: i itself where it computes its own; empty: every layer its own). `wide_mlp_layers`: the layers
+    # whose MLP is 2 x `ffn_size` wide (`use_double_wide_mlp`: the KV-sharing ones).
+    per_layer_input_size: int = 0
+    kv_source: tuple[int, ...] = ()
+    wide_mlp_layers: tuple[int, ...] = ()
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # DeepSeek's latent attention instead of the fused-QKV one
     hf_config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
@@ -237,9 +245,29 @@ class ModelConfig:
     def attention_shape(self, layer: int | None) -> AttentionShape:
         """Layer `layer`'s KV heads, head size and value source (None: the model's, as every layer but Gemma 4's
         full-attention ones has it)."""
+        if self.reuses_kv(layer):  # the producing layer's shape (of the same layer type), with no K/V rows
+            return replace(self.attention_shape(self.kv_source[layer]), reused=True)
         if self.global_attention is not None and layer is not None and self.window(layer) is None:
             return self.global_attention
         return AttentionShape(self.num_kv_heads, self.head_dim)
+
+    def reuses_kv(self, layer: int | None) -> bool:
+        """Whether layer `layer` attends with an earlier layer's keys and values (`kv_source`)."""
+        return bool(self.kv_source) and layer is not None and self.kv_source[layer] != layer
+
+    def stores_kv(self, layer: int) -> bool:
+        """Whether a later layer attends with layer `layer`'s keys and values."""
+        return any(src == layer for i, src in enumerate(self.kv_source) if i != layer)
+
+    def ffn_size_of(self, layer: int | None) -> int:
+        """Layer `layer`'s dense MLP width (None: the model's)."""
+        return self.ffn_size * (2 if layer in self.wide_mlp_layers else 1)
+
+    @property
+    def stage_width(self) -> int:
+        """The features a pipeline stage sends the next per token: the hidden state, and with per-layer input
+        embeddings every layer's per-layer input after it (`models/per_layer_inputs.py`)."""
+        return self.hidden_size + self.num_layers * self.per_layer_input_size
 
     def attn_scale(self, layer: int) -> float:
         if self.mla is not None:
@@ -298,7 +326,8 @@ class ModelConfig:
 
         With fewer KV heads than TP ranks each rank keeps a full copy of the one KV head its query
         heads use (as Megatron-Core does for fewer query groups than ranks): `models/attention.py`."""
-        return max(1, tp // self.attention_shape(layer).num_kv_heads)
+        a = self.attention_shape(layer)
+        return 1 if a.kv_parts == 0 else max(1, tp // a.num_kv_heads)  # a layer reusing K/V holds no K/V rows
 
     def local_kv_heads(self, tp: int, layer: int | None = None) -> int:
         """The KV heads one TP rank computes in layer `layer` (copies included)."""
@@ -318,14 +347,18 @@ class ModelConfig:
                 return self.mla.num_params(h, self.num_heads)
             a = self.attention_shape(layer)
             qkv = h * (self.num_heads * self.q_rows_of(layer) + a.kv_parts * a.num_kv_heads * a.head_dim)
-            qk = (self.num_heads + a.num_kv_heads) * a.head_dim if self.qk_norm_whole else 2 * a.head_dim
+            qk = (self.num_heads + a.num_kv_heads) * a.head_dim if self.qk_norm_whole else (
+                (1 if a.reused else 2) * a.head_dim)  # a layer reusing K/V has no key norm
             return qkv + self.num_heads * a.head_dim * h + (qk if self.qk_norm else 0)
         dense = (3 if self.gated_mlp else 2) * h * self.ffn_size
+        p = self.per_layer_input_size  # each layer's gate, projection and norm; the table, projection and norm
+        per_layer = self.num_layers * (2 * h * p + h) + (v + h) * self.num_layers * p + p if p else 0
         norms = (2 * self.pre_norms + 2 * self.sandwich_norms) * h * (2 if self.norm == "layer" else 1)
         n_sparse = len(self.moe.sparse_layers) if self.moe else 0
         beside = self.moe is not None and self.moe.beside_dense  # Gemma 4: dense MLP, 3 norms, 2 scales more
         norms += self.layer_scalar  # Gemma 4's one frozen value a layer
         total = self.num_layers * norms + (self.num_layers if beside else self.num_layers - n_sparse) * dense
+        total += len(self.wide_mlp_layers) * dense + per_layer
         la = self.linear_attention
         n_linear = len(la.layers) if la else 0
         total += sum(attention(i) for i in range(self.num_layers) if not self.is_linear(i))
@@ -363,7 +396,7 @@ class ModelConfig:
         if self.mla is not None:
             out["mla"] = asdict(self.mla)
         if self.global_attention is not None:
-            out["global_attention"] = asdict(self.global_attention)
+            out["global_attention"] = {k: v for k, v in asdict(self.global_attention).items() if k != "reused"}
         return out
 
 
@@ -371,7 +404,8 @@ class ModelConfig:
 LATER_FIELDS = ("qk_norm", "nope_layers", "partial_rotary_factor", "full_attention_layers", "norm_offset",
                 "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap", "query_pre_attn_scalar",
                 "rope_per_layer_type", "qk_norm_whole", "pre_norms", "norm_fp32_scale", "v_norm", "attn_sinks",
-                "attn_output_gate", "layer_scalar", "query_scale_beta", "query_scale_period")
+                "attn_output_gate", "layer_scalar", "query_scale_beta", "query_scale_period", "per_layer_input_size",
+                "kv_source", "wide_mlp_layers")
 # MoEConfig fields added after the MoE families' first layout JSON: written only when set (ModelConfig.to_dict).
 MOE_LATER_FIELDS = ("router_bias", "expert_bias", "swiglu_alpha", "swiglu_limit", "scoring", "n_group", "topk_group",
                     "routed_scaling_factor", "score_correction_bias", "shared_expert_gate", "router_scales",
@@ -482,6 +516,17 @@ def check_cp(cfg: ModelConfig, cp: int) -> None:
         require(not cfg.moe.output_router_logits, "output_router_logits",
                  f"the router's load-balancing loss is not supported with parallel.cp={cp} (each CP rank routes only "
                  "its part of the sequence); set it false or use cp 1")
+
+
+def check_kv_sharing(cfg: ModelConfig, layers: list[int]) -> None:
+    """Raise if a pipeline chunk holding `layers` has a layer that attends with the keys and values of a layer
+    another chunk holds (`kv_source`): they are not sent between stages."""
+    for i in layers:
+        src = cfg.kv_source[i] if cfg.reuses_kv(i) else i
+        require(src in layers, "num_kv_shared_layers",
+                f"layer {i} attends with layer {src}'s keys and values, which this pipeline split puts on another "
+                f"stage (keys and values are not sent between stages): choose parallel.pp_layers (convert "
+                f"--pp-layers) that keep layers {src} and {i} on one stage")
 
 
 def check_ep(cfg: ModelConfig, ep: int) -> None:

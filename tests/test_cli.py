@@ -103,11 +103,39 @@ def test_convert_round_trip_bit_exact(tmp_path, capsys):
     assert (MPLayout.read(mp / "release").tp, MPLayout.read(mp / "release").pp) == (2, 2)
     assert hfmeg(["convert", "to-hf", "--mp", str(mp), "--out", str(back)]) == 0
     assert assert_same_tensors(src, back) > 0
-    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == [f"wrote {mp}", f"wrote {back}"]
+    # to-mp checked its first layers against transformers by default (`checkpoint.parity.check_prefix`)
+    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == ["verified", f"wrote {mp}",
+                                                                                     f"wrote {back}"]
     # Bad input: one line, exit 2, nothing written.
     assert hfmeg(["convert", "to-hf", "--mp", str(src), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {src}") and not (tmp_path / "x").exists(), err
+
+
+def test_convert_catches_a_wrong_rule_by_default(tmp_path, capsys, monkeypatch):
+    """A rule that fuses up before gate (shapes right, rows wrong) converts, and the check after it fails in one line
+    with exit 2; `--no-verify` skips the check, so that same wrong conversion passes."""
+    from dataclasses import replace
+
+    from hfmeg.checkpoint import rules
+
+    src = save_tiny("llama3", tmp_path / "src", num_hidden_layers=4)
+    spec_of = rules.spec_of
+
+    def swapped(cfg):
+        spec = spec_of(cfg)
+        def layer_rules(cfg, i, experts):
+            return [replace(r, hf=r.hf[::-1]) if r.local.endswith("mlp.fc1.weight") else r
+                    for r in spec.layer_rules(cfg, i, experts)]
+        return replace(spec, layer_rules=layer_rules)
+
+    monkeypatch.setattr(rules, "spec_of", swapped)
+    argv = ["convert", "to-mp", "--hf", str(src), "--out", str(tmp_path / "mp"), "--tp", "2", "--pp", "2"]
+    capsys.readouterr()  # the tiny model's save
+    assert hfmeg(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "first 2 layers' logits differ from transformers'" in err[0], err
+    assert hfmeg(argv + ["--overwrite", "--no-verify"]) == 0
 
 
 def test_convert_an_adapter_both_ways_bit_exact(tmp_path):

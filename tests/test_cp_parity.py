@@ -30,7 +30,7 @@ import torch.distributed as dist
 from bounds import within
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
-from hfmeg.checkpoint.load import load_chunks
+from hfmeg.checkpoint.load import load_chunks, source_config
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
 from hfmeg.data.microbatch import MicroBatch, token_index
 from hfmeg.parallel.comm import sync_sequence_parallel_grads
@@ -52,6 +52,7 @@ class Layout(NamedTuple):
     vpp: int = 1
     schedule: str = "1f1b"
     micro: int = 1  # micro-batches the two rows are cut into
+    pp_first: int | None = None  # PP 2: the layers of the first stage (None: an even split)
 
 
 LAYOUTS_4 = [Layout(1, 4, recompute="selective"), Layout(2, 2, sp=True, recompute="full"), Layout(1, 2, 2),
@@ -127,7 +128,7 @@ def _logits(chunks, ps, local: MicroBatch) -> torch.Tensor | None:
     x, last = local.input_ids, len(chunks) * ps.pp - 1
     for m in range(ps.pp_rank, last + 1, ps.pp):  # model chunk m = v * pp + pp_rank is chunks[v]
         if m > 0:
-            x = torch.empty(s // ps.tp if ps.sequence_parallel else s, b, chunks[0].cfg.hidden_size)
+            x = torch.empty(s // ps.tp if ps.sequence_parallel else s, b, chunks[0].cfg.stage_width)
             dist.recv(x, ps.prev_rank)
         x = chunks[m // ps.pp](x, **kwargs).detach()
         if m < last:
@@ -137,7 +138,8 @@ def _logits(chunks, ps, local: MicroBatch) -> torch.Tensor | None:
 
 def _one_layout(folder, lay: Layout, mb: MicroBatch, ntok: int, ref_logits, ref_loss, ref_grads) -> dict:
     ps = make_ps(tp=lay.tp, cp=lay.cp, pp=lay.pp, vpp=lay.vpp, sp=lay.sp)
-    chunks = load_chunks(HFCheckpoint(folder), ps, recompute=lay.recompute)
+    split = None if lay.pp_first is None else [lay.pp_first, source_config(HFCheckpoint(folder)).num_layers - lay.pp_first]
+    chunks = load_chunks(HFCheckpoint(folder), ps, recompute=lay.recompute, pp_layers=split)
     row = dict(layout=lay, rank=ps.rank, last_stage=ps.is_last_stage)
     logits = _logits(chunks, ps, mb.shard(ps.cp_rank, ps.cp))  # this rank's tokens, against the reference's
     if logits is not None:

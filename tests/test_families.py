@@ -201,11 +201,17 @@ def _train(cfg):
     return Trainer(cfg).run().hf_folder
 
 
-@pytest.mark.parametrize("field, value", [("hidden_size_per_layer_input", 4), ("num_kv_shared_layers", 1)])
-def test_gemma4_features_not_built_are_refused_naming_the_field(field, value):
-    with pytest.raises(UnsupportedConfigError, match=rf"^config.json field {field}: {value!r}: .* are not supported for "
-                                                     r"gemma4_text \(use 0, false or null\)$"):
-        model_config_from_hf(tiny_config("gemma4", **{field: value}))
+@pytest.mark.parametrize("fields, message", [
+    ({"num_kv_shared_layers": 1}, r"num_kv_shared_layers: layer 1 \(full_attention\) reuses keys and values, but no "
+                                  r"layer before layer 1 is a full_attention layer to take them from"),
+    ({"num_kv_shared_layers": 2}, r"num_kv_shared_layers: 2: between 1 and num_hidden_layers - 1 \(1\) layers"),
+    ({"hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 100},
+     r"vocab_size_per_layer_input: 100: hfmeg splits the per-layer table's rows over TP as the token embedding's")])
+def test_gemma4_kv_sharing_and_per_layer_inputs_hfmeg_cannot_build_are_refused_naming_the_field(fields, message):
+    """KV sharing and per-layer inputs are built (tests/test_gemma4_small_releases.py); what has no producing layer,
+    shares every layer, or has a per-layer vocabulary of its own is refused."""
+    with pytest.raises(UnsupportedConfigError, match=rf"^config.json field {message}"):
+        model_config_from_hf(tiny_config("gemma4", **fields))
 
 
 def test_gemma4_per_layer_shapes_off_the_full_layers_are_refused():
@@ -218,8 +224,8 @@ def test_gemma4_per_layer_shapes_off_the_full_layers_are_refused():
 
 
 def test_gemma4_refusals_at_conversion_and_start_up(tmp_path, capsys):
-    """A config field hfmeg does not build (KV sharing): the loader raises, the converter says one line and exits 2
-    with no output."""
+    """A config hfmeg cannot build (a layer sharing keys and values with no earlier layer of its type): the loader
+    raises, the converter says one line and exits 2 with no output."""
     import json
 
     from tool_loader import load_tool
@@ -227,11 +233,11 @@ def test_gemma4_refusals_at_conversion_and_start_up(tmp_path, capsys):
     folder = save_tiny("gemma4", tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"num_kv_shared_layers": 1}))
-    with pytest.raises(UnsupportedConfigError, match=r"config.json field num_kv_shared_layers: 1: KV sharing"):
+    with pytest.raises(UnsupportedConfigError, match=r"config.json field num_kv_shared_layers: layer 1 \(full"):
         load_chunks(HFCheckpoint(folder), make_ps(world=1))
     capsys.readouterr()
     rc = load_tool("convert_hf_to_mp").main(["--hf", str(folder), "--out", str(tmp_path / "mp"), "--tp", "1",
                                              "--pp", "1"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "config.json field num_kv_shared_layers: 1" in err[0], err
+    assert rc == 2 and len(err) == 1 and "config.json field num_kv_shared_layers: layer 1" in err[0], err
     assert not (tmp_path / "mp").exists()

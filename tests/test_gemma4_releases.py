@@ -98,10 +98,11 @@ def test_release_configs_are_read():
         assert model_config_from_hf(release_config(name)).num_params() == held, name
 
 
-def _parity(base: str, adapter: str, ids: torch.Tensor, mp_shards: str, layouts, exact: dict[str, torch.Tensor]):
-    """Per layout (tp, pp, ep) on this rank: logits and greedy generation against transformers, then LoRA logits,
-    loss against peft and adapter gradients against peft's float64 ones (`exact`); at the first layout the imported
-    adapter exported back."""
+def _parity(base: str, adapter: str, ids: torch.Tensor, mp_shards: str, layouts, exact: dict[str, torch.Tensor],
+            pp_layers: list[int] | None = None):
+    """Per layout (tp, pp, ep) on this rank, its pipeline split `pp_layers` (None: even): logits and greedy generation
+    against transformers, then LoRA logits, loss against peft and adapter gradients against peft's float64 ones
+    (`exact`); at the first layout the imported adapter exported back."""
     ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         want = ref(ids).logits
@@ -115,10 +116,10 @@ def _parity(base: str, adapter: str, ids: torch.Tensor, mp_shards: str, layouts,
     rows = []
     for n, (tp, pp, ep) in enumerate(layouts):
         ps = make_ps(tp=tp, pp=pp, ep=ep)
-        chunks = load_chunks(HFCheckpoint(base), ps)
+        chunks = load_chunks(HFCheckpoint(base), ps, pp_layers=pp_layers)
         logits = full_logits(chunks, ps, ids)
         row = {"layout": (tp, pp, ep), "gen_equal": torch.equal(greedy_generate(chunks, ps, ids[:1, :8], 6), want_gen)}
-        chunks, cfg = hfmeg_chunks(base, adapter, ps)
+        chunks, cfg = hfmeg_chunks(base, adapter, ps, pp_layers=pp_layers)
         lora_logits = full_logits(chunks, ps, ids)
         mb = [MicroBatch(input_ids=ids, labels=labels)]
         loss = forward_backward(chunks, ps, mb, schedule="1f1b", num_tokens=tokens)
@@ -143,25 +144,28 @@ def _parity(base: str, adapter: str, ids: torch.Tensor, mp_shards: str, layouts,
     return rows
 
 
-def float64_reference(base: Path, adapter: Path, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], float]:
-    """peft's adapter gradients in float64 on this batch, and the worst relative error of its own fp32 ones.
+def float64_reference(base: Path, adapter: Path, ids: torch.Tensor,
+                      fp32_paths: tuple[str, ...] = ("eager",)) -> tuple[dict[str, torch.Tensor], float]:
+    """peft's adapter gradients in float64 on this batch, and the worst relative error of its own fp32 ones over
+    transformers' attention paths `fp32_paths` (each sums the same terms in another order).
 
     Six layers of attention at scale 1 over q/k-normed heads (Gemma 4's), each output scaled, are ill-conditioned
     enough that fp32 loses a few 1e-4 relative on the first layers' gradients: hfmeg's fp32 gradients are held to
     the float64 ones as tightly as peft's fp32 gradients are (twice their worst error)."""
     labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
     grads = {}
-    for dtype in (torch.float32, torch.float64):
+    for dtype, attention in [(torch.float64, "eager")] + [(torch.float32, path) for path in fp32_paths]:
         # transformers' grouped-GEMM experts have no float64 kernel; its eager loop is the same arithmetic
-        plain = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, attn_implementation="eager",
+        plain = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, attn_implementation=attention,
                                                      experts_implementation="eager")
         model = PeftModel.from_pretrained(plain, adapter, is_trainable=True).to(dtype)
         logits = model(ids).logits.double()
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
         (loss / (labels != -100).sum()).backward()
-        grads[dtype] = peft_adapter_grads(model)
-    exact = grads[torch.float64]
-    return exact, max(rel_diff(g.double(), exact[k]) for k, g in grads[torch.float32].items())
+        grads[dtype, attention] = peft_adapter_grads(model)
+    exact = grads[torch.float64, "eager"]
+    return exact, max(rel_diff(g.double(), exact[k]) for path in fp32_paths
+                      for k, g in grads[torch.float32, path].items())
 
 
 # The 31B: LoRA on all-linear (peft finds no v_proj on the full layers, where the keys are the values). The 26B-A4B:

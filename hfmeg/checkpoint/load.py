@@ -74,6 +74,17 @@ def load_chunks(
     return [_load_chunk(source, cfg, spec, ps, dtype, vocab_multiple, options) for spec in specs]
 
 
+def load_prefix(source: MPCheckpoint, ps: ParallelState, layers: int) -> ModelChunk:
+    """One chunk of the MP checkpoint's first `layers` decoder layers with both ends, at the checkpoint's TP and
+    PP 1 (`parity.prefix_logits`), each tensor read from the pipeline rank folder that holds it."""
+    if ps.tp != source.layout.tp or ps.pp != 1:
+        raise LayoutError(f"{source.folder}: a prefix is read at the checkpoint's TP={source.layout.tp} and PP 1, "
+                          f"not TP={ps.tp} PP={ps.pp}")
+    held = range(min(layers, source.cfg.num_layers))
+    spec = ChunkSpec(index=0, pp_rank=0, virtual=0, layers=held, pre_process=True, post_process=True)
+    return _load_chunk(source, source.cfg, spec, ps, torch.float32, source.layout.vocab_multiple, {})
+
+
 def source_config(source: HFCheckpoint | TensorSource) -> ModelConfig:
     """The model config of an HF-named source (a folder's `config.json`, and how it stores MoE experts and its LM
     head: `placement.as_stored`); a folder with a tensor nothing places or carries is refused."""
@@ -113,7 +124,7 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
     with torch.no_grad():
         if isinstance(source, MPCheckpoint):
             for rule in rules:
-                params[rule.local].copy_(source.local(ps.tp_rank, ps.pp_rank, rule.local))
+                params[rule.local].copy_(source.local(ps.tp_rank, source.holder(ps.pp_rank, rule.local), rule.local))
         else:
             _check_shapes(source, rules, cfg)
             for rule, tensors in rule_tensors(source, rules):

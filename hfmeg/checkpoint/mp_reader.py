@@ -116,6 +116,12 @@ class MPCheckpoint:
                             f"{path}: tensor {rule.local} has shape {list(got)}, the layout implies {list(expect)}"
                         )
 
+    def holder(self, pp_rank: int, name: str) -> int:
+        """The pipeline rank whose folder holds tensor `name`: `pp_rank` where it does (a run's own chunks), else
+        the one that does (a prefix gathered from several stages, `load.load_prefix`)."""
+        ranks = [pp_rank] + [r for r in range(self.layout.pp) if r != pp_rank]
+        return next((r for r in ranks if name in self._tensors(0, r)), pp_rank)
+
     def local(self, tp_rank: int, pp_rank: int, name: str) -> torch.Tensor:
         """Tensor `name` of rank folder (tp_rank, pp_rank), as stored."""
         path, _ = self._tensors(tp_rank, pp_rank)[name]  # validated on open

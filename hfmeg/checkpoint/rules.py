@@ -93,6 +93,7 @@ def chunk_rules(cfg: ModelConfig, layers: Iterable[int], pre_process: bool, post
         rules.append(TensorRule("embed.weight", (emb,), "vocab"))
         if cfg.positions == "learned":
             rules.append(TensorRule("pos_embed.weight", (family.position_embedding,), "replicated"))
+        rules += family.first_stage(cfg)
     for i in layers:
         rules += family.layer_rules(cfg, i, experts)
     if post_process:

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..config import VOCAB_MULTIPLE
 from ..checkpoint.cli import add_layout_args, add_output_args, run_cli
 from ..checkpoint.convert import hf_to_mp, mp_to_hf
+from ..checkpoint.parity import PREFIX_LAYERS, TOL, check_prefix
 from ..checkpoint.hub_source import resolve_hf_source
 from ..checkpoint.mp_layout import resolve_iteration_dir
 from ..errors import HfmegError
@@ -31,6 +32,10 @@ from ..flags import Parser
 TO_MP = """Convert an HF checkpoint (folder or Hub id) into Megatron-style TP x PP shards.
 
     hfmeg convert to-mp --hf meta-llama/Llama-2-7b-hf --out ckpt/llama7b-tp4pp2 --tp 4 --pp 2
+
+Then it checks what it wrote: the first {layers} layers with the final norm and LM head, read from the shards
+on TP forked processes, against transformers' same prefix of the source (fp32 logits within {tol:g}); a mismatch
+is one line and exit 2 (the folder is kept). `--no-verify` skips it; `hfmeg verify` checks the whole model.
 
 Streams one tensor at a time; see hfmeg/checkpoint/convert.py. `--adapter FOLDER` also imports a PEFT
 LoRA/DoRA adapter (one `peft` wrote, read as `peft.init_from` reads it) onto the shards, as a LoRA run's
@@ -60,6 +65,8 @@ def add_to_mp_args(ap: argparse.ArgumentParser) -> None:
                     help="pad the vocabulary to a multiple of this x TP (Megatron's make_vocab_size_divisible_by)")
     ap.add_argument("--adapter", default=None,
                     help="a PEFT LoRA/DoRA adapter folder (or Hub id) to import onto the shards")
+    ap.add_argument("--no-verify", action="store_true",
+                    help=f"skip the check of the first {PREFIX_LAYERS} layers' logits against transformers")
 
 
 def run_to_mp(args: argparse.Namespace) -> int:
@@ -68,8 +75,12 @@ def run_to_mp(args: argparse.Namespace) -> int:
         if args.adapter:  # read and checked before the base is converted
             cfg, tensors = read_peft_folder(resolve_hf_source(args.adapter, weights=False))
             extra = partial(import_adapter, cfg=cfg, tensors=tensors, base=args.hf)
-        return hf_to_mp(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, pp_layers=args.pp_layers,
-                        dtype=args.dtype, vocab_multiple=args.vocab_multiple, overwrite=args.overwrite, extra=extra)
+        out = hf_to_mp(args.hf, args.out, tp=args.tp, pp=args.pp, vpp=args.vpp, pp_layers=args.pp_layers,
+                       dtype=args.dtype, vocab_multiple=args.vocab_multiple, overwrite=args.overwrite, extra=extra)
+        if not args.no_verify:
+            diff = check_prefix(out, resolve_hf_source(args.hf))
+            print(f"verified: the first {PREFIX_LAYERS} layers' logits are transformers' within {diff:.1e}")
+        return out
 
     return run_cli(run)
 
@@ -111,6 +122,8 @@ def _adapter_cards(iter_dir: Path, adapter: Path, merged: Path | None) -> None:
     if merged is not None:
         write_model_card(merged, **card)
 
+
+TO_MP = TO_MP.format(layers=PREFIX_LAYERS, tol=TOL)
 
 DIRECTIONS = {  # name -> (description, arguments, run)
     "to-mp": (TO_MP, add_to_mp_args, run_to_mp),

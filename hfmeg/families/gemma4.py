@@ -22,9 +22,18 @@ As the 31B and the 26B-A4B are published (`tests/releases/`):
   adapts the attention and the dense MLP (peft's names); the router and the experts are not adapted (peft's
   `all-linear` would take the router's `proj` too: name the projections).
 
-What the E2B and E4B add is refused, by the config field that switches it on: per-layer input embeddings
-(`hidden_size_per_layer_input`) and KV sharing across layers (`num_kv_shared_layers`). `use_double_wide_mlp` widens
-only the KV-sharing layers' MLPs, so it changes nothing once sharing is refused."""
+As the E2B and E4B are published (`tests/releases/`):
+- per-layer input embeddings (`hidden_size_per_layer_input`, `models/per_layer_inputs.py`): transformers'
+  `embed_tokens_per_layer` (`[vocab, layers * P]`, split by vocabulary rows as the token embedding is, so
+  `vocab_size_per_layer_input` must be `vocab_size`, as published), `per_layer_model_projection` and
+  `per_layer_projection_norm` on the first stage, and in each layer `per_layer_input_gate`, `per_layer_projection`
+  and `post_per_layer_input_norm`;
+- KV sharing (`num_kv_shared_layers`): the last n layers have no `k_proj`, `v_proj` or `k_norm` and attend with the
+  keys and values of the last earlier layer of their type (`ModelConfig.kv_source`, transformers'
+  `kv_sharing_modes`), which must be on their pipeline stage (`config.check_kv_sharing`);
+- `use_double_wide_mlp`: those layers' MLPs are twice `intermediate_size` wide (`ModelConfig.wide_mlp_layers`).
+LoRA adapts peft's projection names there too (a reusing layer has only q_proj and o_proj); the per-layer input
+projections, which peft's `all-linear` would take, are not adapted: name the projections."""
 
 from __future__ import annotations
 
@@ -40,8 +49,6 @@ from .gemma2 import ACT_FIELD, gemma_switches
 from .llama import PROJECTIONS, decoder_config, layer_prefix, layer_rules, layer_types_window, rope_per_layer_type
 from .spec import FamilySpec, PeftNames, TensorRule
 
-# The fields that switch on what hfmeg does not build, and the value that leaves it off.
-UNBUILT = {"hidden_size_per_layer_input": "per-layer input embeddings", "num_kv_shared_layers": "KV sharing across layers"}
 SHAPED = {"head_dim", "num_key_value_heads"}
 HETEROGENEITY_LOGGER = "transformers.integrations.heterogeneity.configuration_utils"  # the per-layer overrides hfmeg builds (on the full layers)
 
@@ -111,17 +118,45 @@ def normalise(hf: PretrainedConfig) -> ModelConfig:
 
 
 def _normalise(hf: PretrainedConfig) -> ModelConfig:
-    for name, what in UNBUILT.items():
-        value = getattr(hf, name, None)
-        require(not value, name, f"{value!r}: {what} are not supported for {hf.model_type} (use 0, false or null)")
     rope_per_layer_type(hf, also=("proportional",))
     # 'vision' (the released 26B and 31B): image tokens attend both ways; text, all hfmeg trains on, is causal.
     cfg = gemma_switches(hf, decoder_config(hf, window=layer_types_window, qk_norm=True, moe=moe_block,
                                             act_field=ACT_FIELD), causal_on_text=("vision",))
     # transformers' full layers are those `layer_types` names full_attention (as `layer_types_window` reads them).
     full = tuple(i for i, t in enumerate(hf.layer_types) if t == "full_attention")
+    sources = kv_sources(hf)
+    wide = tuple(i for i, src in enumerate(sources) if src != i) if getattr(hf, "use_double_wide_mlp", False) else ()
     return replace(cfg, rope_per_layer_type=True, attn_softcap=None, norm_offset=False, norm_fp32_scale=True,
-                   v_norm=True, query_pre_attn_scalar=1.0, global_attention=global_attention(hf, full), layer_scalar=True)
+                   v_norm=True, query_pre_attn_scalar=1.0, global_attention=global_attention(hf, full), layer_scalar=True,
+                   per_layer_input_size=per_layer_input_size(hf), kv_source=sources, wide_mlp_layers=wide)
+
+
+def per_layer_input_size(hf: PretrainedConfig) -> int:
+    """The per-layer inputs' width (`hidden_size_per_layer_input`; 0 or null: none)."""
+    size = getattr(hf, "hidden_size_per_layer_input", None) or 0
+    vocab = getattr(hf, "vocab_size_per_layer_input", None)
+    require(not size or vocab == hf.vocab_size, "vocab_size_per_layer_input",
+            f"{vocab}: hfmeg splits the per-layer table's rows over TP as the token embedding's, so it needs "
+            f"vocab_size ({hf.vocab_size}), as the published E2B and E4B have")
+    return size
+
+
+def kv_sources(hf: PretrainedConfig) -> tuple[int, ...]:
+    """Each layer's KV source under `num_kv_shared_layers` n (empty: none): the last n layers reuse the keys and
+    values of the last layer before them of their own type (transformers' `kv_sharing_modes`, 'reuse'/'store')."""
+    n, layers = getattr(hf, "num_kv_shared_layers", None) or 0, hf.num_hidden_layers
+    if not n:
+        return ()
+    require(0 < n < layers, "num_kv_shared_layers", f"{n}: between 1 and num_hidden_layers - 1 ({layers - 1}) "
+            "layers can reuse the keys and values of the layers before them")
+    first, types = layers - n, hf.layer_types
+    sources = list(range(layers))
+    for i in range(first, layers):
+        own = [j for j in range(first) if types[j] == types[i]]
+        require(bool(own), "num_kv_shared_layers", f"layer {i} ({types[i]}) reuses keys and values, but no layer "
+                f"before layer {first} is a {types[i]} layer to take them from")
+        sources[i] = own[-1]
+    return tuple(sources)
 
 
 def _moe_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[TensorRule]:
@@ -146,9 +181,28 @@ def _moe_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[Tenso
 
 
 def _layer_rules(cfg: ModelConfig, i: int, experts: Collection[int]) -> list[TensorRule]:
-    return layer_rules(cfg, i, experts, moe_rules=_moe_rules)
+    rules = layer_rules(cfg, i, experts, moe_rules=_moe_rules)
+    if not cfg.per_layer_input_size:
+        return rules
+    p, L, h, d = layer_prefix(i), f"layers.{i}.per_layer.", cfg.hidden_size, cfg.per_layer_input_size
+    return rules + [TensorRule(L + "gate.weight", (p + "per_layer_input_gate.weight",), "replicated", shapes=((d, h),)),
+                    TensorRule(L + "projection.weight", (p + "per_layer_projection.weight",), "replicated",
+                               shapes=((h, d),)),
+                    TensorRule(L + "norm.weight", (p + "post_per_layer_input_norm.weight",), "replicated")]
+
+
+def _first_stage_rules(cfg: ModelConfig) -> list[TensorRule]:
+    """The per-layer input tables (`models/per_layer_inputs.py`), none without them."""
+    if not cfg.per_layer_input_size:
+        return []
+    d, width, L = cfg.per_layer_input_size, cfg.num_layers * cfg.per_layer_input_size, "per_layer_inputs."
+    return [TensorRule(L + "embed.weight", ("model.embed_tokens_per_layer.weight",), "vocab",
+                       shapes=((cfg.vocab_size, width),)),
+            TensorRule(L + "projection.weight", ("model.per_layer_model_projection.weight",), "replicated",
+                       shapes=((width, cfg.hidden_size),)),
+            TensorRule(L + "norm.weight", ("model.per_layer_projection_norm.weight",), "replicated", shapes=((d,),))]
 
 
 # LoRA: peft's names for the attention and the dense MLP; the MoE block's router and experts are not adapted.
 GEMMA4 = FamilySpec(("gemma4_text",), "Gemma4ForCausalLM", normalise, _layer_rules, embedding="model.embed_tokens.weight",
-                    final_norm="model.norm", peft=PeftNames(PROJECTIONS))
+                    final_norm="model.norm", peft=PeftNames(PROJECTIONS), first_stage=_first_stage_rules)

@@ -217,12 +217,16 @@ def layer_rules(cfg: ModelConfig, i: int, experts: Collection[int], on_disk: Exp
                   TensorRule(L + "attn.k_norm.weight", (a + "k_norm.weight",), "rows", shapes=((kv,),))]
     elif cfg.qk_norm:
         d = (shape.head_dim,)
-        rules += [TensorRule(L + "attn.q_norm.weight", (a + "q_norm.weight",), "replicated", shapes=(d,)),
-                  TensorRule(L + "attn.k_norm.weight", (a + "k_norm.weight",), "replicated", shapes=(d,))]
+        rules.append(TensorRule(L + "attn.q_norm.weight", (a + "q_norm.weight",), "replicated", shapes=(d,)))
+        if not shape.reused:  # a layer reusing another's keys (Gemma 4's KV sharing) has no key norm
+            rules.append(TensorRule(L + "attn.k_norm.weight", (a + "k_norm.weight",), "replicated", shapes=(d,)))
     if not cfg.is_sparse(i) or cfg.moe.beside_dense:  # Gemma 4's dense MLP runs beside its experts
+        f, h = cfg.ffn_size_of(i), cfg.hidden_size
+        wide = i in cfg.wide_mlp_layers  # Gemma 4's double-wide MLPs: their shapes are not the model's `ffn_size`
         rules += [
-            TensorRule(L + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up"),
-            TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols"),
+            TensorRule(L + "mlp.fc1.weight", (m + "gate_proj.weight", m + "up_proj.weight"), "gate_up",
+                       shapes=((f, h), (f, h)) if wide else None),
+            TensorRule(L + "mlp.fc2.weight", (m + "down_proj.weight",), "cols", shapes=((h, f),) if wide else None),
         ]
     if cfg.layer_scalar:
         rules.append(TensorRule(L + "layer_scalar", (p + "layer_scalar",), "replicated", shapes=((1,),)))

@@ -86,3 +86,5 @@ class FamilySpec:
     # (HF tensor name, config.json as a dict) -> whether it is a tensor the family's checkpoints hold that transformers
     # does not compute with either (DeepSeek-V3's MTP layers): carried verbatim, unchecked (`checkpoint/carried.py`).
     carried: Callable[[str, dict], bool] = lambda name, config: False
+    # The rules of the tensors the first stage holds beside the token embedding (Gemma 4's per-layer input tables).
+    first_stage: Callable[[ModelConfig], list[TensorRule]] = lambda cfg: []

@@ -32,6 +32,14 @@ the values are the raw keys (before the key norm and RoPE), each then RMS-normal
 is decided per layer with the layer's own KV heads, so a full-attention layer may replicate where the sliding
 ones do not; keys-as-values replicate as k_g alone (the shared rows are its key rows).
 
+Gemma 4's KV sharing (the E2B and E4B, `ModelConfig.kv_source`): the last `num_kv_shared_layers` layers compute
+queries only and attend with the keys and values of the last earlier layer of their type, as that layer attended
+with them (normed, rotated, gathered under CP). The chunk's forward passes one `kv_store` dict through its layers:
+a producing layer puts its keys and values there, a reusing one reads them; autograd sums both uses' gradients
+into the producer's projection. A reusing layer's fused weight is its q rows alone (no KV rows, so nothing to
+replicate over TP), and its heads' groups are the producer's. The producer and its readers must be on one
+pipeline stage (`config.check_kv_sharing`).
+
 A layer with a sliding window (`cfg.window`) attends under the micro-batch's windowed mask
 (`DocumentMask.sliding`, document_attention.py), the others under its full one.
 
@@ -70,7 +78,8 @@ def qkv_split(cfg: ModelConfig, layer: int | None) -> Fused:
     `[q heads of g; k_g]`) per KV group g (`parallel/splits.py`; conversion and the adapters read it too)."""
     a = cfg.attention_shape(layer)
     sizes = [cfg.num_heads * cfg.q_rows_of(layer)] + [a.num_kv_heads * a.head_dim] * a.kv_parts
-    return Fused(tuple(sizes), a.num_kv_heads)
+    # a layer reusing an earlier layer's K/V (Gemma 4's KV sharing) has query rows only: plain rows, no copies
+    return Fused(tuple(sizes), a.num_kv_heads if a.kv_parts else None)
 
 
 class ParallelAttention(nn.Module):
@@ -85,6 +94,8 @@ class ParallelAttention(nn.Module):
         self.window = cfg.window(layer)
         d = self.d = shape.head_dim
         self.q_rows = cfg.q_rows_of(layer)
+        self.layer, self.stores = layer, cfg.stores_kv(layer)
+        self.kv_from = cfg.kv_source[layer] if cfg.reuses_kv(layer) else None  # KV sharing: whose keys, values
         split = qkv_split(cfg, layer)
         replicas = split.replicas(ps.tp)
         kv = shape.kv_parts * d  # a group's key (and value) rows: the copies where KV heads are replicated
@@ -96,49 +107,65 @@ class ParallelAttention(nn.Module):
             self.k_norm = HeadsRMSNorm(shape.num_kv_heads, d, cfg.norm_eps, ps)
         elif cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg, True, kernels)
-            self.k_norm = RMSNorm(d, cfg, True, kernels)
+            if not shape.reused:
+                self.k_norm = RMSNorm(d, cfg, True, kernels)
         if cfg.attn_sinks:  # one logit per query head: TP-sharded with the heads (a rank's are contiguous)
             add_param(self, "sinks", cfg.num_heads // ps.tp, role=ParamRole("bias", tp_dim=0))
         else:
             self.sinks = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, docs: DocumentMask | None,
-                recompute_core: bool = False):
+                recompute_core: bool = False, kv_store: dict | None = None):
+        """`kv_store`: the keys and values of the layers that later layers attend with, by layer (KV sharing)."""
         qkv = self.qkv(x)  # [s, b, groups * (rep + 2) * d]
         s = qkv.shape[0] * self.ps.cp  # the row's length: under CP the queries are a part of it
         docs = layer_mask(docs, self.window, s)
         if recompute_core:
-            o = checkpoint(self._core, qkv, rope, docs, use_reentrant=False)
+            o = checkpoint(self._core, qkv, rope, docs, kv_store, use_reentrant=False)
         else:
-            o = self._core(qkv, rope, docs)
+            o = self._core(qkv, rope, docs, kv_store)
         return self.out(o)
 
-    def _core(self, qkv: torch.Tensor, rope, docs: DocumentMask | None) -> torch.Tensor:
+    def _core(self, qkv: torch.Tensor, rope, docs: DocumentMask | None, kv_store: dict | None = None) -> torch.Tensor:
         s, b = qkv.shape[:2]
         d, kv_parts = self.d, self.shape.kv_parts
         per_q = self.q_rows // d  # 2 with an output gate: each query head's rows are [q_h; gate_h]
         qkv = qkv.view(s, b, self.groups, self.rep * per_q + kv_parts, d).permute(1, 2, 3, 0, 4)  # [b, g, rep+2, s, d]
         # One split, not three slices: a slice's backward zero-fills a gradient the size of the whole QKV
         # output and copies its part in; split's backward concatenates the three parts once.
-        q, k, *v = qkv.split([self.rep * per_q] + [1] * kv_parts, dim=2)
-        v = v[0] if v else k  # `values_from_keys`: the raw keys
+        q, *kv = qkv.split([self.rep * per_q] + [1] * kv_parts, dim=2)
         gate = None
         if per_q == 2:
             q, gate = q.unflatten(2, (self.rep, 2)).unbind(3)
             gate = gate.reshape(b, self.groups * self.rep, s, d)
         q = q.reshape(b, self.groups * self.rep, s, d)
-        k, v = k.squeeze(2), v.squeeze(2)
         if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.cfg.v_norm:
-            v = self.kernels.rms_norm_fp32(v, None, self.cfg.norm_eps)
+            q = self.q_norm(q)
         if rope is not None and self.rotates:
             cos, sin, *query_scale = rope
-            q, k = self.kernels.rope(q, cos, sin), self.kernels.rope(k, cos, sin)
+            q = self.kernels.rope(q, cos, sin)
             if query_scale:  # Ministral 3's per-position query scale (`rope.RotaryEmbedding`)
                 q = q * query_scale[0]
-        k, v = gather_kv(k, v, self.ps)  # the whole row's under context parallelism
+        if self.kv_from is not None:  # the producing layer's, normed, rotated and gathered as it attended with them
+            k, v = kv_store[self.kv_from]
+        else:
+            k, v = self._keys_values(kv, rope)
+            if self.stores:
+                kv_store[self.layer] = k, v
         o = attend(q, k, v, docs, self.scale, gqa=self.rep > 1, softcap=self.cfg.attn_softcap, sinks=self.sinks)
         if gate is not None:  # Qwen3.5's gated attention
             o = o * torch.sigmoid(gate)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads_local * d]
+
+    def _keys_values(self, kv: list[torch.Tensor], rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values `[b, groups, s, d]` from their fused rows (the values: the raw keys where
+        `values_from_keys`), normed, the keys rotated, the whole row's under context parallelism."""
+        k = kv[0].squeeze(2)
+        v = kv[1].squeeze(2) if len(kv) > 1 else k
+        if self.cfg.qk_norm:
+            k = self.k_norm(k)
+        if self.cfg.v_norm:
+            v = self.kernels.rms_norm_fp32(v, None, self.cfg.norm_eps)
+        if rope is not None and self.rotates:
+            k = self.kernels.rope(k, rope[0], rope[1])
+        return gather_kv(k, v, self.ps)

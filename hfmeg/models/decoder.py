@@ -13,6 +13,11 @@ losses `[b, s]` when given labels, otherwise its vocab shard of the logits
 Labels are already aligned with inputs: `labels[:, t]` is the target for position
 t (the data pipeline does the shift), and -100 marks tokens without loss.
 
+Gemma 4's E2B and E4B: the first chunk also makes every layer's per-layer input (`models/per_layer_inputs.py`),
+and a chunk that is not the last sends them on after its hidden state, `[s, b, hidden + layers * P]`
+(`ModelConfig.stage_width`, what the pipeline's buffers hold); a chunk's forward hands its layers one `kv_store`
+for the keys and values that later layers reuse (KV sharing, `models/attention.py`).
+
 MoE models (`models/moe.py`) have the MoE block as the MLP of their sparse layers; Gemma 4's (`moe.beside_dense`)
 runs beside the layer's dense MLP instead: the MLP reads the pre-MLP norm, the block the residual stream itself,
 and the sum of their outputs, each normed (`dense_out_norm`, `moe_out_norm`), is what the MLP's output norm takes.
@@ -32,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import VOCAB_MULTIPLE, ModelConfig, check_cp, check_ep, check_tp
+from ..config import VOCAB_MULTIPLE, ModelConfig, check_cp, check_ep, check_kv_sharing, check_tp
 from ..data.microbatch import MicroBatch
 from ..parallel.comm import scatter_to_sequence
 from ..parallel.context import local_positions
@@ -51,6 +56,7 @@ from .mlp import ParallelMLP
 from .load_balancing import add_router_sums, empty_router_sums, load_balancing_loss
 from .moe import MoELayer
 from .norm import make_norm
+from .per_layer_inputs import PerLayerInput, PerLayerInputs
 from .rope import RotaryEmbedding
 from .staging import Stager, stage_microbatch
 
@@ -72,7 +78,8 @@ class DecoderLayer(nn.Module):
             self.attn = (LatentAttention if cfg.mla is not None else ParallelAttention)(cfg, ps, layer, kernels)
         self.post_attn_norm = pre()  # before the MLP (HF's LLaMA name kept)
         beside = cfg.is_sparse(layer) and cfg.moe.beside_dense
-        self.mlp = MoELayer(cfg, ps, kernels) if cfg.is_sparse(layer) and not beside else ParallelMLP(cfg, ps, kernels)
+        dense = not cfg.is_sparse(layer) or beside
+        self.mlp = ParallelMLP(cfg, ps, kernels, cfg.ffn_size_of(layer)) if dense else MoELayer(cfg, ps, kernels)
         self.moe = MoELayer(cfg, ps, kernels) if beside else None
         if beside:
             self.dense_out_norm = make_norm(cfg, sp, kernels)
@@ -86,14 +93,21 @@ class DecoderLayer(nn.Module):
         if self.sandwich:  # Gemma: the attention's and the MLP's outputs are normed before the residual add
             self.attn_out_norm = make_norm(cfg, sp, kernels)
             self.mlp_out_norm = make_norm(cfg, sp, kernels)
+        # Gemma 4 E2B/E4B: the layer's per-layer input joins the residual stream (`models/per_layer_inputs.py`)
+        self.per_layer = PerLayerInput(cfg, sp, kernels) if cfg.per_layer_input_size else None
 
-    def forward(self, x, rope, docs, selective: bool = False):
-        a = self.attn(self.input_norm(x), rope, docs, recompute_core=selective)
+    def forward(self, x, rope, docs, selective: bool = False, per_layer: torch.Tensor | None = None,
+                kv_store: dict | None = None):
+        """`per_layer`: this layer's per-layer input; `kv_store`: the shared keys and values (KV sharing)."""
+        shared = {} if kv_store is None else {"kv_store": kv_store}  # only ParallelAttention shares K/V
+        a = self.attn(self.input_norm(x), rope, docs, recompute_core=selective, **shared)
         x = x + (self.attn_out_norm(a) if self.sandwich else a)
         m = self.mlp(self.post_attn_norm(x))
         if self.moe is not None:
             m = self.dense_out_norm(m) + self.moe_out_norm(self.moe(x))
         x = x + (self.mlp_out_norm(m) if self.sandwich else m)
+        if self.per_layer is not None:
+            x = self.per_layer(x, per_layer)
         return x if self.layer_scalar is None else x * self.layer_scalar
 
     @property
@@ -122,6 +136,7 @@ class ModelChunk(nn.Module):
         check_tp(cfg, ps.tp)
         check_ep(cfg, ps.ep)
         check_cp(cfg, ps.cp)
+        check_kv_sharing(cfg, list(layers))
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.cfg, self.ps = cfg, ps
@@ -146,6 +161,8 @@ class ModelChunk(nn.Module):
         self.ropes = {key: RotaryEmbedding(cfg, key, dim) for key, dim in keys.items()}
         self.rope = self.ropes.get(None)
         kernels = Kernels(compile_backend)  # norm/RoPE/SwiGLU: eager, or fused by torch.compile
+        if pre_process and cfg.per_layer_input_size:  # Gemma 4 E2B/E4B: every layer's input, made here
+            self.per_layer_inputs = PerLayerInputs(cfg, ps, self.padded_vocab, kernels)
         self.layers = nn.ModuleDict()
         for i in self.layer_ids:
             # With a compile backend a dense layer's forward is one graph (norms, projections, RoPE, attention,
@@ -199,20 +216,28 @@ class ModelChunk(nn.Module):
             b = x.shape[1]
         if position_ids is None:
             position_ids = local_positions(b, s, ps, x.device)
+        cfg, carried = self.cfg, None  # carried: every layer's per-layer input (Gemma 4 E2B/E4B), else None
         if self.pre_process:
-            x = self._embed(x, position_ids)
+            ids, x = x, self._embed(x, position_ids)
+            carried = self.per_layer_inputs(ids, x) if cfg.per_layer_input_size else None
+        elif cfg.per_layer_input_size:  # they travel with the hidden state (`ModelConfig.stage_width`)
+            x, carried = x.split([cfg.hidden_size, x.shape[-1] - cfg.hidden_size], dim=-1)
+        # One unbind, not a slice per layer: its backward stacks the layers' gradients once.
+        inputs = carried.unflatten(-1, (cfg.num_layers, -1)).unbind(-2) if carried is not None else None
+        kv_store = {} if cfg.kv_source else None  # KV sharing: the producing layers' keys and values
         dtype = self._compute_dtype()
         tables = {key: rope(position_ids, dtype) for key, rope in self.ropes.items()}
         if docs is None:
             docs = self.mask_planner(x.device).mask(segment_ids, s, row_segment_ids)
         for i, layer in self.layers.items():
-            rope = tables.get(self.cfg.rope_key(int(i)))
+            rope = tables.get(cfg.rope_key(int(i)))
+            extra = {"per_layer": inputs[int(i)] if inputs is not None else None, "kv_store": kv_store}
             if self.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, docs, use_reentrant=False)
+                x = checkpoint(layer, x, rope, docs, use_reentrant=False, **extra)
             else:
-                x = layer(x, rope, docs, selective=self.recompute == "selective" and torch.is_grad_enabled())
+                x = layer(x, rope, docs, selective=self.recompute == "selective" and torch.is_grad_enabled(), **extra)
         if not self.post_process:
-            return x
+            return x if carried is None else torch.cat([x, carried], dim=-1)
         if labels is not None and self.cfg.adds_aux_loss:
             moe = self.cfg.moe
             sums = self.router_sums(received_sums)

@@ -13,14 +13,15 @@ from .kernels import Kernels
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, kernels: Kernels):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, kernels: Kernels, ffn: int | None = None):
         super().__init__()
         self.cfg, self.kernels = cfg, kernels
         self.glu = kernels.swiglu if cfg.activation == "silu" else kernels.geglu
-        fc1_out = 2 * cfg.ffn_size if cfg.gated_mlp else cfg.ffn_size
+        ffn = ffn or cfg.ffn_size  # a layer's own width (Gemma 4's double-wide MLPs: `ModelConfig.ffn_size_of`)
+        fc1_out = 2 * ffn if cfg.gated_mlp else ffn
         # With gate/up fused, each rank's fc1 slice is [gate_r; up_r] (see checkpoint.rules).
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, fc1_out, ps, bias=cfg.mlp_bias)
-        self.fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ps, bias=cfg.mlp_bias)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ps, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)

@@ -48,7 +48,8 @@ def peak_flops(device: torch.device) -> float | None:
 
 def layer_matmul_params(cfg: ModelConfig, layer: int) -> int:
     """Matmul parameters one token goes through in `layer`: for an MoE layer the router, its top-k
-    experts and the shared expert (the experts it is not routed to cost it nothing)."""
+    experts and the shared expert (the experts it is not routed to cost it nothing); Gemma 4's per-layer input
+    (its gate, its projection, and its share of the first stage's projection)."""
     h = cfg.hidden_size
     if cfg.is_linear(layer):
         la = cfg.linear_attention
@@ -61,13 +62,14 @@ def layer_matmul_params(cfg: ModelConfig, layer: int) -> int:
         qkv = h * (cfg.num_heads * cfg.q_rows_of(layer) + a.kv_parts * a.num_kv_heads * a.head_dim)
         out = cfg.num_heads * a.head_dim * h
     m = cfg.moe
-    dense = (3 if cfg.gated_mlp else 2) * h * cfg.ffn_size
+    dense = (3 if cfg.gated_mlp else 2) * h * cfg.ffn_size_of(layer)
+    per_layer = 3 * h * cfg.per_layer_input_size
     if cfg.is_sparse(layer):
         shared = 3 * h * m.shared_expert_ffn_size + h * m.shared_expert_gate if m.shared_expert_ffn_size else 0
         mlp = h * m.num_experts + m.top_k * 3 * h * m.expert_ffn_size + shared + (dense if m.beside_dense else 0)
     else:
         mlp = dense
-    return qkv + out + mlp
+    return qkv + out + mlp + per_layer
 
 
 def attended_keys(cfg: ModelConfig, layer: int, seq_len: int) -> float:

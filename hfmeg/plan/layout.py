@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..config import VOCAB_MULTIPLE, ModelConfig, check_cp, check_ep, check_tp
+from ..config import VOCAB_MULTIPLE, ModelConfig, check_cp, check_ep, check_kv_sharing, check_tp
 from ..errors import HfmegError, LayoutError
 from ..models.decoder import RECOMPUTE_MODES
 from ..optim.config import MODES
@@ -106,6 +106,7 @@ def check_layout(cfg: ModelConfig, lay: PlanLayout, gpus: int, global_batch: int
         check_ep(cfg, lay.ep)
         check_cp(cfg, lay.cp)
         validate(lay.schedule, lay.pp, lay.vpp, lay.microbatches(global_batch))
-        split_layers(cfg.num_layers, lay.pp, lay.vpp)
+        for chunk in split_layers(cfg.num_layers, lay.pp, lay.vpp):  # the planner's layouts split evenly
+            check_kv_sharing(cfg, list(chunk.layers))
     except HfmegError as e:
         raise LayoutError(str(e)) from e

@@ -1,0 +1,181 @@
+"""Gemma 4 E2B and E4B as released: tiny checkpoints built from their published configs (`tests/releases/`, sizes
+shrunk, every other field as published, each file naming its source) against transformers and peft.
+
+What they add to the 31B/26B-A4B (`test_gemma4_releases.py`): per-layer input embeddings (a second embedding table,
+a projection of the token embedding, and each layer's gate, projection and norm) and KV sharing (the last layers
+attend with the keys and values of the last earlier layer of their type); the E2B's reusing layers have double-wide
+MLPs and its one KV head is replicated over TP.
+- the configs read as transformers reads them: which layer reuses whose keys, which MLPs are wide, every parameter
+  counted; a pipeline split that puts a reusing layer on another stage than its producer refused, naming the field,
+  before anything is written;
+- one 4-rank world per release: logits equal to transformers' within the contract's bound and greedy generation
+  equal, LoRA (peft's projection names) logits and loss equal to peft's and its adapter gradients as close to peft's
+  float64 ones as peft's own fp32 ones are (2x), the peft adapter imported onto shards and exported back bit for
+  bit, HF -> shards -> HF bit-exact: the E4B at TP2 x PP2, the E2B at PP2 (LoRA is not built under KV-head
+  replication) and at TP2 x PP2 for the logits;
+- CP2 x TP2 (SP) and CP2 x PP2 against one process, every gradient (tests/test_cp_parity.py's check): the
+  producers' keys and values are reused gathered, the per-layer inputs' gradients flow back between stages;
+- 3 trainer steps with LoRA at TP2 x PP2 (E4B) and PP2 (E2B).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from bounds import within
+from convert_helpers import assert_same_tensors
+from helpers import make_ps
+from safetensors.torch import load_file
+from test_gemma4_releases import TOL, _parity, float64_reference, make_adapter, release_config, save_release
+from transformers import AutoModelForCausalLM
+
+from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
+from hfmeg.errors import UnsupportedConfigError
+from hfmeg.families import model_config_from_hf
+from hfmeg.families.llama import PROJECTIONS
+from hfmeg.models.generate import full_logits, greedy_generate
+from hfmeg.parallel.launch import spawn
+from hfmeg.plan.flops import layer_matmul_params
+from hfmeg.peft.adapter_files import WEIGHTS_FILE
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# release: (LoRA targets, LoRA layouts (tp, pp, ep), pipeline split). The E2B's split keeps layers 3-9 (its
+# producers 3 and 4 and their readers 5-9) on one stage; the E4B's layers 5-11 (producers 5, 6; readers 7-11).
+# The E2B's LoRA leaves its MLPs out: the wide MLPs of its reusing layers are not sized by hfmeg's adapters yet.
+CASES = {"gemma-4-E2B": (ATTENTION, [(1, 2, 1)], [3, 7]),
+         "gemma-4-E4B": (list(PROJECTIONS), [(2, 2, 1)], [5, 7])}
+
+
+def test_release_configs_are_read(tmp_path):
+    e2b = model_config_from_hf(release_config("gemma-4-E2B"))
+    assert e2b.kv_source == (0, 1, 2, 3, 4, 3, 3, 3, 3, 4)  # sliding readers take layer 3's, the full one 4's
+    assert e2b.wide_mlp_layers == (5, 6, 7, 8, 9) and e2b.ffn_size_of(5) == 128 and e2b.ffn_size_of(4) == 64
+    assert e2b.per_layer_input_size == 8 and e2b.stage_width == 32 + 10 * 8
+    assert [e2b.stores_kv(i) for i in (2, 3, 4, 5)] == [False, True, True, False]
+    a = e2b.attention_shape(9)  # the full layer's shape, borrowed from layer 4, with no K/V rows
+    assert (a.num_kv_heads, a.head_dim, a.kv_parts) == (1, 16, 0) and e2b.kv_replicas(2, 9) == 1
+    # The planner's and the MFU's count of layer 9: q alone (8 heads x 16), o, the wide GeGLU MLP, the per-layer
+    # input's gate and projection and its share (8 rows) of the first stage's projection
+    h = 32
+    assert layer_matmul_params(e2b, 9) == h * 8 * 16 + 8 * 16 * h + 3 * h * 128 + 3 * h * 8
+    e4b = model_config_from_hf(release_config("gemma-4-E4B"))
+    assert e4b.kv_source == (0, 1, 2, 3, 4, 5, 6, 6, 6, 6, 6, 5) and e4b.wide_mlp_layers == ()
+    for name in CASES:  # every parameter and each layer's scalar
+        model = AutoModelForCausalLM.from_config(release_config(name))
+        held = sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers()
+                                                                  if n.endswith("layer_scalar"))
+        assert model_config_from_hf(release_config(name)).num_params() == held, name
+    base = save_release("gemma-4-E4B", tmp_path / "base")
+    with pytest.raises(UnsupportedConfigError, match="num_kv_shared_layers: layer 11 attends with layer 5's"):
+        hf_to_mp(base, tmp_path / "mp", tp=2, pp=2)  # the even split: 0-5 | 6-11
+    assert not (tmp_path / "mp").exists()
+
+
+def _tp_parity(base: str, ids: torch.Tensor, pp_layers: list[int]):
+    """TP2 x PP2 (the E2B's one KV head replicated): logits and greedy generation against transformers."""
+    ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        want, want_gen = ref(ids).logits, ref.generate(ids[:1, :8], max_new_tokens=6, do_sample=False)
+    ps = make_ps(tp=2, pp=2)
+    chunks = load_chunks(HFCheckpoint(base), ps, pp_layers=pp_layers)
+    logits = full_logits(chunks, ps, ids)
+    gen_equal = torch.equal(greedy_generate(chunks, ps, ids[:1, :8], 6), want_gen)
+    return gen_equal, None if logits is None else (logits - want).abs().max().item()
+
+
+@pytest.mark.parametrize("release", CASES)
+def test_release_parity_lora_and_round_trip(release, tmp_path):
+    targets, layouts, pp_layers = CASES[release]
+    base = save_release(release, tmp_path / "base")
+    adapter = make_adapter(base, tmp_path / "adapter", targets)
+    peft_names = set(load_file(str(adapter / WEIGHTS_FILE)))
+    # the reusing layers have q_proj alone: peft finds no k_proj or v_proj there
+    assert any(".9.self_attn.q_proj" in k for k in peft_names)
+    assert not any(".9.self_attn.k_proj" in k for k in peft_names) and any(".4.self_attn.k_proj" in k for k in peft_names)
+    hf_to_mp(base, tmp_path / "mp", tp=2, pp=2, pp_layers=pp_layers)
+    mp_to_hf(tmp_path / "mp", tmp_path / "back")
+    assert assert_same_tensors(base, tmp_path / "back") > 0
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    # Twelve layers (the E4B) are worse conditioned than the 31B's six: fp32's error moves with the summation order
+    # by more than one order's error shows, so peft's worst over transformers' two attention paths is the scale.
+    exact, peft_err = float64_reference(base, adapter, ids, ("eager", "sdpa"))
+    rows = [r for rank in spawn(_parity, 4, str(base), str(adapter), ids, str(tmp_path / "lora_shards"), layouts,
+                                exact, pp_layers) for r in rank]
+    assert all(r["gen_equal"] for r in rows)
+    assert [r["adapter_exact"] for r in rows if "adapter_exact" in r] == [True]
+    for r in rows:
+        within(r["grad_err"], max(TOL, 2 * peft_err), "LoRA gradients vs float64 (relative, 2 x transformers' fp32 "
+               "error)", r)
+    for layout in layouts:  # the stages together hold every adapter tensor
+        assert {n for r in rows if r["layout"] == layout for n in r["grad_names"]} == peft_names
+        last = [r for r in rows if r["layout"] == layout and "logit_diff" in r]
+        assert len(last) == 4 // layout[1]  # every last-stage rank
+        for r in last:
+            within(r["logit_diff"], TOL, "logits vs transformers", r)
+            within(r["lora_logit_diff"], TOL, "LoRA logits vs peft", r)
+            within(r["loss_diff"], TOL, "LoRA loss vs peft", r)
+    if all(layout[0] == 1 for layout in layouts):  # the TP2 forward, where LoRA is not run
+        out = spawn(_tp_parity, 4, str(base), ids, pp_layers)
+        assert all(gen for gen, _ in out)
+        for _, diff in out:
+            if diff is not None:
+                within(diff, TOL, "TP2 x PP2 logits vs transformers")
+
+
+def test_releases_under_context_parallelism(tmp_path):
+    """Both releases at CP2 x TP2 (SP, full recompute) and CP2 x PP2 (3 layers on the first stage: the producers
+    and their readers on the second) on packed and plain rows of 32: logits, loss and every gradient (the per-layer
+    table's and projection's, through the inputs carried between stages, included) equal one process's
+    (tests/test_cp_parity.py's check)."""
+    from test_cp_parity import Layout, _check, _run_layouts
+
+    layouts = [Layout(2, 2, sp=True, recompute="full"), Layout(1, 2, 2, pp_first=3)]
+    folders = {name: str(save_release(name, tmp_path / name)) for name in CASES}
+    _check(spawn(_run_layouts, 4, folders, layouts), layouts, list(folders))
+
+
+def _train(cfgs):
+    from hfmeg.train.trainer import Trainer
+
+    for cfg in cfgs:
+        Trainer(cfg).run()
+
+
+def test_three_lora_steps_and_export(tmp_path):
+    """3 trainer steps with LoRA (fp32, alpaca rows of 64 tokens) at each release's layout (the E4B at TP2 x PP2, the
+    E2B at PP2 x DP2), in one world: three finite losses each."""
+    from helpers import stories_or_skip
+    from hfmeg.data import DataConfig, SourceConfig
+    from hfmeg.optim.config import OptimizerConfig
+    from hfmeg.peft.config import PeftConfig
+    from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, ParallelArgs, TrainConfig
+    from hfmeg.train.metrics import read_metrics
+    from tiny_models import ASSETS
+
+    stories, alpaca = stories_or_skip(), ASSETS / "data" / "alpaca_en_demo.json"
+    if not alpaca.is_file():
+        pytest.skip(f"{alpaca} is absent")
+    cfgs = []
+    for name, (targets, layouts, pp_layers) in CASES.items():
+        model = save_release(name, tmp_path / name)
+        for f in ("tokenizer.json", "tokenizer_config.json"):  # stories260K's ids (< 512) fit the vocabulary
+            shutil.copy(stories / f, model / f)
+        tp = layouts[0][0]
+        cfgs.append(TrainConfig(model=ModelArgs(path=str(model), dtype="fp32"),
+                                parallel=ParallelArgs(tp=tp, pp=2, pp_layers=pp_layers),
+                                optim=OptimizerConfig(lr=1e-3, eps=1e-5),
+                                peft=PeftConfig(method="lora", r=4, target_modules=targets),
+                                data=DataConfig(sources=[SourceConfig(str(alpaca))], seq_len=64),
+                                train=LoopArgs(micro_batch_size=1, global_batch_size=4 // tp, max_steps=3, eval_every=0),
+                                checkpoint=CheckpointArgs(out=str(tmp_path / f"{name}-out"), save_every=0, keep_last=1),
+                                tensorboard=False))
+    spawn(_train, 4, cfgs)
+    for cfg in cfgs:
+        out = Path(cfg.checkpoint.out)
+        losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+        assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), (out, losses)
