@@ -10,7 +10,10 @@
    only by fp32 rounding, so they can differ where a value lies on an FP8 rounding boundary: a flip moves one
    product by one FP8 step. The bound is the FP8 rounding's whole effect on that quantity (FP8 against fp32, the
    same model and recipe), which moves every product by up to half a step: far more than a few flips.
-3. Layouts: TP2 with SP, TP2 x PP2 and EP2 (grouped experts) of a tiny Qwen3-MoE in FP8, trained through the
+3. One layer at TP2 (column- and row-parallel with and without SP, a replicated linear on this rank's tokens), the
+   same values in: the TP layer equals the unsharded `Fp8Gemms` to fp32 rounding for every recipe, which holds only
+   if every amax that crosses the split is reduced over the group (a scale from a slice would differ by FP8 steps).
+4. Layouts: TP2 with SP, TP2 x PP2 and EP2 (grouped experts) of a tiny Qwen3-MoE in FP8, trained through the
    pipeline and the data-parallel wrapper (weight gradients fused into the fp32 main grads), equal one process
    in FP8 within the same kind of bound; the TP layouts reduce each split operand's amax over the group
    (`quant/fp8_training.py`), without which their scales would differ from one process's.
@@ -38,6 +41,9 @@ from hfmeg.models.fp8 import convert_fp8  # noqa: E402
 from hfmeg.models.generate import full_logits  # noqa: E402
 from hfmeg.parallel.data_parallel import DataParallel  # noqa: E402
 from hfmeg.parallel.launch import spawn  # noqa: E402
+from hfmeg.parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear  # noqa: E402
+from hfmeg.parallel.comm import gather_tokens, split_tokens  # noqa: E402
+from hfmeg.parallel.roles import ParamRole  # noqa: E402
 from hfmeg.parallel.pipeline import forward_backward  # noqa: E402
 from hfmeg.parallel.stored_names import stored_tensors  # noqa: E402
 from hfmeg.parallel.wgrad import linear  # noqa: E402
@@ -86,6 +92,84 @@ def test_linear_equals_torchao(recipe):
         within((got - want).abs().max().item(), terms * scale * 4, f"fp8 {recipe} linear {what} vs torchao")
     plain = torch.nn.functional.linear(x, w)
     assert (y.detach() - plain).abs().max() > 1e3 * terms * plain.abs().max(), "FP8 rounding did not happen"
+
+
+def _tp_layers(recipe):
+    """Per layer kind and SP: the worst |TP2 - unsharded| / bound over output, grad input and grad weight."""
+    torch.manual_seed(0)
+    s, b, h, f = 16, 2, 64, 96
+    x, g_col, g_row = torch.randn(s, b, h), torch.randn(s, b, f), torch.randn(s, b, h)
+    w_col, w_row = torch.randn(f, h) * 0.1, torch.randn(h, f) * 0.1
+    # Rank 1's half of every split dim: one operand of each GEMM that reduces over it 2^-16 times smaller, the other
+    # 2^16 times larger (their products as large as the other half's). A scale taken from a slice then keeps both
+    # halves, a scale over the whole tensor (or row) flushes the small half to zero; the powers of two matter:
+    # rowwise scales are powers of two, which move an FP8 value only where it leaves e4m3's range.
+    tiny, big = 2.0**-16, 2.0**16
+    x[s // 2:] *= tiny  # tokens: a replicated linear's grad weight reduces over them
+    g_col[s // 2:] *= big
+    g_col[..., f // 2:] *= tiny  # a column-parallel grad input reduces over the output features
+    w_col[f // 2:] *= big
+    w_row[:, f // 2:] *= big  # a row-parallel output reduces over the input features
+    config = float8_config(recipe, emulate=True)
+    worst = {}
+    for kind, sp in (("column", False), ("column", True), ("row", False), ("row", True), ("replicated", False)):
+        ps = make_ps(tp=2, sp=sp)
+        w, g = (w_col, g_col) if kind == "column" else (w_row, g_row) if kind == "row" else (w_col, g_col)
+        full_x = x
+        if kind == "row":
+            full_x = torch.randn(s, b, f, generator=torch.Generator().manual_seed(1))
+            full_x[..., f // 2:] *= tiny
+        # the unsharded reference: the same recipe, nothing split
+        xr = full_x.clone().requires_grad_()
+        wr = torch.nn.Parameter(w.clone())
+        linear(xr, wr, fp8=Fp8Gemms(config)).backward(g)
+        r = ps.tp_rank
+        if kind == "column":
+            layer = ColumnParallelLinear(h, f, ps, bias=False)
+            local_w, xin = w.chunk(2, 0)[r], (full_x.chunk(2, 0)[r] if sp else full_x)
+        elif kind == "row":
+            layer = RowParallelLinear(f, h, ps, bias=False)
+            local_w, xin = w.chunk(2, 1)[r], full_x.chunk(2, -1)[r]
+        else:
+            layer = ReplicatedLinear(h, f, ParamRole("weight", sequence_parallel=True))
+            local_w, xin = w, full_x
+        convert = {"column": Fp8Gemms(config, ps.tp_group, weight_split=0, grad_split=1),
+                   "row": Fp8Gemms(config, ps.tp_group, input_split=1, weight_split=1),
+                   "replicated": Fp8Gemms(config, ps.tp_group, input_split=0, grad_split=0)}
+        layer.fp8 = convert[kind]
+        with torch.no_grad():
+            layer.weight.copy_(local_w)
+        xin = xin.clone().requires_grad_()
+        if kind == "replicated":  # a rank's block of the tokens, as the MoE experts see them
+            y = gather_tokens(layer(split_tokens(xin.reshape(s * b, h), ps)), ps, s * b).view(s, b, f)
+        else:
+            y = layer(xin)
+        gout = g.chunk(2, -1)[r] if kind == "column" else (g.chunk(2, 0)[r] if sp else g)
+        y.backward(gout)
+        if kind == "column":
+            pieces = [(torch.cat(gather_tp(y.detach(), ps), -1), linear(full_x, wr, fp8=Fp8Gemms(config)).detach()),
+                      (layer.weight.grad, wr.grad.chunk(2, 0)[r])]
+            dx = torch.cat(gather_tp(xin.grad, ps), 0) if sp else xin.grad
+            pieces.append((dx, xr.grad))
+        elif kind == "row":
+            y_full = torch.cat(gather_tp(y.detach(), ps), 0) if sp else y.detach()
+            pieces = [(y_full, linear(full_x, wr, fp8=Fp8Gemms(config)).detach()),
+                      (layer.weight.grad, wr.grad.chunk(2, 1)[r]), (xin.grad, xr.grad.chunk(2, -1)[r])]
+        else:
+            torch.distributed.all_reduce(layer.weight.grad, group=ps.tp_group)  # partial per rank's tokens
+            pieces = [(y.detach(), linear(full_x, wr, fp8=Fp8Gemms(config)).detach()),
+                      (layer.weight.grad, wr.grad), (xin.grad, xr.grad)]
+        # fp32 sums of at most max(h, f, s*b) products of the same dequantized values, in another order
+        terms = max(h, f, s * b) * FP32_EPS
+        worst[(kind, sp)] = max(((a - e).abs().max() / (terms * e.abs().max())).item() for a, e in pieces)
+    return worst
+
+
+@pytest.mark.parametrize("recipe", get_args(FP8Recipe)[1:])
+def test_tp_layers_equal_unsharded(recipe):
+    for rank_worst in spawn(_tp_layers, 2, recipe):
+        for (kind, sp), ratio in rank_worst.items():
+            within(ratio, 4.0, f"fp8 {recipe} TP2 {kind} sp={sp} / fp32 rounding bound")
 
 
 def _fp8_vs_torchao(folder, recipe):
