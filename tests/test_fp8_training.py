@@ -279,3 +279,32 @@ def test_layouts_equal_one_process(recipe, tmp_path):
             within((row["grads"][name] - want).abs().max().item(),
                    max(rounding, 64 * FP32_EPS * want.abs().max().item()), f"{what} grad {name}")
 
+
+
+def test_planner_counts_fp8_copies_and_gemm_rate():
+    """`hfmeg plan --fp8` / `model.fp8` with `layout: auto`: the largest linear's FP8 operand copies in the transient
+    memory (saved activations unchanged), and the linears' GEMMs at the profile's FP8 rate plus their casts."""
+    from hfmeg.families import model_config_from_hf
+    from hfmeg.plan.fp8 import fp8_cast_bytes, fp8_copy_bytes
+    from hfmeg.plan.hardware import ClusterSpec, gpu_spec
+    from hfmeg.plan.layout import PlanLayout
+    from hfmeg.plan.memory import plan_shape, stage_memory
+    from hfmeg.plan.profile import ASSUMED
+    from hfmeg.plan.search import Job, evaluate
+    from tiny_models import tiny_config
+
+    cfg = model_config_from_hf(tiny_config("llama3", hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
+                                           num_attention_heads=32, num_key_value_heads=8, vocab_size=32000))
+    lay = PlanLayout(2, 2, 2, 1)
+    cluster = ClusterSpec(gpu_spec("h100"), 8, 8)
+    plain, fp8 = (evaluate(Job(cfg, cluster, ASSUMED["h100"], 32, 4096, fp8=f), lay) for f in (False, True))
+    shape = plan_shape(lay, 4096, 2)
+    tok = 4096
+    # the largest linear at TP2 is the gate/up projection: 4096 in, 2 x 11008 / 2 out
+    assert fp8_copy_bytes(cfg, shape) == tok * 4096 + 4096 * 11008 + 2 * tok * 11008
+    # the first stage (no LM head, whose loss buffers would be the larger transient) holds them beside a layer's
+    first = [stage_memory(cfg, lay, 0, 32, 4096, fp8=f) for f in (False, True)]
+    assert first[1].transient - first[0].transient == fp8_copy_bytes(cfg, shape)
+    assert first[1].activations == first[0].activations  # saved for backward in the model dtype, as before
+    assert fp8.time.step_s < plain.time.step_s  # FP8 GEMMs at twice the rate outweigh the casts at 7B shapes
+    assert fp8_cast_bytes(2, 3, 4, 2) == 5 * (6 + 12)
