@@ -36,11 +36,21 @@ With these reductions a TP layout computes the same FP8 values as one process.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
 import torch.distributed as dist
+
+# torchao's import warns once per CUDA extension it cannot load (every one, on a CPU build of torch): none of them is
+# used here, so those lines are silenced for the import, and only for it.
+_ao_log = logging.getLogger("torchao")
+_level = _ao_log.level
+_ao_log.setLevel(logging.ERROR)
+import torchao  # noqa: E402,F401
+
+_ao_log.setLevel(_level)
 from torchao.float8.config import CastConfig, Float8LinearConfig, ScalingGranularity, ScalingType
 from torchao.float8.float8_training_tensor import (
     GemmInputRole,
