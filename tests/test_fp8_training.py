@@ -32,19 +32,16 @@ from torchao.float8 import convert_to_float8_training  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from bounds import within  # noqa: E402
-from helpers import gather_tp, make_ps  # noqa: E402
+from helpers import gather_tp, make_ps, train_step_as_one  # noqa: E402
 from hfmeg.checkpoint.hf_reader import HFCheckpoint  # noqa: E402
 from hfmeg.checkpoint.load import load_chunks  # noqa: E402
 from hfmeg.checkpoint.rules import chunk_rules, to_hf  # noqa: E402
-from hfmeg.data.microbatch import MicroBatch  # noqa: E402
 from hfmeg.models.fp8 import convert_fp8  # noqa: E402
 from hfmeg.models.generate import full_logits  # noqa: E402
-from hfmeg.parallel.data_parallel import DataParallel  # noqa: E402
 from hfmeg.parallel.launch import spawn  # noqa: E402
 from hfmeg.parallel.layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear  # noqa: E402
 from hfmeg.parallel.comm import gather_tokens, split_tokens  # noqa: E402
 from hfmeg.parallel.roles import ParamRole  # noqa: E402
-from hfmeg.parallel.pipeline import forward_backward  # noqa: E402
 from hfmeg.parallel.stored_names import stored_tensors  # noqa: E402
 from hfmeg.parallel.wgrad import linear  # noqa: E402
 from hfmeg.quant.fp8_training import Fp8Gemms, float8_config  # noqa: E402
@@ -229,11 +226,7 @@ def _run(folder, recipe, ps):
     if recipe != "off":
         convert_fp8(chunks, recipe, [], ps)
     logits = full_logits(chunks, ps, IDS)
-    wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)
-    loss = forward_backward(chunks, ps, [MicroBatch(input_ids=IDS, labels=labels)], schedule="1f1b",
-                            num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
-    loss = loss * ps.dp if loss is not None else None
-    wrapper.finish_grad_sync()
+    loss, wrapper = train_step_as_one(chunks, ps, IDS, labels)
     grads = {}
     for chunk in chunks:
         local = stored_tensors(chunk, lambda p: p.main_grad)
