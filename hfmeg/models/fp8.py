@@ -18,6 +18,7 @@ Each converted layer gets an `Fp8Gemms` naming the dims of its operands that are
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fnmatch import fnmatch
 
 from torch import nn
@@ -43,7 +44,10 @@ def _gemms(module: nn.Module, config, ps: ParallelState) -> tuple[Fp8Gemms, list
         return Fp8Gemms(config, group, input_split=rows, grad_split=rows), [tuple(module.weight.shape)]
     if isinstance(module, GroupedExperts):
         shapes = [tuple(module.fc1.shape[1:]), tuple(module.fc2.shape[1:])]
-        return Fp8Gemms(config, group, input_split=0, grad_split=0), shapes
+        # An expert's grad weight reduces over its routed rows, a count FP8 GEMMs need padded to a multiple of 16
+        # (torchao pads the inner dim on request; its emulation needs no padding).
+        padded = replace(config, pad_inner_dim=True)
+        return Fp8Gemms(padded, group, input_split=0, grad_split=0), shapes
     return None
 
 
