@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import get_args
 
 import pytest
@@ -301,3 +302,32 @@ def test_planner_counts_fp8_copies_and_gemm_rate():
     assert first[1].activations == first[0].activations  # saved for backward in the model dtype, as before
     assert fp8.time.step_s < plain.time.step_s  # FP8 GEMMs at twice the rate outweigh the casts at 7B shapes
     assert fp8_cast_bytes(2, 3, 4, 2) == 5 * (6 + 12)
+
+
+def test_a_training_run_in_fp8_says_what_it_converted_and_exports_the_master_dtype(tmp_path, capsys):
+    """The trainer with `model.fp8` on stories260K (its FFN of 172 is not a multiple of 16: the MLP stays in fp32):
+    the start-up lines, a finite loss, and an export in the master dtype whose card names the recipe."""
+    from safetensors import safe_open
+
+    from helpers import stories_or_skip
+    from hfmeg.data import DataConfig, SourceConfig
+    from hfmeg.optim.config import OptimizerConfig
+    from hfmeg.train.config import CheckpointArgs, LoopArgs, ModelArgs, TrainConfig
+    from hfmeg.train.metrics import read_metrics
+    from hfmeg.train.trainer import Trainer
+    from tiny_models import ASSETS
+
+    model, data = stories_or_skip(), ASSETS / "data" / "alpaca_en_demo.json"
+    cfg = TrainConfig(model=ModelArgs(path=str(model), dtype="fp32", fp8="tensorwise"),
+                      optim=OptimizerConfig(lr=1e-3), data=DataConfig(sources=[SourceConfig(str(data))], seq_len=64),
+                      train=LoopArgs(micro_batch_size=1, global_batch_size=2, max_steps=3),
+                      checkpoint=CheckpointArgs(out=str(tmp_path / "run")), tensorboard=False)
+    hf = Trainer(cfg).run().hf_folder
+    out = capsys.readouterr().out
+    assert "fp8 tensorwise: 10 linears of rank 0 in FP8, emulated on cpu" in out, out
+    assert "a dim not a multiple of 16: layers.0.mlp.fc1 344x64" in out, out
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    with safe_open(hf / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+    assert "FP8 compute: torchao's `tensorwise` recipe" in (hf / "README.md").read_text()
