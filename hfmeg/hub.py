@@ -146,7 +146,7 @@ def write_model_card(folder: Path, *, base_model: str, data: list[str], config: 
                      from_scratch: bool = False, adapter: bool = False, peft: Any = None,
                      layout: dict[str, Any] | None = None, dtype: str | None = None,
                      prompt_format: str | None = None, objective: str | None = None,
-                     tags: tuple[str, ...] = ()) -> Path:
+                     tags: tuple[str, ...] = (), fp8: str = "off") -> Path:
     """Write `README.md` with YAML front matter the Hub understands, plus the run's facts.
 
     `repo_id`: the Hub repo being pushed to (its name is the title); `diverged`: the run
@@ -157,7 +157,7 @@ def write_model_card(folder: Path, *, base_model: str, data: list[str], config: 
     effective `PeftConfig` (None: full training); `layout`: see `_layout`; `dtype`: what the run computed
     in (`config`'s `model.dtype` may say `auto`); `prompt_format`: the chat template trained with, in words;
     `objective`: what the run optimised, in words, where it is not next-token prediction (a preference loss),
-    and `tags` its Hub tags (e.g. `dpo`)."""
+    and `tags` its Hub tags (e.g. `dpo`); `fp8`: the FP8 compute recipe the linears trained with (`model.fp8`)."""
     base = public_name(base_model)
     loss = metrics.get("loss")
     diverged = diverged or (isinstance(loss, float) and not math.isfinite(loss))
@@ -188,6 +188,8 @@ def write_model_card(folder: Path, *, base_model: str, data: list[str], config: 
         *([f"- objective: {objective}"] if objective else []),
         *([f"- layout: {_layout(layout)}"] if layout else []),
         *([f"- dtype: {dtype}"] if dtype else []),
+        *([f"- FP8 compute: torchao's `{fp8}` recipe on the linears' GEMMs; the weights are saved in the master "
+           "dtype"] if fp8 != "off" else []),
         *([f"- prompt format: {prompt_format}"] if prompt_format else []),
         "",
         "## Data",

@@ -65,3 +65,21 @@ def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(path), framework="pt") as f:
             out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
+
+
+def train_step_as_one(chunks, ps: ParallelState, ids: torch.Tensor, labels: torch.Tensor):
+    """One forward + backward of `chunks` through the pipeline and the data-parallel wrapper, every DP replica of
+    the world taking the same rows; (the loss as one process computes it, or None off the last stage, the wrapper).
+
+    The replicas make a global batch of dp copies, of which this rank's share of the loss is 1/dp; the wrapper sums
+    the gradients into the main grads (over DP, experts' over expert-DP, and the partial ones of the router, experts
+    and q/k norms over TP) as in training."""
+    from hfmeg.data.microbatch import MicroBatch
+    from hfmeg.parallel.data_parallel import DataParallel
+    from hfmeg.parallel.pipeline import forward_backward
+
+    wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)
+    loss = forward_backward(chunks, ps, [MicroBatch(input_ids=ids, labels=labels)], schedule="1f1b",
+                            num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
+    wrapper.finish_grad_sync()
+    return (loss * ps.dp if loss is not None else None), wrapper

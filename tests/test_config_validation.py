@@ -73,6 +73,8 @@ def _refused(capsys, argv: list[str], expect: str) -> None:
      "parallel.plan_profile: no-profile.json is not a file (write one with `hfmeg plan calibrate --out FILE`)"),
     (["--set", "parallel.plan_profile=no-profile.json"],
      "parallel.plan_profile: only parallel.layout auto plans with a profile; drop it or use --layout auto"),
+    (["--set", "model.fp8=fp4"], "model.fp8: 'fp4' is not one of ['off', 'tensorwise', 'rowwise', 'rowwise_with_gw_hp']"),
+    (["--set", "model.fp8_exclude=layers.0.*"], "model.fp8_exclude: only read with model.fp8 set to a recipe"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(capsys, argv, expect):
     _refused(capsys, argv, expect)

@@ -84,7 +84,8 @@ def test_tiny_smoke_steps_every_system_once(tiny_rows):
 
 @pytest.mark.parametrize("step, systems", [("row1", ("hfmeg", "transformers")),
                                            ("row2", ("hfmeg", "hfmeg-unpacked")),
-                                           ("row3", ("hfmeg", "transformers"))])
+                                           ("row3", ("hfmeg", "transformers")),
+                                           ("row4", ("hfmeg", "hfmeg-fp8"))])
 def test_tiny_rows_rotate_three_rounds_and_summarise(tiny_rows, step, systems):
     rounds = _of(tiny_rows, step=step, kind="round")
     assert Counter(r["system"] for r in rounds) == Counter({s: 3 for s in systems}) + Counter(
@@ -110,9 +111,13 @@ def test_tiny_rows_rotate_three_rounds_and_summarise(tiny_rows, step, systems):
         assert "torchtitan" in summary or _of(tiny_rows, step="row2", system="torchtitan")[0]["skipped"]
 
 
-def test_tiny_row4_says_not_built(tiny_rows):
-    row, = _of(tiny_rows, step="row4", kind="row")
-    assert row["skipped"].startswith("not built")
+def test_tiny_row4_trains_fp8_beside_bf16(tiny_rows):
+    """The FP8 row (emulated on the CPU) trains the same tokens from the same weights: its first loss is hfmeg's
+    within FP8 rounding (e4m3 keeps 3 mantissa bits: a relative step of 2^-3 per operand, far less on a mean)."""
+    rounds = {r["system"]: r for r in _of(tiny_rows, step="row4", kind="round", round=0)}
+    fp8, plain = rounds["hfmeg-fp8"]["losses"][0], rounds["hfmeg"]["losses"][0]
+    assert fp8 != plain and fp8 == pytest.approx(plain, rel=2**-3)
+    assert "FP8" in _of(tiny_rows, step="row4", kind="row", system="hfmeg-fp8")[0]["precision"]
 
 
 def test_a_crashed_step_and_a_failing_system_leave_the_other_rows(tmp_path):

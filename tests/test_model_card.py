@@ -118,3 +118,11 @@ def test_an_adapter_naming_a_local_base_is_not_pushed(tmp_path):
     with pytest.raises(PushRefused, match="adapter_config.json: base_model_name_or_path .* is not a Hub id"):
         push_to_hub(folder, "me/x", api=api)
     assert api.calls == []
+
+
+def test_an_fp8_run_card_names_the_recipe_and_the_saved_dtype(tmp_path):
+    _, text = _card(tmp_path / "hf", base_model="m/x", data=[], config={}, metrics={}, dtype="bf16", fp8="rowwise")
+    assert "- FP8 compute: torchao's `rowwise` recipe on the linears' GEMMs; the weights are saved in the master " \
+           "dtype" in text
+    _, text = _card(tmp_path / "plain", base_model="m/x", data=[], config={}, metrics={}, dtype="bf16")
+    assert "FP8" not in text

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from bounds import within
-from helpers import gather_tp, make_ps
+from helpers import gather_tp, make_ps, train_step_as_one
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
@@ -81,14 +81,7 @@ def _check_layouts(folder, ids, ref, prompt, layouts=LAYOUTS):
         ps = make_ps(tp=tp, pp=pp, sp=sp, ep=ep)
         chunks = load_chunks(HFCheckpoint(folder), ps)
         logits = full_logits(chunks, ps, ids)
-        # The world's DP replicas all take the same rows: a global batch of dp copies, of which this
-        # rank's share of the loss is 1/dp; the data-parallel wrapper sums the gradients (over DP, experts'
-        # over expert-DP, and the partial ones of the router, experts and q/k norms over TP) as in training.
-        wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)
-        loss = forward_backward(chunks, ps, [MicroBatch(input_ids=ids, labels=labels)], schedule="1f1b",
-                                num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
-        loss = loss * ps.dp if loss is not None else None
-        wrapper.finish_grad_sync()
+        loss, _ = train_step_as_one(chunks, ps, ids, labels)
         worst, seen = _grad_diff(chunks, ps, ref_grads)
         row = dict(layout=(tp, pp, sp, ep), grad_rel=worst, seen=sorted(seen))
         if logits is not None:

@@ -56,6 +56,14 @@ CPU smoke test (fp32, both sides' losses must agree step by step; without a GPU 
 tiny shapes are the default, 7B-shape layers would not fit a CPU's memory):
 
     .venv/bin/python tools/bench_mfu.py --tiny
+
+`--fp8 RECIPE` (tensorwise, rowwise, rowwise_with_gw_hp; docs/fp8.md) adds a third side: hfmeg again, its
+linears in FP8 with that torchao recipe (`model.fp8`), from the same weights and batches; the result adds its
+tokens/s and MFU (FLOPs counted as for bf16), `fp8_speedup` over hfmeg's own bf16 side, and its losses beside
+hfmeg's (`fp8_loss_gap`: the largest step-by-step difference). Off FP8 hardware it runs emulated, which
+measures correctness, not speed. The GPU row (tools/gpu_loan.py row4):
+
+    .venv/bin/python tools/bench_mfu.py --layers 16 --trainer-path --fp8 tensorwise
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from typing import get_args
 
 import numpy as np
 import torch
@@ -84,6 +93,7 @@ from hfmeg.optim import DistributedOptimizer, OptimizerConfig
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 from hfmeg.plan.flops import mfu, peak_flops, training_flops
+from hfmeg.train.config import FP8Recipe
 from bench_args import at_least
 
 SEVEN_B = dict(hidden=4096, ffn=11008, heads=32, vocab=32000, seq=4096, layers=16, micro_batch_size=1,
@@ -142,6 +152,8 @@ def parse_args(argv=None, cuda: bool | None = None) -> argparse.Namespace:
                    help="packed SFT rows with position_ids/segment_ids, as the recipe feeds the trainer")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument("--hf-compile", action="store_true", help="torch.compile the transformers model too")
+    p.add_argument("--fp8", choices=get_args(FP8Recipe)[1:], default=None,
+                   help="also run hfmeg with its linears in FP8 with this torchao recipe (model.fp8)")
     p.add_argument("--family", metavar="MODEL_TYPE", default=None,
                    help="another family than LLaMA (qwen3, gemma2, gpt_oss, deepseek_v3, qwen3_5_text, ...): "
                         "transformers' default config of that model_type at these shapes")
@@ -286,16 +298,20 @@ def build_hf(model, batches, a, device):
     return step
 
 
-def run_hfmeg(source, batches, a, device, dtype) -> SideResult:
+def run_hfmeg(source, batches, a, device, dtype, fp8: str = "off") -> SideResult:
     """hfmeg as the trainer runs it, in a world of one: forward_backward + the overlapped optimizer."""
-    return _measure(build_hfmeg(source, batches, a, device, dtype), a, device)
+    return _measure(build_hfmeg(source, batches, a, device, dtype, fp8), a, device)
 
 
-def build_hfmeg(source, batches, a, device, dtype):
-    """run_hfmeg's model, optimizer and step (as build_hf's)."""
+def build_hfmeg(source, batches, a, device, dtype, fp8: str = "off"):
+    """run_hfmeg's model, optimizer and step (as build_hf's); `fp8`: its linears' FP8 recipe (`model.fp8`)."""
     ps = ParallelState(ParallelConfig(), 0, 1, device)
     chunk = load_chunks(source, ps, dtype=dtype, recompute=a.recompute,
                         compile_backend="inductor" if a.compile else None)[0]
+    if fp8 != "off":
+        from hfmeg.models.fp8 import convert_fp8  # torchao: only FP8 runs import it
+
+        print("\n".join(convert_fp8([chunk], fp8, [], ps)), file=sys.stderr)
     opt = DistributedOptimizer([chunk], ps, OPTIM)
     # The global batch's loss-token counts, read once here as the data pipeline hands them over.
     num_tokens = [sum(mb.label_tokens() for mb in mbs) for mbs in batches]
@@ -361,13 +377,16 @@ def main(argv=None) -> dict:
     del model
     _free(device)
     ours = run_hfmeg(source, batches, a, device, dtype)
+    _free(device)
+    fp8 = run_hfmeg(source, batches, a, device, dtype, a.fp8) if a.fp8 else None
     del source
     _free(device)
 
     peak = peak_flops_of(a, device)
     flops_per_token = training_flops(cfg, 1, a.seq) / a.seq
     timed_tokens = a.steps * a.grad_accum * a.micro_batch_size * a.seq
-    tps = {"hfmeg": timed_tokens / ours.seconds, "hf": timed_tokens / hf.seconds}
+    tps = {"hfmeg": timed_tokens / ours.seconds, "hf": timed_tokens / hf.seconds,
+           **({"hfmeg_fp8": timed_tokens / fp8.seconds} if fp8 else {})}
     rate = {k: (mfu(cfg, v, a.seq, peak, 1) if peak else None) for k, v in tps.items()}
     result_dtype = str(dtype).removeprefix("torch.")
     result = dict(
@@ -380,6 +399,10 @@ def main(argv=None) -> dict:
         peak_flops=peak, flops_per_token=flops_per_token, trainer_path=a.trainer_path, recompute=a.recompute,
         documents_per_row=_documents_per_row(batches) if a.trainer_path else 1.0,
         shapes=shapes,
+        **(dict(fp8=a.fp8, hfmeg_fp8_tokens_per_s=tps["hfmeg_fp8"], fp8_speedup=tps["hfmeg_fp8"] / tps["hfmeg"],
+                hfmeg_fp8_mfu=rate["hfmeg_fp8"], hfmeg_fp8_peak_mem_bytes=fp8.peak_mem_bytes,
+                hfmeg_fp8_losses=fp8.losses,
+                fp8_loss_gap=max(abs(x - y) for x, y in zip(fp8.losses, ours.losses))) if fp8 else {}),
         hfmeg_settings=f"compile={'inductor' if a.compile else 'none'} recompute={a.recompute} chunked-CE "
                        "overlapped DistributedOptimizer fused AdamW, fp32 master + main grads",
         hf_settings=f"{hf_attention}, {experts_impl}fused AdamW on {result_dtype} params, clip foreach, "
@@ -405,11 +428,13 @@ def _print_table(r: dict) -> None:
 
     path = f"trainer path, {r['documents_per_row']:.1f} documents/row" if r["trainer_path"] else "unpacked rows"
     print(f"{r['device']}, {r['dtype']}, {path}, shapes {r['shapes']}")
-    print(f"{'side':<8}{'tokens/s':>14}{'MFU %':>8}{'peak GiB':>10}{'first loss':>12}")
-    for side in ("hfmeg", "hf"):
-        print(f"{side:<8}{r[f'{side}_tokens_per_s']:>14.1f}{pct(r[f'{side}_mfu']):>8}"
+    print(f"{'side':<10}{'tokens/s':>14}{'MFU %':>8}{'peak GiB':>10}{'first loss':>12}")
+    for side in ("hfmeg", "hf", *(["hfmeg_fp8"] if "fp8" in r else [])):
+        print(f"{side:<10}{r[f'{side}_tokens_per_s']:>14.1f}{pct(r[f'{side}_mfu']):>8}"
               f"{gib(r[f'{side}_peak_mem_bytes']):>10}{r[f'{side}_losses'][0]:>12.5f}")
     print(f"speedup (hfmeg / hf): {r['speedup']:.3f}")
+    if "fp8" in r:
+        print(f"FP8 {r['fp8']} speedup (over hfmeg bf16): {r['fp8_speedup']:.3f}, largest loss gap {r['fp8_loss_gap']:.2e}")
 
 
 def run_main(main, tool: str, hint: str) -> None:

@@ -144,6 +144,16 @@ HFMEG = System(
     unavailable=lambda b: None,
     build=lambda b: build_hfmeg(b.source, b.batches, b.a, b.device, b.dtype),
 )
+# hfmeg with its linears in FP8 (`model.fp8`, torchao's tensorwise recipe; docs/fp8.md): not a peer, the FP8 row of
+# tools/gpu_loan.py (row4) sets it beside hfmeg's bf16 side, so it is not in SYSTEMS.
+HFMEG_FP8 = System(
+    "hfmeg-fp8", "torchao",
+    precision=lambda b: f"{b.compute} params, linears' GEMMs in FP8 (torchao tensorwise: e4m3 weights and "
+                        "activations, e5m2 gradients; emulated off FP8 hardware); fp32 master weights and main grads",
+    settings=HFMEG.settings,
+    unavailable=lambda b: None if _have("torchao") else "torchao is not installed (pip install 'hfmeg[fp8]')",
+    build=lambda b: build_hfmeg(b.source, b.batches, b.a, b.device, b.dtype, fp8="tensorwise"),
+)
 TRANSFORMERS = [System(
     "transformers-compiled" if compiled else "transformers", "transformers",
     precision=lambda b: f"{b.compute} params, grads and AdamW moments; no fp32 master",

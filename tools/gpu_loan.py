@@ -13,7 +13,8 @@ its own limit and what is left:
    documents (Megatron-Core without Transformer Engine) trains unpacked rows, and its row says so, and an unpacked
    hfmeg row is measured beside it;
 5. `row3`: a Mixtral-shaped MoE (2 layers of 8 experts of FFN 14336, top-2) against transformers;
-6. `row4`: FP8 against bf16: a row saying "not built" until hfmeg trains in FP8.
+6. `row4`: hfmeg with its linears in FP8 (torchao tensorwise, `model.fp8`) against hfmeg in bf16, the trainer path
+   at the 7B layer shapes (the goal: tokens/s >= 1.3x bf16; each round row carries its losses).
 
 Each step runs in a forked child under its limit: a crash, a hang or an OOM of one step is one `error` row, and the
 steps after it still run. Inside a step every system is built under its own guard, so a system that fails is a row
@@ -79,9 +80,10 @@ ROWS = {
     "row1": Row("row1", ("hfmeg", "transformers")),
     "row2": Row("row2", ("hfmeg", "torchtitan", "megatron-core")),
     "row3": Row("row3", ("hfmeg", "transformers"), dict(layers=2, ffn=14336, experts=8, top_k=2)),
+    "row4": Row("row4", ("hfmeg", "hfmeg-fp8")),
 }
 # Step limits (s) in priority order (--tiny keeps them: its toy shapes end far inside them, on a loaded CPU too).
-STEPS = {"env": 30, "smoke": 90, "row1": 170, "row2": 200, "row3": 120, "row4": 5}
+STEPS = {"env": 30, "smoke": 90, "row1": 170, "row2": 200, "row3": 120, "row4": 120}
 BYTES_PER_PARAM = {"hfmeg": 18, "transformers": 8, "torchtitan": 16, "megatron-core": 18}  # weights+grads+Adam
 
 
@@ -300,11 +302,6 @@ def _summarise(loan, info, order, results, errors, benches, a) -> None:
                                                 "compare with hfmeg-unpacked")
 
 
-def step_row4(loan: Loan) -> None:
-    loan.rows.write(step="row4", kind="row", system="hfmeg-fp8",
-                    skipped="not built: hfmeg has no FP8 training path yet (the row FP8 vs bf16 waits for it)")
-
-
 def _window(step, b, warmup: int, offset: int) -> dict:
     """`warmup` untimed steps, then `steps` timed ones, between device syncs; the device's peak memory over the
     timed steps (with resident systems, theirs included)."""
@@ -410,8 +407,8 @@ def _benches(a, packed: bool) -> dict:
 
 
 def _system(name: str):
-    from bench_peers import SYSTEMS
-    return next(s for s in SYSTEMS if s.name == name)
+    from bench_peers import HFMEG_FP8, SYSTEMS
+    return next(s for s in (*SYSTEMS, HFMEG_FP8) if s.name == name)
 
 
 def _version(package: str | None) -> str | None:
@@ -457,8 +454,6 @@ def _run_step(loan: Loan, name: str) -> None:
             step_env(loan)
         elif name == "smoke":
             step_smoke(loan)
-        elif name == "row4":
-            step_row4(loan)
         else:
             step_row(loan, ROWS[name])
     except BaseException as e:

@@ -88,27 +88,50 @@ def expert_wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch
 
 
 class GroupedLinear(torch.autograd.Function):
-    """`y` `[R, N]` with `y_g = x_g w_g^T`: rows `x` `[R, K]` grouped by `offs`, stacked weight `w` `[G, N, K]`."""
+    """`y` `[R, N]` with `y_g = x_g w_g^T`: rows `x` `[R, K]` grouped by `offs`, stacked weight `w` `[G, N, K]`.
+
+    `fp8` (an `Fp8Gemms`, `model.fp8`): each group runs as its own FP8 linear, its scales taken over its own rows
+    and its own weight `w_g`, as torchao's recipe would scale an `nn.Linear` per expert. torchao's FP8 grouped
+    GEMM (`prototype.moe_training`) is rowwise-only, CUDA/Triton-only and has no emulation; so here the groups
+    run one after another through `Fp8Gemms` (torchao's scaled GEMM, emulated off FP8 hardware), reading the
+    offsets on the host like the fallback above."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x, w, offs, sink, fp8):
         x = x.contiguous()
         ctx.save_for_backward(x, w, offs)
-        ctx.sink = sink
+        ctx.sink, ctx.fp8 = sink, fp8
+        if fp8 is not None:
+            return _per_group(offs, x.new_empty(0, w.shape[1]), lambda g, s, e: fp8.output(x[s:e], w[g]))
         return grouped_rows(x, w.transpose(1, 2), offs)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w, offs = ctx.saved_tensors
+        fp8 = ctx.fp8
         dy = dy.contiguous()  # autograd may hand over an expanded (zero-stride) gradient
-        dx = grouped_rows(dy, w, offs) if ctx.needs_input_grad[0] else None
-        dw = None
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (grouped_rows(dy, w, offs) if fp8 is None else
+                  _per_group(offs, x.new_empty(0, w.shape[2]), lambda g, s, e: fp8.grad_input(dy[s:e], w[g])))
+        if ctx.sink is None and not ctx.needs_input_grad[1]:
+            return dx, None, None, None, None
+        if fp8 is None:
+            wgrad = expert_wgrad(dy, x, offs)
+        else:
+            wgrad = torch.stack([fp8.grad_weight(dy[s:e], x[s:e]) for s, e in _starts_ends(offs)])
         if ctx.sink is not None:
-            ctx.sink.add_(expert_wgrad(dy, x, offs))
-        elif ctx.needs_input_grad[1]:
-            dw = expert_wgrad(dy, x, offs).to(w.dtype)
-        return dx, dw, None, None
+            ctx.sink.add_(wgrad)
+        else:
+            dw = wgrad.to(w.dtype)
+        return dx, dw, None, None, None
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return GroupedLinear.apply(x, w, offs, sink_of(w))
+def _per_group(offs: torch.Tensor, empty: torch.Tensor, gemm) -> torch.Tensor:
+    """The rows of every group's `gemm(g, start, end)`, concatenated (`empty`: the result without groups)."""
+    return torch.cat([empty] + [gemm(g, s, e) for g, (s, e) in enumerate(_starts_ends(offs))])
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp8=None) -> torch.Tensor:
+    """`GroupedLinear`, the weight gradient fused into `w`'s main grad where it has a sink; `fp8`: an `Fp8Gemms`."""
+    return GroupedLinear.apply(x, w, offs, sink_of(w), fp8)

@@ -139,11 +139,12 @@ class GroupedExperts(nn.Module):
         # LoRA on each stacked weight (`hfmeg/peft/adapters.py` ExpertLora): `(rows, offsets)` -> its update.
         self.fc1_lora: nn.Module | None = None
         self.fc2_lora: nn.Module | None = None
+        self.fp8 = None  # `model.fp8`: both GEMMs' `Fp8Gemms` (`models/fp8.py`, `grouped_linear.py`)
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Rows `[R, h]` sorted by expert, expert g's block ending at `offsets[g]`: their outputs `[R, h]`."""
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long() if self.moe.expert_bias else None
-        h = grouped_linear(rows, self.fc1, offsets)
+        h = grouped_linear(rows, self.fc1, offsets, self.fp8)
         if self.fc1_lora is not None:
             h = h + self.fc1_lora(rows, offsets)
         if counts is not None:
@@ -154,7 +155,7 @@ class GroupedExperts(nn.Module):
             act = self.kernels.clamped_swiglu(gate, up, m.swiglu_alpha, m.swiglu_limit)
         else:
             act = self.glu(gate, up)
-        out = grouped_linear(act, self.fc2, offsets)
+        out = grouped_linear(act, self.fc2, offsets, self.fp8)
         out = out if self.fc2_lora is None else out + self.fc2_lora(act, offsets)
         if counts is not None:
             out = out + self.fc2_bias.repeat_interleave(counts, dim=0, output_size=rows.shape[0])

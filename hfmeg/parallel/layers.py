@@ -19,11 +19,15 @@ matmul's output `y = x W^T` without bias and this rank's weight, and returns wha
 added to `y` before any reduction and before the bias, so base and adapter share the
 one collective. `ReplicatedLinear` (the MoE router) takes one the same way; it has no
 collective.
+
+Column-, row-parallel and replicated linears run their GEMMs in FP8 where `fp8` is set (`model.fp8`: an
+`Fp8Gemms`, set by `models/fp8.py`, which knows which of the layer's operands are split over TP).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +42,9 @@ from .linear_cross_entropy import CE_CHUNK_TOKENS, linear_cross_entropy
 from .roles import ParamRole, add_param
 from .state import ParallelState
 from .wgrad import embedding, linear
+
+if TYPE_CHECKING:  # torchao is imported only by a run that asks for FP8 (`model.fp8`)
+    from ..quant.fp8_training import Fp8Gemms
 
 
 class ColumnParallelLinear(nn.Module):
@@ -62,12 +69,13 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.bias = None
         self.adapter: nn.Module | None = None  # see the module docstring
+        self.fp8: Fp8Gemms | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sequence(x, self.ps) if self.ps.sequence_parallel else copy_to_tp(x, self.ps)
         if self.adapter is None:
-            return linear(x, self.weight, self.bias)
-        y = linear(x, self.weight)
+            return linear(x, self.weight, self.bias, self.fp8)
+        y = linear(x, self.weight, fp8=self.fp8)
         y = y + self.adapter(x, y, self.weight)
         return y if self.bias is None else y + self.bias
 
@@ -91,9 +99,10 @@ class RowParallelLinear(nn.Module):
         else:
             self.bias = None
         self.adapter: nn.Module | None = None  # see the module docstring
+        self.fp8: Fp8Gemms | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, fp8=self.fp8)
         if self.adapter is not None:  # before the reduction: one collective sums both partial outputs
             y = y + self.adapter(x, y, self.weight)
         y = reduce_scatter_to_sequence(y, self.ps) if self.ps.sequence_parallel else reduce_from_tp(y, self.ps)
@@ -118,9 +127,10 @@ class ReplicatedLinear(nn.Module):
         else:
             self.bias = None
         self.adapter: nn.Module | None = None  # see the module docstring (the MoE router's LoRA)
+        self.fp8: Fp8Gemms | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, fp8=self.fp8)
         y = y if self.adapter is None else y + self.adapter(x, y, self.weight)
         return y if self.bias is None else y + self.bias
 

@@ -101,31 +101,49 @@ def _(main_grad, ids, g) -> None:
 
 
 class _FusedLinear(torch.autograd.Function):
-    """`y = x W^T + b` whose backward adds `g^T x` into W's sink and returns no W gradient."""
+    """`y = x W^T + b` whose backward adds `g^T x` into W's sink (if it has one) and then returns no W gradient.
+
+    `fp8` (a `quant.fp8_training.Fp8Gemms`, `model.fp8`): the three GEMMs run as its recipe says, on the
+    high-precision `x` and `W` saved here (torchao's `Float8Linear` saves them too); the weight gradient it gives
+    is added into the sink like any other, so master weights, main grads and the optimizer see no FP8."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sink):
+    def forward(ctx, x, weight, bias, sink, fp8):
         ctx.save_for_backward(x, weight)
         # Not saved for backward: the sink is written in place by every micro-batch's backward, and a saved
         # tensor's version check would refuse that.
-        ctx.sink, ctx.has_bias = sink, bias is not None
-        return F.linear(x, weight, bias)
+        ctx.sink, ctx.has_bias, ctx.fp8 = sink, bias is not None, fp8
+        if fp8 is None:
+            return F.linear(x, weight, bias)
+        y = fp8.output(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        grad_x = g @ weight if ctx.needs_input_grad[0] else None
-        linear_wgrad(ctx.sink, g, x)
+        fp8, grad_x, grad_w = ctx.fp8, None, None
+        if ctx.needs_input_grad[0]:
+            grad_x = g @ weight if fp8 is None else fp8.grad_input(g.reshape(-1, g.shape[-1]), weight).view(x.shape)
+        if fp8 is None:
+            linear_wgrad(ctx.sink, g, x)
+        elif ctx.sink is not None or ctx.needs_input_grad[1]:
+            grad_w = fp8.grad_weight(g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]))
+            if ctx.sink is not None:
+                ctx.sink.add_(grad_w)
+                grad_w = None
+            else:
+                grad_w = grad_w.to(weight.dtype)
         grad_b = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, None, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, with the weight gradient fused into its main grad where the weight has a sink."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fp8=None) -> torch.Tensor:
+    """`F.linear`, with the weight gradient fused into its main grad where the weight has a sink, and its GEMMs in
+    FP8 where `fp8` (an `Fp8Gemms`) is given."""
     sink = sink_of(weight)
-    if sink is None:
+    if sink is None and fp8 is None:
         return F.linear(x, weight, bias)
-    return _FusedLinear.apply(x, weight, bias, sink)
+    return _FusedLinear.apply(x, weight, bias, sink, fp8)
 
 
 class _FusedEmbedding(torch.autograd.Function):

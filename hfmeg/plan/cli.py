@@ -82,6 +82,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--recompute", default="none", help="none | selective | full (with --tp)")
     ap.add_argument("--no-sequence-parallel", action="store_true", help="evaluate the layout without sequence "
                     "parallelism (with --tp)")
+    ap.add_argument("--fp8", action="store_true", help="the decoder linears in FP8 (model.fp8): their FP8 copies, "
+                    "casts and the profile's FP8 GEMM rate (docs/fp8.md)")
     ap.add_argument("--explain", metavar="LAYOUT", help="breakdown of one layout, by the name the table prints")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
     ap.add_argument("--top", type=int, default=10, help="rows of the ranked table (default: %(default)s)")
@@ -108,7 +110,7 @@ def _job(a) -> tuple[Job, list[str]]:
     return Job(resolve_model(a.model), cluster, prof, a.global_batch_size, a.seq_len, DTYPE_BYTES[a.dtype],
                vocab_multiple=a.vocab_multiple,
                peft=peft if peft.enabled else None, reference_forward=reference,
-               reference_copy=reference and not peft.enabled), defaulted
+               reference_copy=reference and not peft.enabled, fp8=a.fp8), defaulted
 
 
 def _row(i, ev: Evaluation) -> str:

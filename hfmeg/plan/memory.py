@@ -50,6 +50,7 @@ from ..parallel.schedules import plan
 from ..peft.adapters import attach
 from ..peft.config import PeftConfig
 from .activations import Shape, chunk_bytes, received_input_bytes, recompute_transient_bytes
+from .fp8 import fp8_copy_bytes
 from .layout import PlanLayout
 
 
@@ -171,9 +172,10 @@ def plan_shape(lay: PlanLayout, seq_len: int, dtype_bytes: int, dense_mask: bool
 
 def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: int, seq_len: int,
                  dtype_bytes: int = 2, opt: OptimizerConfig | None = None, peft: PeftConfig | None = None,
-                 dense_mask: bool = False, reference_copy: bool = False) -> Memory:
+                 dense_mask: bool = False, reference_copy: bool = False, fp8: bool = False) -> Memory:
     """`dense_mask`: the CPU path's attention (activations.Shape.dense_mask); `reference_copy`: a preference
-    run's frozen reference model beside the trained one."""
+    run's frozen reference model beside the trained one; `fp8`: the decoder linears run in FP8 (`model.fp8`: their
+    operands' FP8 copies, plan/fp8.py)."""
     opt = opt or OptimizerConfig(mode=lay.optimizer)
     shards, expert_shards = _shards(lay)
     shape = plan_shape(lay, seq_len, dtype_bytes, dense_mask)
@@ -185,7 +187,7 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
         held = chunk_bytes(cfg, shape, s.layers, s.pre_process, s.post_process)
         per_chunk.append(held + (0 if s.pre_process else received_input_bytes(cfg, shape)))
     activations = _in_flight_peak(lay, pp_rank, lay.microbatches(global_batch), per_chunk)
-    transient = recompute_transient_bytes(cfg, shape)
+    transient = recompute_transient_bytes(cfg, shape) + (fp8_copy_bytes(cfg, shape) if fp8 else 0)
     if any(s.post_process for s in specs):
         vocab = cfg.padded_vocab(lay.tp, lay.vocab_multiple) // lay.tp
         ce = 2 * min(CE_CHUNK_TOKENS, lay.micro_batch * shape.seq) * vocab * 4 + vocab * cfg.hidden_size * dtype_bytes
@@ -199,8 +201,8 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
 
 def stage_memories(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,
                    opt: OptimizerConfig | None = None, peft: PeftConfig | None = None,
-                   dense_mask: bool = False, reference_copy: bool = False) -> list[Memory]:
-    return [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt, peft, dense_mask, reference_copy)
+                   dense_mask: bool = False, reference_copy: bool = False, fp8: bool = False) -> list[Memory]:
+    return [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt, peft, dense_mask, reference_copy, fp8)
             for r in range(lay.pp)]
 
 

@@ -63,6 +63,9 @@ class Profile:
     # chunk (loss, schedule, hooks), and per step (the optimizer's call, the loss's and norm's reductions)
     microbatch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    # `model.fp8`: FP8 GEMMs' throughput over the model dtype's at the same shapes (torch._scaled_mm); 1: no FP8
+    # GEMM (CPUs emulate FP8 in fp32 products: the GEMMs cost what they did, the casts come on top)
+    fp8_matmul_speedup: float = 1.0
     meta: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -133,8 +136,9 @@ _HOPPER_CURVE = ((1e8, 0.05), (1e9, 0.18), (1e10, 0.45), (1e11, 0.66), (1e12, 0.
 ASSUMED: dict[str, Profile] = {
     "a100-40": Profile("a100 (assumed)", 312e12, _A100_CURVE, 0.5, 1.3e12, 2e-4, 1e-4, 1e-4),
     "a100-80": Profile("a100 (assumed)", 312e12, _A100_CURVE, 0.5, 1.7e12, 2e-4, 1e-4, 1e-4),
-    "h100": Profile("h100 (assumed)", 989e12, _HOPPER_CURVE, 0.45, 2.8e12, 2e-4, 1e-4, 1e-4),
-    "h200": Profile("h200 (assumed)", 989e12, _HOPPER_CURVE, 0.45, 4.0e12, 2e-4, 1e-4, 1e-4),
+    # FP8: the datasheet's dense ratio (1979 / 989 TFLOP/s) until a loan measures it (tools/gpu_loan.py row4)
+    "h100": Profile("h100 (assumed)", 989e12, _HOPPER_CURVE, 0.45, 2.8e12, 2e-4, 1e-4, 1e-4, fp8_matmul_speedup=2.0),
+    "h200": Profile("h200 (assumed)", 989e12, _HOPPER_CURVE, 0.45, 4.0e12, 2e-4, 1e-4, 1e-4, fp8_matmul_speedup=2.0),
 }
 
 

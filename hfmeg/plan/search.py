@@ -64,6 +64,7 @@ class Job:
     # (`--layout auto`); `hfmeg plan` times them over the inter-node link instead
     cross_host: bool = True
     vocab_multiple: int = VOCAB_MULTIPLE  # the run's `model.vocab_multiple` (each layout searched pads by it)
+    fp8: bool = False  # the decoder linears in FP8 (`model.fp8`): their casts' copies and time, FP8 GEMM rates
 
 
 def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
@@ -73,7 +74,7 @@ def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
         replace(lay.grid, per_host=min(job.cluster.gpus_per_node, job.cluster.gpus)).check_hosts()
     # a CPU profile's ranks attend as on the CPU: dense masks, explicit soft-capped scores
     stages = stage_memories(job.cfg, lay, job.global_batch, job.seq_len, job.dtype_bytes, peft=job.peft,
-                            dense_mask=job.profile.gloo, reference_copy=job.reference_copy)
+                            dense_mask=job.profile.gloo, reference_copy=job.reference_copy, fp8=job.fp8)
     mem = max(stages, key=lambda m: m.total)
     if mem.total > job.cluster.usable_memory:
         raise LayoutError(f"out of memory: needs {mem.total / GIB:.1f} GiB per GPU, "
@@ -81,7 +82,7 @@ def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
     return Evaluation(lay, mem, step_time(job.cfg, lay, job.cluster, job.profile, job.global_batch, job.seq_len,
                                           job.dtype_bytes, memories=stages, attention=job.attention,
                                           grad_accumulation=job.grad_accumulation,
-                                          reference_forward=job.reference_forward))
+                                          reference_forward=job.reference_forward, fp8=job.fp8))
 
 
 def expert_parallel_sizes(cfg: ModelConfig, dp: int) -> list[int]:

@@ -92,6 +92,7 @@ from ..parallel.layout import rank_chunks, split_layers
 from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from .flops import training_flops
 from .activations import Shape, layer_bytes, layer_kind, layer_kinds, moe_tokens
+from .fp8 import fp8_cast_bytes
 from .hardware import ClusterSpec
 from .layout import PlanLayout
 from .memory import Memory, plan_shape, stage_memories
@@ -190,14 +191,22 @@ class _Stage:
     """Forward and backward seconds of one micro-batch on one pipeline stage."""
 
     def __init__(self, cfg: ModelConfig, lay: PlanLayout, prof: Profile, shape: Shape, tp_link, ep_link,
-                 slow: float, attention: str, cp_link=None):
-        self.cfg, self.lay, self.prof, self.shape, self.slow = cfg, lay, prof, shape, slow
+                 slow: float, attention: str, cp_link=None, fp8: bool = False):
+        self.cfg, self.lay, self.prof, self.shape, self.slow, self.fp8 = cfg, lay, prof, shape, slow, fp8
         self.tp_link, self.ep_link, self.attention, self.cp_link = tp_link, ep_link, attention, cp_link
         self.sp_comm = prof.sequence_parallel_comm if lay.sp else 1.0
 
     def _mm(self, m: int, k: int, n: int) -> float:
         flops = 2.0 * m * k * n
         return flops / (self.prof.peak_flops * self.prof.efficiency(flops))
+
+    def _linear(self, m: int, k: int, n: int) -> float:
+        """A decoder linear's GEMM `[m, k] x [k, n]`; with `model.fp8` (plan/fp8.py) the FP8 GEMM and its operands'
+        casts."""
+        if not self.fp8:
+            return self._mm(m, k, n)
+        return self._mm(m, k, n) / self.prof.fp8_matmul_speedup + \
+            fp8_cast_bytes(m, k, n, self.shape.dtype_bytes) / self.prof.memory_bytes_per_s
 
     def _mlp(self, layer: int) -> tuple[float, int, float]:
         """(matmul seconds, TP all-reduce equivalents per forward + backward, one forward's
@@ -212,14 +221,14 @@ class _Stage:
         tok, h = x.micro_batch * x.seq, c.hidden_size
         if not c.is_sparse(layer):
             f = c.ffn_size // t
-            return self._mm(tok, h, (2 if c.gated_mlp else 1) * f) + self._mm(tok, f, h), 2, 0.0
+            return self._linear(tok, h, (2 if c.gated_mlp else 1) * f) + self._linear(tok, f, h), 2, 0.0
         m, n, ep = c.moe, moe_tokens(x), self.lay.ep
         local = m.num_experts // ep
         rows = n * m.top_k / local
-        mm = self._mm(n, h, m.num_experts) + local * (self._mm(rows, h, 2 * m.expert_ffn_size)
-                                                      + self._mm(rows, m.expert_ffn_size, h))
+        mm = self._mm(n, h, m.num_experts) + local * (self._linear(rows, h, 2 * m.expert_ffn_size)
+                                                      + self._linear(rows, m.expert_ffn_size, h))
         if m.shared_expert_ffn_size:
-            mm += self._mm(n, h, 2 * m.shared_expert_ffn_size + 1) + self._mm(n, m.shared_expert_ffn_size, h)
+            mm += self._linear(n, h, 2 * m.shared_expert_ffn_size + 1) + self._linear(n, m.shared_expert_ffn_size, h)
         counts = (ep - 1) * self.ep_link[1] if ep > 1 else 0.0
         a2a = 2 * _all_to_all(x.dtype_bytes * n * m.top_k * h, ep, self.ep_link) + counts
         return mm, 0 if x.sp else 0.5, a2a
@@ -249,7 +258,7 @@ class _Stage:
         if c.mla is not None:
             attention_mm, attention_comm, kv_width = self._latent_attention()
         else:
-            attention_mm, kv_width = self._mm(tok, h, (nh + 2 * nkv) * d) + self._mm(tok, nh * d, h), nkv * d
+            attention_mm, kv_width = self._linear(tok, h, (nh + 2 * nkv) * d) + self._linear(tok, nh * d, h), nkv * d
         mm = attention_mm + mlp
         attn, attn_bwd = self._attention()
         none = replace(x, recompute="none")
@@ -285,13 +294,13 @@ class _Stage:
         c, x, m = self.cfg, self.shape, self.cfg.mla
         tok, local, h, nh = x.micro_batch * x.seq, x.local_seq * x.micro_batch, c.hidden_size, c.num_heads // self.lay.tp
         qk, dv, kv = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank + m.qk_rope_head_dim
-        mm = self._mm(local, h, kv) + self._mm(tok, m.kv_lora_rank, nh * (m.qk_nope_head_dim + dv)) \
-            + self._mm(tok, nh * dv, h)
+        mm = self._linear(local, h, kv) + self._linear(tok, m.kv_lora_rank, nh * (m.qk_nope_head_dim + dv)) \
+            + self._linear(tok, nh * dv, h)
         if m.q_lora_rank is None:
-            mm += self._mm(tok, h, nh * qk)
+            mm += self._linear(tok, h, nh * qk)
             latents = h + kv
         else:
-            mm += self._mm(local, h, m.q_lora_rank) + self._mm(tok, m.q_lora_rank, nh * qk)
+            mm += self._linear(local, h, m.q_lora_rank) + self._linear(tok, m.q_lora_rank, nh * qk)
             latents = m.q_lora_rank + kv
         e, t = x.dtype_bytes, self.lay.tp
         comm = (_ring(e * tok * h, t, self.tp_link, passes=2) + _ring(e * tok * latents, t, self.tp_link, passes=2)) \
@@ -332,17 +341,18 @@ class _Stage:
 def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Profile, global_batch: int,
               seq_len: int, dtype_bytes: int = 2, opt: OptimizerConfig | None = None,
               memories: list[Memory] | None = None, attention: str = "flash",
-              grad_accumulation: bool = True, reference_forward: bool = False) -> StepTime:
+              grad_accumulation: bool = True, reference_forward: bool = False, fp8: bool = False) -> StepTime:
     """`memories`: the stages' `Memory` when the caller has them already (for their bucket sizes);
     `attention`: one of ATTENTION_KERNELS; `grad_accumulation`: time hfmeg's per-micro-batch pass into
     the main grads (False: a runtime whose pass is not modelled); `reference_forward`: a preference run's
     reference model runs forward-only over the step's micro-batches first (parts/reference.py): each
     micro-batch costs the slowest stage's forward compute and the forward halves of its TP, EP and p2p
-    traffic, and the forward-only pipeline fills and drains once."""
+    traffic, and the forward-only pipeline fills and drains once; `fp8`: the decoder linears run in FP8
+    (`model.fp8`, plan/fp8.py)."""
     if attention not in ATTENTION_KERNELS:
         raise UnsupportedConfigError(f"attention kernels {attention!r}: choose one of {ATTENTION_KERNELS}")
     opt = opt or OptimizerConfig(mode=lay.optimizer)
-    memories = memories or stage_memories(cfg, lay, global_batch, seq_len, dtype_bytes, opt)
+    memories = memories or stage_memories(cfg, lay, global_batch, seq_len, dtype_bytes, opt, fp8=fp8)
     shape = plan_shape(lay, seq_len, dtype_bytes)
     m = lay.microbatches(global_batch)
     slow = prof.compute_slowdown(lay.gpus)
@@ -356,7 +366,7 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     ep_link = _link(cluster, prof, crossing, "ep", lay.ep, lay.tp * lay.cp, all_to_all=True)
     edp_link = _link(cluster, prof, crossing, "expert_dp" if lay.ep > 1 else dp_kind, lay.edp * lay.cp,
                      lay.tp * lay.ep)
-    stage = _Stage(cfg, lay, prof, shape, tp_link, ep_link, slow, attention, cp_link)
+    stage = _Stage(cfg, lay, prof, shape, tp_link, ep_link, slow, attention, cp_link, fp8)
     costs = {layer_kind(cfg, i): stage.layer(i) for i in layer_kinds(cfg)}  # layers of one kind cost the same
     head_f, head_b = stage.head()
     p2p_msg = pp_link[1] + dtype_bytes * shape.local_seq * lay.micro_batch * cfg.hidden_size / pp_link[0]

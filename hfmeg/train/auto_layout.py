@@ -73,6 +73,7 @@ def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluatio
               cfg.model.torch_dtype(device).itemsize, peft=cfg.peft if cfg.peft.enabled else None,
               cross_host=cfg.parallel.allow_cross_host,  # only layouts ParallelState will accept
               vocab_multiple=cfg.model.vocab_multiple,
+              fp8=cfg.model.fp8 != "off",
               **cfg.preference.planner_terms(adapters=cfg.peft.enabled))
     ck = cfg.checkpoint
     resume = find_resume(Path(ck.out) / "checkpoints", ck.resume, overwrite=ck.overwrite).folder

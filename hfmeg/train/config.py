@@ -32,6 +32,10 @@ from .grpo import GRPOSettings
 from .preference import PreferenceConfig
 
 
+# `model.fp8`: torchao's FP8 training recipes by their names (quant/fp8_training.py), or off
+FP8Recipe = Literal["off", "tensorwise", "rowwise", "rowwise_with_gw_hp"]
+
+
 @dataclass
 class ModelArgs:
     path: str = ""  # HF folder, Hub id, or an hfmeg shard folder (convert_hf_to_mp.py output)
@@ -44,6 +48,10 @@ class ModelArgs:
     compile: bool = False  # torch.compile each dense decoder layer's forward as one graph, MoE layers' norm/RoPE/SwiGLU (GPU)
     vocab_multiple: int = VOCAB_MULTIPLE
     ce_chunk_tokens: int = CE_CHUNK_TOKENS
+    # FP8 compute of the TP/SP/EP linears with torchao's recipe of this name (docs/fp8.md); checkpoints stay in
+    # `dtype`. Emulated (fp32 products of the FP8 values) where the device has no FP8 GEMM.
+    fp8: FP8Recipe = "off"
+    fp8_exclude: list[str] = field(default_factory=list)  # module-name patterns kept out of FP8 (beside `*.router`)
 
     @property
     def source(self) -> str:

@@ -83,7 +83,7 @@ def export_run(out: Path, checkpoint: Path, cfg: TrainConfig, *, step: int, skip
                 metrics=final, repo_id=cfg.hub.push_to_hub, peft=read_info(checkpoint)[0] if adapter else None,
                 layout=layout, dtype=m.dtype, prompt_format=trained_format,
                 objective=objective.describe(adapter is not None) if objective.enabled else None,
-                tags=(objective.tag,) if objective.enabled else ())
+                tags=(objective.tag,) if objective.enabled else (), fp8=m.fp8)
     write_model_card(hf, **card, from_scratch=m.init == "random")
     if adapter is not None:  # a LoRA run publishes its adapter, which names the base it loads onto
         write_model_card(adapter, **card, adapter=True)

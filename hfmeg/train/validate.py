@@ -15,6 +15,7 @@ check is skipped, said so, and never hangs.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import threading
@@ -166,6 +167,15 @@ def _init(cfg: TrainConfig) -> None:
                           "the unlock, so set compression_start_step >= shared_layers_until")
 
 
+def _fp8(cfg: TrainConfig) -> None:
+    if cfg.model.fp8 == "off":
+        if cfg.model.fp8_exclude:
+            raise ConfigError("model.fp8_exclude: only read with model.fp8 set to a recipe")
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"model.fp8: {cfg.model.fp8} needs torchao (pip install 'hfmeg[fp8]')")
+
+
 def _preference(cfg: TrainConfig) -> None:
     pref, peft, data = cfg.preference, cfg.peft, cfg.data
     if pref.enabled != data.preference:
@@ -265,6 +275,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collec
         _layout(cfg, world)
     _init(cfg)
     _peft(cfg)
+    _fp8(cfg)
     _preference(cfg)
     check_grpo(cfg)
     _eval(cfg)

@@ -55,6 +55,7 @@ def _random_weights(folder: Path, seed: int) -> TensorSource:
 
 class ModelPart(ABC):
     layers_shared = False  # whether the chunks share layer 0's parameters (`train.shared_layers_until`)
+    fp8_said = False  # whether the `model.fp8` start-up lines were printed
 
     def __init__(self, cfg: TrainConfig, ps, dtype: torch.dtype):
         self.cfg, self.ps, self.dtype = cfg, ps, dtype
@@ -74,9 +75,17 @@ class ModelPart(ABC):
 
     def _chunks(self, weights, **layout):
         m = self.cfg.model
-        return load_chunks(weights, self.ps, dtype=self.dtype, recompute=m.recompute,
-                           ce_chunk_tokens=m.ce_chunk_tokens, compile_backend="inductor" if m.compile else None,
-                           **layout)
+        chunks = load_chunks(weights, self.ps, dtype=self.dtype, recompute=m.recompute,
+                             ce_chunk_tokens=m.ce_chunk_tokens, compile_backend="inductor" if m.compile else None,
+                             **layout)
+        if m.fp8 != "off":  # a compute recipe: set on the built layers, nothing saved or loaded changes
+            from ...models.fp8 import convert_fp8  # imports torchao, which only FP8 runs need
+
+            lines = convert_fp8(chunks, m.fp8, m.fp8_exclude, self.ps)
+            if self.ps.rank == 0 and not self.fp8_said:
+                print("\n".join(lines), flush=True)
+                self.fp8_said = True  # once a run, not again for a reference model or a rebuild
+        return chunks
 
     @abstractmethod
     def check_resume(self, resume: Path) -> None:
