@@ -60,7 +60,8 @@ def stories_or_skip() -> Path:
 
 def float64_logits(folder, ids: torch.Tensor, **load) -> torch.Tensor:
     """transformers' logits of `ids` from the checkpoint at `folder` run in float64 (as `hfmeg verify`'s reference
-    loads it: a multimodal wrapper's own class, eager attention for soft-capped scores; `load`: from_pretrained's),
+    loads it: a multimodal wrapper's own class, eager attention for soft-capped scores, the experts' eager loop
+    (the same arithmetic as their grouped GEMM, which has no float64 kernel); `load`: from_pretrained's),
     the truth a logit bound is derived from (`logit_bound`). Loaded in fp32 and converted, as the suite's
     float64 references are: transformers computes RoPE's angles in fp32 either way."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
@@ -72,6 +73,7 @@ def float64_logits(folder, ids: torch.Tensor, **load) -> torch.Tensor:
     auto = AutoModelForCausalLM if text is config else AutoModelForImageTextToText
     if getattr(text, "attn_logit_softcapping", None):
         load.setdefault("attn_implementation", "eager")
+    load.setdefault("experts_implementation", "eager")
     model = auto.from_pretrained(str(folder), dtype=torch.float32, **load).double()
     with torch.no_grad():
         return model(input_ids=ids).logits
