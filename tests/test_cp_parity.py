@@ -180,7 +180,7 @@ def _run_layouts(folders: dict[str, str], layouts: list[Layout]) -> list[dict]:
             ref_logits, ref_loss, ref_grads = _reference(folder, mb, ntok)
             for lay in layouts:
                 row = _one_layout(folder, lay, mb, ntok, ref_logits, ref_loss, ref_grads)
-                report.append(dict(row, kind=kind, batch=name, all_grads=sorted(ref_grads)))
+                report.append(dict(row, kind=kind, folder=folder, batch=name, all_grads=sorted(ref_grads)))
     return report
 
 
@@ -197,9 +197,9 @@ def _bounds(folders: dict[str, str], layouts: list[Layout]) -> dict[tuple[str, s
     return out
 
 
-def _check(results: list[list[dict]], layouts: list[Layout], folders: dict[str, str]) -> None:
-    covered, losses, bounds = {}, set(), _bounds(folders, layouts)
-    kinds = list(folders)
+def _check(results: list[list[dict]], layouts: list[Layout], kinds) -> None:
+    covered, losses = {}, set()
+    bounds = _bounds({row["kind"]: row["folder"] for report in results for row in report}, layouts)
     for report in results:
         for row in report:
             # fp32 sums of the same terms in another order: within rounding of the float64 run
@@ -219,20 +219,19 @@ def _check(results: list[list[dict]], layouts: list[Layout], folders: dict[str, 
 
 @pytest.mark.parametrize("kind", ["llama3", "gpt2", "smollm3", "phi3", "gemma2", "gemma3"])
 def test_cp_parity_with_one_process(tiny_checkpoints, kind):
-    folders = {kind: str(tiny_checkpoints[kind])}
-    _check(spawn(_run_layouts, 4, folders, LAYOUTS_4), LAYOUTS_4, folders)
+    _check(spawn(_run_layouts, 4, {kind: str(tiny_checkpoints[kind])}, LAYOUTS_4), LAYOUTS_4, [kind])
 
 
 def test_cp_parity_of_gpt_oss_sinks_and_experts(tmp_path):
     """gpt-oss under CP: each head's sink joins each query's normaliser once (the keys are gathered whole), its
     window layer under the split mask, its biased experts routing each CP rank's tokens (the load-balancing loss,
     refused under CP, off)."""
-    folders = {"gpt_oss": str(save_tiny("gpt_oss", tmp_path / "gpt_oss", output_router_logits=False))}
-    _check(spawn(_run_layouts, 4, folders, LAYOUTS_4), LAYOUTS_4, folders)
+    folder = save_tiny("gpt_oss", tmp_path / "gpt_oss", output_router_logits=False)
+    _check(spawn(_run_layouts, 4, {"gpt_oss": str(folder)}, LAYOUTS_4), LAYOUTS_4, ["gpt_oss"])
 
 
 def test_cp_parity_on_eight_ranks_with_tp_pp_and_every_schedule(tmp_path):
     """CP4 x TP2, CP4 x PP2, CP2 x TP2 x PP2 and CP2 x PP2 x VPP2: both models in one spawn of 8 ranks."""
     kinds = ("llama3", "gpt2")
     folders = {k: str(save_tiny(k, tmp_path / k, num_hidden_layers=4)) for k in kinds}  # 2 stages x 2 chunks
-    _check(spawn(_run_layouts, 8, folders, LAYOUTS_8), LAYOUTS_8, folders)
+    _check(spawn(_run_layouts, 8, folders, LAYOUTS_8), LAYOUTS_8, kinds)
