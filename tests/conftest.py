@@ -25,8 +25,9 @@ os.environ.setdefault(BACKEND_ENV, "gloo")
 # few minutes, for development. Assigned here, by file or by test, so that one list says which lane a test is in:
 # - multihost: the namespace-host beds (tests/multihost.py), several machines' worth of processes per test;
 # - e2e: a multi-process end-to-end run: a trainer, recipe, tool or bench run (in a fresh interpreter, a forked
-#   one or spawned ranks), a process start checked as such, or one model's forward + backward over a whole
-#   matrix of layouts or families (the parity suites).
+#   one or spawned ranks), a process start checked as such, one model's forward + backward (or its training
+#   steps) over a whole matrix of layouts or families (the parity suites; the quick lane keeps a smaller
+#   matrix of the same file where there is one), or a runtime step at a release's real shapes.
 # None: every test of the file; otherwise the named tests (parametrised ones by their function's name).
 LANES: dict[str, dict[str, set[str] | None]] = {
     "multihost": {name: None for name in ("test_multihost_bed.py", "test_multihost_faults.py",
@@ -59,6 +60,14 @@ LANES: dict[str, dict[str, set[str] | None]] = {
         "test_import_cost.py": None,
         "test_moe_checkpoint.py": {"test_verify_parity_cli_on_moe"},
         "test_peft_damage.py": {"test_an_empty_trainer_state_under_torchrun_makes_every_rank_exit_2"},
+        # the heaviest matrices of the quick lane's files (docs/testing.md); the 4-rank ones stay quick
+        "test_cp_parity.py": {"test_cp_parity_on_eight_ranks_with_tp_pp_and_every_schedule"},
+        "test_moe_parity.py": {"test_moe_parity_eight_and_sixteen_ranks"},
+        "test_moe_training.py": {"test_expert_parallel_training_matches_adamw_reference"},
+        "test_optim.py": {"test_matches_adamw_reference_all_layouts_and_modes"},
+        "test_powersgd.py": {"test_full_rank_matches_uncompressed",
+                             "test_expert_parallel_compresses_each_bucket_over_its_own_group"},
+        "test_peft_plan.py": {"test_planner_predicts_lora_memory_at_7b_shapes_within_5_percent"},
     },
 }
 

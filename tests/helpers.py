@@ -58,6 +58,36 @@ def stories_or_skip() -> Path:
     return STORIES
 
 
+def float64_logits(folder, ids: torch.Tensor, **load) -> torch.Tensor:
+    """transformers' logits of `ids` from the checkpoint at `folder` run in float64 (as `hfmeg verify`'s reference
+    loads it: a multimodal wrapper's own class, eager attention for soft-capped scores, the experts' eager loop
+    (the same arithmetic as their grouped GEMM, which has no float64 kernel); `load`: from_pretrained's),
+    the truth a logit bound is derived from (`logit_bound`). Loaded in fp32 and converted, as the suite's
+    float64 references are: transformers computes RoPE's angles in fp32 either way."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from hfmeg.families import text_config
+
+    config = AutoConfig.from_pretrained(str(folder))
+    text = text_config(config)
+    auto = AutoModelForCausalLM if text is config else AutoModelForImageTextToText
+    if getattr(text, "attn_logit_softcapping", None):
+        load.setdefault("attn_implementation", "eager")
+    load.setdefault("experts_implementation", "eager")
+    model = auto.from_pretrained(str(folder), dtype=torch.float32, **load).double()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def logit_bound(folder, ids: torch.Tensor, ref32: torch.Tensor, **load) -> float:
+    """How far an fp32 run's logits of `ids` may be from transformers' fp32 ones, `ref32`, by rounding alone
+    (bounds.rounding_bound of ref32 against the float64 run, two fp32 runs): no fixed figure that one model's
+    rounding could reach."""
+    from bounds import rounding_bound
+
+    return rounding_bound(ref32, float64_logits(folder, ids, **load)[..., :ref32.shape[-1]], runs=2)
+
+
 def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF folder's safetensors files, by the name it is stored under."""
     out = {}

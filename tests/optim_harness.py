@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from bounds import within
+from bounds import FP32_EPS, ROUNDING_FACTOR, within  # noqa: F401 - the tests import both from here too
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
@@ -73,16 +73,10 @@ def reference(folder, cfg: OptimizerConfig, ga: int, steps: int, ps1: ParallelSt
     return losses, {n: t.detach().clone() for n, t in stored_tensors(model).items()}
 
 
-# The parity bound, from the arithmetic rather than one machine: the same AdamW run in float64 is
-# the truth, and the unsharded fp32 reference's own distance from it (per parameter tensor, per
-# step's loss) is what fp32 rounding does to this computation on this CPU. A sharded run sums the
-# same terms in another order (TP and SP partial sums, DP reduce-scatters), so its rounding is of
-# the same size but not the same: two such fp32 runs' distances from float64 differ by about
-# their own size, and ROUNDING_FACTOR leaves room for the spread across layouts, CPUs and thread
-# counts. An error of the optimizer itself (a stale, missing or doubly applied update) moves a
-# parameter by ~lr / |param|, orders above.
-ROUNDING_FACTOR = 8
-FP32_EPS = torch.finfo(torch.float32).eps
+# The parity bound of an optimizer run (bounds.py: ROUNDING_FACTOR): the same AdamW run in float64 is the truth,
+# and the unsharded fp32 reference's own distance from it (per parameter tensor, per step's loss) is what fp32
+# rounding does to this computation on this CPU; a sharded run sums the same terms in another order. An error of
+# the optimizer itself (a stale, missing or doubly applied update) moves a parameter by ~lr / |param|, orders above.
 
 
 @dataclasses.dataclass

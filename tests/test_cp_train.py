@@ -25,7 +25,8 @@ def _cp_config(out, model, *, cp, tp=1, mode="overlapped", **kw):
 
 
 def _close(a, b):
-    # fp32 sums of the same terms in other orders over 20 Adam steps: the layout contract's 1e-4.
+    # fp32 sums of the same terms in other orders over 20 Adam steps: the layout contract's 1e-4. Every run is in
+    # launch.spawn ranks, one thread each whatever OMP_NUM_THREADS or the load: no thread count moves these losses.
     if len(a) != len(b):
         return False
     report(max(abs(x - y) / abs(x) for x, y in zip(a, b)), 1e-4, "cp loss rel")

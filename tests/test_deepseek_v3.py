@@ -22,7 +22,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from bounds import within
+from bounds import parity_bounds, within
 from convert_helpers import assert_same_tensors
 from helpers import gather_tp, make_ps, stories_or_skip
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
@@ -172,10 +172,12 @@ def _packed():
     return ids, pos, seg, labels
 
 
-def _reference(folder, tmp):
+def _reference(folder, tmp, dtype=torch.float32):
     """transformers on each document alone: logits `[1, s, V]` and the gradients of the mean loss over the row's
     labels, under the checkpoint's (per-expert) names: written by `save_pretrained` (the correction bias left out)."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    # transformers' grouped-GEMM experts have no float64 kernel; its eager loop is the same arithmetic
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa",
+                                                 experts_implementation="eager").to(dtype)
     ids, _, _, labels = _packed()
     logits = torch.cat([model(d.unsqueeze(0)).logits for d in ids[0].split(DOCS)], dim=1)
     loss = torch.nn.functional.cross_entropy(logits[0], labels[0], ignore_index=-100, reduction="sum")
@@ -183,8 +185,9 @@ def _reference(folder, tmp):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.grad)
-    model.save_pretrained(tmp)
-    grads = {n: g for n, g in load_file(Path(tmp) / "model.safetensors").items() if "e_score_correction_bias" not in n}
+    model.save_pretrained(Path(tmp) / str(dtype))
+    grads = {n: g for n, g in load_file(Path(tmp) / str(dtype) / "model.safetensors").items()
+             if "e_score_correction_bias" not in n}
     return logits.detach(), grads
 
 
@@ -227,6 +230,8 @@ def test_parity_with_transformers_on_packed_rows(kind, checkpoints, tmp_path):
     folder = checkpoints[kind]
     layouts = LAYOUTS if kind == "moe" else [layout for layout in LAYOUTS if layout[3] == 1]
     ref = _reference(folder, tmp_path)
+    logits64, grads64 = _reference(folder, tmp_path, torch.float64)
+    bounds = parity_bounds((ref[0], 0.0, ref[1]), (logits64, 0.0, grads64))  # no loss compared here
     n_ref = len(ref[1])
     results = [row for rank in spawn(_check_layouts, 4, str(folder), layouts, ref) for row in rank]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -238,9 +243,9 @@ def test_parity_with_transformers_on_packed_rows(kind, checkpoints, tmp_path):
         assert len({n for r in rows for n in r["seen"]}) == n_ref, layout
         assert layout[4] > 1 or any("logit_diff" in r for r in rows), layout
         for r in rows:
-            within(r["grad_rel"], 1e-4, "grad_rel", r)
+            within(r["grad_rel"], bounds["grad_rel"], "grad_rel", r)
             if "logit_diff" in r:
-                within(r["logit_diff"], 1e-4, "logit_diff", r)
+                within(r["logit_diff"], bounds["logit_diff"], "logit_diff", r)
 
 
 # Aux-loss-free balancing: 4-rank runs (TP2 with SP, EP2 over DP2, 2 micro-batches a step; the overlapped optimizer

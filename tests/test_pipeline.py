@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bounds import within
 from helpers import make_ps
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
@@ -170,7 +169,8 @@ def _check(per_rank: list[list[dict]]) -> None:
                               f"{case}: gradient rel err {worst:.2e}, loss rel err {losses}")
         for r in rows:
             if "forward_only_diff" in r:
-                within(r["forward_only_diff"], 1e-6, "forward_only_diff", case)
+                # the same forward on the same rank (one thread: spawn's ranks), its losses summed in the same order
+                assert r["forward_only_diff"] == 0, case
         assert all(r["hook_ok"] for r in rows), f"{case}: grad_sync hooks called wrongly"
 
 

@@ -1,5 +1,5 @@
 """The checkpoints people download, as published (`tests/releases/`, built by `release_models.save_release`): each
-converts at TP2 x PP2, computes transformers' fp32 logits (max-abs <= 1e-4, the numerics contract) and its greedy
+converts at TP2 x PP2, computes transformers' fp32 logits (max-abs within rounding of its float64 run) and its greedy
 continuation, comes back bit-exact (every tensor, and config.json as published), and trains 3 steps at TP2 x PP2
 (LoRA; full fine-tuning on a multimodal wrapper, where LoRA is refused, and on a family LoRA is not built for). Adding a release: its shrunk published
 config in `tests/releases/<name>.json` and its line in `RELEASES`.
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from bounds import within
-from helpers import folder_tensors, make_ps
+from helpers import folder_tensors, logit_bound, make_ps
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.parity import reference_outputs, sharded_outputs
 from hfmeg.errors import CheckpointError
@@ -91,7 +91,8 @@ def test_logits_and_greedy_continuation_are_transformers_at_tp2_pp2(converted):
         ref_logits, ref_ids = reference_outputs(src, IDS, NEW_TOKENS)
         logits, ids = ours[key]
         vocab = ref_logits.shape[-1]
-        within((logits[..., :vocab] - ref_logits).abs().max().item(), 1e-4, f"{key} logits")
+        within((logits[..., :vocab] - ref_logits).abs().max().item(), logit_bound(src, IDS, ref_logits),
+               f"{key} logits")
         assert ids[:, IDS.shape[1]:].tolist() == ref_ids[:, IDS.shape[1]:].tolist(), key
 
 
