@@ -76,7 +76,17 @@ def test_grpo_tp2_pp2_matches_one_process(tmp_path):
     spawn(_run, 1, _config(tmp_path / "single", data))
     spawn(_run, 4, _config(tmp_path / "grid", data, tp=2, pp=2))
     a, b = _rows(tmp_path / "single"), _rows(tmp_path / "grid")
-    assert len(a) == len(b) == 3
+    check_layouts_agree(a, b, 3)
+    completions = (tmp_path / "grid" / "completions.jsonl").read_text().splitlines()
+    assert len(completions) == 3 * 4  # one group a step
+    card = (tmp_path / "grid" / "hf" / "README.md").read_text()
+    assert "online RL, GRPO family (dapo loss" in card and "scored by grpo_toy_rewards:park" in card
+    assert "- grpo\n" in card.split("---")[1]  # the card's tags
+
+
+def check_layouts_agree(a: list[dict], b: list[dict], steps: int) -> None:
+    """Two runs' metrics rows (one process, TP2 x PP2) within the module's bounds; test_vllm_engine.py's too."""
+    assert len(a) == len(b) == steps
     for x, y in zip(a, b):
         for k in ("reward", "reward_std", "rewards/park/mean", "frac_reward_zero_std", "completions/mean_length"):
             assert x[k] == y[k], (k, x["step"])  # the same completions were sampled from both layouts' weights
@@ -86,11 +96,6 @@ def test_grpo_tp2_pp2_matches_one_process(tmp_path):
         within(abs(x["grad_norm"] - y["grad_norm"]), EPS * x["grad_norm"], "grpo run grad norm tp2pp2 vs 1", x["step"])
         for row in (x, y):
             within(row[MISMATCH], 2 * TOL, "grpo run train/generation mismatch", x["step"])
-    completions = (tmp_path / "grid" / "completions.jsonl").read_text().splitlines()
-    assert len(completions) == 3 * 4  # one group a step
-    card = (tmp_path / "grid" / "hf" / "README.md").read_text()
-    assert "online RL, GRPO family (dapo loss" in card and "scored by grpo_toy_rewards:park" in card
-    assert "- grpo\n" in card.split("---")[1]  # the card's tags
 
 
 def test_num_iterations_reuses_the_batch_against_its_old_logps(tmp_path):

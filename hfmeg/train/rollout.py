@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -37,13 +38,16 @@ from ..data.prompts import PromptReader
 from ..data.rollouts import CompletionBatch, pack_completions
 from ..parallel.agree import agree
 from ..errors import HfmegError
-from ..generation.engine import SamplingParams
+from ..generation.engine import Engine, SamplingParams
 from ..generation.transformers_engine import TransformersEngine
+from ..generation.vllm_engine import VLLMEngine
 from .grpo import annotate_logps, group_advantages
 from .rewards import name_of, resolve, score, text_of
 
 COMPLETIONS_FILE = "completions.jsonl"
 WEIGHTS_DIR = "rollout_weights"
+VLLM_LOG = "vllm.log"
+SHM = Path("/dev/shm")
 
 
 @dataclass
@@ -63,7 +67,7 @@ def sample_seed(seed: int, epoch: int, record: int, sample: int) -> int:
 
 class Rollouts:
     def __init__(self, cfg, ps, tokenizer, chunks: Callable[[], list], part, hf_source: Path, out: Path,
-                 schedule: str):
+                 schedule: str, engine: Engine | None = None):
         self.cfg, self.ps, self.tok, self.chunks, self.part = cfg, ps, tokenizer, chunks, part
         self.hf_source, self.out, self.schedule = hf_source, out, schedule
         g, t = cfg.grpo, cfg.train
@@ -72,7 +76,10 @@ class Rollouts:
         self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.funcs))
         self.reader = PromptReader(cfg.data.sources[0], tokenizer, cfg.data.seq_len - g.max_completion_length)
         self.report = DataReport()
-        self.engine: TransformersEngine | None = None
+        self.engine, self.owns_engine = engine, engine is None  # a given engine: the caller closes it
+        # the HF folder the engine loads: in shared memory where there is one (a RAM write and read per push)
+        self.export_dir = (Path(tempfile.mkdtemp(prefix="hfmeg-rollout-", dir=SHM)) if ps.rank == 0 and SHM.is_dir()
+                           else out / WEIGHTS_DIR / "export")
         self.held: RolloutBatch | None = None
         self.uses = 0
         self.step = 0
@@ -97,7 +104,12 @@ class Rollouts:
         return [(source.name, source.train_size, source.held_size)]
 
     def close(self) -> None:
-        self.engine = None
+        """Stops the engine (a vLLM worker process) and drops the shared-memory export; also when the run failed."""
+        engine, self.engine = self.engine, None
+        if engine is not None and self.owns_engine:
+            engine.close()
+        if self.export_dir.parent == SHM:
+            shutil.rmtree(self.export_dir, ignore_errors=True)
 
     def __iter__(self):
         return self
@@ -132,15 +144,19 @@ class Rollouts:
         iteration, self.step = self.step, self.step + 1
         if self.ps.rank != 0:
             return None
-        hf, _ = self.part.export(root / "mp" / iteration_dir_name(iteration), root / "export")
+        hf, _ = self.part.export(root / "mp" / iteration_dir_name(iteration), self.export_dir)
         shutil.rmtree(root / "mp" / iteration_dir_name(iteration), ignore_errors=True)
         return hf
 
     def _generate(self, hf: Path):
         g, tok = self.cfg.grpo, self.tok
         if self.engine is None:
-            self.engine = TransformersEngine(hf, [tok.eos_token_id], tok.pad_token_id if tok.pad_token_id is not None
-                                             else tok.eos_token_id)
+            pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+            if g.generator == "vllm":
+                self.engine = VLLMEngine(hf, [tok.eos_token_id], pad, log=self.out / VLLM_LOG,
+                                         max_model_len=self.cfg.data.seq_len)
+            else:
+                self.engine = TransformersEngine(hf, [tok.eos_token_id], pad)
         else:
             self.engine.load(hf)
         epoch = self.reader.epoch
