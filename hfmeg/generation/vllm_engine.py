@@ -86,16 +86,22 @@ class VLLMEngine:
             raise
         if "error" in answer:
             self.close()
+            logged = f" (vLLM's log: {log})" if log else ""
+            if answer.get("stage") == "import":
+                raise EngineError(f"grpo.generator vllm: vLLM does not import in {python}: {answer['error']}; remake "
+                                  f"its environment (rm -r .venv-vllm; make .venv-vllm){logged}")
             raise EngineError(f"grpo.generator vllm: vLLM cannot serve {folder}: {answer['error']}; use "
-                              f"--generator transformers" + (f" (vLLM's log: {log})" if log else ""))
+                              f"--generator transformers{logged}")
 
     def _wait(self, timeout: float, doing: str) -> dict:
         deadline = time.monotonic() + timeout
         while not self.conn.poll(1.0):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                code = self.proc.poll()
+            alive = self._alive()
+            if not alive or time.monotonic() > deadline:
+                code = self.proc.poll() if os.getpid() == self.owner else None
                 self.close()
-                why = f"exited with code {code}" if code is not None else f"did not answer in {timeout:.0f} s"
+                why = f"did not answer in {timeout:.0f} s" if alive else "exited" + (
+                    f" with code {code}" if code is not None else "")
                 raise EngineError(f"grpo.generator vllm: the vLLM worker {why} while {doing}"
                                   + (f"; its log: {self.log}" if self.log else ""))
         try:
@@ -103,6 +109,15 @@ class VLLMEngine:
         except EOFError:
             self.close()
             raise EngineError(f"grpo.generator vllm: the vLLM worker closed while {doing}") from None
+
+    def _alive(self) -> bool:
+        if os.getpid() == self.owner:
+            return self.proc.poll() is None
+        try:  # a forked child's copy (a trainer rank given the engine): the worker is not its child to wait for
+            os.kill(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
     def _ask(self, request: dict, doing: str) -> dict:
         if self.proc is None:

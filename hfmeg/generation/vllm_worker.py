@@ -5,8 +5,8 @@ vLLM, never hfmeg.
     python vllm_worker.py FD MODEL_FOLDER SETTINGS_JSON
 
 FD is the child's end of a socket pair the engine made; requests and answers are JSON messages on it
-(`multiprocessing.connection` framing, no pickle). The first answer is {"ready": true} or {"error": "..."} (the
-reason vLLM refused the model). Requests: {"op": "generate", ...} -> {"completions": [...]}, {"op": "load",
+(`multiprocessing.connection` framing, no pickle). The first answer is {"ready": true} or {"error": "...", "stage": ...}
+(vLLM failed to import, or refused the model). Requests: {"op": "generate", ...} -> {"completions": [...]}, {"op": "load",
 "folder": ...} -> {"ok": true}, {"op": "stop"}. A failed request answers {"error": "..."} and the worker goes on.
 
 The worker dies with the engine's process: the kernel kills it when its parent exits (PR_SET_PDEATHSIG, also on
@@ -61,11 +61,20 @@ def main() -> int:
     conn = Connection(fd)
     try:
         from vllm import LLM
-
+    except Exception as e:  # a broken environment, not the model's fault
+        traceback.print_exc()
+        conn.send_bytes(json.dumps({"error": reason(e), "stage": "import"}).encode())
+        return 1
+    try:
         llm = LLM(model=model, skip_tokenizer_init=True, **settings)
+        # one token through the model: some refusals (vLLM's CPU attention below head_dim 32) come at the first
+        # forward, not at the engine's construction, and belong to the start's answer
+        from vllm import SamplingParams, TokensPrompt
+
+        llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
     except Exception as e:  # what vLLM refused about the model, for the engine's one line
         traceback.print_exc()
-        conn.send_bytes(json.dumps({"error": reason(e)}).encode())
+        conn.send_bytes(json.dumps({"error": reason(e), "stage": "model"}).encode())
         return 1
     conn.send_bytes(json.dumps({"ready": True}).encode())
     while True:

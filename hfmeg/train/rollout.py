@@ -23,6 +23,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -119,11 +120,13 @@ class Rollouts:
         if self.held is not None and self.uses < g.num_iterations:
             self.uses += 1
             return self.held
+        t0 = time.perf_counter()
         hf = self._push_weights()
+        pushed = time.perf_counter() - t0
         payload, error = [None], None
         if self.ps.rank == 0:
             try:
-                payload = [self._generate(hf)]
+                payload = [self._generate(hf, pushed)]
             except HfmegError as e:  # a reward function's failure, a bad prompt: every rank stops with its line
                 error = e
         agree(error, self.ps.device)
@@ -148,8 +151,9 @@ class Rollouts:
         shutil.rmtree(root / "mp" / iteration_dir_name(iteration), ignore_errors=True)
         return hf
 
-    def _generate(self, hf: Path):
+    def _generate(self, hf: Path, pushed: float):
         g, tok = self.cfg.grpo, self.tok
+        t0 = time.perf_counter()
         if self.engine is None:
             pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
             if g.generator == "vllm":
@@ -164,7 +168,9 @@ class Rollouts:
         ids = [p.ids for p in prompts for _ in range(g.num_generations)]
         seeds = [sample_seed(self.cfg.train.seed, epoch, p.index, k) for p in prompts for k in range(g.num_generations)]
         params = SamplingParams(g.max_completion_length, g.temperature, g.top_p, g.top_k)
+        loaded = time.perf_counter()
         completions = self.engine.generate(ids, params, seeds)
+        generated = time.perf_counter()
         texts = [tok.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
         as_given = [p.text for p in prompts for _ in range(g.num_generations)]
         if isinstance(as_given[0], list):  # conversational: TRL hands the reward a message list
@@ -176,6 +182,9 @@ class Rollouts:
         lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.float64)
         metrics["completions/mean_length"] = float(lengths.mean())
         metrics["completions/clipped_ratio"] = sum(c.truncated for c in completions) / len(completions)
+        # seconds: writing and exporting the weights plus the engine's load (its start, the first time); sampling
+        metrics["timing/weight_push_s"] = pushed + loaded - t0
+        metrics["timing/generation_s"] = generated - loaded
         masked = [c.truncated for c in completions] if g.mask_truncated_completions else None
         with open(self.out / COMPLETIONS_FILE, "a") as f:
             for i in range(g.num_generations):
