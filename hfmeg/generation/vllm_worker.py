@@ -98,4 +98,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # vLLM's exit handlers have nothing to free in this process and can take seconds
