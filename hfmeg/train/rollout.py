@@ -3,8 +3,9 @@
 `Rollouts` stands where an SFT run's data pipeline stands (the trainer asks it for the next batch, its
 state and its report). For a step it:
 1. pushes the trained weights to the engine: every rank writes its shard (`staged_save`, as a checkpoint's
-   model part, into `<out>/rollout_weights/mp`), rank 0 exports them to an HF folder (the model part's
-   export: a LoRA run merges its adapters) and the engine loads it (`generation/`);
+   model part, into `<out>/rollout_weights/mp`), rank 0 exports them to an HF folder in shared memory (the
+   model part's streaming export, into /dev/shm where there is one: a LoRA run merges its adapters) and the
+   engine loads it (`generation/`: the in-process transformers model, or a vLLM worker's `reload_weights`);
 2. on rank 0: takes `global_batch_size / num_generations` prompts (`data/prompts.py`), samples each
    `num_generations` times with a seed per (train.seed, epoch, record, sample), scores them (`rewards.py`)
    and turns the rewards into advantages with each group whole (`grpo.group_advantages`), then sends the
