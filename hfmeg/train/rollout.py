@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,9 +78,10 @@ class Rollouts:
         self.reader = PromptReader(cfg.data.sources[0], tokenizer, cfg.data.seq_len - g.max_completion_length)
         self.report = DataReport()
         self.engine, self.owns_engine = engine, engine is None  # a given engine: the caller closes it
-        # the HF folder the engine loads: in shared memory where there is one (a RAM write and read per push)
-        self.export_dir = (Path(tempfile.mkdtemp(prefix="hfmeg-rollout-", dir=SHM)) if ps.rank == 0 and SHM.is_dir()
-                           else out / WEIGHTS_DIR / "export")
+        # the HF folder the engine loads: in shared memory where there is one (a RAM write and read per push),
+        # named after the run's out, so a resume of a killed run reuses (and at its end removes) the killed one's
+        run = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
+        self.export_dir = (SHM / f"hfmeg-rollout-{run}" if SHM.is_dir() else out / WEIGHTS_DIR / "export")
         self.held: RolloutBatch | None = None
         self.uses = 0
         self.step = 0
@@ -110,7 +110,7 @@ class Rollouts:
         engine, self.engine = self.engine, None
         if engine is not None and self.owns_engine:
             engine.close()
-        if self.export_dir.parent == SHM:
+        if self.ps.rank == 0 and self.export_dir.parent == SHM:
             shutil.rmtree(self.export_dir, ignore_errors=True)
 
     def __iter__(self):
