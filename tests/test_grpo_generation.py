@@ -1,10 +1,11 @@
 """The transformers generation engine: greedy completions equal transformers' `generate`, sampling is seeded per
 completion, a weight load takes effect, and the engine's log-probabilities of sampled tokens equal hfmeg's training
-forward at TP2 x PP2 (the train/generation mismatch metric).
+forward at TP2 x PP2 (the train/generation mismatch metric), at temperature 1 and below it. `train_logps` serves
+test_vllm_engine.py too.
 
 Bound: both sides compute each token's log-softmax from logits within the suite's fp32 logit bound TOL of
 transformers' full forward (the engine's cached incremental forward is transformers' own), so each log-probability is
-within 2 TOL of the other side's.
+within 2 TOL of the other side's; both divide the logits by a temperature T before their log-softmax, so 2 TOL / T.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hfmeg.generation.engine import SamplingParams
 from hfmeg.generation.transformers_engine import TransformersEngine
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
-from hfmeg.train.grpo import MISMATCH, GRPOLoss, GRPOSettings, annotate_logps
+from hfmeg.train.grpo import MISMATCH, GRPOLoss, GRPOSettings, annotate_logps, set_temperature
 
 TOL = 1e-4
 PROMPTS = ["Once upon a time", "Lily liked to"]
@@ -79,27 +80,34 @@ def test_sampling_is_seeded_per_completion():
     assert batch[0].completion_ids != batch[1].completion_ids
 
 
-def _train_logps(folder, completions, pad_id):
+def train_logps(folder, runs, pad_id):
+    """Per (completions, temperature) of `runs`: the training forward's log-probability minus the generator's, per
+    completion token, and the mismatch metric, at TP2 x PP2 (last stage; None elsewhere)."""
     ps = make_ps(tp=2, pp=2)
     chunks = load_chunks(HFCheckpoint(folder), ps)
-    mbs = pack_completions(completions, torch.zeros(len(completions)), 2, 64, pad_id)
-    annotated = annotate_logps(chunks, mbs, ps, "1f1b", "old_logps")
-    loss = GRPOLoss(GRPOSettings(num_generations=2), ps, len(completions), 1)
-    forward_backward(chunks, ps, mbs, schedule="1f1b", loss=loss, forward_only=True)
-    if not ps.is_last_stage:
-        return None
-    diffs = torch.cat([(mb.old_logps - mb.gen_logps)[mb.sequence_ids >= 0] for mb in annotated])
-    return diffs, loss.metrics(loss.totals)
+    out = []
+    for completions, temperature in runs:
+        set_temperature(chunks, temperature)
+        mbs = pack_completions(completions, torch.zeros(len(completions)), 2, 64, pad_id)
+        annotated = annotate_logps(chunks, mbs, ps, "1f1b", "old_logps")
+        loss = GRPOLoss(GRPOSettings(num_generations=2, temperature=temperature), ps, len(completions), 1)
+        forward_backward(chunks, ps, mbs, schedule="1f1b", loss=loss, forward_only=True)
+        if ps.is_last_stage:
+            diffs = torch.cat([(mb.old_logps - mb.gen_logps)[mb.sequence_ids >= 0] for mb in annotated])
+            out.append((diffs, loss.metrics(loss.totals)))
+    return out if ps.is_last_stage else None
 
 
 def test_generator_logps_equal_training_forward_tp2_pp2():
+    """At temperature 1 and 0.7 (both sides score softmax(logits / T): within 2 TOL / T)."""
     folder, tok, prompts = _setup()
     engine = TransformersEngine(folder, [tok.eos_token_id], tok.eos_token_id)
-    completions = engine.generate([prompts[0]] * 2 + [prompts[1]] * 2, SamplingParams(max_new_tokens=16), [5, 6, 7, 8])
-    results = [r for r in spawn(_train_logps, 4, str(folder), completions, tok.eos_token_id) if r is not None]
+    runs = [(engine.generate([prompts[0]] * 2 + [prompts[1]] * 2, SamplingParams(max_new_tokens=16, temperature=t),
+                             [5, 6, 7, 8]), t) for t in (1.0, 0.7)]
+    results = [r for r in spawn(train_logps, 4, str(folder), runs, tok.eos_token_id) if r is not None]
     assert results
-    n = sum(len(c.completion_ids) for c in completions)
-    for diffs, metrics in results:
-        assert len(diffs) == n
-        within(float(diffs.abs().max()), 2 * TOL, "generator logp vs training forward", "tp2 pp2")
-        assert metrics[MISMATCH] == pytest.approx(float(diffs.abs().mean()), rel=1e-5)  # the same float32 terms
+    for rank in results:
+        for (diffs, metrics), (completions, t) in zip(rank, runs, strict=True):
+            assert len(diffs) == sum(len(c.completion_ids) for c in completions)
+            within(float(diffs.abs().max()), 2 * TOL / t, "generator logp vs training forward", f"tp2 pp2 T={t}")
+            assert metrics[MISMATCH] == pytest.approx(float(diffs.abs().mean()), rel=1e-5)  # the same float32 terms

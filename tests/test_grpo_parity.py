@@ -13,16 +13,16 @@ metrics, the loss's gradient in each token's log-probability (∂loss/∂π, wha
 the head; the layers' gradients from it are the DPO tests' machinery) is compared token by token. The policy is stories260K moved off the reference, or a random LoRA adapter on it (the
 reference is the base with the adapter off), so the KL is far from 0.
 
-Bounds: each log-probability is within 2 TOL of transformers' (the suite's logit bound, as in
-test_dpo_parity.py), the policy's and the reference's alike, so a log-ratio is within 4 TOL (a GSPO
-mean of them too). A token's loss moves with them at most at rate g_t = |A| w + β w (|e^d − 1| + k3)
-(d = ρ − π, w the importance weight), so every aggregate (a mean or a sum over N × L of them) is within
-4 TOL Σ_t s_t g_t, s_t the token's share of the aggregate (1/(n_i N), 1/T, 1/(N L)), × 1.01 for the
+Bounds: each log-probability is within 2 TOL of transformers' (the suite's logit bound, as in test_dpo_parity.py; 2
+TOL / τ at a sampling temperature τ, both sides dividing the logits by it), the policy's and the reference's alike,
+so a log-ratio is within 4 TOL (a GSPO mean of them too). A token's loss moves with them at most at rate g_t = |A|
+w + β w (|e^d − 1| + k3) (d = ρ − π, w the importance weight), so every aggregate (a mean or a sum over N × L of
+them) is within 4 TOL Σ_t s_t g_t, s_t the token's share of the aggregate (1/(n_i N), 1/T, 1/(N L)), × 1.01 for the
 exponential's curvature over so small a step; the `kl` metric within 4 TOL mean_t w (|e^d − 1| + k3) × 1.01;
-∂loss/∂π of a token (token level) within 4 TOL × 1.01 s_t (|A| w + β w (|e^d − 1| + k3 + 2 e^d + 1)), its
-own derivative's bound. A clip indicator may flip only for a weight within its bound of a
-clip edge; the ratios' bound counts those tokens. The advantages are TRL's float32 arithmetic on the
-same numbers (bound: a few float32 ulps of their size).
+∂loss/∂π of a token (token level) within 4 TOL × 1.01 s_t (|A| w + β w (|e^d − 1| + k3 + 2 e^d + 1)), its own
+derivative's bound. A clip indicator may flip only for a weight within its bound of a clip edge; the ratios' bound
+counts those tokens. The advantages are TRL's float32 arithmetic on the same numbers (bound: a few float32 ulps of
+their size).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from hfmeg.data.rollouts import Completion, pack_completions, token_values
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.peft.adapters import adapters_off
-from hfmeg.train.grpo import METRICS, GRPOLoss, GRPOSettings, annotate_logps, group_advantages
+from hfmeg.train.grpo import METRICS, GRPOLoss, GRPOSettings, annotate_logps, group_advantages, set_temperature
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl = pytest.importorskip("trl")
@@ -65,7 +65,8 @@ CASES = [dict(loss_type="grpo", beta=0.04),
          dict(loss_type="dr_grpo", beta=0.04, scale_rewards="batch"),
          dict(loss_type="dapo", beta=0.04, epsilon_high=0.28, delta=1.5),
          dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence"),
-         dict(loss_type="dapo", beta=0.0, on_policy=True)]
+         dict(loss_type="dapo", beta=0.0, on_policy=True),
+         dict(loss_type="grpo", beta=0.04, temperature=0.7)]  # both sides score softmax(logits / T)
 
 
 def _reward(prompts, completions, **kwargs):
@@ -104,7 +105,7 @@ def _trl_grpo(policy, reference, adapter, case: dict, out, tokenizer_path):
     if adapter is None and case["beta"]:
         trainer.ref_model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
         from trl.trainer.utils import add_fused_lm_head  # as the trainer prepares its own reference
-        add_fused_lm_head(trainer.ref_model, temperature=1.0, cast_lm_head_to_fp32=False)
+        add_fused_lm_head(trainer.ref_model, temperature=args.temperature, cast_lm_head_to_fp32=False)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # what its training loop sets: one micro-batch a step
     inputs = trainer._generate_and_score_completions([dict(prompt=p) for p in PROMPTS for _ in range(G)])
@@ -169,6 +170,8 @@ def _run_layouts(policy, reference, adapter, runs, pad_id: int):
             ref_chunks, switched = load_chunks(HFCheckpoint(reference), ps), None
         for i, (settings, completions, advantages, old) in enumerate(runs):
             cfg = GRPOSettings(**settings)
+            set_temperature(chunks, cfg.temperature)
+            set_temperature(ref_chunks, cfg.temperature)
             mbs = pack_completions(completions, advantages, 2, SEQ_LEN, pad_id)
             if old is not None:
                 mbs = [replace(mb, old_logps=token_values(mb, old[2 * k:2 * k + 2])) for k, mb in enumerate(mbs)]
@@ -212,7 +215,7 @@ def _bounds(inputs, logps, case):
     n, tokens = mask.sum(-1, keepdim=True).double(), mask.sum().double()
     weight = {"grpo": 1 / (n * len(n)), "dr_grpo": torch.full_like(n, 1 / (len(n) * MAX_COMPLETION_LENGTH))}.get(
         case["loss_type"], torch.full_like(n, 1 / float(tokens))).expand_as(pi)  # each token's share of the loss
-    step = 4 * TOL * 1.01
+    step = 4 * TOL / case.get("temperature", 1.0) * 1.01  # logits / T: their bound too
     eps_high = case.get("epsilon_high") or 0.2
     edges = torch.tensor([1 - 0.2, 1 + eps_high])
     near = ((w[..., None] - edges).abs() <= 2 * step * w[..., None]).any(-1) & mask

@@ -76,7 +76,17 @@ def test_grpo_tp2_pp2_matches_one_process(tmp_path):
     spawn(_run, 1, _config(tmp_path / "single", data))
     spawn(_run, 4, _config(tmp_path / "grid", data, tp=2, pp=2))
     a, b = _rows(tmp_path / "single"), _rows(tmp_path / "grid")
-    assert len(a) == len(b) == 3
+    check_layouts_agree(a, b, 3)
+    completions = (tmp_path / "grid" / "completions.jsonl").read_text().splitlines()
+    assert len(completions) == 3 * 4  # one group a step
+    card = (tmp_path / "grid" / "hf" / "README.md").read_text()
+    assert "online RL, GRPO family (dapo loss" in card and "scored by grpo_toy_rewards:park" in card
+    assert "- grpo\n" in card.split("---")[1]  # the card's tags
+
+
+def check_layouts_agree(a: list[dict], b: list[dict], steps: int) -> None:
+    """Two runs' metrics rows (one process, TP2 x PP2) within the module's bounds; test_vllm_engine.py's too."""
+    assert len(a) == len(b) == steps
     for x, y in zip(a, b):
         for k in ("reward", "reward_std", "rewards/park/mean", "frac_reward_zero_std", "completions/mean_length"):
             assert x[k] == y[k], (k, x["step"])  # the same completions were sampled from both layouts' weights
@@ -86,11 +96,6 @@ def test_grpo_tp2_pp2_matches_one_process(tmp_path):
         within(abs(x["grad_norm"] - y["grad_norm"]), EPS * x["grad_norm"], "grpo run grad norm tp2pp2 vs 1", x["step"])
         for row in (x, y):
             within(row[MISMATCH], 2 * TOL, "grpo run train/generation mismatch", x["step"])
-    completions = (tmp_path / "grid" / "completions.jsonl").read_text().splitlines()
-    assert len(completions) == 3 * 4  # one group a step
-    card = (tmp_path / "grid" / "hf" / "README.md").read_text()
-    assert "online RL, GRPO family (dapo loss" in card and "scored by grpo_toy_rewards:park" in card
-    assert "- grpo\n" in card.split("---")[1]  # the card's tags
 
 
 def test_num_iterations_reuses_the_batch_against_its_old_logps(tmp_path):
@@ -126,3 +131,48 @@ def test_bad_grpo_config_refused(tmp_path, change, match):
         validate(cfg, world_size=1)
     assert isinstance(e.value, ConfigError) or type(e.value).__name__ == "RewardError"
     assert not (tmp_path / "out").exists()
+
+
+def _killed_in(cfg: TrainConfig, method: str, at_call: int):
+    """`_run`, SIGKILLed inside the transformers engine's `at_call`-th call of `method` (`generate`: the step's weights
+    pushed, no completion yet; `load`: the weights exported, the engine loading them)."""
+    import os
+    import signal
+
+    from hfmeg.generation.transformers_engine import TransformersEngine
+
+    real, calls = getattr(TransformersEngine, method), []
+
+    def killed(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == at_call:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, *args, **kwargs)
+
+    setattr(TransformersEngine, method, killed)
+    _run(cfg)
+
+
+@pytest.mark.parametrize("method", ["generate", "load"])
+def test_a_kill_during_generation_or_a_weight_push_resumes_to_the_uninterrupted_losses(tmp_path, method):
+    """4 steps straight == 4 steps SIGKILLed in step 3's generation or weight push (the engine's 3rd generate, or its
+    3rd load: the first is its construction) and resumed from step 2's checkpoint: the prompts' cursor and the seeds
+    it gives regenerate the same completions from the same weights (exactly: one process, the same fp32 arithmetic),
+    so rewards, losses and gradient norms are equal."""
+    from dataclasses import replace
+
+    from hfmeg.parallel.launch import WorkerError
+
+    data = _prompts(tmp_path)
+    spawn(_run, 1, _config(tmp_path / "straight", data, steps=4))
+    cfg = _config(tmp_path / "killed", data, steps=4)
+    cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, save_every=1))
+    with pytest.raises(WorkerError):
+        spawn(_killed_in, 1, cfg, method, 3)
+    assert [r["step"] for r in _rows(tmp_path / "killed")] == [1, 2]
+    spawn(_run, 1, replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto")))
+    a, b = _rows(tmp_path / "straight"), _rows(tmp_path / "killed")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        for k in ("reward", "completions/mean_length", "loss", "grad_norm"):
+            assert x[k] == y[k], (k, x["step"])

@@ -3,9 +3,11 @@
 `generate(prompts, params, seeds)` samples one completion per (prompt, seed) and returns each as a
 `Completion` (data/rollouts.py): the prompt's ids, the completion's ids (ending with an end-of-sequence
 token unless it ran to `max_new_tokens`, then `truncated`), and the engine's log-probability of each
-completion token under the unmodified model distribution (temperature 1, no top-k/top-p), the number
-the training forward recomputes: their difference is the train/generation mismatch. `load(folder)`
-takes new weights from an HF model folder (the trained shards exported: train/rollout.py).
+completion token under softmax(logits / temperature) (the logits' own at temperature 0), before top-k and
+top-p: the number the training forward recomputes (TRL's GRPO divides the training logits by the
+temperature too), so their difference is the train/generation mismatch. `load(folder)`
+takes new weights from an HF model folder (the trained shards exported: train/rollout.py). `close()` frees the
+engine (stops a vLLM worker process).
 
 Sampling is seeded per completion (`seeds`): the same prompt, weights and seed give the same completion
 whatever else is in the batch (up to the float rounding of other batch shapes, which could flip a draw
@@ -34,3 +36,5 @@ class Engine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]: ...
 
     def load(self, folder: Path) -> None: ...
+
+    def close(self) -> None: ...

@@ -2,9 +2,9 @@
 
 Decoding is a plain loop over the model's forward with its KV cache, so that each completion's
 sampling draws from its own seeded generator and its log-probabilities come from the same logits
-it samples from. Per step: the next-token logits (fp32), their log-softmax (the reported
-log-probability of the chosen token), and the token: the argmax at temperature 0, else a draw from
-softmax(logits / temperature) restricted to the top-k tokens and to the smallest set whose
+it samples from. Per step: the next-token logits (fp32), the log-softmax of logits / temperature (the reported
+log-probability of the chosen token; of the logits at temperature 0), and the token: the argmax at temperature 0,
+else a draw from softmax(logits / temperature) restricted to the top-k tokens and to the smallest set whose
 probability reaches top-p (both as transformers' and vLLM's samplers define them). A finished
 completion (its end-of-sequence token emitted) is padded until every completion of the batch is.
 """
@@ -46,6 +46,9 @@ class TransformersEngine:
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device).eval()
 
+    def close(self) -> None:
+        self.model = None
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
         if len(prompts) != len(seeds):
@@ -74,14 +77,15 @@ class TransformersEngine:
             res = self.model(input_ids=step_ids, cache=cache, use_cache=True)
             cache = res.cache
             logits = res.logits[:, -1].float()
+            scaled = logits / params.temperature if params.temperature else logits
             if params.temperature == 0:
                 nxt = logits.argmax(-1)
             else:
-                probs = filtered(logits / params.temperature, params.top_k, params.top_p).softmax(-1)
+                probs = filtered(scaled, params.top_k, params.top_p).softmax(-1)
                 nxt = torch.stack([torch.multinomial(probs[r], 1, generator=gens[r])[0] for r in range(n)])
             nxt = torch.where(done, self.pad_id, nxt)
             tokens = torch.cat([tokens, nxt[:, None]], 1)
-            logps = torch.cat([logps, logits.log_softmax(-1).gather(-1, nxt[:, None])], 1)
+            logps = torch.cat([logps, scaled.log_softmax(-1).gather(-1, nxt[:, None])], 1)
             done |= torch.isin(nxt, eos)
             if done.all():
                 break

@@ -176,6 +176,9 @@ class ModelChunk(nn.Module):
                 layer.forward = torch.compile(layer.forward, backend=compile_backend)
                 mark_compiled_block(layer)
         self.aux_loss: torch.Tensor | None = None  # see take_aux_loss
+        # The head's logits are divided by this before their loss (GRPO at a sampling temperature other than 1:
+        # its log-probabilities are those of softmax(logits / T), as TRL's are; set by train/grpo.py).
+        self.logit_temperature = 1.0
         if post_process:
             self.final_norm = make_norm(cfg, ps.sequence_parallel, kernels)
             if not (cfg.tie_embeddings and pre_process):
@@ -293,6 +296,8 @@ class ModelChunk(nn.Module):
 
     def _head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         x = self.final_norm(x)
+        if self.logit_temperature != 1.0:  # (x / T) W = (x W) / T: the head has no soft-cap here (set_temperature)
+            x = x / self.logit_temperature
         if hasattr(self, "lm_head"):
             return self.lm_head(x, labels, self.ce_chunk_tokens)
         # Tied embeddings with both ends here: the embedding's weight is the head.

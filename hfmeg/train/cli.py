@@ -81,7 +81,7 @@ FLAGS = {
                "(grpo | bnpo | dr_grpo | dapo)"),
     "--num-generations": ("grpo.num_generations", int, "GRPO: completions sampled per prompt (docs/grpo.md)"),
     "--max-completion-length": ("grpo.max_completion_length", int, "GRPO: tokens a completion may have"),
-    "--generator": ("grpo.generator", str, "GRPO: the generation engine (transformers; vllm is not built yet)"),
+    "--generator": ("grpo.generator", str, "GRPO: the generation engine: transformers (in-process) or vllm (a worker in .venv-vllm: make .venv-vllm)"),
     "--peft": ("peft.method", str, "none | lora | dora (train adapters on a frozen base; docs/peft.md)"),
     "--peft-r": ("peft.r", int, "LoRA rank"),
     "--seq-len": ("data.seq_len", int, "tokens per packed row"),

@@ -11,7 +11,7 @@ the loop's own.
 
 from __future__ import annotations
 
-from .grpo import GRPOLoss, annotate_logps
+from .grpo import GRPOLoss, annotate_logps, set_temperature
 from .rollout import Rollouts
 from .trainer import Trainer
 
@@ -38,12 +38,25 @@ class _Loss(GRPOLoss):
 
 
 class GRPOTrainer(Trainer):
+    """`engine`: a generation engine (generation/engine.py) rank 0 generates with instead of starting its own
+    (`grpo.generator`'s); the caller keeps and closes it (one vLLM engine serving several runs in turn)."""
+
+    def __init__(self, cfg, engine=None):
+        self.given_engine = engine
+        super().__init__(cfg)
+
     def _build_data(self):
         return Rollouts(self.cfg, self.ps, self.tokenizer, lambda: self.chunks, self.part, self.checkpoints.hf_source,
-                        self.out, self.schedule)
+                        self.out, self.schedule, engine=self.given_engine)
 
     def _objective(self, batch):
         return _Loss(self.cfg.grpo, self.ps, batch)
 
     def _reference(self):
-        return TokenReference(self.part.reference(self.chunks)) if self.cfg.grpo.needs_reference else None
+        """The reference (built after the policy's chunks): both heads score at the sampling temperature."""
+        set_temperature(self.chunks, self.cfg.grpo.temperature)
+        if not self.cfg.grpo.needs_reference:
+            return None
+        reference = self.part.reference(self.chunks)
+        set_temperature(reference.chunks, self.cfg.grpo.temperature)
+        return TokenReference(reference)

@@ -3,8 +3,9 @@
 `Rollouts` stands where an SFT run's data pipeline stands (the trainer asks it for the next batch, its
 state and its report). For a step it:
 1. pushes the trained weights to the engine: every rank writes its shard (`staged_save`, as a checkpoint's
-   model part, into `<out>/rollout_weights/mp`), rank 0 exports them to an HF folder (the model part's
-   export: a LoRA run merges its adapters) and the engine loads it (`generation/`);
+   model part, into `<out>/rollout_weights/mp`), rank 0 exports them to an HF folder in shared memory (the
+   model part's streaming export, into /dev/shm where there is one: a LoRA run merges its adapters) and the
+   engine loads it (`generation/`: the in-process transformers model, or a vLLM worker's `reload_weights`);
 2. on rank 0: takes `global_batch_size / num_generations` prompts (`data/prompts.py`), samples each
    `num_generations` times with a seed per (train.seed, epoch, record, sample), scores them (`rewards.py`)
    and turns the rewards into advantages with each group whole (`grpo.group_advantages`), then sends the
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -37,13 +39,16 @@ from ..data.prompts import PromptReader
 from ..data.rollouts import CompletionBatch, pack_completions
 from ..parallel.agree import agree
 from ..errors import HfmegError
-from ..generation.engine import SamplingParams
+from ..generation.engine import Engine, SamplingParams
 from ..generation.transformers_engine import TransformersEngine
+from ..generation.vllm_engine import VLLMEngine
 from .grpo import annotate_logps, group_advantages
 from .rewards import name_of, resolve, score, text_of
 
 COMPLETIONS_FILE = "completions.jsonl"
 WEIGHTS_DIR = "rollout_weights"
+VLLM_LOG = "vllm.log"
+SHM = Path("/dev/shm")
 
 
 @dataclass
@@ -63,7 +68,7 @@ def sample_seed(seed: int, epoch: int, record: int, sample: int) -> int:
 
 class Rollouts:
     def __init__(self, cfg, ps, tokenizer, chunks: Callable[[], list], part, hf_source: Path, out: Path,
-                 schedule: str):
+                 schedule: str, engine: Engine | None = None):
         self.cfg, self.ps, self.tok, self.chunks, self.part = cfg, ps, tokenizer, chunks, part
         self.hf_source, self.out, self.schedule = hf_source, out, schedule
         g, t = cfg.grpo, cfg.train
@@ -72,7 +77,11 @@ class Rollouts:
         self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.funcs))
         self.reader = PromptReader(cfg.data.sources[0], tokenizer, cfg.data.seq_len - g.max_completion_length)
         self.report = DataReport()
-        self.engine: TransformersEngine | None = None
+        self.engine, self.owns_engine = engine, engine is None  # a given engine: the caller closes it
+        # the HF folder the engine loads: in shared memory where there is one (a RAM write and read per push),
+        # named after the run's out, so a resume of a killed run reuses (and at its end removes) the killed one's
+        run = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
+        self.export_dir = (SHM / f"hfmeg-rollout-{run}" if SHM.is_dir() else out / WEIGHTS_DIR / "export")
         self.held: RolloutBatch | None = None
         self.uses = 0
         self.step = 0
@@ -97,7 +106,12 @@ class Rollouts:
         return [(source.name, source.train_size, source.held_size)]
 
     def close(self) -> None:
-        self.engine = None
+        """Stops the engine (a vLLM worker process) and drops the shared-memory export; also when the run failed."""
+        engine, self.engine = self.engine, None
+        if engine is not None and self.owns_engine:
+            engine.close()
+        if self.ps.rank == 0 and self.export_dir.parent == SHM:
+            shutil.rmtree(self.export_dir, ignore_errors=True)
 
     def __iter__(self):
         return self
@@ -107,11 +121,13 @@ class Rollouts:
         if self.held is not None and self.uses < g.num_iterations:
             self.uses += 1
             return self.held
+        t0 = time.perf_counter()
         hf = self._push_weights()
+        pushed = time.perf_counter() - t0
         payload, error = [None], None
         if self.ps.rank == 0:
             try:
-                payload = [self._generate(hf)]
+                payload = [self._generate(hf, pushed)]
             except HfmegError as e:  # a reward function's failure, a bad prompt: every rank stops with its line
                 error = e
         agree(error, self.ps.device)
@@ -132,15 +148,20 @@ class Rollouts:
         iteration, self.step = self.step, self.step + 1
         if self.ps.rank != 0:
             return None
-        hf, _ = self.part.export(root / "mp" / iteration_dir_name(iteration), root / "export")
+        hf, _ = self.part.export(root / "mp" / iteration_dir_name(iteration), self.export_dir)
         shutil.rmtree(root / "mp" / iteration_dir_name(iteration), ignore_errors=True)
         return hf
 
-    def _generate(self, hf: Path):
+    def _generate(self, hf: Path, pushed: float):
         g, tok = self.cfg.grpo, self.tok
+        t0 = time.perf_counter()
         if self.engine is None:
-            self.engine = TransformersEngine(hf, [tok.eos_token_id], tok.pad_token_id if tok.pad_token_id is not None
-                                             else tok.eos_token_id)
+            pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+            if g.generator == "vllm":
+                self.engine = VLLMEngine(hf, [tok.eos_token_id], pad, log=self.out / VLLM_LOG,
+                                         max_model_len=self.cfg.data.seq_len)
+            else:
+                self.engine = TransformersEngine(hf, [tok.eos_token_id], pad)
         else:
             self.engine.load(hf)
         epoch = self.reader.epoch
@@ -148,7 +169,9 @@ class Rollouts:
         ids = [p.ids for p in prompts for _ in range(g.num_generations)]
         seeds = [sample_seed(self.cfg.train.seed, epoch, p.index, k) for p in prompts for k in range(g.num_generations)]
         params = SamplingParams(g.max_completion_length, g.temperature, g.top_p, g.top_k)
+        loaded = time.perf_counter()
         completions = self.engine.generate(ids, params, seeds)
+        generated = time.perf_counter()
         texts = [tok.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
         as_given = [p.text for p in prompts for _ in range(g.num_generations)]
         if isinstance(as_given[0], list):  # conversational: TRL hands the reward a message list
@@ -160,6 +183,9 @@ class Rollouts:
         lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.float64)
         metrics["completions/mean_length"] = float(lengths.mean())
         metrics["completions/clipped_ratio"] = sum(c.truncated for c in completions) / len(completions)
+        # seconds: writing and exporting the weights plus the engine's load (its start, the first time); sampling
+        metrics["timing/weight_push_s"] = pushed + loaded - t0
+        metrics["timing/generation_s"] = generated - loaded
         masked = [c.truncated for c in completions] if g.mask_truncated_completions else None
         with open(self.out / COMPLETIONS_FILE, "a") as f:
             for i in range(g.num_generations):
