@@ -73,7 +73,7 @@ def test_a_bad_input_is_one_line_exit_2_and_out_unchanged(case, tmp_path, capfd,
     code = train_command(["--recipe", "sft_llama13b", "--model", str(model), "--data", data, "--tp", "1",
                           "--seq-len", "64", "--set", "data.overlong=split", "--global-batch-size", "2",
                           "--micro-batch-size", "1", "--max-steps", "2", "--warmup-steps", "0",
-                          "--set", "tensorboard=false", "--dtype", "fp32", "--out", str(out), *extra])
+                          "--report-to", "none", "--dtype", "fp32", "--out", str(out), *extra])
     captured = capfd.readouterr()
     errors = [line for line in (captured.out + captured.err).splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and errors[0].startswith(f"error: {expected}"), (code, captured)
@@ -93,7 +93,7 @@ def test_an_unreachable_hub_dataset_is_one_line_before_the_model_loads(tmp_path,
     out = tmp_path / "run"
     started = time.monotonic()
     code = train_command(["--recipe", "sft_llama13b", "--model", str(_assets()), "--data", "tatsu-lab/alpaca",
-                          "--tp", "1", "--max-steps", "2", "--set", "tensorboard=false", "--out", str(out)])
+                          "--tp", "1", "--max-steps", "2", "--report-to", "none", "--out", str(out)])
     took = time.monotonic() - started
     captured = capfd.readouterr()
     errors = [line for line in (captured.out + captured.err).splitlines() if line.startswith("error:")]
