@@ -49,6 +49,7 @@ LANES: dict[str, dict[str, set[str] | None]] = {
                               "test_a_family_at_the_bench_shapes_has_transformers_losses",
                               "test_trainer_path_runs_packed_rows_and_defaults_to_tiny_without_a_gpu"},
         "test_bench_peers.py": {"test_tiny_cpu_run_reports_every_row_and_skips_each_absent_peer_once"},
+        "test_chat.py": {"test_chat_replies_equal_transformers_greedy_on_the_export"},
         "test_cli.py": {"test_python_m_hfmeg_help_lists_every_command"},
         "test_config_validation.py": {"test_under_torchrun_a_config_error_is_one_line_and_workers_exit_2"},
         "test_docs.py": {"test_every_cpu_command_parses", "test_the_parse_check_catches_a_wrong_flag"},
