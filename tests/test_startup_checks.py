@@ -101,3 +101,23 @@ def test_an_unreachable_hub_dataset_is_one_line_before_the_model_loads(tmp_path,
                                     "reached (Connection refused); set HF_HUB_OFFLINE=1 to use the cache alone"], captured
     assert took < PROBE_TIMEOUT_S + 5, took  # the probe, and the config checks before it
     assert not out.exists()
+
+
+def test_an_uncached_hub_dataset_under_hf_hub_offline_is_one_line_before_the_model_loads(tmp_path, capfd,
+                                                                                       monkeypatch):
+    """HF_HUB_OFFLINE=1 and a Hub dataset the cache lacks: no network asked, one line naming the source and the
+    setting, `--out` not created (issue 45: offline Hub data fails in seconds)."""
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)  # datasets' own copy, read when it was imported
+    out = tmp_path / "run"
+    code = train_command(["--recipe", "sft_llama13b", "--model", str(_assets()), "--data", "tatsu-lab/alpaca",
+                          "--tp", "1", "--max-steps", "2", "--report-to", "none", "--out", str(out)])
+    captured = capfd.readouterr()
+    errors = [line for line in (captured.out + captured.err).splitlines() if line.startswith("error:")]
+    assert code == 2 and errors == ["error: data source tatsu-lab/alpaca:train: not in the local cache, and "
+                                    "HF_HUB_OFFLINE is set (the Hub is not asked); unset it to download, or give a "
+                                    "local file"], captured
+    assert not out.exists()
