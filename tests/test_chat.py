@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfmeg.commands.main import main as hfmeg
+from hfmeg.data.formats import DEFAULT_CHAT_TEMPLATE
 from hfmeg.parallel.launch import spawn
 from test_train import _assets, _config, _run
 
@@ -24,14 +25,20 @@ SYSTEM = "You tell short stories."
 NEW_TOKENS = 24
 
 
-def _reference(folder) -> list[str]:
-    """Each turn's reply by transformers alone: the export's own template (nothing passed), greedy."""
+def _reference(folder, adapter=None, template=None) -> list[str]:
+    """Each turn's reply by transformers alone (with `adapter`: peft's model on the base `folder`): the folder's
+    own template (or `template`), greedy."""
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
     tok = AutoTokenizer.from_pretrained(str(folder))
     chat, replies = [{"role": "system", "content": SYSTEM}], []
     for prompt in PROMPTS:
         chat.append({"role": "user", "content": prompt})
-        enc = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        enc = tok.apply_chat_template(chat, chat_template=template, add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)
         out = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.eos_token_id)
         replies.append(tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
         chat.append({"role": "assistant", "content": replies[-1]})
@@ -58,6 +65,24 @@ def test_chat_replies_equal_transformers_greedy_on_the_export(tmp_path, capfd, m
     assert _chat(capfd, str(out / "checkpoints" / "iter_0000002"), *flags) == expected  # converted for the chat
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(p + "\n" for p in PROMPTS)))
     assert _chat(capfd, str(out / "hf")) == expected  # each line a turn; the system prompt from OUT/config.yaml
+
+
+def test_chat_on_a_lora_runs_adapter_and_checkpoint(tmp_path, capfd):
+    """A LoRA run: its PEFT adapter folder (no tokenizer in it: the base's) replies as peft's model on the base
+    does; its checkpoint (merged for the chat) as transformers on the run's merged export does."""
+    model = _assets()
+    out = tmp_path / "lora"
+    cfg = _config(out, model, steps=2, gbs=2, lr=2e-2)
+    cfg.data.system_prompt = SYSTEM
+    cfg.peft.method = "lora"
+    spawn(_run, 1, cfg)
+    capfd.readouterr()
+    flags = [a for p in PROMPTS for a in ("--prompt", p)]
+    # the base has no chat template: the run trained with hfmeg's default, which an adapter folder does not carry
+    unmerged = "".join(r + "\n" for r in _reference(model, adapter=out / "adapter", template=DEFAULT_CHAT_TEMPLATE))
+    assert _chat(capfd, str(out / "adapter"), "--system", SYSTEM, *flags) == unmerged
+    merged = "".join(r + "\n" for r in _reference(out / "hf"))
+    assert _chat(capfd, str(out / "checkpoints"), *flags) == merged
 
 
 def test_chat_on_a_folder_that_is_no_model_is_one_line_exit_2(tmp_path, capfd):

@@ -4,7 +4,8 @@
     hfmeg chat OUT/hf --prompt "Hi" --prompt "And then?" # one conversation, the replies printed, no prompt read
     echo "Tell me a story" | hfmeg chat OUT/checkpoints  # each line of standard input is one user turn
 
-MODEL is an HF folder (an export), a PEFT adapter folder (its base from `adapter_config.json`; needs `peft`),
+MODEL is an HF folder (an export), a PEFT adapter folder (its base, and the base's tokenizer where the folder
+has none, from `adapter_config.json`; needs `peft`),
 a run's `--out`, or an MP checkpoint (a run's `checkpoints/`, one `iter_*` of it, or `convert to-mp`
 output; `--iteration N` picks one), which is converted into a temporary HF folder first (a LoRA checkpoint:
 merged onto its base). The conversation is rendered as training rendered it (`data/formats.py`): the
@@ -86,7 +87,10 @@ def _peft_model(folder: Path):
     from transformers import AutoTokenizer
 
     model = AutoPeftModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(str(folder))
+    # an adapter folder may carry no tokenizer: then the base's, which its run trained with
+    tokenizer_from = folder if (folder / "tokenizer_config.json").is_file() else \
+        model.peft_config[model.active_adapter].base_model_name_or_path
+    return model, AutoTokenizer.from_pretrained(str(tokenizer_from))
 
 
 def reply(model, tokenizer, template: str, chat: list[dict[str, str]], max_new_tokens: int,
