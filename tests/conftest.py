@@ -52,6 +52,8 @@ LANES: dict[str, dict[str, set[str] | None]] = {
                               "test_trainer_path_runs_packed_rows_and_defaults_to_tiny_without_a_gpu",
                               "test_tiny_fp8_side_trains_the_same_tokens_within_fp8_rounding"},
         "test_bench_peers.py": {"test_tiny_cpu_run_reports_every_row_and_skips_each_absent_peer_once"},
+        "test_chat.py": {"test_chat_replies_equal_transformers_greedy_on_the_export",
+                         "test_chat_on_a_lora_runs_adapter_and_checkpoint"},
         "test_cli.py": {"test_python_m_hfmeg_help_lists_every_command"},
         "test_config_validation.py": {"test_under_torchrun_a_config_error_is_one_line_and_workers_exit_2"},
         "test_docs.py": {"test_every_cpu_command_parses", "test_the_parse_check_catches_a_wrong_flag"},
@@ -68,6 +70,7 @@ LANES: dict[str, dict[str, set[str] | None]] = {
         "test_powersgd.py": {"test_full_rank_matches_uncompressed",
                              "test_expert_parallel_compresses_each_bucket_over_its_own_group"},
         "test_peft_plan.py": {"test_planner_predicts_lora_memory_at_7b_shapes_within_5_percent"},
+        "test_trackers.py": {"test_tensorboard_mlflow_and_trackio_hold_the_runs_losses_and_config"},
     },
 }
 

@@ -232,7 +232,7 @@ def recipe_flags(model: Path, data: Path, out: Path, *flags: str, steps: int = 4
     """The SFT recipe's flags for a short fp32 run of `steps` steps on `model` and `data` into `out`."""
     return ["--model", str(model), "--data", str(data), "--seq-len", "64", "--global-batch-size", "4",
             "--max-steps", str(steps), "--lr", "3e-3", "--warmup-steps", "1", "--dtype", "fp32", "--eval-every", "0",
-            "--out", str(out), "--set", "tensorboard=false", *flags]
+            "--out", str(out), "--report-to", "none", *flags]
 
 
 def run_job(hosts: Hosts, nproc: int, args: list[str], logs: Path, *, timeout_s: float = 120, **kw) -> None:

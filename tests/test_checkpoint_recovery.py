@@ -181,7 +181,7 @@ def _workers(args: list[str], world: int, fault_rank: int | None = None) -> tupl
 def _args(model: Path, out: Path, steps: int) -> list[str]:
     return [str(RECIPE), "--model", str(model), "--data", str(ALPACA), "--tp", "2", "--seq-len", "64",
             "--global-batch-size", "4", "--eval-every", "0", "--max-steps", str(steps), "--save-every", "2",
-            "--out", str(out), "--resume", "auto", "--set", "tensorboard=false", "--dtype", "fp32"]
+            "--out", str(out), "--resume", "auto", "--report-to", "none", "--dtype", "fp32"]
 
 
 def _one_error(codes: list[int], output: str) -> str:

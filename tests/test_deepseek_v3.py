@@ -432,7 +432,7 @@ def test_the_trainer_runs_and_exports_a_model_transformers_loads(tmp_path):
                       data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=64),
                       train=LoopArgs(micro_batch_size=1, global_batch_size=4, max_steps=steps, eval_every=0),
                       checkpoint=CheckpointArgs(out=str(tmp_path / "run"), save_every=0, keep_last=1),
-                      tensorboard=False)
+                      report_to=[])
     exported = spawn(_train_run, 4, cfg)[0]
     before, after = HFCheckpoint(model), HFCheckpoint(exported)
     AutoModelForCausalLM.from_pretrained(exported)

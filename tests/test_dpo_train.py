@@ -42,7 +42,7 @@ def _config(out: Path, model: Path, *, tp=1, pp=1, steps=30, lr=1e-3, peft="none
         peft=PeftConfig(method=peft, r=8, alpha=16, dropout=0.0),
         train=LoopArgs(micro_batch_size=2, global_batch_size=4, max_steps=steps, eval_every=eval_every, eval_batches=2),
         checkpoint=CheckpointArgs(out=str(out), save_every=save_every, resume=resume),
-        tensorboard=False,
+        report_to=[],
     )
 
 

@@ -193,7 +193,7 @@ def train_5_steps(model, out, *, tp: int, cp: int = 1):
                       optim=OptimizerConfig(lr=1e-3, eps=1e-5), lr=LRScheduleConfig(warmup_steps=1, total_steps=5),
                       data=DataConfig(sources=[SourceConfig(str(alpaca))], seq_len=64),
                       train=LoopArgs(micro_batch_size=1, global_batch_size=tp * cp, max_steps=5, eval_every=0),
-                      checkpoint=CheckpointArgs(out=str(out), save_every=0, keep_last=1), tensorboard=False)
+                      checkpoint=CheckpointArgs(out=str(out), save_every=0, keep_last=1), report_to=[])
     hf = spawn(_train, tp * cp, cfg)[0]
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert len(losses) == 5 and all(torch.isfinite(torch.tensor(losses)))

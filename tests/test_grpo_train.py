@@ -58,7 +58,7 @@ def _config(out: Path, data: Path, *, tp=1, pp=1, steps=3, **grpo) -> TrainConfi
                                     max_completion_length=16), **grpo}),
         train=LoopArgs(micro_batch_size=4, global_batch_size=16, max_steps=steps),
         checkpoint=CheckpointArgs(out=str(out)),
-        tensorboard=False,
+        report_to=[],
     )
 
 

@@ -5,7 +5,8 @@ what an import alone pulls in (the pytest process has imported everything by now
 Each of these cost a rank 0.5-1 s of CPU before it was imported lazily (docs/testing.md):
 transformers' modeling utilities (and with them accelerate, FSDP and torch._dynamo) came in through
 `families.deepseek_v3` for one function, torch.distributed.tensor and sympy through a model config class
-the planner's calibration builds, matplotlib is for the loss plot drawn at the end of a run only."""
+the planner's calibration builds, matplotlib is for the loss plot drawn at the end of a run only. The trackers'
+libraries (report_to) are imported by rank 0 when it opens them."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import sys
 
 ENTRY_POINTS = ("hfmeg", "hfmeg.train", "hfmeg.train.trainer", "hfmeg.train.cli", "hfmeg.commands.main")
 HEAVY = ("transformers.modeling_utils", "accelerate", "torch._dynamo", "torch.distributed.fsdp",
-         "torch.distributed.tensor", "sympy", "matplotlib", "transformers.models.deepseek_v3.modeling_deepseek_v3")
+         "torch.distributed.tensor", "sympy", "matplotlib", "transformers.models.deepseek_v3.modeling_deepseek_v3",
+         "tensorboard", "torch.utils.tensorboard", "mlflow", "trackio", "wandb")
 
 
 def test_importing_the_trainer_pulls_in_no_heavy_module():

@@ -117,7 +117,7 @@ def test_training_takes_the_losses_of_one_process(sources, tmp_path):
                            data=DataConfig(sources=[SourceConfig(str(alpaca))], seq_len=64),
                            train=LoopArgs(micro_batch_size=1, global_batch_size=4, max_steps=4, eval_every=0),
                            checkpoint=CheckpointArgs(out=str(tmp_path / f"{name}-tp{tp}"), save_every=0, keep_last=1),
-                           tensorboard=False)
+                           report_to=[])
 
     # Gemma at TP 2 x DP 2 (the copies' sums and the sharded optimizer together), LLaMA at TP 4 (blocks of 2)
     single = spawn(_train_all, 1, [config(n, 1, False) for n in RELEASES])[0]

@@ -130,7 +130,7 @@ def test_recipe_trains_with_the_planned_layout_reports_it_and_keeps_it_on_resume
     out = tmp_path / "run"
     argv = ["--model", str(model), "--data", str(ALPACA), "--layout", "auto", "--seq-len", "64", "--lr", "5e-3",
             "--global-batch-size", "8", "--warmup-steps", "2", "--eval-every", "0", "--save-every", "20",
-            "--out", str(out), "--set", "tensorboard=false"]
+            "--out", str(out), "--report-to", "none"]
     assert spawn(cli.main, 4, "test", SFT, argv + ["--max-steps", "20"]) == [0] * 4
     printed = capfd.readouterr().out
     chosen = re.findall(r"^layout auto: (\S+) \(the fastest that fits; 4 x cpu, ", printed, re.M)

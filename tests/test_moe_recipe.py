@@ -54,7 +54,7 @@ def _ep2_tp2(model, out, lr: float, **fields) -> TrainConfig:
         data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=SEQ),
         train=LoopArgs(micro_batch_size=1, global_batch_size=GBS, max_steps=STEPS, eval_every=0),
         checkpoint=CheckpointArgs(out=str(out), save_every=0, keep_last=1),
-        tensorboard=False,
+        report_to=[],
         **fields,
     )
 
@@ -84,7 +84,7 @@ def test_ep2_with_powersgd_resumes_exactly(tmp_path):
         data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=SEQ),
         train=LoopArgs(micro_batch_size=1, global_batch_size=8, max_steps=4, eval_every=0),
         checkpoint=CheckpointArgs(out=str(out), save_every=2, keep_last=3),
-        tensorboard=False,
+        report_to=[],
     )
     spawn(_run, 4, cfg)
     full = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]

@@ -122,7 +122,7 @@ def test_layout_auto_with_lora_trains(tmp_path, capfd):
     out = tmp_path / "run"
     argv = ["--model", str(model), "--data", str(ALPACA), "--layout", "auto", "--peft", "lora", "--seq-len", "64",
             "--global-batch-size", "4", "--max-steps", "3", "--lr", "1e-2", "--warmup-steps", "1",
-            "--out", str(out), "--set", "tensorboard=false"]
+            "--out", str(out), "--report-to", "none"]
     assert spawn(_auto_lora, 2, argv) == [0, 0]
     assert re.search(r"^layout auto: \S+ \(the fastest that fits; 2 x cpu, ", capfd.readouterr().out, re.M)
     assert (out / "adapter" / "adapter_config.json").is_file()

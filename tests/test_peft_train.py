@@ -59,7 +59,7 @@ def _config(out: Path, base: Path, adapter: Path, *, tp=1, pp=1, steps=STEPS, sa
         peft=PeftConfig(method="lora", init_from=str(adapter)),
         train=LoopArgs(micro_batch_size=1, global_batch_size=4, max_steps=steps),
         checkpoint=CheckpointArgs(out=str(out), save_every=save_every, resume=resume, keep_last=2),
-        tensorboard=False,
+        report_to=[],
     )
 
 

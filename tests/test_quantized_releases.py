@@ -324,7 +324,7 @@ def test_lora_steps_on_the_release_as_published(releases, kind, tmp_path):
                       data=DataConfig(sources=[SourceConfig(str(ALPACA))], seq_len=64),
                       train=LoopArgs(micro_batch_size=1, global_batch_size=2, max_steps=steps, eval_every=0),
                       checkpoint=CheckpointArgs(out=str(tmp_path / "run"), save_every=0, keep_last=1),
-                      tensorboard=False)
+                      report_to=[])
     exported = Path(spawn(_train, 2, cfg)[0])
     assert "quantization_config" not in json.loads((exported / "config.json").read_text())
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

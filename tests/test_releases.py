@@ -132,7 +132,7 @@ def test_three_training_steps_at_tp2_pp2(converted, tmp_path):
                                 data=DataConfig(sources=[SourceConfig(str(alpaca))], seq_len=64),
                                 train=LoopArgs(micro_batch_size=1, global_batch_size=2, max_steps=3, eval_every=0),
                                 checkpoint=CheckpointArgs(out=str(tmp_path / f"{key}-out"), save_every=0, keep_last=1),
-                                tensorboard=False))
+                                report_to=[]))
     for key, losses in zip(converted, spawn(_train_all, 4, cfgs)[0]):
         assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), (key, losses)
 

@@ -54,7 +54,7 @@ def _config(out: Path, *, steps=STEPS, resume="none", until=UNTIL, tp=1) -> Trai
         data=DataConfig(sources=[SourceConfig(str(TEXT))], format="text", overlong="split", seq_len=64),
         train=LoopArgs(micro_batch_size=1, global_batch_size=4, max_steps=steps, shared_layers_until=until),
         checkpoint=CheckpointArgs(out=str(out), resume=resume, keep_last=3),
-        tensorboard=False,
+        report_to=[],
     )
 
 

@@ -73,7 +73,7 @@ def test_a_bad_input_is_one_line_exit_2_and_out_unchanged(case, tmp_path, capfd,
     code = train_command(["--recipe", "sft_llama13b", "--model", str(model), "--data", data, "--tp", "1",
                           "--seq-len", "64", "--set", "data.overlong=split", "--global-batch-size", "2",
                           "--micro-batch-size", "1", "--max-steps", "2", "--warmup-steps", "0",
-                          "--set", "tensorboard=false", "--dtype", "fp32", "--out", str(out), *extra])
+                          "--report-to", "none", "--dtype", "fp32", "--out", str(out), *extra])
     captured = capfd.readouterr()
     errors = [line for line in (captured.out + captured.err).splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and errors[0].startswith(f"error: {expected}"), (code, captured)
@@ -93,11 +93,31 @@ def test_an_unreachable_hub_dataset_is_one_line_before_the_model_loads(tmp_path,
     out = tmp_path / "run"
     started = time.monotonic()
     code = train_command(["--recipe", "sft_llama13b", "--model", str(_assets()), "--data", "tatsu-lab/alpaca",
-                          "--tp", "1", "--max-steps", "2", "--set", "tensorboard=false", "--out", str(out)])
+                          "--tp", "1", "--max-steps", "2", "--report-to", "none", "--out", str(out)])
     took = time.monotonic() - started
     captured = capfd.readouterr()
     errors = [line for line in (captured.out + captured.err).splitlines() if line.startswith("error:")]
     assert code == 2 and errors == ["error: data source tatsu-lab/alpaca: a Hub dataset, and 127.0.0.1 cannot be "
                                     "reached (Connection refused); set HF_HUB_OFFLINE=1 to use the cache alone"], captured
     assert took < PROBE_TIMEOUT_S + 5, took  # the probe, and the config checks before it
+    assert not out.exists()
+
+
+def test_an_uncached_hub_dataset_under_hf_hub_offline_is_one_line_before_the_model_loads(tmp_path, capfd,
+                                                                                       monkeypatch):
+    """HF_HUB_OFFLINE=1 and a Hub dataset the cache lacks: no network asked, one line naming the source and the
+    setting, `--out` not created (issue 45: offline Hub data fails in seconds)."""
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)  # datasets' own copy, read when it was imported
+    out = tmp_path / "run"
+    code = train_command(["--recipe", "sft_llama13b", "--model", str(_assets()), "--data", "tatsu-lab/alpaca",
+                          "--tp", "1", "--max-steps", "2", "--report-to", "none", "--out", str(out)])
+    captured = capfd.readouterr()
+    errors = [line for line in (captured.out + captured.err).splitlines() if line.startswith("error:")]
+    assert code == 2 and errors == ["error: data source tatsu-lab/alpaca:train: not in the local cache, and "
+                                    "HF_HUB_OFFLINE is set (the Hub is not asked); unset it to download, or give a "
+                                    "local file"], captured
     assert not out.exists()

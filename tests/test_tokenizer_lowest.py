@@ -2,8 +2,8 @@
 
 transformers 5 saves fast tokenizers as `TokenizersBackend`, which 4.x cannot load; `save_tokenizer` /
 `make_portable` (checkpoint/tokenizer_files.py) write what both read. The lowest version runs in
-`.venv-lowest` (`make test` creates it: that transformers, no torch), in a subprocess, and must give the
-ids and the chat rendering the installed version gives.
+`.venv-lowest` (`make test` creates it: that transformers and the CPU torch), in a subprocess, and must give the
+ids and the chat rendering the installed version gives, and an export's `generate(**tok(text))` the same tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +37,20 @@ ids = [tok(t).input_ids for t in texts]
 print(json.dumps({"version": transformers.__version__, "ids": ids, "inputs": sorted(tok(texts[0])), "decoded": [tok.decode(i) for i in ids],
                   "chat": tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
                   if tok.chat_template else None}))
+"""
+
+
+# what one transformers version generates from an export folder, as its model card shows: generate(**tok(...))
+GENERATE = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import torch, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+out = model.generate(**tok(sys.argv[2], return_tensors="pt"), max_new_tokens=16, do_sample=False,
+                     pad_token_id=tok.eos_token_id)
+print(json.dumps({"version": transformers.__version__, "ids": out[0].tolist()}))
 """
 
 
@@ -90,3 +104,25 @@ def test_a_tokenizer_saved_by_transformers_5_is_made_portable(lowest, tmp_path):
     make_portable(tmp_path)  # as the export does with the base's copied tokenizer files
     ours = _same_in_both(lowest, tmp_path)
     assert ours["chat"].startswith("<system>Be brief.<user>Hi there")
+
+
+def test_an_export_generates_with_the_lowest_transformers(lowest, tmp_path):
+    """The model card's `model.generate(**tok(text, return_tensors="pt"))` on an export folder (stories260K's
+    weights and config, its tokenizer made portable as the export makes the base's): the same greedy tokens
+    with the lowest transformers as with the installed one (no token_type_ids for generate to refuse)."""
+    import shutil
+    import sys
+
+    from helpers import stories_or_skip
+
+    shutil.copytree(stories_or_skip(), tmp_path / "hf")
+    make_portable(tmp_path / "hf")
+    runs = []
+    for python in (lowest, sys.executable):
+        proc = subprocess.run([python, "-c", GENERATE, str(tmp_path / "hf"), "Once upon a time"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.splitlines()[-1]))
+    theirs, ours = runs
+    assert Version(theirs["version"]) == Version(_lowest_version()), "`.venv-lowest` is stale: rerun `make test`"
+    assert theirs["ids"] == ours["ids"] and len(ours["ids"]) > 16, (theirs, ours)  # the prompt and 16 new tokens

@@ -34,7 +34,7 @@ def _torchrun(out: Path, *flags: str, launcher: tuple[str, ...] = (), world: int
            str(MONITOR_S), *launcher,
            "-m", "hfmeg", "train", "--recipe", "sft_llama13b", "--model", str(_assets()), "--data", str(ALPACA),
            "--seq-len", "64", "--global-batch-size", "4", "--micro-batch-size", "1", "--warmup-steps", "0",
-           "--set", "tensorboard=false", "--dtype", "fp32", "--out", str(out), *flags]
+           "--report-to", "none", "--dtype", "fp32", "--out", str(out), *flags]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -127,7 +127,7 @@ def test_ctrl_c_saves_and_exits_130(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "hfmeg", "train", "--recipe", "sft_llama13b", "--model",
                              str(_assets()), "--data", str(ALPACA), "--tp", "1", "--seq-len", "64",
                              "--global-batch-size", "2", "--micro-batch-size", "1", "--max-steps", "100000",
-                             "--warmup-steps", "0", "--set", "tensorboard=false", "--dtype", "fp32", "--out", str(out)],
+                             "--warmup-steps", "0", "--report-to", "none", "--dtype", "fp32", "--out", str(out)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

@@ -47,7 +47,7 @@ def _config(out: Path, model: Path, *, tp=1, pp=1, steps=10, save_every=0, resum
         train=LoopArgs(micro_batch_size=1, global_batch_size=gbs, max_steps=steps, eval_every=eval_every,
                        eval_batches=2),
         checkpoint=CheckpointArgs(out=str(out), save_every=save_every, resume=resume, keep_last=2),
-        tensorboard=False,
+        report_to=[],
     )
 
 
@@ -142,7 +142,7 @@ def test_sigterm_leaves_a_resumable_checkpoint(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "recipes" / "sft_llama13b.py"), "--model", str(model), "--data", str(ALPACA),
            "--tp", "2", "--seq-len", "64", "--global-batch-size", "4", "--out", str(out),
-           "--set", "tensorboard=false", "--max-steps"]
+           "--report-to", "none", "--max-steps"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd + ["100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.time() + 300
@@ -230,7 +230,7 @@ def test_pretrain_recipe_on_text(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "pretrain_llama.py"), "--model", str(model),
                            "--data", str(c4), "--tp", "1", "--seq-len", "128", "--global-batch-size", "4", "--max-steps", "3",
-                           "--out", str(out), "--set", "tensorboard=false", "--set", "data.eval_split=0"],
+                           "--out", str(out), "--report-to", "none", "--set", "data.eval_split=0"],
                           capture_output=True, text=True, timeout=300)  # the density check is on the first records
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]

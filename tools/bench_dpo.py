@@ -83,7 +83,7 @@ def _hfmeg_rank(mode: str, model: str, data: str, out: str, a) -> dict:
         preference=PreferenceConfig(loss_type="simpo" if mode == "full_simpo" else "sigmoid"),
         peft=PeftConfig(method="lora" if mode == "lora" else "none", r=a.r, alpha=2.0 * a.r, dropout=0.0),
         train=LoopArgs(micro_batch_size=2, global_batch_size=a.rows, max_steps=a.warmup + a.steps),
-        checkpoint=CheckpointArgs(out=out), tensorboard=False)
+        checkpoint=CheckpointArgs(out=out), report_to=[])
     Trainer(cfg).run()
     peak = torch.tensor([_peak()])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)

@@ -72,7 +72,7 @@ def _config(a, run: str, out: Path) -> TrainConfig:
         train=LoopArgs(micro_batch_size=1, global_batch_size=a.global_batch_size, max_steps=a.steps,
                        seed=a.seed, shared_layers_until=until),
         checkpoint=CheckpointArgs(out=str(out / run), resume="none", keep_last=1),
-        tensorboard=False,
+        report_to=[],
     )
 
 

@@ -99,7 +99,7 @@ def main() -> None:
         data=DataConfig(sources=[SourceConfig(str(DATA / "sft_sample.jsonl"))], format="alpaca", seq_len=256),
         train=LoopArgs(micro_batch_size=2, global_batch_size=16, max_steps=args.steps),
         checkpoint=CheckpointArgs(out=str(out / "run"), keep_last=1),
-        tensorboard=False,
+        report_to=[],
     )
     layout = "Mixtral (4 experts, top-2): TP=2 x EP=2" if args.moe else "LLaMA: TP=2 x PP=2"
     print(f"fine-tuning a {sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(base).parameters()):,}-"

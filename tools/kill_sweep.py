@@ -55,7 +55,7 @@ def command(model: Path, data: Path, out: Path, peft: str = "none") -> list[str]
     return [sys.executable, str(RECIPE), "--model", str(model), "--data", str(data), "--tp", "1", "--seq-len", "64",
             "--global-batch-size", "4", "--max-steps", str(STEPS), "--save-every", str(EVERY), "--keep-last", "2",
             "--eval-every", "0", "--resume", "auto", "--out", str(out), "--dtype", "fp32",
-            "--set", "tensorboard=false", "--peft", peft]
+            "--report-to", "none", "--peft", peft]
 
 
 def run(cmd: list[str], out: Path, *, kill_at: str | None = None, kill_after: float | None = None,

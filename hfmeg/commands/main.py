@@ -31,6 +31,9 @@ COMMANDS = {
     "export": Command("hfmeg.commands.export:main",
                       "export a run's checkpoint (finished or interrupted) to OUT/hf (+ OUT/adapter) with its "
                       "model card, as the end of training does; push with --push-to-hub"),
+    "chat": Command("hfmeg.commands.chat:main",
+                    "chat with a trained model (an export, a run's --out, an MP checkpoint or an adapter) in the "
+                    "chat template it trained with; --prompt for one conversation without a terminal"),
     "plan": Command("hfmeg.plan.cli:main",
                     "the layout planner: rank layouts by predicted step time; calibrate, scaling, published"),
 }

@@ -112,6 +112,11 @@ def _text(rec: dict[str, Any], key: str, required: bool) -> str:
     return v
 
 
+def chat_template(tokenizer) -> str:
+    """The template a chat is rendered with: the tokenizer's own, else `DEFAULT_CHAT_TEMPLATE`."""
+    return getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+
+
 class Formatter:
     def __init__(self, cfg: DataConfig, tokenizer):
         self.cfg = cfg
@@ -120,7 +125,7 @@ class Formatter:
         if self.backend is None:
             raise DataError(f"{type(tokenizer).__name__}: a fast (tokenizers-backed) tokenizer is needed "
                             "for loss masks from character offsets")
-        self.template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        self.template = chat_template(tokenizer)
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 

@@ -226,7 +226,8 @@ class Source:
         self.cfg, self.number, self.seed = cfg, number, seed
         self.eval_split, self.shuffle, self.shuffle_buffer = eval_split, shuffle, shuffle_buffer
         self.files = local_files(cfg.path)
-        self.name = cfg.path if self.files is not None else f"{cfg.path}[{cfg.config or ''}]:{cfg.split}"
+        self.name = cfg.path if self.files is not None else \
+            f"{cfg.path}{f'[{cfg.config}]' if cfg.config else ''}:{cfg.split}"
         self._split: tuple[Table, np.ndarray, np.ndarray] | None = None
 
     # -- local files ------------------------------------------------------------------------
@@ -288,6 +289,11 @@ class Source:
         try:
             return datasets.load_dataset(c.path, c.config, split=c.split, revision=c.revision, streaming=True)
         except Exception as e:  # network, auth, missing dataset/config/split: one line naming the source
+            from huggingface_hub import constants
+
+            if constants.HF_HUB_OFFLINE and "OfflineModeIsEnabled" in str(e):
+                raise DataError(f"data source {self.name}: not in the local cache, and HF_HUB_OFFLINE is set (the "
+                                "Hub is not asked); unset it to download, or give a local file") from e
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise DataError(f"data source {self.name}: cannot open Hub dataset ({type(e).__name__}: {first})") from e
 

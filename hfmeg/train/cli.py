@@ -104,6 +104,8 @@ FLAGS = {
     "--resume": ("checkpoint.resume", str, "none | auto | path to a checkpoint iteration folder"),
     "--out": ("checkpoint.out", str, "output folder (metrics, checkpoints, hf/)"),
     "--push-to-hub": ("hub.push_to_hub", str, "Hub repo id to upload the exported model to"),
+    "--report-to": ("report_to", str, "trackers, comma-separated: tensorboard, mlflow, trackio, wandb; none: only "
+                    "metrics.jsonl (default: tensorboard; docs/cli.md)"),
 }
 
 

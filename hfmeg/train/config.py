@@ -30,6 +30,7 @@ from ..peft.config import PeftConfig
 from .dataclass_io import to_dict
 from .grpo import GRPOSettings
 from .preference import PreferenceConfig
+from .trackers import Tracker
 
 
 # `model.fp8`: torchao's FP8 training recipes by their names (quant/fp8_training.py), or off
@@ -143,7 +144,8 @@ class TrainConfig:
     train: LoopArgs = field(default_factory=LoopArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     hub: HubArgs = field(default_factory=HubArgs)
-    tensorboard: bool = True
+    # where metrics and the config go besides metrics.jsonl (trackers.py); [] or `none`: nowhere else
+    report_to: list[Tracker] = field(default_factory=lambda: ["tensorboard"])
 
     def __post_init__(self) -> None:
         # A bad max_steps is left to `validate`, which names train.max_steps rather than the derived fields.

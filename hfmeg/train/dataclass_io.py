@@ -43,8 +43,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         return build(tp, value, where)
     if origin in (list, tuple):
         (item,) = typing.get_args(tp)[:1] or (Any,)
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
+        if isinstance(value, str):  # a comma-separated override; `none`: the empty list
+            value = [] if value.lower() == "none" else [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return origin(_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value))

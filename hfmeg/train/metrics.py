@@ -1,9 +1,9 @@
-"""Per-step metrics: `metrics.jsonl`, a tqdm bar, TensorBoard and `loss.png`.
+"""Per-step metrics: `metrics.jsonl`, a tqdm bar, the trackers of `report_to` and `loss.png`.
 
 Only the logging rank (global rank 0, which receives the loss from the last
-pipeline stage) creates a `MetricsLog`; other ranks log nothing. TensorBoard and
-matplotlib are optional: without them the run logs JSONL and the bar only (the
-trainer asks `tensorboard_available()` first and says once that logs are skipped).
+pipeline stage) creates a `MetricsLog`; other ranks log nothing. The trackers (TensorBoard,
+MLflow, trackio, W&B: `trackers.py`) get each row under `train/<field>` and `eval/<field>`.
+matplotlib is optional: without it there is no `loss.png`.
 MoE runs add `expert_load` to each step's row: {MoE layer: [min, max] tokens routed
 to one expert} (`models.moe.expert_load`), so a collapsing router shows.
 
@@ -14,7 +14,6 @@ again), so the file and `loss.png` describe one timeline.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -24,17 +23,18 @@ from typing import Any
 from tqdm import tqdm
 
 from ..checkpoint.atomic import write_text_atomic
+from .trackers import Trackers
 
 METRICS_FILE = "metrics.jsonl"
 # epoch: epochs of training data drawn after the step (data.epoch; None for a stream of unknown length)
 STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "skipped", "epoch")
 # An objective's own per-step values (a preference run's `rewards/...`, `logps/...`): `objective` in a row,
-# written flat into metrics.jsonl and to TensorBoard under their names.
+# written flat into metrics.jsonl and to the trackers under their names.
 OBJECTIVE = "objective"
 
 
 class MetricsLog:
-    def __init__(self, out: Path, total_steps: int, start_step: int = 0, tensorboard: bool = True):
+    def __init__(self, out: Path, total_steps: int, start_step: int = 0, trackers: Trackers | None = None):
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
         self.path = out / METRICS_FILE
@@ -43,11 +43,7 @@ class MetricsLog:
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
         self.start_step = start_step
         self.t0 = time.perf_counter()
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(out / "tensorboard"))
+        self.trackers = trackers
 
     def log_step(self, row: dict[str, Any]) -> None:
         missing = set(STEP_FIELDS) - set(row)
@@ -61,14 +57,13 @@ class MetricsLog:
         epoch = {} if row["epoch"] is None else {"epoch": f"{row['epoch']:.2f}"}
         self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", gnorm=f"{row['grad_norm']:.3f}",
                              tok_s=f"{row['tokens_per_s']:.0f}", mfu=mfu, **epoch)
-        if self.tb is not None:
-            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "epoch"):
-                if row[k] is not None:
-                    self.tb.add_scalar(f"train/{k}", row[k], row["step"])
-            for k, v in extra.items():
-                self.tb.add_scalar(f"train/{k}", v, row["step"])
+        if self.trackers is not None:
+            values = {f"train/{k}": row[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "epoch")
+                      if row[k] is not None}
+            values |= {f"train/{k}": v for k, v in extra.items()}
             for layer, (low, high) in row.get("expert_load", {}).items():
-                self.tb.add_scalars(f"expert_load/layer_{layer}", {"min": low, "max": high}, row["step"])
+                values |= {f"expert_load/layer_{layer}/min": low, f"expert_load/layer_{layer}/max": high}
+            self.trackers.log(values, row["step"])
 
     def log_eval(self, step: int, loss: float, objective: dict[str, float] | None = None) -> None:
         """The eval loss (and the objective's own values, e.g. `eval_rewards/accuracies`)."""
@@ -78,21 +73,15 @@ class MetricsLog:
         self._file.flush()
         self.bar.write(f"step {step}: eval loss {loss:.4f}" +
                        "".join(f", {k} {v:.4f}" for k, v in objective.items()))
-        if self.tb is not None:
-            self.tb.add_scalar("eval/loss", loss, step)
-            for k, v in objective.items():
-                self.tb.add_scalar(f"eval/{k}", v, step)
+        if self.trackers is not None:
+            self.trackers.log({"eval/loss": loss, **{f"eval/{k}": v for k, v in objective.items()}}, step)
 
     def close(self) -> Path | None:
         self.bar.close()
         self._file.close()
-        if self.tb is not None:
-            self.tb.close()
+        if self.trackers is not None:
+            self.trackers.close()
         return plot_loss(self.path, self.out / "loss.png")
-
-
-def tensorboard_available() -> bool:
-    return importlib.util.find_spec("tensorboard") is not None
 
 
 def _keep_until(path: Path, step: int) -> None:

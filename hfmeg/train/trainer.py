@@ -67,7 +67,7 @@ from .checkpointing import (HF_SOURCE_DIR, STATE_FILE, RunCheckpoints, load_trai
 from .config import TrainConfig
 from .dataclass_io import to_yaml
 from .export import EXPORT_RECORD, export_run
-from .metrics import METRICS_FILE, MetricsLog, last_losses, tensorboard_available
+from .metrics import METRICS_FILE, MetricsLog, last_losses
 from .parts import part_class
 from .preflight import check_inputs
 from .parts.reference import Precomputed, Reference
@@ -76,6 +76,7 @@ from .rng import seed_all
 from .run_lock import LOCK_FILE, lock_run
 from .stop import GracefulStop, LauncherWatch, exit_together
 from .summary import RunSummary
+from .trackers import Trackers
 
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -175,10 +176,6 @@ class Trainer:
 
     def _setup(self) -> None:
         cfg = self.cfg
-        if cfg.tensorboard and not tensorboard_available():
-            cfg.tensorboard = False  # so that the printed and saved config says what the run does
-            if self.is_logger:
-                print("TensorBoard not installed: logs skipped")
         self.schedule = cfg.parallel.run_schedule
         seed_all(cfg.train.seed)
         self.dtype = cfg.model.torch_dtype(self.ps.device)
@@ -327,7 +324,10 @@ class Trainer:
             if (warning := rejoin_warning()) is not None:
                 print(warning, file=sys.stderr, flush=True)
         summary = RunSummary(self.out, self.step, self.step, cfg.train.max_steps)
-        metrics = MetricsLog(self.out, cfg.train.max_steps, self.step, cfg.tensorboard) if self.is_logger else None
+        metrics = None
+        if self.is_logger:
+            trackers = Trackers(cfg.report_to, self.out, cfg.to_dict()) if cfg.report_to else None
+            metrics = MetricsLog(self.out, cfg.train.max_steps, self.step, trackers)
         check = None if self.prediction is None else LayoutReport(self.prediction, self.step, cfg.train.max_steps,
                                                                   ps.device)
         stop = self.stop

@@ -3,7 +3,8 @@
 `validate(cfg, world_size)` checks every numeric field's range, the batch and layout
 arithmetic (or, with `parallel.layout: auto`, what contradicts the planner's choice),
 evaluation against eval data, `--resume`, a writable `--out`, and
-`--push-to-hub`'s repo id and token (and, for a LoRA run, a base named by Hub id); it raises `ConfigError` with one line naming the
+`--push-to-hub`'s repo id and token (and, for a LoRA run, a base named by Hub id), the trackers' libraries
+(`report_to`); it raises `ConfigError` with one line naming the
 field at the first problem and returns the warnings (e.g. a warm-up as long as the
 run). It reads no model or data and makes no network call, so
 `load_config` (the YAML file plus the command line's overrides, built and validated)
@@ -34,6 +35,7 @@ from .config import AUTO_FIELDS, TrainConfig
 from .dataclass_io import ConfigError, build, load_yaml, set_dotted
 from .grpo import check_config as check_grpo
 from .parts import part_class
+from .trackers import missing_line
 
 WHOAMI_TIMEOUT_S = 10.0
 
@@ -219,6 +221,12 @@ def _out(cfg: TrainConfig) -> None:
         raise ConfigError(f"checkpoint.out: {existing} is not writable (read-only storage or no permission)")
 
 
+def _trackers(cfg: TrainConfig) -> None:
+    line = missing_line(cfg.report_to)
+    if line is not None:
+        raise ConfigError(line)
+
+
 def _hub(cfg: TrainConfig) -> None:
     if cfg.hub.push_to_hub:
         check_push_target(cfg.hub.push_to_hub, part_class(cfg).base_of(cfg))
@@ -282,6 +290,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collec
     _resume(cfg)
     _out(cfg)
     _hub(cfg)
+    _trackers(cfg)
     warnings = []
     p = cfg.parallel
     if cfg.optim.compression == "powersgd" and p.layout != "auto" and world == p.tp * p.pp:
