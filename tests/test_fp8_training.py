@@ -321,7 +321,7 @@ def test_a_training_run_in_fp8_says_what_it_converted_and_exports_the_master_dty
     cfg = TrainConfig(model=ModelArgs(path=str(model), dtype="fp32", fp8="tensorwise"),
                       optim=OptimizerConfig(lr=1e-3), data=DataConfig(sources=[SourceConfig(str(data))], seq_len=64),
                       train=LoopArgs(micro_batch_size=1, global_batch_size=2, max_steps=3),
-                      checkpoint=CheckpointArgs(out=str(tmp_path / "run")), tensorboard=False)
+                      checkpoint=CheckpointArgs(out=str(tmp_path / "run")), report_to=[])
     hf = Trainer(cfg).run().hf_folder
     out = capsys.readouterr().out
     assert "fp8 tensorwise: 10 linears of rank 0 in FP8, emulated on cpu" in out, out

@@ -173,7 +173,7 @@ def test_three_lora_steps_and_export(tmp_path):
                                 data=DataConfig(sources=[SourceConfig(str(alpaca))], seq_len=64),
                                 train=LoopArgs(micro_batch_size=1, global_batch_size=4 // tp, max_steps=3, eval_every=0),
                                 checkpoint=CheckpointArgs(out=str(tmp_path / f"{name}-out"), save_every=0, keep_last=1),
-                                tensorboard=False))
+                                report_to=[]))
     spawn(_train, 4, cfgs)
     for cfg in cfgs:
         out = Path(cfg.checkpoint.out)

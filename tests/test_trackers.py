@@ -17,6 +17,7 @@ import pytest
 
 from hfmeg.parallel.launch import spawn
 from hfmeg.train.cli import train_command
+from hfmeg.train.config import train_config
 from hfmeg.train.metrics import read_metrics
 from hfmeg.train.trainer import Trainer
 from test_train import ALPACA, _assets, _config
@@ -101,3 +102,12 @@ def test_a_tracker_not_installed_is_one_line_exit_2_and_out_unchanged(report_to,
     captured = capfd.readouterr()
     assert code == 2 and (captured.out + captured.err).strip() == f"error: {line}", captured
     assert not out.exists()
+
+
+@pytest.mark.parametrize("saved, trackers", [(True, ["tensorboard"]), (False, []), ("false", [])])
+def test_a_config_saved_before_the_trackers_still_loads(saved, trackers):
+    """Runs written before `report_to` saved `tensorboard: true|false` in config.yaml and their checkpoints' state;
+    resume and `hfmeg export` read it as the `report_to` it meant, not as an unknown field."""
+    cfg = train_config({"tensorboard": saved, "train": {"max_steps": 3}})
+    assert cfg.report_to == trackers and cfg.train.max_steps == 3
+    assert train_config({"report_to": ["mlflow"]}).report_to == ["mlflow"]

@@ -50,7 +50,7 @@ def _config(a, recipe: str, out: Path) -> TrainConfig:
         data=DataConfig(sources=[SourceConfig(a.data)], seq_len=a.seq_len, format="text", overlong="split"),
         train=LoopArgs(micro_batch_size=1, global_batch_size=a.global_batch_size, max_steps=a.steps, seed=a.seed),
         checkpoint=CheckpointArgs(out=str(out), keep_last=1),
-        tensorboard=False,
+        report_to=[],
     )
 
 

@@ -58,7 +58,7 @@ def run_hfmeg(args, data: Path, out: Path) -> dict:
         grpo=GRPOSettings(reward_funcs=["grpo_toy_rewards:park"], num_generations=args.num_generations,
                           max_completion_length=args.max_completion_length, generator=args.generator),
         train=LoopArgs(micro_batch_size=args.batch, global_batch_size=args.batch, max_steps=args.steps),
-        checkpoint=CheckpointArgs(out=str(out), save_every=0), tensorboard=False)
+        checkpoint=CheckpointArgs(out=str(out), save_every=0), report_to=[])
     GRPOTrainer(cfg).run()
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r][args.warmup:]
     tokens = sum(r["completions/mean_length"] * args.batch for r in rows)

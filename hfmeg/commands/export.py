@@ -23,8 +23,8 @@ from ..checkpoint.mp_layout import resolve_iteration_dir
 from ..errors import CheckpointError
 from ..optim.state_io import read_meta
 from ..train.checkpointing import OPTIM_DIR, STATE_FILE, read_trainer_state
-from ..train.config import TrainConfig
-from ..train.dataclass_io import ConfigError, build
+from ..train.config import train_config
+from ..train.dataclass_io import ConfigError
 from ..train.export import export_run
 from ..train.parts import part_class
 from ..train.run_lock import RunLock
@@ -60,7 +60,7 @@ def export(args) -> Path:
     run, iter_dir = _checkpoint(Path(args.run), args.iteration)
     state = read_trainer_state(iter_dir)
     try:
-        cfg = build(TrainConfig, state["config"])
+        cfg = train_config(state["config"])
     except ConfigError as e:
         raise ConfigError(f"{iter_dir / STATE_FILE}: field config: {e}") from None
     cfg.hub.push_to_hub, cfg.hub.private = args.push_to_hub, args.private  # the card names the repo pushed to

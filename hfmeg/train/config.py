@@ -27,7 +27,7 @@ from ..optim.lr_schedule import LRScheduleConfig
 from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from ..parallel.state import ParallelConfig
 from ..peft.config import PeftConfig
-from .dataclass_io import to_dict
+from .dataclass_io import build, convert, to_dict
 from .grpo import GRPOSettings
 from .preference import PreferenceConfig
 from .trackers import Tracker
@@ -159,3 +159,13 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
+
+
+def train_config(data: dict[str, Any]) -> TrainConfig:
+    """`TrainConfig` from plain data (a YAML file with its overrides, a checkpoint's saved config), with the fields an
+    earlier release wrote turned into what replaced them, so that its runs still resume and export: `tensorboard:
+    true|false` (before the trackers) is `report_to: [tensorboard]` or `[]`."""
+    if "tensorboard" in data and "report_to" not in data:
+        data = dict(data)
+        data["report_to"] = ["tensorboard"] if convert(data.pop("tensorboard"), bool, "tensorboard") else []
+    return build(TrainConfig, data)

@@ -23,7 +23,7 @@ class ConfigError(HfmegError):
     """A config file or override that does not fit the typed config."""
 
 
-def _convert(value: Any, tp: Any, where: str) -> Any:
+def convert(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -33,7 +33,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         errors = []
         for a in args:
             try:
-                return _convert(value, a, where)
+                return convert(value, a, where)
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{where}: cannot convert {value!r}")
@@ -47,7 +47,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             value = [] if value.lower() == "none" else [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return origin(_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+        return origin(convert(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is typing.Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -78,7 +78,7 @@ def build(cls: type, data: dict[str, Any], where: str = "") -> Any:
     if unknown:
         name = f"{where}.{sorted(unknown)[0]}".lstrip(".")
         raise ConfigError(f"unknown config field {name!r} (known: {', '.join(sorted(fields))})")
-    kwargs = {k: _convert(v, hints[k], f"{where}.{k}".lstrip(".")) for k, v in data.items()}
+    kwargs = {k: convert(v, hints[k], f"{where}.{k}".lstrip(".")) for k, v in data.items()}
     return cls(**kwargs)
 
 

@@ -31,8 +31,8 @@ from ..data.config import PREFERENCE_FORMATS
 from ..errors import LayoutError
 from ..parallel.grid import KEPT_INSIDE_A_HOST, check_world
 from ..parallel.state import ranks_per_host
-from .config import AUTO_FIELDS, TrainConfig
-from .dataclass_io import ConfigError, build, load_yaml, set_dotted
+from .config import AUTO_FIELDS, TrainConfig, train_config
+from .dataclass_io import ConfigError, load_yaml, set_dotted
 from .grpo import check_config as check_grpo
 from .parts import part_class
 from .trackers import missing_line
@@ -349,7 +349,7 @@ def load_config(yaml_path: str | Path | None, overrides: dict[str, Any],
     for key, value in overrides.items():
         if value is not None:
             set_dotted(data, key, value)
-    cfg = build(TrainConfig, data)
+    cfg = train_config(data)
     if not cfg.model.path and cfg.model.init == "pretrained":
         raise ConfigError("model.path is required (--model)")
     if not cfg.data.sources:
