@@ -19,6 +19,11 @@ matmul's output `y = x W^T` without bias and this rank's weight, and returns wha
 added to `y` before any reduction and before the bias, so base and adapter share the
 one collective. `ReplicatedLinear` (the MoE router) takes one the same way; it has no
 collective.
+
+The three linears also take an optional `weight_provider`: a module whose `()` gives the weight
+their matmul uses in place of the `weight` parameter (a frozen base stored another way: QLoRA's 4-bit codes,
+`quant/qlora.py`, installed by `checkpoint/load.py`, which then drops the parameter). `matmul_weight()` is that
+weight; the adapter is given it too.
 """
 
 from __future__ import annotations
@@ -40,7 +45,14 @@ from .state import ParallelState
 from .wgrad import embedding, linear
 
 
-class ColumnParallelLinear(nn.Module):
+class _ProvidedWeight:
+    """`matmul_weight()`: the `weight_provider`'s weight where the layer has one, else its `weight` parameter."""
+
+    def matmul_weight(self) -> torch.Tensor:
+        return self.weight if self.weight_provider is None else self.weight_provider()
+
+
+class ColumnParallelLinear(_ProvidedWeight, nn.Module):
     """y = x A^T + b with A split by rows (output features) across TP ranks.
 
     Input: the full activation (`[s, b, in]`, or `[s/tp, b, in]` under SP).
@@ -62,17 +74,19 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.bias = None
         self.adapter: nn.Module | None = None  # see the module docstring
+        self.weight_provider: nn.Module | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sequence(x, self.ps) if self.ps.sequence_parallel else copy_to_tp(x, self.ps)
+        weight = self.matmul_weight()
         if self.adapter is None:
-            return linear(x, self.weight, self.bias)
-        y = linear(x, self.weight)
-        y = y + self.adapter(x, y, self.weight)
+            return linear(x, weight, self.bias)
+        y = linear(x, weight)
+        y = y + self.adapter(x, y, weight)
         return y if self.bias is None else y + self.bias
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ProvidedWeight, nn.Module):
     """y = x A^T + b with A split by columns (input features) across TP ranks.
 
     Input: this rank's features `[s, b, in/tp]`. Output: the summed full result,
@@ -91,16 +105,18 @@ class RowParallelLinear(nn.Module):
         else:
             self.bias = None
         self.adapter: nn.Module | None = None  # see the module docstring
+        self.weight_provider: nn.Module | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        weight = self.matmul_weight()
+        y = linear(x, weight)
         if self.adapter is not None:  # before the reduction: one collective sums both partial outputs
-            y = y + self.adapter(x, y, self.weight)
+            y = y + self.adapter(x, y, weight)
         y = reduce_scatter_to_sequence(y, self.ps) if self.ps.sequence_parallel else reduce_from_tp(y, self.ps)
         return y + self.bias if self.bias is not None else y
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(_ProvidedWeight, nn.Module):
     """y = x A^T with A whole on every TP rank and no collective (MoE routers and experts).
 
     The caller declares the weight's role: it depends on what the layer feeds it (a
@@ -118,10 +134,12 @@ class ReplicatedLinear(nn.Module):
         else:
             self.bias = None
         self.adapter: nn.Module | None = None  # see the module docstring (the MoE router's LoRA)
+        self.weight_provider: nn.Module | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
-        y = y if self.adapter is None else y + self.adapter(x, y, self.weight)
+        weight = self.matmul_weight()
+        y = linear(x, weight)
+        y = y if self.adapter is None else y + self.adapter(x, y, weight)
         return y if self.bias is None else y + self.bias
 
 

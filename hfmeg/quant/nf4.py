@@ -31,7 +31,8 @@ from ..errors import UnsupportedConfigError
 QUANT_TYPES = ("nf4", "fp4")
 
 
-def _bnb():
+def require_bitsandbytes():
+    """bitsandbytes.functional, or one line saying what to install."""
     try:
         import bitsandbytes.functional as F
     except ImportError:
@@ -64,7 +65,7 @@ def quantize(name: str, weight: torch.Tensor, quant_type: str = "nf4", double_qu
     if cols % blocksize:
         raise UnsupportedConfigError(f"{name}: rows of {cols} values are not whole {blocksize}-value quantization "
                                      "blocks; a block would span two rows, which no split can cut")
-    F = _bnb()
+    F = require_bitsandbytes()
     codes, state = F.quantize_4bit(weight, blocksize=blocksize, quant_type=quant_type,
                                    compress_statistics=double_quant)
     absmax = state.absmax
@@ -87,7 +88,7 @@ def shard(name: str, packed: Packed4bit, split, parts: int, index: int) -> Packe
 
 def dequantize(packed: Packed4bit) -> torch.Tensor:
     """The weight `packed` holds, by bitsandbytes' own dequantization."""
-    F = _bnb()
+    F = require_bitsandbytes()
     rows, cols = packed.shape
     state = F.QuantState(absmax=packed.absmax.flatten(), shape=torch.Size((rows, cols)),
                          code=F.get_4bit_type(packed.quant_type, device=packed.codes.device),

@@ -29,6 +29,7 @@ from ..data.config import PREFERENCE_FORMATS
 from ..errors import LayoutError
 from ..parallel.grid import KEPT_INSIDE_A_HOST, check_world
 from ..parallel.state import ranks_per_host
+from ..peft.config import expand_qlora
 from .config import AUTO_FIELDS, TrainConfig
 from .dataclass_io import ConfigError, build, load_yaml, set_dotted
 from .grpo import check_config as check_grpo
@@ -248,6 +249,9 @@ def _peft(cfg: TrainConfig) -> None:
                           "HF base (folder or Hub id), which the exported adapter names as its base")
     if cfg.train.shared_layers_until:
         raise ConfigError("peft.method: train.shared_layers_until is for pretraining; set it to 0 with LoRA")
+    if p.compute_dtype not in (None, cfg.model.dtype):
+        raise ConfigError(f"peft.compute_dtype: {p.compute_dtype} differs from model.dtype {cfg.model.dtype}; the 4-bit "
+                          "base is dequantized to the run's dtype (set model.dtype, or leave compute_dtype out)")
 
 
 def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collection[str] = ()) -> list[str]:
@@ -329,6 +333,7 @@ def load_config(yaml_path: str | Path | None, overrides: dict[str, Any],
     for key, value in overrides.items():
         if value is not None:
             set_dotted(data, key, value)
+    expand_qlora(data.get("peft") or {})
     cfg = build(TrainConfig, data)
     if not cfg.model.path and cfg.model.init == "pretrained":
         raise ConfigError("model.path is required (--model)")

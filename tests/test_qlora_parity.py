@@ -1,0 +1,110 @@
+"""QLoRA: LoRA and DoRA on hfmeg's 4-bit base (`load_chunks(base_4bit=...)`) vs peft on transformers'
+`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)` with fp32
+compute, on a tiny dense LLaMA whose TP-cut rows are whole 64-value blocks: logits, loss and every adapter gradient
+at TP in {1, 2} x PP in {1, 2}, on one 4-process gloo world; and 20 trainer steps of QLoRA at TP2 x PP2 against
+peft + AdamW on that 4-bit base in one process.
+
+The bounds are derived as in tests/test_peft_parity.py (`_references`), with one more fact: bitsandbytes'
+dequantized weights are fp32 numbers, so the float64 truth is the same model with those weights in float64.
+- peft's float64 run is the transformers model whose quantized linears hold bitsandbytes' dequantization of their
+  weights (`_dequantized_reference`), in float64; hfmeg's float64 run is its own 4-bit base dequantized to float64.
+  They must agree within ROUNDING_FACTOR times peft's own fp32 rounding (its 4-bit run against that float64 one):
+  a rank that held other codes, other absmax or another block's would be off by the 4-bit step (~1e-1 of a weight).
+- each layout in fp32 against hfmeg's float64 run, within ROUNDING_FACTOR times hfmeg's unsharded fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("bitsandbytes")
+import bitsandbytes as bnb  # noqa: E402
+from helpers import stories_or_skip  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft_helpers import make_base_and_adapter  # noqa: E402
+from test_peft_parity import _assert_parity, _check, _labels, _peft_outputs, _references  # noqa: E402
+from test_peft_train import ALPACA, STEPS, _config, _peft_adamw_losses  # noqa: E402
+from test_train import _losses, _run  # noqa: E402
+from tiny_models import reference_attention, save_tiny  # noqa: E402
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+from bounds import within  # noqa: E402
+
+from hfmeg.parallel.launch import spawn  # noqa: E402
+from hfmeg.quant.qlora import Base4bit  # noqa: E402
+
+LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False)]  # tp, pp, sp
+# 128 columns per row everywhere (o_proj: 8 heads of 16; down_proj: 256 / TP2): a TP2 rank of a row-parallel
+# weight holds whole 64-value blocks
+SHAPE = dict(hidden_size=128, head_dim=16, intermediate_size=256)
+QLORA = dict(base_4bit=Base4bit("nf4", double_quant=True))
+
+
+def _bnb_config() -> BitsAndBytesConfig:
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.float32)
+
+
+def _quantized(base: Path):
+    return AutoModelForCausalLM.from_pretrained(base, device_map="cpu", quantization_config=_bnb_config(),
+                                                attn_implementation=reference_attention(base))
+
+
+def _dequantized_reference(base: Path):
+    """The fp32 transformers model with each 4-bit linear's weight replaced by bitsandbytes' dequantization."""
+    weights = {name: bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state)
+               for name, m in _quantized(base).named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert len(weights) == 2 * 7, "every projection of both layers is 4-bit, the LM head is not"
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
+                                                 attn_implementation=reference_attention(base))
+    with torch.no_grad():
+        for name, w in weights.items():
+            model.get_submodule(name).weight.copy_(w)
+    return model
+
+
+def _peft_run(ids):
+    """`_references`' `reference`: peft on the 4-bit model in fp32, on the dequantized one in float64."""
+    def run(base, adapter, dtype):
+        model = _quantized(base) if dtype == torch.float32 else _dequantized_reference(base).to(dtype)
+        return _peft_outputs(PeftModel.from_pretrained(model, adapter, is_trainable=True), ids, _labels(ids))
+    return run
+
+
+def test_qlora_and_qdora_match_peft_on_a_4bit_base(tmp_path):
+    save_tiny("llama3", tmp_path / "llama3_base", **SHAPE)
+    cases = [make_base_and_adapter(tmp_path, "llama3", dora=dora) for dora in (False, True)]
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    refs = _references(cases, ids, _peft_run(ids), QLORA)
+    # TP1 x PP1 is hfmeg's unsharded fp32 run, which `_references` made in the test process: not again on a rank.
+    results = spawn(_check, 4, [(str(b), str(a)) for b, a in cases], ids, LAYOUTS[1:], QLORA)
+    _assert_parity(results, refs, cases, LAYOUTS)
+
+
+def test_qlora_steps_at_tp2_pp2_match_peft_and_adamw_on_the_4bit_base(tmp_path):
+    """The trainer (`--peft qlora`'s settings) at TP2 x PP2 for 20 steps against transformers' 4-bit model with
+    peft and torch.optim.AdamW in one process, on the same batches."""
+    stories = stories_or_skip()  # its tokenizer, on a base of whole 64-blocks (stories260K's rows are not)
+    if not ALPACA.is_file():
+        pytest.skip(f"{ALPACA} is absent")
+    base = save_tiny("llama3", tmp_path / "base", vocab_size=512, **SHAPE)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(stories / name, base / name)
+    torch.manual_seed(0)
+    adapter0 = tmp_path / "adapter0"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                   LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+                   ).save_pretrained(adapter0)
+    cfg = _config(tmp_path / "tp2pp2", base, adapter0, tp=2, pp=2)
+    cfg = replace(cfg, peft=replace(cfg.peft, quantize="nf4", double_quant=True))
+    ref = _peft_adamw_losses(cfg, adapter0, device_map="cpu", quantization_config=_bnb_config())
+    spawn(_run, 4, cfg)
+    ours = _losses(tmp_path / "tp2pp2")
+    assert len(ours) == STEPS and ref[-1] < ref[0]
+    # As tests/test_peft_train.py's LoRA runs: fp32 sums over ~250 tokens in another order per layout, ~1e-6
+    # relative; the issue's bound is 1e-4. The unquantized base is off by 3e-3 (measured once, to see the test bite).
+    within(max(abs(x - y) / abs(y) for x, y in zip(ours, ref)), 1e-4, "qlora loss rel", (ours, ref))

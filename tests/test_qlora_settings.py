@@ -1,0 +1,101 @@
+"""QLoRA's settings (`peft.quantize`, `double_quant`, `compute_dtype`, `--peft qlora`) and what loading a 4-bit
+base gives a rank: its TP linears hold codes and absmax as buffers, no weight parameter (so the optimizer and the
+gradient buffers see the adapters only), each bit-equal to the rank's cut of bitsandbytes' bytes; and a resume
+with other quant settings than the checkpoint's is refused."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from helpers import make_ps
+from tiny_models import save_tiny
+
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
+from hfmeg.checkpoint.rules import chunk_rules
+from hfmeg.checkpoint.rules_4bit import to_local_4bit
+from hfmeg.errors import CheckpointError, HfmegError, UnsupportedConfigError
+from hfmeg.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from hfmeg.peft.adapters import attach
+from hfmeg.peft.config import PeftConfig
+from hfmeg.peft.export import write_info
+from hfmeg.quant.nf4 import dequantize
+from hfmeg.quant.qlora import Base4bit, Frozen4bitWeight
+from hfmeg.train.parts.adapters import check_resume_settings
+from hfmeg.train.validate import load_config
+
+RUN = {"model.path": "some/model", "data.sources": [{"path": "x.json"}]}
+SHAPE = dict(hidden_size=128, head_dim=16, intermediate_size=256)  # rows of whole 64-blocks at TP1 and TP2
+
+
+def test_peft_qlora_is_lora_on_an_nf4_base_with_double_quantization(tmp_path):
+    cfg, _ = load_config(None, {**RUN, "peft.method": "qlora", "checkpoint.out": str(tmp_path / "o")}, world_size=1)
+    assert (cfg.peft.method, cfg.peft.quantize, cfg.peft.double_quant) == ("lora", "nf4", True)
+    assert cfg.peft.base_4bit() == Base4bit("nf4", True)
+    plain, _ = load_config(None, {**RUN, "peft.method": "lora", "checkpoint.out": str(tmp_path / "p")}, world_size=1)
+    assert plain.peft.base_4bit() is None
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"peft.method": "none", "peft.quantize": "nf4"}, "peft.quantize"),
+    ({"peft.method": "lora", "peft.quantize": "int8"}, "peft.quantize"),
+    ({"peft.method": "qlora", "peft.compute_dtype": "bf16", "model.dtype": "fp32"}, "peft.compute_dtype")])
+def test_bad_qlora_settings_name_the_field(override, field, tmp_path):
+    with pytest.raises(HfmegError) as e:
+        load_config(None, {**RUN, "checkpoint.out": str(tmp_path / "o"), **override}, world_size=1)
+    assert str(e.value).startswith(field) and "\n" not in str(e.value)
+
+
+def test_without_bitsandbytes_qlora_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
+    with pytest.raises(UnsupportedConfigError, match=r"^peft.quantize needs bitsandbytes: pip install "
+                                                     r"'bitsandbytes>=0\.50'$"):
+        PeftConfig(method="lora", quantize="nf4").check()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    pytest.importorskip("bitsandbytes")
+    return save_tiny("llama3", tmp_path_factory.mktemp("qlora") / "base", **SHAPE)
+
+
+def test_a_loaded_4bit_base_holds_codes_as_buffers_and_adapters_alone_train(base):
+    ps = make_ps(world=1)
+    (chunk,) = load_chunks(HFCheckpoint(base), ps, base_4bit=Base4bit())
+    source = HFCheckpoint(base)
+    linears = {name: m for name, m in chunk.named_modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)}
+    assert len(linears) == 2 * 4  # qkv, out, fc1, fc2 of both layers
+    rules = {r.local: r for r in chunk_rules(chunk.cfg, [0, 1], True, True)}
+    chunk.to(torch.bfloat16)  # a cast of the model moves the absmax as their bits, unrounded
+    for name, layer in linears.items():
+        assert isinstance(layer.weight_provider, Frozen4bitWeight) and "weight" not in dict(layer.named_parameters())
+        rule = rules[name + ".weight"]
+        want = dequantize(to_local_4bit(rule, [source.get(n) for n in rule.hf], chunk.cfg, 1, 0))
+        assert torch.equal(layer.matmul_weight(), want), name
+        assert layer.weight_provider.codes.dtype == torch.uint8
+    chunk.to(torch.float32)
+    names = {n for n, _ in chunk.named_parameters()}
+    assert not {n + ".weight" for n in linears} & names
+    attach(chunk, PeftConfig(method="dora", target_modules=["all-linear"]))
+    trainable = [n for n, p in chunk.named_parameters() if p.requires_grad]
+    assert trainable and all(".adapter." in n for n in trainable)
+
+
+def test_a_4bit_base_is_refused_on_an_expert_model(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    moe = save_tiny("mixtral", tmp_path / "mixtral")
+    with pytest.raises(UnsupportedConfigError, match=r"^peft.quantize: a 4-bit base is built for dense models"):
+        load_chunks(HFCheckpoint(moe), make_ps(world=1), base_4bit=Base4bit())
+
+
+@pytest.mark.parametrize("saved, now, field", [
+    (dict(), dict(quantize="nf4"), "peft.quantize"), (dict(quantize="nf4"), dict(quantize="fp4"), "peft.quantize"),
+    (dict(quantize="nf4"), dict(quantize="nf4", double_quant=False), "peft.double_quant")])
+def test_a_resume_with_other_quant_settings_is_refused_naming_the_field(saved, now, field, tmp_path):
+    write_info(tmp_path, PeftConfig(method="lora", **saved), {"path": "base", "sha256": "0" * 64})
+    with pytest.raises(CheckpointError, match=f"^{field}: "):
+        check_resume_settings(tmp_path, PeftConfig(method="lora", **now))
+    check_resume_settings(tmp_path, PeftConfig(method="lora", **saved))
