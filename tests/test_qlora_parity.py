@@ -2,7 +2,8 @@
 `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)` with fp32
 compute, on a tiny dense LLaMA whose TP-cut rows are whole 64-value blocks: logits, loss and every adapter gradient
 at TP in {1, 2} x PP in {1, 2}, on one 4-process gloo world; and 20 trainer steps of QLoRA at TP2 x PP2 against
-peft + AdamW on that 4-bit base in one process.
+peft + AdamW on that 4-bit base in one process, and its merged export against peft's merge on the dequantized
+4-bit model.
 
 The bounds are derived as in tests/test_peft_parity.py (`_references`), with one more fact: bitsandbytes'
 dequantized weights are fp32 numbers, so the float64 truth is the same model with those weights in float64.
@@ -108,3 +109,15 @@ def test_qlora_steps_at_tp2_pp2_match_peft_and_adamw_on_the_4bit_base(tmp_path):
     # As tests/test_peft_train.py's LoRA runs: fp32 sums over ~250 tokens in another order per layout, ~1e-6
     # relative; the issue's bound is 1e-4. The unquantized base is off by 3e-3 (measured once, to see the test bite).
     within(max(abs(x - y) / abs(y) for x, y in zip(ours, ref)), 1e-4, "qlora loss rel", (ours, ref))
+    # The merged export is the dequantized 4-bit base plus the update: peft's merge_and_unload on the dequantized
+    # model. fp32 rounding of the merged weights (~1e-7 relative) through 2 layers; the contract's bound is 1e-4.
+    out, ids = tmp_path / "tp2pp2", torch.tensor([[1, 365, 1122, 263, 931, 29892, 727, 471]]) % 512
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(_dequantized_reference(base), out / "adapter").merge_and_unload()(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)(ids).logits
+        unquantized = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                                out / "adapter")(ids).logits
+    within((got - want).abs().max(), 1e-4, "qlora merged logits max-abs", None)
+    assert (unquantized - want).abs().max() > 1e-3, "the 4-bit base is far (~1e-2) from the unquantized one"
+    card = (out / "adapter" / "README.md").read_text()
+    assert "- method: QLoRA (r 4" in card and "stored 4-bit by bitsandbytes (nf4, double quantization on" in card

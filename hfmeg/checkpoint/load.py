@@ -53,7 +53,7 @@ from .mp_layout import DTYPES, MPLayout
 from .mp_reader import MPCheckpoint
 from .placement import as_stored, check_placed
 from .rules import chunk_rules, expected_hf_shape, rule_tensors, to_local
-from .rules_4bit import to_local_4bit
+from .rules_4bit import stored_4bit, to_local_4bit
 from .tensor_source import TensorSource
 
 WeightSource = HFCheckpoint | TensorSource | MPCheckpoint
@@ -153,11 +153,15 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
 
 
 def _quantized_layer(chunk: ModelChunk, rule: TensorRule, base_4bit: Base4bit | None):
-    """The TP linear whose weight `rule` fills, where the base is stored 4-bit; else None."""
-    if base_4bit is None or not rule.local.endswith(".weight"):
+    """The TP linear whose weight `rule` fills, where the base stores it 4-bit (`rules_4bit.stored_4bit`); else
+    None."""
+    if base_4bit is None or not stored_4bit(rule, chunk.cfg):
         return None
     layer = chunk.get_submodule(rule.local.removesuffix(".weight"))
-    return layer if isinstance(layer, ColumnParallelLinear | RowParallelLinear) else None
+    if not isinstance(layer, ColumnParallelLinear | RowParallelLinear):
+        raise UnsupportedConfigError(f"{rule.local}: a 4-bit base is built for the TP column/row-parallel linears; "
+                                     f"this is a {type(layer).__name__}")
+    return layer
 
 
 def _check_shapes(source: HFCheckpoint | TensorSource, rules: list[TensorRule], cfg: ModelConfig) -> None:
