@@ -1,7 +1,7 @@
 """QLoRA: LoRA and DoRA on hfmeg's 4-bit base (`load_chunks(base_4bit=...)`) vs peft on transformers'
 `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)` with fp32
 compute, on a tiny dense LLaMA whose TP-cut rows are whole 64-value blocks: logits, loss and every adapter gradient
-at TP in {1, 2} x PP in {1, 2}, on one 4-process gloo world; and 20 trainer steps of QLoRA at TP2 x PP2 against
+at TP in {1, 2} x PP in {1, 2} and TP4, on one 4-process gloo world; and 20 trainer steps of QLoRA at TP2 x PP2 against
 peft + AdamW on that 4-bit base in one process, and its merged export against peft's merge on the dequantized
 4-bit model.
 
@@ -26,8 +26,9 @@ import torch
 pytest.importorskip("bitsandbytes")
 import bitsandbytes as bnb  # noqa: E402
 from helpers import stories_or_skip  # noqa: E402
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
-from peft_helpers import make_base_and_adapter  # noqa: E402
+from helpers import make_ps  # noqa: E402
+from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft_helpers import hfmeg_chunks, make_base_and_adapter  # noqa: E402
 from test_peft_parity import _assert_parity, _check, _labels, _peft_outputs, _references  # noqa: E402
 from test_peft_train import ALPACA, STEPS, _config, _peft_adamw_losses  # noqa: E402
 from test_train import _losses, _run  # noqa: E402
@@ -35,13 +36,14 @@ from tiny_models import reference_attention, save_tiny  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 from bounds import within  # noqa: E402
 
+from hfmeg.models.generate import full_logits  # noqa: E402
 from hfmeg.parallel.launch import spawn  # noqa: E402
 from hfmeg.quant.qlora import Base4bit  # noqa: E402
 
-LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False)]  # tp, pp, sp
-# 128 columns per row everywhere (o_proj: 8 heads of 16; down_proj: 256 / TP2): a TP2 rank of a row-parallel
-# weight holds whole 64-value blocks
-SHAPE = dict(hidden_size=128, head_dim=16, intermediate_size=256)
+LAYOUTS = [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (4, 1, False)]  # tp, pp, sp
+# 256 columns per row everywhere (o_proj: 8 heads of 32; down_proj: 256): a TP4 rank of a row-parallel weight holds
+# whole 64-value blocks
+SHAPE = dict(hidden_size=256, head_dim=32, intermediate_size=256)
 QLORA = dict(base_4bit=Base4bit("nf4", double_quant=True))
 
 
@@ -119,5 +121,11 @@ def test_qlora_steps_at_tp2_pp2_match_peft_and_adamw_on_the_4bit_base(tmp_path):
                                                 out / "adapter")(ids).logits
     within((got - want).abs().max(), 1e-4, "qlora merged logits max-abs", None)
     assert (unquantized - want).abs().max() > 1e-3, "the 4-bit base is far (~1e-2) from the unquantized one"
+    # The exported adapter loads with AutoPeftModelForCausalLM on the 4-bit base and gives the trained model's logits.
+    with torch.no_grad():
+        peft_4bit = AutoPeftModelForCausalLM.from_pretrained(out / "adapter", device_map="cpu",
+                                                             quantization_config=_bnb_config())(ids).logits
+    chunks, _ = hfmeg_chunks(base, out / "adapter", make_ps(), **QLORA)
+    within((full_logits(chunks, make_ps(), ids) - peft_4bit).abs().max(), 1e-4, "qlora export logits max-abs", None)
     card = (out / "adapter" / "README.md").read_text()
     assert "- method: QLoRA (r 4" in card and "stored 4-bit by bitsandbytes (nf4, double quantization on" in card
