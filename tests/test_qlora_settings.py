@@ -1,11 +1,12 @@
 """QLoRA's settings (`peft.quantize`, `double_quant`, `compute_dtype`, `--peft qlora`) and what loading a 4-bit
 base gives a rank: its TP linears hold codes and absmax as buffers, no weight parameter (so the optimizer and the
 gradient buffers see the adapters only), each bit-equal to the rank's cut of bitsandbytes' bytes; and a resume
-with other quant settings than the checkpoint's is refused."""
+with other quant settings than the checkpoint's is refused; the planner counts the 4-bit base as a rank holds it."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,7 +21,10 @@ from hfmeg.errors import CheckpointError, HfmegError, UnsupportedConfigError
 from hfmeg.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from hfmeg.peft.adapters import attach
 from hfmeg.peft.config import PeftConfig
+from hfmeg.parallel.launch import spawn
 from hfmeg.peft.export import write_info
+from hfmeg.plan.layout import PlanLayout
+from hfmeg.plan.memory import stage_memory
 from hfmeg.quant.nf4 import dequantize
 from hfmeg.quant.qlora import Base4bit, Frozen4bitWeight
 from hfmeg.train.parts.adapters import check_resume_settings
@@ -99,3 +103,28 @@ def test_a_resume_with_other_quant_settings_is_refused_naming_the_field(saved, n
     with pytest.raises(CheckpointError, match=f"^{field}: "):
         check_resume_settings(tmp_path, PeftConfig(method="lora", **now))
     check_resume_settings(tmp_path, PeftConfig(method="lora", **saved))
+
+
+QLORA_PEFT = PeftConfig(method="lora", r=4, target_modules=["all-linear"], quantize="nf4")
+
+
+def _held(folder: str, tp: int, pp: int):
+    """(pp rank, bytes of this rank's frozen parameters and buffers) of a QLoRA run's chunks."""
+    ps = make_ps(tp=tp, pp=pp)
+    chunks = load_chunks(HFCheckpoint(folder), ps, base_4bit=QLORA_PEFT.base_4bit())
+    for chunk in chunks:
+        attach(chunk, QLORA_PEFT)
+    return ps.pp_rank, sum(t.numel() * t.element_size() for c in chunks for t in [*c.buffers(), *c.parameters()]
+                           if not t.requires_grad)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 2)])
+def test_the_planner_counts_a_4bit_base_as_a_rank_holds_it(base, tp, pp):
+    """The planner's frozen bytes of a QLoRA run are each loaded rank's exactly: its full-precision parameters
+    (norms, embedding, head) and its 4-bit codes and absmax."""
+    cfg = load_chunks(HFCheckpoint(base), make_ps())[0].cfg
+    for pp_rank, held in spawn(_held, tp * pp, str(base), tp, pp):
+        planned = stage_memory(cfg, PlanLayout(tp, pp, 1, 1), pp_rank, 2, 16, 4, peft=QLORA_PEFT)
+        assert planned.frozen_weights == held, (pp_rank, planned.frozen_weights, held)
+        plain = stage_memory(cfg, PlanLayout(tp, pp, 1, 1), pp_rank, 2, 16, 4, peft=replace(QLORA_PEFT, quantize=None))
+        assert planned.frozen_weights < plain.frozen_weights / 2  # fp32 linears at 0.5625 bytes a value

@@ -56,6 +56,12 @@ class Packed4bit:
         return self.codes.shape[0], self.codes.shape[1] * 2
 
 
+def stored_bytes(numel: int, blocksize: int = 64) -> int:
+    """Bytes a rank holds for `numel` values of a 4-bit weight (`Packed4bit`): the codes (two a byte) and one
+    float32 absmax a block (double-quantized absmax are held dequantized, module docstring)."""
+    return numel // 2 + numel // blocksize * 4
+
+
 def quantize(name: str, weight: torch.Tensor, quant_type: str = "nf4", double_quant: bool = True,
              blocksize: int = 64) -> Packed4bit:
     """bitsandbytes' 4-bit quantization of the full 2-d `weight` (named `name` in a refusal)."""
