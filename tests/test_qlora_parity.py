@@ -1,9 +1,9 @@
 """QLoRA: LoRA and DoRA on hfmeg's 4-bit base (`load_chunks(base_4bit=...)`) vs peft on transformers'
 `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)` with fp32
 compute, on a tiny dense LLaMA whose TP-cut rows are whole 64-value blocks: logits, loss and every adapter gradient
-at TP in {1, 2} x PP in {1, 2} and TP4, on one 4-process gloo world; and 20 trainer steps of QLoRA at TP2 x PP2 against
-peft + AdamW on that 4-bit base in one process, and its merged export against peft's merge on the dequantized
-4-bit model.
+at TP in {1, 2} x PP in {1, 2} and TP4, on one 4-process gloo world. Then the trainer: 20 QLoRA steps at TP2 x PP2
+against peft + AdamW on that 4-bit base in one process, its merged export against peft's merge on the dequantized
+4-bit model, its adapter through AutoPeftModelForCausalLM on the 4-bit base, and a TP2 x PP2 -> TP1 reshard resumed.
 
 The bounds are derived as in tests/test_peft_parity.py (`_references`), with one more fact: bitsandbytes'
 dequantized weights are fp32 numbers, so the float64 truth is the same model with those weights in float64.
@@ -33,6 +33,7 @@ from test_peft_parity import _assert_parity, _check, _labels, _peft_outputs, _re
 from test_peft_train import ALPACA, STEPS, _config, _peft_adamw_losses  # noqa: E402
 from test_train import _losses, _run  # noqa: E402
 from tiny_models import reference_attention, save_tiny  # noqa: E402
+from tool_loader import load_tool  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 from bounds import within  # noqa: E402
 
@@ -88,22 +89,33 @@ def test_qlora_and_qdora_match_peft_on_a_4bit_base(tmp_path):
     _assert_parity(results, refs, cases, LAYOUTS)
 
 
-def test_qlora_steps_at_tp2_pp2_match_peft_and_adamw_on_the_4bit_base(tmp_path):
-    """The trainer (`--peft qlora`'s settings) at TP2 x PP2 for 20 steps against transformers' 4-bit model with
-    peft and torch.optim.AdamW in one process, on the same batches."""
-    stories = stories_or_skip()  # its tokenizer, on a base of whole 64-blocks (stories260K's rows are not)
+def _trainer_base(root: Path) -> tuple[Path, Path]:
+    """The tiny LLaMA with stories260K's tokenizer (stories260K's own rows are not whole 64-blocks) and a fresh
+    peft LoRA adapter for it (default init, B = 0); skips where the assets are absent."""
+    stories = stories_or_skip()
     if not ALPACA.is_file():
         pytest.skip(f"{ALPACA} is absent")
-    base = save_tiny("llama3", tmp_path / "base", vocab_size=512, **SHAPE)
+    base = save_tiny("llama3", root / "base", vocab_size=512, **SHAPE)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(stories / name, base / name)
     torch.manual_seed(0)
-    adapter0 = tmp_path / "adapter0"
+    adapter0 = root / "adapter0"
     get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                    LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
                    ).save_pretrained(adapter0)
-    cfg = _config(tmp_path / "tp2pp2", base, adapter0, tp=2, pp=2)
-    cfg = replace(cfg, peft=replace(cfg.peft, quantize="nf4", double_quant=True))
+    return base, adapter0
+
+
+def _qlora(cfg):
+    """A LoRA run's config as `--peft qlora` makes it."""
+    return replace(cfg, peft=replace(cfg.peft, quantize="nf4", double_quant=True))
+
+
+def test_qlora_steps_at_tp2_pp2_match_peft_and_adamw_on_the_4bit_base(tmp_path):
+    """The trainer (`--peft qlora`'s settings) at TP2 x PP2 for 20 steps against transformers' 4-bit model with
+    peft and torch.optim.AdamW in one process, on the same batches."""
+    base, adapter0 = _trainer_base(tmp_path)
+    cfg = _qlora(_config(tmp_path / "tp2pp2", base, adapter0, tp=2, pp=2))
     ref = _peft_adamw_losses(cfg, adapter0, device_map="cpu", quantization_config=_bnb_config())
     spawn(_run, 4, cfg)
     ours = _losses(tmp_path / "tp2pp2")
@@ -129,3 +141,21 @@ def test_qlora_steps_at_tp2_pp2_match_peft_and_adamw_on_the_4bit_base(tmp_path):
     within((full_logits(chunks, make_ps(), ids) - peft_4bit).abs().max(), 1e-4, "qlora export logits max-abs", None)
     card = (out / "adapter" / "README.md").read_text()
     assert "- method: QLoRA (r 4" in card and "stored 4-bit by bitsandbytes (nf4, double quantization on" in card
+
+
+def test_a_qlora_checkpoint_resharded_to_tp1_resumes_on_the_uninterrupted_losses(tmp_path):
+    """TP2 x PP2 -> TP1 (tools/reshard_mp.py) of a QLoRA checkpoint; the resumed run quantizes its base again and
+    continues where the uninterrupted one went."""
+    base, adapter0 = _trainer_base(tmp_path)
+    spawn(_run, 4, _qlora(_config(tmp_path / "a", base, adapter0, tp=2, pp=2, steps=6, save_every=3)))
+    straight = _losses(tmp_path / "a")
+    assert load_tool("reshard_mp").main(["--mp", str(tmp_path / "a" / "checkpoints"), "--iteration", "3", "--out",
+                                         str(tmp_path / "tp1"), "--tp", "1", "--pp", "1"]) == 0
+    spawn(_run, 1, _qlora(_config(tmp_path / "resumed", base, adapter0, steps=6,
+                                  resume=str(tmp_path / "tp1" / "iter_0000003"))))
+    resumed = _losses(tmp_path / "resumed")
+    assert len(resumed) == 3
+    # As tests/test_peft_reshard.py: only the sums' order differs (fp32, ~1e-7 relative per op over 3 steps);
+    # a wrong move (a slice, a moment, the step count, another base) shows at 1e-3 or more.
+    for x, y in zip(resumed, straight[3:]):
+        within(abs(x - y) / abs(y), 1e-5, "qlora resumed loss rel", (resumed, straight))
