@@ -128,3 +128,20 @@ def test_the_planner_counts_a_4bit_base_as_a_rank_holds_it(base, tp, pp):
         assert planned.frozen_weights == held, (pp_rank, planned.frozen_weights, held)
         plain = stage_memory(cfg, PlanLayout(tp, pp, 1, 1), pp_rank, 2, 16, 4, peft=replace(QLORA_PEFT, quantize=None))
         assert planned.frozen_weights < plain.frozen_weights / 2  # fp32 linears at 0.5625 bytes a value
+
+
+@pytest.mark.parametrize("base_4bit", [Base4bit(), None])
+def test_a_4bit_linear_keeps_no_dequantized_weight_for_backward(base, base_4bit):
+    """What autograd keeps for backward holds no weight of a 4-bit linear (it is dequantized again there); the
+    LoRA run on the unquantized base, which does keep its weights, shows the check sees them."""
+    (chunk,) = load_chunks(HFCheckpoint(base), make_ps(world=1), base_4bit=base_4bit)
+    attach(chunk, PeftConfig(method="lora", target_modules=["all-linear"]))
+    shapes = {tuple(m.matmul_weight().shape) for m in chunk.modules()
+              if isinstance(m, ColumnParallelLinear | RowParallelLinear)}
+    shapes |= {s[::-1] for s in shapes}  # the matmul may keep W^T
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(tuple(t.shape)) or t, lambda t: t):
+        ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(0))
+        chunk(ids, labels=ids).sum().backward()
+    held = shapes & set(kept)
+    assert not held if base_4bit is not None else held

@@ -23,7 +23,8 @@ collective.
 The three linears also take an optional `weight_provider`: a module whose `()` gives the weight
 their matmul uses in place of the `weight` parameter (a frozen base stored another way: QLoRA's 4-bit codes,
 `quant/qlora.py`, installed by `checkpoint/load.py`, which then drops the parameter). `matmul_weight()` is that
-weight; the adapter is given it too.
+weight, the adapter is given it too, and the matmul is the provider's `linear(x, weight, bias)` (a 4-bit base's
+does not keep the dequantized weight for backward: it dequantizes again there).
 """
 
 from __future__ import annotations
@@ -46,10 +47,14 @@ from .wgrad import embedding, linear
 
 
 class _ProvidedWeight:
-    """`matmul_weight()`: the `weight_provider`'s weight where the layer has one, else its `weight` parameter."""
+    """`matmul_weight()`: the `weight_provider`'s weight where the layer has one, else its `weight` parameter;
+    `_linear(x, weight, bias)`: the matmul with it (the provider's own, which need not keep `weight` for backward)."""
 
     def matmul_weight(self) -> torch.Tensor:
         return self.weight if self.weight_provider is None else self.weight_provider()
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, weight, bias) if self.weight_provider is None else self.weight_provider.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(_ProvidedWeight, nn.Module):
@@ -80,8 +85,8 @@ class ColumnParallelLinear(_ProvidedWeight, nn.Module):
         x = gather_from_sequence(x, self.ps) if self.ps.sequence_parallel else copy_to_tp(x, self.ps)
         weight = self.matmul_weight()
         if self.adapter is None:
-            return linear(x, weight, self.bias)
-        y = linear(x, weight)
+            return self._linear(x, weight, self.bias)
+        y = self._linear(x, weight)
         y = y + self.adapter(x, y, weight)
         return y if self.bias is None else y + self.bias
 
@@ -109,7 +114,7 @@ class RowParallelLinear(_ProvidedWeight, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.matmul_weight()
-        y = linear(x, weight)
+        y = self._linear(x, weight)
         if self.adapter is not None:  # before the reduction: one collective sums both partial outputs
             y = y + self.adapter(x, y, weight)
         y = reduce_scatter_to_sequence(y, self.ps) if self.ps.sequence_parallel else reduce_from_tp(y, self.ps)
@@ -138,7 +143,7 @@ class ReplicatedLinear(_ProvidedWeight, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.matmul_weight()
-        y = linear(x, weight)
+        y = self._linear(x, weight)
         y = y if self.adapter is None else y + self.adapter(x, y, weight)
         return y if self.bias is None else y + self.bias
 

@@ -9,8 +9,10 @@ and the layer's full-precision parameter is dropped once the codes are in (`chec
 Each forward dequantizes with bitsandbytes' own `dequantize_4bit` and casts to the compute dtype, as
 bitsandbytes' `Linear4bit` does before its matmul (`MatMul4Bit`: dequantize in the stored dtype, then `.to` the
 input's); the rank's dequantized weight is bit for bit its slice of the full weight's, so the TP collectives
-around the matmul are those of the unquantized layer. The dequantized weight is not kept: it is made again in
-the backward pass (autograd saves it for the input gradient, and frees it with the graph).
+around the matmul are those of the unquantized layer. The matmul (`linear`) does not keep the dequantized weight
+for backward, where the input gradient needs it: it keeps the provider and dequantizes again there, as
+bitsandbytes' `MatMul4Bit` does. (`F.linear` would keep every layer's full-precision weight from its forward to
+its backward, i.e. the whole stage's unquantized base per micro-batch in flight.)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .nf4 import Packed4bit, dequantize
@@ -50,3 +53,22 @@ class Frozen4bitWeight(nn.Module):
 
     def forward(self) -> torch.Tensor:
         return dequantize(self.packed()).to(self.dtype)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x weight^T + bias` for `weight` = `self()`, the weight dequantized again in backward (module doc)."""
+        return _Dequantized.apply(x, weight, bias, self)
+
+
+class _Dequantized(torch.autograd.Function):
+    """`y = x W^T + b` with W frozen: backward's `g W` dequantizes W again instead of having kept it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, provider):
+        ctx.provider, ctx.has_bias = provider, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        grad_bias = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_x = g @ ctx.provider() if ctx.needs_input_grad[0] else None
+        return grad_x, None, grad_bias, None
