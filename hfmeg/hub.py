@@ -114,8 +114,13 @@ def _method(peft: Any, from_scratch: bool) -> str:
     name = "DoRA" if peft.method == "dora" else "LoRA"
     extras = ", rsLoRA" if peft.use_rslora else ""
     extras += f", modules saved whole: {', '.join(peft.modules_to_save)}" if peft.modules_to_save else ""
+    frozen = "the base weights frozen"
+    if getattr(peft, "quantize", None):  # QLoRA: the settings of transformers' BitsAndBytesConfig it matches
+        name = "Q" + name
+        frozen += (f", stored 4-bit by bitsandbytes ({peft.quantize}, double quantization "
+                   f"{'on' if peft.double_quant else 'off'}, compute dtype {peft.compute_dtype or 'the run dtype'})")
     return (f"{name} (r {peft.r}, alpha {peft.alpha:g}, dropout {peft.dropout:g}{extras}) on "
-            f"{', '.join(peft.target_modules)}; the base weights frozen")
+            f"{', '.join(peft.target_modules)}; {frozen}")
 
 
 def _layout(layout: dict[str, Any]) -> str:

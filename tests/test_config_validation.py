@@ -75,6 +75,8 @@ def _refused(capsys, argv: list[str], expect: str) -> None:
      "parallel.plan_profile: only parallel.layout auto plans with a profile; drop it or use --layout auto"),
     (["--set", "model.fp8=fp4"], "model.fp8: 'fp4' is not one of ['off', 'tensorwise', 'rowwise', 'rowwise_with_gw_hp']"),
     (["--set", "model.fp8_exclude=layers.0.*"], "model.fp8_exclude: only read with model.fp8 set to a recipe"),
+    (["--set", "model.fp8=tensorwise", "--peft", "qlora"],
+     "model.fp8: tensorwise does not combine with a 4-bit base (peft.quantize: nf4)"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(capsys, argv, expect):
     _refused(capsys, argv, expect)

@@ -65,7 +65,11 @@ TOL = 1e-4  # the bounds of the tests below that do not yet run a float64 refere
 
 def _reference(base, adapter, ids, labels, dtype):
     """peft's logits, loss, adapter gradients (float64 tensors) and the adapter's effect on the logits."""
-    model = peft_reference(base, adapter).to(dtype)
+    return _peft_outputs(peft_reference(base, adapter).to(dtype), ids, labels)
+
+
+def _peft_outputs(model, ids, labels):
+    """`_reference`'s outputs of the PeftModel `model`."""
     logits = model(ids).logits
     per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
     loss = per_token / (labels != -100).sum()
@@ -80,9 +84,10 @@ def _labels(ids):
     return torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
 
 
-def _check(cases, ids, layouts=LAYOUTS):
+def _check(cases, ids, layouts=LAYOUTS, options=None):
     """Every layout's logits (last stage), loss (last stage) and full adapter gradients (each stage's),
-    computed by one copy only: the DP copies of a layout (dp_rank > 0) would repeat copy 0's work exactly."""
+    computed by one copy only: the DP copies of a layout (dp_rank > 0) would repeat copy 0's work exactly.
+    `options` go to `load_chunks` (a 4-bit base: tests/test_qlora_parity.py)."""
     labels = _labels(ids)
     report = []
     for base, adapter in cases:
@@ -93,7 +98,7 @@ def _check(cases, ids, layouts=LAYOUTS):
                 if export:
                     dist.barrier()
                 continue
-            chunks, cfg = hfmeg_chunks(base, adapter, ps)
+            chunks, cfg = hfmeg_chunks(base, adapter, ps, **(options or {}))
             logits = full_logits(chunks, ps, ids)
             mb = [MicroBatch(input_ids=ids, labels=labels)]
             loss = forward_backward(chunks, ps, mb, schedule="1f1b", num_tokens=int((labels != -100).sum()))
@@ -113,12 +118,12 @@ def _check(cases, ids, layouts=LAYOUTS):
     return report
 
 
-def _hfmeg_single(base, adapter, ids, dtype):
+def _hfmeg_single(base, adapter, ids, dtype, options=None):
     """hfmeg's own logits, loss and adapter gradients in one process (TP1 PP1) in `dtype`, as `_reference`
     gives peft's: the float64 run checks the layers' arithmetic itself, the fp32 one measures how far fp32
     rounding takes hfmeg's form of it (e.g. Gated DeltaNet's chunked delta rule) from float64."""
     labels, ps = _labels(ids), make_ps(world=1)
-    chunks, _ = hfmeg_chunks(base, adapter, ps, dtype=dtype)
+    chunks, _ = hfmeg_chunks(base, adapter, ps, dtype=dtype, **(options or {}))
     logits = full_logits(chunks, ps, ids)
     loss = forward_backward(chunks, ps, [MicroBatch(input_ids=ids, labels=labels)], schedule="1f1b",
                             num_tokens=int((labels != -100).sum()))
@@ -132,7 +137,7 @@ def _distances(run, ref64) -> dict[str, float]:
                 grad_rel=max(rel_diff(grads[k].double(), grads64[k]) for k in grads64))
 
 
-def _references(cases, ids) -> dict[str, tuple]:
+def _references(cases, ids, reference=None, options=None) -> dict[str, tuple]:
     """{adapter: (hfmeg's unsharded float64 run, the layouts' bounds, the adapter's effect)}, computed once in
     the test process, after checking that run against peft's in float64.
 
@@ -143,11 +148,14 @@ def _references(cases, ids) -> dict[str, tuple]:
       rounding of the kind, and under the size, the fp32 run has everywhere);
     - each layout (fp32, its sums split over TP and stages in another order) against hfmeg in float64,
       within hfmeg's unsharded fp32 rounding (its own form of the arithmetic, e.g. Gated DeltaNet's chunked
-      delta rule, which rounds differently from transformers')."""
+      delta rule, which rounds differently from transformers').
+    `reference(base, adapter, dtype)`: peft's run in `dtype` (default `_reference`); `options` go to `load_chunks`
+    (a 4-bit base: tests/test_qlora_parity.py)."""
+    reference = reference or (lambda base, adapter, dtype: _reference(base, adapter, ids, _labels(ids), dtype))
     out = {}
     for base, adapter in cases:
-        ref32, ref64 = (_reference(base, adapter, ids, _labels(ids), dtype) for dtype in (torch.float32, torch.float64))
-        ours32, ours64 = (_hfmeg_single(base, adapter, ids, dtype) for dtype in (torch.float32, torch.float64))
+        ref32, ref64 = (reference(base, adapter, dtype) for dtype in (torch.float32, torch.float64))
+        ours32, ours64 = (_hfmeg_single(base, adapter, ids, dtype, options) for dtype in (torch.float32, torch.float64))
         size = dict(logit_diff=ref64[0].abs().max().item(), loss_diff=abs(ref64[1]), grad_rel=1.0)
         assert sorted(ours64[2]) == sorted(ref64[2]), "hfmeg has the adapter gradients peft has"
         peft_rounding, our_rounding = _distances(ref32, ref64), _distances(ours32, ours64)

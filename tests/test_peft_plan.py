@@ -97,6 +97,10 @@ def test_plan_with_peft(capsys):
     lora = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
     assert lora["frozen_weights"] == 2 * full["params"]  # the whole base in bf16, no fp32 copy
     assert lora["optimizer_state"] < full["optimizer_state"] / 50  # 62.6e6 adapter vs 13.0e9 parameters
+    assert main([*args, "--peft", "qlora", "--peft-r", "16", "--peft-targets", "all-linear"]) == 0
+    qlora = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory"]
+    # 13B's linears at 0.5625 bytes a value in place of 2 (embedding, head and norms stay bf16)
+    assert 0.25 * lora["frozen_weights"] < qlora["frozen_weights"] < 0.35 * lora["frozen_weights"]
     assert main([*args, "--peft", "lora", "--peft-r", "0"]) == 2
     assert capsys.readouterr().err.strip() == "hfmeg plan: peft.r: must be an integer >= 1, got 0"
 

@@ -63,10 +63,11 @@ def _config(out: Path, base: Path, adapter: Path, *, tp=1, pp=1, steps=STEPS, sa
     )
 
 
-def _peft_adamw_losses(cfg: TrainConfig, adapter: Path) -> list[float]:
-    """Single process: transformers + peft + torch.optim.AdamW on the trainer's own batches (one DP rank)."""
+def _peft_adamw_losses(cfg: TrainConfig, adapter: Path, **load) -> list[float]:
+    """Single process: transformers + peft + torch.optim.AdamW on the trainer's own batches (one DP rank);
+    `load` goes to `from_pretrained` (a 4-bit base: tests/test_qlora_parity.py)."""
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
-                                                                           attn_implementation="sdpa"),
+                                                                           attn_implementation="sdpa", **load),
                                       adapter, is_trainable=True)
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optim

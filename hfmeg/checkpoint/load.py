@@ -18,8 +18,17 @@ through the conversion rules (`checkpoint.rules`):
   experts by global index, and an expert-parallel rank reads only its own
   (`ModelChunk.experts`).
 
-Chunks are created directly on `ps.device` and then cast to `dtype`: at 7B-layer sizes,
+Chunks are created directly on `ps.device` and cast to `dtype` before they are filled: at 7B-layer sizes,
 initialising billions of parameters on the CPU (only to overwrite them) takes minutes.
+
+`base_4bit` (QLoRA): every TP linear of the decoder layers is stored 4-bit instead, as transformers'
+`BitsAndBytesConfig(load_in_4bit=True)` stores each `nn.Linear` but the LM head. Its HF tensors, read one rule at a
+time, are quantized whole by bitsandbytes and cut for the rank (`rules_4bit.to_local_4bit`); the codes go into a
+`Frozen4bitWeight` provider on the layer (`parallel/layers.py`). The layer's full-precision parameter is dropped
+right after the chunk is built, before the cast and before anything writes it: on the CPU its pages were never
+touched, so a rank's resident memory is its 4-bit base, the other parameters and one rule's HF tensors at a time.
+(On a GPU the allocator did hold it until then: building the chunk on the meta device would avoid that, but RoPE
+computes its frequencies when built.)
 """
 
 from __future__ import annotations
@@ -31,8 +40,11 @@ import torch
 from ..config import VOCAB_MULTIPLE, ModelConfig, load_hf_config
 from ..families import model_config_from_hf
 from ..errors import CheckpointError, LayoutError
+from ..quant.qlora import Base4bit, Frozen4bitWeight
 from ..families.spec import TensorRule
 from ..models.decoder import ModelChunk
+from ..errors import UnsupportedConfigError
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..parallel.layout import ChunkSpec, rank_chunks, split_layers
 from ..parallel.state import ParallelState
 from ..parallel.stored_names import stored_tensors
@@ -41,6 +53,7 @@ from .mp_layout import DTYPES, MPLayout
 from .mp_reader import MPCheckpoint
 from .placement import as_stored, check_placed
 from .rules import chunk_rules, expected_hf_shape, rule_tensors, to_local
+from .rules_4bit import stored_4bit, to_local_4bit
 from .tensor_source import TensorSource
 
 WeightSource = HFCheckpoint | TensorSource | MPCheckpoint
@@ -53,6 +66,7 @@ def load_chunks(
     pp_layers: list[int] | None = None,
     dtype: torch.dtype | None = None,
     vocab_multiple: int = VOCAB_MULTIPLE,
+    base_4bit: Base4bit | None = None,
     **options,
 ) -> list[ModelChunk]:
     """This rank's chunks of `source` for the layout `ps`, on `ps.device` in `dtype`.
@@ -60,9 +74,13 @@ def load_chunks(
     For HF-named sources `pp_layers` (layers per model chunk) and `vocab_multiple` set
     the split and the vocabulary padding, and `dtype` defaults to float32; an MP
     checkpoint brings its own split and padding, and its own dtype (float32 when mixed).
-    `options` go to `ModelChunk` (recompute, ce_chunk_tokens, compile_backend).
+    `options` go to `ModelChunk` (recompute, ce_chunk_tokens, compile_backend). `base_4bit`: the TP linears
+    stored 4-bit (module docstring), from an HF-named source only.
     """
     if isinstance(source, MPCheckpoint):
+        if base_4bit is not None:
+            raise UnsupportedConfigError(f"{source.folder}: a 4-bit base is quantized from HF weights; this is an "
+                                         "hfmeg shard folder")
         layout = source.layout
         check_layout(layout, ps, source.folder)
         cfg, specs, vocab_multiple = source.cfg, layout.rank_chunks(ps.pp_rank), layout.vocab_multiple
@@ -71,7 +89,10 @@ def load_chunks(
         cfg = source_config(source)
         specs = rank_chunks(split_layers(cfg.num_layers, ps.pp, ps.vpp, pp_layers), ps.pp_rank)
         dtype = dtype or torch.float32
-    return [_load_chunk(source, cfg, spec, ps, dtype, vocab_multiple, options) for spec in specs]
+    if base_4bit is not None and (cfg.moe is not None or cfg.mla is not None or cfg.linear_attention is not None):
+        raise UnsupportedConfigError(f"peft.quantize: a 4-bit base is built for dense models with standard "
+                                     f"attention; {cfg.model_type} has experts, latent or linear attention")
+    return [_load_chunk(source, cfg, spec, ps, dtype, vocab_multiple, base_4bit, options) for spec in specs]
 
 
 def load_prefix(source: MPCheckpoint, ps: ParallelState, layers: int) -> ModelChunk:
@@ -112,7 +133,7 @@ def saved_dtype(layout: MPLayout) -> torch.dtype:
 
 
 def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: ParallelState, dtype: torch.dtype,
-                vocab_multiple: int, options: dict) -> ModelChunk:
+                vocab_multiple: int, base_4bit: Base4bit | None, options: dict) -> ModelChunk:
     with torch.device(ps.device):
         chunk = ModelChunk(cfg, ps, spec.layers, pre_process=spec.pre_process, post_process=spec.post_process,
                            vocab_multiple=vocab_multiple, **options)
@@ -121,6 +142,11 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
     unmatched = set(params) ^ {r.local for r in rules}
     if unmatched:
         raise CheckpointError(f"{source.folder}: no conversion rule matches {sorted(unmatched)}")
+    # a 4-bit base: the full-precision weights of its linears are dropped before anything writes them (module doc)
+    quantized = {r.local: layer for r in rules if (layer := _quantized_layer(chunk, r, base_4bit)) is not None}
+    for layer in quantized.values():
+        del layer.weight
+    params = stored_tensors(chunk.to(dtype=dtype))  # the cast gives the parameters new data: views made again
     with torch.no_grad():
         if isinstance(source, MPCheckpoint):
             for rule in rules:
@@ -128,8 +154,25 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
         else:
             _check_shapes(source, rules, cfg)
             for rule, tensors in rule_tensors(source, rules):
-                params[rule.local].copy_(to_local(rule, tensors, cfg, ps.tp, ps.tp_rank, vocab_multiple))
-    return chunk.to(dtype=dtype)
+                if rule.local not in quantized:
+                    params[rule.local].copy_(to_local(rule, tensors, cfg, ps.tp, ps.tp_rank, vocab_multiple))
+                    continue
+                packed = to_local_4bit(rule, tensors, cfg, ps.tp, ps.tp_rank, base_4bit.quant_type,
+                                       base_4bit.double_quant, vocab_multiple)
+                quantized[rule.local].weight_provider = Frozen4bitWeight(packed, dtype).to(ps.device)
+    return chunk
+
+
+def _quantized_layer(chunk: ModelChunk, rule: TensorRule, base_4bit: Base4bit | None):
+    """The TP linear whose weight `rule` fills, where the base stores it 4-bit (`rules_4bit.stored_4bit`); else
+    None."""
+    if base_4bit is None or not stored_4bit(rule, chunk.cfg):
+        return None
+    layer = chunk.get_submodule(rule.local.removesuffix(".weight"))
+    if not isinstance(layer, ColumnParallelLinear | RowParallelLinear):
+        raise UnsupportedConfigError(f"{rule.local}: a 4-bit base is built for the TP column/row-parallel linears; "
+                                     f"this is a {type(layer).__name__}")
+    return layer
 
 
 def _check_shapes(source: HFCheckpoint | TensorSource, rules: list[TensorRule], cfg: ModelConfig) -> None:

@@ -16,7 +16,7 @@ from ..config import VOCAB_MULTIPLE, ModelConfig
 from ..errors import UnsupportedConfigError
 from ..families.spec import TensorRule
 from ..quant.nf4 import Packed4bit, quantize, shard
-from .rules import parts_in_order, split_of
+from .rules import chunk_rules, expected_hf_shape, parts_in_order, split_of
 
 
 def to_local_4bit(rule: TensorRule, hf: list[torch.Tensor], cfg: ModelConfig, tp: int, tp_rank: int,
@@ -31,3 +31,16 @@ def to_local_4bit(rule: TensorRule, hf: list[torch.Tensor], cfg: ModelConfig, tp
                        parts_in_order(rule, [p.absmax for p in packed]), quant_type, packed[0].blocksize,
                        packed[0].dtype)
     return shard(rule.local, whole, split_of(rule, cfg, vocab_multiple), tp, tp_rank)
+
+
+def stored_4bit(rule: TensorRule, cfg: ModelConfig) -> bool:
+    """Whether a 4-bit base stores the weight `rule` makes: a 2-d weight of a decoder layer (its attention and
+    MLP linears; not the norms, the embedding or the LM head, as transformers' `load_in_4bit` leaves them)."""
+    return (rule.local.startswith("layers.") and rule.local.endswith(".weight")
+            and all(len(expected_hf_shape(rule, j, cfg)) == 2 for j in range(len(rule.hf))))
+
+
+def hf_names_4bit(cfg: ModelConfig) -> set[str]:
+    """The HF tensors of a whole model that a 4-bit base stores 4-bit (`stored_4bit`)."""
+    rules = chunk_rules(cfg, range(cfg.num_layers), True, True)
+    return {name for rule in rules if stored_4bit(rule, cfg) for name in rule.hf}

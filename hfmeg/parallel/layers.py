@@ -22,6 +22,13 @@ collective.
 
 Column-, row-parallel and replicated linears run their GEMMs in FP8 where `fp8` is set (`model.fp8`: an
 `Fp8Gemms`, set by `models/fp8.py`, which knows which of the layer's operands are split over TP).
+
+The three linears also take an optional `weight_provider`: a module whose `()` gives the weight
+their matmul uses in place of the `weight` parameter (a frozen base stored another way: QLoRA's 4-bit codes,
+`quant/qlora.py`, installed by `checkpoint/load.py`, which then drops the parameter). `matmul_weight()` is that
+weight, the adapter is given it too, and the matmul is the provider's `linear(x, weight, bias)` (a 4-bit base's
+does not keep the dequantized weight for backward: it dequantizes again there). The two do not combine (a 4-bit
+base with `model.fp8` is refused by the run's checks).
 """
 
 from __future__ import annotations
@@ -47,7 +54,21 @@ if TYPE_CHECKING:  # torchao is imported only by a run that asks for FP8 (`model
     from ..quant.fp8_training import Fp8Gemms
 
 
-class ColumnParallelLinear(nn.Module):
+class _ProvidedWeight:
+    """`matmul_weight()`: the `weight_provider`'s weight where the layer has one, else its `weight` parameter;
+    `_linear(x, weight, bias)`: the matmul with it (in FP8 where `fp8` is set; the provider's own, which need not
+    keep `weight` for backward)."""
+
+    def matmul_weight(self) -> torch.Tensor:
+        return self.weight if self.weight_provider is None else self.weight_provider()
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.weight_provider is None:
+            return linear(x, weight, bias, self.fp8)
+        return self.weight_provider.linear(x, weight, bias)
+
+
+class ColumnParallelLinear(_ProvidedWeight, nn.Module):
     """y = x A^T + b with A split by rows (output features) across TP ranks.
 
     Input: the full activation (`[s, b, in]`, or `[s/tp, b, in]` under SP).
@@ -70,17 +91,19 @@ class ColumnParallelLinear(nn.Module):
             self.bias = None
         self.adapter: nn.Module | None = None  # see the module docstring
         self.fp8: Fp8Gemms | None = None  # see the module docstring
+        self.weight_provider: nn.Module | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sequence(x, self.ps) if self.ps.sequence_parallel else copy_to_tp(x, self.ps)
+        weight = self.matmul_weight()
         if self.adapter is None:
-            return linear(x, self.weight, self.bias, self.fp8)
-        y = linear(x, self.weight, fp8=self.fp8)
-        y = y + self.adapter(x, y, self.weight)
+            return self._linear(x, weight, self.bias)
+        y = self._linear(x, weight)
+        y = y + self.adapter(x, y, weight)
         return y if self.bias is None else y + self.bias
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ProvidedWeight, nn.Module):
     """y = x A^T + b with A split by columns (input features) across TP ranks.
 
     Input: this rank's features `[s, b, in/tp]`. Output: the summed full result,
@@ -100,16 +123,18 @@ class RowParallelLinear(nn.Module):
             self.bias = None
         self.adapter: nn.Module | None = None  # see the module docstring
         self.fp8: Fp8Gemms | None = None  # see the module docstring
+        self.weight_provider: nn.Module | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, fp8=self.fp8)
+        weight = self.matmul_weight()
+        y = self._linear(x, weight)
         if self.adapter is not None:  # before the reduction: one collective sums both partial outputs
-            y = y + self.adapter(x, y, self.weight)
+            y = y + self.adapter(x, y, weight)
         y = reduce_scatter_to_sequence(y, self.ps) if self.ps.sequence_parallel else reduce_from_tp(y, self.ps)
         return y + self.bias if self.bias is not None else y
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(_ProvidedWeight, nn.Module):
     """y = x A^T with A whole on every TP rank and no collective (MoE routers and experts).
 
     The caller declares the weight's role: it depends on what the layer feeds it (a
@@ -128,10 +153,12 @@ class ReplicatedLinear(nn.Module):
             self.bias = None
         self.adapter: nn.Module | None = None  # see the module docstring (the MoE router's LoRA)
         self.fp8: Fp8Gemms | None = None  # see the module docstring
+        self.weight_provider: nn.Module | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, fp8=self.fp8)
-        y = y if self.adapter is None else y + self.adapter(x, y, self.weight)
+        weight = self.matmul_weight()
+        y = self._linear(x, weight)
+        y = y if self.adapter is None else y + self.adapter(x, y, weight)
         return y if self.bias is None else y + self.bias
 
 

@@ -476,7 +476,7 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
         if not targeted & {p.name for p in base.projections}:
             continue
         layer = chunk.get_submodule(base.local)
-        adapter = LoraAdapter(base.projections, targeted, layer.weight.shape[1], base.column, base.groups, cfg,
+        adapter = LoraAdapter(base.projections, targeted, layer.matmul_weight().shape[1], base.column, base.groups, cfg,
                               chunk.ps, base.replicated, base.whole_partial)
         layer.adapter = adapter.to(**place)
     if moe is None or not peft_names.experts:
@@ -576,4 +576,4 @@ def initialise(chunk: ModelChunk, cfg: PeftConfig, seed: int, hf_tensors=None) -
         for base in _bases(chunk):
             layer = chunk.get_submodule(base.local)
             if layer.adapter is not None:
-                layer.adapter.reset_magnitudes(layer.weight)
+                layer.adapter.reset_magnitudes(layer.matmul_weight())

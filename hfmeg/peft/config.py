@@ -21,6 +21,11 @@ section and the exported `adapter_config.json` say the same thing:
   `lm_head`; on MoE models `gate`, the router, and on Qwen2-MoE `shared_expert_gate`, which
   peft's suffix match also takes for `gate`), saved whole in the adapter file as `peft` does.
 - `init_from`: a PEFT adapter folder to start from (its A and B), e.g. one `peft` made.
+- `quantize`: QLoRA: the frozen base's linears stored 4-bit by bitsandbytes, `nf4` or `fp4`
+  (`bnb_4bit_quant_type`; none: the base as loaded), `double_quant` its absmax quantized again
+  (`bnb_4bit_use_double_quant`), `compute_dtype` what the weight is dequantized to for the matmul
+  (`bnb_4bit_compute_dtype`; none: the run's `model.dtype`, the only one built). `--peft qlora` is LoRA with
+  `quantize: nf4` and `double_quant` (`expand_qlora`). See `quant/qlora.py`.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from ..families import FAMILIES
 from ..families.llama import ATTENTION, PROJECTIONS
 from ..families.qwen2_moe import SHARED_GATE
 from ..families.spec import PeftNames
+from ..quant.nf4 import QUANT_TYPES, require_bitsandbytes
+from ..quant.qlora import Base4bit
 
 ALL_LINEAR = "all-linear"
 # Base modules `modules_to_save` can train in full beside the adapters: HF name -> the chunk's parameter.
@@ -50,6 +57,17 @@ MODULES = tuple(dict.fromkeys(m for family in FAMILIES if family.peft for m in f
 # `modules_to_save` names of an MoE layer's replicated parts: the router (`gate`; on Qwen2-MoE peft's suffix match
 # takes `shared_expert_gate` with it) and the shared expert's gate.
 MOE_SAVABLE = ("gate", SHARED_GATE)
+QLORA = "qlora"  # `--peft qlora`: LoRA on an NF4 base with double quantization, as the QLoRA paper trains
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")  # model.dtype's names
+
+
+def expand_qlora(section: dict) -> None:
+    """`peft.method: qlora` (the `--peft qlora` shorthand) in a run's raw `peft` section -> `method: lora`,
+    `quantize: nf4`, `double_quant: true` (fields the section sets itself are kept)."""
+    if section.get("method") == QLORA:
+        section["method"] = "lora"
+        section.setdefault("quantize", "nf4")
+        section.setdefault("double_quant", True)
 
 
 @dataclass
@@ -62,6 +80,9 @@ class PeftConfig:
     use_rslora: bool = False
     modules_to_save: list[str] = field(default_factory=list)
     init_from: str = ""  # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)
+    quantize: Literal["nf4", "fp4"] | None = None  # QLoRA's 4-bit base (module docstring)
+    double_quant: bool = True
+    compute_dtype: Literal["fp32", "bf16", "fp16"] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -71,6 +92,10 @@ class PeftConfig:
     def scale(self) -> float:
         """What B A x is multiplied by (peft's `scaling`)."""
         return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+    def base_4bit(self) -> Base4bit | None:
+        """How the frozen base is stored 4-bit (None: as loaded)."""
+        return None if self.quantize is None else Base4bit(self.quantize, self.double_quant)
 
     def module_targets(self, names: PeftNames) -> tuple[str, ...]:
         """The HF module names adapted with plain LoRA on the TP (or replicated) layers of a family that calls
@@ -99,7 +124,17 @@ class PeftConfig:
     def check(self) -> None:
         """Refuse, naming the field, what cannot be run (the model-dependent checks are in `adapters.attach`)."""
         if not self.enabled:
+            if self.quantize is not None:
+                raise UnsupportedConfigError(f"peft.quantize: {self.quantize} stores a frozen base for adapters; "
+                                             "peft.method is none (use --peft qlora, or method lora/dora)")
             return
+        if self.quantize is not None:
+            if self.quantize not in QUANT_TYPES:
+                raise UnsupportedConfigError(f"peft.quantize: {self.quantize!r} is not one of {QUANT_TYPES}")
+            if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
+                raise UnsupportedConfigError(f"peft.compute_dtype: {self.compute_dtype!r} is not one of "
+                                             f"{COMPUTE_DTYPES}")
+            require_bitsandbytes()
         if not (isinstance(self.r, int) and self.r >= 1):
             raise UnsupportedConfigError(f"peft.r: must be an integer >= 1, got {self.r!r}")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):

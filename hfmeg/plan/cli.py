@@ -23,7 +23,7 @@ from dataclasses import replace
 from ..config import VOCAB_MULTIPLE
 from ..errors import HfmegError, LayoutError
 from ..parallel.grid import check_world
-from ..peft.config import PeftConfig
+from ..peft.config import QLORA, PeftConfig, expand_qlora
 from . import published, scaling
 from .calibrate import calibrate
 from .auto import cpu_cluster
@@ -53,8 +53,9 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--optimizer", choices=("overlapped", "distributed", "ddp"), default="overlapped",
                     help="optimizer mode (default: %(default)s)")
     ap.add_argument("--profile", help="calibration JSON (default: the GPU kind's assumed profile)")
-    ap.add_argument("--peft", choices=("none", "lora", "dora"), default="none",
-                    help="count a LoRA/DoRA run's memory: frozen base, adapters trained (docs/peft.md)")
+    ap.add_argument("--peft", choices=("none", "lora", "dora", QLORA), default="none",
+                    help="count a LoRA/DoRA run's memory: frozen base, adapters trained; qlora: the base's "
+                         "linears 4-bit (NF4) (docs/peft.md)")
     ap.add_argument("--peft-r", type=int, default=8, help="LoRA rank (with --peft)")
     ap.add_argument("--loss-type", choices=("none", "sigmoid", "ipo", "simpo"), default="none",
                     help="a preference run (docs/preference.md): sigmoid and ipo time the reference's forward each "
@@ -104,7 +105,9 @@ def _job(a) -> tuple[Job, list[str]]:
     # A CPU profile: gloo ranks, --gpus-per-node of them to a host, the hosts sharing the machine it measured
     cluster = cpu_cluster(prof, a.gpus, a.gpus_per_node, (a.memory_gb or float("inf")) * GB, **link) if prof.gloo \
         else ClusterSpec(spec, a.gpus, a.gpus_per_node, **link)
-    peft = PeftConfig(method=a.peft, r=a.peft_r, target_modules=a.peft_targets)
+    section = dict(method=a.peft, r=a.peft_r, target_modules=a.peft_targets)
+    expand_qlora(section)
+    peft = PeftConfig(**section)
     peft.check()
     reference = a.loss_type in ("sigmoid", "ipo")
     return Job(resolve_model(a.model), cluster, prof, a.global_batch_size, a.seq_len, DTYPE_BYTES[a.dtype],

@@ -18,7 +18,8 @@
   interleaved warm-up are exact by construction, uneven layer splits included.
 - LoRA/DoRA (`peft`): the meta chunk gets its adapters (`peft.adapters.attach`, which
   freezes the base), so buffers, main grads and optimizer state count the adapters only,
-  and the frozen base is counted apart (`frozen_weights`, model dtype, no fp32 copy).
+  and the frozen base is counted apart (`frozen_weights`, model dtype, no fp32 copy); a 4-bit base's linears
+  (`peft.quantize`, the weights `rules_4bit.stored_4bit` picks) at their codes and absmax (`nf4.stored_bytes`).
   Activations are still full fine-tuning's count (not re-measured with adapters).
 - A preference run's frozen reference copy (full fine-tuning, `reference_copy`): the chunk's
   parameters once more in the model dtype, counted in `frozen_weights`. Its forward runs before the
@@ -38,6 +39,8 @@ from functools import lru_cache
 
 import torch
 
+from ..checkpoint.rules import chunk_rules
+from ..checkpoint.rules_4bit import stored_4bit
 from ..config import ModelConfig
 from ..models.decoder import ModelChunk
 from ..optim.config import OptimizerConfig
@@ -46,6 +49,7 @@ from ..parallel.grid import RankGrid
 from ..parallel.layout import rank_chunks, split_layers
 from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from ..parallel.roles import named_roles
+from ..quant.nf4 import stored_bytes
 from ..parallel.schedules import plan
 from ..peft.adapters import attach
 from ..peft.config import PeftConfig
@@ -95,6 +99,7 @@ class _Elements:
     expert_buckets: int
     tp_summed: int  # owned elements of sequence-parallel-role parameters (summed over TP when TP > 1)
     frozen: int = 0  # elements that do not require grad (a LoRA run's base)
+    four_bit: int = 0  # of which stored 4-bit (a QLoRA run's base linears)
 
     def __add__(self, o: "_Elements") -> "_Elements":
         return _Elements(*(a + b for a, b in zip(asdict(self).values(), asdict(o).values())))
@@ -136,7 +141,11 @@ def _count_chunk(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool, po
             attach(chunk, peft)
     named = [(n, p, r) for n, p, r in named_roles(chunk) if p.requires_grad][::-1]
     frozen = sum(p.numel() for p in chunk.parameters() if not p.requires_grad)
-    total = _Elements(sum(p.numel() for _, p, _ in named), 0, 0, 0, 0, 0, frozen)
+    four_bit = 0
+    if peft is not None and peft.enabled and peft.quantize:
+        params = dict(chunk.named_parameters())
+        four_bit = sum(params[r.local].numel() for r in chunk_rules(cfg, layers, pre, post) if stored_4bit(r, cfg))
+    total = _Elements(sum(p.numel() for _, p, _ in named), 0, 0, 0, 0, 0, frozen, four_bit)
     for part, shards, expert in bucket_parts(named, *_shards(lay)):
         buckets = plan_buckets(part, lay.pp, bucket_size, shards, 0, 0, expert)
         padded = sum(b.size for b in buckets)
@@ -196,7 +205,7 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
     state = 12 * (dense // shards + el.expert_padded // (expert_shards or shards))
     return Memory(pp_rank, el.params, dtype_bytes * el.padded, 4 * el.padded, state, activations, transient,
                   el.buckets, el.expert_padded, el.expert_buckets, el.tp_summed,
-                  dtype_bytes * (el.frozen + reference_copy * el.params))
+                  dtype_bytes * (el.frozen - el.four_bit + reference_copy * el.params) + stored_bytes(el.four_bit))
 
 
 def stage_memories(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,

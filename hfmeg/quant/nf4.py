@@ -31,7 +31,8 @@ from ..errors import UnsupportedConfigError
 QUANT_TYPES = ("nf4", "fp4")
 
 
-def _bnb():
+def require_bitsandbytes():
+    """bitsandbytes.functional, or one line saying what to install."""
     try:
         import bitsandbytes.functional as F
     except ImportError:
@@ -55,6 +56,12 @@ class Packed4bit:
         return self.codes.shape[0], self.codes.shape[1] * 2
 
 
+def stored_bytes(numel: int, blocksize: int = 64) -> int:
+    """Bytes a rank holds for `numel` values of a 4-bit weight (`Packed4bit`): the codes (two a byte) and one
+    float32 absmax a block (double-quantized absmax are held dequantized, module docstring)."""
+    return numel // 2 + numel // blocksize * 4
+
+
 def quantize(name: str, weight: torch.Tensor, quant_type: str = "nf4", double_quant: bool = True,
              blocksize: int = 64) -> Packed4bit:
     """bitsandbytes' 4-bit quantization of the full 2-d `weight` (named `name` in a refusal)."""
@@ -64,7 +71,7 @@ def quantize(name: str, weight: torch.Tensor, quant_type: str = "nf4", double_qu
     if cols % blocksize:
         raise UnsupportedConfigError(f"{name}: rows of {cols} values are not whole {blocksize}-value quantization "
                                      "blocks; a block would span two rows, which no split can cut")
-    F = _bnb()
+    F = require_bitsandbytes()
     codes, state = F.quantize_4bit(weight, blocksize=blocksize, quant_type=quant_type,
                                    compress_statistics=double_quant)
     absmax = state.absmax
@@ -87,7 +94,7 @@ def shard(name: str, packed: Packed4bit, split, parts: int, index: int) -> Packe
 
 def dequantize(packed: Packed4bit) -> torch.Tensor:
     """The weight `packed` holds, by bitsandbytes' own dequantization."""
-    F = _bnb()
+    F = require_bitsandbytes()
     rows, cols = packed.shape
     state = F.QuantState(absmax=packed.absmax.flatten(), shape=torch.Size((rows, cols)),
                          code=F.get_4bit_type(packed.quant_type, device=packed.codes.device),

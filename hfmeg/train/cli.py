@@ -82,7 +82,8 @@ FLAGS = {
     "--num-generations": ("grpo.num_generations", int, "GRPO: completions sampled per prompt (docs/grpo.md)"),
     "--max-completion-length": ("grpo.max_completion_length", int, "GRPO: tokens a completion may have"),
     "--generator": ("grpo.generator", str, "GRPO: the generation engine: transformers (in-process) or vllm (a worker in .venv-vllm: make .venv-vllm)"),
-    "--peft": ("peft.method", str, "none | lora | dora (train adapters on a frozen base; docs/peft.md)"),
+    "--peft": ("peft.method", str, "none | lora | dora | qlora (train adapters on a frozen base; qlora: LoRA on a "
+              "4-bit NF4 base with double quantization; docs/peft.md)"),
     "--peft-r": ("peft.r", int, "LoRA rank"),
     "--seq-len": ("data.seq_len", int, "tokens per packed row"),
     "--micro-batch-size": ("train.micro_batch_size", int, "rows per micro-batch"),

@@ -31,6 +31,7 @@ from ..data.config import PREFERENCE_FORMATS
 from ..errors import LayoutError
 from ..parallel.grid import KEPT_INSIDE_A_HOST, check_world
 from ..parallel.state import ranks_per_host
+from ..peft.config import expand_qlora
 from .config import AUTO_FIELDS, TrainConfig, train_config
 from .dataclass_io import ConfigError, load_yaml, set_dotted
 from .grpo import check_config as check_grpo
@@ -176,6 +177,9 @@ def _fp8(cfg: TrainConfig) -> None:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError(f"model.fp8: {cfg.model.fp8} needs torchao (pip install 'hfmeg[fp8]')")
+    if cfg.peft.quantize is not None:  # the 4-bit base's matmul is bitsandbytes' (parallel/layers.py)
+        raise ConfigError(f"model.fp8: {cfg.model.fp8} does not combine with a 4-bit base (peft.quantize: "
+                          f"{cfg.peft.quantize}); set model.fp8 off or train plain LoRA")
 
 
 def _preference(cfg: TrainConfig) -> None:
@@ -266,6 +270,9 @@ def _peft(cfg: TrainConfig) -> None:
                           "HF base (folder or Hub id), which the exported adapter names as its base")
     if cfg.train.shared_layers_until:
         raise ConfigError("peft.method: train.shared_layers_until is for pretraining; set it to 0 with LoRA")
+    if p.compute_dtype not in (None, cfg.model.dtype):
+        raise ConfigError(f"peft.compute_dtype: {p.compute_dtype} differs from model.dtype {cfg.model.dtype}; the 4-bit "
+                          "base is dequantized to the run's dtype (set model.dtype, or leave compute_dtype out)")
 
 
 def validate(cfg: TrainConfig, world_size: int | None = None, overridden: Collection[str] = ()) -> list[str]:
@@ -349,6 +356,7 @@ def load_config(yaml_path: str | Path | None, overrides: dict[str, Any],
     for key, value in overrides.items():
         if value is not None:
             set_dotted(data, key, value)
+    expand_qlora(data.get("peft") or {})
     cfg = train_config(data)
     if not cfg.model.path and cfg.model.init == "pretrained":
         raise ConfigError("model.path is required (--model)")

@@ -45,7 +45,7 @@ from .reference import Reference
 
 ADAPTER_DIR = "adapter"
 # The peft.* settings that shape or scale the adapters: a resume must keep them (dropout may change).
-RESUME_SETTINGS = ("r", "alpha", "target_modules", "use_rslora", "modules_to_save")
+RESUME_SETTINGS = ("r", "alpha", "target_modules", "use_rslora", "modules_to_save", "quantize", "double_quant")
 
 
 def check_resume_settings(resume: Path, cfg: PeftConfig) -> None:
@@ -88,6 +88,9 @@ class Adapters(ModelPart):
 
     def check_resume(self, resume: Path) -> None:
         check_resume_settings(resume, self.peft)
+
+    def _chunks(self, weights, **layout):
+        return super()._chunks(weights, base_4bit=self.peft.base_4bit(), **layout)
 
     def build(self, resume: Path | None, step: int):
         """The base from `model.path` (a checkpoint holds adapters, not the base), frozen, with its adapters

@@ -1,0 +1,74 @@
+"""QLoRA's frozen base inside a TP linear: the rank's 4-bit codes and absmax, dequantized for each matmul.
+
+A TP column/row-parallel layer obtains the weight for its matmul from its `weight_provider` where it has one
+(`parallel/layers.py`); `Frozen4bitWeight` is that provider for a 4-bit base. It holds the rank's share of
+bitsandbytes' bytes for the full HF weight (`quant/nf4.py`, cut by `checkpoint/rules_4bit.py`) as buffers, not
+parameters: the base is frozen, so the optimizer, the gradient buffers and the checkpoints see only the adapters,
+and the layer's full-precision parameter is dropped once the codes are in (`checkpoint/load.py`).
+
+Each forward dequantizes with bitsandbytes' own `dequantize_4bit` and casts to the compute dtype, as
+bitsandbytes' `Linear4bit` does before its matmul (`MatMul4Bit`: dequantize in the stored dtype, then `.to` the
+input's); the rank's dequantized weight is bit for bit its slice of the full weight's, so the TP collectives
+around the matmul are those of the unquantized layer. The matmul (`linear`) does not keep the dequantized weight
+for backward, where the input gradient needs it: it keeps the provider and dequantizes again there, as
+bitsandbytes' `MatMul4Bit` does. (`F.linear` would keep every layer's full-precision weight from its forward to
+its backward, i.e. the whole stage's unquantized base per micro-batch in flight.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .nf4 import Packed4bit, dequantize
+
+
+@dataclass(frozen=True)
+class Base4bit:
+    """How a frozen base is stored: bitsandbytes' `bnb_4bit_quant_type` and `bnb_4bit_use_double_quant`."""
+
+    quant_type: str = "nf4"
+    double_quant: bool = True
+
+
+class Frozen4bitWeight(nn.Module):
+    """A weight provider: `()` gives the rank's weight, dequantized from its 4-bit codes, in `dtype`."""
+
+    def __init__(self, packed: Packed4bit, dtype: torch.dtype):
+        super().__init__()
+        self.quant_type, self.blocksize, self.stored_dtype, self.dtype = (packed.quant_type, packed.blocksize,
+                                                                          packed.dtype, dtype)
+        # not persistent: a run's checkpoints hold adapters; the base is quantized again from its HF weights.
+        # The float32 absmax are held as their int32 bits, so a cast of the model (`.to(bfloat16)`) moves them
+        # without rounding them as it would a float buffer (it leaves integer tensors as they are).
+        self.register_buffer("codes", packed.codes, persistent=False)
+        self.register_buffer("absmax_bits", packed.absmax.float().view(torch.int32), persistent=False)
+
+    def packed(self) -> Packed4bit:
+        return Packed4bit(self.codes, self.absmax_bits.view(torch.float32), self.quant_type, self.blocksize,
+                          self.stored_dtype)
+
+    def forward(self) -> torch.Tensor:
+        return dequantize(self.packed()).to(self.dtype)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x weight^T + bias` for `weight` = `self()`, the weight dequantized again in backward (module doc)."""
+        return _Dequantized.apply(x, weight, bias, self)
+
+
+class _Dequantized(torch.autograd.Function):
+    """`y = x W^T + b` with W frozen: backward's `g W` dequantizes W again instead of having kept it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, provider):
+        ctx.provider, ctx.has_bias = provider, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        grad_bias = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_x = g @ ctx.provider() if ctx.needs_input_grad[0] else None
+        return grad_x, None, grad_bias, None

@@ -1,0 +1,147 @@
+"""QLoRA's settings (`peft.quantize`, `double_quant`, `compute_dtype`, `--peft qlora`) and what loading a 4-bit
+base gives a rank: its TP linears hold codes and absmax as buffers, no weight parameter (so the optimizer and the
+gradient buffers see the adapters only), each bit-equal to the rank's cut of bitsandbytes' bytes; and a resume
+with other quant settings than the checkpoint's is refused; the planner counts the 4-bit base as a rank holds it."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import make_ps
+from tiny_models import save_tiny
+
+from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.checkpoint.load import load_chunks
+from hfmeg.checkpoint.rules import chunk_rules
+from hfmeg.checkpoint.rules_4bit import to_local_4bit
+from hfmeg.errors import CheckpointError, HfmegError, UnsupportedConfigError
+from hfmeg.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from hfmeg.peft.adapters import attach
+from hfmeg.peft.config import PeftConfig
+from hfmeg.parallel.launch import spawn
+from hfmeg.peft.export import write_info
+from hfmeg.plan.layout import PlanLayout
+from hfmeg.plan.memory import stage_memory
+from hfmeg.quant.nf4 import dequantize
+from hfmeg.quant.qlora import Base4bit, Frozen4bitWeight
+from hfmeg.train.parts.adapters import check_resume_settings
+from hfmeg.train.validate import load_config
+
+RUN = {"model.path": "some/model", "data.sources": [{"path": "x.json"}]}
+SHAPE = dict(hidden_size=128, head_dim=16, intermediate_size=256)  # rows of whole 64-blocks at TP1 and TP2
+
+
+def test_peft_qlora_is_lora_on_an_nf4_base_with_double_quantization(tmp_path):
+    cfg, _ = load_config(None, {**RUN, "peft.method": "qlora", "checkpoint.out": str(tmp_path / "o")}, world_size=1)
+    assert (cfg.peft.method, cfg.peft.quantize, cfg.peft.double_quant) == ("lora", "nf4", True)
+    assert cfg.peft.base_4bit() == Base4bit("nf4", True)
+    plain, _ = load_config(None, {**RUN, "peft.method": "lora", "checkpoint.out": str(tmp_path / "p")}, world_size=1)
+    assert plain.peft.base_4bit() is None
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"peft.method": "none", "peft.quantize": "nf4"}, "peft.quantize"),
+    ({"peft.method": "lora", "peft.quantize": "int8"}, "peft.quantize"),
+    ({"peft.method": "qlora", "peft.compute_dtype": "bf16", "model.dtype": "fp32"}, "peft.compute_dtype")])
+def test_bad_qlora_settings_name_the_field(override, field, tmp_path):
+    with pytest.raises(HfmegError) as e:
+        load_config(None, {**RUN, "checkpoint.out": str(tmp_path / "o"), **override}, world_size=1)
+    assert str(e.value).startswith(field) and "\n" not in str(e.value)
+
+
+def test_without_bitsandbytes_qlora_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
+    with pytest.raises(UnsupportedConfigError, match=r"^peft.quantize needs bitsandbytes: pip install "
+                                                     r"'bitsandbytes>=0\.50'$"):
+        PeftConfig(method="lora", quantize="nf4").check()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    pytest.importorskip("bitsandbytes")
+    return save_tiny("llama3", tmp_path_factory.mktemp("qlora") / "base", **SHAPE)
+
+
+def test_a_loaded_4bit_base_holds_codes_as_buffers_and_adapters_alone_train(base):
+    ps = make_ps(world=1)
+    (chunk,) = load_chunks(HFCheckpoint(base), ps, base_4bit=Base4bit())
+    source = HFCheckpoint(base)
+    linears = {name: m for name, m in chunk.named_modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)}
+    assert len(linears) == 2 * 4  # qkv, out, fc1, fc2 of both layers
+    rules = {r.local: r for r in chunk_rules(chunk.cfg, [0, 1], True, True)}
+    chunk.to(torch.bfloat16)  # a cast of the model moves the absmax as their bits, unrounded
+    for name, layer in linears.items():
+        assert isinstance(layer.weight_provider, Frozen4bitWeight) and "weight" not in dict(layer.named_parameters())
+        rule = rules[name + ".weight"]
+        want = dequantize(to_local_4bit(rule, [source.get(n) for n in rule.hf], chunk.cfg, 1, 0))
+        assert torch.equal(layer.matmul_weight(), want), name
+        assert layer.weight_provider.codes.dtype == torch.uint8
+    chunk.to(torch.float32)
+    names = {n for n, _ in chunk.named_parameters()}
+    assert not {n + ".weight" for n in linears} & names
+    attach(chunk, PeftConfig(method="dora", target_modules=["all-linear"]))
+    trainable = [n for n, p in chunk.named_parameters() if p.requires_grad]
+    assert trainable and all(".adapter." in n for n in trainable)
+
+
+def test_a_4bit_base_is_refused_on_an_expert_model(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    moe = save_tiny("mixtral", tmp_path / "mixtral")
+    with pytest.raises(UnsupportedConfigError, match=r"^peft.quantize: a 4-bit base is built for dense models"):
+        load_chunks(HFCheckpoint(moe), make_ps(world=1), base_4bit=Base4bit())
+
+
+@pytest.mark.parametrize("saved, now, field", [
+    (dict(), dict(quantize="nf4"), "peft.quantize"), (dict(quantize="nf4"), dict(quantize="fp4"), "peft.quantize"),
+    (dict(quantize="nf4"), dict(quantize="nf4", double_quant=False), "peft.double_quant")])
+def test_a_resume_with_other_quant_settings_is_refused_naming_the_field(saved, now, field, tmp_path):
+    write_info(tmp_path, PeftConfig(method="lora", **saved), {"path": "base", "sha256": "0" * 64})
+    with pytest.raises(CheckpointError, match=f"^{field}: "):
+        check_resume_settings(tmp_path, PeftConfig(method="lora", **now))
+    check_resume_settings(tmp_path, PeftConfig(method="lora", **saved))
+
+
+QLORA_PEFT = PeftConfig(method="lora", r=4, target_modules=["all-linear"], quantize="nf4")
+
+
+def _held(folder: str, tp: int, pp: int):
+    """(pp rank, bytes of this rank's frozen parameters and buffers) of a QLoRA run's chunks."""
+    ps = make_ps(tp=tp, pp=pp)
+    chunks = load_chunks(HFCheckpoint(folder), ps, base_4bit=QLORA_PEFT.base_4bit())
+    for chunk in chunks:
+        attach(chunk, QLORA_PEFT)
+    return ps.pp_rank, sum(t.numel() * t.element_size() for c in chunks for t in [*c.buffers(), *c.parameters()]
+                           if not t.requires_grad)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 2)])
+def test_the_planner_counts_a_4bit_base_as_a_rank_holds_it(base, tp, pp):
+    """The planner's frozen bytes of a QLoRA run are each loaded rank's exactly: its full-precision parameters
+    (norms, embedding, head) and its 4-bit codes and absmax."""
+    cfg = load_chunks(HFCheckpoint(base), make_ps())[0].cfg
+    for pp_rank, held in spawn(_held, tp * pp, str(base), tp, pp):
+        planned = stage_memory(cfg, PlanLayout(tp, pp, 1, 1), pp_rank, 2, 16, 4, peft=QLORA_PEFT)
+        assert planned.frozen_weights == held, (pp_rank, planned.frozen_weights, held)
+        plain = stage_memory(cfg, PlanLayout(tp, pp, 1, 1), pp_rank, 2, 16, 4, peft=replace(QLORA_PEFT, quantize=None))
+        assert planned.frozen_weights < plain.frozen_weights / 2  # fp32 linears at 0.5625 bytes a value
+
+
+@pytest.mark.parametrize("base_4bit", [Base4bit(), None])
+def test_a_4bit_linear_keeps_no_dequantized_weight_for_backward(base, base_4bit):
+    """What autograd keeps for backward holds no weight of a 4-bit linear (it is dequantized again there); the
+    LoRA run on the unquantized base, which does keep its weights, shows the check sees them."""
+    (chunk,) = load_chunks(HFCheckpoint(base), make_ps(world=1), base_4bit=base_4bit)
+    attach(chunk, PeftConfig(method="lora", target_modules=["all-linear"]))
+    shapes = {tuple(m.matmul_weight().shape) for m in chunk.modules()
+              if isinstance(m, ColumnParallelLinear | RowParallelLinear)}
+    shapes |= {s[::-1] for s in shapes}  # the matmul may keep W^T
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(tuple(t.shape)) or t, lambda t: t):
+        ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(0))
+        chunk(ids, labels=ids).sum().backward()
+    held = shapes & set(kept)
+    assert not held if base_4bit is not None else held
