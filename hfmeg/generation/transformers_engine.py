@@ -53,28 +53,24 @@ class TransformersEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-        # One prompt's completions at a time: a batch of equal-length rows needs no padding and no attention mask,
-        # so each completion's numbers are those of a batch of one.
-        out: list[Completion | None] = [None] * len(prompts)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, p in enumerate(prompts):
-            groups.setdefault(tuple(p), []).append(i)
-        for prompt, rows in groups.items():
-            for i, c in zip(rows, self._sample(list(prompt), params, [seeds[i] for i in rows])):
-                out[i] = c
-        return out
-
-    def _sample(self, prompt: list[int], params: SamplingParams, seeds: list[int]) -> list[Completion]:
-        n = len(seeds)
+        # Every completion in one batch, prompts left-padded (as transformers' `generate` batches them): one forward
+        # a token for the whole step, where a forward per prompt group cost the step one forward per group and token.
+        # Padded keys are masked and each row's positions count its own tokens only, so a row's numbers differ
+        # from its batch of one by the matmuls' rounding alone; the same batch gives the same completions on every
+        # layout and on resume (the engine runs on one rank, and each row draws from its own seeded generator).
+        n, width = len(prompts), max(len(p) for p in prompts)
         gens = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
-        ids = torch.tensor([prompt] * n, device=self.device)
-        cache, step_ids = None, ids
+        step_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = None
         tokens = torch.empty(n, 0, dtype=torch.long, device=self.device)
         logps = torch.empty(n, 0, device=self.device)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         eos = self.eos.to(self.device)
         for _ in range(params.max_new_tokens):
-            res = self.model(input_ids=step_ids, cache=cache, use_cache=True)
+            res = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                             use_cache=True)
             cache = res.cache
             logits = res.logits[:, -1].float()
             scaled = logits / params.temperature if params.temperature else logits
@@ -89,11 +85,12 @@ class TransformersEngine:
             done |= torch.isin(nxt, eos)
             if done.all():
                 break
-            step_ids = nxt[:, None]
-        out = []
-        for r in range(n):
+            step_ids, positions = nxt[:, None], positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        out, eos_ids = [], set(self.eos.tolist())
+        for r, prompt in enumerate(prompts):
             row = tokens[r].tolist()
-            ends = [k for k, t in enumerate(row) if t in self.eos.tolist()]
+            ends = [k for k, t in enumerate(row) if t in eos_ids]
             length = ends[0] + 1 if ends else len(row)
-            out.append(Completion(prompt, row[:length], logps[r, :length].tolist(), truncated=not ends))
+            out.append(Completion(list(prompt), row[:length], logps[r, :length].tolist(), truncated=not ends))
         return out
