@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..data.rollouts import Completion
+from ..errors import EngineError
 from .engine import SamplingParams
 
 
@@ -42,9 +43,27 @@ class TransformersEngine:
         self.load(folder)
 
     def load(self, folder: Path) -> None:
+        """The weights of `folder`: the first time the model built from it, then its tensors copied into that model.
+
+        A push changes the weights, never the architecture, so a reload copies the safetensors in place: building
+        the model again (`from_pretrained`) cost more than a step's sampling. Every parameter must come from
+        `folder`, or share its storage with one that does (tied embeddings)."""
+        from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device).eval()
+        if self.model is None:
+            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device).eval()
+            return
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            state.update(load_file(f, device=str(self.device)))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        loaded = {p.data_ptr() for n, p in self.model.named_parameters(remove_duplicate=False) if n in state}
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        absent = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
+        if unexpected or absent:
+            raise EngineError(f"{folder}: weights do not fit the engine's model (absent {absent[:3]}, "
+                             f"unexpected {unexpected[:3]})")
 
     def close(self) -> None:
         self.model = None
