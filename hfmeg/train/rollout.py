@@ -199,7 +199,13 @@ class Rollouts:
         share = len(completions) // ps.dp
         lo = ps.dp_rank * share
         mine = slice(lo, lo + share)
-        mbs = pack_completions(completions[mine], advantages[mine], 1, self.cfg.data.seq_len,
+        # Rows as long as the step's longest prompt + completion (rounded up so that CP's 2 x CP chunks and sequence
+        # parallelism cut them), not data.seq_len: with one completion a row, the padding after it was most of the
+        # training forward's tokens. Every rank sees the whole batch, so every micro-batch of a step has one shape.
+        align = 2 * ps.cp * ps.tp
+        longest = max(len(c.prompt_ids) + len(c.completion_ids) for c in completions)
+        seq_len = min(self.cfg.data.seq_len, -(-longest // align) * align)
+        mbs = pack_completions(completions[mine], advantages[mine], 1, seq_len,
                                self.tok.eos_token_id, rows=t.micro_batch_size,
                                masked=masked[mine] if masked else None)
         mbs = [mb.shard(ps.cp_rank, ps.cp) for mb in mbs]
