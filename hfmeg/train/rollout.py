@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -82,6 +83,10 @@ class Rollouts:
         # named after the run's out, so a resume of a killed run reuses (and at its end removes) the killed one's
         run = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
         self.export_dir = (SHM / f"hfmeg-rollout-{run}" if SHM.is_dir() else out / WEIGHTS_DIR / "export")
+        # the shards every rank writes for the export: there too when every rank runs on this host (on several
+        # hosts rank 0 reads them from the run's shared out); fsync'd writes to a shared disk cost more than a step
+        one_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == ps.world_size
+        self.mp_dir = self.export_dir / "mp" if SHM.is_dir() and one_host else out / WEIGHTS_DIR / "mp"
         self.held: RolloutBatch | None = None
         self.uses = 0
         self.step = 0
@@ -140,16 +145,15 @@ class Rollouts:
 
     def _push_weights(self) -> Path | None:
         """Collective: the current weights as an HF folder (rank 0's path; None elsewhere)."""
-        root = self.out / WEIGHTS_DIR
         chunks = self.chunks()
         layout = chunks_layout(chunks, self.ps, self.step, pp_layers=self.cfg.parallel.pp_layers)
-        with staged_save(layout, self.ps, root / "mp", self.hf_source) as folder:
+        with staged_save(layout, self.ps, self.mp_dir, self.hf_source) as folder:
             self.part.write_model(chunks, self.ps, layout, folder)
         iteration, self.step = self.step, self.step + 1
         if self.ps.rank != 0:
             return None
-        hf, _ = self.part.export(root / "mp" / iteration_dir_name(iteration), self.export_dir)
-        shutil.rmtree(root / "mp" / iteration_dir_name(iteration), ignore_errors=True)
+        hf, _ = self.part.export(self.mp_dir / iteration_dir_name(iteration), self.export_dir)
+        shutil.rmtree(self.mp_dir / iteration_dir_name(iteration), ignore_errors=True)
         return hf
 
     def _generate(self, hf: Path, pushed: float):
