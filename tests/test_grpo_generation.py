@@ -18,6 +18,7 @@ from helpers import make_ps, stories_or_skip
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.data.rollouts import pack_completions
+from hfmeg.errors import EngineError
 from hfmeg.generation.engine import SamplingParams
 from hfmeg.generation.transformers_engine import TransformersEngine
 from hfmeg.parallel.launch import spawn
@@ -66,6 +67,15 @@ def test_greedy_equals_generate_and_load_takes_effect(tmp_path):
     assert [c.completion_ids for c in after] != [c.completion_ids for c in before]
     for c, p in zip(after, prompts):
         assert c.completion_ids == _hf_greedy(tmp_path / "moved", p, 12)[:len(c.completion_ids)]
+
+    # a reload copies tensors into the built model: a folder whose weights do not fit it is refused by name
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tmp_path / "moved" / "model.safetensors")
+    state["model.extra.weight"] = state.pop(next(k for k in state if k.endswith("q_proj.weight")))
+    save_file(state, tmp_path / "moved" / "model.safetensors")
+    with pytest.raises(EngineError, match="model.extra.weight"):
+        engine.load(tmp_path / "moved")
 
 
 def test_sampling_is_seeded_per_completion():

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..data.rollouts import Completion
+from ..errors import EngineError
 from .engine import SamplingParams
 
 
@@ -42,9 +43,27 @@ class TransformersEngine:
         self.load(folder)
 
     def load(self, folder: Path) -> None:
+        """The weights of `folder`: the first time the model built from it, then its tensors copied into that model.
+
+        A push changes the weights, never the architecture, so a reload copies the safetensors in place: building
+        the model again (`from_pretrained`) cost more than a step's sampling. Every parameter must come from
+        `folder`, or share its storage with one that does (tied embeddings)."""
+        from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device).eval()
+        if self.model is None:
+            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device).eval()
+            return
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(folder).glob("*.safetensors")):
+            state.update(load_file(f, device=str(self.device)))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        loaded = {p.data_ptr() for n, p in self.model.named_parameters(remove_duplicate=False) if n in state}
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        absent = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
+        if unexpected or absent:
+            raise EngineError(f"{folder}: weights do not fit the engine's model (absent {absent[:3]}, "
+                             f"unexpected {unexpected[:3]})")
 
     def close(self) -> None:
         self.model = None
@@ -53,28 +72,24 @@ class TransformersEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-        # One prompt's completions at a time: a batch of equal-length rows needs no padding and no attention mask,
-        # so each completion's numbers are those of a batch of one.
-        out: list[Completion | None] = [None] * len(prompts)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, p in enumerate(prompts):
-            groups.setdefault(tuple(p), []).append(i)
-        for prompt, rows in groups.items():
-            for i, c in zip(rows, self._sample(list(prompt), params, [seeds[i] for i in rows])):
-                out[i] = c
-        return out
-
-    def _sample(self, prompt: list[int], params: SamplingParams, seeds: list[int]) -> list[Completion]:
-        n = len(seeds)
+        # Every completion in one batch, prompts left-padded (as transformers' `generate` batches them): one forward
+        # a token for the whole step, where a forward per prompt group cost the step one forward per group and token.
+        # Padded keys are masked and each row's positions count its own tokens only, so a row's numbers differ
+        # from its batch of one by the matmuls' rounding alone; the same batch gives the same completions on every
+        # layout and on resume (the engine runs on one rank, and each row draws from its own seeded generator).
+        n, width = len(prompts), max(len(p) for p in prompts)
         gens = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
-        ids = torch.tensor([prompt] * n, device=self.device)
-        cache, step_ids = None, ids
+        step_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = None
         tokens = torch.empty(n, 0, dtype=torch.long, device=self.device)
         logps = torch.empty(n, 0, device=self.device)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         eos = self.eos.to(self.device)
         for _ in range(params.max_new_tokens):
-            res = self.model(input_ids=step_ids, cache=cache, use_cache=True)
+            res = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                             use_cache=True)
             cache = res.cache
             logits = res.logits[:, -1].float()
             scaled = logits / params.temperature if params.temperature else logits
@@ -89,11 +104,12 @@ class TransformersEngine:
             done |= torch.isin(nxt, eos)
             if done.all():
                 break
-            step_ids = nxt[:, None]
-        out = []
-        for r in range(n):
+            step_ids, positions = nxt[:, None], positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        out, eos_ids = [], set(self.eos.tolist())
+        for r, prompt in enumerate(prompts):
             row = tokens[r].tolist()
-            ends = [k for k, t in enumerate(row) if t in self.eos.tolist()]
+            ends = [k for k, t in enumerate(row) if t in eos_ids]
             length = ends[0] + 1 if ends else len(row)
-            out.append(Completion(prompt, row[:length], logps[r, :length].tolist(), truncated=not ends))
+            out.append(Completion(list(prompt), row[:length], logps[r, :length].tolist(), truncated=not ends))
         return out

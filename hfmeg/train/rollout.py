@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -82,6 +83,10 @@ class Rollouts:
         # named after the run's out, so a resume of a killed run reuses (and at its end removes) the killed one's
         run = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
         self.export_dir = (SHM / f"hfmeg-rollout-{run}" if SHM.is_dir() else out / WEIGHTS_DIR / "export")
+        # the shards every rank writes for the export: there too when every rank runs on this host (on several
+        # hosts rank 0 reads them from the run's shared out); fsync'd writes to a shared disk cost more than a step
+        one_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == ps.world_size
+        self.mp_dir = self.export_dir / "mp" if SHM.is_dir() and one_host else out / WEIGHTS_DIR / "mp"
         self.held: RolloutBatch | None = None
         self.uses = 0
         self.step = 0
@@ -140,16 +145,15 @@ class Rollouts:
 
     def _push_weights(self) -> Path | None:
         """Collective: the current weights as an HF folder (rank 0's path; None elsewhere)."""
-        root = self.out / WEIGHTS_DIR
         chunks = self.chunks()
         layout = chunks_layout(chunks, self.ps, self.step, pp_layers=self.cfg.parallel.pp_layers)
-        with staged_save(layout, self.ps, root / "mp", self.hf_source) as folder:
+        with staged_save(layout, self.ps, self.mp_dir, self.hf_source) as folder:
             self.part.write_model(chunks, self.ps, layout, folder)
         iteration, self.step = self.step, self.step + 1
         if self.ps.rank != 0:
             return None
-        hf, _ = self.part.export(root / "mp" / iteration_dir_name(iteration), self.export_dir)
-        shutil.rmtree(root / "mp" / iteration_dir_name(iteration), ignore_errors=True)
+        hf, _ = self.part.export(self.mp_dir / iteration_dir_name(iteration), self.export_dir)
+        shutil.rmtree(self.mp_dir / iteration_dir_name(iteration), ignore_errors=True)
         return hf
 
     def _generate(self, hf: Path, pushed: float):
@@ -199,7 +203,13 @@ class Rollouts:
         share = len(completions) // ps.dp
         lo = ps.dp_rank * share
         mine = slice(lo, lo + share)
-        mbs = pack_completions(completions[mine], advantages[mine], 1, self.cfg.data.seq_len,
+        # Rows as long as the step's longest prompt + completion (rounded up so that CP's 2 x CP chunks and sequence
+        # parallelism cut them), not data.seq_len: with one completion a row, the padding after it was most of the
+        # training forward's tokens. Every rank sees the whole batch, so every micro-batch of a step has one shape.
+        align = 2 * ps.cp * ps.tp
+        longest = max(len(c.prompt_ids) + len(c.completion_ids) for c in completions)
+        seq_len = min(self.cfg.data.seq_len, -(-longest // align) * align)
+        mbs = pack_completions(completions[mine], advantages[mine], 1, seq_len,
                                self.tok.eos_token_id, rows=t.micro_batch_size,
                                masked=masked[mine] if masked else None)
         mbs = [mb.shard(ps.cp_rank, ps.cp) for mb in mbs]
