@@ -71,6 +71,10 @@ def run_hfmeg(args, data: Path, out: Path) -> dict:
 
 def run_trl(args, data: Path, out: Path) -> dict:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    # The rank's one thread (`launch.spawn`), as hfmeg's side has: without OMP_NUM_THREADS accelerate's state sets
+    # the physical cores here, which is unfair to hfmeg and, in a rank forked from a process that used OpenMP
+    # threads (a test session), hangs the first parallel region (GNU OpenMP's pool does not survive fork).
+    os.environ["OMP_NUM_THREADS"] = "1"
     sys.path.insert(0, str(ROOT / "recipes"))
     import torch
     from datasets import load_dataset
