@@ -111,31 +111,31 @@ class _MLflow:
         self.mlflow.end_run()
 
 
-class _Trackio:
+class _Run:
+    """A tracker whose `init` gives a run object with `log(values, step=)` and `finish()` (trackio, wandb)."""
+
+    run: Any
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _Trackio(_Run):
     def __init__(self, out: Path, run_name: str, config: dict[str, Any]):
         import trackio
 
         self.run = trackio.init(project=PROJECT, name=run_name, config=config)
 
-    def log(self, values: dict[str, float], step: int) -> None:
-        self.run.log(values, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
-
-
-class _WandB:
+class _WandB(_Run):
     def __init__(self, out: Path, run_name: str, config: dict[str, Any]):
         import wandb
 
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name, dir=str(out),
                               config=config)
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        self.run.log(values, step=step)
-
-    def close(self) -> None:
-        self.run.finish()
 
 
 OPENERS = {"tensorboard": _TensorBoard, "mlflow": _MLflow, "trackio": _Trackio, "wandb": _WandB}
