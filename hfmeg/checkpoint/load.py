@@ -103,7 +103,7 @@ def load_prefix(source: MPCheckpoint, ps: ParallelState, layers: int) -> ModelCh
                           f"not TP={ps.tp} PP={ps.pp}")
     held = range(min(layers, source.cfg.num_layers))
     spec = ChunkSpec(index=0, pp_rank=0, virtual=0, layers=held, pre_process=True, post_process=True)
-    return _load_chunk(source, source.cfg, spec, ps, torch.float32, source.layout.vocab_multiple, {})
+    return _load_chunk(source, source.cfg, spec, ps, torch.float32, source.layout.vocab_multiple, None, {})
 
 
 def source_config(source: HFCheckpoint | TensorSource) -> ModelConfig:
