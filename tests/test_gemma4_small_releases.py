@@ -44,11 +44,10 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.plan.flops import layer_matmul_params
 from hfmeg.peft.adapter_files import WEIGHTS_FILE
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # release: (LoRA targets, LoRA layouts (tp, pp, ep), pipeline split). The E2B's split keeps layers 3-9 (its
 # producers 3 and 4 and their readers 5-9) on one stage; the E4B's layers 5-11 (producers 5, 6; readers 7-11).
-# The E2B's LoRA leaves its MLPs out: the wide MLPs of its reusing layers are not sized by hfmeg's adapters yet.
-CASES = {"gemma-4-E2B": (ATTENTION, [(1, 2, 1)], [3, 7]),
+# Every projection, the E2B's double-wide MLPs included (their adapters take the layer rule's shapes).
+CASES = {"gemma-4-E2B": (list(PROJECTIONS), [(1, 2, 1)], [3, 7]),
          "gemma-4-E4B": (list(PROJECTIONS), [(2, 2, 1)], [5, 7])}
 
 
