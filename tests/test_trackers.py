@@ -11,6 +11,7 @@ is compared with the float32 rounding of each value.
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import numpy as np
 import pytest
@@ -34,7 +35,15 @@ def _series(rows: list[dict], key: str) -> list[tuple[int, float]]:
 def test_tensorboard_mlflow_and_trackio_hold_the_runs_losses_and_config(tmp_path, monkeypatch):
     model = _assets()
     trackio_dir = tmp_path / "trackio"
-    monkeypatch.setenv("TRACKIO_DIR", str(trackio_dir))  # read when trackio is imported: in the ranks, then here
+    # trackio reads TRACKIO_DIR once, at its import, and its modules bind the path by name: an earlier test of the
+    # session may have imported it already. So it is imported here, before the ranks fork, and each binding is set
+    # (the environment too, for ranks started by spawn rather than fork).
+    monkeypatch.setenv("TRACKIO_DIR", str(trackio_dir))
+    import trackio  # noqa: F401
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("trackio") and hasattr(module, "TRACKIO_DIR"):
+            monkeypatch.setattr(module, "TRACKIO_DIR", trackio_dir)
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
         monkeypatch.delenv(name, raising=False)
     out = tmp_path / "tracked"
