@@ -6,16 +6,18 @@ a projection of the token embedding, and each layer's gate, projection and norm)
 attend with the keys and values of the last earlier layer of their type); the E2B's reusing layers have double-wide
 MLPs and its one KV head is replicated over TP.
 - the configs read as transformers reads them: which layer reuses whose keys, which MLPs are wide, every parameter
-  counted; a pipeline split that puts a reusing layer on another stage than its producer refused, naming the field,
-  before anything is written;
+  counted;
 - one 4-rank world per release: logits equal to transformers' within the contract's bound and greedy generation
   equal, LoRA (peft's projection names) logits and loss equal to peft's and its adapter gradients as close to peft's
   float64 ones as peft's own fp32 ones are (2x), the peft adapter imported onto shards and exported back bit for
   bit, HF -> shards -> HF bit-exact: both at TP2 x PP2 (the E2B's one KV head replicated, its `k_proj`/`v_proj`
-  adapters' B rows with it: tests/test_kv_replication_lora.py);
-- CP2 x TP2 (SP) and CP2 x PP2 against one process, every gradient (tests/test_cp_parity.py's check): the
-  producers' keys and values are reused gathered, the per-layer inputs' gradients flow back between stages;
-- 3 trainer steps with LoRA at TP2 x PP2.
+  adapters' B rows with it: tests/test_kv_replication_lora.py; the E4B split evenly, a reader on the second stage
+  of a producer on the first);
+- CP2 x TP2 (SP), CP2 x PP2 and, split evenly (readers on the stage after their producers), CP2 x PP2 and TP2 x PP2
+  (SP) against one process, every gradient (tests/test_cp_parity.py's check): the producers' keys and values are
+  reused gathered, and sent with the activations to a later stage; the per-layer inputs' gradients, and the shared
+  keys' and values', flow back between stages;
+- 3 trainer steps with LoRA at TP2 x PP2 (the E4B split evenly).
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from test_gemma4_releases import (_parity, check_parity_rows, float64_reference,
 from transformers import AutoModelForCausalLM
 
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
-from hfmeg.errors import UnsupportedConfigError
 from hfmeg.families import model_config_from_hf
 from hfmeg.families.llama import PROJECTIONS
 from hfmeg.parallel.launch import spawn
@@ -40,13 +41,14 @@ from hfmeg.plan.flops import layer_matmul_params
 from hfmeg.peft.adapter_files import WEIGHTS_FILE
 
 # release: (LoRA targets, LoRA layouts (tp, pp, ep), pipeline split). The E2B's split keeps layers 3-9 (its
-# producers 3 and 4 and their readers 5-9) on one stage; the E4B's layers 5-11 (producers 5, 6; readers 7-11).
+# producers 3 and 4 and their readers 5-9) on one stage; the E4B's is even (0-5 | 6-11: layer 11 on the second stage
+# reads the keys and values of layer 5 on the first, sent with the activations, `models/shared_kv.py`).
 # Every projection, the E2B's double-wide MLPs included (their adapters take the layer rule's shapes).
 CASES = {"gemma-4-E2B": (list(PROJECTIONS), [(2, 2, 1)], [3, 7]),
-         "gemma-4-E4B": (list(PROJECTIONS), [(2, 2, 1)], [5, 7])}
+         "gemma-4-E4B": (list(PROJECTIONS), [(2, 2, 1)], None)}
 
 
-def test_release_configs_are_read(tmp_path):
+def test_release_configs_are_read():
     e2b = model_config_from_hf(release_config("gemma-4-E2B"))
     assert e2b.kv_source == (0, 1, 2, 3, 4, 3, 3, 3, 3, 4)  # sliding readers take layer 3's, the full one 4's
     assert e2b.wide_mlp_layers == (5, 6, 7, 8, 9) and e2b.ffn_size_of(5) == 128 and e2b.ffn_size_of(4) == 64
@@ -65,10 +67,6 @@ def test_release_configs_are_read(tmp_path):
         held = sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers()
                                                                   if n.endswith("layer_scalar"))
         assert model_config_from_hf(release_config(name)).num_params() == held, name
-    base = save_release("gemma-4-E4B", tmp_path / "base")
-    with pytest.raises(UnsupportedConfigError, match="num_kv_shared_layers: layer 11 attends with layer 5's"):
-        hf_to_mp(base, tmp_path / "mp", tp=2, pp=2)  # the even split: 0-5 | 6-11
-    assert not (tmp_path / "mp").exists()
 
 
 @pytest.mark.parametrize("release", CASES)
@@ -92,14 +90,18 @@ def test_release_parity_lora_and_round_trip(release, tmp_path):
     check_parity_rows(rows, layouts, peft_names, peft_err)  # peft_err: the worse of eager's and SDPA's
 
 
-def test_releases_under_context_parallelism(tmp_path):
-    """Both releases at CP2 x TP2 (SP, full recompute) and CP2 x PP2 (3 layers on the first stage: the producers
-    and their readers on the second) on packed and plain rows of 32: logits, loss and every gradient (the per-layer
-    table's and projection's, through the inputs carried between stages, included) equal one process's
-    (tests/test_cp_parity.py's check)."""
+def test_releases_under_context_parallelism_and_kv_shared_across_stages(tmp_path):
+    """Both releases on packed and plain rows of 32 at CP2 x TP2 (SP, full recompute), CP2 x PP2 with 3 layers on the
+    first stage (the producers and their readers on the second), and split evenly (the E2B's 0-4 | 5-9, the E4B's
+    0-5 | 6-11: producers on the first stage, readers of theirs on the second, the keys and values sent with the
+    activations, `models/shared_kv.py`) at CP2 x PP2 and at TP2 x PP2 (SP, full recompute; the E2B's KV head
+    replicated): logits, loss and every gradient (the per-layer table's and projection's, and the producers' k/v
+    projections' through the readers' use on the next stage, included) equal one process's (tests/test_cp_parity.py's
+    check)."""
     from test_cp_parity import Layout, _check, _run_layouts
 
-    layouts = [Layout(2, 2, sp=True, recompute="full"), Layout(1, 2, 2, pp_first=3)]
+    layouts = [Layout(2, 2, sp=True, recompute="full"), Layout(1, 2, 2, pp_first=3),
+               Layout(1, 2, 2), Layout(2, 1, 2, sp=True, recompute="full")]
     folders = {name: str(save_release(name, tmp_path / name)) for name in CASES}
     _check(spawn(_run_layouts, 4, folders, layouts), layouts, list(folders))
 

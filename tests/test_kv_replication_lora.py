@@ -36,7 +36,7 @@ from hfmeg.peft.adapter_files import WEIGHTS_FILE
 from hfmeg.peft.export import export_checkpoint
 
 # release: its pipeline split at PP2 (None: even). The E2B's keeps layers 3-9 (its producers 3 and 4, their readers
-# 5-9) on one stage: KV sharing across stages is not built.
+# 5-9) on one stage (KV sharing across stages is tested in test_gemma4_small_releases.py).
 RELEASES = {"gemma3_1b": None, "gemma-4-E2B": [3, 7]}
 LAYOUTS = [(2, 1, False), (2, 1, True), (2, 2, False)]  # tp, pp, sp; each TP rank holds a copy of the KV head
 

@@ -37,8 +37,8 @@ queries only and attend with the keys and values of the last earlier layer of th
 with them (normed, rotated, gathered under CP). The chunk's forward passes one `kv_store` dict through its layers:
 a producing layer puts its keys and values there, a reusing one reads them; autograd sums both uses' gradients
 into the producer's projection. A reusing layer's fused weight is its q rows alone (no KV rows, so nothing to
-replicate over TP), and its heads' groups are the producer's. The producer and its readers must be on one
-pipeline stage (`config.check_kv_sharing`).
+replicate over TP), and its heads' groups are the producer's. A reader on a later pipeline stage than its producer
+gets them with the activations (`models/shared_kv.py`).
 
 A layer with a sliding window (`cfg.window`) attends under the micro-batch's windowed mask
 (`DocumentMask.sliding`, document_attention.py), the others under its full one.
