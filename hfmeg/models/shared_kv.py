@@ -56,7 +56,7 @@ class SharedKV:
                 parts.append(like.new_zeros(s, b, 2 * g * d * self.fold))
                 continue
             kv = torch.stack(kv_store[i]).view(2, b, g, s, self.fold, d)  # S = s * fold, each token's fold together
-            parts.append(kv.permute(3, 1, 0, 4, 2, 5).reshape(s, b, -1).to(like.dtype))
+            parts.append(kv.permute(3, 1, 0, 4, 2, 5).reshape(s, b, -1))
         return torch.cat(parts, dim=-1)
 
     def _widths(self) -> list[int]:
