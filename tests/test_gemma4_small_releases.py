@@ -13,8 +13,8 @@ MLPs and its one KV head is replicated over TP.
   bit, HF -> shards -> HF bit-exact: both at TP2 x PP2 (the E2B's one KV head replicated, its `k_proj`/`v_proj`
   adapters' B rows with it: tests/test_kv_replication_lora.py; the E4B split evenly, a reader on the second stage
   of a producer on the first);
-- CP2 x TP2 (SP), CP2 x PP2 and, split evenly (readers on the stage after their producers), CP2 x PP2 and TP2 x PP2
-  (SP) against one process, every gradient (tests/test_cp_parity.py's check): the producers' keys and values are
+- CP2 x TP2 (SP), CP2 x PP2 and, split evenly (readers on the stage after their producers), CP2 x PP2, TP2 x PP2
+  (SP) and CP2 x PP2 interleaved over 2 virtual stages a rank, against one process, every gradient (tests/test_cp_parity.py's check): the producers' keys and values are
   reused gathered, and sent with the activations to a later stage; the per-layer inputs' gradients, and the shared
   keys' and values', flow back between stages;
 - 3 trainer steps with LoRA at TP2 x PP2 (the E4B split evenly).
@@ -94,14 +94,15 @@ def test_releases_under_context_parallelism_and_kv_shared_across_stages(tmp_path
     """Both releases on packed and plain rows of 32 at CP2 x TP2 (SP, full recompute), CP2 x PP2 with 3 layers on the
     first stage (the producers and their readers on the second), and split evenly (the E2B's 0-4 | 5-9, the E4B's
     0-5 | 6-11: producers on the first stage, readers of theirs on the second, the keys and values sent with the
-    activations, `models/shared_kv.py`) at CP2 x PP2 and at TP2 x PP2 (SP, full recompute; the E2B's KV head
-    replicated): logits, loss and every gradient (the per-layer table's and projection's, and the producers' k/v
+    activations, `models/shared_kv.py`) at CP2 x PP2, at TP2 x PP2 (SP, full recompute; the E2B's KV head
+    replicated) and interleaved over 2 virtual stages a rank at CP2 x PP2 (4 chunks, every boundary crossed): logits, loss and every gradient (the per-layer table's and projection's, and the producers' k/v
     projections' through the readers' use on the next stage, included) equal one process's (tests/test_cp_parity.py's
     check)."""
     from test_cp_parity import Layout, _check, _run_layouts
 
     layouts = [Layout(2, 2, sp=True, recompute="full"), Layout(1, 2, 2, pp_first=3),
-               Layout(1, 2, 2), Layout(2, 1, 2, sp=True, recompute="full")]
+               Layout(1, 2, 2), Layout(2, 1, 2, sp=True, recompute="full"),
+               Layout(1, 2, 2, vpp=2, schedule="interleaved", micro=2)]
     folders = {name: str(save_release(name, tmp_path / name)) for name in CASES}
     _check(spawn(_run_layouts, 4, folders, layouts), layouts, list(folders))
 
