@@ -1,9 +1,10 @@
 """QLoRA: LoRA and DoRA on hfmeg's 4-bit base (`load_chunks(base_4bit=...)`) vs peft on transformers'
 `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)` with fp32
 compute, on a tiny dense LLaMA whose TP-cut rows are whole 64-value blocks: logits, loss and every adapter gradient
-at TP in {1, 2} x PP in {1, 2} and TP4, on one 4-process gloo world. Then the trainer: 20 QLoRA steps at TP2 x PP2
-against peft + AdamW on that 4-bit base in one process, its merged export against peft's merge on the dequantized
-4-bit model, its adapter through AutoPeftModelForCausalLM on the 4-bit base, and a TP2 x PP2 -> TP1 reshard resumed.
+at TP in {1, 2} x PP in {1, 2} and TP4, on one 4-process gloo world, and TP4 x PP2 on an 8-process one. Then the
+trainer: 20 QLoRA steps at TP2 x PP2 against peft + AdamW on that 4-bit base in one process, its merged export
+against peft's merge on the dequantized 4-bit model, its adapter through AutoPeftModelForCausalLM on the 4-bit base,
+and a TP2 x PP2 -> TP1 reshard resumed.
 
 The bounds are derived as in tests/test_peft_parity.py (`_references`), with one more fact: bitsandbytes'
 dequantized weights are fp32 numbers, so the float64 truth is the same model with those weights in float64.
@@ -87,6 +88,9 @@ def test_qlora_and_qdora_match_peft_on_a_4bit_base(tmp_path):
     # TP1 x PP1 is hfmeg's unsharded fp32 run, which `_references` made in the test process: not again on a rank.
     results = spawn(_check, 4, [(str(b), str(a)) for b, a in cases], ids, LAYOUTS[1:], QLORA)
     _assert_parity(results, refs, cases, LAYOUTS)
+    # TP4 x PP2 on 8 ranks, against the same references: each stage's quarter of each projection's codes and absmax
+    results = spawn(_check, 8, [(str(b), str(a)) for b, a in cases], ids, [(4, 2, False)], QLORA)
+    _assert_parity(results, refs, cases, [(4, 2, False)])
 
 
 def _trainer_base(root: Path) -> tuple[Path, Path]:

@@ -29,8 +29,8 @@ from ..config import VOCAB_MULTIPLE, ModelConfig
 from ..errors import UnsupportedConfigError
 from ..families.spec import TensorRule
 from ..parallel.splits import EXPERTS
-from ..quant.nf4 import Packed4bit, quantize, shard
-from .rules import chunk_rules, expected_hf_shape, parts_in_order, split_of, to_local
+from ..quant.nf4 import Packed4bit, dequantize, quantize, shard
+from .rules import chunk_rules, expected_hf_shape, parts_in_order, rule_tensors, split_of, to_hf, to_local
 
 # A routed expert's weight, as the key table names it (`parallel/stored_names.py`): its stack and the expert.
 _EXPERT = re.compile(r"^(?P<stack>layers\.\d+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<name>fc[12])\.weight$")
@@ -82,11 +82,40 @@ def stored_4bit(rule: TensorRule, cfg: ModelConfig) -> bool:
             and all(len(expected_hf_shape(rule, j, cfg)) == 2 for j in range(len(rule.hf))))
 
 
-def hf_names_4bit(cfg: ModelConfig) -> set[str]:
-    """The HF tensors of a whole model that a 4-bit base stores 4-bit (`stored_4bit`), each quantized alone;
-    refused for a model with routed experts, whose 4-bit stacks no single HF tensor makes."""
-    rules = chunk_rules(cfg, range(cfg.num_layers), True, True)
-    if any(expert_stack(r) is not None for r in rules):
-        raise UnsupportedConfigError(f"peft.quantize: merging into a {cfg.model_type} base with 4-bit experts is not "
-                                     "built; export the adapter alone (without --merge)")
-    return {name for rule in rules if stored_4bit(rule, cfg) for name in rule.hf}
+class Dequantized4bit:
+    """The HF tensors of a whole model that its 4-bit base holds 4-bit, as that base dequantizes them (a QLoRA
+    merge's base: peft's `merge_and_unload` on the dequantized model), asked for one at a time while a merge streams
+    the base (`source`, `cfg` as stored): a weight held alone is quantized and dequantized as it comes; the first
+    tensor of an expert stack has the whole stack quantized from `source` and dequantized (`experts_4bit`), its
+    other tensors kept until they are asked for (one stack's at a time where the files hold them in order)."""
+
+    def __init__(self, source, cfg: ModelConfig, quant_type: str, double_quant: bool):
+        self.source, self.cfg, self.quant_type, self.double_quant = source, cfg, quant_type, double_quant
+        rules = chunk_rules(cfg, range(cfg.num_layers), True, True)
+        self.alone = {n for r in rules if stored_4bit(r, cfg) and expert_stack(r) is None for n in r.hf}
+        self.stacks = {n: s for r in rules if (s := expert_stack(r)) is not None for n in r.hf}
+        self.pending: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.alone or name in self.stacks
+
+    def get(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The HF tensor `name` (read as `weight`) as the 4-bit base holds it, dequantized, in its dtype."""
+        if name in self.alone:
+            return dequantize(quantize(name, weight, self.quant_type, self.double_quant)).to(weight.dtype)
+        if name not in self.pending:
+            self.pending |= self._stack(self.stacks[name])
+        return self.pending.pop(name).to(weight.dtype)
+
+    def _stack(self, stack: str) -> dict[str, torch.Tensor]:
+        """Every HF tensor of the expert stack `stack`, dequantized from its 4-bit storage."""
+        rules = stack_rules(self.cfg, stack)
+        packed = experts_4bit(stack, rule_tensors(self.source, rules), self.cfg, 1, 0, self.quant_type,
+                              self.double_quant)
+        full = dequantize(packed).unflatten(0, (len(rules), -1))
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for e, rule in enumerate(rules):
+            for name, t in to_hf(rule, [full[e]], self.cfg).items():
+                pieces.setdefault(name, []).append(t)
+        # an HF tensor stacking every expert (`rule.expert`) gets them all back; one per expert its own
+        return {name: torch.stack(ts) if rules[0].expert is not None else ts[0] for name, ts in pieces.items()}
