@@ -32,7 +32,7 @@ from bitsandbytes.nn.parametrize import replace_parameter_4bit  # noqa: E402
 from bounds import within  # noqa: E402
 from helpers import make_ps  # noqa: E402
 from peft import PeftModel  # noqa: E402
-from peft_helpers import full_adapter_grads, hfmeg_chunks, make_base_and_adapter, rel_diff  # noqa: E402
+from peft_helpers import hfmeg_chunks, make_base_and_adapter, rel_diff, replica_step  # noqa: E402
 from test_peft_parity import _labels, _peft_outputs, _references  # noqa: E402
 from test_qlora_parity import QLORA, _quantized  # noqa: E402
 from tiny_models import reference_attention, save_tiny  # noqa: E402
@@ -40,12 +40,9 @@ from torch.nn.utils import parametrize  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hfmeg.checkpoint.convert import load_model_config  # noqa: E402
-from hfmeg.data.microbatch import MicroBatch  # noqa: E402
 from hfmeg.models.generate import full_logits  # noqa: E402
 from hfmeg.models.moe import GroupedExperts  # noqa: E402
-from hfmeg.parallel.data_parallel import DataParallel  # noqa: E402
 from hfmeg.parallel.launch import spawn  # noqa: E402
-from hfmeg.parallel.pipeline import forward_backward  # noqa: E402
 from hfmeg.peft.adapter_files import read_peft_folder  # noqa: E402
 from hfmeg.peft.merge import merge_into_hf  # noqa: E402
 
@@ -121,12 +118,7 @@ def _check(cases, ids, stacks_of):
             experts = chunks[0].experts
             exact = [torch.equal(w, stacks[name][experts.start:experts.stop]) for name, w in held.items()]
             logits = full_logits(chunks, ps, ids)
-            # every DP replica runs the same rows: the wrapper sums (experts over expert-DP, partial over TP)
-            wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)
-            loss = forward_backward(chunks, ps, [MicroBatch(input_ids=ids, labels=labels)], schedule="1f1b",
-                                    num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
-            wrapper.finish_grad_sync()
-            grads = full_adapter_grads(chunks, ps, lambda p: getattr(p, "main_grad", p))
+            loss, grads = replica_step(chunks, ps, ids, labels)
             rows.append(dict(case=adapter, layout=(tp, pp, sp, ep), rank=ps.rank, stacks=len(held), exact=exact,
                              logits=logits, loss=None if logits is None else loss * ps.dp, grads=grads))
     return rows

@@ -16,6 +16,9 @@ MoE layers (transformers v5 holds the routed experts as two stacked parameters, 
   flattened stack (`experts_4bit`). Its double-quantization constants are those of all E experts together, so every
   expert-parallel rank quantizes the layer's whole stack (one stack in memory at a time) and keeps its own experts'
   codes and absmax (`splits.EXPERTS`); a rank that quantized only its experts would get other absmax.
+
+A merge of a QLoRA adapter asks `Dequantized4bit` for the base as the run held it: each 4-bit HF tensor quantized and
+dequantized alone, or as part of its whole expert stack.
 """
 
 from __future__ import annotations
