@@ -93,13 +93,13 @@ def test_qlora_and_qdora_match_peft_on_a_4bit_base(tmp_path):
     _assert_parity(results, refs, cases, [(4, 2, False)])
 
 
-def _trainer_base(root: Path) -> tuple[Path, Path]:
-    """The tiny LLaMA with stories260K's tokenizer (stories260K's own rows are not whole 64-blocks) and a fresh
-    peft LoRA adapter for it (default init, B = 0); skips where the assets are absent."""
+def _trainer_base(root: Path, kind: str = "llama3", shape: dict = SHAPE) -> tuple[Path, Path]:
+    """The tiny `kind` (default the LLaMA above) with stories260K's tokenizer (stories260K's own rows are not whole
+    64-blocks) and a fresh peft LoRA adapter for it (default init, B = 0); skips where the assets are absent."""
     stories = stories_or_skip()
     if not ALPACA.is_file():
         pytest.skip(f"{ALPACA} is absent")
-    base = save_tiny("llama3", root / "base", vocab_size=512, **SHAPE)
+    base = save_tiny(kind, root / "base", vocab_size=512, **shape)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(stories / name, base / name)
     torch.manual_seed(0)
