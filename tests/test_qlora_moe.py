@@ -32,6 +32,7 @@ from bitsandbytes.nn.parametrize import replace_parameter_4bit  # noqa: E402
 from bounds import within  # noqa: E402
 from helpers import make_ps  # noqa: E402
 from peft import PeftModel  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 from peft_helpers import hfmeg_chunks, make_base_and_adapter, rel_diff, replica_step  # noqa: E402
 from test_peft_parity import _labels, _peft_outputs, _references  # noqa: E402
 from test_peft_train import STEPS, _config, _peft_adamw_losses  # noqa: E402
@@ -42,6 +43,7 @@ from torch.nn.utils import parametrize  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hfmeg.checkpoint.convert import load_model_config  # noqa: E402
+from hfmeg.checkpoint.hf_reader import HFCheckpoint  # noqa: E402
 from hfmeg.models.generate import full_logits  # noqa: E402
 from hfmeg.models.moe import GroupedExperts  # noqa: E402
 from hfmeg.parallel.launch import spawn  # noqa: E402
@@ -157,15 +159,22 @@ def test_qlora_and_qdora_on_4bit_experts_match_peft_under_ep(tmp_path):
             assert sorted({g for r in rows for g in r["grads"]}) == sorted(grads64), layout
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-def test_a_merged_moe_qlora_adapter_is_peft_merged_on_the_dequantized_4bit_base(kind, tmp_path):
+@pytest.mark.parametrize("kind, stacked", [("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True)])
+def test_a_merged_moe_qlora_adapter_is_peft_merged_on_the_dequantized_4bit_base(kind, stacked, tmp_path):
     """The merged export of a QLoRA adapter on an MoE base: the 4-bit base dequantized (each expert stack quantized
-    whole) plus the update, as peft's `merge_and_unload` gives on `_dequantized_moe`; the base's own experts per
-    expert on disk (`experts.{e}.gate_proj`, Mixtral's `w1` ...)."""
+    whole) plus the update, as peft's `merge_and_unload` gives on `_dequantized_moe`; the base's experts one tensor
+    each on disk (`experts.{e}.gate_proj`, Mixtral's `w1` ...), or `stacked` as transformers holds them."""
     save_tiny(kind, tmp_path / f"{kind}_base", **{**SHAPE, "intermediate_size": 128 if kind == "qwen3_moe" else 64})
     base, adapter = make_base_and_adapter(tmp_path, kind)
+    if stacked:  # the same weights under transformers' in-memory names: each layer's experts two stacked tensors
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        base = tmp_path / "stacked"
+        model.config.save_pretrained(base)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, base / "model.safetensors",
+                  metadata={"format": "pt"})
     cfg, tensors = read_peft_folder(adapter)
     merged = merge_into_hf(base, tensors, replace(cfg, quantize="nf4", double_quant=True), tmp_path / "merged")
+    assert ("model.layers.1.mlp.experts.gate_up_proj" in HFCheckpoint(merged).keys()) == stacked
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = PeftModel.from_pretrained(_dequantized_moe(base), adapter).merge_and_unload()(ids).logits
