@@ -35,9 +35,8 @@ from peft import PeftModel  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from peft_helpers import hfmeg_chunks, make_base_and_adapter, rel_diff, replica_step  # noqa: E402
 from test_peft_parity import _labels, _peft_outputs, _references  # noqa: E402
-from test_peft_train import STEPS, _config, _peft_adamw_losses  # noqa: E402
-from test_qlora_parity import QLORA, _qlora, _quantized, _trainer_base  # noqa: E402
-from test_train import _losses, _run  # noqa: E402
+from test_peft_train import _config  # noqa: E402
+from test_qlora_parity import QLORA, _qlora, _quantized, _trained_vs_peft, _trainer_base  # noqa: E402
 from tiny_models import reference_attention, save_tiny  # noqa: E402
 from torch.nn.utils import parametrize  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -189,18 +188,8 @@ def test_a_merged_moe_qlora_adapter_is_peft_merged_on_the_dequantized_4bit_base(
 def test_qlora_steps_on_4bit_experts_at_ep2_match_peft_and_adamw(tmp_path):
     """The trainer (`--peft qlora`'s settings) on the tiny Qwen3-MoE at EP2 (DP4) for 20 steps against peft +
     torch.optim.AdamW on `_bnb_moe` in one process, on the same batches; its merged export against peft's merge on
-    the dequantized 4-bit model."""
+    the dequantized 4-bit model (`_trained_vs_peft`)."""
     base, adapter0 = _trainer_base(tmp_path, "qwen3_moe", SHAPE)
     cfg = _qlora(_config(tmp_path / "ep2", base, adapter0))
-    cfg = replace(cfg, parallel=replace(cfg.parallel, ep=2))
-    ref = _peft_adamw_losses(cfg, adapter0, base=_bnb_moe(base))
-    spawn(_run, 4, cfg)
-    ours = _losses(tmp_path / "ep2")
-    assert len(ours) == STEPS and ref[-1] < ref[0]
-    # as the dense run (tests/test_qlora_parity.py): fp32 sums in another order, ~1e-6 relative; the bound is 1e-4
-    within(max(abs(x - y) / abs(y) for x, y in zip(ours, ref)), 1e-4, "qlora moe loss rel", (ours, ref))
-    out, ids = tmp_path / "ep2", torch.tensor([[1, 365, 1122, 263, 931, 29892, 727, 471]]) % 512
-    with torch.no_grad():
-        want = PeftModel.from_pretrained(_dequantized_moe(base), out / "adapter").merge_and_unload()(ids).logits
-        got = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)(ids).logits
-    within((got - want).abs().max(), 1e-4, "qlora moe merged logits max-abs", None)
+    _trained_vs_peft(replace(cfg, parallel=replace(cfg.parallel, ep=2)), adapter0, _bnb_moe(base),
+                     _dequantized_moe(base))
