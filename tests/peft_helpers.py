@@ -13,6 +13,9 @@ from tiny_models import reference_attention, save_tiny
 from transformers import AutoModelForCausalLM
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.data.microbatch import MicroBatch
+from hfmeg.parallel.data_parallel import DataParallel
+from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.peft.adapter_files import read_peft_folder
 from hfmeg.peft.merge import merge_into_hf
@@ -106,6 +109,17 @@ def full_adapter_grads(chunks, ps, of=lambda p: p.grad) -> dict[str, torch.Tenso
     for hf, (split, pieces) in experts.items():
         out[hf] = split.join([pieces[e] for e in sorted(pieces)])
     return out
+
+
+def replica_step(chunks, ps, ids, labels) -> tuple[float, dict[str, torch.Tensor]]:
+    """One forward and backward of the same rows on every DP replica: (this replica's share of the loss, 1/dp of it;
+    the full adapter gradients as PEFT-keyed tensors, which the DP wrapper summed: experts over expert-DP, partial
+    ones over TP)."""
+    wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)
+    loss = forward_backward(chunks, ps, [MicroBatch(input_ids=ids, labels=labels)], schedule="1f1b",
+                            num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
+    wrapper.finish_grad_sync()
+    return loss, full_adapter_grads(chunks, ps, lambda p: getattr(p, "main_grad", p))
 
 
 def merged_vs_peft(base: Path, adapter: Path, out: Path) -> float:

@@ -63,12 +63,12 @@ def _config(out: Path, base: Path, adapter: Path, *, tp=1, pp=1, steps=STEPS, sa
     )
 
 
-def _peft_adamw_losses(cfg: TrainConfig, adapter: Path, **load) -> list[float]:
+def _peft_adamw_losses(cfg: TrainConfig, adapter: Path, base=None) -> list[float]:
     """Single process: transformers + peft + torch.optim.AdamW on the trainer's own batches (one DP rank);
-    `load` goes to `from_pretrained` (a 4-bit base: tests/test_qlora_parity.py)."""
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
-                                                                           attn_implementation="sdpa", **load),
-                                      adapter, is_trainable=True)
+    `base`: the transformers model (default: the run's base in fp32; a 4-bit one: tests/test_qlora_parity.py)."""
+    if base is None:
+        base = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, attn_implementation="sdpa")
+    model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optim
     opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)

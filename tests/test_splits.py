@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hfmeg.parallel import splits
-from hfmeg.parallel.splits import (COLS, EXPERT_COLS, EXPERT_ROWS, REPLICATED, ROWS, Blocks, Fused, Split, Vocab,
-                                   from_record)
+from hfmeg.parallel.splits import (COLS, EXPERT_COLS, EXPERT_ROWS, EXPERTS, REPLICATED, ROWS, Blocks, Fused, Split,
+                                   Vocab, from_record)
 
 # (kind, full shape): the shapes divide as each kind needs at 1, 2 and 4 pieces
 CASES = [
@@ -21,6 +21,7 @@ CASES = [
     (COLS, (3, 8)),
     (EXPERT_ROWS, (16, 5)),
     (EXPERT_COLS, (5, 12)),
+    (EXPERTS, (4, 6, 3)),  # 4 experts of [6, 3]: whole experts per piece
     (Vocab(301, 8), (301, 4)),  # padded to 304 / 304 / 320 rows at 1 / 2 / 4 pieces
     (Fused((16, 8)), (24, 3)),  # gate/up: one block per piece
     (Fused((16, 4, 4), 4), (24, 3)),  # QKV of 4 KV groups: whole groups per piece

@@ -11,7 +11,8 @@ gives back every bit.
 Kinds:
 - `Replicated`: whole on every rank (norms, biases after a reduction, a replicated linear's weight).
 - `Dim(d)`: equal contiguous ranges of dim `d` (`ROWS`: a column-parallel weight's output features; `COLS`: a
-  row-parallel weight's input features; `EXPERT_ROWS`: expert e's `[r, in]` block of peft's `[E r, in]` stack).
+  row-parallel weight's input features; `EXPERT_ROWS`: expert e's `[r, in]` block of peft's `[E r, in]` stack;
+  `EXPERTS`: an expert-parallel rank's contiguous block of a stack's experts, `expert_dispatch.local_experts`).
 - `Strided(d)`: the entries of dim `d` whose index is `i` modulo `n` (peft's expert `lora_B` `[out, r E]`, whose
   column `k E + e` is expert e's column k).
 - `Vocab(rows, multiple)`: the rows padded with zeros to `padded_vocab(rows, n, multiple)`, then `ROWS`.
@@ -242,7 +243,8 @@ ROWS = Dim(0)
 COLS = Dim(1, "cols")
 EXPERT_ROWS = Dim(0, "expert_A")
 EXPERT_COLS = Strided(1, "expert_B")
-_NAMED = {s.name: s for s in (REPLICATED, ROWS, COLS, EXPERT_ROWS, EXPERT_COLS)}
+EXPERTS = Dim(0, "experts")  # over EP, not TP: a stack `[E, ...]` (or its rows `[E rows, ...]`), E / ep experts a rank
+_NAMED = {s.name: s for s in (REPLICATED, ROWS, COLS, EXPERT_ROWS, EXPERT_COLS, EXPERTS)}
 
 
 def from_record(name: str, rows: int | None = None, blocks: list | None = None) -> Split:
