@@ -27,9 +27,14 @@ test_checkpoint_recovery's hand-started ranks of one job, each with the job's re
 Not yet moved (they still call subprocess): the recipe, converter and verify_parity runs of test_train,
 test_peft_run, test_peft_train, test_peft_resume, test_run_lifecycle, test_shared_unlock_train,
 test_moe_checkpoint, test_verify_parity and the bench_mfu/peers/dpo runs. A forked verify_parity run hung at
-start (a futex, no CPU) after test_verify_parity's module fixture had converted checkpoints in the test process;
-until that is understood, only runs checked in their whole file's order use this runner (test_bench_moe,
-test_bench_peft, test_bench_shared_unlock, test_bench_optimizer)."""
+start (a futex, no CPU) after test_verify_parity's module fixture had converted checkpoints in the test process:
+GNU OpenMP's thread pool does not survive fork (hfmeg/parallel/launch.py), so a child that computes with more than
+one thread after the test process used OpenMP's threads waits forever for the pool's missing threads (a parent
+that ran a 2-thread op, then a forked child's 2-thread `torch.exp` of 4M values: hung; with 1 thread: done in
+0.4 s, 2026-11-29). A script without a launcher computes with every core (hfmeg/parallel/threads.py), so only runs
+whose processes compute with one thread fork: those whose work is in `launch.spawn` ranks (test_bench_moe,
+test_bench_peft, test_bench_shared_unlock, test_bench_optimizer) and ranks given `LOCAL_WORLD_SIZE` as a
+launcher would (test_checkpoint_recovery's, through `start`)."""
 
 from __future__ import annotations
 
