@@ -11,9 +11,7 @@ would neither place nor carry is refused in one line, before anything is written
 from __future__ import annotations
 
 import json
-import runpy
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from bounds import within
-from helpers import folder_tensors, logit_bound, make_ps
+from helpers import folder_tensors, logit_bound, make_ps, recipe_rank
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.parity import reference_outputs, sharded_outputs
 from hfmeg.errors import CheckpointError
@@ -151,16 +149,6 @@ def test_a_tensor_nothing_places_is_refused_before_anything_is_written(tmp_path)
     assert not (tmp_path / "mp").exists()
 
 
-def _recipe_rank(recipe: str, argv: list[str]) -> int:
-    """A rank of a recipe script's run in `launch.spawn`: the script as `__main__` with `argv`; its exit code."""
-    sys.argv = [recipe, *argv]
-    try:
-        runpy.run_path(recipe, run_name="__main__")
-    except SystemExit as e:
-        return e.code
-    return 0
-
-
 def test_llama2_13b_as_published_through_the_sft_recipe_at_tp2_pp2(tmp_path):
     """recipes/sft_llama13b.py, the README's command, on Llama-2-13b-hf's published config (pretraining_tp 2) shrunk:
     4 ranks at TP2 x PP2 train 3 steps and export the published config.json unchanged. The ranks are
@@ -178,7 +166,7 @@ def test_llama2_13b_as_published_through_the_sft_recipe_at_tp2_pp2(tmp_path):
         shutil.copy(stories / name, model / name)
     out = tmp_path / "run"
     flags = recipe_flags(model, alpaca, out, "--tp", "2", "--pp", "2", steps=3)
-    assert spawn(_recipe_rank, 4, str(ROOT / "recipes" / "sft_llama13b.py"), flags) == [0] * 4
+    assert spawn(recipe_rank, 4, str(ROOT / "recipes" / "sft_llama13b.py"), flags) == [0] * 4
     from hfmeg.train.metrics import read_metrics
 
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
