@@ -27,7 +27,7 @@ test_checkpoint_recovery's hand-started ranks of one job, each with the job's re
 Not yet moved (they still call subprocess): the recipe, converter and verify_parity runs of test_train,
 test_peft_train, test_peft_resume, test_run_lifecycle, test_shared_unlock_train, test_moe_checkpoint,
 test_verify_parity and the bench_mfu/peers/dpo runs (test_peft_run's two refusals fork: they exit before any
-tensor is computed; a recipe that trains can run in `launch.spawn` ranks instead, `helpers.recipe_rank`). A forked verify_parity run hung at
+tensor is computed; a recipe that trains can run in `launch.spawn` ranks instead, `helpers.script_rank`). A forked verify_parity run hung at
 start (a futex, no CPU) after test_verify_parity's module fixture had converted checkpoints in the test process:
 GNU OpenMP's thread pool does not survive fork (hfmeg/parallel/launch.py), so a child that computes with more than
 one thread after the test process used OpenMP's threads waits forever for the pool's missing threads (a parent

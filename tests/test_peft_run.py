@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from bounds import within
-from helpers import make_ps, recipe_rank
+from helpers import make_ps, script_rank
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.errors import HfmegError
@@ -95,7 +95,7 @@ def test_recipe_runs_with_peft_lora(stories_lora, tmp_path):
     base, _ = stories_lora
     out = tmp_path / "recipe"
     # one launch.spawn rank runs the script (the plain `python recipe` start: test_run_lifecycle.py)
-    assert spawn(recipe_rank, 1, str(ROOT / "recipes" / "sft_llama13b.py"), [
+    assert spawn(script_rank, 1, str(ROOT / "recipes" / "sft_llama13b.py"), [
         "--model", str(base), "--data", str(ALPACA), "--peft", "lora", "--peft-r", "4", "--tp", "1", "--max-steps", "4",
         "--seq-len", "64", "--global-batch-size", "4", "--lr", "1e-2", "--warmup-steps", "1", "--out", str(out)]) == [0]
     assert len(_losses(out)) == 4

@@ -9,13 +9,11 @@ the reference starts from the same adapter.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from bounds import relative_bound, within
-from helpers import make_ps
+from helpers import make_ps, script_rank
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft_helpers import hfmeg_chunks, peft_logit_bound
 from safetensors.torch import load_file
@@ -145,11 +143,9 @@ def test_lora_training_matches_peft_and_exports(stories_lora, tmp_path):
     within((merged - with_adapter).abs().max(), bound, "merged logits max-abs", None)
     AutoTokenizer.from_pretrained(out / "hf")
     # The offline converter gives the same two folders from the checkpoint alone.
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mp_to_hf.py"), "--mp",
-                           str(out / "checkpoints"), "--out", str(tmp_path / "conv"),
-                           "--merge", str(tmp_path / "conv_merged")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    assert spawn(script_rank, 1, str(ROOT / "tools" / "convert_mp_to_hf.py"), [
+        "--mp", str(out / "checkpoints"), "--out", str(tmp_path / "conv"), "--merge", str(tmp_path / "conv_merged")]) \
+        == [0]  # in a launch.spawn rank: no fresh interpreter
     again = load_file(str(tmp_path / "conv" / WEIGHTS_FILE))
     assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in again)
     merged_files = [load_file(str(d / "model.safetensors")) for d in (out / "hf", tmp_path / "conv_merged")]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from bounds import within
-from helpers import folder_tensors, logit_bound, make_ps, recipe_rank
+from helpers import folder_tensors, logit_bound, make_ps, script_rank
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.parity import reference_outputs, sharded_outputs
 from hfmeg.errors import CheckpointError
@@ -166,7 +166,7 @@ def test_llama2_13b_as_published_through_the_sft_recipe_at_tp2_pp2(tmp_path):
         shutil.copy(stories / name, model / name)
     out = tmp_path / "run"
     flags = recipe_flags(model, alpaca, out, "--tp", "2", "--pp", "2", steps=3)
-    assert spawn(recipe_rank, 4, str(ROOT / "recipes" / "sft_llama13b.py"), flags) == [0] * 4
+    assert spawn(script_rank, 4, str(ROOT / "recipes" / "sft_llama13b.py"), flags) == [0] * 4
     from hfmeg.train.metrics import read_metrics
 
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
