@@ -37,6 +37,15 @@ def rounding_bound(fp32, fp64, *, runs: int = 2) -> float:
     return runs * (ROUNDING_FACTOR * rounding + 4 * FP32_EPS * fp64.abs().max().item())
 
 
+def relative_bound(fp32, fp64, *, runs: int = 2) -> float:
+    """`rounding_bound` of relative distances: the bound on max |a - b| / |b| (e.g. two runs' losses step by step)
+    where `fp32` is one fp32 run of what `fp64` holds, from that run's own worst relative distance from float64."""
+    import torch
+
+    ratio = torch.as_tensor(fp32, dtype=torch.float64) / torch.as_tensor(fp64, dtype=torch.float64)
+    return rounding_bound(ratio, torch.ones_like(ratio), runs=runs)
+
+
 def spread_bound(runs32, fp64, *, relative: bool = False) -> float:
     """The bound on max|a - b| between two fp32 computations of what `fp64` holds, given one fp32 run of each kind
     (`runs32`: e.g. hfmeg's unsharded run and transformers'): each within ROUNDING_FACTOR x that run's own max-abs

@@ -153,3 +153,27 @@ def namespace_hosts():
     yield make
     for bed in beds:
         bed.close()
+
+
+@pytest.fixture(scope="session")
+def multihost_run(tmp_path_factory):
+    """`run(name, hosts, per_host, args_of, **kw)`: `(<out>, <logs>)` of the job `args_of(<out>)` run once per session
+    under `name` on a bed of `hosts` namespace hosts, `per_host` ranks each (tests/multihost.py's `run_job`, `kw` to
+    it), so that the tests of several files that compare with one run (test_multihost_faults's and
+    test_multihost_frozen's uninterrupted run) share it; skips with one line where namespaces cannot be made."""
+    from multihost import Hosts, NamespaceUnavailable, run_job
+
+    runs: dict[str, tuple[Path, Path]] = {}
+
+    def run(name: str, hosts: int, per_host: int, args_of, **kw) -> tuple[Path, Path]:
+        if name not in runs:
+            tmp = tmp_path_factory.mktemp(name)
+            try:
+                with Hosts(hosts) as bed:
+                    run_job(bed, per_host, args_of(tmp / "run"), tmp / "logs", **kw)
+            except NamespaceUnavailable as e:
+                pytest.skip(str(e))
+            runs[name] = tmp / "run", tmp / "logs"
+        return runs[name]
+
+    return run

@@ -4,7 +4,7 @@ process instead of a fresh interpreter: `run(argv, ...)` takes what `subprocess.
 importing torch, transformers and hfmeg before its first line of work.
 
 What the child keeps as a real process start would: argv (`sys.argv`, and `sys.path[0]` the script's folder,
-or the working directory under `-m`), the environment (`env`, replacing os.environ, as subprocess does), the
+the working directory under `-m`, '' under `-c code`), the environment (`env`, replacing os.environ, as subprocess does), the
 working directory, the exit code (`sys.exit(n)`, an uncaught exception is 1 with its traceback on stderr, a
 signal is -signum), and stdout and stderr apart, redirected at the file-descriptor level (what C code and the
 script's own children write lands there too). Settings that libraries read once at import are read again from
@@ -20,15 +20,22 @@ Kept in a real interpreter on purpose (they call subprocess directly): what must
 (`python -m hfmeg --help`, the installed console script, torchrun and accelerate launches, the Slurm stand-ins,
 the multi-host beds, a launcher whose workers must die with it), tests/test_tokenizer_lowest.py (another venv's
 interpreter), tests/test_import_cost.py (what an import alone pulls into a fresh sys.modules), and runs that
-must be signalled or killed from outside while they work (test_train's SIGTERM, test_checkpoint_recovery's
-hand-started ranks).
+must be signalled or killed from outside while they work (test_train's SIGTERM). `start` runs several at once:
+test_checkpoint_recovery's hand-started ranks of one job, each with the job's rendezvous in its environment
+(they compute with one thread each, `LOCAL_WORLD_SIZE` ranks sharing the cores, as a launcher's would).
 
 Not yet moved (they still call subprocess): the recipe, converter and verify_parity runs of test_train,
-test_peft_run, test_peft_train, test_peft_resume, test_run_lifecycle, test_shared_unlock_train,
-test_moe_checkpoint, test_verify_parity and the bench_mfu/peers/dpo runs. A forked verify_parity run hung at
-start (a futex, no CPU) after test_verify_parity's module fixture had converted checkpoints in the test process;
-until that is understood, only runs checked in their whole file's order use this runner (test_bench_moe,
-test_bench_peft, test_bench_shared_unlock, test_bench_optimizer)."""
+test_peft_train, test_peft_resume, test_run_lifecycle, test_shared_unlock_train, test_moe_checkpoint,
+test_verify_parity and the bench_mfu/peers/dpo runs (test_peft_run's two refusals fork: they exit before any
+tensor is computed; a recipe that trains can run in `launch.spawn` ranks instead, `helpers.script_rank`). A forked verify_parity run hung at
+start (a futex, no CPU) after test_verify_parity's module fixture had converted checkpoints in the test process:
+GNU OpenMP's thread pool does not survive fork (hfmeg/parallel/launch.py), so a child that computes with more than
+one thread after the test process used OpenMP's threads waits forever for the pool's missing threads (a parent
+that ran a 2-thread op, then a forked child's 2-thread `torch.exp` of 4M values: hung; with 1 thread: done in
+0.4 s, 2026-11-29). A script without a launcher computes with every core (hfmeg/parallel/threads.py), so only runs
+whose processes compute with one thread fork: those whose work is in `launch.spawn` ranks (test_bench_moe,
+test_bench_peft, test_bench_shared_unlock, test_bench_optimizer) and ranks given `LOCAL_WORLD_SIZE` as a
+launcher would (test_checkpoint_recovery's, through `start`)."""
 
 from __future__ import annotations
 
@@ -57,19 +64,53 @@ RELOADED = ("huggingface_hub.constants",)  # modules whose settings come from th
 def run(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
         timeout: float = 300.0) -> subprocess.CompletedProcess:
     """`subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)`, forked where
-    the ranks are forked. `argv[0]` is the interpreter; then a script path or `-m module`, then its arguments."""
+    the ranks are forked. `argv[0]` is the interpreter; then a script path, `-m module` or `-c code`, then its
+    arguments."""
+    return start(argv, env=env, cwd=cwd).wait(timeout)
+
+
+def start(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None) -> "Started":
+    """`run` without waiting, as `subprocess.Popen` starts a process: several at once make one job's workers
+    (their rendezvous in `env`), each with its own exit code and output; `.wait(timeout)` gives `run`'s result."""
     if start_method() != "fork" or argv[0] != sys.executable or _other_threads():
-        return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()  # nothing of the parent's buffered output is written twice
-        pid = os.fork()
-        if pid == 0:
-            os._exit(_child(argv[1:], env, cwd, out.fileno(), err.fileno()))
-        code = _wait(pid, timeout, argv)
-        out.seek(0), err.seek(0)
-        return subprocess.CompletedProcess(argv, code, out.read().decode(errors="replace"),
-                                           err.read().decode(errors="replace"))
+        return Started(argv, popen=subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                    env=env, cwd=cwd))
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # nothing of the parent's buffered output is written twice
+    pid = os.fork()
+    if pid == 0:
+        os._exit(_child(argv[1:], env, cwd, out.fileno(), err.fileno()))
+    return Started(argv, pid=pid, files=(out, err))
+
+
+class Started:
+    """A run in progress: a forked child (`pid`, its output in `files`) or a real process (`popen`)."""
+
+    def __init__(self, argv: list[str], *, pid: int = 0, files=(), popen: subprocess.Popen | None = None):
+        self.argv, self.pid, self.files, self.popen = argv, pid, files, popen
+
+    def wait(self, timeout: float = 300.0) -> subprocess.CompletedProcess:
+        """Its exit code and output once it ends; past `timeout` it is killed (with its children, for a forked
+        run) and subprocess.TimeoutExpired raised, as subprocess.run does."""
+        if self.popen is not None:
+            try:
+                out, err = self.popen.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.communicate()
+                raise
+            return subprocess.CompletedProcess(self.argv, self.popen.returncode, out, err)
+        try:
+            code = _wait(self.pid, timeout, self.argv)
+            texts = []
+            for f in self.files:
+                f.seek(0)
+                texts.append(f.read().decode(errors="replace"))
+        finally:
+            for f in self.files:
+                f.close()
+        return subprocess.CompletedProcess(self.argv, code, *texts)
 
 
 def _other_threads() -> list[str]:
@@ -126,7 +167,11 @@ def _child(args: list[str], env: dict[str, str] | None, cwd, out_fd: int, err_fd
         traceback.print_exc()
         return _flushed(1)
     try:
-        if args[0] == "-m":
+        if args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            sys.path[0] = ""
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        elif args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
             sys.path[0] = os.getcwd()
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)

@@ -113,3 +113,18 @@ def train_step_as_one(chunks, ps: ParallelState, ids: torch.Tensor, labels: torc
                             num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
     wrapper.finish_grad_sync()
     return (loss * ps.dp if loss is not None else None), wrapper
+
+
+def script_rank(script: str, argv: list[str]) -> int:
+    """A rank of a recipe's or tool's run in `launch.spawn` (`spawn(script_rank, n, script, argv)`): the script as
+    `__main__` with `argv`, as a launcher's worker runs it; its exit code. The rank computes with the one thread
+    launch.spawn gives it (hfmeg keeps an initialised world's threads), so no fresh interpreter is needed."""
+    import runpy
+    import sys
+
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        return e.code
+    return 0

@@ -58,9 +58,13 @@ def peft_adapter(base: Path, adapter: Path, *, rslora: bool = False, dora: bool 
     return adapter
 
 
-def peft_reference(base: Path, adapter: Path, trainable: bool = True):
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation=reference_attention(base))
-    return PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
+def peft_reference(base: Path, adapter: Path, trainable: bool = True, dtype: torch.dtype = torch.float32):
+    """peft's `adapter` on `base`, in fp32 or (`dtype`) converted to float64 after loading, with the experts' eager
+    loop there (the same arithmetic as transformers' grouped GEMM, which has no float64 kernel)."""
+    load = {} if dtype == torch.float32 else {"experts_implementation": "eager"}
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation=reference_attention(base),
+                                                 **load)
+    return PeftModel.from_pretrained(model, adapter, is_trainable=trainable).to(dtype)
 
 
 def peft_adapter_grads(model) -> dict[str, torch.Tensor]:
@@ -122,16 +126,27 @@ def replica_step(chunks, ps, ids, labels) -> tuple[float, dict[str, torch.Tensor
     return loss, full_adapter_grads(chunks, ps, lambda p: getattr(p, "main_grad", p))
 
 
-def merged_vs_peft(base: Path, adapter: Path, out: Path) -> float:
-    """max |logits| difference between the folder `merge_into_hf` writes from `adapter` (loaded alone by
-    transformers) and peft's adapter on `base`, on one fixed batch."""
+def peft_logit_bound(base: Path, adapter: Path, ids: torch.Tensor, ref32: torch.Tensor) -> float:
+    """How far an fp32 run's logits of `ids` (hfmeg's, or the merged export's) may be from peft's fp32 ones with
+    `adapter` on `base`, `ref32`, by rounding alone: bounds.rounding_bound against the same peft model run in
+    float64 (two fp32 runs compared)."""
+    from bounds import rounding_bound
+
+    with torch.no_grad():
+        ref64 = peft_reference(base, adapter, trainable=False, dtype=torch.float64)(ids).logits
+    return rounding_bound(ref32, ref64, runs=2)
+
+
+def merged_vs_peft(base: Path, adapter: Path, out: Path) -> tuple[float, float]:
+    """(max |logits| difference, its bound `peft_logit_bound`) between the folder `merge_into_hf` writes from
+    `adapter` (loaded alone by transformers) and peft's adapter on `base`, on one fixed batch."""
     cfg, tensors = read_peft_folder(adapter)
     merged = merge_into_hf(base, tensors, cfg, out)
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = peft_reference(base, adapter, trainable=False)(ids).logits
         got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(ids).logits
-    return (got - want).abs().max().item()
+    return (got - want).abs().max().item(), peft_logit_bound(base, adapter, ids, want)
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -2,8 +2,9 @@
 damaged shards, a full disk, stale temporary folders, and metrics after a resume.
 
 Runs fine-tune stories260K on alpaca_en_demo.json with 64-token rows (seconds each). The error
-paths run the recipe as real worker processes (no launcher in between, so each worker's exit
-code and the combined output of all ranks are what the test reads).
+paths run the recipe as one job's worker processes (no launcher in between, so each worker's exit
+code and the combined output of all ranks are what the test reads), forked from the test process
+(tests/forkrun.py: the job's rendezvous in each one's environment, as a launcher would give it).
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import forkrun
 import pytest
 from transformers import AutoModelForCausalLM
 
@@ -165,17 +166,16 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def _workers(args: list[str], world: int, fault_rank: int | None = None) -> tuple[list[int], str]:
     """Run the recipe as `world` worker processes of one job; their exit codes and combined output."""
     port = free_port()
-    procs = []
+    runs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "HFMEG_BACKEND": "gloo", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         if fault_rank is not None:
             env["FAULT_RANK"] = str(fault_rank)
-        procs.append(subprocess.Popen([sys.executable, "-c", _FAULTY, *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    return [p.returncode for p in procs], "".join(outs)
+        runs.append(forkrun.start([sys.executable, "-c", _FAULTY, *args], env=env))
+    done = [r.wait(timeout=300) for r in runs]
+    return [d.returncode for d in done], "".join(d.stdout + d.stderr for d in done)
 
 
 def _args(model: Path, out: Path, steps: int) -> list[str]:

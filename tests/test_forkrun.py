@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from forkrun import run
+from forkrun import run, start
 
 
 def _script(tmp_path, body: str):
@@ -26,6 +26,25 @@ def test_exit_code_argv_cwd_and_separate_streams(tmp_path):
     assert proc.returncode == 2
     assert proc.stdout == f"out ['a', '--b'] {tmp_path.parent} {tmp_path}\n"
     assert proc.stderr == "err at fd level\nerr\n"
+
+
+def test_started_runs_overlap_each_with_its_own_code_and_output(tmp_path):
+    """Two `-c` runs started together (one job's workers): each waits for the other's file before it ends, so
+    started one after the other they would time out; each keeps its exit code, argv, environment and streams."""
+    code = ("import os, pathlib, sys, time\n"
+            "me = os.environ['WHO']\n"
+            "pathlib.Path(me).touch()\n"
+            "other = pathlib.Path('b' if me == 'a' else 'a')\n"
+            "deadline = time.monotonic() + 30\n"
+            "while not other.exists() and time.monotonic() < deadline:\n"
+            "    time.sleep(0.01)\n"
+            "print(me, other.exists(), sys.argv, repr(sys.path[0]))\n"
+            "print(me, file=sys.stderr)\n"
+            "sys.exit(3 if me == 'a' else 0)\n")
+    runs = [start([sys.executable, "-c", code, who], env={**os.environ, "WHO": who}, cwd=tmp_path) for who in "ab"]
+    a, b = (r.wait(timeout=60) for r in runs)
+    assert (a.returncode, a.stdout, a.stderr) == (3, "a True ['-c', 'a'] ''\n", "a\n")
+    assert (b.returncode, b.stdout, b.stderr) == (0, "b True ['-c', 'b'] ''\n", "b\n")
 
 
 def test_environment_is_the_childs_and_does_not_leak(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ from hfmeg.optim.state_io import read_meta
 from hfmeg.parallel.grid import RankGrid
 from hfmeg.train.checkpointing import STALE_PATTERNS
 from hfmeg.train.metrics import read_metrics
-from multihost import MONITOR_S, Hosts, NamespaceUnavailable, run_job, train_args, wait_all, wait_for, worker_ranks
+from multihost import MONITOR_S, Hosts, train_args, wait_all, wait_for, worker_ranks
 from test_train import ALPACA, _assets
 
 BOUND = 4.0
@@ -107,15 +107,10 @@ STEPS, SAVE_EVERY = 12, 2
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The `<out>` and logs of the run the killed ones must reproduce: 2 hosts x 2 ranks writing one `--out`."""
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    try:
-        with Hosts(2) as bed:
-            run_job(bed, 2, _resumable(tmp / "run"), tmp / "logs", max_restarts=3)
-    except NamespaceUnavailable as e:
-        pytest.skip(str(e))
-    return tmp / "run", tmp / "logs"
+def uninterrupted(multihost_run):
+    """The `<out>` and logs of the run the killed ones must reproduce: 2 hosts x 2 ranks writing one `--out`; run
+    once per session (test_multihost_frozen's frozen runs must reproduce it too)."""
+    return multihost_run("uninterrupted", 2, 2, _resumable, max_restarts=3)
 
 
 def _writer(path) -> int:

@@ -232,8 +232,8 @@ def test_merge_matches_peft_on_the_base(kind, options, tmp_path):
     trained in full (they replace the base's), loads alone and computes what peft computes with the adapter
     on the base."""
     base, adapter = make_base_and_adapter(tmp_path, kind, **options)
-    # fp32 rounding of the merged weights (~1e-7 relative) through 2 layers; the contract's bound is 1e-4.
-    within(merged_vs_peft(base, adapter, tmp_path / "merged"), TOL, "merged logits max-abs", None)
+    # fp32 rounding of the merged weights through 2 layers: derived from peft's own distance from float64
+    within(*merged_vs_peft(base, adapter, tmp_path / "merged"), "merged logits max-abs", None)
 
 
 def test_dora_merge_matches_peft_on_a_gemma(tmp_path):

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 
+import forkrun
 import pytest
 from safetensors.torch import load_file, save_file
 
 from bounds import within
-from helpers import make_ps
+from helpers import make_ps, script_rank
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.errors import HfmegError
@@ -52,9 +52,9 @@ def test_resume_is_exact_and_refuses_a_changed_base(stories_lora, tmp_path):
     save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(Exception, match="differ from the base the checkpoint's adapters were trained on"):
         spawn(_run, 4, _config(tmp_path / "split", base, adapter0, tp=2, steps=8, resume="auto"))
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_mp_to_hf.py"), "--mp",
-                           str(tmp_path / "split" / "checkpoints"), "--out", str(tmp_path / "a"), "--merge",
-                           str(tmp_path / "m")], capture_output=True, text=True, timeout=300)
+    proc = forkrun.run([sys.executable, str(ROOT / "tools" / "convert_mp_to_hf.py"), "--mp",
+                        str(tmp_path / "split" / "checkpoints"), "--out", str(tmp_path / "a"), "--merge",
+                        str(tmp_path / "m")], timeout=300)  # refused before any tensor is computed: forked
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "has changed" in proc.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "m").exists()
 
@@ -94,11 +94,10 @@ def test_recipe_runs_with_peft_lora(stories_lora, tmp_path):
     """recipes/sft_llama13b.py --peft lora on CPU: a short run that writes both exports."""
     base, _ = stories_lora
     out = tmp_path / "recipe"
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft_llama13b.py"), "--model", str(base),
-                           "--data", str(ALPACA), "--peft", "lora", "--peft-r", "4", "--tp", "1", "--max-steps", "4",
-                           "--seq-len", "64", "--global-batch-size", "4", "--lr", "1e-2", "--warmup-steps", "1",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    # one launch.spawn rank runs the script (the plain `python recipe` start: test_run_lifecycle.py)
+    assert spawn(script_rank, 1, str(ROOT / "recipes" / "sft_llama13b.py"), [
+        "--model", str(base), "--data", str(ALPACA), "--peft", "lora", "--peft-r", "4", "--tp", "1", "--max-steps", "4",
+        "--seq-len", "64", "--global-batch-size", "4", "--lr", "1e-2", "--warmup-steps", "1", "--out", str(out)]) == [0]
     assert len(_losses(out)) == 4
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 32 and config["lora_dropout"] == 0.05  # the YAML's
@@ -107,8 +106,8 @@ def test_recipe_runs_with_peft_lora(stories_lora, tmp_path):
 
 def test_recipe_refuses_a_bad_rank_in_one_line(stories_lora, tmp_path):
     base, _ = stories_lora
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft_llama13b.py"), "--model", str(base),
-                           "--data", str(ALPACA), "--peft", "lora", "--peft-r", "0", "--tp", "1",
-                           "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    proc = forkrun.run([sys.executable, str(ROOT / "recipes" / "sft_llama13b.py"), "--model", str(base),
+                        "--data", str(ALPACA), "--peft", "lora", "--peft-r", "0", "--tp", "1",
+                        "--out", str(tmp_path / "x")], timeout=300)  # refused at the config: forked
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: peft.r: must be an integer >= 1, got 0"], proc.stderr

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from bounds import within
-from helpers import folder_tensors, logit_bound, make_ps
+from helpers import folder_tensors, logit_bound, make_ps, script_rank
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.parity import reference_outputs, sharded_outputs
 from hfmeg.errors import CheckpointError
@@ -151,27 +151,22 @@ def test_a_tensor_nothing_places_is_refused_before_anything_is_written(tmp_path)
 
 def test_llama2_13b_as_published_through_the_sft_recipe_at_tp2_pp2(tmp_path):
     """recipes/sft_llama13b.py, the README's command, on Llama-2-13b-hf's published config (pretraining_tp 2) shrunk:
-    4 torchrun workers at TP2 x PP2 train 3 steps and export the published config.json unchanged."""
-    import os
-    import subprocess
-
+    4 ranks at TP2 x PP2 train 3 steps and export the published config.json unchanged. The ranks are
+    `launch.spawn`'s, each running the script as a launcher's worker would (the recipe under torchrun itself:
+    test_train.py, test_torchrun_faults.py)."""
     from helpers import stories_or_skip
-    from multihost import ROOT, TORCHRUN, recipe_flags
+    from multihost import ROOT, recipe_flags
     from tiny_models import ASSETS
 
     stories, alpaca = stories_or_skip(), ASSETS / "data" / "alpaca_en_demo.json"
-    if not alpaca.is_file() or not TORCHRUN.exists():
-        pytest.skip(f"{alpaca} or {TORCHRUN} is absent")
+    if not alpaca.is_file():
+        pytest.skip(f"{alpaca} is absent")
     model = save_release("llama2_13b", tmp_path / "model")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(stories / name, model / name)
     out = tmp_path / "run"
     flags = recipe_flags(model, alpaca, out, "--tp", "2", "--pp", "2", steps=3)
-    # --standalone: a free rendezvous port, not torchrun's default 29500 (another suite on the host may hold it)
-    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "4",
-                           str(ROOT / "recipes" / "sft_llama13b.py"), *flags], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert spawn(script_rank, 4, str(ROOT / "recipes" / "sft_llama13b.py"), flags) == [0] * 4
     from hfmeg.train.metrics import read_metrics
 
     losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]

@@ -14,8 +14,6 @@ tokenizer) on the project's text sample, layers shared until step 3:
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bounds import within
-from helpers import stories_or_skip
+from helpers import script_rank, stories_or_skip
 from hfmeg.checkpoint import hub_source
 from hfmeg.checkpoint.convert import mp_to_hf
 from hfmeg.data import DataConfig, SourceConfig
@@ -132,17 +130,17 @@ def test_powersgd_from_the_unlock_on_resumes_exactly(tmp_path):
     assert plain[:4] == straight[:4] and plain[4:] != straight[4:]
 
 
-def test_pretrain_recipe_from_random_weights_unlocks_and_exports(tmp_path):
+def test_pretrain_recipe_from_random_weights_unlocks_and_exports(tmp_path, capfd):
     model = stories_or_skip()
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "pretrain_llama.py"), "--init", "random", "--config-from", str(model),
-         "--data", str(TEXT), "--set", f"train.shared_layers_until={UNTIL}", "--tp", "1", "--no-sequence-parallel",
-         "--max-steps", "5", "--seq-len", "64", "--global-batch-size", "4", "--lr", "3e-3", "--warmup-steps", "1",
-         "--set", "data.eval_split=0", "--eval-every", "0", "--out", str(out), "--resume", "none"],
-        capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"step {UNTIL}: layers unlocked" in proc.stdout
+    # one launch.spawn rank runs the script (the plain `python recipe` start: test_run_lifecycle.py)
+    capfd.readouterr()
+    assert spawn(script_rank, 1, str(ROOT / "recipes" / "pretrain_llama.py"), [
+        "--init", "random", "--config-from", str(model), "--data", str(TEXT), "--set",
+        f"train.shared_layers_until={UNTIL}", "--tp", "1", "--no-sequence-parallel", "--max-steps", "5", "--seq-len",
+        "64", "--global-batch-size", "4", "--lr", "3e-3", "--warmup-steps", "1", "--set", "data.eval_split=0",
+        "--eval-every", "0", "--out", str(out), "--resume", "none"]) == [0]
+    assert f"step {UNTIL}: layers unlocked" in capfd.readouterr().out
     assert len(_losses(out)) == 5
     loaded = AutoModelForCausalLM.from_pretrained(out / "hf")
     assert len(loaded.model.layers) == 5
