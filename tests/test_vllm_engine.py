@@ -344,3 +344,24 @@ def test_a_kill_during_generation_or_a_weight_push_resumes_to_the_uninterrupted_
     for x, y in zip(straight_rows, got, strict=True):
         for k in ("reward", "completions/mean_length", "loss", "grad_norm"):
             assert x[k] == y[k], (k, x["step"])
+
+
+@needs_vllm
+def test_grpo_learns_at_tp2_pp2_each_step_as_one_process(engine, model, tmp_path):
+    """test_grpo_train.py's learning check with the vLLM engine (the module's, every run pushing its weights into it)
+    on a reward the regrouped model can learn (`grpo_toy_rewards:the`; docs/grpo.md's vLLM run, shorter)."""
+    from dataclasses import replace
+
+    from test_grpo_train import LEARN_STEPS, _config, _prompts, check_learns_and_each_step_is_one_process
+
+    data = _prompts(tmp_path)
+
+    def cfg_of(out, tp, pp):
+        cfg = _config(out, data, tp=tp, pp=pp, steps=LEARN_STEPS, generator="vllm", reward_funcs=["grpo_toy_rewards:the"])
+        return replace(cfg, model=replace(cfg.model, path=model), optim=replace(cfg.optim, lr=2e-3),
+                       lr=replace(cfg.lr, decay="constant"))
+
+    try:
+        check_learns_and_each_step_is_one_process(tmp_path, _run_with, cfg_of, engine)
+    finally:
+        engine.load(model)  # the module's other tests expect the original weights
