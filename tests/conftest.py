@@ -72,6 +72,7 @@ LANES: dict[str, dict[str, set[str] | None]] = {
                              "test_expert_parallel_compresses_each_bucket_over_its_own_group"},
         "test_peft_plan.py": {"test_planner_predicts_lora_memory_at_7b_shapes_within_5_percent"},
         "test_trackers.py": {"test_tensorboard_mlflow_and_trackio_hold_the_runs_losses_and_config"},
+        "test_grpo_train.py": {"test_grpo_learns_at_tp2_pp2_each_step_as_one_process"},
     },
 }
 

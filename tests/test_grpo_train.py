@@ -88,7 +88,9 @@ def check_layouts_agree(a: list[dict], b: list[dict], steps: int) -> None:
     """Two runs' metrics rows (one process, TP2 x PP2) within the module's bounds; test_vllm_engine.py's too."""
     assert len(a) == len(b) == steps
     for x, y in zip(a, b):
-        for k in ("reward", "reward_std", "rewards/park/mean", "frac_reward_zero_std", "completions/mean_length"):
+        per_func = [k for k in x if k.startswith("rewards/")]
+        assert per_func and per_func == [k for k in y if k.startswith("rewards/")]
+        for k in ("reward", "reward_std", *per_func, "frac_reward_zero_std", "completions/mean_length"):
             assert x[k] == y[k], (k, x["step"])  # the same completions were sampled from both layouts' weights
         max_advantage = (G - 1) / G ** 0.5  # one group's |r - mean| / std at most (Bessel std)
         within(abs(x["loss"] - y["loss"]), x["tokens"] * 2 ** -24 * max_advantage, "grpo run loss tp2pp2 vs 1",
@@ -176,3 +178,57 @@ def test_a_kill_during_generation_or_a_weight_push_resumes_to_the_uninterrupted_
     for x, y in zip(a, b):
         for k in ("reward", "completions/mean_length", "loss", "grad_norm"):
             assert x[k] == y[k], (k, x["step"])
+
+
+LEARN_STEPS = 12
+
+
+def check_learns_and_each_step_is_one_process(root: Path, run, cfg_of, *args) -> list[dict]:
+    """A LEARN_STEPS-step TP2 x PP2 run raises the mean reward, and each of its steps is a one-process step's within
+    check_layouts_agree's bounds. `run(cfg, *args)` runs a trainer; `cfg_of(out, tp, pp)` is the run's config.
+
+    Per step, not one free one-process run beside it: two layouts' weights part by float rounding that Adam turns
+    into whole-size updates wherever a gradient is rounding noise, and once they have parted far enough a seeded
+    draw takes another token and the runs sample other completions (after 4-27 steps here, docs/grpo.md): no bound
+    derived from one step's arithmetic holds over a few dozen. So step k runs once more in one process from the
+    grid's checkpoint k - 1 (resharded to TP1: the same weights, optimizer state and prompt cursor, bit for bit), and
+    must sample the same completions (its push exports the same HF tensors) and agree within one step's bounds.
+
+    Learning: the mean reward of the last 4 steps exceeds the first 2 steps' by more than 3 standard errors of that
+    difference for rewards in [0, 1] (a mean of n such rewards has a variance of at most 1 / 4n)."""
+    from dataclasses import replace
+
+    from hfmeg.commands.reshard import main as reshard
+
+    grid = root / "grid"
+    cfg = cfg_of(grid, 2, 2)
+    spawn(run, 4, replace(cfg, checkpoint=replace(cfg.checkpoint, save_every=1, keep_last=LEARN_STEPS)), *args,
+          timeout_s=1800)
+    rows = _rows(grid)
+    rewards = [r["reward"] for r in rows]
+    n_first, n_last = 2 * cfg.train.global_batch_size, 4 * cfg.train.global_batch_size
+    noise = 3 * (1 / (4 * n_first) + 1 / (4 * n_last)) ** 0.5
+    assert sum(rewards[-4:]) / 4 - sum(rewards[:2]) / 2 > noise, rewards
+    for k in range(1, LEARN_STEPS + 1):
+        one = cfg_of(root / f"step{k}", 1, 1)
+        if k > 1:
+            mp = root / f"step{k}-from"
+            assert reshard(["--mp", str(grid / "checkpoints"), "--iteration", str(k - 1), "--out", str(mp),
+                            "--tp", "1", "--pp", "1"]) == 0
+            one = replace(one, checkpoint=replace(one.checkpoint, resume=str(next(mp.glob("iter_*")))))
+        spawn(run, 1, replace(one, train=replace(one.train, max_steps=k)), *args, timeout_s=600)
+        check_layouts_agree(_rows(root / f"step{k}")[-1:], rows[k - 1:k], 1)
+    return rows
+
+
+def test_grpo_learns_at_tp2_pp2_each_step_as_one_process(tmp_path):
+    """The park reward at lr 2e-3 (docs/grpo.md's run, shorter), the transformers engine."""
+    from dataclasses import replace
+
+    data = _prompts(tmp_path)
+
+    def cfg_of(out, tp, pp):
+        cfg = _config(out, data, tp=tp, pp=pp, steps=LEARN_STEPS)
+        return replace(cfg, optim=replace(cfg.optim, lr=2e-3), lr=replace(cfg.lr, decay="constant"))
+
+    check_learns_and_each_step_is_one_process(tmp_path, _run, cfg_of)

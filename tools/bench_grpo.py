@@ -14,7 +14,12 @@ Reported per side, over the steps after `--warmup`:
   push (`timing/weight_push_s`: the shards written, exported and loaded by the engine; TRL's `generate` reads the
   live model and has none);
 - end-to-end tokens/s: completion tokens / whole step seconds;
-and the ratios hfmeg / TRL. The last line printed is one JSON object. With no arguments a small CPU run of a few
+and the same per CPU second of the process (`*_tokens_per_cpu_s`: generation's and whole steps' CPU time, over the
+steps after `--warmup` but the last, whose end only the run's end shows): on a machine shared with other work a
+process waits for a core most of its wall time (at load average 20-60 on 2 cores, 3-5x its CPU time in a
+generation), and that wait, not either side's work, decides the wall-clock ratio; one thread a side, CPU seconds
+count the work. With `--generator vllm` the worker's CPU is another process's: no CPU rates then.
+And the ratios hfmeg / TRL. The last line printed is one JSON object. With no arguments a small CPU run of a few
 minutes.
 
     .venv/bin/python tools/bench_grpo.py --steps 6
@@ -50,6 +55,10 @@ def run_hfmeg(args, data: Path, out: Path) -> dict:
     from hfmeg.train.grpo_trainer import GRPOTrainer
     from hfmeg.train.metrics import read_metrics
 
+    from hfmeg.generation.transformers_engine import TransformersEngine
+    from hfmeg.train.rollout import Rollouts
+
+    step_starts, gen_cpu = _cpu_timed(Rollouts, "__next__"), _cpu_timed(TransformersEngine, "generate", spent=True)
     cfg = TrainConfig(
         model=ModelArgs(path=str(args.model), dtype="fp32"),
         optim=OptimizerConfig(lr=args.lr, weight_decay=0.0),
@@ -65,8 +74,11 @@ def run_hfmeg(args, data: Path, out: Path) -> dict:
     step_s = sum(args.batch * args.seq / r["tokens_per_s"] for r in rows)  # the loop's tokens_per_s: padded rows
     gen_s = sum(r["timing/generation_s"] for r in rows)
     push_s = sum(r["timing/weight_push_s"] for r in rows)
+    cpu_steps = [b - a for a, b in zip(step_starts, step_starts[1:])][args.warmup:]  # steps 1..n-1: whole
     return dict(tokens=tokens, step_s=step_s, gen_s=gen_s, push_s=push_s, train_s=step_s - gen_s - push_s,
-                reward=[r["reward"] for r in rows])
+                reward=[r["reward"] for r in rows],
+                **_cpu(rows_tokens=[r["completions/mean_length"] * args.batch for r in rows], steps=cpu_steps,
+                       gen=gen_cpu[args.warmup:]) if args.generator == "transformers" else {})
 
 
 def run_trl(args, data: Path, out: Path) -> dict:
@@ -95,17 +107,19 @@ def run_trl(args, data: Path, out: Path) -> dict:
     generate, training_step = trainer._generate, trainer.training_step
 
     def timed_generate(prompts):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = generate(prompts)
         steps[-1]["gen_s"] += time.perf_counter() - t0
+        steps[-1]["gen_cpu_s"] += time.process_time() - c0
         steps[-1]["tokens"] += sum(len(c) for c in out[1])  # completion ids, one list per completion
         return out
 
     def timed_step(*a, **k):
-        steps.append(dict(gen_s=0.0, tokens=0))
-        t0 = time.perf_counter()
+        steps.append(dict(gen_s=0.0, gen_cpu_s=0.0, tokens=0))
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = training_step(*a, **k)
         steps[-1]["step_s"] = time.perf_counter() - t0
+        steps[-1]["step_cpu_s"] = time.process_time() - c0
         return loss
 
     trainer._generate, trainer.training_step = timed_generate, timed_step
@@ -113,12 +127,41 @@ def run_trl(args, data: Path, out: Path) -> dict:
     rows = steps[args.warmup:]
     step_s, gen_s = sum(r["step_s"] for r in rows), sum(r["gen_s"] for r in rows)
     return dict(tokens=sum(r["tokens"] for r in rows), step_s=step_s, gen_s=gen_s, push_s=0.0,
-                train_s=step_s - gen_s)
+                train_s=step_s - gen_s, **_cpu(rows_tokens=[r["tokens"] for r in rows],
+                                                steps=[r["step_cpu_s"] for r in rows[:-1]],
+                                                gen=[r["gen_cpu_s"] for r in rows]))
+
+
+def _cpu_timed(cls, name: str, spent: bool = False) -> list[float]:
+    """Wraps `cls.name` to record the process's CPU clock at each call's start (`spent`: the CPU each call took)."""
+    real, record = getattr(cls, name), []
+
+    def timed(self, *a, **k):
+        c0 = time.process_time()
+        if not spent:
+            record.append(c0)
+        out = real(self, *a, **k)
+        if spent:
+            record.append(time.process_time() - c0)
+        return out
+
+    setattr(cls, name, timed)
+    return record
+
+
+def _cpu(rows_tokens: list[float], steps: list[float], gen: list[float]) -> dict:
+    """CPU rates over the measured steps but the last: tokens per CPU second of generation and of whole steps."""
+    n = len(steps)
+    return dict(cpu_step_s=sum(steps), gen_cpu_s=sum(gen[:n]), cpu_tokens=sum(rows_tokens[:n]))
 
 
 def _rates(r: dict) -> dict:
-    return dict(generation_tokens_per_s=r["tokens"] / r["gen_s"], training_tokens_per_s=r["tokens"] / r["train_s"],
-                end_to_end_tokens_per_s=r["tokens"] / r["step_s"])
+    rates = dict(generation_tokens_per_s=r["tokens"] / r["gen_s"], training_tokens_per_s=r["tokens"] / r["train_s"],
+                 end_to_end_tokens_per_s=r["tokens"] / r["step_s"])
+    if r.get("cpu_step_s"):
+        rates.update(generation_tokens_per_cpu_s=r["cpu_tokens"] / r["gen_cpu_s"],
+                     end_to_end_tokens_per_cpu_s=r["cpu_tokens"] / r["cpu_step_s"])
+    return rates
 
 
 def main(argv=None) -> dict:
@@ -154,7 +197,8 @@ def main(argv=None) -> dict:
             result[side] = {**raw, **_rates(raw)}
             print(side, {k: round(v, 1) for k, v in _rates(raw).items()}, flush=True)
     if "hfmeg" in result and "trl" in result:
-        result["ratio"] = {k: result["hfmeg"][k] / result["trl"][k] for k in _rates(result["hfmeg"])}
+        result["ratio"] = {k: result["hfmeg"][k] / result["trl"][k] for k in _rates(result["hfmeg"])
+                           if k in result["trl"]}
     print(json.dumps(result))
     return result
 

@@ -26,7 +26,7 @@ from ..errors import CheckpointError
 from ..families.spec import TensorRule
 from .placement import as_saved
 from .mp_layout import HF_DIR, LAYOUT_FILE, MPLayout, rank_files, resolve_iteration_dir
-from .rules import chunk_rules, expected_hf_shape, to_hf, to_local, with_fused_experts
+from .rules import chunk_rules, expected_hf_shape, hf_shape, to_hf, to_local, with_fused_experts
 from .st_stream import CODE_DTYPES, read_tensor
 
 
@@ -146,9 +146,7 @@ class MPCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         rules = self._rules(name)
         rule, p = rules[0]
-        metas = [torch.empty(self.local_slice(t, p, rule.local).get_shape(), device="meta")
-                 for t in range(self.layout.tp)]
-        shape = tuple(to_hf(rule, metas, self.cfg)[name].shape)
+        shape = hf_shape(rule, name, self.local_slice(0, p, rule.local).get_shape(), self.layout.tp, self.cfg)
         return (len(rules),) + shape if rule.expert is not None else shape
 
     def dtype(self, name: str) -> torch.dtype:

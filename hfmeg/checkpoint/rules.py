@@ -223,6 +223,15 @@ def to_hf(rule: TensorRule, shards: list[torch.Tensor], cfg: ModelConfig) -> dic
     return {name: t.contiguous() for name, t in zip(rule.hf, outs)}
 
 
+def hf_shape(rule: TensorRule, name: str, local: tuple[int, ...], tp: int, cfg: ModelConfig) -> tuple[int, ...]:
+    """The shape `to_hf` gives HF tensor `name` of `rule` from TP slices of shape `local`, from the shapes alone:
+    the split kind's full shape, cut into the rule's HF tensors, transposed where the rule is (interleaving moves
+    rows, not shapes). An export asks it of every tensor each time, so it computes no tensor, not even on meta."""
+    full = split_of(rule, cfg).full_shape(tuple(local), tp)
+    shape = (_hf_rows(rule, cfg, full[0])[rule.hf.index(name)], *full[1:])
+    return shape[::-1] if rule.transpose else shape
+
+
 def expected_hf_shape(rule: TensorRule, index: int, cfg: ModelConfig) -> tuple[int, ...]:
     """The shape `config.json` implies for HF tensor `rule.hf[index]` (for input validation)."""
     if rule.shapes is not None:
