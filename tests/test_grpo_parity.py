@@ -44,7 +44,7 @@ from hfmeg.data.rollouts import Completion, pack_completions, token_values
 from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.peft.adapters import adapters_off
-from hfmeg.train.grpo import METRICS, GRPOLoss, GRPOSettings, annotate_logps, group_advantages, set_temperature
+from hfmeg.train.grpo import ENTROPY, METRICS, GRPOLoss, GRPOSettings, annotate_logps, group_advantages, set_temperature
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl = pytest.importorskip("trl")
@@ -180,7 +180,7 @@ def _run_layouts(policy, reference, adapter, runs, pad_id: int):
                 kw = {} if switched is None else dict(switched=switched)
                 mbs = annotate_logps(ref_chunks, mbs, ps, "1f1b", "ref_logps", **kw)
             tokens = sum(len(c.completion_ids) for c in completions)
-            objective = _KeepTokenGrads(cfg, ps, len(completions), tokens)
+            objective = _KeepTokenGrads(cfg, ps, len(completions), tokens, chunks)
             loss = forward_backward(chunks, ps, mbs, schedule="1f1b", loss=objective)
             if cp > 1 and loss is not None:  # each CP rank holds its share of the loss
                 t = torch.tensor(loss)
@@ -255,6 +255,10 @@ def _check(policy, reference, adapter, root):
     for i, (want_loss, want, want_token_grads, (loss_bound, kl_bound, near, token_bounds)) in enumerate(
             wants):
         case = CASES[i]
+        # Entropy: its derivative in a logit is -p_v (log p_v + H), so logits within TOL / τ of transformers' move a
+        # token's H by at most TOL / τ Σ_v p_v |log p_v + H| <= 2 H TOL / τ, a mean of them by 2 TOL / τ of the mean
+        # (× 1.01 for the curvature), plus TRL's own fp32 mean (a few ulps).
+        entropy_bound = 2 * TOL / case.get("temperature", 1.0) * 1.01 + 4.8e-7
         for layout in LAYOUTS:
             rows = [r for rank in results for r in rank if r["layout"] == layout and r["case"] == i]
             assert any(r["loss"] is not None for r in rows)
@@ -263,7 +267,9 @@ def _check(policy, reference, adapter, root):
                 if r["loss"] is not None:
                     within(abs(r["loss"] - want_loss), loss_bound, "grpo loss vs trl", where)
                     got = r["metrics"]
-                    assert set(got) == {k for k in METRICS if k != "kl" or case["beta"]}
+                    assert set(got) == {k for k in METRICS if k != "kl" or case["beta"]} | {ENTROPY}
+                    within(abs(got[ENTROPY] - want[ENTROPY]), entropy_bound * want[ENTROPY], "grpo entropy vs trl",
+                           where)
                     if case["beta"]:
                         within(abs(got["kl"] - want["kl"]), kl_bound, "grpo kl vs trl", where)
                     den = sum(len(c.completion_ids) for c in runs[i][1])

@@ -144,3 +144,47 @@ def test_final_logit_softcap_forward_and_backward_match_autograd(chunk):
     for got, want, name in ((loss, ref, "loss"), (gx, rx, "grad x"), (gw, rw, "grad w")):
         within((got.double() - want).abs().max().item(), n * want.abs().max().item() + 1e-12, name)
     assert torch.equal(gw[vocab:], torch.zeros_like(gw[vocab:]))  # padding rows get no gradient, and no NaN
+
+
+def _entropy_at_tp(tp: int, cap: float | None, vocab: int):
+    """This rank's loss and entropy (and the loss without asking for it) of the module's fp32 case, the vocabulary
+    rows split over `tp` gloo ranks."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(T, H, generator=g)
+    w = torch.randn(V, H, generator=g)
+    target = torch.randint(0, vocab, (T,), generator=g)
+    target[5] = -100
+    ps = make_ps(tp=tp)
+    rows = w.chunk(tp)[ps.tp_rank]
+    loss, entropy = linear_cross_entropy(x, rows, target, ps, vocab, chunk_tokens=CHUNK, softcap=cap, entropy=True)
+    plain = linear_cross_entropy(x, rows, target, ps, vocab, chunk_tokens=CHUNK, softcap=cap)
+    return loss, entropy, plain
+
+
+@pytest.mark.parametrize("cap", [None, 3.0], ids=["plain", "softcap"])
+def test_entropy_of_the_vocab_parallel_softmax_equals_float64(cap):
+    """GRPO's `entropy` metric from the head's own pass: each token's entropy of the softmax over the real
+    vocabulary (the 16 padding rows, one rank's, excluded; soft-capped where asked), at TP 1 and 2, against float64;
+    the loss is the same bits as without it, an ignored token's entropy is 0.
+
+    Bound: a logit is an H-term fp32 dot product, off by at most dz = H eps max (|x| @ |w|^T); the entropy moves with
+    the logits at rate sum_v p_v |log p_v + entropy| <= 2 entropy <= 2 log V, so by 2 log(V) dz; its sums s = sum
+    exp(z - m) (positive terms: V eps relative, V eps absolute in log s) and sum exp(z - m)(z - m) over s (V eps of
+    max|z - m| <= 2 max|z|); exp, log, tanh and the final division a few eps of max|z| more."""
+    from hfmeg.parallel.launch import spawn
+
+    vocab = V - 16
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(T, H, generator=g).double(), torch.randn(V, H, generator=g).double()
+    z = (x @ w.t())[:, :vocab]
+    z = z if cap is None else torch.tanh(z / cap) * cap
+    want = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    want[5] = 0.0
+    dz = H * FP32_EPS * float((x.abs() @ w.abs().t()).max())
+    zmax = float(z.abs().max())
+    bound = 2 * math.log(V) * dz + V * FP32_EPS * (1 + 2 * zmax) + 8 * FP32_EPS * zmax
+    for tp in (1, 2):
+        for loss, entropy, plain in spawn(_entropy_at_tp, tp, tp, cap, vocab):
+            assert torch.equal(loss, plain) and not entropy.requires_grad
+            assert entropy[5].item() == 0.0
+            within((entropy.double() - want).abs().max().item(), bound, f"entropy at TP{tp}, cap {cap}")

@@ -181,6 +181,10 @@ class ModelChunk(nn.Module):
         # The head's logits are divided by this before their loss (GRPO at a sampling temperature other than 1:
         # its log-probabilities are those of softmax(logits / T), as TRL's are; set by train/grpo.py).
         self.logit_temperature = 1.0
+        # With `record_entropy` (GRPO's `entropy` metric), a forward with labels also keeps each token's entropy of
+        # that softmax for `take_entropy`, from the head's own pass (no gradient, no second pass over the vocab).
+        self.record_entropy = False
+        self.entropy: torch.Tensor | None = None
         if post_process:
             self.final_norm = make_norm(cfg, ps.sequence_parallel, kernels)
             if not (cfg.tie_embeddings and pre_process):
@@ -295,6 +299,12 @@ class ModelChunk(nn.Module):
         aux, self.aux_loss = self.aux_loss, None
         return aux
 
+    def take_entropy(self) -> torch.Tensor | None:
+        """The per-token softmax entropy `[b, s]` of the last forward with labels under `record_entropy` (then
+        forgotten; 0 where no label counts), else None."""
+        entropy, self.entropy = self.entropy, None
+        return entropy
+
     def _compute_dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
@@ -312,8 +322,13 @@ class ModelChunk(nn.Module):
         x = self.final_norm(x)
         if self.logit_temperature != 1.0:  # (x / T) W = (x W) / T: the head has no soft-cap here (set_temperature)
             x = x / self.logit_temperature
+        entropy = self.record_entropy and labels is not None
         if hasattr(self, "lm_head"):
-            return self.lm_head(x, labels, self.ce_chunk_tokens)
-        # Tied embeddings with both ends here: the embedding's weight is the head.
-        return vocab_parallel_head(x, self.embed.weight, labels, self.ps, self.cfg.vocab_size, self.ce_chunk_tokens,
-                                   self.cfg.final_softcap)
+            out = self.lm_head(x, labels, self.ce_chunk_tokens, entropy)
+        else:  # tied embeddings with both ends here: the embedding's weight is the head
+            out = vocab_parallel_head(x, self.embed.weight, labels, self.ps, self.cfg.vocab_size,
+                                      self.ce_chunk_tokens, self.cfg.final_softcap, entropy)
+        if not entropy:
+            return out
+        loss, self.entropy = out
+        return loss

@@ -196,19 +196,22 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def vocab_parallel_head(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None, ps: ParallelState,
-                        vocab_size: int, chunk_tokens: int, softcap: float | None = None) -> torch.Tensor:
+                        vocab_size: int, chunk_tokens: int, softcap: float | None = None,
+                        entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Project `x` `[s, b, h]` (`[s/tp, b, h]` under SP) on this rank's vocab rows `weight` `[V/tp, h]`.
 
     Without labels: this rank's logits `[b, s, V/tp]`. With labels `[b, s]`: the
     per-token loss `[b, s]`, from the chunked vocab-parallel cross-entropy that never
-    materialises the full logits (linear_cross_entropy.py). `softcap`: logits are `cap * tanh(logits / cap)`
+    materialises the full logits (linear_cross_entropy.py); with `entropy` also each token's softmax entropy
+    `[b, s]` (no gradient), as `(loss, entropy)`. `softcap`: logits are `cap * tanh(logits / cap)`
     (Gemma's final soft-capping), in both.
     """
     x = gather_from_sequence(x, ps) if ps.sequence_parallel else copy_to_tp(x, ps)
     if labels is None:
         z = linear(x, weight).transpose(0, 1)
         return z if softcap is None else torch.tanh(z / softcap) * softcap
-    return linear_cross_entropy(x, weight, labels.t(), ps, vocab_size, chunk_tokens, softcap).t()
+    out = linear_cross_entropy(x, weight, labels.t(), ps, vocab_size, chunk_tokens, softcap, entropy)
+    return tuple(t.t() for t in out) if entropy else out.t()
 
 
 class VocabParallelHead(nn.Module):
@@ -227,6 +230,7 @@ class VocabParallelHead(nn.Module):
         add_param(self, "weight", padded_vocab // ps.tp, hidden, role=ParamRole(
             "embedding", tp_dim=0, tied="embedding" if tied_copy else None, tied_copy=tied_copy))
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None,
-                chunk_tokens: int = CE_CHUNK_TOKENS) -> torch.Tensor:
-        return vocab_parallel_head(x, self.weight, labels, self.ps, self.vocab_size, chunk_tokens, self.softcap)
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, chunk_tokens: int = CE_CHUNK_TOKENS,
+                entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return vocab_parallel_head(x, self.weight, labels, self.ps, self.vocab_size, chunk_tokens, self.softcap,
+                                   entropy)

@@ -12,6 +12,9 @@ Per chunk, across TP ranks (each holding a contiguous vocabulary range):
     lse = m + log(sum over all ranks exp(z - m))     (all-reduce SUM)
     z_t = the target's logit, from the rank that owns it (all-reduce SUM)
     loss = lse - z_t
+Asked for it (GRPO's `entropy` metric), the same pass also gives each token's entropy of the softmax, with no
+gradient: H = lse - E_p[z] = log s - (sum exp(z - m)(z - m)) / s, s = sum exp(z - m), a third row of the same
+all-reduce (measured from m, so no cancellation of the large m against lse).
 Columns past the real vocabulary (padding) are masked to -inf. With final logit
 soft-capping (Gemma) the logits are z' = cap·tanh(z/cap), capped before the padding
 mask, and the backward multiplies softmax - onehot by dz'/dz = 1 - tanh²(z/cap).
@@ -69,12 +72,13 @@ def _local_target(target: torch.Tensor, vocab_start: int, n_local: int):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, target, ps, vocab_size, chunk_tokens, sink, softcap):
+    def forward(ctx, x, w, target, ps, vocab_size, chunk_tokens, sink, softcap, with_entropy):
         n_local = w.shape[0]
         vocab_start = ps.tp_rank * n_local
         tp = ps.tp > 1
         lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         z_t = torch.empty_like(lse)
+        entropy = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
         for lo in range(0, x.shape[0], chunk_tokens):
             sl = slice(lo, lo + chunk_tokens)
             z, _ = _chunk_logits(x[sl], w, vocab_start, vocab_size, softcap)
@@ -83,17 +87,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ps.tp_group)
             local, owned = _local_target(target[sl], vocab_start, n_local)
             picked = torch.where(owned, z.gather(-1, local[:, None]).squeeze(-1), 0.0)
-            sums = torch.stack([(z - m[:, None]).exp().sum(-1), picked])
+            shifted = z - m[:, None]
+            e = shifted.exp()
+            rows = [e.sum(-1), picked]
+            if with_entropy:  # padding columns: exp(-inf) = 0 times a 0 in place of their -inf
+                rows.append((e * shifted.nan_to_num(neginf=0.0)).sum(-1))
+            sums = torch.stack(rows)
             if tp:
                 dist.all_reduce(sums, group=ps.tp_group)
             lse[sl] = m + sums[0].log()
             z_t[sl] = sums[1]
+            if with_entropy:
+                entropy[sl] = sums[0].log() - sums[2] / sums[0]
         ctx.save_for_backward(x, w, target, lse)
         ctx.ps, ctx.vocab_size, ctx.chunk_tokens, ctx.sink, ctx.softcap = ps, vocab_size, chunk_tokens, sink, softcap
-        return lse - z_t
+        ctx.mark_non_differentiable(entropy)
+        return lse - z_t, entropy
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, _):
         x, w, target, lse = ctx.saved_tensors
         ps = ctx.ps
         n_local = w.shape[0]
@@ -120,26 +132,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Each TP rank holds a vocabulary slice, so its grad_x is partial; the caller's
         # copy-to-TP / sequence-gather backward sums it over TP.
         if sink is not None:
-            return grad_x, None, None, None, None, None, None, None
-        return grad_x, grad_w.to(w.dtype), None, None, None, None, None, None
+            return grad_x, None, None, None, None, None, None, None, None
+        return grad_x, grad_w.to(w.dtype), None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
     x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ps: ParallelState, vocab_size: int,
-    chunk_tokens: int = CE_CHUNK_TOKENS, softcap: float | None = None,
-) -> torch.Tensor:
+    chunk_tokens: int = CE_CHUNK_TOKENS, softcap: float | None = None, entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token fp32 loss of `x @ weight.T` (soft-capped at `softcap` where given) against `target` (-100
-    ignored).
+    ignored); with `entropy`, `(loss, entropy)`, the second each token's softmax entropy (no gradient).
 
     `x` is `[..., h]` (already copied/gathered for TP), `weight` this rank's
-    `[V_pad/tp, h]` slice; the loss has `x`'s leading shape. Where the weight has a sink (wgrad.py)
-    its gradient goes there.
+    `[V_pad/tp, h]` slice; the outputs have `x`'s leading shape, 0 where the target is ignored. Where the weight
+    has a sink (wgrad.py) its gradient goes there.
     """
     lead = x.shape[:-1]
     flat_t = target.reshape(-1)
     ignore = flat_t < 0
-    loss = _LinearCrossEntropy.apply(
+    loss, h = _LinearCrossEntropy.apply(
         x.reshape(-1, x.shape[-1]), weight, flat_t.masked_fill(ignore, 0), ps, vocab_size, chunk_tokens,
-        sink_of(weight), softcap,
+        sink_of(weight), softcap, entropy,
     )
-    return loss.masked_fill(ignore, 0.0).reshape(lead)
+    loss = loss.masked_fill(ignore, 0.0).reshape(lead)
+    return (loss, h.masked_fill(ignore, 0.0).reshape(lead)) if entropy else loss

@@ -35,7 +35,10 @@ Metrics, TRL's: `kl` (mean of the k3 term over tokens), `clip_ratio/low_mean` (w
 `clip_ratio/high_mean` (w > 1 + ε_high with A > 0), `clip_ratio/region_mean` (either), means over tokens
 (token level) or over completions (sequence level); where the generating engine's log-probabilities came
 with the completions, the train/generation mismatch `sampling/sampling_logp_difference/mean`, the mean
-over tokens of |π − π_generator| (π from this forward, the training layout's).
+over tokens of |π − π_generator| (π from this forward, the training layout's); given the policy's chunks,
+`entropy`, the mean over completion tokens of the entropy of softmax(logits / T) the tokens are scored with (TRL's
+`entropy`; a token mean over the whole step, as `kl` is), from the head's own cross-entropy pass
+(`Decoder.record_entropy`).
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ from .dataclass_io import ConfigError
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-MISMATCH = "sampling/sampling_logp_difference/mean"
-CARD_METRICS = ("reward", "reward_std", "kl")  # what a model card shows of the last step, beside the loss  # TRL's name: mean |π_train − π_generator| over tokens
+MISMATCH = "sampling/sampling_logp_difference/mean"  # TRL's name: mean |π_train − π_generator| over tokens
+ENTROPY = "entropy"
+CARD_METRICS = ("reward", "reward_std", "kl")  # what a model card shows of the last step, beside the loss
 
 
 @dataclass
@@ -172,16 +176,22 @@ def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, cfg: GRPOSett
 
 class GRPOLoss:
     """The `MicroBatchLoss` of a GRPO step (module doc). `num_completions`, `num_tokens`: the step's completions and
-    completion tokens that count (all micro-batches, all DP ranks). `totals` sums this rank's metric numerators and
-    denominators over its micro-batches (complete over CP), detached."""
+    completion tokens that count (all micro-batches, all DP ranks). `chunks`: this rank's policy chunks, whose head
+    then keeps each token's entropy for the `entropy` metric (None: no such metric). `totals` sums this rank's
+    metric numerators and denominators over its micro-batches (complete over CP), detached."""
 
-    def __init__(self, cfg: GRPOSettings, ps, num_completions: int, num_tokens: int):
+    def __init__(self, cfg: GRPOSettings, ps, num_completions: int, num_tokens: int, chunks=None):
         if num_completions < 1:
             raise LayoutError(f"a GRPO step needs at least one completion, got {num_completions}")
         self.cfg, self.ps = cfg, ps
         self.num_completions, self.num_tokens = num_completions, max(num_tokens, 1)
-        # kl sum, tokens, |π − π_gen| sum, its tokens; low, high, region (clip numerators), clip denominator
-        self.totals = torch.zeros(8, dtype=torch.float64, device=ps.device)
+        self.scores_entropy = chunks is not None
+        self.head = next((c for c in chunks or () if c.post_process), None)
+        if self.head is not None:
+            self.head.record_entropy = True
+        # kl sum, tokens, |π − π_gen| sum, its tokens, entropy sum; low, high, region (clip numerators), clip
+        # denominator
+        self.totals = torch.zeros(9, dtype=torch.float64, device=ps.device)
 
     def __call__(self, per_token: torch.Tensor, mb: CompletionBatch) -> torch.Tensor:
         cfg, ps = self.cfg, self.ps
@@ -223,13 +233,15 @@ class GRPOLoss:
         else:  # bnpo, dapo
             loss = loss_t.sum() / self.num_tokens
         gen = None if mb.gen_logps is None else mb.gen_logps[kept]
+        entropy = self.head.take_entropy()[kept] if self.head is not None else None
         if cfg.importance_sampling_level == "sequence":
-            self._add_metrics(kl, logp, gen, weight_seq.detach(), adv, per_sequence=True, capped_seq=cfg.delta)
+            self._add_metrics(kl, logp, gen, entropy, weight_seq.detach(), adv, per_sequence=True,
+                              capped_seq=cfg.delta)
         else:
-            self._add_metrics(kl, logp, gen, capped.detach(), a, per_sequence=False)
+            self._add_metrics(kl, logp, gen, entropy, capped.detach(), a, per_sequence=False)
         return loss
 
-    def _add_metrics(self, kl, logp, gen, weight, adv, per_sequence: bool, capped_seq=None) -> None:
+    def _add_metrics(self, kl, logp, gen, entropy, weight, adv, per_sequence: bool, capped_seq=None) -> None:
         cfg = self.cfg
         if capped_seq is not None:
             weight = weight.clamp(max=capped_seq)
@@ -238,7 +250,8 @@ class GRPOLoss:
         zero = logp.new_zeros(())
         tokens = torch.stack([kl.detach().sum() if kl is not None else zero, logp.new_tensor(float(logp.numel())),
                               (logp.detach() - gen).abs().sum() if gen is not None else zero,
-                              logp.new_tensor(float(logp.numel() if gen is not None else 0))]).double()
+                              logp.new_tensor(float(logp.numel() if gen is not None else 0)),
+                              entropy.sum() if entropy is not None else zero]).double()
         clips = torch.stack([low.sum(), high.sum(), (low | high).sum()]).double()
         clip_den = torch.tensor([float(weight.numel())], dtype=torch.float64, device=clips.device)
         if self.ps.cp > 1:  # token sums are this rank's share; sequence-level values are whole on every CP rank
@@ -251,13 +264,15 @@ class GRPOLoss:
 
     def metrics(self, totals) -> dict[str, float]:
         """The step's metrics from `totals` summed over the ranks that hold distinct completions."""
-        kl, tokens, mismatch, compared, low, high, region, den = (float(v) for v in totals)
+        kl, tokens, mismatch, compared, entropy, low, high, region, den = (float(v) for v in totals)
         out = {"clip_ratio/low_mean": low / max(den, 1), "clip_ratio/high_mean": high / max(den, 1),
                "clip_ratio/region_mean": region / max(den, 1)}
         if self.cfg.beta:
             out["kl"] = kl / max(tokens, 1)
         if compared:
             out[MISMATCH] = mismatch / compared
+        if self.scores_entropy:
+            out[ENTROPY] = entropy / max(tokens, 1)
         return out
 
 

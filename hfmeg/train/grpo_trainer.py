@@ -29,8 +29,8 @@ class TokenReference:
 class _Loss(GRPOLoss):
     """The GRPO loss of a step, its metrics with the step's generation metrics beside them."""
 
-    def __init__(self, cfg, ps, batch):
-        super().__init__(cfg, ps, batch.num_completions, batch.num_tokens)
+    def __init__(self, cfg, ps, batch, chunks):
+        super().__init__(cfg, ps, batch.num_completions, batch.num_tokens, chunks)
         self.generation = batch.metrics
 
     def metrics(self, totals) -> dict[str, float]:
@@ -50,7 +50,7 @@ class GRPOTrainer(Trainer):
                         self.out, self.schedule, engine=self.given_engine)
 
     def _objective(self, batch):
-        return _Loss(self.cfg.grpo, self.ps, batch)
+        return _Loss(self.cfg.grpo, self.ps, batch, self.chunks)
 
     def _reference(self):
         """The reference (built after the policy's chunks): both heads score at the sampling temperature."""
