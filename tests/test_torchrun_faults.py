@@ -159,3 +159,50 @@ def test_ctrl_c_saves_and_exits_130(tmp_path, launcher):
     step = int((out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
     assert proc.returncode == 130 and f"SIGINT: saved step {step}" in output, output
     assert "Traceback" not in output and "Exception raised from" not in output, output
+
+
+STORE_CLIENT = """
+import hfmeg, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
+print("connected", flush=True)
+try:
+    while True:
+        store.add("beat", 1)
+        time.sleep(0.05)
+except dist.DistNetworkError:
+    print("lost the store", flush=True)
+"""
+
+
+def test_a_rank_that_loses_the_store_logs_no_cpp_stack_dump():
+    """A launcher's worker (LOCAL_RANK set) whose store goes away gets the Python error that hfmeg reports in its one
+    line, without c10d's C++ warning and stack dump before it; outside a launcher torch's own logging is kept (the
+    control: the same client without LOCAL_RANK logs it)."""
+    from hfmeg.parallel.launch import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as d; "
+                               f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
+                               "print('up', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "TORCH_CPP_LOG_LEVEL")}
+    clients = {}
+    try:
+        assert server.stdout.readline().strip() == "up"
+        clients = {rank: subprocess.Popen([sys.executable, "-c", STORE_CLIENT, str(port)],
+                                          env={**env, **({"LOCAL_RANK": "0"} if rank else {})},
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for rank in (True, False)}
+        for client in clients.values():
+            assert client.stdout.readline().strip() == "connected", client.communicate(timeout=60)
+        server.kill()
+        outputs = {rank: client.communicate(timeout=120) for rank, client in clients.items()}
+    finally:
+        server.kill()
+        for client in clients.values():
+            client.kill()
+    for out, _ in outputs.values():
+        assert out.strip() == "lost the store"
+    assert "Exception raised from" in outputs[False][1]  # torch's C++ warning, outside a launcher
+    assert "Exception raised from" not in outputs[True][1] and "recvValue" not in outputs[True][1], outputs[True][1]
