@@ -42,6 +42,8 @@ ETC_NETNS = Path("/etc/netns")  # where `ip netns exec` finds a namespace's own 
 RATE = "1gbit"  # a commodity inter-host link; the issue's cluster has 100 Gbit/s between 8-GPU nodes
 DELAY_MS = 0.5
 MONITOR_S = 0.5  # how often torchrun's agent looks at its workers
+# How soon the rendezvous drops a lost host's agent (docs/multihost.md#restarts), as the launch files set it.
+RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=5"
 RDZV_PORT = 29400  # every bed has its own network, so a fixed port cannot clash with another bed's
 STAND_IN_ENV = "HFMEG_STAND_IN_HOSTS"
 _beds = count()
@@ -174,7 +176,7 @@ class Hosts:
         """torchrun's flags on every host of this bed: c10d rendezvous on host 0 (`h0`), which hosts the store."""
         return [str(TORCHRUN), "--nnodes", str(self.n), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{self.hostname(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
-                "--max-restarts", str(max_restarts), "--monitor-interval", str(MONITOR_S)]
+                "--max-restarts", str(max_restarts), "--monitor-interval", str(MONITOR_S), "--rdzv-conf", RDZV_CONF]
 
     def torchrun(self, i: int, nproc: int, args: list[str], log: Path, env: dict[str, str] | None = None,
                  **kw) -> subprocess.Popen:

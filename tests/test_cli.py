@@ -44,7 +44,7 @@ def test_python_m_hfmeg_help_lists_every_command():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: hfmeg ")
     listed = re.findall(r"^ {4}(\S+) ", proc.stdout, re.M)  # "    train     train a model: ..."
-    assert listed == list(COMMANDS) == ["train", "convert", "reshard", "verify", "export", "chat", "plan"], proc.stdout
+    assert listed == list(COMMANDS) == ["train", "convert", "reshard", "verify", "export", "chat", "launch", "plan"], proc.stdout
 
 
 @pytest.mark.parametrize("argv", PARSERS, ids=" ".join)

@@ -157,6 +157,31 @@ def _final(out) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))}
 
 
+class _Milestones:
+    """When the steps of a recovery first show in host 0's log (for the report: where the seconds go). The
+    agent's own steps show with torch's LOGLEVEL=INFO in the environment."""
+
+    MARKS = {"the survivors' line": LOST_LINE, "host 0's agent restarts its workers": "will restart worker group",
+             "the next round's workers start": "Starting worker group", "rank 0 resumes": "resuming from"}
+
+    def __init__(self, log):
+        self.log, self.times = log, {}
+        self.before = {what: self._text().count(mark) for what, mark in self.MARKS.items()}
+
+    def _text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def at(self, what: str) -> None:
+        self.times[what] = time.monotonic()
+
+    def poll(self) -> str:
+        text = self._text()
+        for what, mark in self.MARKS.items():
+            if what not in self.times and text.count(mark) > self.before[what]:
+                self.at(what)
+        return text
+
+
 # The agents' store for each round afresh: without it, an agent started again after its host was lost cannot
 # join (torch: a node new to a later round waits for the store's address, which only the first round writes).
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -180,17 +205,20 @@ def test_a_host_killed_mid_run_comes_back_to_the_same_model(namespace_hosts, tmp
     for pid in (bed.pids(1) if lost == "host" else worker_ranks(bed, 1, procs[1])):
         os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
+    seen = _Milestones(logs[0])
     if lost == "host":
         procs[1].wait()
         time.sleep(2)
         procs[1] = bed.torchrun(1, 2, _resumable(out), logs[2], env, max_restarts=3)
-    while saved and "resuming from" not in logs[0].read_text(errors="replace") and time.monotonic() - killed < 180:
-        time.sleep(0.1)
+        seen.at("host 1's torchrun started again")
+    while saved and "resuming from" not in seen.poll() and time.monotonic() - killed < 180:
+        time.sleep(0.05)
     resumed = time.monotonic() - killed  # the next round's rank 0 has loaded the checkpoint
     codes = wait_all(procs, 180)
     if saved and os.environ.get("HFMEG_BOUND_REPORT"):
         with open(os.environ["HFMEG_BOUND_REPORT"], "a") as f:
-            f.write(f"host 1's {lost} killed after step {at_step}\tresumed {resumed:.1f} s after the kill\n")
+            f.write(f"host 1's {lost} killed after step {at_step}\tresumed {resumed:.1f} s after the kill\t"
+                    + ", ".join(f"{what} {t - killed:.1f} s" for what, t in seen.times.items()) + "\n")
     text = "".join(log.read_text(errors="replace") for log in logs if log.is_file())
     assert codes == [0, 0], "\n".join(log.read_text(errors="replace")[-3000:] for log in logs if log.is_file())
     assert ("resuming from" in text) == saved, saved

@@ -2,7 +2,9 @@
 
 - a refused `--out` lock (another run holds it): one error line for the job, exit 2 from every rank;
 - one rank killed: the survivors stop by themselves, fast, with no traceback and no SIGKILL from the agent;
-- Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it): a checkpoint saved, exit 130.
+- Ctrl-C (SIGINT to the launcher's process group, as a terminal sends it): a checkpoint saved, exit 130, in one
+  process and under `hfmeg launch torchrun|accelerate` (a plain torchrun's agent exits 1 on a signal whatever its
+  workers do: hfmeg/commands/launch.py says where in torch).
 
 Slow (a torchrun job of 4 interpreters each); bounds come from the run's settings, not from a quiet machine.
 """
@@ -17,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from hfmeg.train.run_lock import RunLock
 from test_train import ALPACA, _assets
 
@@ -27,15 +31,21 @@ SURVIVORS_EXIT_S = 10.0
 EXITCODE = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+)")
 
 
-def _torchrun(out: Path, *flags: str, launcher: tuple[str, ...] = (), world: int = 4) -> subprocess.Popen:
+def _torchrun(out: Path, *flags: str, launcher: tuple[str, ...] = (), world: int = 4, **kw) -> subprocess.Popen:
     """`torchrun LAUNCHER -m hfmeg train FLAGS` on `world` CPU workers, its output merged."""
+    return _launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                    "--monitor-interval", str(MONITOR_S), *launcher, "-m", "hfmeg", "train", "--recipe",
+                    "sft_llama13b"], out, *flags, **kw)
+
+
+def _launch(launcher: list[str], out: Path, *flags: str, **kw) -> subprocess.Popen:
+    """`LAUNCHER` (ending in what runs the SFT recipe) with a short CPU run's flags, its output merged."""
     env = {**os.environ, "HFMEG_BACKEND": "gloo", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--monitor-interval",
-           str(MONITOR_S), *launcher,
-           "-m", "hfmeg", "train", "--recipe", "sft_llama13b", "--model", str(_assets()), "--data", str(ALPACA),
-           "--seq-len", "64", "--global-batch-size", "4", "--micro-batch-size", "1", "--warmup-steps", "0",
-           "--report-to", "none", "--dtype", "fp32", "--out", str(out), *flags]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env.pop("RANK", None)
+    cmd = [*launcher, "--model", str(_assets()), "--data", str(ALPACA), "--seq-len", "64", "--global-batch-size",
+           "4", "--micro-batch-size", "1", "--warmup-steps", "0", "--report-to", "none", "--dtype", "fp32", "--out",
+           str(out), *flags]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
 def _exit_codes(report: str) -> dict[int, int]:
@@ -119,17 +129,27 @@ def test_survivors_of_a_killed_rank_stop_at_once_without_tracebacks(tmp_path):
     assert len(lines) <= 3, worker_output  # one line each at most
 
 
-def test_ctrl_c_saves_and_exits_130(tmp_path):
-    """Ctrl-C (SIGINT to the terminal's process group) in a single-process run: a checkpoint, exit 130."""
+RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "sft_llama13b.py")
+HFMEG_LAUNCH = [sys.executable, "-m", "hfmeg", "launch"]
+LAUNCHERS = {
+    "one process": [sys.executable, RECIPE, "--tp", "1"],
+    "hfmeg launch torchrun": [*HFMEG_LAUNCH, "torchrun", "--nproc-per-node", "2", "--monitor-interval",
+                              str(MONITOR_S), RECIPE, "--tp", "2"],
+    "hfmeg launch accelerate": [*HFMEG_LAUNCH, "accelerate", "--multi_gpu", "--num_processes", "2",
+                                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                                "--monitor_interval", str(MONITOR_S), RECIPE, "--tp", "2"],
+    "hfmeg launch accelerate, one process": [*HFMEG_LAUNCH, "accelerate", "--num_processes", "1",
+                                             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
+                                             "no", RECIPE, "--tp", "1"],
+}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_ctrl_c_saves_and_exits_130(tmp_path, launcher):
+    """Ctrl-C (SIGINT to the terminal's process group) mid-run: a checkpoint of the step every rank stopped at,
+    exit 130 from what the shell started, no traceback from any process."""
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("RANK", None)
-    proc = subprocess.Popen([sys.executable, "-m", "hfmeg", "train", "--recipe", "sft_llama13b", "--model",
-                             str(_assets()), "--data", str(ALPACA), "--tp", "1", "--seq-len", "64",
-                             "--global-batch-size", "2", "--micro-batch-size", "1", "--max-steps", "100000",
-                             "--warmup-steps", "0", "--report-to", "none", "--dtype", "fp32", "--out", str(out)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _launch(LAUNCHERS[launcher], out, "--max-steps", "100000", start_new_session=True)
     try:
         _wait_for_steps(proc, out, 2)
         os.killpg(proc.pid, signal.SIGINT)
@@ -138,4 +158,51 @@ def test_ctrl_c_saves_and_exits_130(tmp_path):
         proc.kill()
     step = int((out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
     assert proc.returncode == 130 and f"SIGINT: saved step {step}" in output, output
-    assert "Traceback" not in output
+    assert "Traceback" not in output and "Exception raised from" not in output, output
+
+
+STORE_CLIENT = """
+import hfmeg, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
+print("connected", flush=True)
+try:
+    while True:
+        store.add("beat", 1)
+        time.sleep(0.05)
+except dist.DistNetworkError:
+    print("lost the store", flush=True)
+"""
+
+
+def test_a_rank_that_loses_the_store_logs_no_cpp_stack_dump():
+    """A launcher's worker (LOCAL_RANK set) whose store goes away gets the Python error that hfmeg reports in its one
+    line, without c10d's C++ warning and stack dump before it; outside a launcher torch's own logging is kept (the
+    control: the same client without LOCAL_RANK logs it)."""
+    from hfmeg.parallel.launch import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", "import sys, time, torch.distributed as d; "
+                               f"s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); "
+                               "print('up', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "TORCH_CPP_LOG_LEVEL")}
+    clients = {}
+    try:
+        assert server.stdout.readline().strip() == "up"
+        clients = {rank: subprocess.Popen([sys.executable, "-c", STORE_CLIENT, str(port)],
+                                          env={**env, **({"LOCAL_RANK": "0"} if rank else {})},
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for rank in (True, False)}
+        for client in clients.values():
+            assert client.stdout.readline().strip() == "connected", client.communicate(timeout=60)
+        server.kill()
+        outputs = {rank: client.communicate(timeout=120) for rank, client in clients.items()}
+    finally:
+        server.kill()
+        for client in clients.values():
+            client.kill()
+    for out, _ in outputs.values():
+        assert out.strip() == "lost the store"
+    assert "Exception raised from" in outputs[False][1]  # torch's C++ warning, outside a launcher
+    assert "Exception raised from" not in outputs[True][1] and "recvValue" not in outputs[True][1], outputs[True][1]

@@ -5,12 +5,22 @@ the CPU examples' steps) in a fresh interpreter, so OpenMP reads its settings at
 
 - `default`: what a plain `python recipes/...` got before hfmeg set its threads (torch's default: every core,
   OpenMP spinning while it waits);
-- `hfmeg`: what hfmeg sets now (`parallel/threads.py`: the cores shared out over the local processes, OpenMP
-  waiting passively);
-- `one`: `OMP_NUM_THREADS=1`, the issue's workaround.
+- `hfmeg`: what hfmeg sets (`parallel/threads.py`);
+- `cores`: every core this process may use (`os.sched_getaffinity`), OpenMP waiting passively;
+- `cores-minus-load`: those cores less the other runnable tasks seen at start (`/proc/loadavg`'s running
+  count, less this process), at least one, waiting passively;
+- `one`: one thread (`OMP_NUM_THREADS=1`, the issue's workaround);
+- `twice-cores`: two threads per core, waiting passively (more of the kernel's per-thread shares when others
+  compete in the same session).
 
-The load is `--load` busy processes (default: one per core), started before the timed runs and stopped after.
-Prints one JSON line per (configuration, load) and a summary line: the loaded/quiet ratio of each.
+The load is `--load` busy processes (default: one per core), started before the timed runs and stopped after:
+`--load-session same` runs them in the bench's own session (the kernel's fair share is then per thread),
+`other` in a session of their own (with the kernel's autogroup on, the default of most distributions, a
+session is shared out as a group: a busy machine's other jobs). The configurations run in turn, round after
+round (`--repeats`), and each one's median counts, so that a machine whose own load drifts weighs on each
+alike. Prints one JSON line per (configuration, load) and a summary line: each configuration's loaded time over
+the best quiet time of all (what a user compares: their run on a quiet machine against the same run on a busy
+one), and over its own quiet time.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 
@@ -36,14 +47,22 @@ for _ in range({steps}):
 print(time.perf_counter() - t0)
 """
 
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+_CORES = "import os; cores = len(os.sched_getaffinity(0))"
+_OTHERS = "others = max(0, int(open('/proc/loadavg').read().split()[3].split('/')[0]) - 1)"
 CONFIGS = {
     "default": ({}, ""),
     "hfmeg": ({}, "from hfmeg.parallel.threads import share_cores; share_cores()"),  # hfmeg first, as recipes
-    "one": ({"OMP_NUM_THREADS": "1"}, ""),
+    "cores": (PASSIVE, f"{_CORES}; import torch; torch.set_num_threads(cores)"),
+    "cores-minus-load": (PASSIVE, f"{_CORES}; {_OTHERS}; import torch; torch.set_num_threads(max(1, cores - others))"),
+    "one": ({**PASSIVE, "OMP_NUM_THREADS": "1"}, ""),
+    "twice-cores": (PASSIVE, f"{_CORES}; import torch; torch.set_num_threads(2 * cores)"),
 }
 
 
-def _spin() -> None:
+def _spin(own_session: bool) -> None:
+    if own_session:
+        os.setsid()
     while True:
         pass
 
@@ -61,23 +80,37 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--load", type=int, default=len(os.sched_getaffinity(0)), help="busy background processes")
-    ap.add_argument("--repeats", type=int, default=3, help="best of this many runs per configuration")
+    ap.add_argument("--load-session", choices=("same", "other"), default="same",
+                    help="the load in the bench's session or in one of its own")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds; the median of each configuration's runs")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, of: " + ", ".join(CONFIGS))
     a = ap.parse_args(argv)
+    names = a.configs.split(",")
     results: dict[str, dict[str, float]] = {}
     for loaded in (False, True):
-        spinners = [mp.Process(target=_spin, daemon=True) for _ in range(a.load if loaded else 0)]
+        spinners = [mp.Process(target=_spin, args=(a.load_session == "other",), daemon=True)
+                    for _ in range(a.load if loaded else 0)]
         for p in spinners:
             p.start()
         try:
-            for name in CONFIGS:
-                best = min(run(name, a.steps) for _ in range(a.repeats))
-                results.setdefault(name, {})["loaded" if loaded else "quiet"] = best
-                print(json.dumps({"config": name, "load": len(spinners), "seconds": round(best, 3)}), flush=True)
+            # Rounds of every configuration in turn, so that a machine whose own load drifts (others' jobs) weighs on
+            # each alike; the median of the rounds.
+            times: dict[str, list[float]] = {name: [] for name in names}
+            for _ in range(a.repeats):
+                for name in names:
+                    times[name].append(run(name, a.steps))
+            for name, seconds in times.items():
+                results.setdefault(name, {})["loaded" if loaded else "quiet"] = statistics.median(seconds)
+                print(json.dumps({"config": name, "load": len(spinners), "seconds": [round(t, 3) for t in seconds],
+                                  "loadavg": os.getloadavg()[0]}), flush=True)
         finally:
             for p in spinners:
                 p.terminate()
                 p.join()
+    best_quiet = min(v["quiet"] for v in results.values())
     print(json.dumps({"bench": "threads", "cores": len(os.sched_getaffinity(0)), "steps": a.steps,
+                      "load": a.load, "load_session": a.load_session, "loadavg_at_end": os.getloadavg(),
+                      "loaded_over_best_quiet": {k: round(v["loaded"] / best_quiet, 2) for k, v in results.items()},
                       "loaded_over_quiet": {k: round(v["loaded"] / v["quiet"], 2) for k, v in results.items()},
                       "seconds": {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in results.items()}}))
     return 0

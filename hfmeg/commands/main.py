@@ -34,6 +34,9 @@ COMMANDS = {
     "chat": Command("hfmeg.commands.chat:main",
                     "chat with a trained model (an export, a run's --out, an MP checkpoint or an adapter) in the "
                     "chat template it trained with; --prompt for one conversation without a terminal"),
+    "launch": Command("hfmeg.commands.launch:main",
+                      "run torchrun or accelerate launch (their flags as they are) with a stopped job's exit code: "
+                      "Ctrl-C exits 130 (SIGTERM 143) with one line, after the workers saved"),
     "plan": Command("hfmeg.plan.cli:main",
                     "the layout planner: rank layouts by predicted step time; calibrate, scaling, published"),
 }

@@ -7,7 +7,9 @@ starts several, and accelerate its own share. hfmeg sets each process's share it
 may run on (`os.sched_getaffinity`) over the processes on its host (`LOCAL_WORLD_SIZE`, 1 without a launcher),
 at least one; and asks OpenMP to wait passively (`OMP_WAIT_POLICY=PASSIVE`, read when OpenMP starts: hfmeg
 sets it on import, so it holds where hfmeg is imported before torch, as in the recipes and the `hfmeg` command).
-Measured with tools/bench_threads.py, docs/benchmarks.md#threads.
+Measured with tools/bench_threads.py, docs/benchmarks.md#threads, against one thread, the cores less the other
+runnable tasks seen at start, and twice the cores: none did better on a busy machine, and a count cut for the
+load at start would stay cut after the load has gone.
 """
 
 from __future__ import annotations
