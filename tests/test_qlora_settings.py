@@ -97,7 +97,8 @@ def test_a_4bit_base_is_refused_on_an_expert_model(tmp_path):
 
 @pytest.mark.parametrize("saved, now, field", [
     (dict(), dict(quantize="nf4"), "peft.quantize"), (dict(quantize="nf4"), dict(quantize="fp4"), "peft.quantize"),
-    (dict(quantize="nf4"), dict(quantize="nf4", double_quant=False), "peft.double_quant")])
+    (dict(quantize="nf4"), dict(quantize="nf4", double_quant=False), "peft.double_quant"),
+    (dict(quantize="nf4", compute_dtype="fp32"), dict(quantize="nf4", compute_dtype="bf16"), "peft.compute_dtype")])
 def test_a_resume_with_other_quant_settings_is_refused_naming_the_field(saved, now, field, tmp_path):
     write_info(tmp_path, PeftConfig(method="lora", **saved), {"path": "base", "sha256": "0" * 64})
     with pytest.raises(CheckpointError, match=f"^{field}: "):

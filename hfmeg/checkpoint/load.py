@@ -28,7 +28,9 @@ time, are quantized whole by bitsandbytes and cut for the rank (`rules_4bit.to_l
 right after the chunk is built, before the cast and before anything writes it: on the CPU its pages were never
 touched, so a rank's resident memory is its 4-bit base, the other parameters and one rule's HF tensors at a time.
 (On a GPU the allocator did hold it until then: building the chunk on the meta device would avoid that, but RoPE
-computes its frequencies when built.)
+computes its frequencies when built.) A `*-bnb-4bit` source's linears are read as the codes it stores
+(`HFCheckpoint.packed_4bit`), cut for the rank without a dequantize / requantize round; its quant type and double
+quantization must be the run's.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def load_chunks(
     if base_4bit is not None and (cfg.moe is not None or cfg.mla is not None or cfg.linear_attention is not None):
         raise UnsupportedConfigError(f"peft.quantize: a 4-bit base is built for dense models with standard "
                                      f"attention; {cfg.model_type} has experts, latent or linear attention")
+    if base_4bit is not None and isinstance(source, HFCheckpoint):
+        _check_stored_4bit(source, base_4bit)
     return [_load_chunk(source, cfg, spec, ps, dtype, vocab_multiple, base_4bit, options) for spec in specs]
 
 
@@ -153,14 +157,33 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
                 params[rule.local].copy_(source.local(ps.tp_rank, source.holder(ps.pp_rank, rule.local), rule.local))
         else:
             _check_shapes(source, rules, cfg)
-            for rule, tensors in rule_tensors(source, rules):
-                if rule.local not in quantized:
-                    params[rule.local].copy_(to_local(rule, tensors, cfg, ps.tp, ps.tp_rank, vocab_multiple))
-                    continue
+            for rule, tensors in rule_tensors(source, [r for r in rules if r.local not in quantized]):
+                params[rule.local].copy_(to_local(rule, tensors, cfg, ps.tp, ps.tp_rank, vocab_multiple))
+            for rule in [r for r in rules if r.local in quantized]:  # a stored 4-bit tensor is not dequantized
+                tensors = [source.packed_4bit(n) if _stored_4bit(source, n) else source.get(n) for n in rule.hf]
                 packed = to_local_4bit(rule, tensors, cfg, ps.tp, ps.tp_rank, base_4bit.quant_type,
                                        base_4bit.double_quant, vocab_multiple)
                 quantized[rule.local].weight_provider = Frozen4bitWeight(packed, dtype).to(ps.device)
     return chunk
+
+
+def _stored_4bit(source: HFCheckpoint | TensorSource, name: str) -> bool:
+    return isinstance(source, HFCheckpoint) and source.stored_4bit(name)
+
+
+def _check_stored_4bit(source: HFCheckpoint, base_4bit: Base4bit) -> None:
+    """A `*-bnb-4bit` source is the 4-bit base as stored: its quant type and double quantization must be the run's
+    (the run cannot requantize it without the float weights)."""
+    fmt = source.quantized.fmt if source.quantized is not None else None
+    if fmt is None or fmt.method != "bitsandbytes":
+        return
+    for field, run, stored, key in (("quantize", base_4bit.quant_type, fmt.quant_type, "bnb_4bit_quant_type"),
+                                    ("double_quant", base_4bit.double_quant, fmt.double_quant,
+                                     "bnb_4bit_use_double_quant")):
+        if run != stored:
+            raise UnsupportedConfigError(f"peft.{field}: {run} differs from {source.folder / 'config.json'} "
+                                         f"quantization_config.{key} {stored}, a base stored 4-bit as the run reads "
+                                         f"it; set peft.{field}: {stored}")
 
 
 def _quantized_layer(chunk: ModelChunk, rule: TensorRule, base_4bit: Base4bit | None):

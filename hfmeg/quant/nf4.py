@@ -31,12 +31,12 @@ from ..errors import UnsupportedConfigError
 QUANT_TYPES = ("nf4", "fp4")
 
 
-def require_bitsandbytes():
-    """bitsandbytes.functional, or one line saying what to install."""
+def require_bitsandbytes(needed_by: str = "peft.quantize"):
+    """bitsandbytes.functional, or one line saying what `needed_by` needs installed."""
     try:
         import bitsandbytes.functional as F
     except ImportError:
-        raise UnsupportedConfigError("peft.quantize needs bitsandbytes: pip install 'bitsandbytes>=0.50'") from None
+        raise UnsupportedConfigError(f"{needed_by} needs bitsandbytes: pip install 'bitsandbytes>=0.50'") from None
     return F
 
 
@@ -67,18 +67,30 @@ def quantize(name: str, weight: torch.Tensor, quant_type: str = "nf4", double_qu
     """bitsandbytes' 4-bit quantization of the full 2-d `weight` (named `name` in a refusal)."""
     if quant_type not in QUANT_TYPES:
         raise UnsupportedConfigError(f"peft.quantize: {quant_type!r} is not one of {QUANT_TYPES}")
-    rows, cols = weight.shape
-    if cols % blocksize:
-        raise UnsupportedConfigError(f"{name}: rows of {cols} values are not whole {blocksize}-value quantization "
-                                     "blocks; a block would span two rows, which no split can cut")
+    _whole_blocks(name, weight.shape[1], blocksize)
     F = require_bitsandbytes()
     codes, state = F.quantize_4bit(weight, blocksize=blocksize, quant_type=quant_type,
                                    compress_statistics=double_quant)
+    return from_quant_state(name, codes, state)
+
+
+def from_quant_state(name: str, codes: torch.Tensor, state) -> Packed4bit:
+    """The `Packed4bit` of bitsandbytes' `codes` and `QuantState` `state` for a 2-d weight (just quantized, or as a
+    `*-bnb-4bit` checkpoint stores it): the codes as they are, the absmax dequantized where nested."""
+    rows, cols = state.shape
+    _whole_blocks(name, cols, state.blocksize)
+    F = require_bitsandbytes()
     absmax = state.absmax
     if state.nested:
         absmax = F.dequantize_blockwise(absmax, state.state2) + state.offset
-    return Packed4bit(codes.view(rows, cols // 2), absmax.float().view(rows, cols // blocksize), quant_type,
-                      blocksize, weight.dtype)
+    return Packed4bit(codes.view(rows, cols // 2), absmax.float().view(rows, cols // state.blocksize),
+                      state.quant_type, state.blocksize, state.dtype)
+
+
+def _whole_blocks(name: str, cols: int, blocksize: int) -> None:
+    if cols % blocksize:
+        raise UnsupportedConfigError(f"{name}: rows of {cols} values are not whole {blocksize}-value quantization "
+                                     "blocks; a block would span two rows, which no split can cut")
 
 
 def shard(name: str, packed: Packed4bit, split, parts: int, index: int) -> Packed4bit:
