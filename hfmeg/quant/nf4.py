@@ -62,6 +62,12 @@ def stored_bytes(numel: int, blocksize: int = 64) -> int:
     return numel // 2 + numel // blocksize * 4
 
 
+def dequantize_bytes(numel: int, dtype_bytes: int, blocksize: int = 64) -> int:
+    """Bytes one dequantization of `numel` values moves: the codes and absmax read, the weight written in a
+    `dtype_bytes` dtype."""
+    return stored_bytes(numel, blocksize) + numel * dtype_bytes
+
+
 def quantize(name: str, weight: torch.Tensor, quant_type: str = "nf4", double_quant: bool = True,
              blocksize: int = 64) -> Packed4bit:
     """bitsandbytes' 4-bit quantization of the full 2-d `weight` (named `name` in a refusal)."""
