@@ -42,6 +42,7 @@ import torch
 from ..config import VOCAB_MULTIPLE, ModelConfig, load_hf_config
 from ..families import model_config_from_hf
 from ..errors import CheckpointError, LayoutError
+from ..quant.nf4 import quantize
 from ..quant.qlora import Base4bit, Frozen4bitWeight
 from ..families.spec import TensorRule
 from ..models.decoder import ModelChunk
@@ -160,7 +161,9 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
             for rule, tensors in rule_tensors(source, [r for r in rules if r.local not in quantized]):
                 params[rule.local].copy_(to_local(rule, tensors, cfg, ps.tp, ps.tp_rank, vocab_multiple))
             for rule in [r for r in rules if r.local in quantized]:  # a stored 4-bit tensor is not dequantized
-                tensors = [source.packed_4bit(n) if _stored_4bit(source, n) else source.get(n) for n in rule.hf]
+                # each float HF tensor quantized as soon as it is read: one held at a time
+                tensors = [source.packed_4bit(n) if _stored_4bit(source, n) else
+                           quantize(n, source.get(n), base_4bit.quant_type, base_4bit.double_quant) for n in rule.hf]
                 packed = to_local_4bit(rule, tensors, cfg, ps.tp, ps.tp_rank, base_4bit.quant_type,
                                        base_4bit.double_quant, vocab_multiple)
                 quantized[rule.local].weight_provider = Frozen4bitWeight(packed, dtype).to(ps.device)
