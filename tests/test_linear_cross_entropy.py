@@ -144,3 +144,25 @@ def test_final_logit_softcap_forward_and_backward_match_autograd(chunk):
     for got, want, name in ((loss, ref, "loss"), (gx, rx, "grad x"), (gw, rw, "grad w")):
         within((got.double() - want).abs().max().item(), n * want.abs().max().item() + 1e-12, name)
     assert torch.equal(gw[vocab:], torch.zeros_like(gw[vocab:]))  # padding rows get no gradient, and no NaN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_frozen_head_forms_no_weight_gradient_and_the_same_input_gradient(dtype, monkeypatch):
+    """LoRA / QLoRA freeze the head: its backward forms no weight gradient (no fp32 [V, h] buffer), and the input
+    gradient is bit for bit the one of a trainable head (the same chunks, the same GEMMs)."""
+    import hfmeg.parallel.linear_cross_entropy as lce
+
+    x, w, target = _inputs()
+    x, w = x.detach().to(dtype).requires_grad_(), torch.nn.Parameter(w.detach().to(dtype))
+    ps = make_ps(world=1)
+    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=CHUNK).sum().backward()
+    trainable = x.grad.clone()
+    x.grad, w.grad = None, None
+    w.requires_grad_(False)
+
+    def no_weight_gradient(*args):
+        raise AssertionError("a weight gradient was formed for a frozen head")
+
+    monkeypatch.setattr(lce, "_add_rows", no_weight_gradient)
+    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=CHUNK).sum().backward()
+    assert torch.equal(x.grad, trainable) and w.grad is None
