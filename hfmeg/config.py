@@ -518,17 +518,6 @@ def check_cp(cfg: ModelConfig, cp: int) -> None:
                  "its part of the sequence); set it false or use cp 1")
 
 
-def check_kv_sharing(cfg: ModelConfig, layers: list[int]) -> None:
-    """Raise if a pipeline chunk holding `layers` has a layer that attends with the keys and values of a layer
-    another chunk holds (`kv_source`): they are not sent between stages."""
-    for i in layers:
-        src = cfg.kv_source[i] if cfg.reuses_kv(i) else i
-        require(src in layers, "num_kv_shared_layers",
-                f"layer {i} attends with layer {src}'s keys and values, which this pipeline split puts on another "
-                f"stage (keys and values are not sent between stages): choose parallel.pp_layers (convert "
-                f"--pp-layers) that keep layers {src} and {i} on one stage")
-
-
 def check_ep(cfg: ModelConfig, ep: int) -> None:
     """Raise if `cfg`'s routed experts cannot be spread evenly over `ep` expert-parallel ranks."""
     if cfg.moe is None and ep > 1:

@@ -13,6 +13,9 @@ from tiny_models import reference_attention, save_tiny
 from transformers import AutoModelForCausalLM
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
+from hfmeg.data.microbatch import MicroBatch
+from hfmeg.parallel.data_parallel import DataParallel
+from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.peft.adapter_files import read_peft_folder
 from hfmeg.peft.merge import merge_into_hf
@@ -23,20 +26,26 @@ from hfmeg.peft.adapters import adapter_tensors, attach, initialise
 def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = False, dora: bool = False,
                           targets="all-linear", modules_to_save: list[str] | None = None,
                           seed: int = 0) -> tuple[Path, Path]:
-    """A tiny random base (transformers' save_pretrained) and a LoRA (or DoRA) adapter `peft` made for it
-    with `init_lora_weights=False`: A and B both random, so every adapter gradient is non-zero. DoRA's
-    magnitudes, and the weights of `modules_to_save` (which peft saves as copies of the base's), are then
-    scaled by random factors in [0.5, 1.5), so that they differ from what they start at and their loading
-    is tested too."""
+    """A tiny random base (transformers' save_pretrained) and a `peft_adapter` for it."""
     base = root / f"{kind}_base"
     if not base.is_dir():
         save_tiny(kind, base, seed=seed)
+    tags = (("_rs", rslora), ("_dora", dora), ("_save", modules_to_save))
+    adapter = root / f"{kind}_adapter{''.join(tag for tag, on in tags if on)}"
+    return base, peft_adapter(base, adapter, rslora=rslora, dora=dora, targets=targets,
+                              modules_to_save=modules_to_save, seed=seed)
+
+
+def peft_adapter(base: Path, adapter: Path, *, rslora: bool = False, dora: bool = False, targets="all-linear",
+                 modules_to_save: list[str] | None = None, seed: int = 0) -> Path:
+    """A LoRA (or DoRA) adapter `peft` made for `base` with `init_lora_weights=False`: A and B both random, so every
+    adapter gradient is non-zero. DoRA's magnitudes, and the weights of `modules_to_save` (which peft saves as copies
+    of the base's), are then scaled by random factors in [0.5, 1.5), so that they differ from what they start at and
+    their loading is tested too."""
     torch.manual_seed(seed + 1)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
                      use_dora=dora, init_lora_weights=False, task_type="CAUSAL_LM", modules_to_save=modules_to_save)
-    tags = (("_rs", rslora), ("_dora", dora), ("_save", modules_to_save))
-    adapter = root / f"{kind}_adapter{''.join(tag for tag, on in tags if on)}"
     get_peft_model(model, cfg).save_pretrained(adapter)
     if dora or modules_to_save:
         path = adapter / "adapter_model.safetensors"
@@ -46,7 +55,7 @@ def make_base_and_adapter(root: Path, kind: str = "llama3", *, rslora: bool = Fa
             if k.endswith("lora_magnitude_vector") or ".lora_" not in k:
                 tensors[k] = v * (0.5 + torch.rand(v.shape, generator=g))
         save_file(tensors, str(path), metadata={"format": "pt"})
-    return base, adapter
+    return adapter
 
 
 def peft_reference(base: Path, adapter: Path, trainable: bool = True):
@@ -100,6 +109,17 @@ def full_adapter_grads(chunks, ps, of=lambda p: p.grad) -> dict[str, torch.Tenso
     for hf, (split, pieces) in experts.items():
         out[hf] = split.join([pieces[e] for e in sorted(pieces)])
     return out
+
+
+def replica_step(chunks, ps, ids, labels) -> tuple[float, dict[str, torch.Tensor]]:
+    """One forward and backward of the same rows on every DP replica: (this replica's share of the loss, 1/dp of it;
+    the full adapter gradients as PEFT-keyed tensors, which the DP wrapper summed: experts over expert-DP, partial
+    ones over TP)."""
+    wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)
+    loss = forward_backward(chunks, ps, [MicroBatch(input_ids=ids, labels=labels)], schedule="1f1b",
+                            num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
+    wrapper.finish_grad_sync()
+    return loss, full_adapter_grads(chunks, ps, lambda p: getattr(p, "main_grad", p))
 
 
 def merged_vs_peft(base: Path, adapter: Path, out: Path) -> float:

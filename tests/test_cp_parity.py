@@ -128,7 +128,7 @@ def _logits(chunks, ps, local: MicroBatch) -> torch.Tensor | None:
     x, last = local.input_ids, len(chunks) * ps.pp - 1
     for m in range(ps.pp_rank, last + 1, ps.pp):  # model chunk m = v * pp + pp_rank is chunks[v]
         if m > 0:
-            x = torch.empty(s // ps.tp if ps.sequence_parallel else s, b, chunks[0].cfg.stage_width)
+            x = torch.empty(s // ps.tp if ps.sequence_parallel else s, b, chunks[0].stage_width)
             dist.recv(x, ps.prev_rank)
         x = chunks[m // ps.pp](x, **kwargs).detach()
         if m < last:
@@ -150,12 +150,13 @@ def _one_layout(folder, lay: Layout, mb: MicroBatch, ntok: int, ref_logits, ref_
     micro = [_rows(mb, slice(i * rows, (i + 1) * rows)).shard(ps.cp_rank, ps.cp) for i in range(lay.micro)]
     loss = forward_backward(chunks, ps, micro, schedule=lay.schedule, num_tokens=ntok)
     box = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
-    dist.all_reduce(box, group=ps.cp_group)  # each CP rank holds its tokens' share of the sum
+    if ps.cp > 1:  # (a layout without CP is compared too: a pipeline split's, tests/test_gemma4_small_releases.py)
+        dist.all_reduce(box, group=ps.cp_group)  # each CP rank holds its tokens' share of the sum
     sync_sequence_parallel_grads(chunks, ps)
     grads = {}
     for chunk in chunks:
         for p in chunk.parameters():  # partial sums over tokens, as DP replicas' are
-            if p.requires_grad:
+            if p.requires_grad and ps.cp > 1:
                 dist.all_reduce(p.grad, group=ps.cp_group)
         for _, p, role in named_roles(chunk):  # tied embeddings with PP: the stages' copies sum (roles.py)
             if role.tied and ps.pp > 1:

@@ -6,16 +6,18 @@ a projection of the token embedding, and each layer's gate, projection and norm)
 attend with the keys and values of the last earlier layer of their type); the E2B's reusing layers have double-wide
 MLPs and its one KV head is replicated over TP.
 - the configs read as transformers reads them: which layer reuses whose keys, which MLPs are wide, every parameter
-  counted; a pipeline split that puts a reusing layer on another stage than its producer refused, naming the field,
-  before anything is written;
+  counted;
 - one 4-rank world per release: logits equal to transformers' within the contract's bound and greedy generation
   equal, LoRA (peft's projection names) logits and loss equal to peft's and its adapter gradients as close to peft's
   float64 ones as peft's own fp32 ones are (2x), the peft adapter imported onto shards and exported back bit for
-  bit, HF -> shards -> HF bit-exact: the E4B at TP2 x PP2, the E2B at PP2 (LoRA is not built under KV-head
-  replication) and at TP2 x PP2 for the logits;
-- CP2 x TP2 (SP) and CP2 x PP2 against one process, every gradient (tests/test_cp_parity.py's check): the
-  producers' keys and values are reused gathered, the per-layer inputs' gradients flow back between stages;
-- 3 trainer steps with LoRA at TP2 x PP2 (E4B) and PP2 (E2B).
+  bit, HF -> shards -> HF bit-exact: both at TP2 x PP2 (the E2B's one KV head replicated, its `k_proj`/`v_proj`
+  adapters' B rows with it: tests/test_kv_replication_lora.py; the E4B split evenly, a reader on the second stage
+  of a producer on the first);
+- CP2 x TP2 (SP), CP2 x PP2 and, split evenly (readers on the stage after their producers), CP2 x PP2, TP2 x PP2
+  (SP) and CP2 x PP2 interleaved over 2 virtual stages a rank, against one process, every gradient (tests/test_cp_parity.py's check): the producers' keys and values are
+  reused gathered, and sent with the activations to a later stage; the per-layer inputs' gradients, and the shared
+  keys' and values', flow back between stages;
+- 3 trainer steps with LoRA at TP2 x PP2 (the E4B split evenly).
 """
 
 from __future__ import annotations
@@ -25,33 +27,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from bounds import within
 from convert_helpers import assert_same_tensors
-from helpers import make_ps
 from safetensors.torch import load_file
-from test_gemma4_releases import (TOL, _parity, check_parity_rows, float64_reference, make_adapter, release_config,
+from test_gemma4_releases import (_parity, check_parity_rows, float64_reference, make_adapter, release_config,
                                   save_release)
 from transformers import AutoModelForCausalLM
 
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
-from hfmeg.checkpoint.hf_reader import HFCheckpoint
-from hfmeg.checkpoint.load import load_chunks
-from hfmeg.errors import UnsupportedConfigError
 from hfmeg.families import model_config_from_hf
 from hfmeg.families.llama import PROJECTIONS
-from hfmeg.models.generate import full_logits, greedy_generate
 from hfmeg.parallel.launch import spawn
 from hfmeg.plan.flops import layer_matmul_params
 from hfmeg.peft.adapter_files import WEIGHTS_FILE
 
 # release: (LoRA targets, LoRA layouts (tp, pp, ep), pipeline split). The E2B's split keeps layers 3-9 (its
-# producers 3 and 4 and their readers 5-9) on one stage; the E4B's layers 5-11 (producers 5, 6; readers 7-11).
+# producers 3 and 4 and their readers 5-9) on one stage; the E4B's is even (0-5 | 6-11: layer 11 on the second stage
+# reads the keys and values of layer 5 on the first, sent with the activations, `models/shared_kv.py`).
 # Every projection, the E2B's double-wide MLPs included (their adapters take the layer rule's shapes).
-CASES = {"gemma-4-E2B": (list(PROJECTIONS), [(1, 2, 1)], [3, 7]),
-         "gemma-4-E4B": (list(PROJECTIONS), [(2, 2, 1)], [5, 7])}
+CASES = {"gemma-4-E2B": (list(PROJECTIONS), [(2, 2, 1)], [3, 7]),
+         "gemma-4-E4B": (list(PROJECTIONS), [(2, 2, 1)], None)}
 
 
-def test_release_configs_are_read(tmp_path):
+def test_release_configs_are_read():
     e2b = model_config_from_hf(release_config("gemma-4-E2B"))
     assert e2b.kv_source == (0, 1, 2, 3, 4, 3, 3, 3, 3, 4)  # sliding readers take layer 3's, the full one 4's
     assert e2b.wide_mlp_layers == (5, 6, 7, 8, 9) and e2b.ffn_size_of(5) == 128 and e2b.ffn_size_of(4) == 64
@@ -70,22 +67,6 @@ def test_release_configs_are_read(tmp_path):
         held = sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers()
                                                                   if n.endswith("layer_scalar"))
         assert model_config_from_hf(release_config(name)).num_params() == held, name
-    base = save_release("gemma-4-E4B", tmp_path / "base")
-    with pytest.raises(UnsupportedConfigError, match="num_kv_shared_layers: layer 11 attends with layer 5's"):
-        hf_to_mp(base, tmp_path / "mp", tp=2, pp=2)  # the even split: 0-5 | 6-11
-    assert not (tmp_path / "mp").exists()
-
-
-def _tp_parity(base: str, ids: torch.Tensor, pp_layers: list[int]):
-    """TP2 x PP2 (the E2B's one KV head replicated): logits and greedy generation against transformers."""
-    ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        want, want_gen = ref(ids).logits, ref.generate(ids[:1, :8], max_new_tokens=6, do_sample=False)
-    ps = make_ps(tp=2, pp=2)
-    chunks = load_chunks(HFCheckpoint(base), ps, pp_layers=pp_layers)
-    logits = full_logits(chunks, ps, ids)
-    gen_equal = torch.equal(greedy_generate(chunks, ps, ids[:1, :8], 6), want_gen)
-    return gen_equal, None if logits is None else (logits - want).abs().max().item()
 
 
 @pytest.mark.parametrize("release", CASES)
@@ -107,22 +88,21 @@ def test_release_parity_lora_and_round_trip(release, tmp_path):
     rows = [r for rank in spawn(_parity, 4, str(base), str(adapter), ids, str(tmp_path / "lora_shards"), layouts,
                                 exact, pp_layers) for r in rank]
     check_parity_rows(rows, layouts, peft_names, peft_err)  # peft_err: the worse of eager's and SDPA's
-    if all(layout[0] == 1 for layout in layouts):  # the TP2 forward, where LoRA is not run
-        out = spawn(_tp_parity, 4, str(base), ids, pp_layers)
-        assert all(gen for gen, _ in out)
-        for _, diff in out:
-            if diff is not None:
-                within(diff, TOL, "TP2 x PP2 logits vs transformers")
 
 
-def test_releases_under_context_parallelism(tmp_path):
-    """Both releases at CP2 x TP2 (SP, full recompute) and CP2 x PP2 (3 layers on the first stage: the producers
-    and their readers on the second) on packed and plain rows of 32: logits, loss and every gradient (the per-layer
-    table's and projection's, through the inputs carried between stages, included) equal one process's
-    (tests/test_cp_parity.py's check)."""
+def test_releases_under_context_parallelism_and_kv_shared_across_stages(tmp_path):
+    """Both releases on packed and plain rows of 32 at CP2 x TP2 (SP, full recompute), CP2 x PP2 with 3 layers on the
+    first stage (the producers and their readers on the second), and split evenly (the E2B's 0-4 | 5-9, the E4B's
+    0-5 | 6-11: producers on the first stage, readers of theirs on the second, the keys and values sent with the
+    activations, `models/shared_kv.py`) at CP2 x PP2, at TP2 x PP2 (SP, full recompute; the E2B's KV head
+    replicated) and interleaved over 2 virtual stages a rank at CP2 x PP2 (4 chunks, every boundary crossed): logits, loss and every gradient (the per-layer table's and projection's, and the producers' k/v
+    projections' through the readers' use on the next stage, included) equal one process's (tests/test_cp_parity.py's
+    check)."""
     from test_cp_parity import Layout, _check, _run_layouts
 
-    layouts = [Layout(2, 2, sp=True, recompute="full"), Layout(1, 2, 2, pp_first=3)]
+    layouts = [Layout(2, 2, sp=True, recompute="full"), Layout(1, 2, 2, pp_first=3),
+               Layout(1, 2, 2), Layout(2, 1, 2, sp=True, recompute="full"),
+               Layout(1, 2, 2, vpp=2, schedule="interleaved", micro=2)]
     folders = {name: str(save_release(name, tmp_path / name)) for name in CASES}
     _check(spawn(_run_layouts, 4, folders, layouts), layouts, list(folders))
 
@@ -135,8 +115,8 @@ def _train(cfgs):
 
 
 def test_three_lora_steps_and_export(tmp_path):
-    """3 trainer steps with LoRA (fp32, alpaca rows of 64 tokens) at each release's layout (the E4B at TP2 x PP2, the
-    E2B at PP2 x DP2), in one world: three finite losses each."""
+    """3 trainer steps with LoRA (fp32, alpaca rows of 64 tokens) at each release's layout (TP2 x PP2), in one world:
+    three finite losses each."""
     from helpers import stories_or_skip
     from hfmeg.data import DataConfig, SourceConfig
     from hfmeg.optim.config import OptimizerConfig

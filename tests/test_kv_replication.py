@@ -6,8 +6,7 @@ group of their own).
   gradients of the K/V copies are summed over their holders, else the K/V gradients are off by about 100 %);
 - the conversion at TP 2 and 4 comes back bit-exact, and so does an MP folder resharded from TP 4 to TP 2;
 - training (full fine-tuning through the trainer: data-parallel buffers, distributed optimizer, clipped global
-  norm) takes the losses of one process;
-- LoRA on the replicated q/k/v is refused in one line.
+  norm) takes the losses of one process (LoRA on the replicated q/k/v: tests/test_kv_replication_lora.py).
 """
 
 from __future__ import annotations
@@ -132,43 +131,6 @@ def test_training_takes_the_losses_of_one_process(sources, tmp_path):
             # these losses (docs/testing.md, bounds). The layout contract's 1e-4: fp32 sums in other orders over 4 steps.
             within(max(abs(x[i] - y[i]) / abs(x[i]) for x, y in zip(a, b)), 1e-4,
                    f"{name}: 1 process vs TP {what} rel", (a, b))
-
-
-def test_lora_on_replicated_kv_is_refused_before_any_process_starts(sources):
-    """The recipes' check of the model against the run config (`train/cli.fit_to_model`) refuses it."""
-    from hfmeg.errors import UnsupportedConfigError
-    from hfmeg.peft.config import PeftConfig
-    from hfmeg.train.cli import fit_to_model
-    from hfmeg.train.config import ModelArgs, ParallelArgs, TrainConfig
-
-    def cfg(tp: int) -> TrainConfig:
-        return TrainConfig(model=ModelArgs(path=str(sources["gemma3_1b"])), parallel=ParallelArgs(tp=tp),
-                           peft=PeftConfig(method="lora", r=4, target_modules=["v_proj"]))
-
-    fit_to_model(cfg(1))
-    with pytest.raises(UnsupportedConfigError, match=r"num_key_value_heads 1 < TP=2\) is not supported"):
-        fit_to_model(cfg(2))
-
-
-def _lora_refused(folder):
-    from hfmeg.checkpoint.hf_reader import HFCheckpoint
-    from hfmeg.checkpoint.load import load_chunks
-    from hfmeg.errors import UnsupportedConfigError
-    from hfmeg.peft.adapters import attach
-    from hfmeg.peft.config import PeftConfig
-    from helpers import make_ps
-
-    chunk = load_chunks(HFCheckpoint(folder), make_ps(tp=2))[0]
-    with pytest.raises(UnsupportedConfigError, match=r"^peft\.target_modules: LoRA on the attention's q/k/v "
-                                                     r"projections with KV heads replicated over TP "
-                                                     r"\(num_key_value_heads 1 < TP=2\) is not supported"):
-        attach(chunk, PeftConfig(method="lora", r=4, target_modules=["k_proj"]))
-    attach(chunk, PeftConfig(method="lora", r=4, target_modules=["o_proj", "gate_proj"]))  # the others are fine
-    return True
-
-
-def test_lora_on_replicated_kv_is_refused(sources):
-    assert spawn(_lora_refused, 2, str(sources["gemma3_1b"])) == [True, True]
 
 
 def test_shared_rows_are_the_last_rows_of_a_column_split_tensor():

@@ -37,18 +37,15 @@ import torch.distributed as dist
 from helpers import make_ps
 from optim_harness import CFG, batch, global_tokens, train
 from peft_helpers import (full_adapter_grads, hfmeg_chunks, make_base_and_adapter, merged_vs_peft, peft_adapter_grads,
-                          peft_reference, rel_diff)
+                          peft_reference, rel_diff, replica_step)
 from safetensors.torch import load_file
 from tiny_models import save_tiny
 
 from hfmeg.checkpoint.convert import load_model_config
-from hfmeg.data.microbatch import MicroBatch
 from hfmeg.errors import UnsupportedConfigError
 from hfmeg.models.generate import full_logits
 from hfmeg.optim import DistributedOptimizer, OptimizerConfig
-from hfmeg.parallel.data_parallel import DataParallel
 from hfmeg.parallel.launch import spawn
-from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.stored_names import stored_tensors
 from hfmeg.peft.adapter_files import (WEIGHTS_FILE, assemble, read_adapter_shard, write_adapter_shard, write_peft_folder)
 from hfmeg.peft.adapters import adapter_tensors, check_model
@@ -83,12 +80,7 @@ def _check(cases, ids, refs, layouts):
             ps = make_ps(tp=tp, pp=pp, sp=sp, ep=ep)
             chunks, cfg = hfmeg_chunks(base, adapter, ps)
             logits = full_logits(chunks, ps, ids)
-            # every DP replica runs the same rows: the wrapper sums (experts over expert-DP, partial over TP)
-            wrapper = DataParallel(chunks, ps, "ddp", bucket_size=2**20)
-            loss = forward_backward(chunks, ps, [MicroBatch(input_ids=ids, labels=labels)], schedule="1f1b",
-                                    num_tokens=int((labels != -100).sum()) * ps.dp, grad_sync=wrapper)
-            wrapper.finish_grad_sync()
-            grads = full_adapter_grads(chunks, ps, lambda p: getattr(p, "main_grad", p))
+            loss, grads = replica_step(chunks, ps, ids, labels)
             row = dict(case=adapter, layout=(tp, pp, sp, ep), grads=sorted(grads),
                        grad_rel=max(rel_diff(g, ref_grads[k]) for k, g in grads.items()))
             if logits is not None:

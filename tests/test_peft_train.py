@@ -63,12 +63,12 @@ def _config(out: Path, base: Path, adapter: Path, *, tp=1, pp=1, steps=STEPS, sa
     )
 
 
-def _peft_adamw_losses(cfg: TrainConfig, adapter: Path, **load) -> list[float]:
+def _peft_adamw_losses(cfg: TrainConfig, adapter: Path, base=None) -> list[float]:
     """Single process: transformers + peft + torch.optim.AdamW on the trainer's own batches (one DP rank);
-    `load` goes to `from_pretrained` (a 4-bit base: tests/test_qlora_parity.py)."""
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32,
-                                                                           attn_implementation="sdpa", **load),
-                                      adapter, is_trainable=True)
+    `base`: the transformers model (default: the run's base in fp32; a 4-bit one: tests/test_qlora_parity.py)."""
+    if base is None:
+        base = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, attn_implementation="sdpa")
+    model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optim
     opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
@@ -165,14 +165,16 @@ def test_dora_training_matches_peft(stories_lora, tmp_path):
     assert config["use_dora"] is True
 
 
-def _logits_from_shards(base: Path, ckpt: Path, ids: torch.Tensor):
-    """hfmeg's logits with the adapters of a TP4 checkpoint's own shards on the base (each rank its shard)."""
-    ps = make_ps(tp=4)
-    chunks = load_chunks(HFCheckpoint(base), ps)
+def logits_from_shards(base: Path, ckpt: Path, ids: torch.Tensor):
+    """hfmeg's fp32 logits with the adapters of a checkpoint's own shards on the base, at the checkpoint's layout
+    (each rank its shard; the last stage's ranks return them, the others None)."""
+    layout = MPLayout.read(ckpt)
+    ps = make_ps(tp=layout.tp, pp=layout.pp)
+    chunks = load_chunks(HFCheckpoint(base), ps, pp_layers=layout.pp_layers, dtype=torch.float32)
     cfg, _ = read_info(ckpt)
     for chunk in chunks:
         attach(chunk, cfg)
-    read_adapter_shard(chunks, ckpt / MPLayout.read(ckpt).rank_dir(ps.tp_rank, ps.pp_rank), ps.tp_rank)
+    read_adapter_shard(chunks, ckpt / layout.rank_dir(ps.tp_rank, ps.pp_rank), ps.tp_rank)
     with torch.no_grad():
         return full_logits(chunks, ps, ids)
 
@@ -186,7 +188,7 @@ def test_exports_of_a_tp4_run_load_in_peft_and_transformers(stories_lora, tmp_pa
     spawn(_run, 4, _config(out, base, adapter0, tp=4, steps=3))
     ckpt = sorted((out / "checkpoints").glob("iter_*"))[-1]
     ids = torch.tensor([[1, 365, 1122, 263, 931, 29892, 727, 471]]) % 512
-    ours = spawn(_logits_from_shards, 4, base, ckpt, ids)[0]
+    ours = spawn(logits_from_shards, 4, base, ckpt, ids)[0]
     with torch.no_grad():
         plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         with_adapter = PeftModel.from_pretrained(plain, out / "adapter")(ids).logits

@@ -93,11 +93,18 @@ def test_a_loaded_4bit_base_holds_codes_as_buffers_and_adapters_alone_train(base
     assert trainable and all(".adapter." in n for n in trainable)
 
 
-def test_a_4bit_base_is_refused_on_an_expert_model(tmp_path):
+@pytest.mark.parametrize("kind, line", [
+    ("qwen2_moe", r"^peft.quantize: 4-bit experts are built for routed experts without biases, a plain router and no "
+                  r"shared expert \(Mixtral, Qwen3-MoE\); qwen2_moe's are not"),
+    ("gpt_oss", r"^peft.quantize: 4-bit experts are built for .*; gpt_oss's are not"),
+    ("deepseek_v3", r"^peft.quantize: a 4-bit base is built for standard attention; deepseek_v3 has latent")])
+def test_a_4bit_base_is_refused_where_it_is_not_built(kind, line, tmp_path):
+    """Experts with biases (gpt-oss), a shared expert (Qwen2-MoE), latent attention (DeepSeek-V3): one line each.
+    (Mixtral's and Qwen3-MoE's experts are 4-bit: tests/test_qlora_moe.py.)"""
     pytest.importorskip("bitsandbytes")
-    moe = save_tiny("mixtral", tmp_path / "mixtral")
-    with pytest.raises(UnsupportedConfigError, match=r"^peft.quantize: a 4-bit base is built for dense models"):
-        load_chunks(HFCheckpoint(moe), make_ps(world=1), base_4bit=Base4bit())
+    folder = save_tiny(kind, tmp_path / kind)
+    with pytest.raises(UnsupportedConfigError, match=line):
+        load_chunks(HFCheckpoint(folder), make_ps(world=1), base_4bit=Base4bit())
 
 
 @pytest.mark.parametrize("saved, now, field", [
@@ -114,9 +121,9 @@ def test_a_resume_with_other_quant_settings_is_refused_naming_the_field(saved, n
 QLORA_PEFT = PeftConfig(method="lora", r=4, target_modules=["all-linear"], quantize="nf4")
 
 
-def _held(folder: str, tp: int, pp: int):
+def _held(folder: str, tp: int, pp: int, ep: int = 1):
     """(pp rank, bytes of this rank's frozen parameters and buffers) of a QLoRA run's chunks."""
-    ps = make_ps(tp=tp, pp=pp)
+    ps = make_ps(tp=tp, pp=pp, ep=ep)
     chunks = load_chunks(HFCheckpoint(folder), ps, base_4bit=QLORA_PEFT.base_4bit())
     for chunk in chunks:
         attach(chunk, QLORA_PEFT)
@@ -175,3 +182,19 @@ def test_the_planner_times_a_4bit_bases_dequantization(tp, microbatches):
     # float64 sums of ~1e-2 s totals, differenced: ~1e-13 relative; a pass too many or too few is 50 % off
     assert qlora.step_s - lora.step_s == pytest.approx(want, rel=1e-9)
     assert qlora.compute_s - lora.compute_s == pytest.approx(want, rel=1e-9)
+
+
+def _held_moe(folder: str, layouts):
+    return [(pp, ep, *_held(folder, 1, pp, ep)) for pp, ep in layouts]
+
+
+def test_the_planner_counts_4bit_experts_as_an_ep_rank_holds_them(tmp_path):
+    """The same on a Qwen3-MoE at EP2 (DP4) and EP2 x PP2: an EP rank's 4-bit experts (its share of each stack's
+    codes and absmax), the 4-bit attention and dense MLP, and the full-precision router, norms, embedding and head."""
+    from test_qlora_moe import SHAPE as MOE_SHAPE
+    folder = save_tiny("qwen3_moe", tmp_path / "qwen3_moe", **MOE_SHAPE)
+    cfg = load_chunks(HFCheckpoint(folder), make_ps())[0].cfg
+    rows = [row for rank in spawn(_held_moe, 4, str(folder), [(1, 2), (2, 2)]) for row in rank]
+    for pp, ep, pp_rank, held in rows:
+        planned = stage_memory(cfg, PlanLayout(1, pp, 4 // pp, 1, ep=ep), pp_rank, 4, 16, 4, peft=QLORA_PEFT)
+        assert planned.frozen_weights == held, (pp, ep, pp_rank, planned.frozen_weights, held)

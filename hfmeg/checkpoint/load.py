@@ -28,9 +28,11 @@ time, are quantized whole by bitsandbytes and cut for the rank (`rules_4bit.to_l
 right after the chunk is built, before the cast and before anything writes it: on the CPU its pages were never
 touched, so a rank's resident memory is its 4-bit base, the other parameters and one rule's HF tensors at a time.
 (On a GPU the allocator did hold it until then: building the chunk on the meta device would avoid that, but RoPE
-computes its frequencies when built.) A `*-bnb-4bit` source's linears are read as the codes it stores
-(`HFCheckpoint.packed_4bit`), cut for the rank without a dequantize / requantize round; its quant type and double
-quantization must be the run's.
+computes its frequencies when built.) An MoE layer's routed experts are stored 4-bit too, one provider per stacked
+weight (`GroupedExperts.fc1_provider`), each quantized whole from every expert's HF tensors and cut over EP
+(`rules_4bit.experts_4bit`); its router stays full precision, as transformers leaves it. A `*-bnb-4bit` source's
+linears are read as the codes it stores (`HFCheckpoint.packed_4bit`), cut for the rank without a dequantize /
+requantize round; its quant type and double quantization must be the run's.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from .mp_layout import DTYPES, MPLayout
 from .mp_reader import MPCheckpoint
 from .placement import as_stored, check_placed
 from .rules import chunk_rules, expected_hf_shape, rule_tensors, to_local
-from .rules_4bit import stored_4bit, to_local_4bit
+from .rules_4bit import expert_stack, experts_4bit, stack_rules, stored_4bit, to_local_4bit
 from .tensor_source import TensorSource
 
 WeightSource = HFCheckpoint | TensorSource | MPCheckpoint
@@ -92,9 +94,8 @@ def load_chunks(
         cfg = source_config(source)
         specs = rank_chunks(split_layers(cfg.num_layers, ps.pp, ps.vpp, pp_layers), ps.pp_rank)
         dtype = dtype or torch.float32
-    if base_4bit is not None and (cfg.moe is not None or cfg.mla is not None or cfg.linear_attention is not None):
-        raise UnsupportedConfigError(f"peft.quantize: a 4-bit base is built for dense models with standard "
-                                     f"attention; {cfg.model_type} has experts, latent or linear attention")
+    if base_4bit is not None:
+        _check_4bit(cfg)
     if base_4bit is not None and isinstance(source, HFCheckpoint):
         _check_stored_4bit(source, base_4bit)
     return [_load_chunk(source, cfg, spec, ps, dtype, vocab_multiple, base_4bit, options) for spec in specs]
@@ -147,10 +148,14 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
     unmatched = set(params) ^ {r.local for r in rules}
     if unmatched:
         raise CheckpointError(f"{source.folder}: no conversion rule matches {sorted(unmatched)}")
-    # a 4-bit base: the full-precision weights of its linears are dropped before anything writes them (module doc)
+    # a 4-bit base: the full-precision weights of its linears and expert stacks are dropped before anything writes
+    # them (module doc)
     quantized = {r.local: layer for r in rules if (layer := _quantized_layer(chunk, r, base_4bit)) is not None}
     for layer in quantized.values():
         del layer.weight
+    stacks = sorted({s for r in rules if (s := expert_stack(r)) is not None}) if base_4bit is not None else []
+    for stack in stacks:
+        delattr(*_stack_module(chunk, stack))
     params = stored_tensors(chunk.to(dtype=dtype))  # the cast gives the parameters new data: views made again
     with torch.no_grad():
         if isinstance(source, MPCheckpoint):
@@ -158,7 +163,8 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
                 params[rule.local].copy_(source.local(ps.tp_rank, source.holder(ps.pp_rank, rule.local), rule.local))
         else:
             _check_shapes(source, rules, cfg)
-            for rule, tensors in rule_tensors(source, [r for r in rules if r.local not in quantized]):
+            plain = [r for r in rules if r.local not in quantized and (not stacks or expert_stack(r) is None)]
+            for rule, tensors in rule_tensors(source, plain):
                 params[rule.local].copy_(to_local(rule, tensors, cfg, ps.tp, ps.tp_rank, vocab_multiple))
             for rule in [r for r in rules if r.local in quantized]:  # a stored 4-bit tensor is not dequantized
                 # each float HF tensor quantized as soon as it is read: one held at a time
@@ -167,6 +173,14 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
                 packed = to_local_4bit(rule, tensors, cfg, ps.tp, ps.tp_rank, base_4bit.quant_type,
                                        base_4bit.double_quant, vocab_multiple)
                 quantized[rule.local].weight_provider = Frozen4bitWeight(packed, dtype).to(ps.device)
+            for stack in stacks:  # every expert's HF tensors, one stack at a time (rules_4bit.experts_4bit)
+                every = stack_rules(cfg, stack)
+                _check_shapes(source, every, cfg)
+                packed = experts_4bit(stack, rule_tensors(source, every), cfg, ps.ep, ps.ep_rank,
+                                      base_4bit.quant_type, base_4bit.double_quant)
+                module, name = _stack_module(chunk, stack)
+                provider = Frozen4bitWeight(packed, dtype, experts=len(chunk.experts))
+                setattr(module, f"{name}_provider", provider.to(ps.device))
     return chunk
 
 
@@ -189,10 +203,29 @@ def _check_stored_4bit(source: HFCheckpoint, base_4bit: Base4bit) -> None:
                                          f"it; set peft.{field}: {stored}")
 
 
+def _check_4bit(cfg: ModelConfig) -> None:
+    """A 4-bit base is built for standard attention, and for MoE layers of routed SwiGLU experts without biases
+    beside a plain router (Mixtral, Qwen3-MoE); anything else is refused in one line."""
+    if cfg.mla is not None or cfg.linear_attention is not None:
+        raise UnsupportedConfigError(f"peft.quantize: a 4-bit base is built for standard attention; "
+                                     f"{cfg.model_type} has latent or linear attention")
+    m = cfg.moe
+    if m is not None and (m.expert_bias or m.router_scales or m.beside_dense or m.shared_expert_ffn_size):
+        raise UnsupportedConfigError(f"peft.quantize: 4-bit experts are built for routed experts without biases, a "
+                                     f"plain router and no shared expert (Mixtral, Qwen3-MoE); {cfg.model_type}'s "
+                                     "are not")
+
+
+def _stack_module(chunk: ModelChunk, stack: str) -> tuple[torch.nn.Module, str]:
+    """(the grouped experts module, the parameter name) of the stacked weight `stack` (`layers.N.mlp.experts.fc1`)."""
+    path, name = stack.rsplit(".", 1)
+    return chunk.get_submodule(path), name
+
+
 def _quantized_layer(chunk: ModelChunk, rule: TensorRule, base_4bit: Base4bit | None):
     """The TP linear whose weight `rule` fills, where the base stores it 4-bit (`rules_4bit.stored_4bit`); else
     None."""
-    if base_4bit is None or not stored_4bit(rule, chunk.cfg):
+    if base_4bit is None or expert_stack(rule) is not None or not stored_4bit(rule, chunk.cfg):
         return None
     layer = chunk.get_submodule(rule.local.removesuffix(".weight"))
     if not isinstance(layer, ColumnParallelLinear | RowParallelLinear):

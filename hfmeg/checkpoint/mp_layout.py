@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..config import VOCAB_MULTIPLE, ModelConfig, check_kv_sharing, check_tp
+from ..config import VOCAB_MULTIPLE, ModelConfig, check_tp
 from ..errors import CheckpointError, LayoutError
 from ..parallel.grid import RankGrid
 from ..parallel.layout import ChunkSpec, rank_chunks, split_layers
@@ -141,8 +141,6 @@ class MPLayout:
             raise LayoutError(f"--vocab-multiple must be >= 1, got {vocab_multiple}")
         check_tp(cfg, tp)
         chunks = split_layers(cfg.num_layers, pp, vpp, pp_layers)
-        for c in chunks:
-            check_kv_sharing(cfg, list(c.layers))
         hf = cfg.hf_config
         arch = (getattr(hf, "architectures", None) or [cfg.model_type])[0]
         return cls(arch, cfg.to_dict(), tp, pp, vpp, chunks, vocab_multiple,

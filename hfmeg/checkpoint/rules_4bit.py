@@ -1,4 +1,4 @@
-"""A TP rank's 4-bit base weight (QLoRA), made from the HF tensors as `rules.to_local` makes a weight.
+"""A rank's 4-bit base weights (QLoRA), made from the HF tensors as `rules.to_local` makes a weight.
 
 peft + transformers' `BitsAndBytesConfig(load_in_4bit=True)` quantize each HF `nn.Linear` weight whole, so that is
 what is quantized here: each HF tensor of the rule, once, by bitsandbytes (`quant/nf4.py`). Their codes and absmax
@@ -8,17 +8,37 @@ dequantized HF weights (QKV fused per KV group, gate/up per rank, and so on), bi
 tensor instead would give other double-quantization constants than bitsandbytes gives each HF tensor. An HF tensor
 a `*-bnb-4bit` checkpoint stores 4-bit already comes as its stored `Packed4bit` and is cut as it is (no
 dequantize / requantize round).
+
+MoE layers (transformers v5 holds the routed experts as two stacked parameters, not `nn.Linear`s):
+- `load_in_4bit` replaces `nn.Linear`s only, so it leaves the router (a bare `[experts, hidden]` parameter in every
+  v5 MoE family) and the stacked experts in full precision (bitsandbytes issue 1849). The router stays so here.
+- The experts are most of an MoE's weights, so hfmeg stores them 4-bit, as bitsandbytes' own API for such
+  parameters does (`bitsandbytes.nn.parametrize.replace_parameter_4bit`): the whole stacked parameter, gate_up
+  `[E, 2F, H]` (each expert's `[gate; up]`) or down `[E, H, F]`, quantized once, its blocks running over the
+  flattened stack (`experts_4bit`). Its double-quantization constants are those of all E experts together, so every
+  expert-parallel rank quantizes the layer's whole stack (one stack in memory at a time) and keeps its own experts'
+  codes and absmax (`splits.EXPERTS`); a rank that quantized only its experts would get other absmax.
+
+A merge of a QLoRA adapter asks `Dequantized4bit` for the base as the run held it: each 4-bit HF tensor quantized and
+dequantized alone, or as part of its whole expert stack.
 """
 
 from __future__ import annotations
+
+import re
+from typing import Iterable
 
 import torch
 
 from ..config import VOCAB_MULTIPLE, ModelConfig
 from ..errors import UnsupportedConfigError
 from ..families.spec import TensorRule
-from ..quant.nf4 import Packed4bit, quantize, shard
-from .rules import chunk_rules, expected_hf_shape, parts_in_order, split_of
+from ..parallel.splits import EXPERTS
+from ..quant.nf4 import Packed4bit, dequantize, quantize, shard
+from .rules import chunk_rules, expected_hf_shape, parts_in_order, rule_tensors, split_of, to_hf, to_local
+
+# A routed expert's weight, as the key table names it (`parallel/stored_names.py`): its stack and the expert.
+_EXPERT = re.compile(r"^(?P<stack>layers\.\d+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<name>fc[12])\.weight$")
 
 
 def to_local_4bit(rule: TensorRule, hf: list[torch.Tensor | Packed4bit], cfg: ModelConfig, tp: int, tp_rank: int,
@@ -41,14 +61,72 @@ def to_local_4bit(rule: TensorRule, hf: list[torch.Tensor | Packed4bit], cfg: Mo
     return shard(rule.local, whole, split_of(rule, cfg, vocab_multiple), tp, tp_rank)
 
 
+def expert_stack(rule: TensorRule) -> str | None:
+    """The stacked weight (`layers.N.mlp.experts.fc1`) whose expert `rule` fills; None for any other rule."""
+    m = _EXPERT.match(rule.local)
+    return None if m is None else f"{m['stack']}.{m['name']}"
+
+
+def stack_rules(cfg: ModelConfig, stack: str) -> list[TensorRule]:
+    """The rules of every expert of `stack` (all experts, whatever a rank holds), in expert order."""
+    layer = int(stack.split(".")[1])
+    return [r for r in chunk_rules(cfg, [layer], False, False) if expert_stack(r) == stack]
+
+
+def experts_4bit(stack: str, pairs: Iterable[tuple[TensorRule, list[torch.Tensor]]], cfg: ModelConfig, ep: int,
+                 ep_rank: int, quant_type: str = "nf4", double_quant: bool = True) -> Packed4bit:
+    """EP rank `ep_rank`'s experts of the stacked weight `stack`, 4-bit, as rows `[E_local rows, cols]`: every
+    expert's weight (`pairs`: each expert's rule and HF tensors, in expert order) stacked as transformers holds the
+    parameter, quantized whole (module docstring) and cut over EP."""
+    full = torch.stack([to_local(rule, hf, cfg, 1, 0) for rule, hf in pairs])
+    return shard(stack, quantize(stack, full.flatten(0, 1), quant_type, double_quant), EXPERTS, ep, ep_rank)
+
+
 def stored_4bit(rule: TensorRule, cfg: ModelConfig) -> bool:
     """Whether a 4-bit base stores the weight `rule` makes: a 2-d weight of a decoder layer (its attention and
-    MLP linears; not the norms, the embedding or the LM head, as transformers' `load_in_4bit` leaves them)."""
+    MLP linears; not the norms, the embedding, the LM head or an MoE router, as transformers' `load_in_4bit` leaves
+    them) or a routed expert's (module docstring)."""
+    if expert_stack(rule) is not None:
+        return True
     return (rule.local.startswith("layers.") and rule.local.endswith(".weight")
+            and not rule.local.endswith(".mlp.router.weight")
             and all(len(expected_hf_shape(rule, j, cfg)) == 2 for j in range(len(rule.hf))))
 
 
-def hf_names_4bit(cfg: ModelConfig) -> set[str]:
-    """The HF tensors of a whole model that a 4-bit base stores 4-bit (`stored_4bit`)."""
-    rules = chunk_rules(cfg, range(cfg.num_layers), True, True)
-    return {name for rule in rules if stored_4bit(rule, cfg) for name in rule.hf}
+class Dequantized4bit:
+    """The HF tensors of a whole model that its 4-bit base holds 4-bit, as that base dequantizes them (a QLoRA
+    merge's base: peft's `merge_and_unload` on the dequantized model), asked for one at a time while a merge streams
+    the base (`source`, `cfg` as stored): a weight held alone is quantized and dequantized as it comes; the first
+    tensor of an expert stack has the whole stack quantized from `source` and dequantized (`experts_4bit`), its
+    other tensors kept until they are asked for (one stack's at a time where the files hold them in order)."""
+
+    def __init__(self, source, cfg: ModelConfig, quant_type: str, double_quant: bool):
+        self.source, self.cfg, self.quant_type, self.double_quant = source, cfg, quant_type, double_quant
+        rules = chunk_rules(cfg, range(cfg.num_layers), True, True)
+        self.alone = {n for r in rules if stored_4bit(r, cfg) and expert_stack(r) is None for n in r.hf}
+        self.stacks = {n: s for r in rules if (s := expert_stack(r)) is not None for n in r.hf}
+        self.pending: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.alone or name in self.stacks
+
+    def get(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The HF tensor `name` (read as `weight`) as the 4-bit base holds it, dequantized, in its dtype."""
+        if name in self.alone:
+            return dequantize(quantize(name, weight, self.quant_type, self.double_quant)).to(weight.dtype)
+        if name not in self.pending:
+            self.pending |= self._stack(self.stacks[name])
+        return self.pending.pop(name).to(weight.dtype)
+
+    def _stack(self, stack: str) -> dict[str, torch.Tensor]:
+        """Every HF tensor of the expert stack `stack`, dequantized from its 4-bit storage."""
+        rules = stack_rules(self.cfg, stack)
+        packed = experts_4bit(stack, rule_tensors(self.source, rules), self.cfg, 1, 0, self.quant_type,
+                              self.double_quant)
+        full = dequantize(packed).unflatten(0, (len(rules), -1))
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for e, rule in enumerate(rules):
+            for name, t in to_hf(rule, [full[e]], self.cfg).items():
+                pieces.setdefault(name, []).append(t)
+        # an HF tensor stacking every expert (`rule.expert`) gets them all back; one per expert its own
+        return {name: torch.stack(ts) if rules[0].expert is not None else ts[0] for name, ts in pieces.items()}

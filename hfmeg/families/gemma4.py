@@ -30,7 +30,8 @@ As the E2B and E4B are published (`tests/releases/`):
   and `post_per_layer_input_norm`;
 - KV sharing (`num_kv_shared_layers`): the last n layers have no `k_proj`, `v_proj` or `k_norm` and attend with the
   keys and values of the last earlier layer of their type (`ModelConfig.kv_source`, transformers'
-  `kv_sharing_modes`), which must be on their pipeline stage (`config.check_kv_sharing`);
+  `kv_sharing_modes`), sent between pipeline stages with the activations where a split parts them
+  (`models/shared_kv.py`);
 - `use_double_wide_mlp`: those layers' MLPs are twice `intermediate_size` wide (`ModelConfig.wide_mlp_layers`).
 LoRA adapts peft's projection names there too (a reusing layer has only q_proj and o_proj); the per-layer input
 projections, which peft's `all-linear` would take, are not adapted: name the projections."""

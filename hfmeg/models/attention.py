@@ -37,8 +37,8 @@ queries only and attend with the keys and values of the last earlier layer of th
 with them (normed, rotated, gathered under CP). The chunk's forward passes one `kv_store` dict through its layers:
 a producing layer puts its keys and values there, a reusing one reads them; autograd sums both uses' gradients
 into the producer's projection. A reusing layer's fused weight is its q rows alone (no KV rows, so nothing to
-replicate over TP), and its heads' groups are the producer's. The producer and its readers must be on one
-pipeline stage (`config.check_kv_sharing`).
+replicate over TP), and its heads' groups are the producer's. A reader on a later pipeline stage than its producer
+gets them with the activations (`models/shared_kv.py`).
 
 A layer with a sliding window (`cfg.window`) attends under the micro-batch's windowed mask
 (`DocumentMask.sliding`, document_attention.py), the others under its full one.
@@ -97,10 +97,9 @@ class ParallelAttention(nn.Module):
         self.layer, self.stores = layer, cfg.stores_kv(layer)
         self.kv_from = cfg.kv_source[layer] if cfg.reuses_kv(layer) else None  # KV sharing: whose keys, values
         split = qkv_split(cfg, layer)
-        replicas = split.replicas(ps.tp)
-        kv = shape.kv_parts * d  # a group's key (and value) rows: the copies where KV heads are replicated
+        shared_rows, shared_by = split.copies(ps.tp)  # a group's key (and value) rows where KV heads are replicated
         self.qkv = ColumnParallelLinear(cfg.hidden_size, split.local_rows(ps.tp) * ps.tp, ps, bias=cfg.qkv_bias,
-                                        shared_rows=kv if replicas > 1 else 0, shared_by=replicas)
+                                        shared_rows=shared_rows, shared_by=shared_by)
         self.out = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, ps, bias=cfg.out_bias)
         if cfg.qk_norm and cfg.qk_norm_whole:
             self.q_norm = HeadsRMSNorm(cfg.num_heads, d, cfg.norm_eps, ps)

@@ -15,8 +15,9 @@ t (the data pipeline does the shift), and -100 marks tokens without loss.
 
 Gemma 4's E2B and E4B: the first chunk also makes every layer's per-layer input (`models/per_layer_inputs.py`),
 and a chunk that is not the last sends them on after its hidden state, `[s, b, hidden + layers * P]`
-(`ModelConfig.stage_width`, what the pipeline's buffers hold); a chunk's forward hands its layers one `kv_store`
-for the keys and values that later layers reuse (KV sharing, `models/attention.py`).
+(`ModelConfig.stage_width`); a chunk's forward hands its layers one `kv_store` for the keys and values that later
+layers reuse (KV sharing, `models/attention.py`), and a chunk that is not the last sends them on after those
+(`models/shared_kv.py`): `ModelChunk.stage_width` is what the pipeline's buffers hold.
 
 MoE models (`models/moe.py`) have the MoE block as the MLP of their sparse layers; Gemma 4's (`moe.beside_dense`)
 runs beside the layer's dense MLP instead: the MLP reads the pre-MLP norm, the block the residual stream itself,
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import VOCAB_MULTIPLE, ModelConfig, check_cp, check_ep, check_kv_sharing, check_tp
+from ..config import VOCAB_MULTIPLE, ModelConfig, check_cp, check_ep, check_tp
 from ..data.microbatch import MicroBatch
 from ..parallel.comm import scatter_to_sequence
 from ..parallel.context import local_positions
@@ -58,6 +59,7 @@ from .moe import MoELayer
 from .norm import make_norm
 from .per_layer_inputs import PerLayerInput, PerLayerInputs
 from .rope import RotaryEmbedding
+from .shared_kv import SharedKV
 from .staging import Stager, stage_microbatch
 
 RECOMPUTE_MODES = ("none", "full", "selective")
@@ -136,7 +138,6 @@ class ModelChunk(nn.Module):
         check_tp(cfg, ps.tp)
         check_ep(cfg, ps.ep)
         check_cp(cfg, ps.cp)
-        check_kv_sharing(cfg, list(layers))
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         self.cfg, self.ps = cfg, ps
@@ -148,6 +149,7 @@ class ModelChunk(nn.Module):
         self.layer_ids = list(layers)
         # The global indices of the routed experts this rank holds in each MoE layer (None: a dense model).
         self.experts = local_experts(cfg.moe.num_experts, ps.ep, ps.ep_rank) if cfg.moe is not None else None
+        self.shared_kv = SharedKV(cfg, ps) if cfg.kv_source else None  # sent between stages with the activations
         if pre_process:
             self.embed = VocabParallelEmbedding(self.padded_vocab, cfg.hidden_size, ps, tied=cfg.tie_embeddings,
                                                 padding_idx=cfg.pad_token_id)
@@ -220,14 +222,18 @@ class ModelChunk(nn.Module):
         if position_ids is None:
             position_ids = local_positions(b, s, ps, x.device)
         cfg, carried = self.cfg, None  # carried: every layer's per-layer input (Gemma 4 E2B/E4B), else None
+        kv_store = {} if cfg.kv_source else None  # KV sharing: the producing layers' keys and values
         if self.pre_process:
             ids, x = x, self._embed(x, position_ids)
             carried = self.per_layer_inputs(ids, x) if cfg.per_layer_input_size else None
-        elif cfg.per_layer_input_size:  # they travel with the hidden state (`ModelConfig.stage_width`)
-            x, carried = x.split([cfg.hidden_size, x.shape[-1] - cfg.hidden_size], dim=-1)
+        elif self.stage_width > cfg.hidden_size:  # they travel with the hidden state (`stage_width`)
+            per_layer = cfg.num_layers * cfg.per_layer_input_size
+            x, carried, shared = x.split([cfg.hidden_size, per_layer, self.stage_width - cfg.stage_width], dim=-1)
+            carried = carried if per_layer else None
+            if self.shared_kv is not None:  # the keys and values earlier stages made
+                self.shared_kv.unpack(shared, kv_store, before=min(int(i) for i in self.layers))
         # One unbind, not a slice per layer: its backward stacks the layers' gradients once.
         inputs = carried.unflatten(-1, (cfg.num_layers, -1)).unbind(-2) if carried is not None else None
-        kv_store = {} if cfg.kv_source else None  # KV sharing: the producing layers' keys and values
         dtype = self._compute_dtype()
         tables = {key: rope(position_ids, dtype) for key, rope in self.ropes.items()}
         if docs is None:
@@ -240,12 +246,20 @@ class ModelChunk(nn.Module):
             else:
                 x = layer(x, rope, docs, selective=self.recompute == "selective" and torch.is_grad_enabled(), **extra)
         if not self.post_process:
-            return x if carried is None else torch.cat([x, carried], dim=-1)
+            sent = [x] + ([carried] if carried is not None else [])
+            sent += [self.shared_kv.pack(kv_store, x)] if self.shared_kv is not None else []
+            return x if len(sent) == 1 else torch.cat(sent, dim=-1)
         if labels is not None and self.cfg.adds_aux_loss:
             moe = self.cfg.moe
             sums = self.router_sums(received_sums)
             self.aux_loss = moe.router_aux_loss_coef * load_balancing_loss(sums, moe.num_experts, self.ps)
         return self._head(x, labels)
+
+    @property
+    def stage_width(self) -> int:
+        """The features a chunk sends the next per token: `ModelConfig.stage_width`'s, then the shared keys and
+        values (`models/shared_kv.py`)."""
+        return self.cfg.stage_width + (self.shared_kv.width if self.shared_kv is not None else 0)
 
     def mask_planner(self, device: torch.device | None = None) -> MaskPlanner:
         """How this rank attends packed rows on `device` (default: the rank's): flex_attention or a dense mask,

@@ -41,7 +41,7 @@ def full_logits(chunks: list[ModelChunk], ps: ParallelState, input_ids: torch.Te
         if owner != ps.pp_rank:
             continue
         if idx > 0 and ps.pp > 1:
-            x = torch.empty(local_s, b, cfg.stage_width, dtype=dtype, device=ps.device)
+            x = torch.empty(local_s, b, chunks[v].stage_width, dtype=dtype, device=ps.device)
             p2p.exchange([Transfer(x, ps.stage_rank((idx - 1) % ps.pp), ACTIVATION, idx - 1, 0, is_send=False)])
         x = chunks[v](x, seq_len=s, position_ids=position_ids, segment_ids=segment_ids)
         if idx == n - 1:

@@ -14,6 +14,11 @@ CPU for these layouts, so `GroupedLinear` states the three products itself. An e
 gives zero rows and a zero weight gradient, so every expert's weight gets a gradient in
 every backward (the data-parallel hooks fire alike on every rank).
 
+A frozen weight held another way (QLoRA's 4-bit experts, `quant/qlora.py`) comes with its `provider`, whose `()`
+gives `w` again: the backward's input gradient asks it for the weight instead of keeping `w` from the forward (as
+bitsandbytes' 4-bit matmul dequantizes again in backward), so no layer's dequantized stack lives from its forward
+to its backward.
+
 The weight gradient is formed in one place, `expert_wgrad`. It asks the kernel for an fp32
 result where the kernel offers one (`_fp32_wgrad`; torch 2.13 offers it only for fp32
 inputs). Where the weight has a sink, its fp32 main grad (gradient-accumulation fusion,
@@ -97,10 +102,10 @@ class GroupedLinear(torch.autograd.Function):
     offsets on the host like the fallback above."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, sink, fp8):
+    def forward(ctx, x, w, offs, sink, fp8, provider):
         x = x.contiguous()
-        ctx.save_for_backward(x, w, offs)
-        ctx.sink, ctx.fp8 = sink, fp8
+        ctx.save_for_backward(x, w if provider is None else None, offs)
+        ctx.sink, ctx.fp8, ctx.provider = sink, fp8, provider
         if fp8 is not None:
             return _per_group(offs, x.new_empty(0, w.shape[1]), lambda g, s, e: fp8.output(x[s:e], w[g]))
         return grouped_rows(x, w.transpose(1, 2), offs)
@@ -109,13 +114,16 @@ class GroupedLinear(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x, w, offs = ctx.saved_tensors
         fp8 = ctx.fp8
+        if ctx.provider is not None:  # frozen: the input gradient only, from the weight given again
+            dx = grouped_rows(dy.contiguous(), ctx.provider(), offs) if ctx.needs_input_grad[0] else None
+            return dx, None, None, None, None, None
         dy = dy.contiguous()  # autograd may hand over an expanded (zero-stride) gradient
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = (grouped_rows(dy, w, offs) if fp8 is None else
                   _per_group(offs, x.new_empty(0, w.shape[2]), lambda g, s, e: fp8.grad_input(dy[s:e], w[g])))
         if ctx.sink is None and not ctx.needs_input_grad[1]:
-            return dx, None, None, None, None
+            return dx, None, None, None, None, None
         if fp8 is None:
             wgrad = expert_wgrad(dy, x, offs)
         else:
@@ -124,7 +132,7 @@ class GroupedLinear(torch.autograd.Function):
             ctx.sink.add_(wgrad)
         else:
             dw = wgrad.to(w.dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _per_group(offs: torch.Tensor, empty: torch.Tensor, gemm) -> torch.Tensor:
@@ -132,6 +140,7 @@ def _per_group(offs: torch.Tensor, empty: torch.Tensor, gemm) -> torch.Tensor:
     return torch.cat([empty] + [gemm(g, s, e) for g, (s, e) in enumerate(_starts_ends(offs))])
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp8=None) -> torch.Tensor:
-    """`GroupedLinear`, the weight gradient fused into `w`'s main grad where it has a sink; `fp8`: an `Fp8Gemms`."""
-    return GroupedLinear.apply(x, w, offs, sink_of(w), fp8)
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp8=None, provider=None) -> torch.Tensor:
+    """`GroupedLinear`, the weight gradient fused into `w`'s main grad where it has a sink; `fp8`: an `Fp8Gemms`;
+    `provider`: the frozen `w`'s provider (module docstring)."""
+    return GroupedLinear.apply(x, w, offs, None if provider is not None else sink_of(w), fp8, provider)

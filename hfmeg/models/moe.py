@@ -140,11 +140,22 @@ class GroupedExperts(nn.Module):
         self.fc1_lora: nn.Module | None = None
         self.fc2_lora: nn.Module | None = None
         self.fp8 = None  # `model.fp8`: both GEMMs' `Fp8Gemms` (`models/fp8.py`, `grouped_linear.py`)
+        # QLoRA: each stack's 4-bit weight provider (`quant/qlora.py`), set by `checkpoint/load.py` in place of the
+        # dropped parameter; the GEMM then takes the stack from it.
+        self.fc1_provider: nn.Module | None = None
+        self.fc2_provider: nn.Module | None = None
+
+    def _gemm(self, x: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
+        """`x` times the stack `name` (fc1 / fc2), from its parameter or its provider."""
+        provider = getattr(self, f"{name}_provider")
+        if provider is None:
+            return grouped_linear(x, getattr(self, name), offsets, self.fp8)
+        return grouped_linear(x, provider(), offsets, provider=provider)
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Rows `[R, h]` sorted by expert, expert g's block ending at `offsets[g]`: their outputs `[R, h]`."""
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long() if self.moe.expert_bias else None
-        h = grouped_linear(rows, self.fc1, offsets, self.fp8)
+        h = self._gemm(rows, "fc1", offsets)
         if self.fc1_lora is not None:
             h = h + self.fc1_lora(rows, offsets)
         if counts is not None:
@@ -155,7 +166,7 @@ class GroupedExperts(nn.Module):
             act = self.kernels.clamped_swiglu(gate, up, m.swiglu_alpha, m.swiglu_limit)
         else:
             act = self.glu(gate, up)
-        out = grouped_linear(act, self.fc2, offsets, self.fp8)
+        out = self._gemm(act, "fc2", offsets)
         out = out if self.fc2_lora is None else out + self.fc2_lora(act, offsets)
         if counts is not None:
             out = out + self.fc2_bias.repeat_interleave(counts, dim=0, output_size=rows.shape[0])

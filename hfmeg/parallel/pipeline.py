@@ -96,7 +96,7 @@ class _Executor:
         b, s = self.mbs[0].shape
         self.seq_len = s
         local_s = s // ps.tp if ps.sequence_parallel else s
-        self.shape = (local_s, b, chunks[0].cfg.stage_width)
+        self.shape = (local_s, b, chunks[0].stage_width)
         self.dtype = next(chunks[0].parameters()).dtype
         # Router sums travel beside the activations (module doc): MoE models with the aux loss, PP > 1.
         self.sided = self.n_chunks > 1 and chunks[0].cfg.adds_aux_loss

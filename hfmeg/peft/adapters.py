@@ -20,7 +20,11 @@ projection keeps an adapter of its own (`q_proj`, `k_proj`, `v_proj`; `gate_proj
 rebuilt in the base's local order: per KV group `[q heads; k; v]`, `[gate; up]`, with
 zeros for a projection not targeted. Every base's adapters are derived from its conversion rule
 (`checkpoint/rules.py`, `_bases`): one projection per HF tensor the rule reads, whose B rows (and DoRA's magnitudes) are
-split over TP like that tensor's parts of the base's split kind (`Fused.select`, `parallel/splits.py`). So a family
+split over TP like that tensor's parts of the base's split kind (`Fused.select`, `parallel/splits.py`). Where TP
+exceeds a layer's KV heads (the base holds copies of its group's K/V rows, `models/attention.py`), `k_proj`'s and
+`v_proj`'s B rows are copies the same way: one trained tensor whose holders each have a part of its gradient (from
+their own query heads), summed over them and counted once in the norm (the role's `shared_rows`, from
+`Split.copies`), joined from the group's first holder on export; A, whole, is partial over TP as ever. So a family
 whose HF checkpoints fuse them too (Phi-3's `qkv_proj`, `gate_up_proj`) has, as in peft, one A and one B over all
 the fused rows, laid out like the base's (parts cut into blocks and interleaved, per KV group or per TP rank, then
 split over TP) and put back in peft's order on export; Qwen3.5's Gated DeltaNet in_proj (`in_proj_qkv`,
@@ -140,17 +144,21 @@ class LoraPair(nn.Module):
     """A and B of one HF projection (and DoRA's magnitude), sliced for this TP rank as the module docstring says."""
 
     def __init__(self, in_local: int, out_local: int, out_full: int, r: int, column: bool, cfg: PeftConfig,
-                 ps: ParallelState, replicated: bool = False, whole_partial: bool = True):
+                 ps: ParallelState, replicated: bool = False, whole_partial: bool = True,
+                 copies: tuple[int, int] = (0, 1)):
         super().__init__()
         partial = ParamRole("weight", sequence_parallel=True, adapter=True)
-        split = {"A": ParamRole("weight", tp_dim=1, adapter=True), "B": ParamRole("weight", tp_dim=0, adapter=True)}
+        # B's rows (and DoRA's magnitudes) split like the base's: the last `copies[0]` a copy `copies[1]` ranks hold
+        # where KV heads are replicated (`Split.copies`), whose gradients each holder has from its query heads only
+        rows = ParamRole("weight", tp_dim=0, adapter=True, shared_rows=copies[0], shared_by=copies[1])
+        split = {"A": ParamRole("weight", tp_dim=1, adapter=True), "B": rows}
         # a replicated base's factors: partial where its rank sees its own tokens only (`_Base.whole_partial`)
         whole = ParamRole("weight", sequence_parallel=whole_partial, adapter=True)
         add_param(self, "lora_A", r, in_local, role=whole if replicated else partial if column else split["A"])
         add_param(self, "lora_B", out_local, r, role=whole if replicated else split["B"] if column else partial)
         if cfg.method == "dora":  # one magnitude per output feature: split like B's rows, or whole and partial
             add_param(self, "lora_magnitude_vector", out_local if column else out_full,
-                      role=ParamRole("weight", tp_dim=0, adapter=True) if column else partial)
+                      role=rows if column else partial)
         self.dropout = InputDropout(cfg.dropout, ps.tp, ps.tp_rank, not column) if cfg.dropout > 0 else nn.Identity()
 
     @property
@@ -193,11 +201,13 @@ class LoraAdapter(nn.Module):
         super().__init__()
         self.groups, self.scale, self.column, self.ps = groups, cfg.scale, column, ps
         split = column and not replicated  # `replicated`: a ReplicatedLinear base (the MoE router)
-        self.widths = [(p.name, p.out_features // ps.tp if split else p.out_features) for p in projections]
+        # each projection's local rows, as its part(s) of the base's split kind cut them (copies included)
+        self.widths = [(p.name, p.rows.local_shape((p.out_features,), ps.tp)[0] if split else p.out_features)
+                       for p in projections]
         for p, (_, out_local) in zip(projections, self.widths):
             if p.name in targeted:
                 self.add_module(p.name, LoraPair(in_local, out_local, p.out_features, cfg.r, column, cfg, ps,
-                                                 replicated, whole_partial))
+                                                 replicated, whole_partial, p.rows.copies(ps.tp) if split else (0, 1)))
 
     def _blocks(self, t: torch.Tensor, dim: int) -> list[torch.Tensor]:
         """Each projection's part of the fused output features of `t` along `dim`, in `widths` order."""
@@ -332,24 +342,12 @@ def _bases(chunk: ModelChunk) -> list[_Base]:
     return out
 
 
-def check_model(chunk_cfg, cfg: PeftConfig, tp: int = 1) -> None:
+def check_model(chunk_cfg, cfg: PeftConfig) -> None:
     """Refuse, naming the field, a model LoRA is not built for here (before any weight is read)."""
     names = spec_of(chunk_cfg).peft
     if names is None or not chunk_cfg.gated_mlp:
         raise UnsupportedConfigError(f"peft.method: {cfg.method} is built for LLaMA-family models (fused QKV, "
                                      f"gate/up); this is a {chunk_cfg.model_type} model")
-    # KV heads replicated over TP (models/attention.py): an adapter on the fused QKV would need its K/V factors
-    # replicated and summed like the base's copies, which is not built
-    qkv = {"q_proj", "k_proj", "v_proj", names.fused_bases.get("attn.qkv")}
-    # (each layer's KV heads: Gemma 4's full-attention layers have fewer)
-    kv, field = chunk_cfg.num_kv_heads, "num_key_value_heads"
-    if chunk_cfg.global_attention is not None and chunk_cfg.global_attention.num_kv_heads < kv:
-        kv, field = chunk_cfg.global_attention.num_kv_heads, "num_global_key_value_heads"
-    if chunk_cfg.mla is None and kv < tp and qkv & set(cfg.module_targets(names)):
-        raise UnsupportedConfigError(
-            f"peft.target_modules: LoRA on the attention's q/k/v projections with KV heads replicated over TP "
-            f"({field} {kv} < TP={tp}) is not supported; target the other modules, or use a TP that divides the "
-            "KV heads")
     # peft keeps a module of modules_to_save as its own trained copy: on a tied model that unties the embedding
     # from the head at load, so the adapter would not give the model hfmeg trained (the one tied weight)
     tied = [m for m in ("embed_tokens", "lm_head") if m in cfg.modules_to_save] if chunk_cfg.tie_embeddings else []
@@ -457,7 +455,7 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
 
     Call it after the base weights are loaded and before the data-parallel wrapper and the
     optimizer are built, so they see only the adapters as trainable."""
-    check_model(chunk.cfg, cfg, chunk.ps.tp)
+    check_model(chunk.cfg, cfg)
     for p in chunk.parameters():
         p.requires_grad_(False)
     params = dict(chunk.named_parameters())

@@ -20,9 +20,9 @@ the shard index renamed to match and the `quantization_config` dropped, as `hfme
 release. (Adding an update to the FP8 codes themselves would be wrong: their scales would not be redone.)
 
 A QLoRA adapter (`cfg.quantize`) was trained on the 4-bit base, so it is merged into that base dequantized: each
-weight the run held 4-bit (`rules_4bit.hf_names_4bit`) is first quantized and dequantized by bitsandbytes
-(`quant/nf4.py`), as peft's `merge_and_unload` gives on the dequantized model, and written in the base's dtype; a
-`*-bnb-4bit` base's stored 4-bit weights are only dequantized.
+weight the run held 4-bit is first quantized and dequantized by bitsandbytes (`rules_4bit.Dequantized4bit`: alone,
+or an MoE layer's whole expert stack), as peft's `merge_and_unload` gives on the dequantized model, and written in the
+base's dtype; a `*-bnb-4bit` base's stored 4-bit weights are only dequantized.
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from ..checkpoint.atomic import atomic_output_dir, save_tensors
 from ..checkpoint.hf_reader import SAFE_INDEX, HFCheckpoint
 from ..checkpoint.hf_writer import write_config
 from ..checkpoint.mp_layout import dtype_name
-from ..checkpoint.rules_4bit import hf_names_4bit
+from ..checkpoint.load import source_config
+from ..checkpoint.rules_4bit import Dequantized4bit
 from ..config import load_hf_config
 from ..errors import CheckpointError
-from ..families import family_of, model_config_from_hf
+from ..families import family_of
 from ..families.llama import MLP
 from ..families.spec import ExpertNames
 from .adapters import PEFT_PREFIX
-from ..quant.nf4 import dequantize, quantize
 from .config import PeftConfig
 
 
@@ -131,7 +131,8 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
                for k in tensors if k.endswith(".lora_A.weight") and ".mlp.experts" not in k and ".mlp.gate." not in k}
     merged = set()
     quant = HFCheckpoint(base) if "quantization_config" in json.loads((base / "config.json").read_text()) else None
-    four_bit = hf_names_4bit(model_config_from_hf(load_hf_config(base))) if cfg.quantize else set()
+    four_bit = (Dequantized4bit(HFCheckpoint(base), source_config(HFCheckpoint(base)), cfg.quantize, cfg.double_quant)
+                if cfg.quantize else ())
     with atomic_output_dir(out, overwrite=overwrite, inputs=(base,)) as tmp:
         for path in sorted(base.iterdir()):
             if path.suffix == ".safetensors":
@@ -148,7 +149,7 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
                             w = f.get_tensor(stored)
                         if name in four_bit and not (quant is not None and quant.stored_4bit(name)):
                             # the base a QLoRA adapter was trained on (a `*-bnb-4bit` base's: as it is stored)
-                            w = dequantize(quantize(name, w, cfg.quantize, cfg.double_quant)).to(w.dtype)
+                            w = four_bit.get(name, w)
                         if name in deltas:
                             w = (w.float() + deltas[name]).to(w.dtype)
                             merged.add(name)

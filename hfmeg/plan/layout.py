@@ -3,7 +3,7 @@
 Its rank grid is a `grid.RankGrid` (sizes, EP inside DP, sequence parallelism only with
 TP > 1); the rest is how a step runs on it (micro-batch, recompute, optimizer, schedule).
 The checks are the ones the runtime itself makes (the grid's, `config.check_tp`,
-`schedules.validate`, `layout.split_layers`), called rather than restated, so the
+`schedules.validate`), called rather than restated, so the
 planner never proposes a layout the trainer would refuse.
 """
 
@@ -12,12 +12,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..config import VOCAB_MULTIPLE, ModelConfig, check_cp, check_ep, check_kv_sharing, check_tp
+from ..config import VOCAB_MULTIPLE, ModelConfig, check_cp, check_ep, check_tp
 from ..errors import HfmegError, LayoutError
 from ..models.decoder import RECOMPUTE_MODES
 from ..optim.config import MODES
 from ..parallel.grid import RankGrid
-from ..parallel.layout import split_layers
 from ..parallel.schedules import validate
 
 
@@ -106,7 +105,5 @@ def check_layout(cfg: ModelConfig, lay: PlanLayout, gpus: int, global_batch: int
         check_ep(cfg, lay.ep)
         check_cp(cfg, lay.cp)
         validate(lay.schedule, lay.pp, lay.vpp, lay.microbatches(global_batch))
-        for chunk in split_layers(cfg.num_layers, lay.pp, lay.vpp):  # the planner's layouts split evenly
-            check_kv_sharing(cfg, list(chunk.layers))
     except HfmegError as e:
         raise LayoutError(str(e)) from e

@@ -19,7 +19,8 @@
 - LoRA/DoRA (`peft`): the meta chunk gets its adapters (`peft.adapters.attach`, which
   freezes the base), so buffers, main grads and optimizer state count the adapters only,
   and the frozen base is counted apart (`frozen_weights`, model dtype, no fp32 copy); a 4-bit base's linears
-  (`peft.quantize`, the weights `rules_4bit.stored_4bit` picks) at their codes and absmax (`nf4.stored_bytes`).
+  and routed experts (`peft.quantize`, the weights `rules_4bit.stored_4bit` picks; the experts the EP rank holds)
+  at their codes and absmax (`nf4.stored_bytes`).
   Activations are still full fine-tuning's count (not re-measured with adapters).
 - A preference run's frozen reference copy (full fine-tuning, `reference_copy`): the chunk's
   parameters once more in the model dtype, counted in `frozen_weights`. Its forward runs before the
@@ -51,6 +52,7 @@ from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from ..parallel.roles import named_roles
 from ..quant.nf4 import stored_bytes
 from ..parallel.schedules import plan
+from ..parallel.stored_names import stored_tensors
 from ..peft.adapters import attach
 from ..peft.config import PeftConfig
 from .activations import Shape, chunk_bytes, received_input_bytes, recompute_transient_bytes
@@ -143,8 +145,9 @@ def _count_chunk(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool, po
     frozen = sum(p.numel() for p in chunk.parameters() if not p.requires_grad)
     four_bit = 0
     if peft is not None and peft.enabled and peft.quantize:
-        params = dict(chunk.named_parameters())
-        four_bit = sum(params[r.local].numel() for r in chunk_rules(cfg, layers, pre, post) if stored_4bit(r, cfg))
+        params = stored_tensors(chunk)  # the grouped experts per expert, as their rules name them
+        rules = chunk_rules(cfg, layers, pre, post, chunk.experts)
+        four_bit = sum(params[r.local].numel() for r in rules if stored_4bit(r, cfg))
     total = _Elements(sum(p.numel() for _, p, _ in named), 0, 0, 0, 0, 0, frozen, four_bit)
     for part, shards, expert in bucket_parts(named, *_shards(lay)):
         buckets = plan_buckets(part, lay.pp, bucket_size, shards, 0, 0, expert)

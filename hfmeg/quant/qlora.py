@@ -13,6 +13,10 @@ around the matmul are those of the unquantized layer. The matmul (`linear`) does
 for backward, where the input gradient needs it: it keeps the provider and dequantizes again there, as
 bitsandbytes' `MatMul4Bit` does. (`F.linear` would keep every layer's full-precision weight from its forward to
 its backward, i.e. the whole stage's unquantized base per micro-batch in flight.)
+
+A rank's routed experts of an MoE layer are one provider per stacked weight (`experts`: how many it holds), whose
+`()` is the stack `[E_local, out, in]`; their grouped GEMM dequantizes again in backward the same way
+(`models/grouped_linear.py`, its `provider`).
 """
 
 from __future__ import annotations
@@ -35,12 +39,14 @@ class Base4bit:
 
 
 class Frozen4bitWeight(nn.Module):
-    """A weight provider: `()` gives the rank's weight, dequantized from its 4-bit codes, in `dtype`."""
+    """A weight provider: `()` gives the rank's weight, dequantized from its 4-bit codes, in `dtype`; with
+    `experts`, the codes' rows are that many experts' weights and `()` gives them stacked `[experts, out, in]`."""
 
-    def __init__(self, packed: Packed4bit, dtype: torch.dtype):
+    def __init__(self, packed: Packed4bit, dtype: torch.dtype, experts: int | None = None):
         super().__init__()
         self.quant_type, self.blocksize, self.stored_dtype, self.dtype = (packed.quant_type, packed.blocksize,
                                                                           packed.dtype, dtype)
+        self.experts = experts
         # not persistent: a run's checkpoints hold adapters; the base is quantized again from its HF weights.
         # The float32 absmax are held as their int32 bits, so a cast of the model (`.to(bfloat16)`) moves them
         # without rounding them as it would a float buffer (it leaves integer tensors as they are).
@@ -52,7 +58,8 @@ class Frozen4bitWeight(nn.Module):
                           self.stored_dtype)
 
     def forward(self) -> torch.Tensor:
-        return dequantize(self.packed()).to(self.dtype)
+        weight = dequantize(self.packed()).to(self.dtype)
+        return weight if self.experts is None else weight.unflatten(0, (self.experts, -1))
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x weight^T + bias` for `weight` = `self()`, the weight dequantized again in backward (module doc)."""

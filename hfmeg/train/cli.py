@@ -241,7 +241,7 @@ def fit_to_model(cfg: TrainConfig) -> None:
     check_ep(model_cfg, cfg.parallel.ep)
     check_cp(model_cfg, cfg.parallel.cp)
     if cfg.peft.enabled:
-        check_model(model_cfg, cfg.peft, cfg.parallel.tp if cfg.parallel.layout == "manual" else 1)
+        check_model(model_cfg, cfg.peft)
     if cfg.train.shared_layers_until:
         check_shareable(model_cfg, cfg.parallel.pp)
     max_pos = model_cfg.max_positions
