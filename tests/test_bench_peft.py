@@ -1,5 +1,5 @@
 """tools/bench_peft.py at tiny size on gloo: the output contract and the byte counts it must give, for
-hfmeg's full and LoRA modes and the peft + transformers anchor (timings are reported, never asserted)."""
+hfmeg's full, LoRA and QLoRA modes and the peft + transformers anchor (timings are reported, never asserted)."""
 
 from __future__ import annotations
 import forkrun
@@ -7,6 +7,10 @@ import forkrun
 import json
 import sys
 from pathlib import Path
+
+import pytest
+
+from hfmeg.quant.nf4 import stored_bytes
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
@@ -33,3 +37,24 @@ def test_bench_peft_reports_both_modes():
     assert anchor["tokens_per_s"] > 0 and anchor["peak_bytes"] > 0
     assert r["lora_vs_peft_tokens_per_s"] == lora["tokens_per_s"] / anchor["tokens_per_s"]
     assert r["lora_vs_peft_peak"] == lora["peak_bytes"] / anchor["peak_bytes"]
+
+
+def test_bench_peft_qlora_mode_holds_the_4bit_base():
+    pytest.importorskip("bitsandbytes")
+    """`--modes lora,qlora`: the same adapters on the base as loaded and stored 4-bit; each mode's frozen base bytes
+    are the arithmetic's (the 4-bit linears at their codes and float32 absmax), and the ratios are the rows'."""
+    out = forkrun.run([sys.executable, str(TOOLS / "bench_peft.py"), "--modes", "lora,qlora", "--world", "1", "--tp",
+                       "1", "--hidden", "128", "--ffn", "256", "--layers", "2", "--seq", "16", "--vocab", "256", "--r",
+                       "4", "--steps", "1"], timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(r["by_mode"]) == {"lora", "qlora"} and r["dtype"] == "float32"
+    lora, qlora = r["by_mode"]["lora"], r["by_mode"]["qlora"]
+    assert lora["trainable_params"] == qlora["trainable_params"] > 0
+    h, f, v, layers = 128, 256, 256, 2  # 2 heads and 2 KV heads of 64
+    linears = layers * (h * 3 * h + h * h + 2 * f * h + h * f)
+    other = 2 * v * h + layers * 2 * h + h  # embedding, untied head, norms
+    assert lora["base_bytes"] == 4 * (linears + other) and r["params"] == linears + other
+    assert qlora["base_bytes"] == stored_bytes(linears) + 4 * other
+    assert r["qlora_vs_lora_peak"] == qlora["peak_bytes"] / lora["peak_bytes"]
+    assert r["qlora_vs_lora_tokens_per_s"] == qlora["tokens_per_s"] / lora["tokens_per_s"]

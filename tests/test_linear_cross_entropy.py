@@ -188,3 +188,25 @@ def test_entropy_of_the_vocab_parallel_softmax_equals_float64(cap):
             assert torch.equal(loss, plain) and not entropy.requires_grad
             assert entropy[5].item() == 0.0
             within((entropy.double() - want).abs().max().item(), bound, f"entropy at TP{tp}, cap {cap}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_frozen_head_forms_no_weight_gradient_and_the_same_input_gradient(dtype, monkeypatch):
+    """LoRA / QLoRA freeze the head: its backward forms no weight gradient (no fp32 [V, h] buffer), and the input
+    gradient is bit for bit the one of a trainable head (the same chunks, the same GEMMs)."""
+    import hfmeg.parallel.linear_cross_entropy as lce
+
+    x, w, target = _inputs()
+    x, w = x.detach().to(dtype).requires_grad_(), torch.nn.Parameter(w.detach().to(dtype))
+    ps = make_ps(world=1)
+    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=CHUNK).sum().backward()
+    trainable = x.grad.clone()
+    x.grad, w.grad = None, None
+    w.requires_grad_(False)
+
+    def no_weight_gradient(*args):
+        raise AssertionError("a weight gradient was formed for a frozen head")
+
+    monkeypatch.setattr(lce, "_add_rows", no_weight_gradient)
+    linear_cross_entropy(x, w, target, ps, V, chunk_tokens=CHUNK).sum().backward()
+    assert torch.equal(x.grad, trainable) and w.grad is None

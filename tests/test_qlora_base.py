@@ -18,6 +18,7 @@ from hfmeg.checkpoint.rules import chunk_rules, to_local  # noqa: E402
 from hfmeg.checkpoint.rules_4bit import to_local_4bit  # noqa: E402
 from hfmeg.errors import UnsupportedConfigError  # noqa: E402
 from hfmeg.families import model_config_from_hf  # noqa: E402
+from hfmeg.quant import nf4  # noqa: E402
 from hfmeg.quant.nf4 import dequantize  # noqa: E402
 
 # 256 columns everywhere: a TP-4 rank of a row-parallel weight holds whole 64-value blocks
@@ -58,3 +59,18 @@ def test_a_tp_that_cuts_a_block_is_refused_naming_the_tensor(base):
     out = next(r for r in chunk_rules(cfg, [0], False, False) if r.kind == "cols")
     with pytest.raises(UnsupportedConfigError, match=r"^layers.0.attn.out.weight: a rank's 32 columns"):
         to_local_4bit(out, [tensors[n] for n in out.hf], cfg, 8, 0)
+
+
+def test_a_weight_quantized_a_few_rows_at_a_time_has_bitsandbytes_whole_weight_bytes(base, monkeypatch):
+    """`nf4.quantize` calls bitsandbytes on a few rows at a time (its CPU quantization's temporaries are ~16 bytes a
+    value) and double-quantizes the whole weight's absmax once: 3 rows a call (768 absmax a call, so the nested
+    blocks of 256 and the offset span calls), still each rank's slice of the reference's dequantized weights."""
+    monkeypatch.setattr(nf4, "QUANTIZE_VALUES", 3 * 256)
+    tensors, reference = base
+    cfg = model_config_from_hf(HF)
+    for rule in [r for r in chunk_rules(cfg, [0], False, False) if r.kind in ("qkv", "cols", "gate_up")]:
+        held = [reference.get_submodule(n.removesuffix(".weight")).weight for n in rule.hf]
+        dequantized = [F.dequantize_4bit(w.data, w.quant_state) for w in held]
+        for tp, rank in ((1, 0), (2, 1)):
+            mine = dequantize(to_local_4bit(rule, [tensors[n] for n in rule.hf], cfg, tp, rank))
+            assert torch.equal(mine, to_local(rule, dequantized, cfg, tp, rank)), (rule.local, tp, rank)

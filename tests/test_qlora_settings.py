@@ -11,12 +11,14 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import make_ps
+from transformers import LlamaConfig
 from tiny_models import save_tiny
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules
 from hfmeg.checkpoint.rules_4bit import to_local_4bit
+from hfmeg.families import model_config_from_hf
 from hfmeg.errors import CheckpointError, HfmegError, UnsupportedConfigError
 from hfmeg.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from hfmeg.peft.adapters import attach
@@ -24,7 +26,10 @@ from hfmeg.peft.config import PeftConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.peft.export import write_info
 from hfmeg.plan.layout import PlanLayout
+from hfmeg.plan.hardware import ClusterSpec, GpuSpec
 from hfmeg.plan.memory import stage_memory
+from hfmeg.plan.profile import Profile
+from hfmeg.plan.step_time import step_time
 from hfmeg.quant.nf4 import dequantize
 from hfmeg.quant.qlora import Base4bit, Frozen4bitWeight
 from hfmeg.train.parts.adapters import check_resume_settings
@@ -104,7 +109,8 @@ def test_a_4bit_base_is_refused_where_it_is_not_built(kind, line, tmp_path):
 
 @pytest.mark.parametrize("saved, now, field", [
     (dict(), dict(quantize="nf4"), "peft.quantize"), (dict(quantize="nf4"), dict(quantize="fp4"), "peft.quantize"),
-    (dict(quantize="nf4"), dict(quantize="nf4", double_quant=False), "peft.double_quant")])
+    (dict(quantize="nf4"), dict(quantize="nf4", double_quant=False), "peft.double_quant"),
+    (dict(quantize="nf4", compute_dtype="fp32"), dict(quantize="nf4", compute_dtype="bf16"), "peft.compute_dtype")])
 def test_a_resume_with_other_quant_settings_is_refused_naming_the_field(saved, now, field, tmp_path):
     write_info(tmp_path, PeftConfig(method="lora", **saved), {"path": "base", "sha256": "0" * 64})
     with pytest.raises(CheckpointError, match=f"^{field}: "):
@@ -152,6 +158,30 @@ def test_a_4bit_linear_keeps_no_dequantized_weight_for_backward(base, base_4bit)
         chunk(ids, labels=ids).sum().backward()
     held = shapes & set(kept)
     assert not held if base_4bit is not None else held
+
+
+@pytest.mark.parametrize("tp, microbatches", [(1, 1), (2, 3)])
+def test_the_planner_times_a_4bit_bases_dequantization(tp, microbatches):
+    """A QLoRA step is the LoRA step plus, per micro-batch and decoder layer, two dequantizations of its four
+    linears as a rank holds them (forward, and again for backward): codes (half a byte a value) and float32 absmax
+    (one per 64 values) read, the weight written in the model dtype, at streaming bandwidth; PP 1, so every
+    micro-batch's layers add up (the CPU profile adds its fixed costs, it does not overlap them)."""
+    hf = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+                     num_key_value_heads=4, vocab_size=300, max_position_embeddings=128)
+    cfg = model_config_from_hf(hf)
+    lay = PlanLayout(tp, 1, 1, 1)
+    prof = Profile("cpu x2", 1e11, ((1e5, 0.5), (1e8, 1.0)), 0.3, 1e10, 1e-3, 5e-4, 5e-5, 1.0,
+                   links=((2, 1e9, 1e-4), (8, 2e8, 2e-3)), cores=2)
+    cluster = ClusterSpec(GpuSpec("cpu", prof.peak_flops, float("inf"), prof.memory_bytes_per_s, 1e9), tp, tp,
+                          reserved_bytes=0)
+    lora, qlora = (step_time(cfg, lay, cluster, prof, microbatches, 32, 4, base_4bit=b) for b in (False, True))
+    h, ffn, kv = 128, 256 // tp, 4 // tp * 16
+    values = h * (h // tp + 2 * kv) + h // tp * h + h * 2 * ffn + ffn * h  # qkv, out, gate+up, down per rank
+    per_pass = values / 2 + values / 64 * 4 + values * 4  # fp32 model dtype
+    want = microbatches * 3 * 2 * per_pass / prof.memory_bytes_per_s * prof.compute_slowdown(tp)
+    # float64 sums of ~1e-2 s totals, differenced: ~1e-13 relative; a pass too many or too few is 50 % off
+    assert qlora.step_s - lora.step_s == pytest.approx(want, rel=1e-9)
+    assert qlora.compute_s - lora.compute_s == pytest.approx(want, rel=1e-9)
 
 
 def _held_moe(folder: str, layouts):

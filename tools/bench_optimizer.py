@@ -60,14 +60,15 @@ from hfmeg.parallel.state import ParallelConfig, ParallelState
 IMPLS = ("compute", "ddp", "distributed", "overlapped")
 
 
-def make_model(folder: Path, a) -> int:
+def make_model(folder: Path, a, dtype: torch.dtype = torch.float32) -> int:
+    """A random LLaMA of `a`'s shape saved in `dtype` to `folder`; its parameter count."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.ffn or (a.hidden * 8 // 3 // 64) * 64,
                       num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64,
                       num_key_value_heads=a.hidden // 64, vocab_size=a.vocab, max_position_embeddings=a.seq)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
 

@@ -1,4 +1,4 @@
-"""LoRA vs full fine-tuning at the same layout: tokens/s, optimizer + gradient bytes, peak memory.
+"""LoRA vs full fine-tuning vs QLoRA at the same layout: tokens/s, optimizer + gradient bytes, peak memory.
 
 One gloo world per mode (so each mode's peak RSS is its own processes') trains a
 random LLaMA-shaped model at `--tp` x `--pp` (DP fills the rest of `--world`) through
@@ -10,11 +10,20 @@ this rank's fp32 optimizer state and main-gradient bytes, and the peak RSS (max 
 ranks). The anchor, `peft`, trains the same model with `peft` LoRA on transformers (same
 r, alpha, all-linear targets, the same tokens: every DP rank's micro-batches, and
 AdamW) in one process, so on a GPU `--world 1` compares hfmeg's LoRA with peft's on the
-same device in the same run. The last line printed is one JSON object (with the
-LoRA / peft ratios of tokens/s and peak memory); with no arguments it runs a small
-CPU shape in a minute or so.
+same device in the same run. `qlora` (not run unless `--modes` names it) is `lora` on the
+base stored 4-bit (`--peft qlora`: NF4, double quantization), so `--modes lora,qlora
+--dtype bf16` measures what QLoRA saves against LoRA on the bf16 base; each mode also
+reports the bytes of its frozen base on a rank (parameters and the 4-bit buffers). The
+last line printed is one JSON object (with the ratios of tokens/s and peak memory
+between the modes run); with no arguments it runs a small CPU shape in a minute or so.
+
+The random model is built and saved (in `--dtype`) by a process of its own, so no
+mode's peak includes it: a forked rank starts with its parent's resident pages.
 
     .venv/bin/python tools/bench_peft.py --world 2 --tp 2 --hidden 512 --layers 4 --r 16
+    # QLoRA vs LoRA on the bf16 base, weights dominating (LLaMA-2-7B layer shapes, 16 layers: 3.5B parameters)
+    .venv/bin/python tools/bench_peft.py --modes lora,qlora --dtype bf16 --world 1 --tp 1 --hidden 4096 \
+        --ffn 11008 --layers 16 --vocab 32000 --seq 64 --microbatches 1 --steps 2
     # one GPU, LLaMA-2-7B layer shapes (bf16; peak = CUDA bytes allocated)
     .venv/bin/python tools/bench_peft.py --device cuda --world 1 --tp 1 --hidden 4096 --ffn 11008 --layers 4 \
         --vocab 32000 --seq 4096 --microbatches 4 --r 16
@@ -44,8 +53,10 @@ from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 from hfmeg.peft.adapters import attach, initialise
 from hfmeg.peft.config import PeftConfig
+from hfmeg.quant.qlora import Base4bit
 
-MODES = ("full", "lora", "peft")
+MODES = ("full", "lora", "qlora", "peft")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _device(a) -> torch.device:
@@ -96,7 +107,19 @@ def _peft_rank(folder: str, a) -> dict:
 
 
 def _dtype(a) -> torch.dtype:
-    return torch.bfloat16 if a.device == "cuda" else torch.float32
+    return DTYPES[a.dtype or ("bf16" if a.device == "cuda" else "fp32")]
+
+
+def _make_model(folder: str, a) -> int:
+    """The random model, saved in the run's dtype (a process of its own: module docstring)."""
+    return make_model(Path(folder), a, _dtype(a))
+
+
+def _base_bytes(chunks) -> int:
+    """The bytes of this rank's frozen base: untrained parameters and the 4-bit base's buffers."""
+    frozen = [p for c in chunks for p in c.parameters() if not p.requires_grad]
+    frozen += [b for c in chunks for name, b in c.named_buffers() if name.endswith((".codes", ".absmax_bits"))]
+    return sum(t.numel() * t.element_size() for t in frozen)
 
 
 def _rank(mode: str, folder: str, a) -> dict:
@@ -104,8 +127,8 @@ def _rank(mode: str, folder: str, a) -> dict:
         return _peft_rank(folder, a)
     device = _device(a)
     ps = ParallelState(ParallelConfig(tp=a.tp, pp=a.pp), dist.get_rank(), dist.get_world_size(), device)
-    chunks = load_chunks(HFCheckpoint(folder), ps, dtype=_dtype(a))
-    if mode == "lora":
+    chunks = load_chunks(HFCheckpoint(folder), ps, dtype=_dtype(a), base_4bit=Base4bit() if mode == "qlora" else None)
+    if mode in ("lora", "qlora"):
         cfg = PeftConfig(method="lora", r=a.r, alpha=2.0 * a.r, target_modules=["all-linear"])
         for chunk in chunks:
             attach(chunk, cfg)
@@ -127,7 +150,7 @@ def _rank(mode: str, folder: str, a) -> dict:
     peak = torch.tensor([peak_bytes(device)])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     step_s = statistics.median(timed.tolist())
-    return dict(step_s=step_s, tokens_per_s=ntok / step_s, peak_bytes=int(peak.item()),
+    return dict(step_s=step_s, tokens_per_s=ntok / step_s, peak_bytes=int(peak.item()), base_bytes=_base_bytes(chunks),
                 trainable_params=sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad),
                 opt_state_bytes=opt.state_bytes(),
                 main_grad_bytes=sum(gr.grad_buffer.numel() * gr.grad_buffer.element_size() for gr in opt.groups))
@@ -143,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=at_least(1), default=5)
     ap.add_argument("--warmup", type=at_least(0), default=1)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cuda: bf16 on one GPU per rank (peak = CUDA bytes allocated); cpu: fp32 (peak = RSS)")
+                    help="cuda: one GPU per rank (peak = CUDA bytes allocated); cpu: peak = RSS")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                    help="the saved model's and the runs' dtype (default: bf16 on cuda, fp32 on cpu)")
+    ap.add_argument("--modes", type=_modes, default=("full", "lora", "peft"),
+                    help=f"comma-separated, of {', '.join(MODES)} (default: full,lora,peft)")
     a = ap.parse_args(argv)
     if a.device == "cuda" and a.world != 1:
         ap.error("--device cuda runs --world 1 (all three modes on the same GPU, one after the other)")
@@ -152,24 +179,34 @@ def main(argv: list[str] | None = None) -> int:
     if a.layers < a.pp:
         ap.error("--layers must be >= --pp")
     with tempfile.TemporaryDirectory() as tmp:
-        params = make_model(Path(tmp), a)
+        params = spawn(_make_model, 1, tmp, a, timeout_s=1800)[0]
         # peft + transformers runs in one process: the whole batch, on one GPU (or CPU process)
         rows = {mode: spawn(_rank, 1 if mode == "peft" else a.world, mode, tmp, a, timeout_s=1800)[0]
-                for mode in MODES}
+                for mode in MODES if mode in a.modes}
     peak = "peak CUDA MiB" if a.device == "cuda" else "peak RSS MiB"
-    print(f"{'mode':6} {'step s':>8} {'tok/s':>9} {'trainable':>11} {'opt+grad MiB':>13} {peak:>13}")
+    print(f"{'mode':6} {'step s':>8} {'tok/s':>9} {'trainable':>11} {'opt+grad MiB':>13} {'base MiB':>9} {peak:>13}")
     for mode, r in rows.items():
         state = (r["opt_state_bytes"] + r["main_grad_bytes"]) / 2**20
+        base = f"{r['base_bytes'] / 2**20:9.1f}" if "base_bytes" in r else f"{'-':>9}"
         print(f"{mode:6} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['trainable_params']:11,} {state:13.2f} "
-              f"{r['peak_bytes'] / 2**20:13.1f}")
-    full, lora, anchor = rows["full"], rows["lora"], rows["peft"]
-    print(json.dumps(dict(device=a.device, world=a.world, tp=a.tp, pp=a.pp, hidden=a.hidden, layers=a.layers,
-                          seq=a.seq, r=a.r, params=params, by_mode=rows,
-                          lora_vs_full_tokens_per_s=lora["tokens_per_s"] / full["tokens_per_s"],
-                          lora_vs_full_peak=lora["peak_bytes"] / full["peak_bytes"],
-                          lora_vs_peft_tokens_per_s=lora["tokens_per_s"] / anchor["tokens_per_s"],
-                          lora_vs_peft_peak=lora["peak_bytes"] / anchor["peak_bytes"])))
+              f"{base} {r['peak_bytes'] / 2**20:13.1f}")
+    ratios = {}
+    for mode, other in (("lora", "full"), ("lora", "peft"), ("qlora", "lora")):
+        if mode in rows and other in rows:
+            ratios[f"{mode}_vs_{other}_tokens_per_s"] = rows[mode]["tokens_per_s"] / rows[other]["tokens_per_s"]
+            ratios[f"{mode}_vs_{other}_peak"] = rows[mode]["peak_bytes"] / rows[other]["peak_bytes"]
+    print(json.dumps(dict(device=a.device, dtype=str(_dtype(a)).removeprefix("torch."), world=a.world, tp=a.tp,
+                          pp=a.pp, hidden=a.hidden, layers=a.layers, seq=a.seq, r=a.r, params=params, by_mode=rows,
+                          **ratios)))
     return 0
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m for m in text.split(",") if m)
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"{text!r}: modes are a comma-separated list of {', '.join(MODES)}")
+    return modes
 
 
 if __name__ == "__main__":

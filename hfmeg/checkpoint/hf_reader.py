@@ -10,8 +10,9 @@ text model's own names (`model.layers.…`, `lm_head.…`), so the family's rule
 (`carried`), and those the family carries (`FamilySpec.carried`), travel verbatim (`checkpoint/carried.py`).
 
 A quantized release (`quantization_config`: gpt-oss's MXFP4 experts, DeepSeek-V3's and Qwen3-FP8's block-scaled
-FP8) is read as the float model it encodes: `quantized.py` pairs each quantized tensor with its scales and
-dequantizes it when it is read, under the name transformers gives the float tensor.
+FP8, a `*-bnb-4bit` repo's bitsandbytes 4-bit linears) is read as the float model it encodes: `quantized.py` pairs
+each quantized tensor with its scales and dequantizes it when it is read, under the name transformers gives the
+float tensor. A QLoRA run reads bitsandbytes' 4-bit tensors as they are instead (`packed_4bit`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,21 @@ from safetensors import SafetensorError, safe_open
 from ..errors import CheckpointError, UnsupportedConfigError
 from ..families import family_of, wrapper_of
 from ..families.wrappers import TEXT_NAMINGS, text_name
-from ..quant.formats import quant_format
+from ..quant.formats import QuantFormat, quant_format
+from ..quant.nf4 import Packed4bit
 from .quantized import QuantizedTensors
 from .st_stream import CODE_DTYPES, read_tensor
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def folder_quant_format(folder: Path, config: object) -> QuantFormat | None:
+    """The format of `folder`'s `quantization_config` (`quant/formats.py`), refused naming the folder's config."""
+    try:
+        return quant_format(config)
+    except UnsupportedConfigError as e:
+        raise UnsupportedConfigError(f"{Path(folder) / str(e)}") from e
 
 
 class HFCheckpoint:
@@ -96,10 +106,7 @@ class HFCheckpoint:
 
     def _dequantized(self, top: dict, meta: dict) -> None:
         """Read a quantized release's tensors dequantized, under the float tensors' names (`quantized.py`)."""
-        try:
-            fmt = quant_format(top.get("quantization_config"))
-        except UnsupportedConfigError as e:
-            raise UnsupportedConfigError(f"{self.folder / str(e)}") from e
+        fmt = folder_quant_format(self.folder, top.get("quantization_config"))
         if fmt is None:
             return
         # the dtype the release declares (its unquantized tensors'); gpt-oss declares none and stores them in bf16
@@ -108,7 +115,7 @@ class HFCheckpoint:
         declared = declared if isinstance(declared, torch.dtype) else torch.bfloat16
         raw = dict(self._stored)
         self.quantized = QuantizedTensors(fmt, self.folder, list(raw), lambda n: self._raw_shape(raw[n]),
-                                          lambda n: self._raw_dtype(raw[n]), declared)
+                                          lambda n: self._raw_dtype(raw[n]), declared, lambda n: self._raw_get(raw[n]))
         self._raw_names = raw
         for name in self.quantized.hidden():
             del self._stored[name]
@@ -155,6 +162,14 @@ class HFCheckpoint:
         if self._dequantizes(name):
             return self.quantized.get(name, lambda n: self._raw_get(self._raw_names[n]))
         return self._raw_get(self.resolve(name))
+
+    def stored_4bit(self, name: str) -> bool:
+        """Whether tensor `name` is stored as bitsandbytes 4-bit codes (a `*-bnb-4bit` checkpoint's linears)."""
+        return self._dequantizes(name) and self.quantized.stored_4bit(name)
+
+    def packed_4bit(self, name: str) -> Packed4bit:
+        """The bitsandbytes 4-bit tensor `name` as stored (`stored_4bit`), for a 4-bit base: not dequantized."""
+        return self.quantized.packed(name, lambda n: self._raw_get(self._raw_names[n]))
 
     def _raw_get(self, key: str) -> torch.Tensor:
         path = self._files[key]

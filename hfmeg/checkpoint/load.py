@@ -30,7 +30,9 @@ touched, so a rank's resident memory is its 4-bit base, the other parameters and
 (On a GPU the allocator did hold it until then: building the chunk on the meta device would avoid that, but RoPE
 computes its frequencies when built.) An MoE layer's routed experts are stored 4-bit too, one provider per stacked
 weight (`GroupedExperts.fc1_provider`), each quantized whole from every expert's HF tensors and cut over EP
-(`rules_4bit.experts_4bit`); its router stays full precision, as transformers leaves it.
+(`rules_4bit.experts_4bit`); its router stays full precision, as transformers leaves it. A `*-bnb-4bit` source's
+linears are read as the codes it stores (`HFCheckpoint.packed_4bit`), cut for the rank without a dequantize /
+requantize round; its quant type and double quantization must be the run's.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 from ..config import VOCAB_MULTIPLE, ModelConfig, load_hf_config
 from ..families import model_config_from_hf
 from ..errors import CheckpointError, LayoutError
+from ..quant.nf4 import quantize
 from ..quant.qlora import Base4bit, Frozen4bitWeight
 from ..families.spec import TensorRule
 from ..models.decoder import ModelChunk
@@ -93,6 +96,8 @@ def load_chunks(
         dtype = dtype or torch.float32
     if base_4bit is not None:
         _check_4bit(cfg)
+    if base_4bit is not None and isinstance(source, HFCheckpoint):
+        _check_stored_4bit(source, base_4bit)
     return [_load_chunk(source, cfg, spec, ps, dtype, vocab_multiple, base_4bit, options) for spec in specs]
 
 
@@ -158,10 +163,13 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
                 params[rule.local].copy_(source.local(ps.tp_rank, source.holder(ps.pp_rank, rule.local), rule.local))
         else:
             _check_shapes(source, rules, cfg)
-            for rule, tensors in rule_tensors(source, [r for r in rules if not stacks or expert_stack(r) is None]):
-                if rule.local not in quantized:
-                    params[rule.local].copy_(to_local(rule, tensors, cfg, ps.tp, ps.tp_rank, vocab_multiple))
-                    continue
+            plain = [r for r in rules if r.local not in quantized and (not stacks or expert_stack(r) is None)]
+            for rule, tensors in rule_tensors(source, plain):
+                params[rule.local].copy_(to_local(rule, tensors, cfg, ps.tp, ps.tp_rank, vocab_multiple))
+            for rule in [r for r in rules if r.local in quantized]:  # a stored 4-bit tensor is not dequantized
+                # each float HF tensor quantized as soon as it is read: one held at a time
+                tensors = [source.packed_4bit(n) if _stored_4bit(source, n) else
+                           quantize(n, source.get(n), base_4bit.quant_type, base_4bit.double_quant) for n in rule.hf]
                 packed = to_local_4bit(rule, tensors, cfg, ps.tp, ps.tp_rank, base_4bit.quant_type,
                                        base_4bit.double_quant, vocab_multiple)
                 quantized[rule.local].weight_provider = Frozen4bitWeight(packed, dtype).to(ps.device)
@@ -174,6 +182,25 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
                 provider = Frozen4bitWeight(packed, dtype, experts=len(chunk.experts))
                 setattr(module, f"{name}_provider", provider.to(ps.device))
     return chunk
+
+
+def _stored_4bit(source: HFCheckpoint | TensorSource, name: str) -> bool:
+    return isinstance(source, HFCheckpoint) and source.stored_4bit(name)
+
+
+def _check_stored_4bit(source: HFCheckpoint, base_4bit: Base4bit) -> None:
+    """A `*-bnb-4bit` source is the 4-bit base as stored: its quant type and double quantization must be the run's
+    (the run cannot requantize it without the float weights)."""
+    fmt = source.quantized.fmt if source.quantized is not None else None
+    if fmt is None or fmt.method != "bitsandbytes":
+        return
+    for field, run, stored, key in (("quantize", base_4bit.quant_type, fmt.quant_type, "bnb_4bit_quant_type"),
+                                    ("double_quant", base_4bit.double_quant, fmt.double_quant,
+                                     "bnb_4bit_use_double_quant")):
+        if run != stored:
+            raise UnsupportedConfigError(f"peft.{field}: {run} differs from {source.folder / 'config.json'} "
+                                         f"quantization_config.{key} {stored}, a base stored 4-bit as the run reads "
+                                         f"it; set peft.{field}: {stored}")
 
 
 def _check_4bit(cfg: ModelConfig) -> None:

@@ -5,7 +5,9 @@ what is quantized here: each HF tensor of the rule, once, by bitsandbytes (`quan
 are indexed by the weight's rows, so they are put part after part exactly as the weight's rows are
 (`rules.parts_in_order`) and cut by the rule's split kind: each rank's dequantized weight is then its slice of the
 dequantized HF weights (QKV fused per KV group, gate/up per rank, and so on), bit for bit. Quantizing the fused
-tensor instead would give other double-quantization constants than bitsandbytes gives each HF tensor.
+tensor instead would give other double-quantization constants than bitsandbytes gives each HF tensor. An HF tensor
+a `*-bnb-4bit` checkpoint stores 4-bit already comes as its stored `Packed4bit` and is cut as it is (no
+dequantize / requantize round).
 
 MoE layers (transformers v5 holds the routed experts as two stacked parameters, not `nn.Linear`s):
 - `load_in_4bit` replaces `nn.Linear`s only, so it leaves the router (a bare `[experts, hidden]` parameter in every
@@ -39,14 +41,20 @@ from .rules import chunk_rules, expected_hf_shape, parts_in_order, rule_tensors,
 _EXPERT = re.compile(r"^(?P<stack>layers\.\d+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<name>fc[12])\.weight$")
 
 
-def to_local_4bit(rule: TensorRule, hf: list[torch.Tensor], cfg: ModelConfig, tp: int, tp_rank: int,
+def to_local_4bit(rule: TensorRule, hf: list[torch.Tensor | Packed4bit], cfg: ModelConfig, tp: int, tp_rank: int,
                   quant_type: str = "nf4", double_quant: bool = True,
                   vocab_multiple: int = VOCAB_MULTIPLE) -> Packed4bit:
-    """This TP rank's share of `rule.local` stored 4-bit, from the full HF tensors named by `rule.hf`."""
-    if rule.expert is not None or rule.transpose or any(t.dim() != 2 for t in hf):
+    """This TP rank's share of `rule.local` stored 4-bit, from the full HF tensors named by `rule.hf` (each a float
+    tensor, quantized here, or one stored 4-bit, of the run's `quant_type`)."""
+    if rule.expert is not None or rule.transpose or any(len(t.shape) != 2 for t in hf):
         raise UnsupportedConfigError(f"{rule.local}: 4-bit storage is built for 2-d nn.Linear weights read as they "
                                      "are (not stacked experts, nor GPT-2's transposed Conv1D)")
-    packed = [quantize(name, t, quant_type, double_quant) for name, t in zip(rule.hf, hf)]
+    packed = [t if isinstance(t, Packed4bit) else quantize(name, t, quant_type, double_quant)
+              for name, t in zip(rule.hf, hf)]
+    for name, p in zip(rule.hf, packed):
+        if (p.quant_type, p.blocksize) != (quant_type, packed[0].blocksize):
+            raise UnsupportedConfigError(f"{name}: stored {p.quant_type} in blocks of {p.blocksize}; this 4-bit base "
+                                         f"is {quant_type} in blocks of {packed[0].blocksize} ({rule.local})")
     whole = Packed4bit(parts_in_order(rule, [p.codes for p in packed]),
                        parts_in_order(rule, [p.absmax for p in packed]), quant_type, packed[0].blocksize,
                        packed[0].dtype)

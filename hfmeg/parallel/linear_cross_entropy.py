@@ -113,7 +113,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         low = w.dtype != torch.float32
         sink = ctx.sink
         grad_x = torch.empty_like(x)
-        grad_w = sink if sink is not None else torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        # a frozen head (LoRA, QLoRA) has no weight gradient: none is formed (an fp32 [V/tp, h] buffer and its
+        # rounded copy, 0.8 GB at a 7B's vocabulary, were a LoRA step's largest temporary)
+        wants_w = ctx.needs_input_grad[1]
+        grad_w = sink if sink is not None or not wants_w else torch.zeros(w.shape, dtype=torch.float32,
+                                                                           device=w.device)
         for lo in range(0, x.shape[0], ctx.chunk_tokens):
             sl = slice(lo, lo + ctx.chunk_tokens)
             z, t = _chunk_logits(x[sl], w, vocab_start, ctx.vocab_size, ctx.softcap)
@@ -128,10 +132,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_x[sl] = d @ w
             else:
                 grad_x[sl] = (d @ w.float()).to(x.dtype)
-            _add_rows(grad_w, d.t(), x[sl])
+            if wants_w:
+                _add_rows(grad_w, d.t(), x[sl])
         # Each TP rank holds a vocabulary slice, so its grad_x is partial; the caller's
         # copy-to-TP / sequence-gather backward sums it over TP.
-        if sink is not None:
+        if sink is not None or not wants_w:
             return grad_x, None, None, None, None, None, None, None, None
         return grad_x, grad_w.to(w.dtype), None, None, None, None, None, None, None
 

@@ -22,7 +22,7 @@ release. (Adding an update to the FP8 codes themselves would be wrong: their sca
 A QLoRA adapter (`cfg.quantize`) was trained on the 4-bit base, so it is merged into that base dequantized: each
 weight the run held 4-bit is first quantized and dequantized by bitsandbytes (`rules_4bit.Dequantized4bit`: alone,
 or an MoE layer's whole expert stack), as peft's `merge_and_unload` gives on the dequantized model, and written in the
-base's dtype.
+base's dtype; a `*-bnb-4bit` base's stored 4-bit weights are only dequantized.
 """
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
                             w = quant.get(name).to(quant.dtype(name))
                         else:
                             w = f.get_tensor(stored)
-                        if name in four_bit:  # the base a QLoRA adapter was trained on
+                        if name in four_bit and not (quant is not None and quant.stored_4bit(name)):
+                            # the base a QLoRA adapter was trained on (a `*-bnb-4bit` base's: as it is stored)
                             w = four_bit.get(name, w)
                         if name in deltas:
                             w = (w.float() + deltas[name]).to(w.dtype)

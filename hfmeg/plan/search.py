@@ -82,7 +82,8 @@ def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
     return Evaluation(lay, mem, step_time(job.cfg, lay, job.cluster, job.profile, job.global_batch, job.seq_len,
                                           job.dtype_bytes, memories=stages, attention=job.attention,
                                           grad_accumulation=job.grad_accumulation,
-                                          reference_forward=job.reference_forward, fp8=job.fp8))
+                                          reference_forward=job.reference_forward, fp8=job.fp8,
+                                          base_4bit=job.peft is not None and job.peft.quantize is not None))
 
 
 def expert_parallel_sizes(cfg: ModelConfig, dp: int) -> list[int]:

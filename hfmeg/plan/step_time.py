@@ -30,6 +30,9 @@ Per micro-batch and pipeline stage (all of the stage's chunks):
   tokens only), the core's QK^T at the keys' width and PV at the values' narrower one, and TP moving the
   latents before the attention instead of the hidden state (`_Stage._latent_attention`); its grouped
   sigmoid router adds a few fp32 passes over the token x expert scores forward (`_grouped_routing`);
+- QLoRA (`peft.quantize`, a 4-bit base): each decoder linear's weight is dequantized before its forward GEMM and
+  again for the backward's (`quant/qlora.py` keeps no dequantized copy), one pass reading its codes and absmax and
+  writing the weight in the model dtype (`nf4.dequantize_bytes`) at streaming bandwidth, forward and backward;
 - recompute: `full` runs each layer's forward again, `selective` the attention core;
 - gradient accumulation: every micro-batch's weight gradients are added into the
   fp32 main grads, a pass over all the stage's parameters at streaming bandwidth
@@ -92,6 +95,7 @@ from ..parallel.layout import rank_chunks, split_layers
 from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from .flops import training_flops
 from .activations import Shape, layer_bytes, layer_kind, layer_kinds, moe_tokens
+from ..quant.nf4 import dequantize_bytes
 from .fp8 import fp8_cast_bytes
 from .hardware import ClusterSpec
 from .layout import PlanLayout
@@ -191,8 +195,9 @@ class _Stage:
     """Forward and backward seconds of one micro-batch on one pipeline stage."""
 
     def __init__(self, cfg: ModelConfig, lay: PlanLayout, prof: Profile, shape: Shape, tp_link, ep_link,
-                 slow: float, attention: str, cp_link=None, fp8: bool = False):
+                 slow: float, attention: str, cp_link=None, fp8: bool = False, base_4bit: bool = False):
         self.cfg, self.lay, self.prof, self.shape, self.slow, self.fp8 = cfg, lay, prof, shape, slow, fp8
+        self.base_4bit = base_4bit
         self.tp_link, self.ep_link, self.attention, self.cp_link = tp_link, ep_link, attention, cp_link
         self.sp_comm = prof.sequence_parallel_comm if lay.sp else 1.0
 
@@ -260,13 +265,14 @@ class _Stage:
         else:
             attention_mm, kv_width = self._linear(tok, h, (nh + 2 * nkv) * d) + self._linear(tok, nh * d, h), nkv * d
         mm = attention_mm + mlp
+        dequant = self._dequantize() if self.base_4bit else 0.0
         attn, attn_bwd = self._attention()
         none = replace(x, recompute="none")
         elementwise = 3 * layer_bytes(c, none, layer) / self.prof.memory_bytes_per_s
         kernels = self.prof.layer_fixed_s(c.moe.num_experts // self.lay.ep if c.is_sparse(layer) else None)
         # (device work, fixed cost) of the forward and of the backward
-        fwd = mm + attn + elementwise / 3 + self._grouped_routing(layer), kernels / 3
-        bwd = 2 * mm + attn_bwd + 2 * elementwise / 3, 2 * kernels / 3
+        fwd = mm + dequant + attn + elementwise / 3 + self._grouped_routing(layer), kernels / 3
+        bwd = 2 * mm + dequant + attn_bwd + 2 * elementwise / 3, 2 * kernels / 3
         ar = _ring(x.dtype_bytes * tok * h, t, self.tp_link, passes=2) * self.sp_comm
         if c.mla is None:
             attention_comm = 2 * ar
@@ -282,6 +288,13 @@ class _Stage:
             bwd = bwd[0] + attn, bwd[1] + self.prof.selective_recompute_fixed * kernels
             comm += kv
         return self.with_fixed(*fwd) * self.slow, self.with_fixed(*bwd) * self.slow, comm, ep_comm
+
+    def _dequantize(self) -> float:
+        """Seconds to dequantize a dense layer's four 4-bit linears as this rank holds them, once (QLoRA)."""
+        c, t = self.cfg, self.lay.tp
+        h, d, nh, nkv, f = c.hidden_size, c.head_dim, c.num_heads // t, c.local_kv_heads(t), c.ffn_size // t
+        weights = (h * (nh + 2 * nkv) * d, nh * d * h, h * (2 if c.gated_mlp else 1) * f, f * h)
+        return sum(dequantize_bytes(w, self.shape.dtype_bytes) for w in weights) / self.prof.memory_bytes_per_s
 
     def _latent_attention(self) -> tuple[float, float, int]:
         """(matmul seconds, TP seconds per forward + backward, K/V width gathered per key under CP) of MLA.
@@ -341,14 +354,15 @@ class _Stage:
 def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Profile, global_batch: int,
               seq_len: int, dtype_bytes: int = 2, opt: OptimizerConfig | None = None,
               memories: list[Memory] | None = None, attention: str = "flash",
-              grad_accumulation: bool = True, reference_forward: bool = False, fp8: bool = False) -> StepTime:
+              grad_accumulation: bool = True, reference_forward: bool = False, fp8: bool = False,
+              base_4bit: bool = False) -> StepTime:
     """`memories`: the stages' `Memory` when the caller has them already (for their bucket sizes);
     `attention`: one of ATTENTION_KERNELS; `grad_accumulation`: time hfmeg's per-micro-batch pass into
     the main grads (False: a runtime whose pass is not modelled); `reference_forward`: a preference run's
     reference model runs forward-only over the step's micro-batches first (parts/reference.py): each
     micro-batch costs the slowest stage's forward compute and the forward halves of its TP, EP and p2p
     traffic, and the forward-only pipeline fills and drains once; `fp8`: the decoder linears run in FP8
-    (`model.fp8`, plan/fp8.py)."""
+    (`model.fp8`, plan/fp8.py); `base_4bit`: QLoRA's 4-bit base, dequantized for each GEMM."""
     if attention not in ATTENTION_KERNELS:
         raise UnsupportedConfigError(f"attention kernels {attention!r}: choose one of {ATTENTION_KERNELS}")
     opt = opt or OptimizerConfig(mode=lay.optimizer)
@@ -366,7 +380,7 @@ def step_time(cfg: ModelConfig, lay: PlanLayout, cluster: ClusterSpec, prof: Pro
     ep_link = _link(cluster, prof, crossing, "ep", lay.ep, lay.tp * lay.cp, all_to_all=True)
     edp_link = _link(cluster, prof, crossing, "expert_dp" if lay.ep > 1 else dp_kind, lay.edp * lay.cp,
                      lay.tp * lay.ep)
-    stage = _Stage(cfg, lay, prof, shape, tp_link, ep_link, slow, attention, cp_link, fp8)
+    stage = _Stage(cfg, lay, prof, shape, tp_link, ep_link, slow, attention, cp_link, fp8, base_4bit)
     costs = {layer_kind(cfg, i): stage.layer(i) for i in layer_kinds(cfg)}  # layers of one kind cost the same
     head_f, head_b = stage.head()
     p2p_msg = pp_link[1] + dtype_bytes * shape.local_seq * lay.micro_batch * cfg.hidden_size / pp_link[0]

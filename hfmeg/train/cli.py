@@ -222,6 +222,7 @@ def fit_to_model(cfg: TrainConfig) -> None:
     """CPU runs of a GPU recipe: no torch.compile (GPU kernels), and a sequence the model supports; and
     what only the model's config.json can refuse before any process group exists (EP vs the expert count, CP
     vs the router's loss)."""
+    from ..checkpoint.hf_reader import folder_quant_format
     from ..config import check_cp, check_ep, load_hf_config
     from ..families import model_config_from_hf
     from ..models.shared_layers import check_shareable
@@ -231,9 +232,12 @@ def fit_to_model(cfg: TrainConfig) -> None:
         _say("model.compile: torch.compile kernels are for GPUs; running eagerly on CPU")
         cfg.model.compile = False
     try:
-        model_cfg = model_config_from_hf(load_hf_config(cfg.model.hf_folder()))
+        folder = cfg.model.hf_folder()
+        hf = load_hf_config(folder)
+        model_cfg = model_config_from_hf(hf)
     except HfmegError:
         return  # an MP checkpoint folder (the model's chunks check it), or an error the trainer reports in full
+    folder_quant_format(folder, getattr(hf, "quantization_config", None))  # GPTQ, AWQ, ...: refused here
     check_ep(model_cfg, cfg.parallel.ep)
     check_cp(model_cfg, cfg.parallel.cp)
     if cfg.peft.enabled:

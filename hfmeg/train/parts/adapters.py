@@ -45,7 +45,9 @@ from .reference import Reference
 
 ADAPTER_DIR = "adapter"
 # The peft.* settings that shape or scale the adapters: a resume must keep them (dropout may change).
-RESUME_SETTINGS = ("r", "alpha", "target_modules", "use_rslora", "modules_to_save", "quantize", "double_quant")
+# A 4-bit base's block size is its source's (64 when quantized here), which the base's sha256 already pins.
+RESUME_SETTINGS = ("r", "alpha", "target_modules", "use_rslora", "modules_to_save", "quantize", "double_quant",
+                   "compute_dtype")
 
 
 def check_resume_settings(resume: Path, cfg: PeftConfig) -> None:
@@ -83,6 +85,8 @@ class Adapters(ModelPart):
             peft = replace(peft, method=folder_cfg.method, r=folder_cfg.r, alpha=folder_cfg.alpha,
                            target_modules=folder_cfg.target_modules, use_rslora=folder_cfg.use_rslora,
                            modules_to_save=folder_cfg.modules_to_save)
+        if peft.quantize is not None and peft.compute_dtype is None:  # recorded as run, so a resume compares it
+            peft = replace(peft, compute_dtype=cfg.model.dtype)
         self.peft = peft
         self.base_ref: dict | None = None  # the base's path and sha256 (`check_base`)
 
