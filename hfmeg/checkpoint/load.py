@@ -58,7 +58,7 @@ from .mp_layout import DTYPES, MPLayout
 from .mp_reader import MPCheckpoint
 from .placement import as_stored, check_placed
 from .rules import chunk_rules, expected_hf_shape, rule_tensors, to_local
-from .rules_4bit import expert_stack, experts_4bit, stack_rules, stored_4bit, to_local_4bit
+from .rules_4bit import expert_stack, experts_4bit, stack_rules, stored_4bit, stored_packed, to_local_4bit
 from .tensor_source import TensorSource
 
 WeightSource = HFCheckpoint | TensorSource | MPCheckpoint
@@ -168,7 +168,7 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
                 params[rule.local].copy_(to_local(rule, tensors, cfg, ps.tp, ps.tp_rank, vocab_multiple))
             for rule in [r for r in rules if r.local in quantized]:  # a stored 4-bit tensor is not dequantized
                 # each float HF tensor quantized as soon as it is read: one held at a time
-                tensors = [source.packed_4bit(n) if _stored_4bit(source, n) else
+                tensors = [source.packed_4bit(n) if stored_packed(source, n) else
                            quantize(n, source.get(n), base_4bit.quant_type, base_4bit.double_quant) for n in rule.hf]
                 packed = to_local_4bit(rule, tensors, cfg, ps.tp, ps.tp_rank, base_4bit.quant_type,
                                        base_4bit.double_quant, vocab_multiple)
@@ -182,10 +182,6 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
                 provider = Frozen4bitWeight(packed, dtype, experts=len(chunk.experts))
                 setattr(module, f"{name}_provider", provider.to(ps.device))
     return chunk
-
-
-def _stored_4bit(source: HFCheckpoint | TensorSource, name: str) -> bool:
-    return isinstance(source, HFCheckpoint) and source.stored_4bit(name)
 
 
 def _check_stored_4bit(source: HFCheckpoint, base_4bit: Base4bit) -> None:

@@ -140,13 +140,15 @@ class QuantizedTensors:
             self.pairs[name] = (name, *(f"{name}.{p}" for p in parts), state_name)
             self._bnb_states[name] = state
 
-    def _bnb_state(self, name: str, side: list[torch.Tensor]):
-        """bitsandbytes' `QuantState` of the 4-bit weight `name` from its stored side tensors."""
+    def _bnb_read(self, name: str, read):
+        """The stored codes of the 4-bit weight `name` and bitsandbytes' `QuantState`, rebuilt from its side
+        tensors."""
         F = require_bitsandbytes(f"{self.folder}: a bitsandbytes 4-bit checkpoint")
+        codes, *side = (read(n) for n in self.pairs[name])
         parts = BNB_PARTS + (BNB_NESTED if "nested_blocksize" in self._bnb_states[name] else ())
         state = dict(zip(parts, side))
         state[BNB_STATE.lstrip(".") + self._bnb_states[name]["quant_type"]] = side[-1]
-        return F.QuantState.from_dict(state, torch.device("cpu"))
+        return codes, F.QuantState.from_dict(state, torch.device("cpu"))
 
     def stored_4bit(self, name: str) -> bool:
         """Whether `name` is stored as bitsandbytes 4-bit codes (a QLoRA base reads them as they are: `packed`)."""
@@ -154,8 +156,7 @@ class QuantizedTensors:
 
     def packed(self, name: str, read) -> Packed4bit:
         """The bitsandbytes 4-bit weight `name` as stored: its codes, its absmax (dequantized where nested)."""
-        codes, *side = (read(n) for n in self.pairs[name])
-        return from_quant_state(name, codes, self._bnb_state(name, side))
+        return from_quant_state(name, *self._bnb_read(name, read))
 
     def hidden(self) -> set[str]:
         """The stored names the logical ones replace."""
@@ -182,8 +183,7 @@ class QuantizedTensors:
 
     def get(self, name: str, read) -> torch.Tensor:
         if name in self._bnb_states:
-            codes, *side = (read(n) for n in self.pairs[name])
-            return require_bitsandbytes().dequantize_4bit(codes, self._bnb_state(name, side))
+            return require_bitsandbytes().dequantize_4bit(*self._bnb_read(name, read))
         data, scale = (read(n) for n in self.pairs[name])
         if self.fmt.method == "fp8":
             return dequantize_fp8_blocks(data, scale, self.fmt.block)

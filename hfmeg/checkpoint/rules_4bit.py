@@ -35,6 +35,7 @@ from ..errors import UnsupportedConfigError
 from ..families.spec import TensorRule
 from ..parallel.splits import EXPERTS
 from ..quant.nf4 import Packed4bit, dequantize, quantize, shard
+from .hf_reader import HFCheckpoint
 from .rules import chunk_rules, expected_hf_shape, parts_in_order, rule_tensors, split_of, to_hf, to_local
 
 # A routed expert's weight, as the key table names it (`parallel/stored_names.py`): its stack and the expert.
@@ -59,6 +60,12 @@ def to_local_4bit(rule: TensorRule, hf: list[torch.Tensor | Packed4bit], cfg: Mo
                        parts_in_order(rule, [p.absmax for p in packed]), quant_type, packed[0].blocksize,
                        packed[0].dtype)
     return shard(rule.local, whole, split_of(rule, cfg, vocab_multiple), tp, tp_rank)
+
+
+def stored_packed(source, name: str) -> bool:
+    """Whether `source` stores the HF tensor `name` as bitsandbytes 4-bit codes (a `*-bnb-4bit` checkpoint's linear),
+    which a 4-bit base takes as they are."""
+    return isinstance(source, HFCheckpoint) and source.stored_4bit(name)
 
 
 def expert_stack(rule: TensorRule) -> str | None:
@@ -113,6 +120,8 @@ class Dequantized4bit:
     def get(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """The HF tensor `name` (read as `weight`) as the 4-bit base holds it, dequantized, in its dtype."""
         if name in self.alone:
+            if stored_packed(self.source, name):
+                return weight  # a `*-bnb-4bit` base's: read dequantized from the codes the run held as they are
             return dequantize(quantize(name, weight, self.quant_type, self.double_quant)).to(weight.dtype)
         if name not in self.pending:
             self.pending |= self._stack(self.stacks[name])

@@ -130,9 +130,9 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
     updates = {k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight": k
                for k in tensors if k.endswith(".lora_A.weight") and ".mlp.experts" not in k and ".mlp.gate." not in k}
     merged = set()
-    quant = HFCheckpoint(base) if "quantization_config" in json.loads((base / "config.json").read_text()) else None
-    four_bit = (Dequantized4bit(HFCheckpoint(base), source_config(HFCheckpoint(base)), cfg.quantize, cfg.double_quant)
-                if cfg.quantize else ())
+    source = HFCheckpoint(base)
+    quant = source if source.quantized is not None else None  # a release read dequantized (`quantization_config`)
+    four_bit = Dequantized4bit(source, source_config(source), cfg.quantize, cfg.double_quant) if cfg.quantize else ()
     with atomic_output_dir(out, overwrite=overwrite, inputs=(base,)) as tmp:
         for path in sorted(base.iterdir()):
             if path.suffix == ".safetensors":
@@ -147,8 +147,7 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
                             w = quant.get(name).to(quant.dtype(name))
                         else:
                             w = f.get_tensor(stored)
-                        if name in four_bit and not (quant is not None and quant.stored_4bit(name)):
-                            # the base a QLoRA adapter was trained on (a `*-bnb-4bit` base's: as it is stored)
+                        if name in four_bit:  # the base a QLoRA adapter was trained on
                             w = four_bit.get(name, w)
                         if name in deltas:
                             w = (w.float() + deltas[name]).to(w.dtype)
