@@ -8,8 +8,9 @@ may run on (`os.sched_getaffinity`) over the processes on its host (`LOCAL_WORLD
 at least one; and asks OpenMP to wait passively (`OMP_WAIT_POLICY=PASSIVE`, read when OpenMP starts: hfmeg
 sets it on import, so it holds where hfmeg is imported before torch, as in the recipes and the `hfmeg` command).
 Measured with tools/bench_threads.py, docs/benchmarks.md#threads, against one thread, the cores less the other
-runnable tasks seen at start, and twice the cores: none did better on a busy machine, and a count cut for the
-load at start would stay cut after the load has gone.
+runnable tasks seen at start, and twice the cores. On a VM others kept busy none did better; on a quiet VM beside
+two busy processes one thread did (1.45x its quiet time against 2.85x for two, on the bench's small step), which is
+not yet measured on a model-sized step; a count cut for the load at start would stay cut after the load has gone.
 """
 
 from __future__ import annotations
