@@ -2,9 +2,10 @@
 
 The HF tensor names, shapes and dtypes are known up front (`MPCheckpoint.shape` /
 `dtype`, computed from the rank files' headers; any `ShardView`, also a run's live
-shards, `live_shards.py`), so the shard plan is made before any data is read: tensors in model order fill `model-0000i-of-0000n.safetensors`
-files up to `max_shard_bytes` (a single `model.safetensors` when everything fits),
-with a `model.safetensors.index.json` when there are several. Each tensor is
+shards, `live_shards.py`), so the shard plan is made before any data is read:
+tensors in model order fill `model-0000i-of-0000n.safetensors` files up to
+`max_shard_bytes` (a single `model.safetensors` when everything fits), with a
+`model.safetensors.index.json` when there are several. Each tensor is
 merged from its TP slices and written (by a write-behind thread, so the next
 merge overlaps this write) and dropped.
 

@@ -6,7 +6,9 @@ slices of the one rule that produces the name (from the PP rank that owns it) an
 merges them with `checkpoint.rules.to_hf`. Outputs of a rule that produces several
 HF tensors (q/k/v, gate/up) are kept until each has been asked for once, so a
 source never holds more than one rule's tensors. A stacked MoE expert tensor is made
-by one rule per expert: `get` merges each expert's slice and stacks them. A rank folder
+by one rule per expert: `get` merges each expert's slice and stacks them. That HF view is
+`ShardView`'s, whatever holds the slices: `MPCheckpoint` reads them from the rank files,
+`live_shards.LiveShards` from a run's shards gathered in memory. A rank folder
 may hold several weight files (an expert-parallel save, `mp_layout.rank_files`): tensors
 are found by name across them. On opening, every rank folder's names (each exactly once)
 and shapes are checked against what the layout implies.
