@@ -185,7 +185,8 @@ class Rollouts:
         lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.float64)
         metrics["completions/mean_length"] = float(lengths.mean())
         metrics["completions/clipped_ratio"] = sum(c.truncated for c in completions) / len(completions)
-        # seconds: writing and exporting the weights plus the engine's load (its start, the first time); sampling
+        # seconds: gathering the weights (exporting them to a folder, or copying them in) plus the engine's load (its
+        # start, the first time); sampling
         metrics["timing/weight_push_s"] = pushed + loaded - t0
         metrics["timing/generation_s"] = generated - loaded
         masked = [c.truncated for c in completions] if g.mask_truncated_completions else None
