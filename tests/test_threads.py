@@ -98,3 +98,19 @@ def test_this_process_s_own_computing_threads_are_not_load(kept_threads):
         done.set()
         worker.join()
     assert statistics.median_low(own) >= 2, own  # both runnable at every read, running or queued
+
+
+def test_a_forked_child_keeps_the_count_it_was_given(monkeypatch, kept_threads):
+    """GNU OpenMP's pool does not survive fork: a forked child (launch.spawn's ranks) must never raise its count."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "cores_per_process", lambda: 2)
+    share_cores()
+    assert threads._adaptive is not None
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report whether it would re-choose, without computing anything
+        os.write(write, b"none" if rebalance() is None else b"adaptive")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 16) == b"none"

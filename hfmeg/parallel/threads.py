@@ -19,8 +19,8 @@ count read between steps (`/proc/loadavg`'s running tasks, less this process's o
 data prefetch thread is not taken for load), the median of the last `WINDOW` reads, so that a task that ran for a
 moment does not halve the next step and the count comes back within a few steps after the load has gone (a count
 chosen once at start would stay cut for hours). Only where hfmeg chose the share (not under a user's
-`OMP_NUM_THREADS`, nor in ranks that share a host, whose other ranks are not load, nor in `launch.spawn`'s forked
-ranks, whose OpenMP pool cannot grow after the fork).
+`OMP_NUM_THREADS`, nor in ranks that share a host, whose other ranks are not load, nor in any forked child, such as
+`launch.spawn`'s ranks, whose OpenMP pool cannot grow after the fork).
 """
 
 from __future__ import annotations
@@ -75,6 +75,16 @@ class CoreShare:
 
 
 _adaptive: CoreShare | None = None
+
+
+def _forget_in_forked_child() -> None:
+    """A forked child (a `launch.spawn` rank, a test's forked run) keeps the count it was given: GNU OpenMP's
+    pool does not survive fork, so more threads than the parent's pool had would wait forever for the missing."""
+    global _adaptive
+    _adaptive = None
+
+
+os.register_at_fork(after_in_child=_forget_in_forked_child)
 
 
 def share_cores() -> int:
