@@ -192,7 +192,8 @@ def local_shape(rule: TensorRule, cfg: ModelConfig, hf_shapes: list[tuple[int, .
     """The shape `to_local` gives each TP slice of `rule.local` from HF tensors of shapes `hf_shapes`, from the
     shapes alone, as `hf_shape` inverts it: the rows of the HF tensors part after part (`parts_in_order` moves
     rows, not shapes), cut by the split kind (`Split.local_shape`). Not run on meta tensors: the first `torch.cat`
-    of meta tensors imports torch._dynamo and sympy (1.4 s of CPU, paid by every rank that opens a checkpoint)."""
+    of meta tensors imports torch._dynamo, torch._inductor and sympy (1.4 s of CPU in a conversion, which needs
+    none of them)."""
     shapes = [s[1:] if rule.expert is not None else s for s in map(tuple, hf_shapes)]
     if rule.transpose:
         shapes = [s[::-1] for s in shapes]
