@@ -34,7 +34,7 @@ def test_importing_the_trainer_pulls_in_no_heavy_module():
 def test_opening_a_checkpoint_pulls_in_no_compiler(tmp_path):
     """Opening a checkpoint (a conversion, every rank of a resume) checks each shard's shape against the layout.
     Computed on meta tensors, the first `torch.cat` imported torch._dynamo, sympy and torch._inductor (1.4 s of CPU);
-    the shapes come from the split kinds' arithmetic (`checkpoint.rules.local_shape`)."""
+    the shapes come from the split kinds' arithmetic (`checkpoint.rules.slice_shape`)."""
     from hfmeg.checkpoint.convert import hf_to_mp
     from tiny_models import save_tiny
 

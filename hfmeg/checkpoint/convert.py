@@ -39,7 +39,7 @@ from .mp_layout import (HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_n
                         write_latest)
 from .mp_reader import MPCheckpoint, ShardView, rank_rules
 from .placement import as_stored, check_placed
-from .rules import expected_hf_shape, local_shape, rule_tensors, to_local
+from .rules import expected_hf_shape, rule_tensors, slice_shape, to_local
 from .st_stream import StreamingSafetensorsWriter, WriteBehind
 
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES) + tuple(w.architecture for w in WRAPPERS)
@@ -93,7 +93,7 @@ def write_mp_shards(source, cfg: ModelConfig, layout: MPLayout, iter_dir: Path, 
         written.update(targets)
         specs = [{} for _ in range(tp)]
         for rule, target in zip(rules, targets):
-            shape = local_shape(rule, cfg, [tuple(source.shape(n)) for n in rule.hf], tp, mult)
+            shape = slice_shape(rule, cfg, [tuple(source.shape(n)) for n in rule.hf], tp, mult)
             for t in range(tp):
                 specs[t][rule.local] = (target, shape)
         with ExitStack() as stack:

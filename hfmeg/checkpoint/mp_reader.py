@@ -28,7 +28,7 @@ from ..errors import CheckpointError
 from ..families.spec import TensorRule
 from .placement import as_saved
 from .mp_layout import HF_DIR, LAYOUT_FILE, MPLayout, rank_files, resolve_iteration_dir
-from .rules import chunk_rules, expected_hf_shape, hf_shape, local_shape, to_hf, with_fused_experts
+from .rules import chunk_rules, expected_hf_shape, hf_shape, slice_shape, to_hf, with_fused_experts
 from .st_stream import CODE_DTYPES, read_tensor
 
 
@@ -161,7 +161,7 @@ class MPCheckpoint(ShardView):
                     raise CheckpointError(f"{where}: {what} tensor(s) {', '.join(diff[:3])}")
                 for rule in rules:
                     hf_shapes = [expected_hf_shape(rule, j, cfg) for j in range(len(rule.hf))]
-                    expect = local_shape(rule, cfg, hf_shapes, L.tp, L.vocab_multiple)
+                    expect = slice_shape(rule, cfg, hf_shapes, L.tp, L.vocab_multiple)
                     got = tuple(self.local_slice(t, p, rule.local).get_shape())
                     if got != expect:
                         path = self._tensors(t, p)[rule.local][0]

@@ -187,7 +187,7 @@ def to_local(
     return split_of(rule, cfg, vocab_multiple).shard(parts_in_order(rule, hf), tp, tp_rank).contiguous()
 
 
-def local_shape(rule: TensorRule, cfg: ModelConfig, hf_shapes: list[tuple[int, ...]], tp: int,
+def slice_shape(rule: TensorRule, cfg: ModelConfig, hf_shapes: list[tuple[int, ...]], tp: int,
                 vocab_multiple: int = VOCAB_MULTIPLE) -> tuple[int, ...]:
     """The shape `to_local` gives each TP slice of `rule.local` from HF tensors of shapes `hf_shapes`, from the
     shapes alone, as `hf_shape` inverts it: the rows of the HF tensors part after part (`parts_in_order` moves
