@@ -29,3 +29,21 @@ def test_importing_the_trainer_pulls_in_no_heavy_module():
     loaded = set(json.loads(out.stdout.splitlines()[-1]))
     assert "torch" in loaded and "hfmeg.train.trainer" in loaded, "the check must see the imports it makes"
     assert not [m for m in HEAVY if m in loaded], [m for m in HEAVY if m in loaded]
+
+
+def test_opening_a_checkpoint_pulls_in_no_compiler(tmp_path):
+    """Opening a checkpoint (a conversion, every rank of a resume) checks each shard's shape against the layout.
+    Computed on meta tensors, the first `torch.cat` imported torch._dynamo, sympy and torch._inductor (1.4 s of CPU);
+    the shapes come from the split kinds' arithmetic (`checkpoint.rules.slice_shape`)."""
+    from hfmeg.checkpoint.convert import hf_to_mp
+    from tiny_models import save_tiny
+
+    mp = tmp_path / "mp"
+    hf_to_mp(save_tiny("llama3", tmp_path / "hf"), mp, tp=2, pp=1)  # fused QKV and gate/up: rules that concatenate
+    code = ("import sys, json\nfrom hfmeg.checkpoint.mp_reader import MPCheckpoint\n"
+            f"MPCheckpoint({str(mp)!r})\nprint(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"}, check=True)
+    loaded = set(json.loads(out.stdout.splitlines()[-1]))
+    assert "hfmeg.checkpoint.mp_reader" in loaded and "safetensors" in loaded
+    assert not [m for m in ("torch._dynamo", "torch._inductor") if m in loaded], "a compiler came with the shapes"

@@ -37,9 +37,9 @@ from .hf_writer import parse_size, write_hf_folder
 from .hub_source import resolve_hf_source
 from .mp_layout import (HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, iteration_dir_name, parse_dtype,
                         write_latest)
-from .mp_reader import MPCheckpoint, ShardView, local_shape, rank_rules
+from .mp_reader import MPCheckpoint, ShardView, rank_rules
 from .placement import as_stored, check_placed
-from .rules import expected_hf_shape, rule_tensors, to_local
+from .rules import expected_hf_shape, rule_tensors, slice_shape, to_local
 from .st_stream import StreamingSafetensorsWriter, WriteBehind
 
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES) + tuple(w.architecture for w in WRAPPERS)
@@ -93,9 +93,9 @@ def write_mp_shards(source, cfg: ModelConfig, layout: MPLayout, iter_dir: Path, 
         written.update(targets)
         specs = [{} for _ in range(tp)]
         for rule, target in zip(rules, targets):
-            shapes = [tuple(source.shape(n)) for n in rule.hf]
+            shape = slice_shape(rule, cfg, [tuple(source.shape(n)) for n in rule.hf], tp, mult)
             for t in range(tp):
-                specs[t][rule.local] = (target, local_shape(rule, cfg, shapes, tp, t, mult))
+                specs[t][rule.local] = (target, shape)
         with ExitStack() as stack:
             writers = []
             for t in range(tp):

@@ -28,15 +28,8 @@ from ..errors import CheckpointError
 from ..families.spec import TensorRule
 from .placement import as_saved
 from .mp_layout import HF_DIR, LAYOUT_FILE, MPLayout, rank_files, resolve_iteration_dir
-from .rules import chunk_rules, expected_hf_shape, hf_shape, to_hf, to_local, with_fused_experts
+from .rules import chunk_rules, expected_hf_shape, hf_shape, slice_shape, to_hf, with_fused_experts
 from .st_stream import CODE_DTYPES, read_tensor
-
-
-def local_shape(rule: TensorRule, cfg: ModelConfig, hf_shapes: list[tuple[int, ...]], tp: int, tp_rank: int,
-                vocab_multiple: int) -> tuple[int, ...]:
-    """Shape of a TP slice, computed by running `to_local` on meta tensors (no data, no duplicated rules)."""
-    metas = [torch.empty(s, device="meta") for s in hf_shapes]
-    return tuple(to_local(rule, metas, cfg, tp, tp_rank, vocab_multiple).shape)
 
 
 def rank_rules(cfg: ModelConfig, layout: MPLayout, pp_rank: int) -> list[TensorRule]:
@@ -168,7 +161,7 @@ class MPCheckpoint(ShardView):
                     raise CheckpointError(f"{where}: {what} tensor(s) {', '.join(diff[:3])}")
                 for rule in rules:
                     hf_shapes = [expected_hf_shape(rule, j, cfg) for j in range(len(rule.hf))]
-                    expect = local_shape(rule, cfg, hf_shapes, L.tp, t, L.vocab_multiple)
+                    expect = slice_shape(rule, cfg, hf_shapes, L.tp, L.vocab_multiple)
                     got = tuple(self.local_slice(t, p, rule.local).get_shape())
                     if got != expect:
                         path = self._tensors(t, p)[rule.local][0]

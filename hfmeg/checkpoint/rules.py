@@ -187,6 +187,20 @@ def to_local(
     return split_of(rule, cfg, vocab_multiple).shard(parts_in_order(rule, hf), tp, tp_rank).contiguous()
 
 
+def slice_shape(rule: TensorRule, cfg: ModelConfig, hf_shapes: list[tuple[int, ...]], tp: int,
+                vocab_multiple: int = VOCAB_MULTIPLE) -> tuple[int, ...]:
+    """The shape `to_local` gives each TP slice of `rule.local` from HF tensors of shapes `hf_shapes`, from the
+    shapes alone, as `hf_shape` inverts it: the rows of the HF tensors part after part (`parts_in_order` moves
+    rows, not shapes), cut by the split kind (`Split.local_shape`). Not run on meta tensors: the first `torch.cat`
+    of meta tensors imports torch._dynamo, torch._inductor and sympy (1.4 s of CPU in a conversion, which needs
+    none of them)."""
+    shapes = [s[1:] if rule.expert is not None else s for s in map(tuple, hf_shapes)]
+    if rule.transpose:
+        shapes = [s[::-1] for s in shapes]
+    full = (sum(s[0] for s in shapes), *shapes[0][1:])
+    return tuple(split_of(rule, cfg, vocab_multiple).local_shape(full, tp))
+
+
 def parts_in_order(rule: TensorRule, hf: list[torch.Tensor]) -> torch.Tensor:
     """The rows of the HF tensors (or of anything indexed by their rows) part after part: the full tensor the
     rule's split kind cuts."""
