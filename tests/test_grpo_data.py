@@ -32,6 +32,7 @@ def test_prompts_resume_and_cycle(tmp_path):
     reader = PromptReader(SourceConfig(str(path)), tok, 64)
     first = reader.take(4)  # three records, then the second epoch's first
     assert [p.index for p in first] == [0, 1, 2, 0] and reader.cursor == (1, 1)
+    assert [p.epoch for p in first] == [0, 0, 0, 1]
     assert first[1].ids == tok("Once upon a time 1").input_ids and first[1].columns == {"solution": "1"}
     resumed = PromptReader(SourceConfig(str(path)), tok, 64, cursor=(0, 2))
     assert [p.index for p in resumed.take(2)] == [2, 0]

@@ -22,12 +22,13 @@ from .sources import Source
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its token ids, its text as the reward functions see it, its record index and other columns."""
+    """One prompt: its token ids, its text as the reward functions see it, its epoch and record index, other columns."""
 
     ids: list[int]
     text: Any  # the record's prompt as given (a string or a message list)
     index: int
     columns: dict[str, Any] = field(default_factory=dict)
+    epoch: int = 0
 
 
 def prompt_ids(tokenizer, prompt: Any, where: str) -> list[int]:
@@ -85,4 +86,4 @@ class PromptReader:
                             "leaves beside grpo.max_completion_length")
         index = self.record
         self.record += 1
-        return Prompt(ids, prompt, index, {k: v for k, v in raw.record.items() if k != self.column})
+        return Prompt(ids, prompt, index, {k: v for k, v in raw.record.items() if k != self.column}, self.epoch)

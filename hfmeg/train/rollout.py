@@ -168,10 +168,11 @@ class Rollouts:
                 self.engine = TransformersEngine(hf, [tok.eos_token_id], pad)
         else:
             self.engine.load(hf)
-        epoch = self.reader.epoch
         prompts = self.reader.take(self.cfg.train.global_batch_size // g.num_generations)
         ids = [p.ids for p in prompts for _ in range(g.num_generations)]
-        seeds = [sample_seed(self.cfg.train.seed, epoch, p.index, k) for p in prompts for k in range(g.num_generations)]
+        # the prompt's own epoch: a batch that starts a new epoch (the cursor at the last one's end) is of that epoch
+        seeds = [sample_seed(self.cfg.train.seed, p.epoch, p.index, k) for p in prompts
+                 for k in range(g.num_generations)]
         params = SamplingParams(g.max_completion_length, g.temperature, g.top_p, g.top_k)
         loaded = time.perf_counter()
         completions = self.engine.generate(ids, params, seeds)
