@@ -24,7 +24,9 @@ micro-batches, all DP ranks, so the sum of the micro-batch losses is the step's 
 layout; TRL computes these per micro-batch, equal with one micro-batch per step):
 - `grpo`: the mean over completions of each completion's token mean: Σ_i (Σ_t ℓ_t / n_i) / N;
 - `bnpo`, `dapo`: Σ ℓ_t / T (DAPO's token-level normalisation over the whole generation batch; bnpo
-  is TRL's per-micro-batch form of the same, here the same number);
+  is TRL's per-micro-batch form of the same, here the same number); where one generation batch feeds s
+  optimizer steps (`steps_per_generation`), DAPO's T is the generation batch's tokens / s, as TRL rescales
+  its `num_items_in_batch`, so the s steps' losses sum to the generation batch's; bnpo's stays the step's;
 - `dr_grpo`: Σ ℓ_t / (N × `max_completion_length`).
 
 Context parallelism: each CP rank holds part of every completion's tokens. The per-completion sums (n_i,
@@ -79,7 +81,14 @@ class GRPOSettings:
     importance_sampling_level: Literal["token", "sequence"] = "token"
     use_bias_correction_kl: bool = True
     num_generations: int = 8
-    num_iterations: int = 1  # optimizer steps on each generation batch; > 1: π_old from a training forward
+    num_iterations: int = 1  # passes over each generation batch; > 1: π_old from a training forward
+    # One generation batch feeding several optimizer steps (TRL's names; set one of the two, TRL refuses both):
+    # `generation_batch_size` completions generated at once, a multiple of train.global_batch_size, or
+    # `steps_per_generation` optimizer steps per generation. TRL counts the latter in its gradient-accumulation
+    # steps (default gradient_accumulation_steps: one optimizer step); hfmeg's step is the whole global batch on any
+    # layout, so it counts optimizer steps: TRL's steps_per_generation / gradient_accumulation_steps. None: one step.
+    generation_batch_size: int | None = None
+    steps_per_generation: int | None = None
     max_completion_length: int = 256
     mask_truncated_completions: bool = False
     reward_weights: list[float] | None = None  # None: 1 for each reward function
@@ -112,6 +121,13 @@ class GRPOSettings:
                               f"got {self.num_generations}")
         if self.num_iterations < 1 or self.max_completion_length < 1:
             raise ConfigError("grpo.num_iterations and grpo.max_completion_length must be >= 1")
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ConfigError(f"grpo.generation_batch_size {self.generation_batch_size} and grpo.steps_per_generation "
+                              f"{self.steps_per_generation}: set one of them (the other follows from "
+                              "train.global_batch_size)")
+        if (self.generation_batch_size or 1) < 1 or (self.steps_per_generation or 1) < 1:
+            raise ConfigError(f"grpo.generation_batch_size and grpo.steps_per_generation must be >= 1, got "
+                              f"{self.generation_batch_size}, {self.steps_per_generation}")
         if not self.temperature > 0:  # sampling: the training log-probabilities are of softmax(logits / T)
             raise ConfigError(f"grpo.temperature must be > 0, got {self.temperature}")
         if self.top_k < 0 or not 0 < self.top_p <= 1:
@@ -141,6 +157,12 @@ class GRPOSettings:
     @property
     def needs_reference(self) -> bool:
         return self.beta != 0.0
+
+    def generation_steps(self, global_batch_size: int) -> int:
+        """Optimizer steps one generation batch feeds (check_config refuses a generation batch of no whole steps)."""
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size // global_batch_size
+        return self.steps_per_generation or 1
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -178,13 +200,16 @@ class GRPOLoss:
     """The `MicroBatchLoss` of a GRPO step (module doc). `num_completions`, `num_tokens`: the step's completions and
     completion tokens that count (all micro-batches, all DP ranks). `chunks`: this rank's policy chunks, whose head
     then keeps each token's entropy for the `entropy` metric (None: no such metric). `totals` sums this rank's
-    metric numerators and denominators over its micro-batches (complete over CP), detached."""
+    metric numerators and denominators over its micro-batches (complete over CP), detached. `dapo_tokens`: DAPO's
+    normaliser where it is not `num_tokens` (a generation batch's tokens / the steps it feeds, module doc)."""
 
-    def __init__(self, cfg: GRPOSettings, ps, num_completions: int, num_tokens: int, chunks=None):
+    def __init__(self, cfg: GRPOSettings, ps, num_completions: int, num_tokens: int, chunks=None,
+                 dapo_tokens: float | None = None):
         if num_completions < 1:
             raise LayoutError(f"a GRPO step needs at least one completion, got {num_completions}")
         self.cfg, self.ps = cfg, ps
         self.num_completions, self.num_tokens = num_completions, max(num_tokens, 1)
+        self.dapo_tokens = self.num_tokens if dapo_tokens is None else dapo_tokens
         self.scores_entropy = chunks is not None
         self.head = next((c for c in chunks or () if c.post_process), None)
         if self.head is not None:
@@ -230,7 +255,9 @@ class GRPOLoss:
             loss = (loss_t / counts[seq]).sum() / self.num_completions
         elif cfg.loss_type == "dr_grpo":
             loss = loss_t.sum() / (self.num_completions * cfg.max_completion_length)
-        else:  # bnpo, dapo
+        elif cfg.loss_type == "dapo":
+            loss = loss_t.sum() / self.dapo_tokens
+        else:  # bnpo
             loss = loss_t.sum() / self.num_tokens
         gen = None if mb.gen_logps is None else mb.gen_logps[kept]
         entropy = self.head.take_entropy()[kept] if self.head is not None else None
@@ -329,6 +356,10 @@ def check_config(cfg) -> None:
     if cfg.train.global_batch_size % g.num_generations:
         raise ConfigError(f"grpo.num_generations {g.num_generations} does not divide train.global_batch_size "
                           f"{cfg.train.global_batch_size} (the generation batch: completions per step)")
+    if g.generation_batch_size is not None and g.generation_batch_size % cfg.train.global_batch_size:
+        raise ConfigError(f"grpo.generation_batch_size {g.generation_batch_size} is not a multiple of "
+                          f"train.global_batch_size {cfg.train.global_batch_size} (the completions of one optimizer "
+                          "step)")
     if g.max_completion_length >= cfg.data.seq_len:
         raise ConfigError(f"grpo.max_completion_length {g.max_completion_length} leaves no room for a prompt in "
                           f"data.seq_len {cfg.data.seq_len}")

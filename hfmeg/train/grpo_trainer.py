@@ -30,7 +30,7 @@ class _Loss(GRPOLoss):
     """The GRPO loss of a step, its metrics with the step's generation metrics beside them."""
 
     def __init__(self, cfg, ps, batch, chunks):
-        super().__init__(cfg, ps, batch.num_completions, batch.num_tokens, chunks)
+        super().__init__(cfg, ps, batch.num_completions, batch.num_tokens, chunks, batch.dapo_tokens)
         self.generation = batch.metrics
 
     def metrics(self, totals) -> dict[str, float]:

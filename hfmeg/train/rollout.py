@@ -6,15 +6,19 @@ state and its report). For a step it:
    model part, into `<out>/rollout_weights/mp`), rank 0 exports them to an HF folder in shared memory (the
    model part's streaming export, into /dev/shm where there is one: a LoRA run merges its adapters) and the
    engine loads it (`generation/`: the in-process transformers model, or a vLLM worker's `reload_weights`);
-2. on rank 0: takes `global_batch_size / num_generations` prompts (`data/prompts.py`), samples each
+2. on rank 0: takes a generation batch's prompts (`data/prompts.py`: `global_batch_size / num_generations` of
+   them, times the optimizer steps one generation feeds, `steps_per_generation`), samples each
    `num_generations` times with a seed per (train.seed, epoch, record, sample), scores them (`rewards.py`)
    and turns the rewards into advantages with each group whole (`grpo.group_advantages`), then sends the
    completions and advantages to every rank (one broadcast); what fails there (a reward function that
    raises or returns the wrong count, a bad prompt) stops every rank with rank 0's one line, the last
    checkpoint as it was;
-3. each DP rank packs its contiguous share, one completion per row, `micro_batch_size` rows per
-   micro-batch, cut for its CP rank; with `num_iterations` > 1 the policy's forward-only pass fills π_old
-   (`old_logps`) and the same batch serves `num_iterations` optimizer steps.
+3. the generation batch is cut into its steps' global batches, in order (TRL shuffles its buffered
+   generation batch first; in order every step's groups are whole), and each DP rank packs its contiguous
+   share of each, one completion per row, `micro_batch_size` rows per micro-batch, cut for its CP rank; where
+   the batch serves more than one optimizer step (`steps_per_generation` or `num_iterations` > 1) the
+   policy's forward-only pass fills π_old (`old_logps`) of every step's batch now, before any of them
+   trains, and the steps take them in turn, `num_iterations` times over (TRL's order).
 Rank 0 appends the step's first group, with its rewards, to `<out>/completions.jsonl`.
 """
 
@@ -25,7 +29,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,6 +64,7 @@ class RolloutBatch:
     num_tokens: int  # completion tokens that count, whole global batch
     num_completions: int  # whole global batch
     metrics: dict[str, float] = field(default_factory=dict)
+    dapo_tokens: float | None = None  # DAPO's normaliser: the generation batch's tokens / its steps (grpo.py)
 
 
 def sample_seed(seed: int, epoch: int, record: int, sample: int) -> int:
@@ -87,7 +92,7 @@ class Rollouts:
         # hosts rank 0 reads them from the run's shared out); fsync'd writes to a shared disk cost more than a step
         one_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == ps.world_size
         self.mp_dir = self.export_dir / "mp" if SHM.is_dir() and one_host else out / WEIGHTS_DIR / "mp"
-        self.held: RolloutBatch | None = None
+        self.held: list[RolloutBatch] = []  # the current generation batch's global batches
         self.uses = 0
         self.step = 0
 
@@ -122,10 +127,9 @@ class Rollouts:
         return self
 
     def __next__(self) -> RolloutBatch:
-        g = self.cfg.grpo
-        if self.held is not None and self.uses < g.num_iterations:
+        if self.uses < len(self.held) * self.cfg.grpo.num_iterations:
             self.uses += 1
-            return self.held
+            return self.held[(self.uses - 1) % len(self.held)]
         t0 = time.perf_counter()
         hf = self._push_weights()
         pushed = time.perf_counter() - t0
@@ -141,7 +145,7 @@ class Rollouts:
         completions, advantages, masked, metrics = payload[0]
         self.report.documents += len(completions)
         self.held, self.uses = self._pack(completions, advantages, masked, metrics), 1
-        return self.held
+        return self.held[0]
 
     def _push_weights(self) -> Path | None:
         """Collective: the current weights as an HF folder (rank 0's path; None elsewhere)."""
@@ -168,7 +172,8 @@ class Rollouts:
                 self.engine = TransformersEngine(hf, [tok.eos_token_id], pad)
         else:
             self.engine.load(hf)
-        prompts = self.reader.take(self.cfg.train.global_batch_size // g.num_generations)
+        steps = g.generation_steps(self.cfg.train.global_batch_size)
+        prompts = self.reader.take(steps * self.cfg.train.global_batch_size // g.num_generations)
         ids = [p.ids for p in prompts for _ in range(g.num_generations)]
         # the prompt's own epoch: a batch that starts a new epoch (the cursor at the last one's end) is of that epoch
         seeds = [sample_seed(self.cfg.train.seed, p.epoch, p.index, k) for p in prompts
@@ -199,7 +204,20 @@ class Rollouts:
                                         advantage=float(advantages[i]))) + "\n")
         return completions, advantages, masked, metrics
 
-    def _pack(self, completions, advantages, masked, metrics) -> RolloutBatch:
+    def _pack(self, completions, advantages, masked, metrics) -> list[RolloutBatch]:
+        """The generation batch as its steps' global batches, this rank's share of each (module doc, 3.)."""
+        n, g = self.cfg.train.global_batch_size, self.cfg.grpo
+        steps = [slice(lo, lo + n) for lo in range(0, len(completions), n)]
+        kept = [len(c.completion_ids) for i, c in enumerate(completions) if not (masked and masked[i])]
+        dapo_tokens = max(sum(kept), 1) / len(steps) if len(steps) > 1 else None
+        batches = [self._pack_step(completions[s], advantages[s], masked[s] if masked else None, metrics, dapo_tokens)
+                   for s in steps]
+        if len(steps) > 1 or g.num_iterations > 1:  # π_old: the policy as it generated, by the training forward
+            batches = [replace(b, microbatches=annotate_logps(self.chunks(), b.microbatches, self.ps, self.schedule,
+                                                              "old_logps")) for b in batches]
+        return batches
+
+    def _pack_step(self, completions, advantages, masked, metrics, dapo_tokens) -> RolloutBatch:
         ps, t = self.ps, self.cfg.train
         share = len(completions) // ps.dp
         lo = ps.dp_rank * share
@@ -214,7 +232,5 @@ class Rollouts:
                                self.tok.eos_token_id, rows=t.micro_batch_size,
                                masked=masked[mine] if masked else None)
         mbs = [mb.shard(ps.cp_rank, ps.cp) for mb in mbs]
-        if self.cfg.grpo.num_iterations > 1:  # π_old: the policy as it generated, by the training forward
-            mbs = annotate_logps(self.chunks(), mbs, ps, self.schedule, "old_logps")
         tokens = sum(len(c.completion_ids) for i, c in enumerate(completions) if not (masked and masked[i]))
-        return RolloutBatch(mbs, tokens, len(completions), metrics)
+        return RolloutBatch(mbs, tokens, len(completions), metrics, dapo_tokens)
