@@ -125,7 +125,7 @@ class GRPOSettings:
             raise ConfigError(f"grpo.generation_batch_size {self.generation_batch_size} and grpo.steps_per_generation "
                               f"{self.steps_per_generation}: set one of them (the other follows from "
                               "train.global_batch_size)")
-        if (self.generation_batch_size or 1) < 1 or (self.steps_per_generation or 1) < 1:
+        if any(v is not None and v < 1 for v in (self.generation_batch_size, self.steps_per_generation)):
             raise ConfigError(f"grpo.generation_batch_size and grpo.steps_per_generation must be >= 1, got "
                               f"{self.generation_batch_size}, {self.steps_per_generation}")
         if not self.temperature > 0:  # sampling: the training log-probabilities are of softmax(logits / T)
