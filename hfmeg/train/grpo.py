@@ -158,6 +158,17 @@ class GRPOSettings:
     def needs_reference(self) -> bool:
         return self.beta != 0.0
 
+    def planner_terms(self, adapters: bool, global_batch_size: int, seq_len: int) -> dict:
+        """What the planner counts of a GRPO run (`plan.search.Job`): the reference (beta > 0) runs forward each step,
+        a frozen copy for full fine-tuning (LoRA's is the base itself); the transformers engine generating a
+        generation batch (vLLM's runs in a process of its own)."""
+        engine = None
+        if self.generator == "transformers":
+            engine = (global_batch_size * self.generation_steps(global_batch_size),
+                      seq_len - self.max_completion_length, seq_len)
+        return dict(reference_forward=self.needs_reference, reference_copy=self.needs_reference and not adapters,
+                    engine=engine)
+
     def generation_steps(self, global_batch_size: int) -> int:
         """Optimizer steps one generation batch feeds (check_config refuses a generation batch of no whole steps)."""
         if self.generation_batch_size is not None:
