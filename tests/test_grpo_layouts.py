@@ -2,7 +2,7 @@
 
 Three steps each, the transformers engine, against the one-process run of the same config: CP2, CP2 x TP2
 (sequence parallel) and CP2 x PP2 on stories260K with the park reward (test_grpo_train.py's run), and EP2 (DP 2)
-and EP2 x CP2 on a tiny random Mixtral with stories260K's tokenizer, whose random completions are scored by a reward on their text that
+and EP2 x CP2 on a tiny random Mixtral (with `steps_per_generation` 2, below, too) with stories260K's tokenizer, whose random completions are scored by a reward on their text that
 varies within a group. Every step samples the same completions (equal rewards: the engine runs on rank 0 from the
 exported weights, which agree up to the layouts' rounding) and its loss and gradient norm are within
 test_grpo_train.check_layouts_agree's bounds (derived there: on-policy DAPO's loss is a float32 sum of −A_i n_i / T,
@@ -15,7 +15,8 @@ import shutil
 from dataclasses import replace
 
 from helpers import stories_or_skip
-from test_grpo_train import _config, _prompts, _rows, _run, check_layouts_agree
+from test_grpo_train import (EPS, _config, _expected_steps, _generation_config, _prompts, _rows, _run, _run_scripted,
+                             check_layouts_agree)
 from tiny_models import save_tiny
 
 from hfmeg.parallel.launch import spawn
@@ -68,3 +69,26 @@ def test_grpo_under_expert_parallelism_matches_one_process(tmp_path):
         check_layouts_agree(single, rows, STEPS)
         assert all(r["reward_std"] > 0 for r in rows)  # the reward separates completions: a gradient to compare
         assert all("expert_load" in r for r in rows)
+
+
+def test_generation_running_ahead_at_dp2_x_pp2_matches_one_process(tmp_path):
+    """steps_per_generation 2 (test_grpo_train.py's scripted engine and generation config) at DP2 x PP2: each DP rank
+    trains its share of each step's half of the generation batch, π_old from the pipeline's forward-only pass. Every
+    step has the one-process run's token count and reward; the first step of each generation its on-policy loss
+    (within the float32 rounding bound of test_grpo_train.py's check); every step's gradient norm within the suite's
+    layout bound EPS relative."""
+    from bounds import rounding_bound, within
+
+    data = _prompts(tmp_path)
+    single_cfg = _generation_config(tmp_path / "single", data, 4)
+    spawn(_run_scripted, 1, single_cfg)
+    spawn(_run_scripted, 4, _with_parallel(_generation_config(tmp_path / "grid", data, 4), pp=2))
+    a, b = _rows(tmp_path / "single"), _rows(tmp_path / "grid")
+    expected = _expected_steps(single_cfg, 2)
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b] == [e[0] for e in expected]
+    for step, (x, y, (_, loss32, loss64, _)) in enumerate(zip(a, b, expected), 1):
+        assert x["reward"] == y["reward"]
+        if step in (1, 3):
+            within(abs(y["loss"] - loss64), rounding_bound(loss32, loss64), "grpo generation ahead dp2pp2 on-policy",
+                   step)
+        within(abs(x["grad_norm"] - y["grad_norm"]), EPS * x["grad_norm"], "grpo generation ahead grad norm", step)
