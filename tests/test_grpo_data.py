@@ -38,6 +38,23 @@ def test_prompts_resume_and_cycle(tmp_path):
     assert [p.index for p in resumed.take(2)] == [2, 0]
 
 
+def test_eval_prompts_are_held_out_of_training(tmp_path):
+    from hfmeg.data import DataConfig
+    from hfmeg.data.prompts import eval_prompts
+
+    path, other = tmp_path / "p.jsonl", tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps(dict(prompt=f"Once upon a time {i}", solution=str(i))) + "\n" for i in range(6)))
+    other.write_text("".join(json.dumps(dict(prompt=f"The cat {i}")) + "\n" for i in range(3)))
+    tok = _tokenizer()
+    cfg = DataConfig(sources=[SourceConfig(str(path))], eval_split=2, seq_len=64)
+    held = eval_prompts(cfg, tok, 64)
+    trained = PromptReader(SourceConfig(str(path)), tok, 64, eval_split=2).take(4)
+    assert len(held) == 2 and sorted(p.text for p in held + trained) == [f"Once upon a time {i}" for i in range(6)]
+    assert held[0].columns == {"solution": held[0].text.split()[-1]}
+    cfg = DataConfig(sources=[SourceConfig(str(path))], eval_sources=[SourceConfig(str(other))], seq_len=64)
+    assert [p.text for p in eval_prompts(cfg, tok, 64)] == [f"The cat {i}" for i in range(3)]
+
+
 def test_prompt_errors(tmp_path):
     tok = _tokenizer()
     path = tmp_path / "bad.jsonl"

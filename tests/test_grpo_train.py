@@ -227,6 +227,46 @@ def test_steps_per_generation_resumes_exactly_at_a_generation_boundary(tmp_path)
             assert x[k] == y[k], (k, x["step"])
 
 
+def test_evaluation_scores_greedy_completions_of_the_held_out_prompts(tmp_path):
+    """data.eval_split 2 of 6 prompts, train.eval_every 1: the 4 others are the training prompts (an epoch a step), and
+    each evaluation logs the park reward and length of one greedy completion per held-out prompt from that step's
+    weights: at step 2 those of transformers' own greedy `generate` on the run's export (the same weights)."""
+    import json
+    from dataclasses import replace
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hfmeg.data.prompts import eval_prompts
+
+    sys.path.insert(0, str(RECIPES))
+    from grpo_toy_rewards import park
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(dict(prompt=p)) + "\n" for p in PROMPTS + ["Lily and Ben went to play",
+                                                                                "The little dog ran"]))
+    cfg = _config(tmp_path / "out", data, steps=2)
+    cfg = replace(cfg, data=replace(cfg.data, eval_split=2), train=replace(cfg.train, eval_every=1))
+    spawn(_run, 1, cfg)
+    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert [r["epoch"] for r in rows if "loss" in r] == [1.0, 2.0]  # 4 training prompts a step: none held out
+    evals = [r for r in rows if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [1, 2] and "eval_loss" not in evals[0]
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out" / "hf")
+    held = eval_prompts(cfg.data, tok, cfg.data.seq_len - cfg.grpo.max_completion_length)
+    assert len(held) == 2
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "hf", dtype=torch.float32).eval()
+    completions = []
+    for p in held:
+        out = model.generate(torch.tensor([p.ids]), do_sample=False, max_new_tokens=16, eos_token_id=tok.eos_token_id)
+        completions.append(out[0, len(p.ids):].tolist())
+    texts = [tok.decode(c, skip_special_tokens=True) for c in completions]
+    rewards = park([p.text for p in held], texts)
+    assert evals[1]["eval_reward"] == pytest.approx(sum(rewards) / 2, abs=1e-12)
+    assert evals[1]["eval_rewards/park/mean"] == evals[1]["eval_reward"]
+    assert evals[1]["eval_completions/mean_length"] == sum(map(len, completions)) / 2
+
+
 def broken(prompts, completions, **kwargs):
     raise ValueError("no answer column")
 

@@ -192,19 +192,30 @@ def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, cfg: GRPOSett
     g = cfg.num_generations
     if rewards.shape[0] % g:
         raise LayoutError(f"{rewards.shape[0]} completions are not whole groups of num_generations {g}")
-    unscorable = torch.isnan(rewards).all(dim=1)
-    total = (rewards * weights).nansum(dim=1)
-    total[unscorable] = float("nan")
+    total = weighted_total(rewards, weights)
     grouped = total.view(-1, g)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(g)
     std = nanstd(grouped, dim=1).repeat_interleave(g) if cfg.scale_rewards != "batch" else nanstd(total).expand_as(total)
     advantages = total - mean
     if cfg.scale_rewards != "none":
         advantages = advantages / (std + 1e-4)
-    metrics = {f"rewards/{name}/mean": float(torch.nanmean(rewards[:, i])) for i, name in enumerate(names)}
-    metrics.update(reward=float(torch.nanmean(total)), reward_std=float(nanstd(total)),
-                   frac_reward_zero_std=float(torch.isclose(std, torch.zeros_like(std)).float().mean()))
+    metrics = reward_metrics(rewards, total, names)
+    metrics["frac_reward_zero_std"] = float(torch.isclose(std, torch.zeros_like(std)).float().mean())
     return torch.nan_to_num(advantages, nan=0.0), metrics
+
+
+def weighted_total(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's reward `[N]`: Σ_f w_f r_f over the functions that scored it (NaN: none did)."""
+    total = (rewards * weights).nansum(dim=1)
+    total[torch.isnan(rewards).all(dim=1)] = float("nan")
+    return total
+
+
+def reward_metrics(rewards: torch.Tensor, total: torch.Tensor, names: list[str]) -> dict[str, float]:
+    """TRL's `rewards/<func>/mean`, `reward` and `reward_std` of the rewards `[N, functions]` and their totals."""
+    metrics = {f"rewards/{name}/mean": float(torch.nanmean(rewards[:, i])) for i, name in enumerate(names)}
+    metrics.update(reward=float(torch.nanmean(total)), reward_std=float(nanstd(total)))
+    return metrics
 
 
 class GRPOLoss:
@@ -374,8 +385,6 @@ def check_config(cfg) -> None:
     if g.max_completion_length >= cfg.data.seq_len:
         raise ConfigError(f"grpo.max_completion_length {g.max_completion_length} leaves no room for a prompt in "
                           f"data.seq_len {cfg.data.seq_len}")
-    if cfg.train.eval_every:
-        raise ConfigError("train.eval_every: a GRPO run has no evaluation yet; set it to 0")
     if g.needs_reference and cfg.peft.enabled and (cfg.peft.init_from or cfg.peft.modules_to_save):
         # as for DPO: a LoRA run's reference is the base with the adapters off, where fresh adapters start
         raise ConfigError("peft.init_from / peft.modules_to_save: grpo.beta > 0 measures the policy against the base "

@@ -52,6 +52,10 @@ class GRPOTrainer(Trainer):
     def _objective(self, batch):
         return _Loss(self.cfg.grpo, self.ps, batch, self.chunks)
 
+    def evaluate(self) -> tuple[None, dict[str, float]]:
+        """No eval loss: the held-out prompts' greedy completions, scored (`Rollouts.evaluate`)."""
+        return None, self.data.evaluate()
+
     def _reference(self):
         """The reference (built after the policy's chunks): both heads score at the sampling temperature."""
         set_temperature(self.chunks, self.cfg.grpo.temperature)

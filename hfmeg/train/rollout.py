@@ -20,6 +20,12 @@ state and its report). For a step it:
    policy's forward-only pass fills π_old (`old_logps`) of every step's batch now, before any of them
    trains, and the steps take them in turn, `num_iterations` times over (TRL's order).
 Rank 0 appends the step's first group, with its rewards, to `<out>/completions.jsonl`.
+
+An evaluation (`train.eval_every`, `evaluate`) pushes the weights the same way, and rank 0 generates one greedy
+completion (temperature 0) of each held-out prompt (`data.eval_split`, or `data.eval_sources`:
+`data/prompts.py` `eval_prompts`), in batches of `global_batch_size`, and scores them: TRL's reward metrics of
+those completions, which the loop logs as `eval_reward`, `eval_rewards/<func>/mean`, ... (`eval/reward` in the
+trackers).
 """
 
 from __future__ import annotations
@@ -40,14 +46,14 @@ from ..checkpoint.mp_layout import iteration_dir_name
 from ..checkpoint.mp_save import chunks_layout, staged_save
 from ..data import DataReport
 from ..data.batches import check_batch_layout
-from ..data.prompts import PromptReader
+from ..data.prompts import PromptReader, eval_prompts
 from ..data.rollouts import CompletionBatch, pack_completions
 from ..parallel.agree import agree
 from ..errors import HfmegError
 from ..generation.engine import Engine, SamplingParams
 from ..generation.transformers_engine import TransformersEngine
 from ..generation.vllm_engine import VLLMEngine
-from .grpo import annotate_logps, group_advantages
+from .grpo import annotate_logps, group_advantages, reward_metrics, weighted_total
 from .rewards import name_of, resolve, score, text_of
 
 COMPLETIONS_FILE = "completions.jsonl"
@@ -67,6 +73,13 @@ class RolloutBatch:
     dapo_tokens: float | None = None  # DAPO's normaliser: the generation batch's tokens / its steps (grpo.py)
 
 
+def completion_metrics(completions) -> dict[str, float]:
+    """TRL's `completions/mean_length` and `completions/clipped_ratio` (ran to max_completion_length)."""
+    lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.float64)
+    return {"completions/mean_length": float(lengths.mean()),
+            "completions/clipped_ratio": sum(c.truncated for c in completions) / len(completions)}
+
+
 def sample_seed(seed: int, epoch: int, record: int, sample: int) -> int:
     digest = hashlib.sha256(f"{seed}:{epoch}:{record}:{sample}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
@@ -81,7 +94,8 @@ class Rollouts:
         check_batch_layout(t.global_batch_size, t.micro_batch_size, ps.dp, ps.dp_rank)
         self.funcs = [resolve(n) for n in g.reward_funcs]
         self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.funcs))
-        self.reader = PromptReader(cfg.data.sources[0], tokenizer, cfg.data.seq_len - g.max_completion_length)
+        self.reader = self._reader((0, 0))
+        self.eval_prompts = None  # rank 0's, read at the first evaluation
         self.report = DataReport()
         self.engine, self.owns_engine = engine, engine is None  # a given engine: the caller closes it
         # the HF folder the engine loads: in shared memory where there is one (a RAM write and read per push),
@@ -100,8 +114,14 @@ class Rollouts:
         return {"cursor": list(self.reader.cursor), "report": self.report.state_dict()}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.reader = PromptReader(self.cfg.data.sources[0], self.tok, self.reader.limit, tuple(d["cursor"]))
+        self.reader = self._reader(tuple(d["cursor"]))
         self.report.load_state_dict(d["report"])
+
+    def _reader(self, cursor: tuple[int, int]) -> PromptReader:
+        """The training prompts from `cursor` on (the held-out ones, `data.eval_split`, left out)."""
+        data = self.cfg.data
+        return PromptReader(data.sources[0], self.tok, data.seq_len - self.cfg.grpo.max_completion_length, cursor,
+                            seed=data.seed, eval_split=data.eval_split)
 
     @property
     def epoch(self) -> float | None:
@@ -147,6 +167,35 @@ class Rollouts:
         self.held, self.uses = self._pack(completions, advantages, masked, metrics), 1
         return self.held[0]
 
+    def evaluate(self) -> dict[str, float]:
+        """Collective: the current weights pushed, the held-out prompts' greedy completions scored (module doc)."""
+        hf = self._push_weights()
+        payload, error = [None], None
+        if self.ps.rank == 0:
+            try:
+                payload = [self._evaluate(hf)]
+            except HfmegError as e:
+                error = e
+        agree(error, self.ps.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(payload, src=0)
+        return payload[0]
+
+    def _evaluate(self, hf: Path) -> dict[str, float]:
+        self._load_engine(hf)
+        if self.eval_prompts is None:
+            self.eval_prompts = eval_prompts(self.cfg.data, self.tok, self.reader.limit)
+        params = SamplingParams(self.cfg.grpo.max_completion_length, temperature=0)
+        n, completions, rewards = self.cfg.train.global_batch_size, [], []
+        for lo in range(0, len(self.eval_prompts), n):
+            prompts = self.eval_prompts[lo:lo + n]
+            batch = self.engine.generate([p.ids for p in prompts], params, [0] * len(prompts))
+            completions += batch
+            rewards.append(self._score(prompts, 1, batch)[2])
+        rewards = torch.cat(rewards)
+        return {**reward_metrics(rewards, weighted_total(rewards, self.weights), [name_of(f) for f in self.funcs]),
+                **completion_metrics(completions)}
+
     def _push_weights(self) -> Path | None:
         """Collective: the current weights as an HF folder (rank 0's path; None elsewhere)."""
         chunks = self.chunks()
@@ -161,17 +210,9 @@ class Rollouts:
         return hf
 
     def _generate(self, hf: Path, pushed: float):
-        g, tok = self.cfg.grpo, self.tok
+        g = self.cfg.grpo
         t0 = time.perf_counter()
-        if self.engine is None:
-            pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-            if g.generator == "vllm":
-                self.engine = VLLMEngine(hf, [tok.eos_token_id], pad, log=self.out / VLLM_LOG,
-                                         max_model_len=self.cfg.data.seq_len)
-            else:
-                self.engine = TransformersEngine(hf, [tok.eos_token_id], pad)
-        else:
-            self.engine.load(hf)
+        self._load_engine(hf)
         steps = g.generation_steps(self.cfg.train.global_batch_size)
         prompts = self.reader.take(steps * self.cfg.train.global_batch_size // g.num_generations)
         ids = [p.ids for p in prompts for _ in range(g.num_generations)]
@@ -182,17 +223,9 @@ class Rollouts:
         loaded = time.perf_counter()
         completions = self.engine.generate(ids, params, seeds)
         generated = time.perf_counter()
-        texts = [tok.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
-        as_given = [p.text for p in prompts for _ in range(g.num_generations)]
-        if isinstance(as_given[0], list):  # conversational: TRL hands the reward a message list
-            texts = [[{"role": "assistant", "content": t}] for t in texts]
-        keys = sorted({k for p in prompts for k in p.columns})
-        columns = {k: [p.columns.get(k) for p in prompts for _ in range(g.num_generations)] for k in keys}
-        rewards = score(self.funcs, as_given, texts, columns)
+        as_given, texts, rewards = self._score(prompts, g.num_generations, completions)
         advantages, metrics = group_advantages(rewards, self.weights, g, [name_of(f) for f in self.funcs])
-        lengths = torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.float64)
-        metrics["completions/mean_length"] = float(lengths.mean())
-        metrics["completions/clipped_ratio"] = sum(c.truncated for c in completions) / len(completions)
+        metrics.update(completion_metrics(completions))
         # seconds: writing and exporting the weights plus the engine's load (its start, the first time); sampling
         metrics["timing/weight_push_s"] = pushed + loaded - t0
         metrics["timing/generation_s"] = generated - loaded
@@ -203,6 +236,30 @@ class Rollouts:
                                         rewards=[None if r != r else r for r in rewards[i].tolist()],
                                         advantage=float(advantages[i]))) + "\n")
         return completions, advantages, masked, metrics
+
+    def _load_engine(self, hf: Path) -> None:
+        """The engine with the weights of `hf`: started the first time (`grpo.generator`'s), loaded after."""
+        if self.engine is not None:
+            self.engine.load(hf)
+            return
+        tok = self.tok
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        if self.cfg.grpo.generator == "vllm":
+            self.engine = VLLMEngine(hf, [tok.eos_token_id], pad, log=self.out / VLLM_LOG,
+                                     max_model_len=self.cfg.data.seq_len)
+        else:
+            self.engine = TransformersEngine(hf, [tok.eos_token_id], pad)
+
+    def _score(self, prompts, copies: int, completions) -> tuple[list, list, torch.Tensor]:
+        """(the prompts as given, the completions as the reward functions see them, their rewards `[N, functions]`)
+        of `completions`, `copies` consecutive ones of each prompt."""
+        texts = [self.tok.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
+        as_given = [p.text for p in prompts for _ in range(copies)]
+        if isinstance(as_given[0], list):  # conversational: TRL hands the reward a message list
+            texts = [[{"role": "assistant", "content": t}] for t in texts]
+        keys = sorted({k for p in prompts for k in p.columns})
+        columns = {k: [p.columns.get(k) for p in prompts for _ in range(copies)] for k in keys}
+        return as_given, texts, score(self.funcs, as_given, texts, columns)
 
     def _pack(self, completions, advantages, masked, metrics) -> list[RolloutBatch]:
         """The generation batch as its steps' global batches, this rank's share of each (module doc, 3.)."""
