@@ -1,7 +1,7 @@
 """End-to-end GRPO on stories260K with a verifiable toy reward (`recipes/grpo_toy_rewards.py:park`).
 
-A one-process run and a TP2 x PP2 one: each step both push their weights to the transformers engine through
-the checkpoint/export path and sample the same prompts with the same seeds, so they must score the same
+A one-process run and a TP2 x PP2 one: each step both push their weights to the transformers engine (the live
+shards gathered and merged as the export merges them, tests/test_weight_push.py) and sample the same prompts with the same seeds, so they must score the same
 completions (rewards equal exactly) and compute the same loss; the generator's log-probabilities agree with
 the training forward's (the mismatch metric); bad input is refused in one line.
 
@@ -296,7 +296,7 @@ def test_bad_grpo_config_refused(tmp_path, change, match):
 
 def _killed_in(cfg: TrainConfig, method: str, at_call: int):
     """`_run`, SIGKILLed inside the transformers engine's `at_call`-th call of `method` (`generate`: the step's weights
-    pushed, no completion yet; `load`: the weights exported, the engine loading them)."""
+    pushed, no completion yet; `load_tensors`: the live weights gathered, the engine copying them in)."""
     import os
     import signal
 
@@ -314,12 +314,12 @@ def _killed_in(cfg: TrainConfig, method: str, at_call: int):
     _run(cfg)
 
 
-@pytest.mark.parametrize("method", ["generate", "load"])
-def test_a_kill_during_generation_or_a_weight_push_resumes_to_the_uninterrupted_losses(tmp_path, method):
+@pytest.mark.parametrize("method, at_call", [("generate", 3), ("load_tensors", 2)])
+def test_a_kill_during_generation_or_a_weight_push_resumes_to_the_uninterrupted_losses(tmp_path, method, at_call):
     """4 steps straight == 4 steps SIGKILLed in step 3's generation or weight push (the engine's 3rd generate, or its
-    3rd load: the first is its construction) and resumed from step 2's checkpoint: the prompts' cursor and the seeds
-    it gives regenerate the same completions from the same weights (exactly: one process, the same fp32 arithmetic),
-    so rewards, losses and gradient norms are equal."""
+    2nd load_tensors: step 1's push builds it from a folder) and resumed from step 2's checkpoint: the prompts'
+    cursor and the seeds it gives regenerate the same completions from the same weights (exactly: one process, the
+    same fp32 arithmetic), so rewards, losses and gradient norms are equal."""
     from dataclasses import replace
 
     from hfmeg.parallel.launch import WorkerError
@@ -329,7 +329,7 @@ def test_a_kill_during_generation_or_a_weight_push_resumes_to_the_uninterrupted_
     cfg = _config(tmp_path / "killed", data, steps=4)
     cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, save_every=1))
     with pytest.raises(WorkerError):
-        spawn(_killed_in, 1, cfg, method, 3)
+        spawn(_killed_in, 1, cfg, method, at_call)
     assert [r["step"] for r in _rows(tmp_path / "killed")] == [1, 2]
     spawn(_run, 1, replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto")))
     a, b = _rows(tmp_path / "straight"), _rows(tmp_path / "killed")

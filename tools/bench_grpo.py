@@ -11,8 +11,8 @@ Reported per side, over the steps after `--warmup`:
 - generation tokens/s: completion tokens sampled / seconds sampling them (hfmeg: `timing/generation_s` of its
   metrics; TRL: its `_generate`);
 - training tokens/s: completion tokens trained / seconds of the steps less sampling and, for hfmeg, the weight
-  push (`timing/weight_push_s`: the shards written, exported and loaded by the engine; TRL's `generate` reads the
-  live model and has none);
+  push (`timing/weight_push_s`: the live shards gathered and copied into the engine's model, or exported to an HF
+  folder in shared memory for vLLM; TRL's `generate` reads the live model and has none);
 - end-to-end tokens/s: completion tokens / whole step seconds;
 and the same per CPU second of the process (`*_tokens_per_cpu_s`: generation's and whole steps' CPU time, over the
 steps after `--warmup` but the last, whose end only the run's end shows): on a machine shared with other work a

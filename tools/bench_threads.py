@@ -5,7 +5,8 @@ the CPU examples' steps) in a fresh interpreter, so OpenMP reads its settings at
 
 - `default`: what a plain `python recipes/...` got before hfmeg set its threads (torch's default: every core,
   OpenMP spinning while it waits);
-- `hfmeg`: what hfmeg sets (`parallel/threads.py`);
+- `hfmeg`: what hfmeg sets (`parallel/threads.py`): its share of the cores, re-chosen before every step as the
+  trainer does (`threads.rebalance`);
 - `cores`: every core this process may use (`os.sched_getaffinity`), OpenMP waiting passively;
 - `cores-minus-load`: those cores less the other runnable tasks seen at start (`/proc/loadavg`'s running
   count, less this process), at least one, waiting passively;
@@ -37,12 +38,13 @@ WORKLOAD = """
 {setup}
 import time, torch
 torch.manual_seed(0)
-layers = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-x = torch.randn(512, 256)
+layers = torch.nn.Sequential(*[torch.nn.Linear({width}, {width}) for _ in range(8)])
+x = torch.randn(512, {width})
 for _ in range(3):
     layers(x).square().mean().backward()
 t0 = time.perf_counter()
 for _ in range({steps}):
+    {per_step}
     layers(x).square().mean().backward()
 print(time.perf_counter() - t0)
 """
@@ -50,13 +52,16 @@ print(time.perf_counter() - t0)
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 _CORES = "import os; cores = len(os.sched_getaffinity(0))"
 _OTHERS = "others = max(0, int(open('/proc/loadavg').read().split()[3].split('/')[0]) - 1)"
+# name: (environment, set-up code, code run before each step)
 CONFIGS = {
-    "default": ({}, ""),
-    "hfmeg": ({}, "from hfmeg.parallel.threads import share_cores; share_cores()"),  # hfmeg first, as recipes
-    "cores": (PASSIVE, f"{_CORES}; import torch; torch.set_num_threads(cores)"),
-    "cores-minus-load": (PASSIVE, f"{_CORES}; {_OTHERS}; import torch; torch.set_num_threads(max(1, cores - others))"),
-    "one": ({**PASSIVE, "OMP_NUM_THREADS": "1"}, ""),
-    "twice-cores": (PASSIVE, f"{_CORES}; import torch; torch.set_num_threads(2 * cores)"),
+    "default": ({}, "", ""),
+    # hfmeg imported first, as the recipes do
+    "hfmeg": ({}, "from hfmeg.parallel import threads; threads.share_cores()", "threads.rebalance()"),
+    "cores": (PASSIVE, f"{_CORES}; import torch; torch.set_num_threads(cores)", ""),
+    "cores-minus-load": (PASSIVE, f"{_CORES}; {_OTHERS}; import torch; torch.set_num_threads(max(1, cores - others))",
+                         ""),
+    "one": ({**PASSIVE, "OMP_NUM_THREADS": "1"}, "", ""),
+    "twice-cores": (PASSIVE, f"{_CORES}; import torch; torch.set_num_threads(2 * cores)", ""),
 }
 
 
@@ -67,11 +72,11 @@ def _spin(own_session: bool) -> None:
         pass
 
 
-def run(name: str, steps: int) -> float:
-    env_extra, setup = CONFIGS[name]
+def run(name: str, steps: int, width: int) -> float:
+    env_extra, setup, per_step = CONFIGS[name]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     env.update(env_extra)
-    code = WORKLOAD.format(setup=setup, steps=steps)
+    code = WORKLOAD.format(setup=setup, steps=steps, per_step=per_step or "pass", width=width)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -79,6 +84,8 @@ def run(name: str, steps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--width", type=int, default=256,
+                    help="the MLP's width: 256 is the CPU examples' step, 1024 or more a step that two threads halve")
     ap.add_argument("--load", type=int, default=len(os.sched_getaffinity(0)), help="busy background processes")
     ap.add_argument("--load-session", choices=("same", "other"), default="same",
                     help="the load in the bench's session or in one of its own")
@@ -98,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             times: dict[str, list[float]] = {name: [] for name in names}
             for _ in range(a.repeats):
                 for name in names:
-                    times[name].append(run(name, a.steps))
+                    times[name].append(run(name, a.steps, a.width))
             for name, seconds in times.items():
                 results.setdefault(name, {})["loaded" if loaded else "quiet"] = statistics.median(seconds)
                 print(json.dumps({"config": name, "load": len(spinners), "seconds": [round(t, 3) for t in seconds],
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.terminate()
                 p.join()
     best_quiet = min(v["quiet"] for v in results.values())
-    print(json.dumps({"bench": "threads", "cores": len(os.sched_getaffinity(0)), "steps": a.steps,
+    print(json.dumps({"bench": "threads", "cores": len(os.sched_getaffinity(0)), "steps": a.steps, "width": a.width,
                       "load": a.load, "load_session": a.load_session, "loadavg_at_end": os.getloadavg(),
                       "loaded_over_best_quiet": {k: round(v["loaded"] / best_quiet, 2) for k, v in results.items()},
                       "loaded_over_quiet": {k: round(v["loaded"] / v["quiet"], 2) for k, v in results.items()},

@@ -37,7 +37,7 @@ from .hf_writer import parse_size, write_hf_folder
 from .hub_source import resolve_hf_source
 from .mp_layout import (HF_DIR, RANK_FILE, MPLayout, copy_hf_side_files, dtype_name, iteration_dir_name, parse_dtype,
                         write_latest)
-from .mp_reader import MPCheckpoint, local_shape, rank_rules
+from .mp_reader import MPCheckpoint, ShardView, local_shape, rank_rules
 from .placement import as_stored, check_placed
 from .rules import expected_hf_shape, rule_tensors, to_local
 from .st_stream import StreamingSafetensorsWriter, WriteBehind
@@ -148,9 +148,15 @@ def hf_to_mp(hf: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int = 1,
 def mp_to_hf(mp: str | Path, out: str | Path, *, dtype: str = "auto", max_shard_size: str | int = "5GB",
              overwrite: bool = False, iteration: int | None = None) -> Path:
     """Convert an MP checkpoint back into an HF folder that `from_pretrained` loads."""
+    return shards_to_hf(MPCheckpoint(mp, iteration), out, dtype=dtype, max_shard_size=max_shard_size,
+                        overwrite=overwrite, inputs=(Path(mp),))
+
+
+def shards_to_hf(source: ShardView, out: str | Path, *, dtype: str = "auto", max_shard_size: str | int = "5GB",
+                 overwrite: bool = False, inputs: tuple[Path, ...] = ()) -> Path:
+    """Write the HF folder `out` from shards (an MP checkpoint's, or a run's live ones, `live_shards.py`)."""
     target = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
-    source = MPCheckpoint(mp, iteration)
-    with atomic_output_dir(out, overwrite=overwrite, inputs=(Path(mp),)) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, inputs=inputs) as tmp:
         write_hf_folder(source, tmp, target, max_bytes)
     return Path(out)

@@ -1,10 +1,11 @@
 """Write an HF checkpoint folder from an MP checkpoint, streaming.
 
 The HF tensor names, shapes and dtypes are known up front (`MPCheckpoint.shape` /
-`dtype`, computed from the rank files' headers), so the shard plan is made before
-any data is read: tensors in model order fill `model-0000i-of-0000n.safetensors`
-files up to `max_shard_bytes` (a single `model.safetensors` when everything fits),
-with a `model.safetensors.index.json` when there are several. Each tensor is
+`dtype`, computed from the rank files' headers; any `ShardView`, also a run's live
+shards, `live_shards.py`), so the shard plan is made before any data is read:
+tensors in model order fill `model-0000i-of-0000n.safetensors` files up to
+`max_shard_bytes` (a single `model.safetensors` when everything fits), with a
+`model.safetensors.index.json` when there are several. Each tensor is
 merged from its TP slices and written (by a write-behind thread, so the next
 merge overlaps this write) and dropped.
 
@@ -29,7 +30,7 @@ from ..errors import HfmegError
 from ..families.wrappers import stored_name
 from .carried import carried_naming, carried_specs, read_carried
 from .mp_layout import copy_hf_side_files, dtype_name
-from .mp_reader import MPCheckpoint
+from .mp_reader import ShardView
 from .st_stream import StreamingSafetensorsWriter, WriteBehind
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -74,9 +75,15 @@ def write_config(src: Path, dst: Path, dtype: str) -> None:
     dst.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def write_hf_folder(source: MPCheckpoint, folder: Path, dtype: torch.dtype | None, max_shard_bytes: int) -> None:
+def exported_names(source: ShardView) -> dict[str, str]:
+    """{the export's name: the source's HF name} of every trained tensor, in model order: a multimodal wrapper's
+    text tensors under the naming they were read with (the carried file's record), others as they are."""
     naming = carried_naming(source.hf_dir)
-    text = {stored_name(n, naming): n for n in source.hf_names()}
+    return {stored_name(n, naming): n for n in source.hf_names()}
+
+
+def write_hf_folder(source: ShardView, folder: Path, dtype: torch.dtype | None, max_shard_bytes: int) -> None:
+    text = exported_names(source)
     carried = carried_specs(source.hf_dir)
     specs = {k: (dtype or source.dtype(n), source.shape(n)) for k, n in text.items()} | carried
     shards = plan_shards(specs, max_shard_bytes)

@@ -6,7 +6,9 @@ slices of the one rule that produces the name (from the PP rank that owns it) an
 merges them with `checkpoint.rules.to_hf`. Outputs of a rule that produces several
 HF tensors (q/k/v, gate/up) are kept until each has been asked for once, so a
 source never holds more than one rule's tensors. A stacked MoE expert tensor is made
-by one rule per expert: `get` merges each expert's slice and stacks them. A rank folder
+by one rule per expert: `get` merges each expert's slice and stacks them. That HF view is
+`ShardView`'s, whatever holds the slices: `MPCheckpoint` reads them from the rank files,
+`live_shards.LiveShards` from a run's shards gathered in memory. A rank folder
 may hold several weight files (an expert-parallel save, `mp_layout.rank_files`): tensors
 are found by name across them. On opening, every rank folder's names (each exactly once)
 and shapes are checked against what the layout implies.
@@ -14,7 +16,7 @@ and shapes are checked against what the layout implies.
 
 from __future__ import annotations
 
-
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -42,20 +44,14 @@ def rank_rules(cfg: ModelConfig, layout: MPLayout, pp_rank: int) -> list[TensorR
     return [r for c in layout.rank_chunks(pp_rank) for r in chunk_rules(cfg, c.layers, c.pre_process, c.post_process)]
 
 
-class MPCheckpoint:
-    def __init__(self, mp_dir: str | Path, iteration: int | None = None):
-        self.folder = resolve_iteration_dir(mp_dir, iteration)
-        self.layout = MPLayout.read(self.folder)
-        self.hf_dir = self.folder / HF_DIR
-        # How the source stored MoE experts is not in config.json: the layout recorded it at conversion.
-        fused = (self.layout.model_config.get("moe") or {}).get("fused_experts", False)
-        self.cfg = as_saved(with_fused_experts(model_config_from_hf(load_hf_config(self.hf_dir)), fused),
-                            self.layout.model_config)
-        if self.cfg.to_dict() != self.layout.model_config:
-            raise CheckpointError(
-                f"{self.folder / LAYOUT_FILE}: field model_config disagrees with {self.hf_dir / 'config.json'}"
-            )
-        self._files: dict[tuple[int, int], dict[str, tuple[Path, object]]] = {}
+class ShardView(ABC):
+    """The HF view of a model's TP x PP shards: `shape` / `dtype` / `get` by HF name, each tensor merged from its TP
+    slices by its rule (`rules.to_hf`) on demand (see the module docstring). Where the slices are is the subclass's:
+    `local(tp_rank, pp_rank, name)` and its shape and dtype (`local_shape`, `local_dtype`); `hf_dir` holds the side
+    files (config, tokenizer, carried tensors) the exporter copies."""
+
+    def _view(self, cfg: ModelConfig, layout: MPLayout, hf_dir: Path) -> None:
+        self.cfg, self.layout, self.hf_dir = cfg, layout, hf_dir
         # HF name -> [(rule, pp rank holding it)]: one rule, or one per expert of a stacked tensor
         self._owner: dict[str, list[tuple[TensorRule, int]]] = {}
         for c in self.layout.chunks:
@@ -64,6 +60,70 @@ class MPCheckpoint:
                     for name in rule.hf:
                         self._owner.setdefault(name, []).append((rule, c.pp_rank))
         self._merged: dict[str, torch.Tensor] = {}
+
+    @abstractmethod
+    def local(self, tp_rank: int, pp_rank: int, name: str) -> torch.Tensor:
+        """Tensor `name` of rank (tp_rank, pp_rank)'s shard, as stored."""
+
+    @abstractmethod
+    def local_shape(self, tp_rank: int, pp_rank: int, name: str) -> tuple[int, ...]:
+        """Its shape, without its data."""
+
+    @abstractmethod
+    def local_dtype(self, tp_rank: int, pp_rank: int, name: str) -> torch.dtype:
+        """Its dtype, without its data."""
+
+    # -- HF view ----------------------------------------------------------------
+    def hf_names(self) -> list[str]:
+        """Every HF tensor the checkpoint holds, in model order."""
+        return list(self._owner)
+
+    def _rules(self, name: str) -> list[tuple[TensorRule, int]]:
+        if name not in self._owner:
+            raise CheckpointError(f"{self.folder}: tensor {name} is not in the checkpoint")
+        return self._owner[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._owner
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        rules = self._rules(name)
+        rule, p = rules[0]
+        shape = hf_shape(rule, name, self.local_shape(0, p, rule.local), self.layout.tp, self.cfg)
+        return (len(rules),) + shape if rule.expert is not None else shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        rule, p = self._rules(name)[0]
+        return self.local_dtype(0, p, rule.local)
+
+    def _merge(self, rule: TensorRule, p: int) -> dict[str, torch.Tensor]:
+        return to_hf(rule, [self.local(t, p, rule.local) for t in range(self.layout.tp)], self.cfg)
+
+    def get(self, name: str) -> torch.Tensor:
+        rules = self._rules(name)
+        if rules[0][0].expert is not None:  # one slice per expert, in expert order
+            return torch.stack([self._merge(rule, p)[name] for rule, p in rules])
+        if name not in self._merged:
+            self._merged = self._merge(*rules[0])  # drops the previous rule's leftovers
+        return self._merged.pop(name)
+
+
+class MPCheckpoint(ShardView):
+    """The shards of an MP folder (`iteration`: which of its iterations, default the latest)."""
+
+    def __init__(self, mp_dir: str | Path, iteration: int | None = None):
+        self.folder = resolve_iteration_dir(mp_dir, iteration)
+        layout = MPLayout.read(self.folder)
+        hf_dir = self.folder / HF_DIR
+        # How the source stored MoE experts is not in config.json: the layout recorded it at conversion.
+        fused = (layout.model_config.get("moe") or {}).get("fused_experts", False)
+        cfg = as_saved(with_fused_experts(model_config_from_hf(load_hf_config(hf_dir)), fused), layout.model_config)
+        if cfg.to_dict() != layout.model_config:
+            raise CheckpointError(
+                f"{self.folder / LAYOUT_FILE}: field model_config disagrees with {hf_dir / 'config.json'}"
+            )
+        self._view(cfg, layout, hf_dir)
+        self._files: dict[tuple[int, int], dict[str, tuple[Path, object]]] = {}
         self._check_rank_files()
 
     # -- rank files -------------------------------------------------------------
@@ -130,36 +190,8 @@ class MPCheckpoint:
         except (OSError, KeyError) as e:
             raise CheckpointError(f"{path}: cannot read tensor {name} ({type(e).__name__}: {e})") from e
 
-    # -- HF view ----------------------------------------------------------------
-    def hf_names(self) -> list[str]:
-        """Every HF tensor the checkpoint holds, in model order."""
-        return list(self._owner)
+    def local_shape(self, tp_rank: int, pp_rank: int, name: str) -> tuple[int, ...]:
+        return tuple(self.local_slice(tp_rank, pp_rank, name).get_shape())
 
-    def _rules(self, name: str) -> list[tuple[TensorRule, int]]:
-        if name not in self._owner:
-            raise CheckpointError(f"{self.folder}: tensor {name} is not in the checkpoint")
-        return self._owner[name]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._owner
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        rules = self._rules(name)
-        rule, p = rules[0]
-        shape = hf_shape(rule, name, self.local_slice(0, p, rule.local).get_shape(), self.layout.tp, self.cfg)
-        return (len(rules),) + shape if rule.expert is not None else shape
-
-    def dtype(self, name: str) -> torch.dtype:
-        rule, p = self._rules(name)[0]
-        return CODE_DTYPES[self.local_slice(0, p, rule.local).get_dtype()]
-
-    def _merge(self, rule: TensorRule, p: int) -> dict[str, torch.Tensor]:
-        return to_hf(rule, [self.local(t, p, rule.local) for t in range(self.layout.tp)], self.cfg)
-
-    def get(self, name: str) -> torch.Tensor:
-        rules = self._rules(name)
-        if rules[0][0].expert is not None:  # one slice per expert, in expert order
-            return torch.stack([self._merge(rule, p)[name] for rule, p in rules])
-        if name not in self._merged:
-            self._merged = self._merge(*rules[0])  # drops the previous rule's leftovers
-        return self._merged.pop(name)
+    def local_dtype(self, tp_rank: int, pp_rank: int, name: str) -> torch.dtype:
+        return CODE_DTYPES[self.local_slice(tp_rank, pp_rank, name).get_dtype()]

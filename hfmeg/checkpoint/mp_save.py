@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+import torch
+
 from ..errors import CheckpointError, HfmegError, LayoutError
 from ..models.decoder import ModelChunk
 from ..parallel.agree import agree
@@ -118,24 +120,11 @@ def staged_save(layout: MPLayout, ps: ParallelState, mp_dir: str | Path, hf_side
 def write_model_shard(chunks: list[ModelChunk], ps: ParallelState, layout: MPLayout, folder: Path) -> Path:
     """Write this rank's tensors into `folder/mp_rank_TT[_PPP]/`; returns that rank folder.
 
-    One DP replica writes, so that the folder holds every tensor once: DP rank 0 all of
-    its tensors into `RANK_FILE`; with EP > 1 the other ranks of its EP group (DP ranks
-    1..ep-1, expert-DP rank 0) hold other experts and write only those, found by their
-    role, into a file named by their global indices."""
+    One DP replica writes, so that the folder holds every tensor once (`shard_tensors`)."""
     rank_dir = folder / layout.rank_dir(ps.tp_rank, ps.pp_rank)
     rank_dir.mkdir(exist_ok=True)
-    # The overlapped optimizer's parameter all-gathers may still be in flight: without this wait
-    # the shards other DP ranks own would be written as they were one step ago.
-    wait_params_ready(chunks)
+    params = shard_tensors(chunks, ps, layout)
     if ps.edp_rank == 0:
-        cfg = chunks[0].cfg
-        experts = {s for c in chunks for s in _expert_names(c)}
-        # remove_duplicate=False: layers sharing one Parameter (models/shared_layers.py) each write theirs.
-        params = [(rule.local, tensors[rule.local])
-                  for c, s in zip(chunks, layout.rank_chunks(ps.pp_rank))
-                  for tensors in [stored_tensors(c, remove_duplicate=False)]
-                  for rule in chunk_rules(cfg, s.layers, s.pre_process, s.post_process, c.experts)
-                  if ps.ep_rank == 0 or rule.local in experts]
         mine = chunks[0].experts
         name = RANK_FILE if ps.ep_rank == 0 else EXPERT_FILE.format(first=mine[0], last=mine[-1])
         specs = {n: (p.dtype, tuple(p.shape)) for n, p in params}
@@ -143,6 +132,28 @@ def write_model_shard(chunks: list[ModelChunk], ps: ParallelState, layout: MPLay
             for n, p in params:
                 writer.write(n, p)
     return rank_dir
+
+
+def shard_tensors(chunks: list[ModelChunk], ps: ParallelState, layout: MPLayout) -> list[tuple[str, torch.Tensor]]:
+    """(stored name, live tensor) of what this rank contributes to its rank folder, in file order; [] for a rank
+    that contributes nothing.
+
+    DP rank 0 gives all of its tensors; with EP > 1 the other ranks of its EP group (DP ranks 1..ep-1, expert-DP
+    rank 0) hold other experts and give only those, found by their role (`write_model_shard` puts them in a file
+    named by their global indices)."""
+    # The overlapped optimizer's parameter all-gathers may still be in flight: without this wait
+    # the shards other DP ranks own would be given as they were one step ago.
+    wait_params_ready(chunks)
+    if ps.edp_rank != 0:
+        return []
+    cfg = chunks[0].cfg
+    experts = {s for c in chunks for s in _expert_names(c)}
+    # remove_duplicate=False: layers sharing one Parameter (models/shared_layers.py) each give theirs.
+    return [(rule.local, tensors[rule.local])
+            for c, s in zip(chunks, layout.rank_chunks(ps.pp_rank))
+            for tensors in [stored_tensors(c, remove_duplicate=False)]
+            for rule in chunk_rules(cfg, s.layers, s.pre_process, s.post_process, c.experts)
+            if ps.ep_rank == 0 or rule.local in experts]
 
 
 def _expert_names(chunk: ModelChunk) -> set[str]:

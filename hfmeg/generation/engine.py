@@ -6,7 +6,8 @@ token unless it ran to `max_new_tokens`, then `truncated`), and the engine's log
 completion token under softmax(logits / temperature) (the logits' own at temperature 0), before top-k and
 top-p: the number the training forward recomputes (TRL's GRPO divides the training logits by the
 temperature too), so their difference is the train/generation mismatch. `load(folder)`
-takes new weights from an HF model folder (the trained shards exported: train/rollout.py). `close()` frees the
+takes new weights from an HF model folder (the trained shards exported: train/rollout.py); an in-process engine
+also takes them as tensors by HF name (`TransformersEngine.load_tensors`, no file). `close()` frees the
 engine (stops a vLLM worker process).
 
 Sampling is seeded per completion (`seeds`): the same prompt, weights and seed give the same completion

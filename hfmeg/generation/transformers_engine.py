@@ -7,11 +7,15 @@ log-probability of the chosen token; of the logits at temperature 0), and the to
 else a draw from softmax(logits / temperature) restricted to the top-k tokens and to the smallest set whose
 probability reaches top-p (both as transformers' and vLLM's samplers define them). A finished
 completion (its end-of-sequence token emitted) is padded until every completion of the batch is.
+
+Weights: the model is built once from an HF folder (`from_pretrained`); later weights are copied into it in place,
+from a folder (`load`) or handed over as tensors (`load_tensors`: the trainer's live weights, no file written).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -43,13 +47,11 @@ class TransformersEngine:
         self.load(folder)
 
     def load(self, folder: Path) -> None:
-        """The weights of `folder`: the first time the model built from it, then its tensors copied into that model.
-
-        A push changes the weights, never the architecture, so a reload copies the safetensors in place: building
-        the model again (`from_pretrained`) cost more than a step's sampling. Every parameter must come from
-        `folder`, or share its storage with one that does (tied embeddings). Where the folder's tensors are not
-        the model's own (transformers converts some families' weights as it loads them: a Mixtral's per-expert
-        matrices become one fused tensor), each load builds the model again."""
+        """The weights of `folder`: the first time the model built from it, then its tensors copied into that model
+        (`load_tensors`); every parameter must come from `folder`, or share its storage with one that does (tied
+        embeddings). Where the folder's tensors are not the model's own (`in_place` False: transformers converts
+        some families' weights as it loads them, a Mixtral's per-expert matrices become one fused tensor), each
+        load builds the model again."""
         from safetensors import safe_open
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
@@ -59,22 +61,35 @@ class TransformersEngine:
             self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device).eval()
             if getattr(self.model.config, "output_router_logits", False):  # an MoE's load-balancing loss: not
                 self.model.config.output_router_logits = False  # for sampling (transformers' fails on a padded batch)
+            self.targets = self.model.state_dict()  # views of its tensors: copies into them go into the model
             stored = {k for f in files for k in safe_open(f, "pt").keys()}
-            self.in_place = stored <= set(self.model.state_dict())
+            self.in_place = stored <= set(self.targets)  # the stored names are the model's: loads copy in place
             return
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(f, device=str(self.device)))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        loaded = {p.data_ptr() for n, p in self.model.named_parameters(remove_duplicate=False) if n in state}
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        absent = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
+        loaded = {self.targets[k].data_ptr() for k in state if k in self.targets}
+        absent = [k for k, p in self.model.named_parameters(remove_duplicate=False) if p.data_ptr() not in loaded]
+        unexpected = [k for k in state if k not in self.targets]
         if unexpected or absent:
             raise EngineError(f"{folder}: weights do not fit the engine's model (absent {absent[:3]}, "
-                             f"unexpected {unexpected[:3]})")
+                              f"unexpected {unexpected[:3]})")
+        self.load_tensors(state.items(), str(folder))
+
+    def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "the pushed weights") -> None:
+        """New values of the model's tensors by HF name, copied in place (a weight push without files,
+        train/rollout.py: only what changed need come). A push changes the weights, never the architecture, so
+        the model is built once; building it again (`from_pretrained`) cost more than a step's sampling."""
+        with torch.no_grad():
+            for name, t in tensors:
+                target = self.targets.get(name)
+                if target is None or target.shape != t.shape:
+                    what = "unexpected" if target is None else f"shaped {list(t.shape)}, not {list(target.shape)},"
+                    raise EngineError(f"{source}: weights do not fit the engine's model ({what} {name})")
+                target.copy_(t)
 
     def close(self) -> None:
-        self.model = None
+        self.model = self.targets = None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Completion]:

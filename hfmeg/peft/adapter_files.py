@@ -39,6 +39,7 @@ from ..checkpoint.hub_ids import portable_name
 from ..checkpoint.mp_layout import HF_DIR, MPLayout
 from ..errors import CheckpointError, UnsupportedConfigError
 from ..models.decoder import ModelChunk
+from ..parallel.gather_named import gather_named
 from ..parallel.params_ready import wait_params_ready
 from ..parallel.splits import from_record
 from ..parallel.grid import RankPlace
@@ -58,22 +59,44 @@ def write_adapter_shard(chunks: list[ModelChunk], ps: RankPlace, rank_dir: Path)
     With expert parallelism the other ranks of DP rank 0's EP group hold other experts: each writes only its
     experts' adapters (role `expert`) into `adapter-experts-EEE-FFF.safetensors`, as `mp_save` does for models;
     every tensor is under its stored name, so each expert is in the folder once whatever the EP size."""
+    shard = _shard(chunks, ps)
+    if shard is None:
+        return
+    tensors, table = shard
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    mine = chunks[0].experts
+    name = SHARD_FILE if ps.ep_rank == 0 else EXPERT_SHARD_FILE.format(first=mine[0], last=mine[-1])
+    save_tensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, rank_dir / name,
+                 {"format": "pt", "tp_rank": str(ps.tp_rank), "tensors": json.dumps(table)})
+
+
+def _shard(chunks: list[ModelChunk], ps: RankPlace) -> tuple[dict[str, torch.Tensor], dict[str, list]] | None:
+    """What this rank's adapter shard holds (`write_adapter_shard`): its live adapter tensors by stored name, and
+    the table of each one's PEFT key, split kind and expert; None where it writes none."""
     ep_rank = ps.ep_rank
     if ps.edp_rank != 0 or ps.dp_rank != ep_rank:
-        return
+        return None
     wait_params_ready(chunks)  # the overlapped optimizer's all-gathers may still be in flight
     tensors, table = {}, {}
     for chunk in chunks:
         params = stored_tensors(chunk)
         for t in adapter_tensors(chunk):
             if ep_rank == 0 or t.expert is not None:
-                tensors[t.local] = params[t.local].detach().contiguous().cpu()
+                tensors[t.local] = params[t.local]
                 kind, vocab, blocks = t.split.record(ps.tp)
                 table[t.local] = [t.hf, kind, vocab, t.expert] + ([blocks] if blocks else [])
-    rank_dir.mkdir(parents=True, exist_ok=True)
-    mine = chunks[0].experts
-    name = SHARD_FILE if ep_rank == 0 else EXPERT_SHARD_FILE.format(first=mine[0], last=mine[-1])
-    save_tensors(tensors, rank_dir / name, {"format": "pt", "tp_rank": str(ps.tp_rank), "tensors": json.dumps(table)})
+    return tensors, table
+
+
+def live_adapters(chunks: list[ModelChunk], ps) -> dict[str, torch.Tensor] | None:
+    """Collective: the full PEFT tensors of the chunks' live adapters on rank 0 (None elsewhere), joined from every
+    rank's shard as `assemble` joins the files, with no file written (a weight push, `parallel.gather_named`)."""
+    shard = _shard(chunks, ps)
+    tensors, meta = (shard[0], (ps.tp_rank, shard[1])) if shard is not None else ({}, None)
+    gathered = gather_named(list(tensors.items()), meta, ps.device)
+    if gathered is None:
+        return None
+    return _join((tp_rank, table, tensors) for (tp_rank, table), tensors in gathered)
 
 
 def _shard_files(rank_dir: Path) -> list[Path]:
@@ -189,20 +212,31 @@ def assemble(iter_dir: Path, value=None) -> dict[str, torch.Tensor]:
 
     `value(rank_dir, local, saved)`: what to join in place of each saved tensor (one shaped like it,
     e.g. its optimizer state when a checkpoint is resharded)."""
-    slices: dict[str, dict[int, torch.Tensor]] = {}
-    kinds: dict[str, tuple] = {}
     if not sorted(iter_dir.glob(f"mp_rank_*/{SHARD_FILE}")):
         raise CheckpointError(f"{iter_dir}: no mp_rank_*/{SHARD_FILE}; not a LoRA training checkpoint")
-    for path in sorted(iter_dir.glob("mp_rank_*/adapter*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
-        tp_rank, tensors = int(meta["tp_rank"]), _load(path)
-        for local, (hf, kind, vocab, *rest) in json.loads(meta["tensors"]).items():
-            saved = tensors[local]
+
+    def shards():
+        for path in sorted(iter_dir.glob("mp_rank_*/adapter*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata()
+            tensors = _load(path)
+            if value is not None:
+                tensors = {local: value(path.parent, local, saved) for local, saved in tensors.items()}
+            yield int(meta["tp_rank"]), json.loads(meta["tensors"]), tensors
+
+    return _join(shards())
+
+
+def _join(shards) -> dict[str, torch.Tensor]:
+    """The full PEFT tensors from shards given as (TP rank, table, {stored name: tensor}) (`_shard`'s table)."""
+    slices: dict[str, dict[int, torch.Tensor]] = {}
+    kinds: dict[str, tuple] = {}
+    for tp_rank, table, tensors in shards:
+        for local, (hf, kind, vocab, *rest) in table.items():
             expert, blocks = (rest + [None, None])[:2]  # written later: absent from older shards
             # TP slices are joined by TP rank, expert pieces by expert index
             index = expert[0] if expert is not None else tp_rank
-            slices.setdefault(hf, {})[index] = saved if value is None else value(path.parent, local, saved)
+            slices.setdefault(hf, {})[index] = tensors[local]
             kinds[hf] = from_record(kind, vocab, blocks)
     return {hf: kinds[hf].join([by_rank[r] for r in sorted(by_rank)]) for hf, by_rank in slices.items()}
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -112,63 +113,89 @@ def merge_into_hf(base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig,
                   overwrite: bool = True) -> Path:
     """Write `base` (an HF folder) with the PEFT `tensors` of an adapter with settings `cfg` merged in to `out`,
     atomically."""
-    base, scale = Path(base), cfg.scale
-    names = set()
-    for path in base.glob("*.safetensors"):
-        with safe_open(str(path), "pt") as f:
-            names.update(f.keys())
-    disk = family_of(load_hf_config(base).model_type).experts or MLP
-    deltas = _expert_deltas(tensors, cfg, names, disk)
-    # modules trained in full (`modules_to_save`), under the base's names: peft's key is transformers v5's module
-    # path, and a Mixtral file may store the router under v4's `block_sparse_moe.gate`
-    saved = {}
-    for k in tensors:
-        if ".lora_" not in k:
-            name = k.removeprefix(PEFT_PREFIX)
-            v4 = name.replace(".mlp.gate.", f".{disk.block}gate.")
-            saved[name if name in names or v4 not in names else v4] = k
-    updates = {k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight": k
-               for k in tensors if k.endswith(".lora_A.weight") and ".mlp.experts" not in k and ".mlp.gate." not in k}
-    merged = set()
-    source = HFCheckpoint(base)
-    quant = source if source.quantized is not None else None  # a release read dequantized (`quantization_config`)
-    four_bit = Dequantized4bit(source, source_config(source), cfg.quantize, cfg.double_quant) if cfg.quantize else ()
+    base = Path(base)
+    merge = Merge(base, tensors, cfg)
     with atomic_output_dir(out, overwrite=overwrite, inputs=(base,)) as tmp:
+        for path, meta, weights in merge.files():
+            save_tensors(weights, tmp / path.name, meta)
         for path in sorted(base.iterdir()):
-            if path.suffix == ".safetensors":
-                weights = {}
-                with safe_open(str(path), "pt") as f:
-                    meta = f.metadata()
-                    for stored in f.keys():
-                        name = stored if quant is None else quant.quantized.float_name(stored)
-                        if name is None:
-                            continue  # a scale, folded into its tensor
-                        if quant is not None and name in quant.quantized.pairs:
-                            w = quant.get(name).to(quant.dtype(name))
-                        else:
-                            w = f.get_tensor(stored)
-                        if name in four_bit:  # the base a QLoRA adapter was trained on
-                            w = four_bit.get(name, w)
-                        if name in deltas:
-                            w = (w.float() + deltas[name]).to(w.dtype)
-                            merged.add(name)
-                        elif name in saved:  # a module trained in full (modules_to_save)
-                            w = tensors[saved[name]].to(w.dtype)
-                            merged.add(name)
-                        elif name in updates:
-                            a = tensors[updates[name]].float()
-                            b = tensors[updates[name].replace(".lora_A.", ".lora_B.")].float()
-                            w = _merged(w, a, b, tensors.get(updates[name].replace(".lora_A.weight",
-                                                                                   ".lora_magnitude_vector")), scale)
-                            merged.add(name)
-                        weights[name] = w
-                save_tensors(weights, tmp / path.name, meta)
-            elif path.is_file() and path.suffix != ".bin":
+            if path.is_file() and path.suffix not in (".safetensors", ".bin"):
                 shutil.copyfile(path, tmp / path.name)
-        if quant is not None:
-            _dequantized_side_files(quant, tmp)
-        missing = sorted((set(updates) | set(saved) | set(deltas)) - merged)
-        if missing:
-            raise CheckpointError(f"{base}: no base weight {missing[0]} for its adapter (the adapter was trained on "
-                                  "another model)")
+        if merge.quant is not None:
+            _dequantized_side_files(merge.quant, tmp)
     return Path(out)
+
+
+class Merge:
+    """The merged weights of `base` (an HF folder) with the PEFT `tensors` of an adapter with settings `cfg`, file
+    by file (`files`), as `merge_into_hf` writes them; `adapted()` is only the tensors the adapter changes, what a
+    weight push to a model that holds the rest already needs (train/rollout.py)."""
+
+    def __init__(self, base: Path, tensors: dict[str, torch.Tensor], cfg: PeftConfig):
+        self.base, self.tensors, self.cfg = Path(base), tensors, cfg
+        names = set()
+        for path in self.base.glob("*.safetensors"):
+            with safe_open(str(path), "pt") as f:
+                names.update(f.keys())
+        disk = family_of(load_hf_config(self.base).model_type).experts or MLP
+        self.deltas = _expert_deltas(tensors, cfg, names, disk)
+        # modules trained in full (`modules_to_save`), under the base's names: peft's key is transformers v5's
+        # module path, and a Mixtral file may store the router under v4's `block_sparse_moe.gate`
+        self.saved = {}
+        for k in tensors:
+            if ".lora_" not in k:
+                name = k.removeprefix(PEFT_PREFIX)
+                v4 = name.replace(".mlp.gate.", f".{disk.block}gate.")
+                self.saved[name if name in names or v4 not in names else v4] = k
+        self.updates = {k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight": k
+                        for k in tensors if k.endswith(".lora_A.weight") and ".mlp.experts" not in k
+                        and ".mlp.gate." not in k}
+        source = HFCheckpoint(self.base)
+        self.quant = source if source.quantized is not None else None  # a release read dequantized
+        self.four_bit = (Dequantized4bit(source, source_config(source), cfg.quantize, cfg.double_quant)
+                         if cfg.quantize else ())
+
+    def files(self, adapted_only: bool = False) -> Iterator[tuple[Path, dict | None, dict[str, torch.Tensor]]]:
+        """(base file, its metadata, {name: merged tensor}) per safetensors file of the base, every tensor of it
+        (`adapted_only`: those the adapter changes); refuses an adapter whose base weight is not there."""
+        changed = set(self.updates) | set(self.saved) | set(self.deltas)
+        quant, merged = self.quant, set()
+        for path in sorted(self.base.glob("*.safetensors")):
+            weights = {}
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata()
+                for stored in f.keys():
+                    name = stored if quant is None else quant.quantized.float_name(stored)
+                    if name is None or (adapted_only and name not in changed):
+                        continue  # a scale, folded into its tensor; or a tensor the adapter leaves as it is
+                    if quant is not None and name in quant.quantized.pairs:
+                        w = quant.get(name).to(quant.dtype(name))
+                    else:
+                        w = f.get_tensor(stored)
+                    if name in self.four_bit:  # the base a QLoRA adapter was trained on
+                        w = self.four_bit.get(name, w)
+                    weights[name] = self._merged(name, w)
+                    merged.update({name} & changed)
+            yield path, meta, weights
+        missing = sorted(changed - merged)
+        if missing:
+            raise CheckpointError(f"{self.base}: no base weight {missing[0]} for its adapter (the adapter was "
+                                  "trained on another model)")
+
+    def adapted(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, merged tensor) of every tensor the adapter changes."""
+        for _, _, weights in self.files(adapted_only=True):
+            yield from weights.items()
+
+    def _merged(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        tensors = self.tensors
+        if name in self.deltas:
+            return (w.float() + self.deltas[name]).to(w.dtype)
+        if name in self.saved:  # a module trained in full (modules_to_save)
+            return tensors[self.saved[name]].to(w.dtype)
+        if name in self.updates:
+            key = self.updates[name]
+            a, b = tensors[key].float(), tensors[key.replace(".lora_A.", ".lora_B.")].float()
+            return _merged(w, a, b, tensors.get(key.replace(".lora_A.weight", ".lora_magnitude_vector")),
+                           self.cfg.scale)
+        return w

@@ -2,10 +2,13 @@
 
 `Rollouts` stands where an SFT run's data pipeline stands (the trainer asks it for the next batch, its
 state and its report). For a step it:
-1. pushes the trained weights to the engine: every rank writes its shard (`staged_save`, as a checkpoint's
-   model part, into `<out>/rollout_weights/mp`), rank 0 exports them to an HF folder in shared memory (the
-   model part's streaming export, into /dev/shm where there is one: a LoRA run merges its adapters) and the
-   engine loads it (`generation/`: the in-process transformers model, or a vLLM worker's `reload_weights`);
+1. pushes the trained weights to the engine: every rank hands rank 0 its shard in memory (what it would write
+   into a checkpoint, `checkpoint/live_shards.py`; a LoRA run its adapters, merged into the base as its export
+   merges them); rank 0 exports them to an HF folder in shared memory (the streaming HF exporter, into /dev/shm
+   where there is one) for the engine to load (a vLLM worker's `reload_weights`, or the in-process transformers
+   model's build), or, once the in-process model is built, copies the changed HF tensors into it in place
+   (`ModelPart.live_weights`, no file; where the engine's model cannot take its stored tensors by name, a
+   model whose weights transformers converts as it loads them, every push is a folder it builds from);
 2. on rank 0: takes a generation batch's prompts (`data/prompts.py`: `global_batch_size / num_generations` of
    them, times the optimizer steps one generation feeds, `steps_per_generation`), samples each
    `num_generations` times with a seed per (train.seed, epoch, record, sample), scores them (`rewards.py`)
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -42,8 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.mp_layout import iteration_dir_name
-from ..checkpoint.mp_save import chunks_layout, staged_save
+from ..checkpoint.mp_save import chunks_layout
 from ..data import DataReport
 from ..data.batches import check_batch_layout
 from ..data.prompts import PromptReader, eval_prompts
@@ -102,10 +103,9 @@ class Rollouts:
         # named after the run's out, so a resume of a killed run reuses (and at its end removes) the killed one's
         run = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
         self.export_dir = (SHM / f"hfmeg-rollout-{run}" if SHM.is_dir() else out / WEIGHTS_DIR / "export")
-        # the shards every rank writes for the export: there too when every rank runs on this host (on several
-        # hosts rank 0 reads them from the run's shared out); fsync'd writes to a shared disk cost more than a step
-        one_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == ps.world_size
-        self.mp_dir = self.export_dir / "mp" if SHM.is_dir() and one_host else out / WEIGHTS_DIR / "mp"
+        # an in-process engine, once built, takes the live tensors themselves (every rank knows which it is, and
+        # learns from rank 0's first generation whether its model takes its stored tensors by name)
+        self.in_memory = hasattr(engine, "load_tensors") if engine is not None else g.generator == "transformers"
         self.held: list[RolloutBatch] = []  # the current generation batch's global batches
         self.uses = 0
         self.step = 0
@@ -151,29 +151,30 @@ class Rollouts:
             self.uses += 1
             return self.held[(self.uses - 1) % len(self.held)]
         t0 = time.perf_counter()
-        hf = self._push_weights()
+        weights = self._push_weights()
         pushed = time.perf_counter() - t0
         payload, error = [None], None
         if self.ps.rank == 0:
             try:
-                payload = [self._generate(hf, pushed)]
+                payload = [self._generate(weights, pushed)]
             except HfmegError as e:  # a reward function's failure, a bad prompt: every rank stops with its line
                 error = e
         agree(error, self.ps.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
-        completions, advantages, masked, metrics = payload[0]
+        completions, advantages, masked, metrics, in_place = payload[0]
+        self.in_memory = self.in_memory and in_place  # the next pushes: tensors in place, or a folder to build from
         self.report.documents += len(completions)
         self.held, self.uses = self._pack(completions, advantages, masked, metrics), 1
         return self.held[0]
 
     def evaluate(self) -> dict[str, float]:
         """Collective: the current weights pushed, the held-out prompts' greedy completions scored (module doc)."""
-        hf = self._push_weights()
+        weights = self._push_weights()
         payload, error = [None], None
         if self.ps.rank == 0:
             try:
-                payload = [self._evaluate(hf)]
+                payload = [self._evaluate(weights)]
             except HfmegError as e:
                 error = e
         agree(error, self.ps.device)
@@ -181,8 +182,8 @@ class Rollouts:
             dist.broadcast_object_list(payload, src=0)
         return payload[0]
 
-    def _evaluate(self, hf: Path) -> dict[str, float]:
-        self._load_engine(hf)
+    def _evaluate(self, weights) -> dict[str, float]:
+        self._load_engine(weights)
         if self.eval_prompts is None:
             self.eval_prompts = eval_prompts(self.cfg.data, self.tok, self.reader.limit)
         params = SamplingParams(self.cfg.grpo.max_completion_length, temperature=0)
@@ -196,23 +197,21 @@ class Rollouts:
         return {**reward_metrics(rewards, weighted_total(rewards, self.weights), [name_of(f) for f in self.funcs]),
                 **completion_metrics(completions)}
 
-    def _push_weights(self) -> Path | None:
-        """Collective: the current weights as an HF folder (rank 0's path; None elsewhere)."""
+    def _push_weights(self):
+        """Collective: the current weights for the engine, on rank 0 (None elsewhere): an HF folder (the first push,
+        which builds the engine, and every vLLM push), or the tensors that changed (`ModelPart.live_weights`) for
+        an in-process engine built already. Either way from the shards gathered in memory, no checkpoint written."""
         chunks = self.chunks()
-        layout = chunks_layout(chunks, self.ps, self.step, pp_layers=self.cfg.parallel.pp_layers)
-        with staged_save(layout, self.ps, self.mp_dir, self.hf_source) as folder:
-            self.part.write_model(chunks, self.ps, layout, folder)
-        iteration, self.step = self.step, self.step + 1
-        if self.ps.rank != 0:
-            return None
-        hf, _ = self.part.export(self.mp_dir / iteration_dir_name(iteration), self.export_dir)
-        shutil.rmtree(self.mp_dir / iteration_dir_name(iteration), ignore_errors=True)
-        return hf
+        layout = chunks_layout(chunks, self.ps, None, pp_layers=self.cfg.parallel.pp_layers)
+        first, self.step = self.step == 0, self.step + 1
+        if self.in_memory and not first:
+            return self.part.live_weights(chunks, layout, self.hf_source)
+        return self.part.export_live(chunks, layout, self.hf_source, self.export_dir / "hf")
 
-    def _generate(self, hf: Path, pushed: float):
+    def _generate(self, weights, pushed: float):
         g = self.cfg.grpo
         t0 = time.perf_counter()
-        self._load_engine(hf)
+        self._load_engine(weights)
         steps = g.generation_steps(self.cfg.train.global_batch_size)
         prompts = self.reader.take(steps * self.cfg.train.global_batch_size // g.num_generations)
         ids = [p.ids for p in prompts for _ in range(g.num_generations)]
@@ -226,7 +225,8 @@ class Rollouts:
         as_given, texts, rewards = self._score(prompts, g.num_generations, completions)
         advantages, metrics = group_advantages(rewards, self.weights, g, [name_of(f) for f in self.funcs])
         metrics.update(completion_metrics(completions))
-        # seconds: writing and exporting the weights plus the engine's load (its start, the first time); sampling
+        # seconds: gathering the weights (exporting them to a folder, or copying them in) plus the engine's load (its
+        # start, the first time); sampling
         metrics["timing/weight_push_s"] = pushed + loaded - t0
         metrics["timing/generation_s"] = generated - loaded
         masked = [c.truncated for c in completions] if g.mask_truncated_completions else None
@@ -235,13 +235,15 @@ class Rollouts:
                 f.write(json.dumps(dict(step=self.step, prompt=as_given[i], completion=text_of(texts[i]),
                                         rewards=[None if r != r else r for r in rewards[i].tolist()],
                                         advantage=float(advantages[i]))) + "\n")
-        return completions, advantages, masked, metrics
+        return completions, advantages, masked, metrics, getattr(self.engine, "in_place", True)
 
-    def _load_engine(self, hf: Path) -> None:
-        """The engine with the weights of `hf`: started the first time (`grpo.generator`'s), loaded after."""
+    def _load_engine(self, weights) -> None:
+        """The engine with the pushed weights (`_push_weights`): started the first time (`grpo.generator`'s), loaded
+        after (a folder, or the tensors in place)."""
         if self.engine is not None:
-            self.engine.load(hf)
+            self.engine.load(weights) if isinstance(weights, Path) else self.engine.load_tensors(weights)
             return
+        hf = weights
         tok = self.tok
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         if self.cfg.grpo.generator == "vllm":

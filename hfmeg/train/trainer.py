@@ -55,6 +55,7 @@ from ..errors import CheckpointError, DataError, HfmegError
 from ..models.moe import expert_load
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..optim.lr_schedule import lr_at
+from ..parallel import threads
 from ..parallel.agree import agree
 from ..parallel.heartbeat import Heartbeat
 from ..parallel.rendezvous import rejoin_warning
@@ -338,6 +339,7 @@ class Trainer:
         try:
             while not self._done():
                 self.launcher.check()
+                threads.rebalance()  # a process alone on its host: threads for the machine's load now
                 note = self.part.rebuild_note(self.step)
                 if note:
                     self._rebuild(note)

@@ -32,6 +32,7 @@ from ...errors import CheckpointError
 from ...peft.adapter_files import (
     SHARD_FILE,
     base_fingerprint,
+    live_adapters,
     read_adapter_shard,
     read_peft_folder,
     write_adapter_shard,
@@ -39,6 +40,7 @@ from ...peft.adapter_files import (
 from ...peft.adapters import adapters_off, attach, check_unwrapped, initialise
 from ...peft.config import PeftConfig
 from ...peft.export import INFO_FILE, export_checkpoint, is_adapter_checkpoint, read_info, write_info
+from ...peft.merge import Merge, merge_into_hf
 from ..reshard_checkpoint import reshard_adapters
 from .base import ModelPart
 from .reference import Reference
@@ -145,6 +147,20 @@ class Adapters(ModelPart):
             return (f"resume not exact: {not_restored}; peft.dropout {self.peft.dropout} draws other masks "
                     "than the uninterrupted run from here on")
         return None
+
+    def export_live(self, chunks, layout, hf_dir: Path, out: Path) -> Path | None:
+        """The base with the live adapters merged in (`merge_into_hf`, as the export's `hf/`); no PEFT folder. The
+        base is the one `check_base` fingerprinted at the start, not hashed again each push."""
+        tensors = live_adapters(chunks, self.ps)
+        return None if tensors is None else merge_into_hf(self._base_folder(), tensors, self.peft, out)
+
+    def live_weights(self, chunks, layout, hf_dir: Path):
+        """The merged weights of the projections the adapters change (`Merge.adapted`): the others stay the base's."""
+        tensors = live_adapters(chunks, self.ps)
+        return None if tensors is None else Merge(self._base_folder(), tensors, self.peft).adapted()
+
+    def _base_folder(self) -> Path:
+        return resolve_hf_source(self.base_ref["path"])
 
     @classmethod
     def export(cls, checkpoint: Path, out: Path) -> tuple[Path, Path | None]:

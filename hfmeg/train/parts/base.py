@@ -12,6 +12,8 @@ A part is one model of a run, as this rank's chunks. Each kind answers the same 
   layers), and the line that says so;
 - `reference`: the reference model of a preference run (parts/reference.py: a frozen copy of the
   configured model, or for adapters the base with them switched off);
+- the live weights as the export would give them, no checkpoint written (online RL's weight push):
+  `export_live` (an HF folder), `live_weights` (the tensors that change, for a model held in memory);
 - classmethods, on a checkpoint alone: `export` (`<out>/hf`, and for adapters `<out>/adapter`),
   `reshard` (to another TP x PP x VPP), `base_of` (the base an export names; pushes check it).
 Kinds: `FullModel` (full.py), `Adapters` (adapters.py); `parts/__init__.py` picks one from the config or a
@@ -22,12 +24,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from transformers import AutoConfig
 
+from ...checkpoint.convert import shards_to_hf
 from ...checkpoint.hf_reader import HFCheckpoint
+from ...checkpoint.hf_writer import exported_names
+from ...checkpoint.live_shards import live_shards
 from ...checkpoint.load import load_chunks
 from ...checkpoint.mp_layout import HF_DIR, is_mp_folder, resolve_iteration_dir
 from ...checkpoint.mp_reader import MPCheckpoint
@@ -105,6 +110,22 @@ class ModelPart(ABC):
     def write_model(self, chunks, ps, layout, folder: Path) -> None:
         """A checkpoint's model tensors: this rank's shard of every parameter."""
         write_model_shard(chunks, ps, layout, folder)
+
+    def export_live(self, chunks, layout, hf_dir: Path, out: Path) -> Path | None:
+        """Collective: the live weights as the HF folder `out` their export would write (rank 0 writes it and gets
+        its path; None elsewhere), from the shards gathered in memory (`checkpoint/live_shards.py`), no checkpoint
+        written first. `layout`: the chunks' (`mp_save.chunks_layout`); `hf_dir`: the run's HF side files."""
+        source = live_shards(chunks, self.ps, layout, hf_dir)
+        return None if source is None else shards_to_hf(source, out, overwrite=True)
+
+    def live_weights(self, chunks, layout, hf_dir: Path) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """Collective: on rank 0 (None elsewhere) the (HF name, tensor) pairs by which the live weights' export
+        differs from an earlier one's (`export_live`'s): for a full model every tensor it writes, made as it makes
+        them, lazily; for a model in memory to take over in place (train/rollout.py)."""
+        source = live_shards(chunks, self.ps, layout, hf_dir)
+        if source is None:
+            return None
+        return ((name, source.get(hf)) for name, hf in exported_names(source).items())
 
     def checkpoint_state(self) -> dict:
         """This part's entries of `trainer_state.json`, beside `shared_layers`."""
