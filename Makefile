@@ -56,8 +56,9 @@ $(VLLM_STAMP):
 test: $(STAMP) $(LOWEST_STAMP) $(VLLM_STAMP)  ## the test suite (CPU; tests marked gpu run after the others when CUDA is there); ends with the 25 slowest and the suite's wall and CPU time
 	$(PY) -m pytest -q --durations=25 tests
 
-test-quick: $(STAMP)  ## the suite less its multi-process end-to-end and multi-host tests (markers e2e, multihost): minutes, for development
-	$(PY) -m pytest -q --durations=10 -m "not e2e and not multihost" tests
+# the quick lane runs on two pytest-xdist workers, a test file per worker at a time (a module's fixtures are built once)
+test-quick: $(STAMP)  ## the suite less its multi-process end-to-end and multi-host tests (markers e2e, multihost), on 2 workers: minutes, for development
+	$(PY) -m pytest -q --durations=10 -n 2 --dist loadfile -m "not e2e and not multihost" tests
 
 lint: $(STAMP)  ## ruff over hfmeg, tests, tools, recipes and data (rules in pyproject.toml [tool.ruff])
 	$(PY) -m ruff check hfmeg tests tools recipes data

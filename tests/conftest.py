@@ -21,8 +21,9 @@ from tiny_models import ASSETS, RANDOM_KINDS, rewrite_config_v4, save_tiny  # no
 os.environ.setdefault(BACKEND_ENV, "gloo")
 
 
-# The lanes. `make test` runs every test; `make test-quick` (`-m "not e2e and not multihost"`) the rest, in a
-# few minutes, for development. Assigned here, by file or by test, so that one list says which lane a test is in:
+# The lanes. `make test` runs every test; `make test-quick` (`-m "not e2e and not multihost"`, on two pytest-xdist
+# workers) the rest, in a few minutes, for development. Assigned here, by file or by test, so that one list says
+# which lane a test is in:
 # - multihost: the namespace-host beds (tests/multihost.py), several machines' worth of processes per test;
 # - e2e: a multi-process end-to-end run: a trainer, recipe, tool or bench run (in a fresh interpreter, a forked
 #   one or spawned ranks), a process start checked as such, one model's forward + backward (or its training
@@ -73,6 +74,8 @@ LANES: dict[str, dict[str, set[str] | None]] = {
         "test_peft_plan.py": {"test_planner_predicts_lora_memory_at_7b_shapes_within_5_percent"},
         "test_trackers.py": {"test_tensorboard_mlflow_and_trackio_hold_the_runs_losses_and_config"},
         "test_grpo_train.py": {"test_grpo_learns_at_tp2_pp2_each_step_as_one_process"},
+        # DPO/IPO/SimPO over the layouts vs TRL, full and LoRA (as test_grpo_parity's matrix); the MoE one stays quick
+        "test_dpo_parity.py": {"test_dpo_matches_trl"},
     },
 }
 
@@ -94,14 +97,33 @@ def pytest_collection_modifyitems(config, items):
 
 
 _START = time.monotonic()
+_WORKERS_CPU: list[float] = []  # pytest-xdist (`make test-quick`): each worker's CPU seconds, as it reported them
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(this process's CPU seconds, its waited-for children's)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker sends its CPU seconds, its children's included, to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["cpu_s"] = sum(_cpu_seconds())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _WORKERS_CPU.append(getattr(node, "workeroutput", {}).get("cpu_s", 0.0))
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter):
     """The run's wall time and CPU time, its children's included (spawned ranks, subprocesses, torchrun and
-    its workers: every process waited for), as the last line, the figure README's suite time is read from."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    its workers: every process waited for; pytest-xdist's workers by what each reported, unless they were
+    waited for already), as the last line, the figure README's suite time is read from."""
+    own, children = _cpu_seconds()
+    cpu = own + max(children, sum(_WORKERS_CPU))
     terminalreporter.write_line(f"suite time: {time.monotonic() - _START:.0f} s wall, {cpu:.0f} s CPU "
                                 f"(children included) on {os.cpu_count()} CPUs")
 

@@ -10,10 +10,12 @@ LoRA adapter on it (the reference is then the base with the adapter off, as TRL 
 every log-ratio is far from 0 and the loss from log 2.
 
 Bounds: a sequence's log-probability is a sum of n log-softmax values, each within 2 max|Δ logit| of
-transformers' (the suite's logit bound `TOL`, test_verify_parity.py), so it is within 2 n TOL; a reward,
+transformers' (`TOL`, the logits' rounding bound derived from float64 runs of the policy and the reference on
+these sequences, `_logit_bound`), so it is within 2 n TOL; a reward,
 β times a difference of two of them, within 4 β n TOL; the sigmoid loss (slope ≤ β in the margin, which is
 a difference of two rewards' arguments) within 2 · 4 β n TOL per pair, averaged (SimPO's per-token averages
-are within less); IPO's squared loss, with per-token averages (d within 8 TOL), within 2 |d − 1/(2β)| · 8 TOL.
+are within less); IPO's squared loss, with per-token averages (d within 8 TOL), within 2 |d − 1/(2β)| · 8 TOL. LoRA's adapter
+gradients: within rounding of TRL's own, each tensor's bound derived from TRL's run repeated in float64.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from bounds import within
+from bounds import rounding_bound, within
 from helpers import make_ps, stories_or_skip
 from peft_helpers import full_adapter_grads, hfmeg_chunks, peft_adapter_grads, rel_diff
 
@@ -42,7 +44,6 @@ from hfmeg.train.preference import METRICS, PreferenceConfig, PreferenceLoss
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl = pytest.importorskip("trl")
 
-TOL = 1e-4  # the suite's logits bound against transformers (fp32)
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (1, 1, 2, 1)]  # tp, pp, cp, ep
 MOE_LAYOUTS = [(1, 1, 1, 1), (1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2)]
 SEQ_LEN = 48
@@ -90,24 +91,49 @@ def _moe_policy_and_reference(root):
     return root / "moe_policy", reference, None
 
 
-def _trl_models(policy, reference, adapter):
+def _trl_models(policy, reference, adapter, dtype: torch.dtype = torch.float32):
+    """(policy, reference or None) as TRL takes them: fp32, or converted to float64 after loading (`dtype`)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    # transformers' grouped-GEMM experts have no float64 kernel; its eager loop is the same arithmetic
+    load = {} if dtype == torch.float32 else {"experts_implementation": "eager"}
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32, **load)
     if adapter is not None:
-        return PeftModel.from_pretrained(model, adapter, is_trainable=True), None
-    return model, AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+        return PeftModel.from_pretrained(model, adapter, is_trainable=True).to(dtype), None
+    return model.to(dtype), AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32, **load).to(dtype)
 
 
-def _trl_dpo(policy, reference, adapter, cfg: PreferenceConfig, out, tokenizer):
+def _logit_bound(policy, reference, adapter, sequences) -> float:
+    """`TOL` of the module doc, derived: how far an fp32 run's logits of `sequences` may be from transformers'
+    (peft's, with the adapter) by rounding alone, the worst of the policy's and the reference's
+    (bounds.rounding_bound: their fp32 run against the same run in float64, two fp32 runs compared). The sequences
+    are padded on the right (causal: no real position sees the padding), which is left out."""
+    n = max(len(ids) for ids, _ in sequences)
+    ids = torch.tensor([x + [0] * (n - len(x)) for x, _ in sequences])
+    real = torch.tensor([[True] * len(x) + [False] * (n - len(x)) for x, _ in sequences])
+    logits = []
+    for dtype in (torch.float32, torch.float64):
+        model, ref = _trl_models(policy, reference, adapter, dtype)
+        with torch.no_grad():
+            if ref is None:  # the reference is the base with the adapter off
+                with model.disable_adapter():
+                    off = model(ids).logits
+            else:
+                off = ref(ids).logits
+            logits.append((model(ids).logits[real], off[real]))
+    return max(rounding_bound(a, b) for a, b in zip(*logits))
+
+
+def _trl_dpo(policy, reference, adapter, cfg: PreferenceConfig, out, tokenizer, dtype: torch.dtype = torch.float32):
     """TRL's DPOTrainer on PAIRS: its collated batch as (prompt+answer ids, answer mask) per sequence, chosen
-    ones first; its loss and metrics; and (LoRA) its adapter gradients."""
+    ones first; its loss and metrics; and (LoRA) its adapter gradients. `dtype` float64: the same run in float64
+    (the truth the gradients' bound is derived from)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    model, ref = _trl_models(policy, reference, adapter)
+    model, ref = _trl_models(policy, reference, adapter, dtype)
     losses = ["sigmoid", "sft"] if cfg.rpo_alpha else [cfg.loss_type]
     args = DPOConfig(output_dir=str(out), beta=cfg.beta, loss_type=losses, loss_weights=[1.0, cfg.rpo_alpha]
                      if cfg.rpo_alpha else None, report_to="none", per_device_train_batch_size=len(PAIRS),
@@ -130,14 +156,15 @@ def _trl_dpo(policy, reference, adapter, cfg: PreferenceConfig, out, tokenizer):
     return sequences, loss.item(), metrics, grads
 
 
-def _trl_simpo(policy, reference, adapter, cfg: PreferenceConfig, out, tokenizer):
+def _trl_simpo(policy, reference, adapter, cfg: PreferenceConfig, out, tokenizer,
+               dtype: torch.dtype = torch.float32):
     """SimPO as TRL has it, its CPO trainer with loss_type simpo (reference-free; `cpo_alpha` is hfmeg's
     `rpo_alpha`): the same outputs as `_trl_dpo`."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-    model, _ = _trl_models(policy, reference, adapter)
+    model, _ = _trl_models(policy, reference, adapter, dtype)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     tokenizer.pad_token = tokenizer.eos_token  # its collator pads; the padding is masked out
     args = CPOConfig(output_dir=str(out), loss_type="simpo", beta=cfg.beta, simpo_gamma=cfg.simpo_gamma,
@@ -208,16 +235,22 @@ def _check(policy, reference, adapter, cases, layouts, root):
         cfg = PreferenceConfig(loss_type=loss_type, beta=0.1, **options)
         trl_run = _trl_simpo if loss_type == "simpo" else _trl_dpo
         sequences, want_loss, want, want_grads = trl_run(policy, reference, adapter, cfg, root / "trl", tokenizer)
+        tol = _logit_bound(policy, reference, adapter, sequences)
+        grad_bounds = {}
+        if want_grads is not None:  # TRL's own fp32 gradients against its float64 run: two fp32 runs compared
+            grads64 = trl_run(policy, reference, adapter, cfg, root / "trl64", tokenizer, torch.float64)[3]
+            grad_bounds = {k: rounding_bound(g, grads64[k]) / grads64[k].abs().max().item()
+                           for k, g in want_grads.items()}
         n = max(len(ids) for ids, _ in sequences)
         chosen_tokens = sum(sum(m[1:]) for _, m in sequences[:len(PAIRS)])
         if cfg.needs_reference:
             assert abs(want["rewards/margins"]) > 0.05, "the log-ratios must be far from 0 for the test to bite"
         results = spawn(_run_layouts, 4, str(policy), str(reference), adapter and str(adapter), sequences, cfg,
                         pad_id, chosen_tokens, layouts)
-        reward_bound = 4 * cfg.beta * n * TOL
+        reward_bound = 4 * cfg.beta * n * tol
         # IPO: |d - 1/(2 beta)| of every pair is at most sqrt(pairs x TRL's mean squared loss).
-        loss_bound = (2 * (want_loss * len(PAIRS)) ** 0.5 * 8 * TOL if loss_type == "ipo" else 8 * cfg.beta * n * TOL)
-        loss_bound += cfg.rpo_alpha * 2 * TOL  # a mean of log-probabilities, each within 2 TOL
+        loss_bound = (2 * (want_loss * len(PAIRS)) ** 0.5 * 8 * tol if loss_type == "ipo" else 8 * cfg.beta * n * tol)
+        loss_bound += cfg.rpo_alpha * 2 * tol  # a mean of log-probabilities, each within 2 TOL
         for layout in layouts:
             rows = [r for rank in results for r in rank if r["layout"] == layout]
             assert any(r["loss"] is not None for r in rows)
@@ -228,11 +261,11 @@ def _check(policy, reference, adapter, cases, layouts, root):
                     for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
                         within(abs(r["metrics"][k] - want[k]), 2 * reward_bound, f"{k} vs trl", where)
                     for k in ("logps/chosen", "logps/rejected"):
-                        within(abs(r["metrics"][k] - want[k]), 2 * n * TOL, f"{k} vs trl", where)
+                        within(abs(r["metrics"][k] - want[k]), 2 * n * tol, f"{k} vs trl", where)
                     assert r["metrics"]["rewards/accuracies"] == pytest.approx(want["rewards/accuracies"])
                 if want_grads is not None and r["grads"]:
                     for k, g in r["grads"].items():
-                        within(rel_diff(g, want_grads[k]), TOL, "dpo lora grad_rel", (where, k))
+                        within(rel_diff(g, want_grads[k]), grad_bounds[k], "dpo lora grad_rel", (where, k))
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -7,9 +7,9 @@ attend with the keys and values of the last earlier layer of their type); the E2
 MLPs and its one KV head is replicated over TP.
 - the configs read as transformers reads them: which layer reuses whose keys, which MLPs are wide, every parameter
   counted;
-- one 4-rank world per release: logits equal to transformers' within the contract's bound and greedy generation
-  equal, LoRA (peft's projection names) logits and loss equal to peft's and its adapter gradients as close to peft's
-  float64 ones as peft's own fp32 ones are (2x), the peft adapter imported onto shards and exported back bit for
+- one 4-rank world per release: logits equal to transformers' and greedy generation equal, LoRA (peft's projection
+  names) logits and loss equal to peft's and its adapter gradients as close to peft's float64 ones as peft's own fp32
+  ones are, within bounds derived from float64 runs (test_gemma4_releases.float64_reference), the peft adapter imported onto shards and exported back bit for
   bit, HF -> shards -> HF bit-exact: both at TP2 x PP2 (the E2B's one KV head replicated, its `k_proj`/`v_proj`
   adapters' B rows with it: tests/test_kv_replication_lora.py; the E4B split evenly, a reader on the second stage
   of a producer on the first);
@@ -84,10 +84,10 @@ def test_release_parity_lora_and_round_trip(release, tmp_path):
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     # Twelve layers (the E4B) are worse conditioned than the 31B's six: fp32's error moves with the summation order
     # by more than one order's error shows, so peft's worst over transformers' two attention paths is the scale.
-    exact, peft_err = float64_reference(base, adapter, ids, ("eager", "sdpa"))
+    exact, bounds = float64_reference(base, adapter, ids, ("eager", "sdpa"))
     rows = [r for rank in spawn(_parity, 4, str(base), str(adapter), ids, str(tmp_path / "lora_shards"), layouts,
                                 exact, pp_layers) for r in rank]
-    check_parity_rows(rows, layouts, peft_names, peft_err)  # peft_err: the worse of eager's and SDPA's
+    check_parity_rows(rows, layouts, peft_names, bounds)  # bounds: the wider of eager's and SDPA's
 
 
 def test_releases_under_context_parallelism_and_kv_shared_across_stages(tmp_path):

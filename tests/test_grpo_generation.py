@@ -3,8 +3,8 @@ completion, a weight load takes effect, and the engine's log-probabilities of sa
 forward at TP2 x PP2 (the train/generation mismatch metric), at temperature 1 and below it. `train_logps` serves
 test_vllm_engine.py too.
 
-Bound: both sides compute each token's log-softmax from logits within the suite's fp32 logit bound TOL of
-transformers' full forward (the engine's cached incremental forward is transformers' own), so each log-probability is
+Bound: both sides compute each token's log-softmax from logits within TOL of transformers' full forward (the
+logits' rounding bound on these sequences, derived from a float64 run: test_dpo_parity._logit_bound) (the engine's cached incremental forward is transformers' own), so each log-probability is
 within 2 TOL of the other side's; both divide the logits by a temperature T before their log-softmax, so 2 TOL / T.
 """
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 from bounds import within
 from helpers import make_ps, stories_or_skip
+from test_dpo_parity import _logit_bound
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
@@ -25,7 +26,6 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.train.grpo import MISMATCH, GRPOLoss, GRPOSettings, annotate_logps, set_temperature
 
-TOL = 1e-4
 PROMPTS = ["Once upon a time", "Lily liked to"]
 
 
@@ -103,7 +103,8 @@ def test_sampling_is_seeded_per_completion():
     alone = engine.generate([prompts[0]], params, [2])[0]
     assert alone.completion_ids == batch[1].completion_ids
     # batches of 2 and of 1 round the matmuls differently: each within the logit bound of transformers' forward
-    within(max(abs(a - b) for a, b in zip(alone.logps, batch[1].logps)), 4 * TOL, "engine logp batch of 1 vs 2")
+    tol = _logit_bound(folder, folder, None, [(c.prompt_ids + c.completion_ids, None) for c in batch])
+    within(max(abs(a - b) for a, b in zip(alone.logps, batch[1].logps)), 4 * tol, "engine logp batch of 1 vs 2")
     assert batch[0].completion_ids != batch[1].completion_ids
 
 
@@ -132,9 +133,10 @@ def test_generator_logps_equal_training_forward_tp2_pp2():
     runs = [(engine.generate([prompts[0]] * 2 + [prompts[1]] * 2, SamplingParams(max_new_tokens=16, temperature=t),
                              [5, 6, 7, 8]), t) for t in (1.0, 0.7)]
     results = [r for r in spawn(train_logps, 4, str(folder), runs, tok.eos_token_id) if r is not None]
+    tol = _logit_bound(folder, folder, None, [(c.prompt_ids + c.completion_ids, None) for cs, _ in runs for c in cs])
     assert results
     for rank in results:
         for (diffs, metrics), (completions, t) in zip(rank, runs, strict=True):
             assert len(diffs) == sum(len(c.completion_ids) for c in completions)
-            within(float(diffs.abs().max()), 2 * TOL / t, "generator logp vs training forward", f"tp2 pp2 T={t}")
+            within(float(diffs.abs().max()), 2 * tol / t, "generator logp vs training forward", f"tp2 pp2 T={t}")
             assert metrics[MISMATCH] == pytest.approx(float(diffs.abs().mean()), rel=1e-5)  # the same float32 terms

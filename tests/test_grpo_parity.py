@@ -15,13 +15,14 @@ generation batch feeding 3 steps (`steps_per_generation` 3): TRL's loss of its s
 over the whole batch, DAPO normalised by the batch's tokens / 3) against hfmeg's on the same 4 completions. The policy is stories260K moved off the reference, or a random LoRA adapter on it (the
 reference is the base with the adapter off), so the KL is far from 0.
 
-Bounds: each log-probability is within 2 TOL of transformers' (the suite's logit bound, as in test_dpo_parity.py; 2
+Bounds: each log-probability is within 2 TOL of transformers' (the logits' rounding bound derived from float64 runs,
+as in test_dpo_parity.py; 2
 TOL / τ at a sampling temperature τ, both sides dividing the logits by it), the policy's and the reference's alike,
 so a log-ratio is within 4 TOL (a GSPO mean of them too). A token's loss moves with them at most at rate g_t = |A|
 w + β w (|e^d − 1| + k3) (d = ρ − π, w the importance weight), so every aggregate (a mean or a sum over N × L of
-them) is within 4 TOL Σ_t s_t g_t, s_t the token's share of the aggregate (1/(n_i N), 1/T, 1/(N L)), × 1.01 for the
-exponential's curvature over so small a step; the `kl` metric within 4 TOL mean_t w (|e^d − 1| + k3) × 1.01;
-∂loss/∂π of a token (token level) within 4 TOL × 1.01 s_t (|A| w + β w (|e^d − 1| + k3 + 2 e^d + 1)), its own
+them) is within 4 TOL Σ_t s_t g_t, s_t the token's share of the aggregate (1/(n_i N), 1/T, 1/(N L)), × c = max(1.01,
+e^{4 TOL}) for the exponential's curvature over the step; the `kl` metric within 4 TOL mean_t w (|e^d − 1| + k3) × c;
+∂loss/∂π of a token (token level) within 4 TOL × c s_t (|A| w + β w (|e^d − 1| + k3 + 2 e^d + 1)), its own
 derivative's bound. A clip indicator may flip only for a weight within its bound of a clip edge; the ratios' bound
 counts those tokens. The advantages are TRL's float32 arithmetic on the same numbers (bound: a few float32 ulps of
 their size).
@@ -38,7 +39,7 @@ import torch
 from bounds import within
 from helpers import make_ps, stories_or_skip
 from peft_helpers import hfmeg_chunks
-from test_dpo_parity import _policy_and_reference, _trl_models
+from test_dpo_parity import _logit_bound, _policy_and_reference, _trl_models
 
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
@@ -51,7 +52,6 @@ from hfmeg.train.grpo import ENTROPY, METRICS, GRPOLoss, GRPOSettings, annotate_
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl = pytest.importorskip("trl")
 
-TOL = 1e-4  # the suite's logits bound against transformers (fp32)
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)]  # tp, pp, cp
 SEQ_LEN = 48
 G = 4
@@ -202,7 +202,7 @@ def _run_layouts(policy, reference, adapter, runs, pad_id: int):
     return rows
 
 
-def _bounds(inputs, logps, case):
+def _bounds(inputs, logps, case, tol: float):
     """From TRL's own numbers, float64 (module doc): the loss's bound, the kl metric's, the count of tokens whose
     weight is within its bound of a clip edge, and each completion token's bound on ∂loss/∂π (token level)."""
     mask = inputs["completion_mask"].bool()
@@ -226,7 +226,8 @@ def _bounds(inputs, logps, case):
     normaliser = _dapo_tokens(inputs, case) or float(tokens)
     weight = {"grpo": 1 / (n * len(n)), "dr_grpo": torch.full_like(n, 1 / (len(n) * MAX_COMPLETION_LENGTH))}.get(
         case["loss_type"], torch.full_like(n, 1 / normaliser)).expand_as(pi)  # each token's share of the loss
-    step = 4 * TOL / case.get("temperature", 1.0) * 1.01  # logits / T: their bound too
+    step = 4 * tol / case.get("temperature", 1.0)  # logits / T: their bound too
+    step *= max(1.01, math.exp(step))  # the exponential's curvature over the step
     eps_high = case.get("epsilon_high") or 0.2
     edges = torch.tensor([1 - 0.2, 1 + eps_high])
     near = ((w[..., None] - edges).abs() <= 2 * step * w[..., None]).any(-1) & mask
@@ -268,7 +269,9 @@ def _check(policy, reference, adapter, root):
         runs.append((dict(cfg.__dict__), completions, advantages,
                      None if old is None else _per_completion(old, inputs["completion_mask"]),
                      _dapo_tokens(inputs, case)))
-        wants.append((want_loss, want, want_token_grads, _bounds(inputs, logps, case)))
+        if i == 0:  # TOL, derived: the logits' rounding on these sequences (test_dpo_parity._logit_bound), every case's
+            tol = _logit_bound(policy, reference, adapter, [(c.prompt_ids + c.completion_ids, None) for c in completions])
+        wants.append((want_loss, want, want_token_grads, _bounds(inputs, logps, case, tol)))
         if case["beta"]:
             assert want["kl"] > 1e-3, "the policy must be far from its reference for the KL to bite"
     assert max(w[1]["clip_ratio/region_mean"] for w in wants) > 0.05, "some weights must be clipped"
@@ -278,8 +281,9 @@ def _check(policy, reference, adapter, root):
         case = CASES[i]
         # Entropy: its derivative in a logit is -p_v (log p_v + H), so logits within TOL / τ of transformers' move a
         # token's H by at most TOL / τ Σ_v p_v |log p_v + H| <= 2 H TOL / τ, a mean of them by 2 TOL / τ of the mean
-        # (× 1.01 for the curvature), plus TRL's own fp32 mean (a few ulps).
-        entropy_bound = 2 * TOL / case.get("temperature", 1.0) * 1.01 + 4.8e-7
+        # (× max(1.01, e^{4 TOL / τ}) for the curvature), plus TRL's own fp32 mean (a few ulps).
+        step = 4 * tol / case.get("temperature", 1.0)
+        entropy_bound = step / 2 * max(1.01, math.exp(step)) + 4.8e-7
         for layout in LAYOUTS:
             rows = [r for rank in results for r in rank if r["layout"] == layout and r["case"] == i]
             assert any(r["loss"] is not None for r in rows)

@@ -171,7 +171,9 @@ PIPELINES = [Pipeline(2, "interleaved", 2, vpp=2),
 MICRO_BATCHES = 4  # the global batch
 
 
-def _pipelines(folder, mbs):
+def _pipelines_truth(folder, mbs):
+    """The one-process run of the global batch in float64 (the truth) and fp32 (its distance from the truth is
+    what rounding does here), computed once in the test process for every rank."""
     one = make_ps(world=1)
     num_tokens = sum(m.label_tokens() for m in mbs)
 
@@ -182,8 +184,11 @@ def _pipelines(folder, mbs):
         return [loss], {name: g for rule in chunk_rules(chunk.cfg, chunk.layer_ids, True, True, chunk.experts)
                         for name, g in to_hf(rule, [grads[rule.local]], chunk.cfg).items()}
 
-    # The float64 run is the truth; the fp32 one's distance from it is what rounding does here.
-    exact = truth_of(reference(torch.float64), reference(torch.float32))
+    return truth_of(reference(torch.float64), reference(torch.float32))
+
+
+def _pipelines(folder, mbs, exact):
+    num_tokens = sum(m.label_tokens() for m in mbs)
     (ref_loss,), ref_grads = exact.losses, exact.params
     rows = []
     for case in PIPELINES:
@@ -216,7 +221,7 @@ def test_moe_pipeline_micro_batches(tmp_path):
     g = torch.Generator().manual_seed(1)
     mbs = [MicroBatch(input_ids=ids, labels=_labels(ids))
            for ids in torch.randint(0, 300, (MICRO_BATCHES, 2, 16), generator=g)]
-    results = spawn(_pipelines, 4, str(folder), mbs)
+    results = spawn(_pipelines, 4, str(folder), mbs, _pipelines_truth(str(folder), mbs))
     n_ref = results[0][1]
     for i, layout in enumerate(PIPELINES):
         rows = [rank[0][i] for rank in results]

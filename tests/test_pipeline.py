@@ -1,8 +1,9 @@
 """Pipeline schedules composed with TP, SP and DP: loss and every gradient vs one process.
 
-Each gloo world runs many (layout, schedule, recompute) cases back to back. Every
-rank builds the same HF checkpoint as one unsharded `ModelChunk` (a world-1
-ParallelState), runs the whole global batch through it as the reference, then runs
+Each gloo world runs many (layout, schedule, recompute) cases back to back. The test
+process builds the HF checkpoint as one unsharded `ModelChunk` (a world-1
+ParallelState) and runs the whole global batch through it, in float64 and fp32, as the
+reference of every rank (once, not on each rank); each rank runs
 its own stage under the pipeline schedule on its DP share of the micro-batches,
 with the data-parallel wrapper in `ddp` mode finishing the gradients (SP, tied
 embedding, DP sums), rebuilds full-shape HF gradients
@@ -80,8 +81,11 @@ def _hf_grads(chunk, shards_of) -> dict[str, torch.Tensor]:
     return out
 
 
-def _reference(folder: str, mbs: list[MicroBatch], num_tokens: int, dtype=torch.float32):
+def _reference(folder: str, n_total: int, dtype: torch.dtype):
+    """The unsharded model's loss and gradients over the global batch of `n_total` micro-batches."""
     chunk = load_chunks(HFCheckpoint(folder), make_ps(world=1), dtype=dtype)[0]
+    mbs = _global_batch(chunk.cfg.vocab_size, n_total)
+    num_tokens = sum(m.label_tokens() for m in mbs)
     ids = torch.cat([m.input_ids for m in mbs])
     labels = torch.cat([m.labels for m in mbs])
     loss = chunk(ids, labels=labels).sum() / num_tokens
@@ -101,8 +105,18 @@ class _Recorder:
         self.wrapper.set_last_microbatch(chunk, is_last)
 
 
-def _run_cases(folders: dict, cases: list[Case]) -> list[dict]:
-    refs: dict = {}
+def _references(folders: dict, cases: list[Case], world: int) -> dict:
+    """The `Truth` of each (model, global batch) the cases of a `world`-rank run compare with, computed here once:
+    the float64 run is the truth; the fp32 one's distance from it is what rounding does here."""
+    refs = {}
+    for case in cases:
+        key = folders[case.model], case.microbatches * world // (case.tp * case.pp)
+        if key not in refs:
+            refs[key] = truth_of(*(_reference(*key, dtype) for dtype in (torch.float64, torch.float32)))
+    return refs
+
+
+def _run_cases(folders: dict, cases: list[Case], refs: dict) -> list[dict]:
     results = []
     for case in cases:
         ps = make_ps(tp=case.tp, pp=case.pp, vpp=case.vpp, sp=case.sp)
@@ -111,10 +125,6 @@ def _run_cases(folders: dict, cases: list[Case]) -> list[dict]:
         n_total = case.microbatches * ps.dp
         everything = _global_batch(chunks[0].cfg.vocab_size, n_total)
         num_tokens = sum(m.label_tokens() for m in everything)
-        if (folder, n_total) not in refs:
-            # The float64 run is the truth; the fp32 one's distance from it is what rounding does here.
-            refs[(folder, n_total)] = truth_of(_reference(folder, everything, num_tokens, torch.float64),
-                                               _reference(folder, everything, num_tokens))
         exact = refs[(folder, n_total)]
         (ref_loss,), ref_grads = exact.losses, exact.params
         mine = everything[ps.dp_rank * case.microbatches : (ps.dp_rank + 1) * case.microbatches]
@@ -212,8 +222,8 @@ def _peak_saved_bytes(folder: str, m: int) -> dict[str, int]:
     return peaks
 
 
-def _pp2_world(folders, cases):
-    return _p2p_out_of_order(), _run_cases(folders, cases), _peak_saved_bytes(folders["llama8"], 6)
+def _pp2_world(folders, cases, refs):
+    return _p2p_out_of_order(), _run_cases(folders, cases, refs), _peak_saved_bytes(folders["llama8"], 6)
 
 
 def test_pipeline_pp2(folders):
@@ -222,7 +232,8 @@ def test_pipeline_pp2(folders):
     cases += [Case("llama8", 1, 2, s, v, recompute=r) for s, v in SCHEDULES for r in ("full", "selective")]
     cases += [Case("stories", 1, 2, s, v) for s, v in SCHEDULES]  # 3+2 layers; interleaved 2+1+1+1
     cases += [Case("tied8", 1, 2, s, v) for s, v in (("1f1b", 1), ("interleaved", 2))]
-    results = spawn(_pp2_world, 2, folders, _with_stories(folders, cases))
+    cases = _with_stories(folders, cases)
+    results = spawn(_pp2_world, 2, folders, cases, _references(folders, cases, 2))
     act, grad = results[1][0]  # tags, not posting order, match messages between the same two ranks
     assert act.eq(2.0).all() and grad.eq(1.0).all(), (act, grad)
     _check([r[1] for r in results])
@@ -241,10 +252,12 @@ def test_pipeline_world4(folders):
     cases += [Case("llama8", 1, 2, s, v) for s, v in SCHEDULES]  # (1,2,2)
     cases += [Case("llama8", 2, 1, "1f1b", sp=True)]  # no pipeline: the schedule degenerates to F, B, F, B
     cases += [Case("tied8", 1, 2, "1f1b", recompute="full"), Case("stories", 1, 2, "interleaved", 2)]
-    _check(spawn(_run_cases, 4, folders, _with_stories(folders, cases)))
+    cases = _with_stories(folders, cases)
+    _check(spawn(_run_cases, 4, folders, cases, _references(folders, cases, 4)))
 
 
 def test_pipeline_tp2_pp2_dp2(folders):
     cases = [Case("llama8", 2, 2, s, v, sp=(s != "gpipe")) for s, v in SCHEDULES]
     cases += [Case("tied8", 2, 2, "interleaved", 2, sp=True), Case("stories", 2, 2, "1f1b", sp=True)]
-    _check(spawn(_run_cases, 8, folders, _with_stories(folders, cases)))
+    cases = _with_stories(folders, cases)
+    _check(spawn(_run_cases, 8, folders, cases, _references(folders, cases, 8)))
