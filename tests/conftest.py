@@ -47,7 +47,7 @@ LANES: dict[str, dict[str, set[str] | None]] = {
             "test_gpu_loan.py", "test_kv_replication.py", "test_family_recipes.py", "test_resume_messages.py",
             "test_data_epochs.py", "test_gemma4_releases.py", "test_gemma4_kv_replication.py",
             "test_gemma4_small_releases.py", "test_vllm_engine.py", "test_bench_grpo.py", "test_qlora_parity.py",
-            "test_kv_replication_lora.py", "test_qlora_moe.py", "test_weight_push.py")},
+            "test_kv_replication_lora.py", "test_qlora_moe.py", "test_weight_push.py", "test_grpo_layouts.py")},
         "test_bench_mfu.py": {"test_tiny_run_reports_both_sides_with_equal_losses",
                               "test_tiny_moe_run_counts_the_active_experts_and_the_planner_predicts_it",
                               "test_a_family_at_the_bench_shapes_has_transformers_losses",

@@ -32,9 +32,27 @@ def test_prompts_resume_and_cycle(tmp_path):
     reader = PromptReader(SourceConfig(str(path)), tok, 64)
     first = reader.take(4)  # three records, then the second epoch's first
     assert [p.index for p in first] == [0, 1, 2, 0] and reader.cursor == (1, 1)
+    assert [p.epoch for p in first] == [0, 0, 0, 1]
     assert first[1].ids == tok("Once upon a time 1").input_ids and first[1].columns == {"solution": "1"}
     resumed = PromptReader(SourceConfig(str(path)), tok, 64, cursor=(0, 2))
     assert [p.index for p in resumed.take(2)] == [2, 0]
+
+
+def test_eval_prompts_are_held_out_of_training(tmp_path):
+    from hfmeg.data import DataConfig
+    from hfmeg.data.prompts import eval_prompts
+
+    path, other = tmp_path / "p.jsonl", tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps(dict(prompt=f"Once upon a time {i}", solution=str(i))) + "\n" for i in range(6)))
+    other.write_text("".join(json.dumps(dict(prompt=f"The cat {i}")) + "\n" for i in range(3)))
+    tok = _tokenizer()
+    cfg = DataConfig(sources=[SourceConfig(str(path))], eval_split=2, seq_len=64)
+    held = eval_prompts(cfg, tok, 64)
+    trained = PromptReader(SourceConfig(str(path)), tok, 64, eval_split=2).take(4)
+    assert len(held) == 2 and sorted(p.text for p in held + trained) == [f"Once upon a time {i}" for i in range(6)]
+    assert held[0].columns == {"solution": held[0].text.split()[-1]}
+    cfg = DataConfig(sources=[SourceConfig(str(path))], eval_sources=[SourceConfig(str(other))], seq_len=64)
+    assert [p.text for p in eval_prompts(cfg, tok, 64)] == [f"The cat {i}" for i in range(3)]
 
 
 def test_prompt_errors(tmp_path):
@@ -114,7 +132,9 @@ def test_advantages_as_trl_defines_them():
                                         (dict(delta=0.0), "grpo.delta must be > 0"),
                                         (dict(temperature=0.0), "grpo.temperature must be > 0"),
                                         (dict(top_p=0.0), "grpo.top_p in"),
-                                        (dict(generator="sglang"), "grpo.generator must be transformers or vllm")])
+                                        (dict(generator="sglang"), "grpo.generator must be transformers or vllm"),
+                                        (dict(generation_batch_size=32, steps_per_generation=2), "set one of them"),
+                                        (dict(steps_per_generation=0), "must be >= 1")])
 def test_settings_refused(bad, match):
     with pytest.raises(ConfigError, match=match):
         GRPOSettings(**bad)

@@ -78,6 +78,23 @@ def test_greedy_equals_generate_and_load_takes_effect(tmp_path):
         engine.load(tmp_path / "moved")
 
 
+def test_a_load_takes_effect_where_transformers_converts_the_stored_weights(tmp_path):
+    """A Mixtral's stored per-expert matrices are not its transformers model's fused tensors: the engine builds the
+    model again from each pushed folder, and generates the new weights' completions."""
+    from tiny_models import save_tiny
+
+    prompts = [[1, 5, 9, 3], [1, 7]]
+    first, moved = save_tiny("mixtral", tmp_path / "a", seed=0), save_tiny("mixtral", tmp_path / "b", seed=1)
+    engine = TransformersEngine(first, [0], 0)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0)
+    before = engine.generate(prompts, greedy, [0, 0])
+    engine.load(moved)
+    after = engine.generate(prompts, greedy, [0, 0])
+    assert [c.completion_ids for c in after] != [c.completion_ids for c in before]
+    for c, p in zip(after, prompts):
+        assert c.completion_ids == _hf_greedy(moved, p, 8)[:len(c.completion_ids)]
+
+
 def test_sampling_is_seeded_per_completion():
     folder, tok, prompts = _setup()
     engine = TransformersEngine(folder, [tok.eos_token_id], tok.eos_token_id)

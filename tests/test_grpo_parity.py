@@ -10,7 +10,9 @@ the same token ids two completions to a row (`pack_completions`), runs the refer
 and the policy's forward and backward at TP in {1, 2} x PP in {1, 2} and CP 2, in one 4-process gloo
 world (DP fills the rest, every replica runs the same completions), full and LoRA. Beside the loss and
 metrics, the loss's gradient in each token's log-probability (∂loss/∂π, what the backward carries into
-the head; the layers' gradients from it are the DPO tests' machinery) is compared token by token. The policy is stories260K moved off the reference, or a random LoRA adapter on it (the
+the head; the layers' gradients from it are the DPO tests' machinery) is compared token by token. One case is a
+generation batch feeding 3 steps (`steps_per_generation` 3): TRL's loss of its second buffered slice (advantages
+over the whole batch, DAPO normalised by the batch's tokens / 3) against hfmeg's on the same 4 completions. The policy is stories260K moved off the reference, or a random LoRA adapter on it (the
 reference is the base with the adapter off), so the KL is far from 0.
 
 Bounds: each log-probability is within 2 TOL of transformers' (the logits' rounding bound derived from float64 runs,
@@ -66,7 +68,9 @@ CASES = [dict(loss_type="grpo", beta=0.04),
          dict(loss_type="dapo", beta=0.04, epsilon_high=0.28, delta=1.5),
          dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence"),
          dict(loss_type="dapo", beta=0.0, on_policy=True),
-         dict(loss_type="grpo", beta=0.04, temperature=0.7)]  # both sides score softmax(logits / T)
+         dict(loss_type="grpo", beta=0.04, temperature=0.7),  # both sides score softmax(logits / T)
+         # one generation batch (the 12 completions) feeding 3 steps: the second step's share, TRL's buffered slice
+         dict(loss_type="dapo", beta=0.04, steps_per_generation=3, part=1)]
 
 
 def _reward(prompts, completions, **kwargs):
@@ -89,10 +93,11 @@ def _trl_grpo(policy, reference, adapter, case: dict, out, tokenizer_path):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     tokenizer.pad_token = tokenizer.eos_token
     prompt_ids, completion_ids = _token_ids(tokenizer)
-    settings = {k: v for k, v in case.items() if k != "on_policy"}
+    settings = {k: v for k, v in case.items() if k not in ("on_policy", "part")}
+    steps = case.get("steps_per_generation", 1)
     args = GRPOConfig(output_dir=str(out), report_to="none", use_cpu=True, bf16=False, num_generations=G,
-                      per_device_train_batch_size=G * len(PROMPTS), max_completion_length=MAX_COMPLETION_LENGTH,
-                      **settings)
+                      per_device_train_batch_size=G * len(PROMPTS) // steps,
+                      max_completion_length=MAX_COMPLETION_LENGTH, **settings)
     model, _ = _trl_models(policy, reference, adapter)
 
     def rollout(prompts, trainer):
@@ -117,6 +122,11 @@ def _trl_grpo(policy, reference, adapter, case: dict, out, tokenizer_path):
     if not case.get("on_policy"):
         noise = torch.randn(logps.shape, generator=torch.Generator().manual_seed(1))
         inputs["old_per_token_logps"] = logps + 0.3 * noise
+    if "part" in case:  # the step's share of the generation batch, as TRL's `_prepare_inputs` buffers it
+        from trl.trainer.utils import split_tensor_dict
+
+        inputs = split_tensor_dict(inputs, steps)[case["part"]]
+        logps = logps.chunk(steps)[case["part"]]
     forward = trainer._get_per_token_logps_and_entropies
     kept = []
 
@@ -168,7 +178,7 @@ def _run_layouts(policy, reference, adapter, runs, pad_id: int):
         else:
             chunks = load_chunks(HFCheckpoint(policy), ps)
             ref_chunks, switched = load_chunks(HFCheckpoint(reference), ps), None
-        for i, (settings, completions, advantages, old) in enumerate(runs):
+        for i, (settings, completions, advantages, old, dapo_tokens) in enumerate(runs):
             cfg = GRPOSettings(**settings)
             set_temperature(chunks, cfg.temperature)
             set_temperature(ref_chunks, cfg.temperature)
@@ -180,7 +190,7 @@ def _run_layouts(policy, reference, adapter, runs, pad_id: int):
                 kw = {} if switched is None else dict(switched=switched)
                 mbs = annotate_logps(ref_chunks, mbs, ps, "1f1b", "ref_logps", **kw)
             tokens = sum(len(c.completion_ids) for c in completions)
-            objective = _KeepTokenGrads(cfg, ps, len(completions), tokens, chunks)
+            objective = _KeepTokenGrads(cfg, ps, len(completions), tokens, chunks, dapo_tokens)
             loss = forward_backward(chunks, ps, mbs, schedule="1f1b", loss=objective)
             if cp > 1 and loss is not None:  # each CP rank holds its share of the loss
                 t = torch.tensor(loss)
@@ -213,8 +223,9 @@ def _bounds(inputs, logps, case, tol: float):
         g = g + case["beta"] * kl_rate
         h = h + case["beta"] * w * ((d.exp() - 1).abs() + k3 + 2 * d.exp() + 1)
     n, tokens = mask.sum(-1, keepdim=True).double(), mask.sum().double()
+    normaliser = _dapo_tokens(inputs, case) or float(tokens)
     weight = {"grpo": 1 / (n * len(n)), "dr_grpo": torch.full_like(n, 1 / (len(n) * MAX_COMPLETION_LENGTH))}.get(
-        case["loss_type"], torch.full_like(n, 1 / float(tokens))).expand_as(pi)  # each token's share of the loss
+        case["loss_type"], torch.full_like(n, 1 / normaliser)).expand_as(pi)  # each token's share of the loss
     step = 4 * tol / case.get("temperature", 1.0)  # logits / T: their bound too
     step *= max(1.01, math.exp(step))  # the exponential's curvature over the step
     eps_high = case.get("epsilon_high") or 0.2
@@ -222,6 +233,13 @@ def _bounds(inputs, logps, case, tol: float):
     near = ((w[..., None] - edges).abs() <= 2 * step * w[..., None]).any(-1) & mask
     return (step * float((g * weight)[mask].sum()), step * float(kl_rate[mask].sum() / tokens), int(near.sum()),
             _per_completion(step * h * weight, mask))
+
+
+def _dapo_tokens(inputs, case) -> float | None:
+    """DAPO's normaliser where a generation batch feeds several steps: its tokens / the steps (TRL's
+    `num_items_in_batch`, gradient_accumulation_steps 1, over steps_per_generation)."""
+    steps = case.get("steps_per_generation", 1)
+    return float(inputs["num_items_in_batch"]) / steps if steps > 1 else None
 
 
 def _check(policy, reference, adapter, root):
@@ -233,10 +251,12 @@ def _check(policy, reference, adapter, root):
     for i, case in enumerate(CASES):
         inputs, want_loss, want, logps, want_token_grads = _trl_grpo(policy, reference, adapter, case, root / f"trl{i}",
                                                                tokenizer)
-        settings = {k: v for k, v in case.items() if k != "on_policy"}
+        settings = {k: v for k, v in case.items() if k not in ("on_policy", "part")}
         cfg = GRPOSettings(num_generations=G, max_completion_length=MAX_COMPLETION_LENGTH, **settings)
         rewards = torch.tensor([[math.nan if r is None else r] for r in REWARDS], dtype=torch.float32)
-        advantages, reward_metrics = group_advantages(rewards, torch.ones(1), cfg, ["_reward"])
+        advantages, reward_metrics = group_advantages(rewards, torch.ones(1), cfg, ["_reward"])  # whole batch
+        if "part" in case:
+            advantages = advantages.chunk(cfg.steps_per_generation)[case["part"]]
         scale = float(inputs["advantages"].abs().max())
         within(float((advantages - inputs["advantages"]).abs().max()), 8 * 1.2e-7 * max(scale, 1),
                "grpo advantages vs trl", case)
@@ -247,7 +267,8 @@ def _check(policy, reference, adapter, root):
                                                                                       inputs["completion_mask"]))]
         old = inputs.get("old_per_token_logps")
         runs.append((dict(cfg.__dict__), completions, advantages,
-                     None if old is None else _per_completion(old, inputs["completion_mask"])))
+                     None if old is None else _per_completion(old, inputs["completion_mask"]),
+                     _dapo_tokens(inputs, case)))
         if i == 0:  # TOL, derived: the logits' rounding on these sequences (test_dpo_parity._logit_bound), every case's
             tol = _logit_bound(policy, reference, adapter, [(c.prompt_ids + c.completion_ids, None) for c in completions])
         wants.append((want_loss, want, want_token_grads, _bounds(inputs, logps, case, tol)))

@@ -110,6 +110,163 @@ def test_num_iterations_reuses_the_batch_against_its_old_logps(tmp_path):
     assert a["clip_ratio/region_mean"] == 0 and abs(b["loss"]) > 1e-6
 
 
+class ScriptedEngine:
+    """Completions that depend on their seed alone, of other lengths within a group (generation is tested in
+    test_grpo_generation.py); it records its calls: "load" for a push, the batch size for a generation."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def load(self, folder) -> None:
+        self.calls.append("load")
+
+    def close(self) -> None:
+        pass
+
+    def generate(self, prompts, params, seeds):
+        from hfmeg.data.rollouts import Completion
+
+        self.calls.append(len(prompts))
+        return [Completion(list(p), scripted(s, params.max_new_tokens)) for p, s in zip(prompts, seeds)]
+
+
+def scripted(seed: int, limit: int) -> list[int]:
+    return [100 + (seed // 7 + 13 * j) % 200 for j in range(2 + seed % (limit - 2))]
+
+
+def characters(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def _run_scripted(cfg: TrainConfig) -> list:
+    sys.path.insert(0, str(RECIPES))
+    engine = ScriptedEngine()
+    GRPOTrainer(cfg, engine=engine).run()
+    return engine.calls
+
+
+def _generation_config(out: Path, data: Path, steps: int, **grpo) -> TrainConfig:
+    """Two optimizer steps a generation batch of 16 completions (4 prompts x 4), 8 completions a step, the scripted
+    engine's completions scored by their length in characters, advantages scaled by the whole generation batch's
+    std (so that a step's advantages depend on the other step's completions, as in TRL)."""
+    from dataclasses import replace
+
+    cfg = _config(out, data, steps=steps, reward_funcs=[f"{__name__}:characters"], scale_rewards="batch",
+                  steps_per_generation=2, **grpo)
+    return replace(cfg, train=replace(cfg.train, global_batch_size=8), lr=replace(cfg.lr, decay="constant"))
+
+
+def _expected_steps(cfg: TrainConfig, epochs: int) -> list[tuple[int, float, float, float]]:
+    """Per global batch of each generation batch, in order: (completion tokens, DAPO's on-policy loss in float32 and
+    in float64, the generation batch's mean reward). On-policy every importance weight is 1 and a token's loss is
+    −A; TRL's DAPO divides a step's sum by its generation batch's tokens × gradient_accumulation_steps /
+    steps_per_generation (`num_items_in_batch` rescaled, trl GRPOTrainer._compute_loss): here the generation
+    batch's tokens / 2."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from hfmeg.train.grpo import group_advantages
+    from hfmeg.train.rollout import sample_seed
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    g = cfg.grpo
+    out = []
+    for epoch in range(epochs):
+        completions = [scripted(sample_seed(cfg.train.seed, epoch, record, k), g.max_completion_length)
+                       for record in range(len(PROMPTS)) for k in range(G)]
+        rewards = torch.tensor([[float(len(tok.decode(c, skip_special_tokens=True)))] for c in completions])
+        advantages = group_advantages(rewards, torch.ones(1), g, ["characters"])[0]
+        lengths = torch.tensor([len(c) for c in completions])
+        normaliser = float(lengths.sum()) / 2
+        for half in (slice(0, 8), slice(8, 16)):
+            terms = -advantages[half] * lengths[half]
+            out.append((int(lengths[half].sum()), float(terms.sum() / normaliser),
+                        float(terms.double().sum() / normaliser), float(rewards.mean())))
+    return out
+
+
+def test_a_generation_batch_feeds_steps_per_generation_steps_in_trl_order(tmp_path):
+    """steps_per_generation 2, num_iterations 2: one push and one generation of 16 completions every 4 steps, whose
+    global batches the steps take in TRL's order (first, second, first, second); the first step of a generation is
+    on-policy (its loss DAPO's on-policy value, within float32 rounding), the three after it train against π_old
+    from the weights that generated the batch, which they have moved from (the loss leaves the on-policy value)."""
+    from bounds import rounding_bound
+
+    cfg = _generation_config(tmp_path / "out", _prompts(tmp_path), 8, num_iterations=2)
+    calls = spawn(_run_scripted, 1, cfg)[0]
+    assert calls == ["load", 16, "load", 16]
+    expected = _expected_steps(cfg, 2)
+    order = [expected[i] for i in (0, 1, 0, 1, 2, 3, 2, 3)]
+    rows = _rows(tmp_path / "out")
+    assert [r["tokens"] for r in rows] == [tokens for tokens, *_ in order]
+    assert [r["reward"] for r in rows] == pytest.approx([reward for *_, reward in order], rel=1e-6)
+    for step, (row, (_, loss32, loss64, _)) in enumerate(zip(rows, order), 1):
+        bound = rounding_bound(loss32, loss64)
+        if step in (1, 5):
+            within(abs(row["loss"] - loss64), bound, "grpo on-policy step of a generation batch", step)
+        else:
+            assert abs(row["loss"] - loss64) > 100 * bound, (step, row["loss"], loss64)
+
+
+def test_steps_per_generation_resumes_exactly_at_a_generation_boundary(tmp_path):
+    """4 steps straight == 2 steps, then a resume from the step-2 checkpoint (a generation boundary) to 4: the
+    cursor regenerates the second generation batch, and every step's numbers are equal."""
+    from dataclasses import replace
+
+    data = _prompts(tmp_path)
+    spawn(_run_scripted, 1, _generation_config(tmp_path / "straight", data, 4))
+    cfg = _generation_config(tmp_path / "resumed", data, 4)
+    cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, save_every=2))
+    spawn(_run_scripted, 1, replace(cfg, train=replace(cfg.train, max_steps=2)))
+    calls = spawn(_run_scripted, 1, replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto")))[0]
+    assert calls == ["load", 16]
+    a, b = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        for k in ("reward", "tokens", "loss", "grad_norm"):
+            assert x[k] == y[k], (k, x["step"])
+
+
+def test_evaluation_scores_greedy_completions_of_the_held_out_prompts(tmp_path):
+    """data.eval_split 2 of 6 prompts, train.eval_every 1: the 4 others are the training prompts (an epoch a step), and
+    each evaluation logs the park reward and length of one greedy completion per held-out prompt from that step's
+    weights: at step 2 those of transformers' own greedy `generate` on the run's export (the same weights)."""
+    import json
+    from dataclasses import replace
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hfmeg.data.prompts import eval_prompts
+
+    sys.path.insert(0, str(RECIPES))
+    from grpo_toy_rewards import park
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(dict(prompt=p)) + "\n" for p in PROMPTS + ["Lily and Ben went to play",
+                                                                                "The little dog ran"]))
+    cfg = _config(tmp_path / "out", data, steps=2)
+    cfg = replace(cfg, data=replace(cfg.data, eval_split=2), train=replace(cfg.train, eval_every=1))
+    spawn(_run, 1, cfg)
+    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert [r["epoch"] for r in rows if "loss" in r] == [1.0, 2.0]  # 4 training prompts a step: none held out
+    evals = [r for r in rows if "eval_reward" in r]
+    assert [r["step"] for r in evals] == [1, 2] and "eval_loss" not in evals[0]
+    tok = AutoTokenizer.from_pretrained(tmp_path / "out" / "hf")
+    held = eval_prompts(cfg.data, tok, cfg.data.seq_len - cfg.grpo.max_completion_length)
+    assert len(held) == 2
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "hf", dtype=torch.float32).eval()
+    completions = []
+    for p in held:
+        out = model.generate(torch.tensor([p.ids]), do_sample=False, max_new_tokens=16, eos_token_id=tok.eos_token_id)
+        completions.append(out[0, len(p.ids):].tolist())
+    texts = [tok.decode(c, skip_special_tokens=True) for c in completions]
+    rewards = park([p.text for p in held], texts)
+    assert evals[1]["eval_reward"] == pytest.approx(sum(rewards) / 2, abs=1e-12)
+    assert evals[1]["eval_rewards/park/mean"] == evals[1]["eval_reward"]
+    assert evals[1]["eval_completions/mean_length"] == sum(map(len, completions)) / 2
+
+
 def broken(prompts, completions, **kwargs):
     raise ValueError("no answer column")
 
@@ -126,6 +283,8 @@ def test_a_failing_reward_stops_every_rank_in_one_line(tmp_path):
     (dict(grpo=dict(num_generations=3)), "grpo.num_generations 3 does not divide train.global_batch_size 16"),
     (dict(grpo=dict(max_completion_length=64)), "grpo.max_completion_length 64 leaves no room"),
     (dict(grpo=dict(reward_funcs=["nowhere:reward"])), "reward function 'nowhere:reward': cannot import"),
+    (dict(grpo=dict(generation_batch_size=24)), "grpo.generation_batch_size 24 is not a multiple of "
+                                                "train.global_batch_size 16"),
 ])
 def test_bad_grpo_config_refused(tmp_path, change, match):
     cfg = _config(tmp_path / "out", _prompts(tmp_path), **change.get("grpo", {}))

@@ -43,22 +43,30 @@ class TransformersEngine:
 
     def __init__(self, folder: Path, eos_ids: list[int], pad_id: int, device: str | torch.device = "cpu"):
         self.eos, self.pad_id, self.device = torch.tensor(eos_ids), pad_id, torch.device(device)
-        self.model = None
+        self.model, self.in_place = None, True
         self.load(folder)
 
     def load(self, folder: Path) -> None:
         """The weights of `folder`: the first time the model built from it, then its tensors copied into that model
         (`load_tensors`); every parameter must come from `folder`, or share its storage with one that does (tied
-        embeddings)."""
+        embeddings). Where the folder's tensors are not the model's own (`in_place` False: transformers converts
+        some families' weights as it loads them, a Mixtral's per-expert matrices become one fused tensor), each
+        load builds the model again."""
+        from safetensors import safe_open
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
-        if self.model is None:
+        files = sorted(Path(folder).glob("*.safetensors"))
+        if self.model is None or not self.in_place:
             self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device).eval()
+            if getattr(self.model.config, "output_router_logits", False):  # an MoE's load-balancing loss: not
+                self.model.config.output_router_logits = False  # for sampling (transformers' fails on a padded batch)
             self.targets = self.model.state_dict()  # views of its tensors: copies into them go into the model
+            stored = {k for f in files for k in safe_open(f, "pt").keys()}
+            self.in_place = stored <= set(self.targets)  # the stored names are the model's: loads copy in place
             return
         state: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(folder).glob("*.safetensors")):
+        for f in files:
             state.update(load_file(f, device=str(self.device)))
         loaded = {self.targets[k].data_ptr() for k in state if k in self.targets}
         absent = [k for k, p in self.model.named_parameters(remove_duplicate=False) if p.data_ptr() not in loaded]

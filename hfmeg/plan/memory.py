@@ -26,6 +26,10 @@
   parameters once more in the model dtype, counted in `frozen_weights`. Its forward runs before the
   policy's, without autograd, so it adds no saved activations (a layer's transients only, below
   the recompute and cross-entropy transients counted). LoRA's reference is the base itself: nothing.
+- A GRPO run's in-process transformers generation engine (`engine`, `engine_bytes`), on global rank 0 (pipeline
+  stage 0) where it shares the rank's device: the whole model once more in fp32 (`engine_weights`, held for the
+  run), and while it generates, between steps when no activation is held, the KV cache of the generation batch and
+  its prompt pass's logits (`engine_generation`).
 - Transients the saved-tensor meter cannot see: one layer recomputed in backward,
   and the chunked cross-entropy's fp32 logits (forward and backward hold two
   `chunk_tokens x V/tp` buffers) plus a head-weight-sized gradient in the model
@@ -76,6 +80,8 @@ class Memory:
     expert_buckets: int = 0  # of `buckets`, the expert buckets
     tp_summed: int = 0  # owned gradient elements summed over TP after the DP sum (SP norms, MoE weights)
     frozen_weights: int = 0  # bytes of parameters no optimizer holds (a LoRA run's base, a reference copy)
+    engine_weights: int = 0  # a GRPO run's transformers engine's model, on global rank 0 (`engine_bytes`)
+    engine_generation: int = 0  # what that engine holds while it generates, between steps
 
     @property
     def measurable(self) -> int:
@@ -84,7 +90,8 @@ class Memory:
 
     @property
     def total(self) -> int:
-        return self.measurable + self.transient
+        # the engine generates between steps, when the step's activations and transients are gone
+        return self.measurable + self.engine_weights + max(self.transient, self.engine_generation - self.activations)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -177,6 +184,24 @@ def _simulated_peak(schedule: str, pp: int, pp_rank: int, vpp: int, microbatches
     return peak
 
 
+def engine_bytes(cfg: ModelConfig, completions: int, prompt_len: int, seq_len: int) -> tuple[int, int]:
+    """The in-process transformers engine generating `completions` at once, prompts of up to `prompt_len` tokens, rows
+    of up to `seq_len` (generation/transformers_engine.py): (its model: every parameter of the whole model in fp32,
+    tied embeddings once, counted on the real `ModelChunk` unsharded and unpadded; what generating holds: the fp32
+    keys and values of every layer that keeps its own, for each row's `seq_len` − 1 positions (the last sampled token
+    is never fed back), plus the prompt pass's fp32 logits, `completions` × `prompt_len` × vocabulary). A layer's
+    cache is counted at full length (a sliding window's included); MLA's and linear attention's states are not
+    modelled apart."""
+    with torch.device("meta"):
+        chunk = ModelChunk(cfg, RankGrid().place(0), range(cfg.num_layers), pre_process=True, post_process=True,
+                           vocab_multiple=1)
+    weights = 4 * sum(p.numel() for p in chunk.parameters())
+    per_position = sum(2 * shape.num_kv_heads * shape.head_dim for shape in map(cfg.attention_shape,
+                                                                                range(cfg.num_layers))
+                       if not shape.reused)
+    return weights, 4 * completions * ((seq_len - 1) * per_position + prompt_len * cfg.vocab_size)
+
+
 def plan_shape(lay: PlanLayout, seq_len: int, dtype_bytes: int, dense_mask: bool = False) -> Shape:
     """The activation shape of one micro-batch of `lay` (`dense_mask`: attention on the CPU path)."""
     return Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute, lay.ep, lay.cp, dense_mask)
@@ -184,10 +209,12 @@ def plan_shape(lay: PlanLayout, seq_len: int, dtype_bytes: int, dense_mask: bool
 
 def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: int, seq_len: int,
                  dtype_bytes: int = 2, opt: OptimizerConfig | None = None, peft: PeftConfig | None = None,
-                 dense_mask: bool = False, reference_copy: bool = False, fp8: bool = False) -> Memory:
+                 dense_mask: bool = False, reference_copy: bool = False, fp8: bool = False,
+                 engine: tuple[int, int, int] | None = None) -> Memory:
     """`dense_mask`: the CPU path's attention (activations.Shape.dense_mask); `reference_copy`: a preference
     run's frozen reference model beside the trained one; `fp8`: the decoder linears run in FP8 (`model.fp8`: their
-    operands' FP8 copies, plan/fp8.py)."""
+    operands' FP8 copies, plan/fp8.py); `engine`: a GRPO run's transformers engine on this device, `engine_bytes`'s
+    (completions, prompt_len, seq_len), held by pipeline stage 0 (global rank 0)."""
     opt = opt or OptimizerConfig(mode=lay.optimizer)
     shards, expert_shards = _shards(lay)
     shape = plan_shape(lay, seq_len, dtype_bytes, dense_mask)
@@ -206,16 +233,19 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
         transient = max(transient, ce)
     dense = el.padded - el.expert_padded
     state = 12 * (dense // shards + el.expert_padded // (expert_shards or shards))
+    held, generating = engine_bytes(cfg, *engine) if engine is not None and pp_rank == 0 else (0, 0)
     return Memory(pp_rank, el.params, dtype_bytes * el.padded, 4 * el.padded, state, activations, transient,
                   el.buckets, el.expert_padded, el.expert_buckets, el.tp_summed,
-                  dtype_bytes * (el.frozen - el.four_bit + reference_copy * el.params) + stored_bytes(el.four_bit))
+                  dtype_bytes * (el.frozen - el.four_bit + reference_copy * el.params) + stored_bytes(el.four_bit),
+                  held, generating)
 
 
 def stage_memories(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,
                    opt: OptimizerConfig | None = None, peft: PeftConfig | None = None,
-                   dense_mask: bool = False, reference_copy: bool = False, fp8: bool = False) -> list[Memory]:
-    return [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt, peft, dense_mask, reference_copy, fp8)
-            for r in range(lay.pp)]
+                   dense_mask: bool = False, reference_copy: bool = False, fp8: bool = False,
+                   engine: tuple[int, int, int] | None = None) -> list[Memory]:
+    return [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt, peft, dense_mask, reference_copy, fp8,
+                         engine) for r in range(lay.pp)]
 
 
 def memory(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,

@@ -60,6 +60,10 @@ class Job:
     # fine-tuning holds it as a frozen copy
     reference_forward: bool = False
     reference_copy: bool = False
+    # A GRPO run's in-process transformers engine (memory.engine_bytes: completions generated at once, prompt tokens,
+    # seq_len). It runs on the CPU (train/rollout.py), so only a CPU run's rank 0 holds it beside its training state;
+    # on GPUs it is in host memory
+    engine: tuple[int, int, int] | None = None
     # False: refuse a TP or EP group across nodes, as the trainer does without parallel.allow_cross_host
     # (`--layout auto`); `hfmeg plan` times them over the inter-node link instead
     cross_host: bool = True
@@ -74,7 +78,8 @@ def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
         replace(lay.grid, per_host=min(job.cluster.gpus_per_node, job.cluster.gpus)).check_hosts()
     # a CPU profile's ranks attend as on the CPU: dense masks, explicit soft-capped scores
     stages = stage_memories(job.cfg, lay, job.global_batch, job.seq_len, job.dtype_bytes, peft=job.peft,
-                            dense_mask=job.profile.gloo, reference_copy=job.reference_copy, fp8=job.fp8)
+                            dense_mask=job.profile.gloo, reference_copy=job.reference_copy, fp8=job.fp8,
+                            engine=job.engine if job.profile.gloo else None)
     mem = max(stages, key=lambda m: m.total)
     if mem.total > job.cluster.usable_memory:
         raise LayoutError(f"out of memory: needs {mem.total / GIB:.1f} GiB per GPU, "

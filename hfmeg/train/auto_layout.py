@@ -74,7 +74,8 @@ def _plan(cfg: TrainConfig, device: torch.device) -> tuple[PlanLayout, Evaluatio
               cross_host=cfg.parallel.allow_cross_host,  # only layouts ParallelState will accept
               vocab_multiple=cfg.model.vocab_multiple,
               fp8=cfg.model.fp8 != "off",
-              **cfg.preference.planner_terms(adapters=cfg.peft.enabled))
+              **(cfg.grpo.planner_terms(cfg.peft.enabled, cfg.train.global_batch_size, cfg.data.seq_len)
+                 if cfg.grpo.enabled else cfg.preference.planner_terms(adapters=cfg.peft.enabled)))
     ck = cfg.checkpoint
     resume = find_resume(Path(ck.out) / "checkpoints", ck.resume, overwrite=ck.overwrite).folder
     if resume is None:

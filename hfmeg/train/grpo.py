@@ -24,7 +24,9 @@ micro-batches, all DP ranks, so the sum of the micro-batch losses is the step's 
 layout; TRL computes these per micro-batch, equal with one micro-batch per step):
 - `grpo`: the mean over completions of each completion's token mean: Σ_i (Σ_t ℓ_t / n_i) / N;
 - `bnpo`, `dapo`: Σ ℓ_t / T (DAPO's token-level normalisation over the whole generation batch; bnpo
-  is TRL's per-micro-batch form of the same, here the same number);
+  is TRL's per-micro-batch form of the same, here the same number); where one generation batch feeds s
+  optimizer steps (`steps_per_generation`), DAPO's T is the generation batch's tokens / s, as TRL rescales
+  its `num_items_in_batch`, so the s steps' losses sum to the generation batch's; bnpo's stays the step's;
 - `dr_grpo`: Σ ℓ_t / (N × `max_completion_length`).
 
 Context parallelism: each CP rank holds part of every completion's tokens. The per-completion sums (n_i,
@@ -79,7 +81,14 @@ class GRPOSettings:
     importance_sampling_level: Literal["token", "sequence"] = "token"
     use_bias_correction_kl: bool = True
     num_generations: int = 8
-    num_iterations: int = 1  # optimizer steps on each generation batch; > 1: π_old from a training forward
+    num_iterations: int = 1  # passes over each generation batch; > 1: π_old from a training forward
+    # One generation batch feeding several optimizer steps (TRL's names; set one of the two, TRL refuses both):
+    # `generation_batch_size` completions generated at once, a multiple of train.global_batch_size, or
+    # `steps_per_generation` optimizer steps per generation. TRL counts the latter in its gradient-accumulation
+    # steps (default gradient_accumulation_steps: one optimizer step); hfmeg's step is the whole global batch on any
+    # layout, so it counts optimizer steps: TRL's steps_per_generation / gradient_accumulation_steps. None: one step.
+    generation_batch_size: int | None = None
+    steps_per_generation: int | None = None
     max_completion_length: int = 256
     mask_truncated_completions: bool = False
     reward_weights: list[float] | None = None  # None: 1 for each reward function
@@ -112,6 +121,13 @@ class GRPOSettings:
                               f"got {self.num_generations}")
         if self.num_iterations < 1 or self.max_completion_length < 1:
             raise ConfigError("grpo.num_iterations and grpo.max_completion_length must be >= 1")
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ConfigError(f"grpo.generation_batch_size {self.generation_batch_size} and grpo.steps_per_generation "
+                              f"{self.steps_per_generation}: set one of them (the other follows from "
+                              "train.global_batch_size)")
+        if any(v is not None and v < 1 for v in (self.generation_batch_size, self.steps_per_generation)):
+            raise ConfigError(f"grpo.generation_batch_size and grpo.steps_per_generation must be >= 1, got "
+                              f"{self.generation_batch_size}, {self.steps_per_generation}")
         if not self.temperature > 0:  # sampling: the training log-probabilities are of softmax(logits / T)
             raise ConfigError(f"grpo.temperature must be > 0, got {self.temperature}")
         if self.top_k < 0 or not 0 < self.top_p <= 1:
@@ -142,6 +158,23 @@ class GRPOSettings:
     def needs_reference(self) -> bool:
         return self.beta != 0.0
 
+    def planner_terms(self, adapters: bool, global_batch_size: int, seq_len: int) -> dict:
+        """What the planner counts of a GRPO run (`plan.search.Job`): the reference (beta > 0) runs forward each step,
+        a frozen copy for full fine-tuning (LoRA's is the base itself); the transformers engine generating a
+        generation batch (vLLM's runs in a process of its own)."""
+        engine = None
+        if self.generator == "transformers":
+            engine = (global_batch_size * self.generation_steps(global_batch_size),
+                      seq_len - self.max_completion_length, seq_len)
+        return dict(reference_forward=self.needs_reference, reference_copy=self.needs_reference and not adapters,
+                    engine=engine)
+
+    def generation_steps(self, global_batch_size: int) -> int:
+        """Optimizer steps one generation batch feeds (check_config refuses a generation batch of no whole steps)."""
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size // global_batch_size
+        return self.steps_per_generation or 1
+
 
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Standard deviation with NaNs left out, Bessel-corrected (NaN for fewer than two values), as TRL's."""
@@ -159,32 +192,46 @@ def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, cfg: GRPOSett
     g = cfg.num_generations
     if rewards.shape[0] % g:
         raise LayoutError(f"{rewards.shape[0]} completions are not whole groups of num_generations {g}")
-    unscorable = torch.isnan(rewards).all(dim=1)
-    total = (rewards * weights).nansum(dim=1)
-    total[unscorable] = float("nan")
+    total = weighted_total(rewards, weights)
     grouped = total.view(-1, g)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(g)
     std = nanstd(grouped, dim=1).repeat_interleave(g) if cfg.scale_rewards != "batch" else nanstd(total).expand_as(total)
     advantages = total - mean
     if cfg.scale_rewards != "none":
         advantages = advantages / (std + 1e-4)
-    metrics = {f"rewards/{name}/mean": float(torch.nanmean(rewards[:, i])) for i, name in enumerate(names)}
-    metrics.update(reward=float(torch.nanmean(total)), reward_std=float(nanstd(total)),
-                   frac_reward_zero_std=float(torch.isclose(std, torch.zeros_like(std)).float().mean()))
+    metrics = reward_metrics(rewards, total, names)
+    metrics["frac_reward_zero_std"] = float(torch.isclose(std, torch.zeros_like(std)).float().mean())
     return torch.nan_to_num(advantages, nan=0.0), metrics
+
+
+def weighted_total(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's reward `[N]`: Σ_f w_f r_f over the functions that scored it (NaN: none did)."""
+    total = (rewards * weights).nansum(dim=1)
+    total[torch.isnan(rewards).all(dim=1)] = float("nan")
+    return total
+
+
+def reward_metrics(rewards: torch.Tensor, total: torch.Tensor, names: list[str]) -> dict[str, float]:
+    """TRL's `rewards/<func>/mean`, `reward` and `reward_std` of the rewards `[N, functions]` and their totals."""
+    metrics = {f"rewards/{name}/mean": float(torch.nanmean(rewards[:, i])) for i, name in enumerate(names)}
+    metrics.update(reward=float(torch.nanmean(total)), reward_std=float(nanstd(total)))
+    return metrics
 
 
 class GRPOLoss:
     """The `MicroBatchLoss` of a GRPO step (module doc). `num_completions`, `num_tokens`: the step's completions and
     completion tokens that count (all micro-batches, all DP ranks). `chunks`: this rank's policy chunks, whose head
     then keeps each token's entropy for the `entropy` metric (None: no such metric). `totals` sums this rank's
-    metric numerators and denominators over its micro-batches (complete over CP), detached."""
+    metric numerators and denominators over its micro-batches (complete over CP), detached. `dapo_tokens`: DAPO's
+    normaliser where it is not `num_tokens` (a generation batch's tokens / the steps it feeds, module doc)."""
 
-    def __init__(self, cfg: GRPOSettings, ps, num_completions: int, num_tokens: int, chunks=None):
+    def __init__(self, cfg: GRPOSettings, ps, num_completions: int, num_tokens: int, chunks=None,
+                 dapo_tokens: float | None = None):
         if num_completions < 1:
             raise LayoutError(f"a GRPO step needs at least one completion, got {num_completions}")
         self.cfg, self.ps = cfg, ps
         self.num_completions, self.num_tokens = num_completions, max(num_tokens, 1)
+        self.dapo_tokens = self.num_tokens if dapo_tokens is None else dapo_tokens
         self.scores_entropy = chunks is not None
         self.head = next((c for c in chunks or () if c.post_process), None)
         if self.head is not None:
@@ -230,7 +277,9 @@ class GRPOLoss:
             loss = (loss_t / counts[seq]).sum() / self.num_completions
         elif cfg.loss_type == "dr_grpo":
             loss = loss_t.sum() / (self.num_completions * cfg.max_completion_length)
-        else:  # bnpo, dapo
+        elif cfg.loss_type == "dapo":
+            loss = loss_t.sum() / self.dapo_tokens
+        else:  # bnpo
             loss = loss_t.sum() / self.num_tokens
         gen = None if mb.gen_logps is None else mb.gen_logps[kept]
         entropy = self.head.take_entropy()[kept] if self.head is not None else None
@@ -329,11 +378,13 @@ def check_config(cfg) -> None:
     if cfg.train.global_batch_size % g.num_generations:
         raise ConfigError(f"grpo.num_generations {g.num_generations} does not divide train.global_batch_size "
                           f"{cfg.train.global_batch_size} (the generation batch: completions per step)")
+    if g.generation_batch_size is not None and g.generation_batch_size % cfg.train.global_batch_size:
+        raise ConfigError(f"grpo.generation_batch_size {g.generation_batch_size} is not a multiple of "
+                          f"train.global_batch_size {cfg.train.global_batch_size} (the completions of one optimizer "
+                          "step)")
     if g.max_completion_length >= cfg.data.seq_len:
         raise ConfigError(f"grpo.max_completion_length {g.max_completion_length} leaves no room for a prompt in "
                           f"data.seq_len {cfg.data.seq_len}")
-    if cfg.train.eval_every:
-        raise ConfigError("train.eval_every: a GRPO run has no evaluation yet; set it to 0")
     if g.needs_reference and cfg.peft.enabled and (cfg.peft.init_from or cfg.peft.modules_to_save):
         # as for DPO: a LoRA run's reference is the base with the adapters off, where fresh adapters start
         raise ConfigError("peft.init_from / peft.modules_to_save: grpo.beta > 0 measures the policy against the base "

@@ -30,7 +30,7 @@ class _Loss(GRPOLoss):
     """The GRPO loss of a step, its metrics with the step's generation metrics beside them."""
 
     def __init__(self, cfg, ps, batch, chunks):
-        super().__init__(cfg, ps, batch.num_completions, batch.num_tokens, chunks)
+        super().__init__(cfg, ps, batch.num_completions, batch.num_tokens, chunks, batch.dapo_tokens)
         self.generation = batch.metrics
 
     def metrics(self, totals) -> dict[str, float]:
@@ -51,6 +51,10 @@ class GRPOTrainer(Trainer):
 
     def _objective(self, batch):
         return _Loss(self.cfg.grpo, self.ps, batch, self.chunks)
+
+    def evaluate(self) -> tuple[None, dict[str, float]]:
+        """No eval loss: the held-out prompts' greedy completions, scored (`Rollouts.evaluate`)."""
+        return None, self.data.evaluate()
 
     def _reference(self):
         """The reference (built after the policy's chunks): both heads score at the sampling temperature."""

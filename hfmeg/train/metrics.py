@@ -65,16 +65,14 @@ class MetricsLog:
                 values |= {f"expert_load/layer_{layer}/min": low, f"expert_load/layer_{layer}/max": high}
             self.trackers.log(values, row["step"])
 
-    def log_eval(self, step: int, loss: float, objective: dict[str, float] | None = None) -> None:
+    def log_eval(self, step: int, loss: float | None, objective: dict[str, float] | None = None) -> None:
         """The eval loss (and the objective's own values, e.g. `eval_rewards/accuracies`)."""
-        objective = objective or {}
-        self._file.write(json.dumps({"step": step, "eval_loss": loss,
-                                     **{f"eval_{k}": v for k, v in objective.items()}}) + "\n")
+        objective = {**({} if loss is None else {"loss": loss}), **(objective or {})}  # None: no eval loss (GRPO)
+        self._file.write(json.dumps({"step": step, **{f"eval_{k}": v for k, v in objective.items()}}) + "\n")
         self._file.flush()
-        self.bar.write(f"step {step}: eval loss {loss:.4f}" +
-                       "".join(f", {k} {v:.4f}" for k, v in objective.items()))
+        self.bar.write(f"step {step}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in objective.items()))
         if self.trackers is not None:
-            self.trackers.log({"eval/loss": loss, **{f"eval/{k}": v for k, v in objective.items()}}, step)
+            self.trackers.log({f"eval/{k}": v for k, v in objective.items()}, step)
 
     def close(self) -> Path | None:
         self.bar.close()
