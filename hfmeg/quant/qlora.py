@@ -57,6 +57,12 @@ class Frozen4bitWeight(nn.Module):
         return Packed4bit(self.codes, self.absmax_bits.view(torch.float32), self.quant_type, self.blocksize,
                           self.stored_dtype)
 
+    @property
+    def shape(self) -> torch.Size:
+        """`()`'s shape, known without dequantizing (`parallel/layers.py`, `matmul_shape`)."""
+        rows, cols = self.codes.shape[0], self.codes.shape[1] * 2
+        return torch.Size((rows, cols) if self.experts is None else (self.experts, rows // self.experts, cols))
+
     def forward(self) -> torch.Tensor:
         weight = dequantize(self.packed()).to(self.dtype)
         return weight if self.experts is None else weight.unflatten(0, (self.experts, -1))
