@@ -93,38 +93,38 @@ def held_4bit_bytes(cfg: ModelConfig, rules: list[TensorRule], tp: int, tp_rank:
     as `to_local_4bit` / `experts_4bit` cut it, on a stand-in whose absmax index is the real layout's, so the nested
     absmax are counted where the rank holds them so (`nf4.held_bytes`). Layers of one shape are traced once."""
     traced: dict[tuple, int] = {}
+    stacks = set()
     total = 0
     for rule in [r for r in rules if stored_4bit(r, cfg)]:
         stack = expert_stack(rule)
-        if stack is None:
-            shapes = tuple(expected_hf_shape(rule, j, cfg) for j in range(len(rule.hf)))
-            key = (re.sub(r"^layers\.\d+\.", "", rule.local), shapes)
-            if key not in traced:
-                parts = [_stand_in(shape, double_quant, blocksize) for shape in shapes]
-                traced[key] = held_bytes(to_local_4bit(rule, parts, cfg, tp, tp_rank, "nf4", double_quant,
-                                                       vocab_multiple))
-            total += traced[key]
-        elif (key := (stack,)) not in traced:  # the whole stack, once: its rank's experts cut over EP
-            out, cols = to_local(rule, [torch.empty(s, device="meta") for s in
-                                        (expected_hf_shape(rule, j, cfg) for j in range(len(rule.hf)))], cfg, 1, 0).shape
+        if stack in stacks:
+            continue
+        shapes = tuple(expected_hf_shape(rule, j, cfg) for j in range(len(rule.hf)))
+        key = (re.sub(r"^layers\.\d+\.", "", stack or rule.local), shapes)
+        if key not in traced and stack is None:
+            parts = [_stand_in(shape, double_quant, blocksize) for shape in shapes]
+            traced[key] = held_bytes(to_local_4bit(rule, parts, cfg, tp, tp_rank, "nf4", double_quant,
+                                                   vocab_multiple))
+        elif key not in traced:  # the whole stack: its rank's experts cut over EP
+            byte = torch.zeros((), dtype=torch.uint8)  # (meta tensors would have `cat` import torch._dynamo)
+            out, cols = to_local(rule, [byte.expand(s) for s in shapes], cfg, 1, 0).shape
             whole = _stand_in((len(stack_rules(cfg, stack)) * out, cols), double_quant, blocksize)
             traced[key] = held_bytes(shard(stack, whole, EXPERTS, ep, ep_rank))
-            total += traced[key]
+        if stack is not None:
+            stacks.add(stack)
+        total += traced[key]
     return total
 
 
 def _stand_in(shape: tuple[int, int], double_quant: bool, blocksize: int) -> Packed4bit:
-    """A 4-bit weight of `shape` for counting: meta codes and absmax, and where nested its real absmax index (each
-    absmax's nested block; bitsandbytes' 256 a block)."""
+    """A 4-bit weight of `shape` for counting: its absmax index (each absmax's nested block; bitsandbytes' 256 a
+    block), which also stands in for its codes and absmax (`held_bytes` counts the codes from the absmax)."""
     rows, cols = shape
     blocks = rows * cols // blocksize
-    nested = None
-    if double_quant:
-        index = (torch.arange(blocks) // 256 * 256).view(rows, -1)
-        n = -(-blocks // 256)
-        nested = Nested(index, torch.zeros(n), torch.zeros(n), torch.zeros(256), 256)
-    return Packed4bit(torch.empty(rows, cols // 2, dtype=torch.uint8, device="meta"),
-                      torch.empty(rows, cols // blocksize, device="meta"), "nf4", blocksize, torch.float32, nested)
+    index = (torch.arange(blocks, dtype=torch.int32) // 256 * 256).view(rows, -1)
+    n = -(-blocks // 256)
+    nested = Nested(index, torch.zeros(n), torch.zeros(n), torch.zeros(256), 256) if double_quant else None
+    return Packed4bit(index, index, "nf4", blocksize, torch.float32, nested)
 
 
 def stored_4bit(rule: TensorRule, cfg: ModelConfig) -> bool:

@@ -55,7 +55,7 @@ def require_bitsandbytes(needed_by: str = "peft.quantize"):
 @dataclass(frozen=True)
 class Nested:
     """A weight's double-quantized absmax as bitsandbytes stores them, indexed like its absmax (module docstring):
-    `index` int64 `[rows, cols / blocksize]` (an absmax's 8-bit code + 256 x its nested block, a row of `scales`),
+    `index` int32 `[rows, cols / blocksize]` (an absmax's 8-bit code + 256 x its nested block, a row of `scales`),
     `scales` and `offsets` float32 per nested block (its scale; its HF tensor's mean absmax), `code` the 8-bit map,
     `blocksize` absmax a nested block."""
 
@@ -80,7 +80,7 @@ class Packed4bit:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.codes.shape[1] * 2
+        return self.absmax.shape[0], self.absmax.shape[1] * self.blocksize
 
 
 @dataclass(frozen=True)
@@ -120,13 +120,14 @@ def held_absmax(packed: Packed4bit) -> HeldAbsmax | None:
 
 
 def held_bytes(packed: Packed4bit) -> int:
-    """Bytes a rank holds for `packed` (`quant/qlora.py`): the codes (two values a byte), and the absmax nested (a
-    byte each, two float32 a run, the map) or float32; `packed` may be shapes only (meta codes and absmax)."""
+    """Bytes a rank holds for `packed` (`quant/qlora.py`): the codes (two values a byte, `blocksize / 2` an absmax),
+    and the absmax nested (a byte each, two float32 a run, the map) or float32."""
     runs = None if packed.nested is None else _runs(packed.nested)
     absmax = packed.absmax.numel()
+    codes = absmax * packed.blocksize // 2
     if runs is None:
-        return packed.codes.numel() + 4 * absmax
-    return packed.codes.numel() + absmax + 8 * runs.numel() + 4 * packed.nested.code.numel()
+        return codes + 4 * absmax
+    return codes + absmax + 8 * runs.numel() + 4 * packed.nested.code.numel()
 
 
 def dequantize_bytes(numel: int, dtype_bytes: int, blocksize: int = 64) -> int:
@@ -165,7 +166,7 @@ def from_quant_state(name: str, codes: torch.Tensor, state) -> Packed4bit:
     absmax, nested = state.absmax, None
     if state.nested:
         inner = state.state2
-        index = torch.arange(absmax.numel()) // inner.blocksize * 256 + absmax.long()
+        index = torch.arange(absmax.numel(), dtype=torch.int32) // inner.blocksize * 256 + absmax.int()
         scales = inner.absmax.float()
         nested = Nested(index.view(rows, -1), scales, state.offset.float().expand(scales.numel()), inner.code.float(),
                         inner.blocksize)
