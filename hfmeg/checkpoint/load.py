@@ -99,7 +99,10 @@ def load_chunks(
         _check_4bit(cfg)
     if base_4bit is not None and isinstance(source, HFCheckpoint):
         _check_stored_4bit(source, base_4bit)
-    return [_load_chunk(source, cfg, spec, ps, dtype, vocab_multiple, base_4bit, options) for spec in specs]
+    chunks = [_load_chunk(source, cfg, spec, ps, dtype, vocab_multiple, base_4bit, options) for spec in specs]
+    if base_4bit is not None:
+        _release_freed_heap()
+    return chunks
 
 
 def load_prefix(source: MPCheckpoint, ps: ParallelState, layers: int) -> ModelChunk:
@@ -174,7 +177,6 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
                 packed = to_local_4bit(rule, tensors, cfg, ps.tp, ps.tp_rank, base_4bit.quant_type,
                                        base_4bit.double_quant, vocab_multiple)
                 quantized[rule.local].weight_provider = Frozen4bitWeight(packed, dtype).to(ps.device)
-                _release_freed_heap()
             for stack in stacks:  # every expert's HF tensors, one stack at a time (rules_4bit.experts_4bit)
                 every = stack_rules(cfg, stack)
                 _check_shapes(source, every, cfg)
@@ -183,17 +185,15 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
                 module, name = _stack_module(chunk, stack)
                 provider = Frozen4bitWeight(packed, dtype, experts=len(chunk.experts))
                 setattr(module, f"{name}_provider", provider.to(ps.device))
-                _release_freed_heap()
     return chunk
 
 
 def _release_freed_heap() -> None:
     """Give the pages of freed heap memory back to the system (glibc's `malloc_trim`; elsewhere nothing).
 
-    Quantizing a 4-bit base at load makes many mid-size temporaries (each HF weight, bitsandbytes' working copies,
-    the absmax index in transit) between long-lived codes and absmax; glibc keeps the freed gaps resident (~150-200
-    MiB on a 7B-shaped model, docs/peft.md "QLoRA memory"), so they are given back after each weight, while the
-    load's resident memory still grows."""
+    Quantizing a 4-bit base at load makes many mid-size temporaries (each HF weight, bitsandbytes' working copies)
+    between long-lived codes and absmax; glibc keeps the freed gaps resident, and on a 7B-shaped model (16 layers)
+    they were ~150 MiB of a QLoRA rank's peak that nothing later reused (docs/peft.md, "QLoRA memory")."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except AttributeError:  # not glibc
