@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from hfmeg.quant.nf4 import stored_bytes
-
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
@@ -42,7 +40,8 @@ def test_bench_peft_reports_both_modes():
 def test_bench_peft_qlora_mode_holds_the_4bit_base():
     pytest.importorskip("bitsandbytes")
     """`--modes lora,qlora`: the same adapters on the base as loaded and stored 4-bit; each mode's frozen base bytes
-    are the arithmetic's (the 4-bit linears at their codes and float32 absmax), and the ratios are the rows'."""
+    are the arithmetic's (the 4-bit linears at their codes and absmax, nested where the rank's are whole nested
+    blocks), and the ratios are the rows'."""
     out = forkrun.run([sys.executable, str(TOOLS / "bench_peft.py"), "--modes", "lora,qlora", "--world", "1", "--tp",
                        "1", "--hidden", "128", "--ffn", "256", "--layers", "2", "--seq", "16", "--vocab", "256", "--r",
                        "4", "--steps", "1"], timeout=300)
@@ -55,6 +54,13 @@ def test_bench_peft_qlora_mode_holds_the_4bit_base():
     linears = layers * (h * 3 * h + h * h + 2 * f * h + h * f)
     other = 2 * v * h + layers * 2 * h + h  # embedding, untied head, norms
     assert lora["base_bytes"] == 4 * (linears + other) and r["params"] == linears + other
-    assert qlora["base_bytes"] == stored_bytes(linears) + 4 * other
+    # a 64-value block's absmax: nested, a byte each plus a scale and an offset a 256-run and the 8-bit map; QKV's
+    # float32 (per KV group its q, k, v rows give runs of 128 absmax: half a nested block each)
+    def nested(blocks: int) -> int:
+        return blocks + 8 * -(-blocks // 256) + 4 * 256
+
+    absmax = {"qkv": 3 * h * h // 64 * 4, "o": nested(h * h // 64), "gate_up": nested(2 * f * h // 64),
+              "down": nested(h * f // 64)}
+    assert qlora["base_bytes"] == linears // 2 + layers * sum(absmax.values()) + 4 * other
     assert r["qlora_vs_lora_peak"] == qlora["peak_bytes"] / lora["peak_bytes"]
     assert r["qlora_vs_lora_tokens_per_s"] == qlora["tokens_per_s"] / lora["tokens_per_s"]

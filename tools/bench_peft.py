@@ -53,7 +53,7 @@ from hfmeg.parallel.pipeline import forward_backward
 from hfmeg.parallel.state import ParallelConfig, ParallelState
 from hfmeg.peft.adapters import attach, initialise
 from hfmeg.peft.config import PeftConfig
-from hfmeg.quant.qlora import Base4bit
+from hfmeg.quant.qlora import Base4bit, Frozen4bitWeight
 
 MODES = ("full", "lora", "qlora", "peft")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -118,7 +118,7 @@ def _make_model(folder: str, a) -> int:
 def _base_bytes(chunks) -> int:
     """The bytes of this rank's frozen base: untrained parameters and the 4-bit base's buffers."""
     frozen = [p for c in chunks for p in c.parameters() if not p.requires_grad]
-    frozen += [b for c in chunks for name, b in c.named_buffers() if name.endswith((".codes", ".absmax_bits"))]
+    frozen += [b for c in chunks for m in c.modules() if isinstance(m, Frozen4bitWeight) for b in m.buffers()]
     return sum(t.numel() * t.element_size() for t in frozen)
 
 

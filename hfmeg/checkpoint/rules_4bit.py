@@ -34,7 +34,7 @@ from ..config import VOCAB_MULTIPLE, ModelConfig
 from ..errors import UnsupportedConfigError
 from ..families.spec import TensorRule
 from ..parallel.splits import EXPERTS
-from ..quant.nf4 import Packed4bit, dequantize, quantize, shard
+from ..quant.nf4 import Nested, Packed4bit, dequantize, held_bytes, joined, quantize, shard
 from .hf_reader import HFCheckpoint
 from .rules import chunk_rules, expected_hf_shape, parts_in_order, rule_tensors, split_of, to_hf, to_local
 
@@ -56,9 +56,7 @@ def to_local_4bit(rule: TensorRule, hf: list[torch.Tensor | Packed4bit], cfg: Mo
         if (p.quant_type, p.blocksize) != (quant_type, packed[0].blocksize):
             raise UnsupportedConfigError(f"{name}: stored {p.quant_type} in blocks of {p.blocksize}; this 4-bit base "
                                          f"is {quant_type} in blocks of {packed[0].blocksize} ({rule.local})")
-    whole = Packed4bit(parts_in_order(rule, [p.codes for p in packed]),
-                       parts_in_order(rule, [p.absmax for p in packed]), quant_type, packed[0].blocksize,
-                       packed[0].dtype)
+    whole = joined(packed, lambda pieces: parts_in_order(rule, pieces))
     return shard(rule.local, whole, split_of(rule, cfg, vocab_multiple), tp, tp_rank)
 
 
@@ -87,6 +85,46 @@ def experts_4bit(stack: str, pairs: Iterable[tuple[TensorRule, list[torch.Tensor
     parameter, quantized whole (module docstring) and cut over EP."""
     full = torch.stack([to_local(rule, hf, cfg, 1, 0) for rule, hf in pairs])
     return shard(stack, quantize(stack, full.flatten(0, 1), quant_type, double_quant), EXPERTS, ep, ep_rank)
+
+
+def held_4bit_bytes(cfg: ModelConfig, rules: list[TensorRule], tp: int, tp_rank: int, ep: int, ep_rank: int,
+                    double_quant: bool, vocab_multiple: int = VOCAB_MULTIPLE, blocksize: int = 64) -> int:
+    """Bytes a rank holds of the 4-bit weights among its `rules` (the planner's count, from shapes): each weight cut
+    as `to_local_4bit` / `experts_4bit` cut it, on a stand-in whose absmax index is the real layout's, so the nested
+    absmax are counted where the rank holds them so (`nf4.held_bytes`). Layers of one shape are traced once."""
+    traced: dict[tuple, int] = {}
+    stacks = set()
+    total = 0
+    for rule in [r for r in rules if stored_4bit(r, cfg)]:
+        stack = expert_stack(rule)
+        if stack in stacks:
+            continue
+        shapes = tuple(expected_hf_shape(rule, j, cfg) for j in range(len(rule.hf)))
+        key = (re.sub(r"^layers\.\d+\.", "", stack or rule.local), shapes)
+        if key not in traced and stack is None:
+            parts = [_stand_in(shape, double_quant, blocksize) for shape in shapes]
+            traced[key] = held_bytes(to_local_4bit(rule, parts, cfg, tp, tp_rank, "nf4", double_quant,
+                                                   vocab_multiple))
+        elif key not in traced:  # the whole stack: its rank's experts cut over EP
+            byte = torch.zeros((), dtype=torch.uint8)  # (meta tensors would have `cat` import torch._dynamo)
+            out, cols = to_local(rule, [byte.expand(s) for s in shapes], cfg, 1, 0).shape
+            whole = _stand_in((len(stack_rules(cfg, stack)) * out, cols), double_quant, blocksize)
+            traced[key] = held_bytes(shard(stack, whole, EXPERTS, ep, ep_rank))
+        if stack is not None:
+            stacks.add(stack)
+        total += traced[key]
+    return total
+
+
+def _stand_in(shape: tuple[int, int], double_quant: bool, blocksize: int) -> Packed4bit:
+    """A 4-bit weight of `shape` for counting: its absmax index (each absmax's nested block; bitsandbytes' 256 a
+    block), which also stands in for its codes and absmax (`held_bytes` counts the codes from the absmax)."""
+    rows, cols = shape
+    blocks = rows * cols // blocksize
+    index = (torch.arange(blocks, dtype=torch.int32) // 256 * 256).view(rows, -1)
+    n = -(-blocks // 256)
+    nested = Nested(index, torch.zeros(n), torch.zeros(n), torch.zeros(256), 256) if double_quant else None
+    return Packed4bit(index, index, "nf4", blocksize, torch.float32, nested)
 
 
 def stored_4bit(rule: TensorRule, cfg: ModelConfig) -> bool:

@@ -55,12 +55,16 @@ if TYPE_CHECKING:  # torchao is imported only by a run that asks for FP8 (`model
 
 
 class _ProvidedWeight:
-    """`matmul_weight()`: the `weight_provider`'s weight where the layer has one, else its `weight` parameter;
-    `_linear(x, weight, bias)`: the matmul with it (in FP8 where `fp8` is set; the provider's own, which need not
-    keep `weight` for backward)."""
+    """`matmul_weight()`: the `weight_provider`'s weight where the layer has one, else its `weight` parameter
+    (`matmul_shape()`: its shape); `_linear(x, weight, bias)`: the matmul with it (in FP8 where `fp8` is set; the
+    provider's own, which need not keep `weight` for backward)."""
 
     def matmul_weight(self) -> torch.Tensor:
         return self.weight if self.weight_provider is None else self.weight_provider()
+
+    def matmul_shape(self) -> torch.Size:
+        """`matmul_weight()`'s shape, without dequantizing a provider's weight to learn it."""
+        return self.weight.shape if self.weight_provider is None else self.weight_provider.shape
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.weight_provider is None:

@@ -474,7 +474,7 @@ def attach(chunk: ModelChunk, cfg: PeftConfig) -> None:
         if not targeted & {p.name for p in base.projections}:
             continue
         layer = chunk.get_submodule(base.local)
-        adapter = LoraAdapter(base.projections, targeted, layer.matmul_weight().shape[1], base.column, base.groups, cfg,
+        adapter = LoraAdapter(base.projections, targeted, layer.matmul_shape()[1], base.column, base.groups, cfg,
                               chunk.ps, base.replicated, base.whole_partial)
         layer.adapter = adapter.to(**place)
     if moe is None or not peft_names.experts:

@@ -20,7 +20,7 @@
   freezes the base), so buffers, main grads and optimizer state count the adapters only,
   and the frozen base is counted apart (`frozen_weights`, model dtype, no fp32 copy); a 4-bit base's linears
   and routed experts (`peft.quantize`, the weights `rules_4bit.stored_4bit` picks; the experts the EP rank holds)
-  at their codes and absmax (`nf4.stored_bytes`).
+  at their codes and absmax as the rank holds them (`rules_4bit.held_4bit_bytes`).
   Activations are still full fine-tuning's count (not re-measured with adapters).
 - A preference run's frozen reference copy (full fine-tuning, `reference_copy`): the chunk's
   parameters once more in the model dtype, counted in `frozen_weights`. Its forward runs before the
@@ -45,7 +45,7 @@ from functools import lru_cache
 import torch
 
 from ..checkpoint.rules import chunk_rules
-from ..checkpoint.rules_4bit import stored_4bit
+from ..checkpoint.rules_4bit import held_4bit_bytes, stored_4bit
 from ..config import ModelConfig
 from ..models.decoder import ModelChunk
 from ..optim.config import OptimizerConfig
@@ -54,7 +54,6 @@ from ..parallel.grid import RankGrid
 from ..parallel.layout import rank_chunks, split_layers
 from ..parallel.linear_cross_entropy import CE_CHUNK_TOKENS
 from ..parallel.roles import named_roles
-from ..quant.nf4 import stored_bytes
 from ..parallel.schedules import plan
 from ..parallel.stored_names import stored_tensors
 from ..peft.adapters import attach
@@ -109,6 +108,7 @@ class _Elements:
     tp_summed: int  # owned elements of sequence-parallel-role parameters (summed over TP when TP > 1)
     frozen: int = 0  # elements that do not require grad (a LoRA run's base)
     four_bit: int = 0  # of which stored 4-bit (a QLoRA run's base linears)
+    four_bit_bytes: int = 0  # what the rank holds of those
 
     def __add__(self, o: "_Elements") -> "_Elements":
         return _Elements(*(a + b for a, b in zip(asdict(self).values(), asdict(o).values())))
@@ -150,12 +150,13 @@ def _count_chunk(cfg: ModelConfig, lay: PlanLayout, layers: range, pre: bool, po
             attach(chunk, peft)
     named = [(n, p, r) for n, p, r in named_roles(chunk) if p.requires_grad][::-1]
     frozen = sum(p.numel() for p in chunk.parameters() if not p.requires_grad)
-    four_bit = 0
+    four_bit = four_bit_bytes = 0
     if peft is not None and peft.enabled and peft.quantize:
         params = stored_tensors(chunk)  # the grouped experts per expert, as their rules name them
         rules = chunk_rules(cfg, layers, pre, post, chunk.experts)
         four_bit = sum(params[r.local].numel() for r in rules if stored_4bit(r, cfg))
-    total = _Elements(sum(p.numel() for _, p, _ in named), 0, 0, 0, 0, 0, frozen, four_bit)
+        four_bit_bytes = held_4bit_bytes(cfg, rules, lay.tp, 0, lay.ep, 0, peft.double_quant, lay.vocab_multiple)
+    total = _Elements(sum(p.numel() for _, p, _ in named), 0, 0, 0, 0, 0, frozen, four_bit, four_bit_bytes)
     for part, shards, expert in bucket_parts(named, *_shards(lay)):
         buckets = plan_buckets(part, lay.pp, bucket_size, shards, 0, 0, expert)
         padded = sum(b.size for b in buckets)
@@ -236,7 +237,7 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
     held, generating = engine_bytes(cfg, *engine) if engine is not None and pp_rank == 0 else (0, 0)
     return Memory(pp_rank, el.params, dtype_bytes * el.padded, 4 * el.padded, state, activations, transient,
                   el.buckets, el.expert_padded, el.expert_buckets, el.tp_summed,
-                  dtype_bytes * (el.frozen - el.four_bit + reference_copy * el.params) + stored_bytes(el.four_bit),
+                  dtype_bytes * (el.frozen - el.four_bit + reference_copy * el.params) + el.four_bit_bytes,
                   held, generating)
 
 

@@ -14,15 +14,21 @@ does too where each rank's columns are whole blocks. Where a split would cut a b
 share of it, not a multiple of `blocksize`) the weight is refused in one line naming it; padding was not chosen,
 because a padded block would have another absmax than bitsandbytes gives the unpadded weight.
 
-With double quantization (`double_quant`) bitsandbytes quantizes the absmax too (8-bit, in blocks of 256 absmax,
-offset by their mean). A rank's absmax are not whole blocks of 256 in general, so each rank holds them dequantized
-(float32, the values bitsandbytes' own dequantization computes from the nested ones), which keeps the weights
-bit-exact at 4 bytes per block instead of about one.
+With double quantization (`double_quant`) bitsandbytes quantizes the absmax too: 8-bit codes, one a block, in
+nested blocks of 256 absmax that share one float32 scale, all offset by the weight's mean absmax (`Nested`). They
+travel with the absmax, cut by the same split kind, as `index` (each absmax's code plus 256 times its nested block).
+A rank keeps them so (`held`: about 1 byte a 64-value block instead of 4) where its absmax fall in whole nested
+blocks: every aligned run of 256 of its absmax (the last may be shorter) from one nested block of one HF tensor,
+whatever their order inside it, because the nested dequantization is elementwise (`code[q] * scale + offset`), so
+bitsandbytes' own `dequantize_blockwise` over the rank's runs gives each absmax the bits it gives it in the whole
+tensor. That holds at TP 1 and for whole-row cuts of common shapes; where a cut splits a nested block (a
+row-parallel weight's columns, mostly), the rank holds the absmax dequantized (float32).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -47,31 +53,87 @@ def require_bitsandbytes(needed_by: str = "peft.quantize"):
 
 
 @dataclass(frozen=True)
+class Nested:
+    """A weight's double-quantized absmax as bitsandbytes stores them, indexed like its absmax (module docstring):
+    `index` int32 `[rows, cols / blocksize]` (an absmax's 8-bit code + 256 x its nested block, a row of `scales`),
+    `scales` and `offsets` float32 per nested block (its scale; its HF tensor's mean absmax), `code` the 8-bit map,
+    `blocksize` absmax a nested block."""
+
+    index: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    code: torch.Tensor
+    blocksize: int
+
+
+@dataclass(frozen=True)
 class Packed4bit:
     """A 4-bit weight `[rows, cols]` (or one rank's share of one): codes `[rows, cols / 2]` uint8, absmax
-    `[rows, cols / blocksize]` float32."""
+    `[rows, cols / blocksize]` float32 (dequantized where nested), and where double-quantized the `nested` form."""
 
     codes: torch.Tensor
     absmax: torch.Tensor
     quant_type: str
     blocksize: int
     dtype: torch.dtype  # what dequantization gives
+    nested: Nested | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.codes.shape[1] * 2
+        return self.absmax.shape[0], self.absmax.shape[1] * self.blocksize
 
 
-def stored_bytes(numel: int, blocksize: int = 64) -> int:
-    """Bytes a rank holds for `numel` values of a 4-bit weight (`Packed4bit`): the codes (two a byte) and one
-    float32 absmax a block (double-quantized absmax are held dequantized, module docstring)."""
-    return numel // 2 + numel // blocksize * 4
+@dataclass(frozen=True)
+class HeldAbsmax:
+    """The absmax a rank holds in nested form (module docstring): `codes` uint8, one an absmax in the rank's order;
+    `scales`, `offsets` float32 per run of `blocksize` of them; `code` the 8-bit map."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    code: torch.Tensor
+    blocksize: int
+
+    def values(self) -> torch.Tensor:
+        """The float32 absmax, as bitsandbytes dequantizes the nested ones of the whole tensor."""
+        F = require_bitsandbytes()
+        values = F.dequantize_blockwise(self.codes, absmax=self.scales, code=self.code, blocksize=self.blocksize)
+        return values + self.offsets.repeat_interleave(self.blocksize)[:values.numel()]
+
+
+def _runs(nested: Nested) -> torch.Tensor | None:
+    """The nested block of each aligned run of `nested.blocksize` of a rank's absmax, or None where a run mixes
+    blocks (the rank cannot hold them nested)."""
+    block = nested.index.flatten() // 256
+    first = block[::nested.blocksize]
+    return first if torch.equal(block, first.repeat_interleave(nested.blocksize)[:block.numel()]) else None
+
+
+def held_absmax(packed: Packed4bit) -> HeldAbsmax | None:
+    """`packed`'s absmax in the nested form a rank holds, or None where it holds them float32."""
+    runs = None if packed.nested is None else _runs(packed.nested)
+    if runs is None:
+        return None
+    n = packed.nested
+    return HeldAbsmax((n.index.flatten() % 256).to(torch.uint8), n.scales[runs], n.offsets[runs], n.code,
+                      n.blocksize)
+
+
+def held_bytes(packed: Packed4bit) -> int:
+    """Bytes a rank holds for `packed` (`quant/qlora.py`): the codes (two values a byte, `blocksize / 2` an absmax),
+    and the absmax nested (a byte each, two float32 a run, the map) or float32."""
+    runs = None if packed.nested is None else _runs(packed.nested)
+    absmax = packed.absmax.numel()
+    codes = absmax * packed.blocksize // 2
+    if runs is None:
+        return codes + 4 * absmax
+    return codes + absmax + 8 * runs.numel() + 4 * packed.nested.code.numel()
 
 
 def dequantize_bytes(numel: int, dtype_bytes: int, blocksize: int = 64) -> int:
-    """Bytes one dequantization of `numel` values moves: the codes and absmax read, the weight written in a
+    """Bytes one dequantization of `numel` values moves: the codes and float32 absmax read, the weight written in a
     `dtype_bytes` dtype."""
-    return stored_bytes(numel, blocksize) + numel * dtype_bytes
+    return numel // 2 + numel // blocksize * 4 + numel * dtype_bytes
 
 
 def quantize(name: str, weight: torch.Tensor, quant_type: str = "nf4", double_quant: bool = True,
@@ -101,11 +163,34 @@ def from_quant_state(name: str, codes: torch.Tensor, state) -> Packed4bit:
     rows, cols = state.shape
     _whole_blocks(name, cols, state.blocksize)
     F = require_bitsandbytes()
-    absmax = state.absmax
+    absmax, nested = state.absmax, None
     if state.nested:
-        absmax = F.dequantize_blockwise(absmax, state.state2) + state.offset
+        inner = state.state2
+        index = torch.arange(absmax.numel(), dtype=torch.int32) // inner.blocksize * 256 + absmax.int()
+        scales = inner.absmax.float()
+        nested = Nested(index.view(rows, -1), scales, state.offset.float().expand(scales.numel()), inner.code.float(),
+                        inner.blocksize)
+        absmax = F.dequantize_blockwise(absmax, inner) + state.offset
     return Packed4bit(codes.view(rows, cols // 2), absmax.float().view(rows, cols // state.blocksize),
-                      state.quant_type, state.blocksize, state.dtype)
+                      state.quant_type, state.blocksize, state.dtype, nested)
+
+
+def joined(parts: list[Packed4bit], in_order: Callable[[list[torch.Tensor]], torch.Tensor]) -> Packed4bit:
+    """One 4-bit weight of `parts` (each quantized alone, of one quant type and block size), their rows put in order
+    by `in_order` (a fused weight's layout); nested absmax kept where every part has them in one map and nested block
+    size, each part's nested blocks numbered after the previous parts'."""
+    nested = None
+    inner = [p.nested for p in parts]
+    if all(n is not None and n.blocksize == inner[0].blocksize and torch.equal(n.code, inner[0].code) for n in inner):
+        starts = [0]
+        for n in inner[:-1]:
+            starts.append(starts[-1] + n.scales.numel())
+        nested = Nested(in_order([n.index + 256 * s for n, s in zip(inner, starts)]),
+                        torch.cat([n.scales for n in inner]), torch.cat([n.offsets for n in inner]), inner[0].code,
+                        inner[0].blocksize)
+    first = parts[0]
+    return Packed4bit(in_order([p.codes for p in parts]), in_order([p.absmax for p in parts]), first.quant_type,
+                      first.blocksize, first.dtype, nested)
 
 
 def _whole_blocks(name: str, cols: int, blocksize: int) -> None:
@@ -121,8 +206,11 @@ def shard(name: str, packed: Packed4bit, split, parts: int, index: int) -> Packe
         raise UnsupportedConfigError(f"{name}: a rank's {packed.shape[1] // parts} columns are not whole "
                                      f"{packed.blocksize}-value quantization blocks; use a TP size that keeps them "
                                      "whole")
+    nested = packed.nested
+    if nested is not None:
+        nested = replace(nested, index=split.shard(nested.index, parts, index).contiguous())
     return replace(packed, codes=split.shard(packed.codes, parts, index).contiguous(),
-                   absmax=split.shard(packed.absmax, parts, index).contiguous())
+                   absmax=split.shard(packed.absmax, parts, index).contiguous(), nested=nested)
 
 
 def dequantize(packed: Packed4bit) -> torch.Tensor:

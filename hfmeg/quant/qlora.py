@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .nf4 import Packed4bit, dequantize
+from .nf4 import HeldAbsmax, Packed4bit, dequantize, held_absmax
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,35 @@ class Frozen4bitWeight(nn.Module):
                                                                           packed.dtype, dtype)
         self.experts = experts
         # not persistent: a run's checkpoints hold adapters; the base is quantized again from its HF weights.
-        # The float32 absmax are held as their int32 bits, so a cast of the model (`.to(bfloat16)`) moves them
-        # without rounding them as it would a float buffer (it leaves integer tensors as they are).
+        # The absmax are held nested where the rank's are whole nested blocks (`nf4.held_absmax`), else float32.
+        # Float buffers are held as their int32 bits, so a cast of the model (`.to(bfloat16)`) moves them without
+        # rounding them as it would a float buffer (it leaves integer tensors as they are).
         self.register_buffer("codes", packed.codes, persistent=False)
-        self.register_buffer("absmax_bits", packed.absmax.float().view(torch.int32), persistent=False)
+        held = held_absmax(packed)
+        self.absmax_shape, self.nested_blocksize = packed.absmax.shape, None if held is None else held.blocksize
+        if held is None:
+            self.register_buffer("absmax_bits", _bits(packed.absmax), persistent=False)
+        else:
+            self.register_buffer("absmax_codes", held.codes, persistent=False)
+            for name in ("scales", "offsets", "code"):
+                self.register_buffer(f"absmax_{name}_bits", _bits(getattr(held, name)), persistent=False)
+
+    def absmax(self) -> torch.Tensor:
+        """The rank's float32 absmax, `[rows, cols / blocksize]`."""
+        if self.nested_blocksize is None:
+            return self.absmax_bits.view(torch.float32)
+        held = HeldAbsmax(self.absmax_codes, *(getattr(self, f"absmax_{name}_bits").view(torch.float32)
+                                               for name in ("scales", "offsets", "code")), self.nested_blocksize)
+        return held.values().view(self.absmax_shape)
 
     def packed(self) -> Packed4bit:
-        return Packed4bit(self.codes, self.absmax_bits.view(torch.float32), self.quant_type, self.blocksize,
-                          self.stored_dtype)
+        return Packed4bit(self.codes, self.absmax(), self.quant_type, self.blocksize, self.stored_dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        """`()`'s shape, known without dequantizing (`parallel/layers.py`, `matmul_shape`)."""
+        rows, cols = self.codes.shape[0], self.codes.shape[1] * 2
+        return torch.Size((rows, cols) if self.experts is None else (self.experts, rows // self.experts, cols))
 
     def forward(self) -> torch.Tensor:
         weight = dequantize(self.packed()).to(self.dtype)
@@ -64,6 +85,10 @@ class Frozen4bitWeight(nn.Module):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x weight^T + bias` for `weight` = `self()`, the weight dequantized again in backward (module doc)."""
         return _Dequantized.apply(x, weight, bias, self)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous().view(torch.int32)
 
 
 class _Dequantized(torch.autograd.Function):
