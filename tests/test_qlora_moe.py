@@ -36,10 +36,9 @@ from safetensors.torch import save_file  # noqa: E402
 from peft_helpers import hfmeg_chunks, make_base_and_adapter, rel_diff, replica_step  # noqa: E402
 from test_peft_parity import _labels, _peft_outputs, _references  # noqa: E402
 from test_peft_train import _config  # noqa: E402
-from test_qlora_parity import QLORA, _qlora, _quantized, _trained_vs_peft, _trainer_base, peft_logits64  # noqa: E402
-from test_train import _losses, _run  # noqa: E402
+from test_qlora_parity import (QLORA, _qlora, _quantized, _trained_vs_peft, _trainer_base,  # noqa: E402
+                               peft_logits64, resharded_resume)
 from tiny_models import reference_attention, save_tiny  # noqa: E402
-from tool_loader import load_tool  # noqa: E402
 from torch.nn.utils import parametrize  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -205,15 +204,4 @@ def test_a_moe_qlora_checkpoint_resharded_to_tp1_resumes_at_ep1_on_the_uninterru
     its base again (each expert stack whole, as every EP2 rank did) and continues where the uninterrupted one went."""
     base, adapter0 = _trainer_base(tmp_path, "qwen3_moe", SHAPE)
     cfg = _qlora(_config(tmp_path / "a", base, adapter0, tp=2, steps=6, save_every=3))
-    spawn(_run, 4, replace(cfg, parallel=replace(cfg.parallel, ep=2)))
-    straight = _losses(tmp_path / "a")
-    assert load_tool("reshard_mp").main(["--mp", str(tmp_path / "a" / "checkpoints"), "--iteration", "3", "--out",
-                                         str(tmp_path / "tp1"), "--tp", "1", "--pp", "1"]) == 0
-    spawn(_run, 1, _qlora(_config(tmp_path / "resumed", base, adapter0, steps=6,
-                                  resume=str(tmp_path / "tp1" / "iter_0000003"))))
-    resumed = _losses(tmp_path / "resumed")
-    assert len(resumed) == 3
-    # as tests/test_qlora_parity.py's dense reshard: only the sums' order differs (fp32, over 3 steps); a wrong move
-    # (an expert's slice or moment, the step count, another base) shows at 1e-3 or more
-    for x, y in zip(resumed, straight[3:]):
-        within(abs(x - y) / abs(y), 1e-5, "moe qlora resumed loss rel", (resumed, straight))
+    resharded_resume(tmp_path, replace(cfg, parallel=replace(cfg.parallel, ep=2)), 4, base, adapter0, "moe qlora")

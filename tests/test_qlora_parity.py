@@ -179,11 +179,10 @@ def test_qlora_steps_at_tp2_pp2_match_peft_and_adamw_on_the_4bit_base(tmp_path):
     assert "- method: QLoRA (r 4" in card and "stored 4-bit by bitsandbytes (nf4, double quantization on" in card
 
 
-def test_a_qlora_checkpoint_resharded_to_tp1_resumes_on_the_uninterrupted_losses(tmp_path):
-    """TP2 x PP2 -> TP1 (tools/reshard_mp.py) of a QLoRA checkpoint; the resumed run quantizes its base again and
-    continues where the uninterrupted one went."""
-    base, adapter0 = _trainer_base(tmp_path)
-    spawn(_run, 4, _qlora(_config(tmp_path / "a", base, adapter0, tp=2, pp=2, steps=6, save_every=3)))
+def resharded_resume(tmp_path: Path, grid_cfg, world: int, base: Path, adapter0: Path, what: str) -> None:
+    """Train `grid_cfg` 6 steps on `world` ranks saving at 3, reshard step 3 to TP1 (tools/reshard_mp.py), resume
+    it in one process, and compare the last 3 losses with the uninterrupted run's."""
+    spawn(_run, world, grid_cfg)
     straight = _losses(tmp_path / "a")
     assert load_tool("reshard_mp").main(["--mp", str(tmp_path / "a" / "checkpoints"), "--iteration", "3", "--out",
                                          str(tmp_path / "tp1"), "--tp", "1", "--pp", "1"]) == 0
@@ -194,4 +193,12 @@ def test_a_qlora_checkpoint_resharded_to_tp1_resumes_on_the_uninterrupted_losses
     # As tests/test_peft_reshard.py: only the sums' order differs (fp32, ~1e-7 relative per op over 3 steps);
     # a wrong move (a slice, a moment, the step count, another base) shows at 1e-3 or more.
     for x, y in zip(resumed, straight[3:]):
-        within(abs(x - y) / abs(y), 1e-5, "qlora resumed loss rel", (resumed, straight))
+        within(abs(x - y) / abs(y), 1e-5, f"{what} resumed loss rel", (resumed, straight))
+
+
+def test_a_qlora_checkpoint_resharded_to_tp1_resumes_on_the_uninterrupted_losses(tmp_path):
+    """TP2 x PP2 -> TP1 of a QLoRA checkpoint; the resumed run quantizes its base again and continues where the
+    uninterrupted one went."""
+    base, adapter0 = _trainer_base(tmp_path)
+    resharded_resume(tmp_path, _qlora(_config(tmp_path / "a", base, adapter0, tp=2, pp=2, steps=6, save_every=3)), 4,
+                     base, adapter0, "qlora")
