@@ -26,7 +26,7 @@ def gather_named(tensors: list[tuple[str, torch.Tensor]], meta: Any, device: tor
     """On rank 0: [(meta, {name: tensor})] of every rank that gave tensors or a meta, in rank order; None elsewhere.
     A rank with nothing to give passes `[]` and None. `device`: where this rank's collectives run."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [(meta, {n: t.detach().cpu() for n, t in tensors})] if tensors or meta is not None else []
+        return _own(tensors, meta)
     rank = dist.get_rank()
     heads = [(meta, [(n, t.dtype, tuple(t.shape)) for n, t in tensors])]
     gathered = [None] * dist.get_world_size() if rank == 0 else None
@@ -35,7 +35,7 @@ def gather_named(tensors: list[tuple[str, torch.Tensor]], meta: Any, device: tor
         for _, t in tensors:
             dist.send(t.detach().contiguous(), dst=0)
         return None
-    out = [(meta, {n: t.detach().cpu() for n, t in tensors})] if tensors or meta is not None else []
+    out = _own(tensors, meta)
     for src in range(1, len(gathered)):
         their_meta, specs = gathered[src]
         if not specs and their_meta is None:
@@ -47,3 +47,8 @@ def gather_named(tensors: list[tuple[str, torch.Tensor]], meta: Any, device: tor
             received[name] = buf.cpu()
         out.append((their_meta, received))
     return out
+
+
+def _own(tensors: list[tuple[str, torch.Tensor]], meta: Any) -> list[tuple[Any, dict[str, torch.Tensor]]]:
+    """Rank 0's own entry of the gathered list: its tensors on the CPU, or nothing where it gave nothing."""
+    return [(meta, {n: t.detach().cpu() for n, t in tensors})] if tensors or meta is not None else []
