@@ -82,7 +82,8 @@ def test_generation_running_ahead_at_dp2_x_pp2_matches_one_process(tmp_path):
     data = _prompts(tmp_path)
     single_cfg = _generation_config(tmp_path / "single", data, 4)
     spawn(_run_scripted, 1, single_cfg)
-    spawn(_run_scripted, 4, _with_parallel(_generation_config(tmp_path / "grid", data, 4), pp=2))
+    grid_cfg = _with_parallel(_generation_config(tmp_path / "grid", data, 4), pp=2)
+    spawn(_run_scripted, 4, replace(grid_cfg, checkpoint=replace(grid_cfg.checkpoint, save_every=3)))
     a, b = _rows(tmp_path / "single"), _rows(tmp_path / "grid")
     expected = _expected_steps(single_cfg, 2)
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b] == [e[0] for e in expected]
@@ -92,3 +93,18 @@ def test_generation_running_ahead_at_dp2_x_pp2_matches_one_process(tmp_path):
             within(abs(y["loss"] - loss64), rounding_bound(loss32, loss64), "grpo generation ahead dp2pp2 on-policy",
                    step)
         within(abs(x["grad_norm"] - y["grad_norm"]), EPS * x["grad_norm"], "grpo generation ahead grad norm", step)
+    # Step 3's checkpoint falls inside the second generation batch: it keeps the batch and the grid's π_old. Resharded
+    # to one process (TP1, PP1, DP1), a resume trains step 4 on them: the grid's tokens and reward, its gradient
+    # norm within the layout bound (the same weights, optimizer state and π_old, another layout's arithmetic).
+    from hfmeg.commands.reshard import main as reshard
+
+    mp = tmp_path / "step4-from"
+    assert reshard(["--mp", str(tmp_path / "grid" / "checkpoints"), "--iteration", "3", "--out", str(mp), "--tp", "1",
+                    "--pp", "1"]) == 0
+    assert (next(mp.glob("iter_*")) / "rollout" / "generation.safetensors").is_file()
+    one = _generation_config(tmp_path / "step4", data, 4)
+    calls = spawn(_run_scripted, 1, replace(one, checkpoint=replace(one.checkpoint, resume=str(next(mp.glob("iter_*"))))))
+    assert calls == [[]]  # no push, no generation: step 4 trains on the kept batch
+    (x,), y = _rows(tmp_path / "step4"), b[3]
+    assert x["step"] == 4 and x["tokens"] == y["tokens"] and x["reward"] == y["reward"]
+    within(abs(x["grad_norm"] - y["grad_norm"]), EPS * y["grad_norm"], "grpo resumed inside a generation batch", 4)

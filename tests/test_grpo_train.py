@@ -227,6 +227,40 @@ def test_steps_per_generation_resumes_exactly_at_a_generation_boundary(tmp_path)
             assert x[k] == y[k], (k, x["step"])
 
 
+@pytest.mark.parametrize("stop", [1, 3])
+def test_a_checkpoint_inside_a_generation_batch_resumes_exactly(tmp_path, stop):
+    """steps_per_generation 2, num_iterations 2 (four steps a generation batch: first, second, first, second half):
+    5 steps straight == `stop` steps (inside the first batch: after its first step, or in its second pass) and a
+    resume from that checkpoint to 5. The weights that generated the batch are gone by then, so the checkpoint keeps
+    the batch and its π_old (`rollout/`); the resumed run trains the batch's remaining steps on them, then pushes
+    and generates once (step 5), and every step's rewards, tokens, losses and gradient norms are the uninterrupted
+    run's, exactly (one process, the same fp32 arithmetic)."""
+    from dataclasses import replace
+
+    from hfmeg.train.rollout_checkpoint import GENERATION_FILE
+
+    data = _prompts(tmp_path)
+    spawn(_run_scripted, 1, _generation_config(tmp_path / "straight", data, 5, num_iterations=2))
+    cfg = _generation_config(tmp_path / "resumed", data, 5, num_iterations=2)
+    spawn(_run_scripted, 1, replace(cfg, train=replace(cfg.train, max_steps=stop)))
+    held = tmp_path / "resumed" / "checkpoints" / f"iter_{stop:07d}" / "rollout"
+    assert (held / GENERATION_FILE).is_file() and len(list(held.glob("old_logps_rank_*"))) == 1
+    resume = replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto"))
+    if stop == 1:  # a run of another generation batch size cannot take the kept batch's steps: refused in one line
+        other = replace(resume, grpo=replace(cfg.grpo, steps_per_generation=4))
+        with pytest.raises(Exception, match=r"iter_0000001/rollout: holds a generation batch of 16 completions, 1 of "
+                                            r"its steps taken; this run's generation batch is 32 completions"):
+            spawn(_run_scripted, 1, other)
+    calls = spawn(_run_scripted, 1, resume)[0]
+    assert calls == ["load", 16]  # the second generation batch only
+    a, b = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        for k in ("reward", "tokens", "loss", "grad_norm"):
+            assert x[k] == y[k], (k, x["step"])
+    assert not (tmp_path / "resumed" / "checkpoints" / "iter_0000004" / "rollout").exists()  # a generation boundary
+
+
 def test_evaluation_scores_greedy_completions_of_the_held_out_prompts(tmp_path):
     """data.eval_split 2 of 6 prompts, train.eval_every 1: the 4 others are the training prompts (an epoch a step), and
     each evaluation logs the park reward and length of one greedy completion per held-out prompt from that step's
