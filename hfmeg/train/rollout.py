@@ -283,7 +283,8 @@ class Rollouts:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         if self.cfg.grpo.generator == "vllm":
             self.engine = VLLMEngine(hf, [tok.eos_token_id], pad, log=self.out / VLLM_LOG,
-                                     max_model_len=self.cfg.data.seq_len)
+                                     max_model_len=self.cfg.data.seq_len,
+                                     gpu_memory_utilization=self.cfg.grpo.vllm_gpu_memory_utilization)
         else:
             self.engine = TransformersEngine(hf, [tok.eos_token_id], pad)
 
