@@ -353,24 +353,81 @@ def test_a_kill_during_generation_or_a_weight_push_resumes_to_the_uninterrupted_
     """4 steps straight == 4 steps SIGKILLed in step 3's generation or weight push (the engine's 3rd generate, or its
     2nd load_tensors: step 1's push builds it from a folder) and resumed from step 2's checkpoint: the prompts'
     cursor and the seeds it gives regenerate the same completions from the same weights (exactly: one process, the
-    same fp32 arithmetic), so rewards, losses and gradient norms are equal."""
+    same fp32 arithmetic), so rewards, losses and gradient norms are equal. The killed run's shared-memory export
+    folder outlives it, and the next GRPO run (of another out) removes it as it starts."""
     from dataclasses import replace
 
     from hfmeg.parallel.launch import WorkerError
+    from hfmeg.train.rollout import SHM, export_folder
+    from hfmeg.train.rollout_folder import OWNER
 
     data = _prompts(tmp_path)
-    spawn(_run, 1, _config(tmp_path / "straight", data, steps=4))
     cfg = _config(tmp_path / "killed", data, steps=4)
     cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, save_every=1))
     with pytest.raises(WorkerError):
         spawn(_killed_in, 1, cfg, method, at_call)
     assert [r["step"] for r in _rows(tmp_path / "killed")] == [1, 2]
+    left = export_folder(tmp_path / "killed")
+    assert left.parent != SHM or (left / OWNER).is_file()  # where there is shared memory, the killed run's folder
+    spawn(_run, 1, _config(tmp_path / "straight", data, steps=4))
+    assert left.parent != SHM or not left.exists()
     spawn(_run, 1, replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto")))
     a, b = _rows(tmp_path / "straight"), _rows(tmp_path / "killed")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for x, y in zip(a, b):
         for k in ("reward", "completions/mean_length", "loss", "grad_norm"):
             assert x[k] == y[k], (k, x["step"])
+
+
+def _owner(folder: Path, die: bool) -> int:
+    """A forked process that claims `folder` (train/rollout_folder.py) and is then SIGKILLed by itself (`die`), or
+    waits to be; its pid once the claim is made."""
+    import os
+    import signal
+
+    from hfmeg.train.rollout_folder import RolloutFolder
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            os.close(read)
+            RolloutFolder(folder).claim()
+            (folder / "hf").mkdir()
+            os.write(write, b"1")
+            os.kill(os.getpid(), signal.SIGKILL) if die else signal.pause()
+        finally:
+            os._exit(1)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.close(read)
+    return pid
+
+
+def test_the_next_run_removes_the_folders_of_killed_runs_only(tmp_path):
+    """Rollout folders in a shared-memory root: one whose owner was SIGKILLed, one whose owner lives, one with no
+    owner record (an older hfmeg's). A run's claim removes the first only; its release removes its own; once the
+    living owner is killed too, a sweep removes its folder."""
+    import os
+    import signal
+
+    from hfmeg.train.rollout_folder import RolloutFolder, sweep
+
+    dead, live, old = (tmp_path / f"hfmeg-rollout-{name}" for name in ("dead", "live", "old"))
+    pid = _owner(live, die=False)
+    os.waitpid(_owner(dead, die=True), 0)  # after the living one: a claim sweeps first
+    old.mkdir()
+    try:
+        mine = RolloutFolder(tmp_path / "hfmeg-rollout-mine")
+        assert mine.claim() == [dead]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "hfmeg-rollout-mine", old.name]
+        assert sweep(tmp_path) == []  # a second run meanwhile: every owner left is alive
+        mine.release()
+        assert not mine.folder.exists()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert sweep(tmp_path) == [live] and [p.name for p in tmp_path.iterdir()] == [old.name]
 
 
 LEARN_STEPS = 12

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -60,6 +59,7 @@ from . import rollout_checkpoint
 from .checkpointing import ROLLOUT_DIR
 from .grpo import annotate_logps, group_advantages, reward_metrics, weighted_total
 from .rollout_checkpoint import Generation
+from .rollout_folder import PREFIX, RolloutFolder
 from .rewards import name_of, resolve, score, text_of
 
 COMPLETIONS_FILE = "completions.jsonl"
@@ -86,6 +86,14 @@ def completion_metrics(completions) -> dict[str, float]:
             "completions/clipped_ratio": sum(c.truncated for c in completions) / len(completions)}
 
 
+def export_folder(out: Path) -> Path:
+    """The folder the weights are exported to for the engine: in shared memory where there is one (a RAM write and
+    read per push), named after the run's out and owned by rank 0 while it lives (a run's start removes those of
+    runs that were killed: rollout_folder.py); else under `out`."""
+    run = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
+    return SHM / f"{PREFIX}{run}" if SHM.is_dir() else Path(out) / WEIGHTS_DIR / "export"
+
+
 def sample_seed(seed: int, epoch: int, record: int, sample: int) -> int:
     digest = hashlib.sha256(f"{seed}:{epoch}:{record}:{sample}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
@@ -104,10 +112,10 @@ class Rollouts:
         self.eval_prompts = None  # rank 0's, read at the first evaluation
         self.report = DataReport()
         self.engine, self.owns_engine = engine, engine is None  # a given engine: the caller closes it
-        # the HF folder the engine loads: in shared memory where there is one (a RAM write and read per push),
-        # named after the run's out, so a resume of a killed run reuses (and at its end removes) the killed one's
-        run = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
-        self.export_dir = (SHM / f"hfmeg-rollout-{run}" if SHM.is_dir() else out / WEIGHTS_DIR / "export")
+        self.export_dir = export_folder(out)
+        self.shm = RolloutFolder(self.export_dir) if ps.rank == 0 and self.export_dir.parent == SHM else None
+        if self.shm is not None:
+            self.shm.claim()
         # an in-process engine, once built, takes the live tensors themselves (every rank knows which it is, and
         # learns from rank 0's first generation whether its model takes its stored tensors by name)
         self.in_memory = hasattr(engine, "load_tensors") if engine is not None else g.generator == "transformers"
@@ -174,8 +182,8 @@ class Rollouts:
         engine, self.engine = self.engine, None
         if engine is not None and self.owns_engine:
             engine.close()
-        if self.ps.rank == 0 and self.export_dir.parent == SHM:
-            shutil.rmtree(self.export_dir, ignore_errors=True)
+        if self.shm is not None:
+            self.shm.release()
 
     def __iter__(self):
         return self
