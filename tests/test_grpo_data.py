@@ -134,7 +134,9 @@ def test_advantages_as_trl_defines_them():
                                         (dict(top_p=0.0), "grpo.top_p in"),
                                         (dict(generator="sglang"), "grpo.generator must be transformers or vllm"),
                                         (dict(generation_batch_size=32, steps_per_generation=2), "set one of them"),
-                                        (dict(steps_per_generation=0), "must be >= 1")])
+                                        (dict(steps_per_generation=0), "must be >= 1"),
+                                        (dict(vllm_gpu_memory_utilization=1.5),
+                                         r"grpo.vllm_gpu_memory_utilization must be in \(0, 1\]")])
 def test_settings_refused(bad, match):
     with pytest.raises(ConfigError, match=match):
         GRPOSettings(**bad)

@@ -82,7 +82,8 @@ def test_generation_running_ahead_at_dp2_x_pp2_matches_one_process(tmp_path):
     data = _prompts(tmp_path)
     single_cfg = _generation_config(tmp_path / "single", data, 4)
     spawn(_run_scripted, 1, single_cfg)
-    spawn(_run_scripted, 4, _with_parallel(_generation_config(tmp_path / "grid", data, 4), pp=2))
+    grid_cfg = _with_parallel(_generation_config(tmp_path / "grid", data, 4), pp=2)
+    spawn(_run_scripted, 4, replace(grid_cfg, checkpoint=replace(grid_cfg.checkpoint, save_every=3)))
     a, b = _rows(tmp_path / "single"), _rows(tmp_path / "grid")
     expected = _expected_steps(single_cfg, 2)
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b] == [e[0] for e in expected]
@@ -92,3 +93,22 @@ def test_generation_running_ahead_at_dp2_x_pp2_matches_one_process(tmp_path):
             within(abs(y["loss"] - loss64), rounding_bound(loss32, loss64), "grpo generation ahead dp2pp2 on-policy",
                    step)
         within(abs(x["grad_norm"] - y["grad_norm"]), EPS * x["grad_norm"], "grpo generation ahead grad norm", step)
+    # Step 3's checkpoint falls inside the second generation batch: it keeps the batch and the grid's π_old. Resharded
+    # to TP1 x PP1, a resume in one process (DP1) and at CP2 (the π_old of each CP rank's tokens looked up by position)
+    # trains step 4 on them: no push, no generation, the grid's tokens and reward, its gradient norm within the layout
+    # bound (the same weights, optimizer state and π_old, another layout's arithmetic).
+    from hfmeg.commands.reshard import main as reshard
+
+    mp = tmp_path / "step4-from"
+    assert reshard(["--mp", str(tmp_path / "grid" / "checkpoints"), "--iteration", "3", "--out", str(mp), "--tp", "1",
+                    "--pp", "1"]) == 0
+    held = next(mp.glob("iter_*"))
+    assert (held / "rollout" / "generation.safetensors").is_file()
+    for name, ranks, cp in (("step4", 1, 1), ("step4-cp2", 2, 2)):
+        one = _with_parallel(_generation_config(tmp_path / name, data, 4), cp=cp)
+        calls = spawn(_run_scripted, ranks, replace(one, checkpoint=replace(one.checkpoint, resume=str(held))))
+        assert calls == [[]] * ranks  # no push, no generation: step 4 trains on the kept batch
+        (x,), y = _rows(tmp_path / name), b[3]
+        assert x["step"] == 4 and x["tokens"] == y["tokens"] and x["reward"] == y["reward"]
+        within(abs(x["grad_norm"] - y["grad_norm"]), EPS * y["grad_norm"], f"grpo resumed inside a generation batch "
+               f"({name})", 4)

@@ -227,6 +227,40 @@ def test_steps_per_generation_resumes_exactly_at_a_generation_boundary(tmp_path)
             assert x[k] == y[k], (k, x["step"])
 
 
+@pytest.mark.parametrize("stop", [1, 3])
+def test_a_checkpoint_inside_a_generation_batch_resumes_exactly(tmp_path, stop):
+    """steps_per_generation 2, num_iterations 2 (four steps a generation batch: first, second, first, second half):
+    5 steps straight == `stop` steps (inside the first batch: after its first step, or in its second pass) and a
+    resume from that checkpoint to 5. The weights that generated the batch are gone by then, so the checkpoint keeps
+    the batch and its π_old (`rollout/`); the resumed run trains the batch's remaining steps on them, then pushes
+    and generates once (step 5), and every step's rewards, tokens, losses and gradient norms are the uninterrupted
+    run's, exactly (one process, the same fp32 arithmetic)."""
+    from dataclasses import replace
+
+    from hfmeg.train.rollout_checkpoint import GENERATION_FILE
+
+    data = _prompts(tmp_path)
+    spawn(_run_scripted, 1, _generation_config(tmp_path / "straight", data, 5, num_iterations=2))
+    cfg = _generation_config(tmp_path / "resumed", data, 5, num_iterations=2)
+    spawn(_run_scripted, 1, replace(cfg, train=replace(cfg.train, max_steps=stop)))
+    held = tmp_path / "resumed" / "checkpoints" / f"iter_{stop:07d}" / "rollout"
+    assert (held / GENERATION_FILE).is_file() and len(list(held.glob("old_logps_rank_*"))) == 1
+    resume = replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto"))
+    if stop == 1:  # a run of another generation batch size cannot take the kept batch's steps: refused in one line
+        other = replace(resume, grpo=replace(cfg.grpo, steps_per_generation=4))
+        with pytest.raises(Exception, match=r"iter_0000001/rollout: holds a generation batch of 16 completions, 1 of "
+                                            r"its steps taken; this run's generation batch is 32 completions"):
+            spawn(_run_scripted, 1, other)
+    calls = spawn(_run_scripted, 1, resume)[0]
+    assert calls == ["load", 16]  # the second generation batch only
+    a, b = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        for k in ("reward", "tokens", "loss", "grad_norm"):
+            assert x[k] == y[k], (k, x["step"])
+    assert not (tmp_path / "resumed" / "checkpoints" / "iter_0000004" / "rollout").exists()  # a generation boundary
+
+
 def test_evaluation_scores_greedy_completions_of_the_held_out_prompts(tmp_path):
     """data.eval_split 2 of 6 prompts, train.eval_every 1: the 4 others are the training prompts (an epoch a step), and
     each evaluation logs the park reward and length of one greedy completion per held-out prompt from that step's
@@ -319,24 +353,81 @@ def test_a_kill_during_generation_or_a_weight_push_resumes_to_the_uninterrupted_
     """4 steps straight == 4 steps SIGKILLed in step 3's generation or weight push (the engine's 3rd generate, or its
     2nd load_tensors: step 1's push builds it from a folder) and resumed from step 2's checkpoint: the prompts'
     cursor and the seeds it gives regenerate the same completions from the same weights (exactly: one process, the
-    same fp32 arithmetic), so rewards, losses and gradient norms are equal."""
+    same fp32 arithmetic), so rewards, losses and gradient norms are equal. The killed run's shared-memory export
+    folder outlives it, and the next GRPO run (of another out) removes it as it starts."""
     from dataclasses import replace
 
     from hfmeg.parallel.launch import WorkerError
+    from hfmeg.train.rollout import SHM, export_folder
+    from hfmeg.train.rollout_folder import OWNER
 
     data = _prompts(tmp_path)
-    spawn(_run, 1, _config(tmp_path / "straight", data, steps=4))
     cfg = _config(tmp_path / "killed", data, steps=4)
     cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, save_every=1))
     with pytest.raises(WorkerError):
         spawn(_killed_in, 1, cfg, method, at_call)
     assert [r["step"] for r in _rows(tmp_path / "killed")] == [1, 2]
+    left = export_folder(tmp_path / "killed")
+    assert left.parent != SHM or (left / OWNER).is_file()  # where there is shared memory, the killed run's folder
+    spawn(_run, 1, _config(tmp_path / "straight", data, steps=4))
+    assert left.parent != SHM or not left.exists()
     spawn(_run, 1, replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto")))
     a, b = _rows(tmp_path / "straight"), _rows(tmp_path / "killed")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for x, y in zip(a, b):
         for k in ("reward", "completions/mean_length", "loss", "grad_norm"):
             assert x[k] == y[k], (k, x["step"])
+
+
+def _owner(folder: Path, die: bool) -> int:
+    """A forked process that claims `folder` (train/rollout_folder.py) and is then SIGKILLed by itself (`die`), or
+    waits to be; its pid once the claim is made."""
+    import os
+    import signal
+
+    from hfmeg.train.rollout_folder import RolloutFolder
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            os.close(read)
+            RolloutFolder(folder).claim()
+            (folder / "hf").mkdir()
+            os.write(write, b"1")
+            os.kill(os.getpid(), signal.SIGKILL) if die else signal.pause()
+        finally:
+            os._exit(1)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.close(read)
+    return pid
+
+
+def test_the_next_run_removes_the_folders_of_killed_runs_only(tmp_path):
+    """Rollout folders in a shared-memory root: one whose owner was SIGKILLed, one whose owner lives, one with no
+    owner record (an older hfmeg's). A run's claim removes the first only; its release removes its own; once the
+    living owner is killed too, a sweep removes its folder."""
+    import os
+    import signal
+
+    from hfmeg.train.rollout_folder import RolloutFolder, sweep
+
+    dead, live, old = (tmp_path / f"hfmeg-rollout-{name}" for name in ("dead", "live", "old"))
+    pid = _owner(live, die=False)
+    os.waitpid(_owner(dead, die=True), 0)  # after the living one: a claim sweeps first
+    old.mkdir()
+    try:
+        mine = RolloutFolder(tmp_path / "hfmeg-rollout-mine")
+        assert mine.claim() == [dead]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "hfmeg-rollout-mine", old.name]
+        assert sweep(tmp_path) == []  # a second run meanwhile: every owner left is alive
+        mine.release()
+        assert not mine.folder.exists()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert sweep(tmp_path) == [live] and [p.name for p in tmp_path.iterdir()] == [old.name]
 
 
 LEARN_STEPS = 12

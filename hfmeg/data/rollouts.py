@@ -115,3 +115,34 @@ def token_values(mb: CompletionBatch, per_completion: list[list[float]]) -> torc
             raise LayoutError(f"completion {k}: {len(values)} values for {len(where[0])} label tokens")
         out[where] = torch.tensor(values, dtype=torch.float32)
     return out
+
+
+def completion_tensors(completions: list[Completion]) -> dict[str, torch.Tensor]:
+    """`completions` as flat tensors, for a safetensors file (`completions_of` reads them back, equal): each one's
+    prompt and completion ids concatenated with their lengths, whether it was cut, and the generator's
+    log-probabilities (float64: the engine's Python floats as they were) of those that carry them."""
+    def ids(lists: list[list[int]]) -> torch.Tensor:
+        return torch.tensor([i for ids in lists for i in ids], dtype=torch.int64)
+
+    with_logps = [c.logps for c in completions if c.logps is not None]
+    return {"prompt_ids": ids([c.prompt_ids for c in completions]),
+            "prompt_lengths": torch.tensor([len(c.prompt_ids) for c in completions], dtype=torch.int64),
+            "completion_ids": ids([c.completion_ids for c in completions]),
+            "completion_lengths": torch.tensor([len(c.completion_ids) for c in completions], dtype=torch.int64),
+            "truncated": torch.tensor([c.truncated for c in completions], dtype=torch.bool),
+            "has_logps": torch.tensor([c.logps is not None for c in completions], dtype=torch.bool),
+            "logps": torch.tensor([v for logps in with_logps for v in logps], dtype=torch.float64)}
+
+
+def completions_of(tensors: dict[str, torch.Tensor]) -> list[Completion]:
+    """The completions `completion_tensors` flattened (LayoutError where the lengths do not add up)."""
+    prompt_lengths, lengths = tensors["prompt_lengths"].tolist(), tensors["completion_lengths"].tolist()
+    has_logps = tensors["has_logps"].tolist()
+    if (sum(prompt_lengths) != tensors["prompt_ids"].numel() or sum(lengths) != tensors["completion_ids"].numel()
+            or sum(n for n, has in zip(lengths, has_logps) if has) != tensors["logps"].numel()):
+        raise LayoutError("completion tensors: the lengths do not add up to the ids and log-probabilities held")
+    prompts = tensors["prompt_ids"].split(prompt_lengths)
+    completions = tensors["completion_ids"].split(lengths)
+    logps = iter(tensors["logps"].split([n for n, has in zip(lengths, has_logps) if has]))
+    return [Completion(p.tolist(), c.tolist(), next(logps).tolist() if has else None, bool(cut))
+            for p, c, has, cut in zip(prompts, completions, has_logps, tensors["truncated"].tolist(), strict=True)]

@@ -40,6 +40,12 @@ START_TIMEOUT_S = 900.0
 STOP_GRACE_S = 10.0
 
 
+def cpu_kv_cache_gib() -> int:
+    """The KV cache a worker on a CPU host is given, in GiB: `VLLM_CPU_KVCACHE_SPACE`, 1 unless set (vLLM's CPU backend
+    then reserves that and nothing more beside the weights; the planner counts it, plan/rollout.py)."""
+    return int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 1)
+
+
 def vllm_python() -> Path:
     """The vLLM environment's interpreter; EngineError saying how to make it when there is none."""
     named = os.environ.get("HFMEG_VLLM_PYTHON")
@@ -54,18 +60,20 @@ def vllm_python() -> Path:
 class VLLMEngine:
     """A vLLM worker process serving the HF folder `folder` (fp32, eager); `eos_ids` end a completion.
     `log`: where the worker's output goes (appended). `pad_id` is unused (vLLM pads nothing) but kept so the
-    engines are built alike."""
+    engines are built alike. `gpu_memory_utilization`: on a GPU, the share of its memory vLLM reserves for all it
+    holds (None: vLLM's default, 0.9); a CPU host's worker has its KV cache given instead (`cpu_kv_cache_gib`)."""
 
     def __init__(self, folder: Path, eos_ids: list[int], pad_id: int | None = None, *, log: Path | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, gpu_memory_utilization: float | None = None):
         self.eos_ids, self.owner = list(eos_ids), os.getpid()
         self.proc: subprocess.Popen | None = None
         python = vllm_python()
         mine, theirs = socket.socketpair()
         settings = dict(dtype="float32", enforce_eager=True, seed=0, logprobs_mode="processed_logprobs",
-                        parent=os.getpid(), **({"max_model_len": max_model_len} if max_model_len else {}))
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE":
-               os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "TOKENIZERS_PARALLELISM": "false"}
+                        parent=os.getpid(), **({"max_model_len": max_model_len} if max_model_len else {}),
+                        **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_cache_gib()),
+               "TOKENIZERS_PARALLELISM": "false"}
         self.log = log
         out = open(log, "ab") if log else subprocess.DEVNULL
         try:

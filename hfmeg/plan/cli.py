@@ -31,6 +31,7 @@ from .hardware import GB, GPUS, ClusterSpec, gpu_spec
 from .layout import PlanLayout, parse_layout
 from .models import resolve_model
 from .profile import default_profile, load_profile
+from .rollout import VLLM_GPU_MEMORY_UTILIZATION, grpo_terms
 from .search import Evaluation, Job, best_layout, evaluate, search
 from ..flags import Parser
 
@@ -62,6 +63,18 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
                          "step and, without --peft, count its frozen copy; simpo has no reference")
     ap.add_argument("--peft-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"],
                     help="HF projection names or all-linear (with --peft)")
+    ap.add_argument("--generator", choices=("transformers", "vllm"),
+                    help="a GRPO run (docs/grpo.md) with this generation engine: counts the engine and the weights' "
+                         "export folder on global rank 0, and with --beta > 0 the reference as for DPO")
+    ap.add_argument("--max-completion-length", type=int, help="GRPO: tokens a completion may have (with --generator)")
+    ap.add_argument("--num-generations", type=int, help="GRPO: completions per prompt, a divisor of "
+                    "--global-batch-size (with --generator)")
+    ap.add_argument("--beta", type=float, default=0.0, help="GRPO: the KL weight; > 0 holds a reference (default: 0)")
+    ap.add_argument("--steps-per-generation", type=int, default=1,
+                    help="GRPO: optimizer steps one generation batch feeds (default: %(default)s)")
+    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=VLLM_GPU_MEMORY_UTILIZATION,
+                    help="GRPO with --generator vllm on GPUs: the share of rank 0's GPU vLLM reserves "
+                         "(default: %(default)s)")
     for flag in ("--peak-tflops", "--memory-gb", "--hbm-gbps", "--nvlink-gbps"):
         ap.add_argument(flag, type=float, help="GPU numbers (required for --gpu custom; override otherwise)")
 
@@ -110,10 +123,32 @@ def _job(a) -> tuple[Job, list[str]]:
     peft = PeftConfig(**section)
     peft.check()
     reference = a.loss_type in ("sigmoid", "ipo")
+    terms = dict(reference_forward=reference, reference_copy=reference and not peft.enabled)
+    if a.generator:
+        terms = _grpo_terms(a, peft.enabled)
     return Job(resolve_model(a.model), cluster, prof, a.global_batch_size, a.seq_len, DTYPE_BYTES[a.dtype],
-               vocab_multiple=a.vocab_multiple,
-               peft=peft if peft.enabled else None, reference_forward=reference,
-               reference_copy=reference and not peft.enabled, fp8=a.fp8), defaulted
+               vocab_multiple=a.vocab_multiple, peft=peft if peft.enabled else None, fp8=a.fp8, **terms), defaulted
+
+
+def _grpo_terms(a, adapters: bool) -> dict:
+    """A GRPO run's `Job` fields from the flags (plan/rollout.py), the flags checked as the run checks its settings."""
+    if a.loss_type != "none":
+        raise LayoutError(f"--loss-type {a.loss_type} with --generator: a GRPO run has its own loss (no preference "
+                          "loss)")
+    if a.max_completion_length is None or not 0 < a.max_completion_length < a.seq_len:
+        raise LayoutError(f"--max-completion-length {a.max_completion_length}: a GRPO run (--generator) needs one in "
+                          f"[1, --seq-len {a.seq_len}), the room its prompts leave")
+    if a.num_generations is not None and (a.num_generations < 2 or a.global_batch_size % a.num_generations):
+        raise LayoutError(f"--num-generations {a.num_generations}: must be >= 2 and divide --global-batch-size "
+                          f"{a.global_batch_size} (the completions of a step)")
+    if a.beta < 0 or a.steps_per_generation < 1 or not 0 < a.vllm_gpu_memory_utilization <= 1:
+        raise LayoutError(f"--beta {a.beta}, --steps-per-generation {a.steps_per_generation}, "
+                          f"--vllm-gpu-memory-utilization {a.vllm_gpu_memory_utilization}: must be >= 0, >= 1 and "
+                          "in (0, 1]")
+    return grpo_terms(generator=a.generator, beta=a.beta, adapters=adapters, global_batch_size=a.global_batch_size,
+                      generation_steps=a.steps_per_generation, seq_len=a.seq_len,
+                      max_completion_length=a.max_completion_length,
+                      vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization)
 
 
 def _row(i, ev: Evaluation) -> str:
@@ -128,9 +163,12 @@ HEADER = f"{'#':>3} {'layout':<44} {'GiB/GPU':>8} {'step s':>8} {'tok/s/GPU':>9}
 def _explain(ev: Evaluation) -> None:
     m, t = ev.memory, ev.time
     print(f"{ev.layout.name()}  (schedule {ev.layout.schedule}, stage {m.stage} is the fullest)")
+    rollouts = ("rollouts_held", "rollouts_generating") if m.rollouts_held or m.rollouts_host else ()
     for key in ("param_buffer", "grad_buffer", "optimizer_state", "frozen_weights", "activations", "transient",
-                "total"):
-        print(f"  memory {key:<16} {getattr(m, key) / GIB:>9.2f} GiB")
+                *rollouts, "total"):
+        print(f"  memory {key:<19} {getattr(m, key) / GIB:>9.2f} GiB")
+    if m.rollouts_host:  # a GRPO run's on GPUs: the export folder (and the transformers engine) in host memory
+        print(f"  host   rollouts            {m.rollouts_host / GIB:>9.2f} GiB (rank 0's node, beside the GPU's count)")
     for key in ("compute_s", "reference_s", "tp_comm_s", "ep_comm_s", "p2p_s", "bubble_s", "dp_exposed_s", "optimizer_s", "step_s"):
         print(f"  time   {key:<16} {getattr(t, key):>9.4f} s")
     print(f"  {t.tokens_per_s_per_gpu:.0f} tokens/s/GPU, {t.tflops_per_gpu:.1f} TFLOP/s/GPU, MFU {t.mfu:.1%}")

@@ -26,10 +26,11 @@
   parameters once more in the model dtype, counted in `frozen_weights`. Its forward runs before the
   policy's, without autograd, so it adds no saved activations (a layer's transients only, below
   the recompute and cross-entropy transients counted). LoRA's reference is the base itself: nothing.
-- A GRPO run's in-process transformers generation engine (`engine`, `engine_bytes`), on global rank 0 (pipeline
-  stage 0) where it shares the rank's device: the whole model once more in fp32 (`engine_weights`, held for the
-  run), and while it generates, between steps when no activation is held, the KV cache of the generation batch and
-  its prompt pass's logits (`engine_generation`).
+- A GRPO run's rollouts (`rollouts`, plan/rollout.py), on global rank 0 (pipeline stage 0): what its generation
+  engine and the weights' export folder hold on the rank's device for the run (`rollouts_held`: on CPU ranks the
+  engine's fp32 model, vLLM's KV cache and the folder; on a GPU vLLM's reserved share of it), what the transformers
+  engine holds while it generates, between steps when no activation is held (`rollouts_generating`), and, on GPUs,
+  what they hold in host memory outside the GPU's count (`rollouts_host`).
 - Transients the saved-tensor meter cannot see: one layer recomputed in backward,
   and the chunked cross-entropy's fp32 logits (forward and backward hold two
   `chunk_tokens x V/tp` buffers) plus a head-weight-sized gradient in the model
@@ -61,6 +62,7 @@ from ..peft.config import PeftConfig
 from .activations import Shape, chunk_bytes, received_input_bytes, recompute_transient_bytes
 from .fp8 import fp8_copy_bytes
 from .layout import PlanLayout
+from .rollout import RolloutMemory, RolloutTerms, rollout_memory
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,9 @@ class Memory:
     expert_buckets: int = 0  # of `buckets`, the expert buckets
     tp_summed: int = 0  # owned gradient elements summed over TP after the DP sum (SP norms, MoE weights)
     frozen_weights: int = 0  # bytes of parameters no optimizer holds (a LoRA run's base, a reference copy)
-    engine_weights: int = 0  # a GRPO run's transformers engine's model, on global rank 0 (`engine_bytes`)
-    engine_generation: int = 0  # what that engine holds while it generates, between steps
+    rollouts_held: int = 0  # a GRPO run's engine and export folder, on global rank 0 (plan/rollout.py)
+    rollouts_generating: int = 0  # what its transformers engine holds while it generates, between steps
+    rollouts_host: int = 0  # what they hold in rank 0's node's host memory, outside a GPU's count (not in `total`)
 
     @property
     def measurable(self) -> int:
@@ -90,7 +93,7 @@ class Memory:
     @property
     def total(self) -> int:
         # the engine generates between steps, when the step's activations and transients are gone
-        return self.measurable + self.engine_weights + max(self.transient, self.engine_generation - self.activations)
+        return self.measurable + self.rollouts_held + max(self.transient, self.rollouts_generating - self.activations)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -185,24 +188,6 @@ def _simulated_peak(schedule: str, pp: int, pp_rank: int, vpp: int, microbatches
     return peak
 
 
-def engine_bytes(cfg: ModelConfig, completions: int, prompt_len: int, seq_len: int) -> tuple[int, int]:
-    """The in-process transformers engine generating `completions` at once, prompts of up to `prompt_len` tokens, rows
-    of up to `seq_len` (generation/transformers_engine.py): (its model: every parameter of the whole model in fp32,
-    tied embeddings once, counted on the real `ModelChunk` unsharded and unpadded; what generating holds: the fp32
-    keys and values of every layer that keeps its own, for each row's `seq_len` − 1 positions (the last sampled token
-    is never fed back), plus the prompt pass's fp32 logits, `completions` × `prompt_len` × vocabulary). A layer's
-    cache is counted at full length (a sliding window's included); MLA's and linear attention's states are not
-    modelled apart."""
-    with torch.device("meta"):
-        chunk = ModelChunk(cfg, RankGrid().place(0), range(cfg.num_layers), pre_process=True, post_process=True,
-                           vocab_multiple=1)
-    weights = 4 * sum(p.numel() for p in chunk.parameters())
-    per_position = sum(2 * shape.num_kv_heads * shape.head_dim for shape in map(cfg.attention_shape,
-                                                                                range(cfg.num_layers))
-                       if not shape.reused)
-    return weights, 4 * completions * ((seq_len - 1) * per_position + prompt_len * cfg.vocab_size)
-
-
 def plan_shape(lay: PlanLayout, seq_len: int, dtype_bytes: int, dense_mask: bool = False) -> Shape:
     """The activation shape of one micro-batch of `lay` (`dense_mask`: attention on the CPU path)."""
     return Shape(lay.micro_batch, seq_len, lay.tp, lay.sp, dtype_bytes, lay.recompute, lay.ep, lay.cp, dense_mask)
@@ -211,11 +196,11 @@ def plan_shape(lay: PlanLayout, seq_len: int, dtype_bytes: int, dense_mask: bool
 def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: int, seq_len: int,
                  dtype_bytes: int = 2, opt: OptimizerConfig | None = None, peft: PeftConfig | None = None,
                  dense_mask: bool = False, reference_copy: bool = False, fp8: bool = False,
-                 engine: tuple[int, int, int] | None = None) -> Memory:
+                 rollouts: RolloutTerms | None = None, gpu_bytes: float | None = None) -> Memory:
     """`dense_mask`: the CPU path's attention (activations.Shape.dense_mask); `reference_copy`: a preference
     run's frozen reference model beside the trained one; `fp8`: the decoder linears run in FP8 (`model.fp8`: their
-    operands' FP8 copies, plan/fp8.py); `engine`: a GRPO run's transformers engine on this device, `engine_bytes`'s
-    (completions, prompt_len, seq_len), held by pipeline stage 0 (global rank 0)."""
+    operands' FP8 copies, plan/fp8.py); `rollouts`: a GRPO run's, held by pipeline stage 0 (global rank 0) on its GPU
+    of `gpu_bytes` (None: a CPU rank), `rollout.rollout_memory`."""
     opt = opt or OptimizerConfig(mode=lay.optimizer)
     shards, expert_shards = _shards(lay)
     shape = plan_shape(lay, seq_len, dtype_bytes, dense_mask)
@@ -234,19 +219,21 @@ def stage_memory(cfg: ModelConfig, lay: PlanLayout, pp_rank: int, global_batch: 
         transient = max(transient, ce)
     dense = el.padded - el.expert_padded
     state = 12 * (dense // shards + el.expert_padded // (expert_shards or shards))
-    held, generating = engine_bytes(cfg, *engine) if engine is not None and pp_rank == 0 else (0, 0)
+    roll = rollout_memory(cfg, rollouts, dtype_bytes, gpu_bytes) if rollouts is not None else RolloutMemory()
+    if pp_rank != 0:  # the host memory is rank 0's node's, which every stage's report names
+        roll = RolloutMemory(host=roll.host)
     return Memory(pp_rank, el.params, dtype_bytes * el.padded, 4 * el.padded, state, activations, transient,
                   el.buckets, el.expert_padded, el.expert_buckets, el.tp_summed,
                   dtype_bytes * (el.frozen - el.four_bit + reference_copy * el.params) + el.four_bit_bytes,
-                  held, generating)
+                  roll.held, roll.generating, roll.host)
 
 
 def stage_memories(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,
                    opt: OptimizerConfig | None = None, peft: PeftConfig | None = None,
                    dense_mask: bool = False, reference_copy: bool = False, fp8: bool = False,
-                   engine: tuple[int, int, int] | None = None) -> list[Memory]:
+                   rollouts: RolloutTerms | None = None, gpu_bytes: float | None = None) -> list[Memory]:
     return [stage_memory(cfg, lay, r, global_batch, seq_len, dtype_bytes, opt, peft, dense_mask, reference_copy, fp8,
-                         engine) for r in range(lay.pp)]
+                         rollouts, gpu_bytes) for r in range(lay.pp)]
 
 
 def memory(cfg: ModelConfig, lay: PlanLayout, global_batch: int, seq_len: int, dtype_bytes: int = 2,

@@ -24,6 +24,7 @@ from .hardware import ClusterSpec
 from .layout import PlanLayout, check_layout
 from .memory import Memory, stage_memories
 from .profile import Profile
+from .rollout import RolloutTerms
 from .step_time import StepTime, step_time
 
 GIB = 2**30
@@ -60,10 +61,8 @@ class Job:
     # fine-tuning holds it as a frozen copy
     reference_forward: bool = False
     reference_copy: bool = False
-    # A GRPO run's in-process transformers engine (memory.engine_bytes: completions generated at once, prompt tokens,
-    # seq_len). It runs on the CPU (train/rollout.py), so only a CPU run's rank 0 holds it beside its training state;
-    # on GPUs it is in host memory
-    engine: tuple[int, int, int] | None = None
+    # A GRPO run's rollouts (plan/rollout.py: its generation engine and the weights' export folder), on global rank 0
+    rollouts: RolloutTerms | None = None
     # False: refuse a TP or EP group across nodes, as the trainer does without parallel.allow_cross_host
     # (`--layout auto`); `hfmeg plan` times them over the inter-node link instead
     cross_host: bool = True
@@ -79,7 +78,7 @@ def evaluate(job: Job, lay: PlanLayout) -> Evaluation:
     # a CPU profile's ranks attend as on the CPU: dense masks, explicit soft-capped scores
     stages = stage_memories(job.cfg, lay, job.global_batch, job.seq_len, job.dtype_bytes, peft=job.peft,
                             dense_mask=job.profile.gloo, reference_copy=job.reference_copy, fp8=job.fp8,
-                            engine=job.engine if job.profile.gloo else None)
+                            rollouts=job.rollouts, gpu_bytes=None if job.profile.gloo else job.cluster.gpu.memory_bytes)
     mem = max(stages, key=lambda m: m.total)
     if mem.total > job.cluster.usable_memory:
         raise LayoutError(f"out of memory: needs {mem.total / GIB:.1f} GiB per GPU, "

@@ -12,6 +12,8 @@ model tensors into it:
         optim/optim_ppPPP_tpTT_dpDDD.safetensors             sharded fp32 master + Adam moments
         rng/rank_RRRRR.json                                   every rank's RNG state
         trainer_state.json                                    step, data position, config
+        rollout/                                              a GRPO run's generation batch, when the
+                                                              checkpoint falls inside it (train/rollout_checkpoint.py)
     <out>/hf_source/                                         the HF side files every checkpoint copies
 
 Everything goes into a temporary sibling first, is fsync'ed and renamed into place,
@@ -71,6 +73,7 @@ from .rng import rng_state, set_rng_state
 STATE_FILE = "trainer_state.json"
 OPTIM_DIR = "optim"
 RNG_DIR = "rng"
+ROLLOUT_DIR = "rollout"
 HF_SOURCE_DIR = "hf_source"
 ORPHAN = "orphan"  # the suffix of a folder set aside from above an automatic resume point (`set_aside`)
 # trainer_state.json: field -> type; `shared_layers` is absent from checkpoints older than layer sharing,
@@ -225,11 +228,13 @@ class RunCheckpoints:
         replace_dir(tmp, self.hf_source)
 
     def save(self, step: int, chunks, ps, opt, trainer_state: dict[str, Any], *,
-             pp_layers: list[int] | None, write_model: Callable = write_model_shard) -> Path:
+             pp_layers: list[int] | None, write_model: Callable = write_model_shard,
+             write_data: Callable[[Path], None] | None = None) -> Path:
         """Collective: every rank calls it. Returns the checkpoint's iteration folder.
 
         `write_model(chunks, ps, layout, folder)` writes the model's part (a LoRA run writes
-        its adapter shards instead: the model part's `write_model`, `parts/`)."""
+        its adapter shards instead: the model part's `write_model`, `parts/`); `write_data(folder)`, on
+        every rank, what the data keeps beside its state (a GRPO run's generation batch, `ROLLOUT_DIR`)."""
         # Checked on every rank (the folder is shared), so that all stop here rather than some in a barrier.
         if not (self.hf_source / "config.json").is_file():
             raise CheckpointError(f"{self.hf_source}: no config.json; it was copied at the start of the run and "
@@ -240,6 +245,8 @@ class RunCheckpoints:
             save_optimizer_state(opt, folder / OPTIM_DIR)
             (folder / RNG_DIR).mkdir(exist_ok=True)
             _rng_file(folder).write_text(json.dumps(rng_state(ps.device)))
+            if write_data is not None:
+                write_data(folder)
             if ps.rank == 0:
                 (folder / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
         if ps.rank == 0:

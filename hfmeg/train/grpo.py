@@ -56,6 +56,7 @@ from ..data.rollouts import CompletionBatch
 from ..errors import LayoutError, UnsupportedConfigError
 from ..parallel.comm import all_reduce_cp
 from ..parallel.pipeline import forward_backward
+from ..plan.rollout import VLLM_GPU_MEMORY_UTILIZATION, grpo_terms
 from .dataclass_io import ConfigError
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
@@ -95,10 +96,17 @@ class GRPOSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # the vLLM engine on a GPU: the share of its memory vLLM reserves for all it holds (TRL's colocated-vLLM setting
+    # and default; vLLM's own default, 0.9, would leave the training ranks a tenth); on a CPU host it is given its KV
+    # cache instead (VLLM_CPU_KVCACHE_SPACE)
+    vllm_gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION
 
     def __post_init__(self) -> None:
         if self.generator not in ("transformers", "vllm"):
             raise ConfigError(f"grpo.generator must be transformers or vllm, got {self.generator!r}")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(f"grpo.vllm_gpu_memory_utilization must be in (0, 1], got "
+                              f"{self.vllm_gpu_memory_utilization}")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"grpo.reward_weights: {len(self.reward_weights)} weights for "
                               f"{len(self.reward_funcs)} reward functions")
@@ -159,15 +167,13 @@ class GRPOSettings:
         return self.beta != 0.0
 
     def planner_terms(self, adapters: bool, global_batch_size: int, seq_len: int) -> dict:
-        """What the planner counts of a GRPO run (`plan.search.Job`): the reference (beta > 0) runs forward each step,
-        a frozen copy for full fine-tuning (LoRA's is the base itself); the transformers engine generating a
-        generation batch (vLLM's runs in a process of its own)."""
-        engine = None
-        if self.generator == "transformers":
-            engine = (global_batch_size * self.generation_steps(global_batch_size),
-                      seq_len - self.max_completion_length, seq_len)
-        return dict(reference_forward=self.needs_reference, reference_copy=self.needs_reference and not adapters,
-                    engine=engine)
+        """What the planner counts of a GRPO run (`plan.search.Job`'s fields, plan/rollout.py): the reference (beta >
+        0) and the rollouts' engine and export folder."""
+        return grpo_terms(generator=self.generator, beta=self.beta, adapters=adapters,
+                          global_batch_size=global_batch_size,
+                          generation_steps=self.generation_steps(global_batch_size), seq_len=seq_len,
+                          max_completion_length=self.max_completion_length,
+                          vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization)
 
     def generation_steps(self, global_batch_size: int) -> int:
         """Optimizer steps one generation batch feeds (check_config refuses a generation batch of no whole steps)."""

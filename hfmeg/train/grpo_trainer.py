@@ -5,8 +5,8 @@ the current weights each step, scored, with advantages); a batch's loss is `grpo
 carries the generation's metrics (rewards, completion lengths) into the logged ones; and with `grpo.beta`
 > 0 the reference (a frozen copy for full fine-tuning, the base with the adapters off for LoRA, as for
 DPO: parts/reference.py) fills each completion token's reference log-probability forward-only before
-the policy's pass. Checkpoints, resume (the prompt cursor is the data state), export and the card are
-the loop's own.
+the policy's pass. Checkpoints, resume (the prompt cursor is the data state; a checkpoint inside a
+generation batch also keeps the batch: rollout_checkpoint.py), export and the card are the loop's own.
 """
 
 from __future__ import annotations
@@ -47,7 +47,10 @@ class GRPOTrainer(Trainer):
 
     def _build_data(self):
         return Rollouts(self.cfg, self.ps, self.tokenizer, lambda: self.chunks, self.part, self.checkpoints.hf_source,
-                        self.out, self.schedule, engine=self.given_engine)
+                        self.out, self.schedule, engine=self.given_engine, resume_dir=self.resume_dir)
+
+    def _write_data(self, folder):
+        self.data.write_checkpoint(folder)
 
     def _objective(self, batch):
         return _Loss(self.cfg.grpo, self.ps, batch, self.chunks)

@@ -13,7 +13,8 @@
   holds optimizer state under layer 0's names only; every layer is written with it, which
   the resumed run reads whichever phase it is in (models/shared_layers.py);
 - `trainer_state.json` (step, data position, config) is copied verbatim: which rows
-  form global batch k does not depend on the layout.
+  form global batch k does not depend on the layout; so is a GRPO checkpoint's `rollout/` (its held generation
+  batch, keyed by completion and position: train/rollout_checkpoint.py).
 A LoRA/DoRA checkpoint (adapter shards, `adapter.json`) moves only its adapters and their optimizer
 state (`reshard_adapters`); the base it references is not in it. Which of the two a checkpoint takes is its
 model part's to say (`parts/__init__.py` `reshard_training_checkpoint`).
@@ -55,7 +56,7 @@ from ..optim.state_io import STATE, read_meta
 from ..peft.adapter_files import assemble, check_adapter_shards
 from ..peft.export import INFO_FILE, read_info
 from ..peft.layout_shards import local_tensors, rank_adapters, write_layout_shards
-from .checkpointing import OPTIM_DIR, RNG_DIR, STATE_FILE, read_trainer_state, rng_file_name
+from .checkpointing import OPTIM_DIR, RNG_DIR, ROLLOUT_DIR, STATE_FILE, read_trainer_state, rng_file_name
 
 
 def _stage_state(folder: Path, pp_rank: int, tp: int, state: str) -> list[dict[str, torch.Tensor]]:
@@ -141,6 +142,14 @@ def _save_optimizer_shard(iter_dir: Path, p: int, t: int, layout: MPLayout, old_
                  {"hfmeg_optimizer": json.dumps(meta)})
 
 
+def _carry_state(folder: Path, iter_dir: Path) -> None:
+    """The trainer state, and a GRPO run's held generation batch where it has one, copied verbatim: neither depends
+    on the layout (train/rollout_checkpoint.py)."""
+    shutil.copyfile(folder / STATE_FILE, iter_dir / STATE_FILE)
+    if (folder / ROLLOUT_DIR).is_dir():
+        shutil.copytree(folder / ROLLOUT_DIR, iter_dir / ROLLOUT_DIR)
+
+
 def _carry_rng(folder: Path, old: MPLayout, new: MPLayout, iter_dir: Path) -> None:
     """Write `iter_dir/rng/` for `new` from `folder`'s, when the pipeline split is the same (module docstring);
     the DP x CP size is the one the old files imply, which the resumed run must keep to use them."""
@@ -211,8 +220,8 @@ def reshard_adapters(mp: str | Path, out: str | Path, *, tp: int, pp: int, vpp: 
                                   {n: {s: named[i][n] for i, s in enumerate(STATE)} for n in named[0]})
         layout.write(iter_dir)
         copy_hf_side_files(folder / HF_DIR, iter_dir / HF_DIR)
-        for name in (STATE_FILE, INFO_FILE):
-            shutil.copyfile(folder / name, iter_dir / name)
+        shutil.copyfile(folder / INFO_FILE, iter_dir / INFO_FILE)
+        _carry_state(folder, iter_dir)
         _carry_rng(folder, old, layout, iter_dir)
         write_latest(tmp, layout.iteration)
     return Path(out)
@@ -231,7 +240,7 @@ def reshard_full(mp: str | Path, out: str | Path, *, tp: int, pp: int, vpp: int 
 
     def extra(iter_dir: Path) -> None:
         _write_optimizer(source, layout, iter_dir)
-        shutil.copyfile(state_file, iter_dir / STATE_FILE)
+        _carry_state(source.folder, iter_dir)
         _carry_rng(source.folder, source.layout, layout, iter_dir)
 
     return write_mp_checkpoint(source, source.cfg, layout, source.hf_dir, out, dtype=parse_dtype(dtype),

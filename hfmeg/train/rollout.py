@@ -21,7 +21,9 @@ state and its report). For a step it:
    share of each, one completion per row, `micro_batch_size` rows per micro-batch, cut for its CP rank; where
    the batch serves more than one optimizer step (`steps_per_generation` or `num_iterations` > 1) the
    policy's forward-only pass fills π_old (`old_logps`) of every step's batch now, before any of them
-   trains, and the steps take them in turn, `num_iterations` times over (TRL's order).
+   trains, and the steps take them in turn, `num_iterations` times over (TRL's order). A checkpoint taken
+   between those steps keeps the batch and π_old (`rollout_checkpoint.py`), and a resume takes the remaining steps
+   from it, as the uninterrupted run does.
 Rank 0 appends the step's first group, with its rewards, to `<out>/completions.jsonl`.
 
 An evaluation (`train.eval_every`, `evaluate`) pushes the weights the same way, and rank 0 generates one greedy
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,11 +51,15 @@ from ..data.batches import check_batch_layout
 from ..data.prompts import PromptReader, eval_prompts
 from ..data.rollouts import CompletionBatch, pack_completions
 from ..parallel.agree import agree
-from ..errors import HfmegError
+from ..errors import CheckpointError, HfmegError
 from ..generation.engine import Engine, SamplingParams
 from ..generation.transformers_engine import TransformersEngine
 from ..generation.vllm_engine import VLLMEngine
+from . import rollout_checkpoint
+from .checkpointing import ROLLOUT_DIR
 from .grpo import annotate_logps, group_advantages, reward_metrics, weighted_total
+from .rollout_checkpoint import Generation
+from .rollout_folder import PREFIX, RolloutFolder
 from .rewards import name_of, resolve, score, text_of
 
 COMPLETIONS_FILE = "completions.jsonl"
@@ -81,6 +86,14 @@ def completion_metrics(completions) -> dict[str, float]:
             "completions/clipped_ratio": sum(c.truncated for c in completions) / len(completions)}
 
 
+def export_folder(out: Path) -> Path:
+    """The folder the weights are exported to for the engine: in shared memory where there is one (a RAM write and
+    read per push), named after the run's out and owned by rank 0 while it lives (a run's start removes those of
+    runs that were killed: rollout_folder.py); else under `out`."""
+    run = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
+    return SHM / f"{PREFIX}{run}" if SHM.is_dir() else Path(out) / WEIGHTS_DIR / "export"
+
+
 def sample_seed(seed: int, epoch: int, record: int, sample: int) -> int:
     digest = hashlib.sha256(f"{seed}:{epoch}:{record}:{sample}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
@@ -88,9 +101,9 @@ def sample_seed(seed: int, epoch: int, record: int, sample: int) -> int:
 
 class Rollouts:
     def __init__(self, cfg, ps, tokenizer, chunks: Callable[[], list], part, hf_source: Path, out: Path,
-                 schedule: str, engine: Engine | None = None):
+                 schedule: str, engine: Engine | None = None, resume_dir: Path | None = None):
         self.cfg, self.ps, self.tok, self.chunks, self.part = cfg, ps, tokenizer, chunks, part
-        self.hf_source, self.out, self.schedule = hf_source, out, schedule
+        self.hf_source, self.out, self.schedule, self.resume_dir = hf_source, out, schedule, resume_dir
         g, t = cfg.grpo, cfg.train
         check_batch_layout(t.global_batch_size, t.micro_batch_size, ps.dp, ps.dp_rank)
         self.funcs = [resolve(n) for n in g.reward_funcs]
@@ -99,23 +112,52 @@ class Rollouts:
         self.eval_prompts = None  # rank 0's, read at the first evaluation
         self.report = DataReport()
         self.engine, self.owns_engine = engine, engine is None  # a given engine: the caller closes it
-        # the HF folder the engine loads: in shared memory where there is one (a RAM write and read per push),
-        # named after the run's out, so a resume of a killed run reuses (and at its end removes) the killed one's
-        run = hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:16]
-        self.export_dir = (SHM / f"hfmeg-rollout-{run}" if SHM.is_dir() else out / WEIGHTS_DIR / "export")
+        self.export_dir = export_folder(out)
+        self.shm = RolloutFolder(self.export_dir) if ps.rank == 0 and self.export_dir.parent == SHM else None
+        if self.shm is not None:
+            self.shm.claim()
         # an in-process engine, once built, takes the live tensors themselves (every rank knows which it is, and
         # learns from rank 0's first generation whether its model takes its stored tensors by name)
         self.in_memory = hasattr(engine, "load_tensors") if engine is not None else g.generator == "transformers"
-        self.held: list[RolloutBatch] = []  # the current generation batch's global batches
-        self.uses = 0
+        self.generation: Generation | None = None  # the current generation batch, as rank 0 broadcast it
+        self.held: list[RolloutBatch] = []  # its global batches, this rank's share of each
+        self.uses = 0  # how many of its len(held) x num_iterations steps have taken one
         self.step = 0
 
+    @property
+    def inside_generation(self) -> bool:
+        """Steps are left of the current generation batch: a checkpoint now keeps it (`write_checkpoint`)."""
+        return 0 < self.uses < len(self.held) * self.cfg.grpo.num_iterations
+
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": list(self.reader.cursor), "report": self.report.state_dict()}
+        state = {"cursor": list(self.reader.cursor), "report": self.report.state_dict()}
+        if self.inside_generation:
+            state["held_uses"] = self.uses
+        return state
+
+    def write_checkpoint(self, folder: Path) -> None:
+        """Every rank, into a checkpoint being saved: the current generation batch where steps are left of it."""
+        if self.inside_generation:
+            rollout_checkpoint.save(folder, self.ps, self.generation, self.held)
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """The prompt cursor; and a generation batch the checkpoint kept (`held_uses` of its steps taken), which the
+        next steps take as the uninterrupted run's did. CheckpointError if this run's settings cut it otherwise."""
         self.reader = self._reader(tuple(d["cursor"]))
         self.report.load_state_dict(d["report"])
+        uses = d.get("held_uses")
+        if uses is None:
+            return
+        g, n = self.cfg.grpo, self.cfg.train.global_batch_size
+        generation, table = rollout_checkpoint.load(self.resume_dir)
+        size, steps = len(generation.completions), g.generation_steps(n)
+        if not (isinstance(uses, int) and size == steps * n and 0 < uses < steps * g.num_iterations):
+            raise CheckpointError(
+                f"{self.resume_dir / ROLLOUT_DIR}: holds a generation batch of {size} completions, {uses!r} of its "
+                f"steps taken; this run's generation batch is {steps * n} completions (train.global_batch_size "
+                f"{n} x {steps} steps), used grpo.num_iterations {g.num_iterations} times: resume with the "
+                "checkpoint's settings, or from a checkpoint at a generation boundary")
+        self.generation, self.held, self.uses = generation, self._pack(generation, table), uses
 
     def _reader(self, cursor: tuple[int, int]) -> PromptReader:
         """The training prompts from `cursor` on (the held-out ones, `data.eval_split`, left out)."""
@@ -140,8 +182,8 @@ class Rollouts:
         engine, self.engine = self.engine, None
         if engine is not None and self.owns_engine:
             engine.close()
-        if self.ps.rank == 0 and self.export_dir.parent == SHM:
-            shutil.rmtree(self.export_dir, ignore_errors=True)
+        if self.shm is not None:
+            self.shm.release()
 
     def __iter__(self):
         return self
@@ -165,7 +207,8 @@ class Rollouts:
         completions, advantages, masked, metrics, in_place = payload[0]
         self.in_memory = self.in_memory and in_place  # the next pushes: tensors in place, or a folder to build from
         self.report.documents += len(completions)
-        self.held, self.uses = self._pack(completions, advantages, masked, metrics), 1
+        self.generation = Generation(completions, advantages, masked, metrics)
+        self.held, self.uses = self._pack(self.generation), 1
         return self.held[0]
 
     def evaluate(self) -> dict[str, float]:
@@ -248,7 +291,8 @@ class Rollouts:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         if self.cfg.grpo.generator == "vllm":
             self.engine = VLLMEngine(hf, [tok.eos_token_id], pad, log=self.out / VLLM_LOG,
-                                     max_model_len=self.cfg.data.seq_len)
+                                     max_model_len=self.cfg.data.seq_len,
+                                     gpu_memory_utilization=self.cfg.grpo.vllm_gpu_memory_utilization)
         else:
             self.engine = TransformersEngine(hf, [tok.eos_token_id], pad)
 
@@ -263,15 +307,20 @@ class Rollouts:
         columns = {k: [p.columns.get(k) for p in prompts for _ in range(copies)] for k in keys}
         return as_given, texts, score(self.funcs, as_given, texts, columns)
 
-    def _pack(self, completions, advantages, masked, metrics) -> list[RolloutBatch]:
-        """The generation batch as its steps' global batches, this rank's share of each (module doc, 3.)."""
+    def _pack(self, generation: Generation, old_logps: torch.Tensor | None = None) -> list[RolloutBatch]:
+        """The generation batch as its steps' global batches, this rank's share of each (module doc, 3.); π_old from a
+        forward pass of the current weights, or where a checkpoint kept it, from its table (`rollout_checkpoint.load`)."""
         n, g = self.cfg.train.global_batch_size, self.cfg.grpo
+        completions, advantages, masked, metrics = (generation.completions, generation.advantages, generation.masked,
+                                                    generation.metrics)
         steps = [slice(lo, lo + n) for lo in range(0, len(completions), n)]
         kept = [len(c.completion_ids) for i, c in enumerate(completions) if not (masked and masked[i])]
         dapo_tokens = max(sum(kept), 1) / len(steps) if len(steps) > 1 else None
         batches = [self._pack_step(completions[s], advantages[s], masked[s] if masked else None, metrics, dapo_tokens)
                    for s in steps]
-        if len(steps) > 1 or g.num_iterations > 1:  # π_old: the policy as it generated, by the training forward
+        if (len(steps) > 1 or g.num_iterations > 1) and old_logps is not None:
+            batches = rollout_checkpoint.restore_old_logps(batches, self.ps, old_logps, self.resume_dir)
+        elif len(steps) > 1 or g.num_iterations > 1:  # π_old: the policy as it generated, by the training forward
             batches = [replace(b, microbatches=annotate_logps(self.chunks(), b.microbatches, self.ps, self.schedule,
                                                               "old_logps")) for b in batches]
         return batches

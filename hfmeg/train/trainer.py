@@ -218,6 +218,8 @@ class Trainer:
                 self.data.load_state_dict(saved["data"])
             except DataError as e:
                 error = CheckpointError(f"{self.resume_dir / STATE_FILE}: field data: {e}")
+            except CheckpointError as e:  # a file the data keeps beside its state (`_write_data`)
+                error = e
             agree(error, self.ps.device)
             if self.is_logger:
                 print(f"resuming from {self.resume_dir} (step {self.step})")
@@ -457,9 +459,14 @@ class Trainer:
         state = {"data": self.data.state_dict(), "config": self.cfg.to_dict(),
                  "shared_layers": self.part.layers_shared, "dp": self.ps.dp, **self.part.checkpoint_state()}
         folder = self.checkpoints.save(self.step, self.chunks, self.ps, self.opt, state,
-                                       pp_layers=self.cfg.parallel.pp_layers, write_model=self.part.write_model)
+                                       pp_layers=self.cfg.parallel.pp_layers, write_model=self.part.write_model,
+                                       write_data=self._write_data)
         self.last_save = (self.step, folder)
         return folder
+
+    def _write_data(self, folder: Path) -> None:
+        """Every rank, into a checkpoint being saved: what the data keeps beside its state in trainer_state.json (a GRPO
+        run's generation batch, grpo_trainer.py); an SFT or DPO run's data state is its position alone."""
 
     def _unexported_final(self) -> Path | None:
         """After a session that ran no step: the final checkpoint it resumed from, if the run that saved it
