@@ -9,6 +9,13 @@ import pytest
 # Before anything imports huggingface_hub (it reads the setting once): no test sends usage telemetry, which would
 # also leave a worker thread in the test process, and a live thread makes forkrun start real interpreters.
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# On pytest-xdist workers (`make test`) each worker computes with its share of the cores, as a launcher gives each
+# rank its own: two workers' two threads each on two cores would each wait at every parallel region's barrier for
+# a thread the other worker's are keeping off a core (hfmeg/parallel/threads.py). Set before torch is imported,
+# so that it holds for the worker, what it spawns and forks, and the scripts it starts; a given count is kept.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 from hfmeg.parallel.state import BACKEND_ENV  # noqa: E402
 

@@ -163,6 +163,8 @@ def _child(args: list[str], env: dict[str, str] | None, cwd, out_fd: int, err_fd
             if name in sys.modules:
                 importlib.reload(sys.modules[name])
         _fresh_interpreter_state()
+        if "torch" in sys.modules:  # GNU OpenMP's pool does not survive the fork: one thread, as spawned ranks have
+            sys.modules["torch"].set_num_threads(1)
     except BaseException:  # noqa: BLE001 - a broken set-up is the run's failure, reported as such
         traceback.print_exc()
         return _flushed(1)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from transformers import LlamaConfig, MixtralConfig
 from hfmeg.families import model_config_from_hf
 from hfmeg.plan.flops import training_flops
 from hfmeg.plan.profile import load_profile
+import forkrun
 from tool_loader import load_tool
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_mfu.py"
@@ -38,8 +38,8 @@ def _tool():
 
 def test_tiny_run_reports_both_sides_with_equal_losses():
     peak_tflops = 0.5
-    out = subprocess.run([sys.executable, str(TOOL), "--tiny", "--peak-tflops", str(peak_tflops)],
-                         capture_output=True, text=True, timeout=300)
+    out = forkrun.run([sys.executable, str(TOOL), "--tiny", "--peak-tflops", str(peak_tflops)],
+                      timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     r = json.loads(lines[-1])
@@ -70,8 +70,8 @@ def test_tiny_run_reports_both_sides_with_equal_losses():
 
 
 def test_tiny_moe_run_counts_the_active_experts_and_the_planner_predicts_it():
-    out = subprocess.run([sys.executable, str(TOOL), "--tiny", "--experts", "4", "--top-k", "2", "--peak-tflops",
-                          "0.5"], capture_output=True, text=True, timeout=300)
+    out = forkrun.run([sys.executable, str(TOOL), "--tiny", "--experts", "4", "--top-k", "2", "--peak-tflops",
+                       "0.5"], timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     sh = r["shapes"]
@@ -101,8 +101,8 @@ def test_a_family_at_the_bench_shapes_has_transformers_losses():
     """`--family`: transformers' default config of that model_type at the bench's shapes and `--set` fields (Gemma 2:
     soft-capped scores, so the anchor attends eagerly; a window shorter than the rows), fp32 losses equal step by
     step as for the LLaMA."""
-    out = subprocess.run([sys.executable, str(TOOL), "--tiny", "--family", "gemma2", "--set", "head_dim=16",
-                          "--set", "sliding_window=8"], capture_output=True, text=True, timeout=300)
+    out = forkrun.run([sys.executable, str(TOOL), "--tiny", "--family", "gemma2", "--set", "head_dim=16",
+                       "--set", "sliding_window=8"], timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["shapes"]["family"] == "gemma2" and r["shapes"]["overrides"] == {"head_dim": 16, "sliding_window": 8}
@@ -130,8 +130,7 @@ def test_bad_arguments_exit_2_with_one_message(capsys):
 
 def test_trainer_path_runs_packed_rows_and_defaults_to_tiny_without_a_gpu():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a machine without a GPU, also when the tests have one
-    out = subprocess.run([sys.executable, str(TOOL), "--trainer-path"], capture_output=True, text=True,
-                         timeout=300, env=env)
+    out = forkrun.run([sys.executable, str(TOOL), "--trainer-path"], timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "no GPU, running the tiny smoke shapes" in out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -168,8 +167,7 @@ def test_tiny_fp8_side_trains_the_same_tokens_within_fp8_rounding():
     """`--fp8 RECIPE`: a third side, hfmeg with its linears in FP8 (emulated on the CPU), from the same weights and
     batches: its first loss (before any update) is hfmeg's up to FP8 rounding (e4m3: 3 mantissa bits, a relative step
     of at most 2^-3 per operand, far less on a mean over tokens), and not equal to it (the GEMMs did run in FP8)."""
-    out = subprocess.run([sys.executable, str(TOOL), "--tiny", "--fp8", "rowwise"], capture_output=True, text=True,
-                         timeout=300)
+    out = forkrun.run([sys.executable, str(TOOL), "--tiny", "--fp8", "rowwise"], timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["fp8"] == "rowwise" and "fp8 rowwise:" in out.stderr and "emulated on cpu" in out.stderr

@@ -7,12 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import forkrun
 from tool_loader import load_tool
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_peers.py"
@@ -26,9 +26,9 @@ def test_tiny_cpu_run_reports_every_row_and_skips_each_absent_peer_once():
     peak_tflops = 0.5
     # transformers-compiled is left out: Inductor's C++ compile of it takes longer on a CPU than the rest together.
     systems = ["hfmeg", "transformers", "torchtitan", "megatron-core"]
-    out = subprocess.run([sys.executable, str(TOOL), "--tiny", "--repeats", "3", "--peak-tflops", str(peak_tflops),
-                          "--systems", ",".join(systems)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    out = forkrun.run([sys.executable, str(TOOL), "--tiny", "--repeats", "3", "--peak-tflops", str(peak_tflops),
+                       "--systems", ",".join(systems)], timeout=300,
+                      env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr[-2000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     *rows, summary = records

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from hfmeg.train.metrics import read_metrics
+import forkrun
 from multihost import ROOT, TORCHRUN, recipe_flags, wait_all
 from test_train import ALPACA, _assets
 
@@ -86,9 +87,8 @@ def test_the_kubernetes_manifest_is_a_pytorchjob_that_hfmeg_accepts():
     nproc = int(spec["nprocPerNode"])
     assert container["resources"]["limits"]["nvidia.com/gpu"] == nproc
     world = worker["replicas"] * nproc
-    proc = subprocess.run([sys.executable, "-m", "hfmeg", "train", *container["args"], "--print-config"],
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world)}, capture_output=True,
-                          text=True, timeout=120)
+    proc = forkrun.run([sys.executable, "-m", "hfmeg", "train", *container["args"], "--print-config"],
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world)}, timeout=120)
     assert proc.returncode == 0, proc.stderr
     tp = yaml.safe_load(proc.stdout)["parallel"]["tp"]
     assert nproc % tp == 0, f"TP {tp} spans pods of {nproc} GPUs"

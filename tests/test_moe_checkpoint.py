@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from bounds import within
 from convert_helpers import assert_same_tensors
+import forkrun
 from helpers import logit_bound, make_ps
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
@@ -104,7 +104,7 @@ def test_verify_parity_cli_on_moe(tmp_path):
     mp = hf_to_mp(src, tmp_path / "mp", tp=2, pp=2)
     cmd = [sys.executable, str(ROOT / "tools" / "verify_parity.py"), "--mp", str(mp), "--hf", str(src),
            "--max-new-tokens", "8"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = forkrun.run(cmd, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PARITY OK" in proc.stdout.splitlines()
 

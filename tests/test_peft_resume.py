@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
+import forkrun
 from helpers import stories_or_skip
 from safetensors.torch import load_file, save_file
 from test_train import ALPACA
@@ -28,7 +28,7 @@ def test_a_killed_lora_run_resumes_bit_for_bit_and_a_changed_base_is_refused(tmp
     weights["model.norm.weight"] = weights["model.norm.weight"] * 1.01
     save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
     cmd = sweep.command(base, ALPACA, tmp_path / "sweep" / "reference", "lora") + ["--max-steps", "8"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = forkrun.run(cmd, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     # stderr: the config's warnings (here warm-up >= max steps), then the one error line
     err = [line for line in proc.stderr.strip().splitlines() if not line.startswith("warning: ")]

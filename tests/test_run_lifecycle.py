@@ -31,6 +31,7 @@ from hfmeg.train.run_lock import LOCK_FILE, RunLock, RunLockedError
 from hfmeg.train.stop import LauncherGone, LauncherWatch
 from hfmeg.train.trainer import Trainer
 from test_train import ALPACA, ROOT, _assets, _config, _losses
+import forkrun
 
 RECIPE = ROOT / "recipes" / "sft_llama13b.py"
 
@@ -206,9 +207,9 @@ def test_a_diverging_run_saves_and_aborts(tmp_path):
     """Issue 18 #5: --lr 1e6 skips step after step: a checkpoint, one line, exit 2, no export."""
     model = _assets()
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, *_recipe(model, out, "--lr", "1e6", "--warmup-steps", "0",
+    proc = forkrun.run([sys.executable, *_recipe(model, out, "--lr", "1e6", "--warmup-steps", "0",
                                                     "--max-steps", "40", "--set", "train.max_skipped_steps=3")],
-                          capture_output=True, text=True, timeout=300)
+                       timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert "train.max_skipped_steps: 3 steps in a row skipped" in lines[-1], proc.stderr

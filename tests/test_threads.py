@@ -109,8 +109,10 @@ def test_a_forked_child_keeps_the_count_it_was_given(monkeypatch, kept_threads):
     assert threads._adaptive is not None
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: report whether it would re-choose, without computing anything
+    if pid == 0:  # the child, given one thread: whether it would re-choose, and the count its share_cores sets
+        torch.set_num_threads(1)
         os.write(write, b"none" if rebalance() is None else b"adaptive")
+        os.write(write, f" {share_cores()} {threads._adaptive is None}".encode())
         os._exit(0)
     os.waitpid(pid, 0)
-    assert os.read(read, 16) == b"none"
+    assert os.read(read, 64) == b"none 1 True"

@@ -20,6 +20,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bounds import within
+import forkrun
 from helpers import stories_or_skip
 from hfmeg.data import DataConfig, SourceConfig
 from hfmeg.optim.config import OptimizerConfig
@@ -89,8 +90,8 @@ def test_finetune_exports_a_working_model(tp, pp, world, tmp_path):
     # The exported weights are the trained ones, not the base model's.
     base = AutoModelForCausalLM.from_pretrained(model)
     assert not torch.equal(loaded.model.norm.weight, base.model.norm.weight)
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "verify_parity.py"), "--mp", str(ckpt),
-                           "--hf", str(hf)], capture_output=True, text=True, timeout=600)
+    proc = forkrun.run([sys.executable, str(ROOT / "tools" / "verify_parity.py"), "--mp", str(ckpt),
+                        "--hf", str(hf)], timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "max_abs_logit_diff=" in proc.stdout
 
@@ -168,8 +169,8 @@ def test_sigterm_leaves_a_resumable_checkpoint(tmp_path):
 
 
 def test_cli_bad_config_exits_2(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "sft_llama13b.py"), "--model", str(tmp_path),
-                           "--data", "x.json", "--set", "optim.no_such_field=1"], capture_output=True, text=True)
+    proc = forkrun.run([sys.executable, str(ROOT / "recipes" / "sft_llama13b.py"), "--model", str(tmp_path),
+                        "--data", "x.json", "--set", "optim.no_such_field=1"])
     assert proc.returncode == 2
     assert "unknown config field 'optim.no_such_field'" in proc.stderr
 
@@ -228,10 +229,10 @@ def test_pretrain_recipe_on_text(tmp_path):
     model = _assets()
     c4 = ASSETS / "data" / "c4_demo.jsonl"
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "pretrain_llama.py"), "--model", str(model),
-                           "--data", str(c4), "--tp", "1", "--seq-len", "128", "--global-batch-size", "4", "--max-steps", "3",
-                           "--out", str(out), "--report-to", "none", "--set", "data.eval_split=0"],
-                          capture_output=True, text=True, timeout=300)  # the density check is on the first records
+    proc = forkrun.run([sys.executable, str(ROOT / "recipes" / "pretrain_llama.py"), "--model", str(model),
+                        "--data", str(c4), "--tp", "1", "--seq-len", "128", "--global-batch-size", "4", "--max-steps", "3",
+                        "--out", str(out), "--report-to", "none", "--set", "data.eval_split=0"],
+                       timeout=300)  # the density check is on the first records
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     # Text: every position has a target except each document's last token (nothing follows it).

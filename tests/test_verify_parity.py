@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from bounds import rounding_bound, within
 from convert_helpers import LAYOUTS, make_sources
+import forkrun
 from helpers import logit_bound, make_ps
 from hfmeg.checkpoint.convert import hf_to_mp
 from hfmeg.checkpoint.parity import compare, prompt_ids, reference_outputs, sharded_outputs
@@ -110,7 +111,7 @@ def test_verify_parity_cli_stories(converted):
         pytest.skip("stories260K assets absent")
     src, mps = converted["stories260K"]
     cmd = [sys.executable, str(ROOT / "tools" / "verify_parity.py"), "--mp", str(mps[(2, 2, 1)]), "--hf", str(src)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = forkrun.run(cmd, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     diff = float(next(line for line in lines if line.startswith("max_abs_logit_diff=")).split("=")[1])

@@ -75,27 +75,32 @@ class CoreShare:
 
 
 _adaptive: CoreShare | None = None
+_forked = False
 
 
 def _forget_in_forked_child() -> None:
-    """A forked child (a `launch.spawn` rank, a test's forked run) keeps the count it was given: GNU OpenMP's
-    pool does not survive fork, so more threads than the parent's pool had would wait forever for the missing."""
-    global _adaptive
-    _adaptive = None
+    """A forked child (a `launch.spawn` rank, a test's forked run) never raises the count it was given: GNU
+    OpenMP's pool does not survive fork, so more threads than the parent's pool had would wait forever for the
+    missing."""
+    global _adaptive, _forked
+    _adaptive, _forked = None, True
 
 
 os.register_at_fork(after_in_child=_forget_in_forked_child)
 
 
 def share_cores() -> int:
-    """Set this process's torch threads to its share of the host's cores; returns it. A process alone on its host
-    with more than one core, threads not set by the user, re-chooses them at every `rebalance`."""
+    """Set this process's torch threads to its share of the host's cores (a forked child: at most the count it
+    has); returns it. A process alone on its host with more than one core, threads not set by the user, not forked,
+    re-chooses them at every `rebalance`."""
     import torch
 
     global _adaptive
     n = cores_per_process()
+    if _forked:
+        n = min(n, torch.get_num_threads())
     torch.set_num_threads(n)
-    alone = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == 1 and "OMP_NUM_THREADS" not in os.environ
+    alone = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == 1 and "OMP_NUM_THREADS" not in os.environ and not _forked
     _adaptive = CoreShare(n) if alone and n > 1 else None
     return n
 
