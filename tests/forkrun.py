@@ -24,18 +24,16 @@ must be signalled or killed from outside while they work (test_train's SIGTERM).
 test_checkpoint_recovery's hand-started ranks of one job, each with the job's rendezvous in its environment
 (they compute with one thread each, `LOCAL_WORLD_SIZE` ranks sharing the cores, as a launcher's would).
 
-Not yet moved (they still call subprocess): the recipe, converter and verify_parity runs of test_train,
-test_peft_train, test_peft_resume, test_run_lifecycle, test_shared_unlock_train, test_moe_checkpoint,
-test_verify_parity and the bench_mfu/peers/dpo runs (test_peft_run's two refusals fork: they exit before any
-tensor is computed; a recipe that trains can run in `launch.spawn` ranks instead, `helpers.script_rank`). A forked verify_parity run hung at
-start (a futex, no CPU) after test_verify_parity's module fixture had converted checkpoints in the test process:
-GNU OpenMP's thread pool does not survive fork (hfmeg/parallel/launch.py), so a child that computes with more than
-one thread after the test process used OpenMP's threads waits forever for the pool's missing threads (a parent
-that ran a 2-thread op, then a forked child's 2-thread `torch.exp` of 4M values: hung; with 1 thread: done in
-0.4 s, 2026-11-29). A script without a launcher computes with every core (hfmeg/parallel/threads.py), so only runs
-whose processes compute with one thread fork: those whose work is in `launch.spawn` ranks (test_bench_moe,
-test_bench_peft, test_bench_shared_unlock, test_bench_optimizer) and ranks given `LOCAL_WORLD_SIZE` as a
-launcher would (test_checkpoint_recovery's, through `start`)."""
+A forked run computes with one thread (the child sets it, and `threads.share_cores` never raises a forked
+child's count): GNU OpenMP's thread pool does not survive fork (hfmeg/parallel/launch.py), so a child that
+computes with more threads than the test process's pool had waits forever for the missing ones (a parent that ran
+a 2-thread op, then a forked child's 2-thread `torch.exp` of 4M values: hung; with 1 thread: done in 0.4 s,
+2026-11-29). So the recipe, tool and bench scripts fork whatever they compute (test_train's verify_parity, recipe
+and pretraining runs, test_moe_checkpoint's and test_verify_parity's verify_parity, the bench_mfu, bench_peers,
+bench_moe, bench_peft, bench_shared_unlock and bench_optimizer runs, test_peft_resume's, test_run_lifecycle's and
+test_launch_recipes' recipe runs), and hand-started ranks given `LOCAL_WORLD_SIZE` as a launcher would
+(test_checkpoint_recovery's, through `start`). Not moved: test_bench_dpo's run, whose ranks' peak RSS is its
+figure (ranks forked from the test process would count its pages)."""
 
 from __future__ import annotations
 
