@@ -1,7 +1,9 @@
+import fcntl
 import os
 import resource
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -36,8 +38,14 @@ os.environ.setdefault(BACKEND_ENV, "gloo")
 #   one or spawned ranks), a process start checked as such, one model's forward + backward (or its training
 #   steps) over a whole matrix of layouts or families (the parity suites; the quick lane keeps a smaller
 #   matrix of the same file where there is one), or a runtime step at a release's real shapes.
+# - solo (not a lane: a marker of either): a test that times the product against a bound (a lost host or rank
+#   named within its heartbeat bound, survivors stopped within seconds, a probe's timeout): on pytest-xdist
+#   workers it runs with no other worker's test beside it (`_machine_share`).
 # None: every test of the file; otherwise the named tests (parametrised ones by their function's name).
 LANES: dict[str, dict[str, set[str] | None]] = {
+    "solo": {"test_multihost_faults.py": None, "test_multihost_frozen.py": None,
+             "test_torchrun_faults.py": {"test_survivors_of_a_killed_rank_stop_at_once_without_tracebacks"},
+             "test_startup_checks.py": {"test_an_unreachable_hub_dataset_is_one_line_before_the_model_loads"}},
     "multihost": {name: None for name in ("test_multihost_bed.py", "test_multihost_faults.py",
                                           "test_multihost_frozen.py", "test_multihost_parity.py")},
     "e2e": {
@@ -107,7 +115,7 @@ def _place(item) -> int:
     if item.get_closest_marker("gpu") is not None:
         return len(_PLACE)
     lanes = lanes_of(item)
-    return _PLACE.index(lanes[0] if lanes else None)
+    return next(i for i, lane in enumerate(_PLACE) if lane is None or lane in lanes)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -133,6 +141,34 @@ def pytest_xdist_make_scheduler(config, log):
             return "multihost" if file in LANES["multihost"] else file
 
     return Units(config, log)
+
+
+@contextmanager
+def _machine_share(folder: Path, alone: bool):
+    """The machine, shared by the pytest-xdist workers whose session folder is `folder`: a test holds `share.lock`
+    shared, or exclusive if it must run `alone`. A worker waiting to run alone holds `turn.lock` meanwhile, and
+    every test takes `turn.lock` before its share, so the other worker's next test waits for it and the one
+    running alone is not put off for ever by tests that keep starting."""
+    turn, share = (os.open(folder / name, os.O_CREAT | os.O_RDWR) for name in ("turn.lock", "share.lock"))
+    try:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        fcntl.flock(share, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turn, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(share)  # closing a descriptor drops its lock
+        os.close(turn)
+
+
+@pytest.fixture(autouse=True)
+def _solo(request, tmp_path_factory):
+    """Under pytest-xdist, a test marked `solo` (LANES) runs alone on the machine; serially every test does."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    with _machine_share(tmp_path_factory.getbasetemp().parent, request.node.get_closest_marker("solo") is not None):
+        yield
 
 
 _START = time.monotonic()
