@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from bounds import rounding_bound, within
 from helpers import make_ps
 from transformers import LlamaConfig
 from tiny_models import save_tiny
@@ -21,7 +22,7 @@ from hfmeg.checkpoint.rules_4bit import to_local_4bit
 from hfmeg.families import model_config_from_hf
 from hfmeg.errors import CheckpointError, HfmegError, UnsupportedConfigError
 from hfmeg.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from hfmeg.peft.adapters import attach
+from hfmeg.peft.adapters import attach, initialise
 from hfmeg.peft.config import PeftConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.peft.export import write_info
@@ -158,6 +159,52 @@ def test_a_4bit_linear_keeps_no_dequantized_weight_for_backward(base, base_4bit)
         chunk(ids, labels=ids).sum().backward()
     held = shapes & set(kept)
     assert not held if base_4bit is not None else held
+
+
+def _step(chunk, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one forward and every adapter gradient of its backward."""
+    for p in chunk.parameters():
+        p.grad = None
+    loss = chunk(ids, labels=ids).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in chunk.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_a_4bit_weight_above_the_piece_size_is_dequantized_in_pieces_to_the_same_step(base, method, monkeypatch):
+    """With `PIECE_BYTES` under some 4-bit weights' sizes, no dequantized weight is larger than it (the forward cuts
+    W's rows, the backward its columns; DoRA's forward reads each whole weight once), and the loss and every adapter
+    gradient are the whole weights' step's, within the rounding of two fp32 runs of it (the float64 run the truth)."""
+    import hfmeg.quant.qlora as qlora
+
+    ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for dtype in (torch.float64, torch.float32):
+        (chunk,) = load_chunks(HFCheckpoint(base), make_ps(world=1), dtype=dtype, base_4bit=Base4bit())
+        cfg = PeftConfig(method=method, target_modules=["all-linear"])
+        attach(chunk, cfg)
+        initialise(chunk, cfg, seed=0)
+        with torch.no_grad():  # B starts at zero: A's gradients would be too
+            for name, p in chunk.named_parameters():
+                if name.endswith("lora_B"):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+        runs[dtype] = _step(chunk, ids)
+    sizes = [m.weight_provider.shape.numel() * 4 for m in chunk.modules()
+             if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    piece = sorted(sizes)[len(sizes) // 2]  # some weights whole, the larger ones in pieces
+    assert piece < max(sizes)
+    monkeypatch.setattr(qlora, "PIECE_BYTES", piece)
+    dequantized = []
+    monkeypatch.setattr(qlora, "dequantize", lambda packed: dequantized.append(packed.shape) or dequantize(packed))
+    loss, grads = _step(chunk, ids)
+    larger = [rows * cols * 4 for rows, cols in dequantized if rows * cols * 4 > piece]
+    assert sorted(larger) == (sorted(s for s in sizes if s > piece) if method == "dora" else [])
+    assert len(dequantized) > 2 * len(sizes)  # some weight was cut
+    (whole_loss, whole), (loss64, grads64) = runs[torch.float32], runs[torch.float64]
+    within((loss - whole_loss).abs().item(), rounding_bound(whole_loss, loss64), "loss")
+    assert grads.keys() == whole.keys() and grads
+    for name, g in grads.items():
+        within((g - whole[name]).abs().max().item(), rounding_bound(whole[name], grads64[name]), name)
 
 
 @pytest.mark.parametrize("tp, microbatches", [(1, 1), (2, 3)])
