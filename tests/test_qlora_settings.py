@@ -207,6 +207,39 @@ def test_a_4bit_weight_above_the_piece_size_is_dequantized_in_pieces_to_the_same
         within((g - whole[name]).abs().max().item(), rounding_bound(whole[name], grads64[name]), name)
 
 
+def _mapped_after_4bit_load(folder: str) -> tuple[int, int]:
+    """In a rank of its own (glibc's setting is the process's): after a 4-bit load, the bytes glibc maps for a 4 MiB
+    block, and for a 2 MiB one after the 4 MiB one is freed (which would raise glibc's own threshold above 2 MiB)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    info = ctypes.CDLL(None).mallinfo2
+    info.restype = MallInfo2
+    load_chunks(HFCheckpoint(folder), make_ps(world=1), base_4bit=Base4bit())
+    mapped = []
+    for size in (4 << 20, 2 << 20):
+        before = info().hblkhd
+        block = torch.empty(size, dtype=torch.uint8)
+        mapped.append(info().hblkhd - before)
+        del block
+    return tuple(mapped)
+
+
+def test_after_a_4bit_load_glibc_maps_every_block_of_a_mib_or_more(base):
+    """A QLoRA rank's dequantization temporaries (1-32 MiB) are mapped on their own and unmapped when freed, not left
+    resident in the heap's freed gaps (`checkpoint/load.py`, `_map_large_blocks`), even after a larger mapped block was
+    freed (glibc's dynamic threshold would then serve them from the heap)."""
+    import ctypes
+
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("glibc >= 2.33 (mallinfo2) only")
+    four, two = spawn(_mapped_after_4bit_load, 1, str(base))[0]
+    assert four >= 4 << 20 and two >= 2 << 20, (four, two)
+
+
 @pytest.mark.parametrize("tp, microbatches", [(1, 1), (2, 3)])
 def test_the_planner_times_a_4bit_bases_dequantization(tp, microbatches):
     """A QLoRA step is the LoRA step plus, per micro-batch and decoder layer, two dequantizations of its four
