@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from bounds import rounding_bound, within
 from helpers import make_ps
 from transformers import LlamaConfig
 from tiny_models import save_tiny
@@ -21,7 +22,7 @@ from hfmeg.checkpoint.rules_4bit import to_local_4bit
 from hfmeg.families import model_config_from_hf
 from hfmeg.errors import CheckpointError, HfmegError, UnsupportedConfigError
 from hfmeg.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from hfmeg.peft.adapters import attach
+from hfmeg.peft.adapters import attach, initialise
 from hfmeg.peft.config import PeftConfig
 from hfmeg.parallel.launch import spawn
 from hfmeg.peft.export import write_info
@@ -158,6 +159,85 @@ def test_a_4bit_linear_keeps_no_dequantized_weight_for_backward(base, base_4bit)
         chunk(ids, labels=ids).sum().backward()
     held = shapes & set(kept)
     assert not held if base_4bit is not None else held
+
+
+def _step(chunk, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one forward and every adapter gradient of its backward."""
+    for p in chunk.parameters():
+        p.grad = None
+    loss = chunk(ids, labels=ids).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in chunk.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_a_4bit_weight_above_the_piece_size_is_dequantized_in_pieces_to_the_same_step(base, method, monkeypatch):
+    """With `PIECE_BYTES` under some 4-bit weights' sizes, no dequantized weight is larger than it (the forward cuts
+    W's rows, the backward its columns; DoRA's forward reads each whole weight once), and the loss and every adapter
+    gradient are the whole weights' step's, within the rounding of two fp32 runs of it (the float64 run the truth)."""
+    import hfmeg.quant.qlora as qlora
+
+    ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for dtype in (torch.float64, torch.float32):
+        (chunk,) = load_chunks(HFCheckpoint(base), make_ps(world=1), dtype=dtype, base_4bit=Base4bit())
+        cfg = PeftConfig(method=method, target_modules=["all-linear"])
+        attach(chunk, cfg)
+        initialise(chunk, cfg, seed=0)
+        with torch.no_grad():  # B starts at zero: A's gradients would be too
+            for name, p in chunk.named_parameters():
+                if name.endswith("lora_B"):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+        runs[dtype] = _step(chunk, ids)
+    sizes = [m.weight_provider.shape.numel() * 4 for m in chunk.modules()
+             if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    piece = sorted(sizes)[len(sizes) // 2]  # some weights whole, the larger ones in pieces
+    assert piece < max(sizes)
+    monkeypatch.setattr(qlora, "PIECE_BYTES", piece)
+    dequantized = []
+    monkeypatch.setattr(qlora, "dequantize", lambda packed: dequantized.append(packed.shape) or dequantize(packed))
+    loss, grads = _step(chunk, ids)
+    larger = [rows * cols * 4 for rows, cols in dequantized if rows * cols * 4 > piece]
+    assert sorted(larger) == (sorted(s for s in sizes if s > piece) if method == "dora" else [])
+    assert len(dequantized) > 2 * len(sizes)  # some weight was cut
+    (whole_loss, whole), (loss64, grads64) = runs[torch.float32], runs[torch.float64]
+    within((loss - whole_loss).abs().item(), rounding_bound(whole_loss, loss64), "loss")
+    assert grads.keys() == whole.keys() and grads
+    for name, g in grads.items():
+        within((g - whole[name]).abs().max().item(), rounding_bound(whole[name], grads64[name]), name)
+
+
+def _mapped_after_4bit_load(folder: str) -> tuple[int, int]:
+    """In a rank of its own (glibc's setting is the process's): after a 4-bit load, the bytes glibc maps for a 4 MiB
+    block, and for a 2 MiB one after the 4 MiB one is freed (which would raise glibc's own threshold above 2 MiB)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    info = ctypes.CDLL(None).mallinfo2
+    info.restype = MallInfo2
+    load_chunks(HFCheckpoint(folder), make_ps(world=1), base_4bit=Base4bit())
+    mapped = []
+    for size in (4 << 20, 2 << 20):
+        before = info().hblkhd
+        block = torch.empty(size, dtype=torch.uint8)
+        mapped.append(info().hblkhd - before)
+        del block
+    return tuple(mapped)
+
+
+def test_after_a_4bit_load_glibc_maps_every_block_of_a_mib_or_more(base):
+    """A QLoRA rank's dequantization temporaries (1-32 MiB) are mapped on their own and unmapped when freed, not left
+    resident in the heap's freed gaps (`checkpoint/load.py`, `_map_large_blocks`), even after a larger mapped block was
+    freed (glibc's dynamic threshold would then serve them from the heap)."""
+    import ctypes
+
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("glibc >= 2.33 (mallinfo2) only")
+    four, two = spawn(_mapped_after_4bit_load, 1, str(base))[0]
+    assert four >= 4 << 20 and two >= 2 << 20, (four, two)
 
 
 @pytest.mark.parametrize("tp, microbatches", [(1, 1), (2, 3)])

@@ -97,6 +97,7 @@ def load_chunks(
         dtype = dtype or torch.float32
     if base_4bit is not None:
         _check_4bit(cfg)
+        _map_large_blocks()
     if base_4bit is not None and isinstance(source, HFCheckpoint):
         _check_stored_4bit(source, base_4bit)
     chunks = [_load_chunk(source, cfg, spec, ps, dtype, vocab_multiple, base_4bit, options) for spec in specs]
@@ -188,17 +189,42 @@ def _load_chunk(source: WeightSource, cfg: ModelConfig, spec: ChunkSpec, ps: Par
     return chunk
 
 
-def _release_freed_heap() -> None:
-    """Give the pages of freed heap memory back to the system (glibc's `malloc_trim`; elsewhere nothing).
+# glibc's `mallopt` parameter M_MMAP_THRESHOLD, and the block size from which a 4-bit base's process maps each block
+# on its own (`_map_large_blocks`)
+_M_MMAP_THRESHOLD, MAPPED_BLOCK_BYTES = -3, 1 << 20
 
-    Quantizing a 4-bit base at load makes many mid-size temporaries (each HF weight, bitsandbytes' working copies)
-    between long-lived codes and absmax; glibc keeps the freed gaps resident, and on a 7B-shaped model (16 layers)
-    they were ~150 MiB of a QLoRA rank's peak that nothing later reused (docs/peft.md, "QLoRA memory")."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except AttributeError:  # not glibc
-        return
-    trim(0)
+
+def _glibc():
+    """The C library where it is glibc (it has `mallopt` and `malloc_trim`), else None."""
+    libc = ctypes.CDLL(None)
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def _map_large_blocks() -> None:
+    """From now on, let glibc give every heap block of `MAPPED_BLOCK_BYTES` or more its own mapping (elsewhere
+    nothing).
+
+    glibc maps a large block on its own and unmaps it when freed, but raises that size (up to 32 MiB) to each mapped
+    block freed below it; from then on such blocks come from the heap, where a freed one's pages stay resident. A 4-bit
+    base's load (each HF weight, the quantizer's pieces) and then every step (each linear's absmax dequantized from
+    their nested codes, its weight's pieces: 1-32 MiB, forward and backward) allocate and free many blocks of those
+    sizes between the long-lived codes, and each step's blocks land in other freed gaps, faulting their pages in
+    again: on a 7B-shaped model (16 layers) a QLoRA rank's RSS grew ~280 MiB during its first step with nothing more
+    allocated, the held bytes unchanged (docs/peft.md, "QLoRA memory vs LoRA"). A fixed threshold keeps such blocks
+    out of the heap, and the freed gaps with them. The setting is the process's: its later allocations of a MiB or
+    more are mapped too, each paying its page faults (small next to a 4-bit weight's dequantization on a CPU; a GPU's
+    tensors are not malloc's)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, MAPPED_BLOCK_BYTES)
+
+
+def _release_freed_heap() -> None:
+    """Give the pages of freed heap memory back to the system (glibc's `malloc_trim`; elsewhere nothing): the
+    quantizer's temporaries below `MAPPED_BLOCK_BYTES`, freed between long-lived codes and absmax."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _check_stored_4bit(source: HFCheckpoint, base_4bit: Base4bit) -> None:

@@ -26,9 +26,10 @@ Column-, row-parallel and replicated linears run their GEMMs in FP8 where `fp8` 
 The three linears also take an optional `weight_provider`: a module whose `()` gives the weight
 their matmul uses in place of the `weight` parameter (a frozen base stored another way: QLoRA's 4-bit codes,
 `quant/qlora.py`, installed by `checkpoint/load.py`, which then drops the parameter). `matmul_weight()` is that
-weight, the adapter is given it too, and the matmul is the provider's `linear(x, weight, bias)` (a 4-bit base's
-does not keep the dequantized weight for backward: it dequantizes again there). The two do not combine (a 4-bit
-base with `model.fp8` is refused by the run's checks).
+weight, and the matmul is the provider's `linear(x, weight, bias)` (a 4-bit base's does not keep the dequantized
+weight for backward: it dequantizes again there). The forward holds a provider's whole weight only where its adapter
+reads it (`adapter.reads_weight`: DoRA); else the adapter is given None and the provider's matmul dequantizes the
+weight a piece at a time. The two do not combine (a 4-bit base with `model.fp8` is refused by the run's checks).
 """
 
 from __future__ import annotations
@@ -56,11 +57,17 @@ if TYPE_CHECKING:  # torchao is imported only by a run that asks for FP8 (`model
 
 class _ProvidedWeight:
     """`matmul_weight()`: the `weight_provider`'s weight where the layer has one, else its `weight` parameter
-    (`matmul_shape()`: its shape); `_linear(x, weight, bias)`: the matmul with it (in FP8 where `fp8` is set; the
-    provider's own, which need not keep `weight` for backward)."""
+    (`matmul_shape()`: its shape); `_forward_weight()`: what the forward holds of it (module docstring);
+    `_linear(x, weight, bias)`: the matmul with it (in FP8 where `fp8` is set; the provider's own, which need not
+    keep `weight` for backward, nor be given it)."""
 
     def matmul_weight(self) -> torch.Tensor:
         return self.weight if self.weight_provider is None else self.weight_provider()
+
+    def _forward_weight(self) -> torch.Tensor | None:
+        if self.weight_provider is None:
+            return self.weight
+        return self.weight_provider() if self.adapter is not None and self.adapter.reads_weight else None
 
     def matmul_shape(self) -> torch.Size:
         """`matmul_weight()`'s shape, without dequantizing a provider's weight to learn it."""
@@ -99,7 +106,7 @@ class ColumnParallelLinear(_ProvidedWeight, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sequence(x, self.ps) if self.ps.sequence_parallel else copy_to_tp(x, self.ps)
-        weight = self.matmul_weight()
+        weight = self._forward_weight()
         if self.adapter is None:
             return self._linear(x, weight, self.bias)
         y = self._linear(x, weight)
@@ -130,7 +137,7 @@ class RowParallelLinear(_ProvidedWeight, nn.Module):
         self.weight_provider: nn.Module | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.matmul_weight()
+        weight = self._forward_weight()
         y = self._linear(x, weight)
         if self.adapter is not None:  # before the reduction: one collective sums both partial outputs
             y = y + self.adapter(x, y, weight)
@@ -160,7 +167,7 @@ class ReplicatedLinear(_ProvidedWeight, nn.Module):
         self.weight_provider: nn.Module | None = None  # see the module docstring
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.matmul_weight()
+        weight = self._forward_weight()
         y = self._linear(x, weight)
         y = y if self.adapter is None else y + self.adapter(x, y, weight)
         return y if self.bias is None else y + self.bias

@@ -200,6 +200,9 @@ class LoraAdapter(nn.Module):
                  whole_partial: bool = True):
         super().__init__()
         self.groups, self.scale, self.column, self.ps = groups, cfg.scale, column, ps
+        # whether `forward` reads the base's weight (DoRA's norms); else it is given None, and a 4-bit base need not
+        # dequantize its weight whole (`parallel/layers.py`)
+        self.reads_weight = cfg.method == "dora"
         split = column and not replicated  # `replicated`: a ReplicatedLinear base (the MoE router)
         # each projection's local rows, as its part(s) of the base's split kind cut them (copies included)
         self.widths = [(p.name, p.rows.local_shape((p.out_features,), ps.tp)[0] if split else p.out_features)
@@ -220,8 +223,9 @@ class LoraAdapter(nn.Module):
         """DoRA's `n`: the full row norms of `W + scale B A` for one projection (no gradient)."""
         return _row_norm(w_p + self.scale * (pair.lora_B @ pair.lora_A), self.column, self.ps)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ys, ws = self._blocks(y, y.dim() - 1), self._blocks(weight, 0)
+    def forward(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        ys = self._blocks(y, y.dim() - 1)
+        ws = self._blocks(weight, 0) if self.reads_weight else [None] * len(self.widths)
         out = []
         for (name, width), y_p, w_p in zip(self.widths, ys, ws):
             pair = getattr(self, name, None)

@@ -213,6 +213,18 @@ def shard(name: str, packed: Packed4bit, split, parts: int, index: int) -> Packe
                    absmax=split.shard(packed.absmax, parts, index).contiguous(), nested=nested)
 
 
+def piece(packed: Packed4bit, dim: int, lo: int, hi: int) -> Packed4bit:
+    """Rows (`dim` 0) or columns (`dim` 1, `lo` and `hi` multiples of the block size) `lo:hi` of `packed`: their
+    codes and absmax, so that its dequantization is that slice of `packed`'s, bit for bit (each value is its code
+    times its block's absmax, and the cut keeps blocks whole); the nested form is not carried."""
+    if dim == 0:
+        return replace(packed, codes=packed.codes[lo:hi], absmax=packed.absmax[lo:hi], nested=None)
+    if lo % packed.blocksize or hi % packed.blocksize:
+        raise ValueError(f"columns {lo}:{hi} cut a {packed.blocksize}-value block")
+    return replace(packed, codes=packed.codes[:, lo // 2:hi // 2].contiguous(),
+                   absmax=packed.absmax[:, lo // packed.blocksize:hi // packed.blocksize].contiguous(), nested=None)
+
+
 def dequantize(packed: Packed4bit) -> torch.Tensor:
     """The weight `packed` holds, by bitsandbytes' own dequantization."""
     F = require_bitsandbytes()
