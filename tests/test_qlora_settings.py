@@ -5,8 +5,10 @@ with other quant settings than the checkpoint's is refused; the planner counts t
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,8 +210,10 @@ def test_a_4bit_weight_above_the_piece_size_is_dequantized_in_pieces_to_the_same
 
 
 def _mapped_after_4bit_load(folder: str) -> tuple[int, int]:
-    """In a rank of its own (glibc's setting is the process's): after a 4-bit load, the bytes glibc maps for a 4 MiB
-    block, and for a 2 MiB one after the 4 MiB one is freed (which would raise glibc's own threshold above 2 MiB)."""
+    """In a fresh interpreter (glibc's setting is the process's, and a forked one's heap holds whatever free chunks the
+    test process left, which serve a block before any mapping is considered): after a 4-bit load, the bytes glibc
+    maps for a 4 MiB block, and for a 2 MiB one after the 4 MiB one is freed (which would raise glibc's own threshold
+    above 2 MiB)."""
     import ctypes
 
     class MallInfo2(ctypes.Structure):
@@ -236,7 +240,11 @@ def test_after_a_4bit_load_glibc_maps_every_block_of_a_mib_or_more(base):
 
     if not hasattr(ctypes.CDLL(None), "mallinfo2"):
         pytest.skip("glibc >= 2.33 (mallinfo2) only")
-    four, two = spawn(_mapped_after_4bit_load, 1, str(base))[0]
+    proc = subprocess.run([sys.executable, "-c", "import sys, test_qlora_settings as t; "
+                           "print(*t._mapped_after_4bit_load(sys.argv[1]))", str(base)],
+                          cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    four, two = map(int, proc.stdout.split()[-2:])
     assert four >= 4 << 20 and two >= 2 << 20, (four, two)
 
 
