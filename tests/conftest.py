@@ -43,7 +43,9 @@ os.environ.setdefault(BACKEND_ENV, "gloo")
 #   workers it runs with no other worker's test beside it (`_machine_share`).
 # None: every test of the file; otherwise the named tests (parametrised ones by their function's name).
 LANES: dict[str, dict[str, set[str] | None]] = {
-    "solo": {"test_multihost_faults.py": None, "test_multihost_frozen.py": None,
+    "solo": {"test_multihost_faults.py": {"test_survivors_name_the_lost_host_and_stop_within_the_bound",
+                                          "test_a_stopped_rank_is_named_within_twice_the_bound"},
+             "test_multihost_frozen.py": None,
              "test_torchrun_faults.py": {"test_survivors_of_a_killed_rank_stop_at_once_without_tracebacks"},
              "test_startup_checks.py": {"test_an_unreachable_hub_dataset_is_one_line_before_the_model_loads"}},
     "multihost": {name: None for name in ("test_multihost_bed.py", "test_multihost_faults.py",
