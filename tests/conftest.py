@@ -15,9 +15,9 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # rank its own: two workers' two threads each on two cores would each wait at every parallel region's barrier for
 # a thread the other worker's are keeping off a core (hfmeg/parallel/threads.py). Set before torch is imported,
 # so that it holds for the worker, what it spawns and forks, and the scripts it starts; a given count is kept.
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
-                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 
 from hfmeg.parallel.state import BACKEND_ENV  # noqa: E402
 
