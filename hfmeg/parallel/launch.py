@@ -142,4 +142,5 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+                p.join()  # reaped: no zombie left, and its CPU time counts where the caller measures its children
     return [out[r] for r in range(world_size)]
