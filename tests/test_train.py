@@ -166,10 +166,13 @@ def test_sigterm_leaves_a_resumable_checkpoint(tmp_path):
     state = json.loads((out / "checkpoints" / f"iter_{step:07d}" / "trainer_state.json").read_text())
     assert state["step"] == step
     assert not (out / "hf").exists()  # a stopped run is not exported
+    before = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     # The recipe resumes automatically (checkpoint.resume: auto); the same schedule needs the same max-steps. The
     # resume is what is checked here, not a launcher's start: the recipe's 2 ranks in launch.spawn (no torchrun).
     assert spawn(script_rank, 2, recipe[0], [*recipe[1:], "--set", f"train.max_steps={step + 2}"]) == [0, 0]
-    assert len(_losses(out)) == step + 2
+    after = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    # resumed, not started again: the stopped run's rows are its own (their tokens_per_s too), two steps follow
+    assert len(after) == step + 2 and after[:step] == before, (before, after)
 
 
 def test_cli_bad_config_exits_2(tmp_path):
