@@ -113,26 +113,35 @@ def test_lora_dpo_exports_an_adapter_peft_loads(tmp_path):
     assert "dpo" in card.split("---")[1]  # the Hub tag
 
 
-def test_dpo_resume_continues_identically(tmp_path):
-    """10 steps straight == 5, stop, resume for 5 more: the reference is loaded again, the policy resumed."""
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory) -> Path:
+    """A 6-step TP2 run with the live reference, evaluated at steps 3 and 6: the uninterrupted run that both the
+    resumed live run and the precomputed-reference run must reproduce (one run for both tests)."""
+    out = tmp_path_factory.mktemp("dpo") / "live"
+    spawn(_run, 2, _config(out, _assets(), tp=2, steps=6, eval_every=3))
+    return out
+
+
+def test_dpo_resume_continues_identically(live_run, tmp_path):
+    """6 steps straight == 3, stop, resume for 3 more: the reference is loaded again, the policy resumed (past the
+    warm-up, with an evaluation on each side of the stop: steps are not what a resume is checked by)."""
     model = _assets()
-    spawn(_run, 2, _config(tmp_path / "straight", model, tp=2, steps=10))
-    spawn(_run, 2, _config(tmp_path / "split", model, tp=2, steps=5, save_every=5, schedule_steps=10))
-    spawn(_run, 2, _config(tmp_path / "split", model, tp=2, steps=10, resume="auto"))
+    spawn(_run, 2, _config(tmp_path / "split", model, tp=2, steps=3, eval_every=3, save_every=3, schedule_steps=6))
+    spawn(_run, 2, _config(tmp_path / "split", model, tp=2, steps=6, eval_every=3, resume="auto"))
+    assert len(_rows(tmp_path / "split")) == 6
     assert _rows(tmp_path / "split") == [
-        {**r, "tokens_per_s": s["tokens_per_s"]} for r, s in zip(_rows(tmp_path / "straight"), _rows(tmp_path / "split"))]
+        {**r, "tokens_per_s": s["tokens_per_s"]} for r, s in zip(_rows(live_run), _rows(tmp_path / "split"))]
 
 
-def test_precomputed_reference_gives_the_live_run(tmp_path):
+def test_precomputed_reference_gives_the_live_run(live_run, tmp_path):
     """`preference.reference: precomputed` (the reference read every batch of the run, and the eval batches, before
     the first step) trains and evaluates bit for bit as the live reference does, resumed too."""
     model = _assets()
-    spawn(_run, 2, _config(tmp_path / "live", model, tp=2, steps=6, eval_every=3))
     spawn(_run, 2, _config(tmp_path / "ahead", model, tp=2, steps=3, eval_every=3, reference="precomputed",
                            save_every=3, schedule_steps=6))
     spawn(_run, 2, _config(tmp_path / "ahead", model, tp=2, steps=6, eval_every=3, reference="precomputed",
                            resume="auto"))
-    live, ahead = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("live", "ahead"))
+    live, ahead = (read_metrics(folder / "metrics.jsonl") for folder in (live_run, tmp_path / "ahead"))
     assert len([r for r in live if "eval_loss" in r]) == 2
     drop = ("tokens_per_s",)
     assert [{k: v for k, v in r.items() if k not in drop} for r in ahead] == \

@@ -45,8 +45,7 @@ def moe_model(request, tmp_path_factory):
     return str(save_tiny(request.param, tmp_path_factory.mktemp("moe_train") / "m", output_router_logits=False))
 
 
-def _train_layouts(folder):
-    exact = truth(folder, OptimizerConfig(**CFG), GA, STEPS, make_ps(world=1))
+def _train_layouts(folder, exact):
     rows = []
     for tp, pp, sp, ep, mode, cp in LAYOUTS:
         ps = make_ps(tp=tp, pp=pp, sp=sp, ep=ep, cp=cp)
@@ -64,7 +63,9 @@ def _train_layouts(folder):
 
 
 def test_expert_parallel_training_matches_adamw_reference(moe_model):
-    results = spawn(_train_layouts, 4, moe_model)
+    # The float64 truth and its fp32 run once, in the test process, for every rank (not on each of the 4).
+    exact = truth(moe_model, OptimizerConfig(**CFG), GA, STEPS, make_ps(world=1))
+    results = spawn(_train_layouts, 4, moe_model, exact)
     for rank, rows in enumerate(results):
         for r in rows:
             tp, pp, sp, ep, mode, cp = r["layout"]
