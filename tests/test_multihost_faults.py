@@ -113,7 +113,8 @@ STEPS, SAVE_EVERY = 8, 2
 @pytest.fixture(scope="module")
 def uninterrupted(multihost_run):
     """The `<out>` and logs of the run the killed ones must reproduce: 2 hosts x 2 ranks writing one `--out`; run
-    once per session (test_multihost_frozen's frozen runs must reproduce it too)."""
+    once per session (test_multihost_frozen's frozen runs must reproduce it too, and test_multihost_parity compares
+    its losses with a one-host run's)."""
     return multihost_run("uninterrupted", 2, 2, _resumable, max_restarts=3)
 
 

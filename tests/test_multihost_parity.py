@@ -20,8 +20,10 @@ from hfmeg.parallel.launch import spawn
 from hfmeg.train.cli import train_command
 from hfmeg.train.metrics import read_metrics
 from multihost import train_args
-from test_multihost_faults import STEPS, _resumable
+from test_multihost_faults import STEPS, _resumable, uninterrupted
 from test_train import ALPACA, _assets
+
+__all__ = ["uninterrupted"]  # the module fixture: the TP2 x DP2 run across hosts
 
 
 def _one_host_rank(argv: list[str]) -> int:
@@ -36,18 +38,24 @@ def _pp2_dp2(out) -> list[str]:
     return train_args(_assets(), ALPACA, out, "--tp", "1", "--pp", "2", steps=4)
 
 
-# name: (hosts, ranks per host, the job's `-m hfmeg train` arguments for an `<out>`, steps, launcher's settings)
+def _tp2_dp2_run(request) -> tuple:
+    return request.getfixturevalue("uninterrupted")  # TP2 inside a host, DP2 across the link
+
+
+def _pp2_dp2_run(request) -> tuple:
+    return request.getfixturevalue("multihost_run")("pp2-dp2_4x1", 4, 1, _pp2_dp2)
+
+
+# id: (world, the job's `-m hfmeg train` arguments for an `<out>`, steps, the run across hosts: (`<out>`, logs))
 CASES = {
-    "uninterrupted": (2, 2, _resumable, STEPS, {"max_restarts": 3}),  # TP2 inside a host, DP2 across the link
-    "pp2-dp2_4x1": (4, 1, _pp2_dp2, 4, {}),  # PP2 x DP2: every stage boundary and DP reduction crosses a link
+    "tp2-dp2_2x2": (4, _resumable, STEPS, _tp2_dp2_run),
+    "pp2-dp2_4x1": (4, _pp2_dp2, 4, _pp2_dp2_run),  # PP2 x DP2 on 4 x 1: every stage boundary and DP reduction a link
 }
 
 
-@pytest.mark.parametrize("case", CASES, ids=["tp2-dp2_2x2", "pp2-dp2_4x1"])
-def test_multihost_losses_equal_one_host(multihost_run, tmp_path, case):
-    hosts, per_host, args_of, steps, kw = CASES[case]
-    world = hosts * per_host
+@pytest.mark.parametrize("case", CASES)
+def test_multihost_losses_equal_one_host(request, tmp_path, case):
+    world, args_of, steps, run = CASES[case]
     assert spawn(_one_host_rank, world, args_of(tmp_path / "one")[3:]) == [0] * world  # less `-m hfmeg train`
-    many, _ = multihost_run(case, hosts, per_host, args_of, **kw)
-    one, many = _losses(tmp_path / "one"), _losses(many)
+    one, many = _losses(tmp_path / "one"), _losses(run(request)[0])
     assert len(one) == steps and many == one, (one, many)
