@@ -21,6 +21,18 @@ if _WORKERS > 1:
 
 from hfmeg.parallel.state import BACKEND_ENV  # noqa: E402
 
+# The loss plot a trainer run draws at its end (hfmeg/train/metrics.py) imports matplotlib on the run's rank 0: in a
+# world forked from this process (launch.spawn, forkrun) that is 0.6 s of CPU for every run, paid again by each.
+# Imported here once, as plot_curves imports it, every forked rank 0 has it. (What the trainer imports by itself is
+# checked in a fresh interpreter: test_import_cost.py.)
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: E402, F401
+except ImportError:  # the plot is optional (hfmeg[plot]); its absence is the product's to handle
+    pass
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import ASSETS, RANDOM_KINDS, rewrite_config_v4, save_tiny  # noqa: E402

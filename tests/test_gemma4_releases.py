@@ -97,27 +97,36 @@ def test_release_configs_are_read():
         assert model_config_from_hf(release_config(name)).num_params() == held, name
 
 
-def _parity(base: str, adapter: str, ids: torch.Tensor, mp_shards: str, layouts, exact: dict[str, torch.Tensor],
-            pp_layers: list[int] | None = None):
-    """Per layout (tp, pp, ep) on this rank, its pipeline split `pp_layers` (None: even): logits and greedy generation
-    against transformers, then LoRA logits, loss against peft and adapter gradients against peft's float64 ones
-    (`exact`); at the first layout the imported adapter exported back."""
+def _labels(ids: torch.Tensor) -> torch.Tensor:
+    return torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
+
+
+def transformers_reference(base: Path, adapter: Path, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What `_parity` compares each layout with, computed once in the test process (not on every rank): transformers'
+    fp32 logits of `ids` and greedy continuation of `ids[:1, :8]`, peft's LoRA logits and mean loss."""
     ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        want = ref(ids).logits
-        want_gen = ref.generate(ids[:1, :8], max_new_tokens=6, do_sample=False)
-    labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
-    tokens = int((labels != -100).sum())
+    labels = _labels(ids)
     model = peft_reference(base, adapter, trainable=False)
     with torch.no_grad():
-        ref_logits = model(ids).logits
-    ref_loss = torch.nn.functional.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        out = dict(logits=ref(ids).logits, gen=ref.generate(ids[:1, :8], max_new_tokens=6, do_sample=False),
+                   lora_logits=model(ids).logits)
+    loss = torch.nn.functional.cross_entropy(out["lora_logits"].flatten(0, 1), labels.flatten(), reduction="sum")
+    return dict(out, lora_loss=loss.item() / int((labels != -100).sum()))
+
+
+def _parity(base: str, adapter: str, ids: torch.Tensor, mp_shards: str, layouts, exact: dict[str, torch.Tensor],
+            ref: dict[str, torch.Tensor], pp_layers: list[int] | None = None):
+    """Per layout (tp, pp, ep) on this rank, its pipeline split `pp_layers` (None: even): logits and greedy generation
+    against transformers, then LoRA logits, loss against peft (`ref`: `transformers_reference`) and adapter gradients
+    against peft's float64 ones (`exact`); at the first layout the imported adapter exported back."""
+    labels = _labels(ids)
+    tokens = int((labels != -100).sum())
     rows = []
     for n, (tp, pp, ep) in enumerate(layouts):
         ps = make_ps(tp=tp, pp=pp, ep=ep)
         chunks = load_chunks(HFCheckpoint(base), ps, pp_layers=pp_layers)
         logits = full_logits(chunks, ps, ids)
-        row = {"layout": (tp, pp, ep), "gen_equal": torch.equal(greedy_generate(chunks, ps, ids[:1, :8], 6), want_gen)}
+        row = {"layout": (tp, pp, ep), "gen_equal": torch.equal(greedy_generate(chunks, ps, ids[:1, :8], 6), ref["gen"])}
         chunks, cfg = hfmeg_chunks(base, adapter, ps, pp_layers=pp_layers)
         lora_logits = full_logits(chunks, ps, ids)
         mb = [MicroBatch(input_ids=ids, labels=labels)]
@@ -127,9 +136,9 @@ def _parity(base: str, adapter: str, ids: torch.Tensor, mp_shards: str, layouts,
         row["grad_names"] = sorted(grads)
         row["grad_err"], row["grad_worst"] = max((rel_diff(g.double(), exact[k]), k) for k, g in grads.items())
         if logits is not None:
-            row["logit_diff"] = (logits - want).abs().max().item()
-            row["lora_logit_diff"] = (lora_logits - ref_logits.detach()).abs().max().item()
-            row["loss_diff"] = abs(loss - ref_loss.item() / tokens)
+            row["logit_diff"] = (logits - ref["logits"]).abs().max().item()
+            row["lora_logit_diff"] = (lora_logits - ref["lora_logits"]).abs().max().item()
+            row["loss_diff"] = abs(loss - ref["lora_loss"])
         if n == 0:  # the peft-made adapter imported onto shards, exported back
             shards = Path(mp_shards)
             write_adapter_shard(chunks, ps, shards / f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}")
@@ -153,7 +162,7 @@ def float64_reference(base: Path, adapter: Path, ids: torch.Tensor,
     Six layers of attention at scale 1 over q/k-normed heads (Gemma 4's), each output scaled, are ill-conditioned
     enough that fp32 loses a few 1e-4 relative on the first layers' gradients: hfmeg's fp32 gradients are held to
     the float64 ones as tightly as peft's fp32 gradients are (ROUNDING_FACTOR times their worst error)."""
-    labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
+    labels = _labels(ids)
     runs = {}
     for dtype, attention in [(torch.float64, "eager")] + [(torch.float32, path) for path in fp32_paths]:
         # transformers' grouped-GEMM experts have no float64 kernel; its eager loop is the same arithmetic
@@ -198,7 +207,7 @@ def test_release_parity_lora_and_round_trip(release, tmp_path):
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     exact, bounds = float64_reference(base, adapter, ids)
     rows = [r for rank in spawn(_parity, 4, str(base), str(adapter), ids, str(tmp_path / "lora_shards"), layouts,
-                                exact) for r in rank]
+                                exact, transformers_reference(base, adapter, ids)) for r in rank]
     check_parity_rows(rows, layouts, peft_names, bounds)
 
 

@@ -30,7 +30,7 @@ import torch
 from convert_helpers import assert_same_tensors
 from safetensors.torch import load_file
 from test_gemma4_releases import (_parity, check_parity_rows, float64_reference, make_adapter, release_config,
-                                  save_release)
+                                  save_release, transformers_reference)
 from transformers import AutoModelForCausalLM
 
 from hfmeg.checkpoint.convert import hf_to_mp, mp_to_hf
@@ -86,7 +86,7 @@ def test_release_parity_lora_and_round_trip(release, tmp_path):
     # by more than one order's error shows, so peft's worst over transformers' two attention paths is the scale.
     exact, bounds = float64_reference(base, adapter, ids, ("eager", "sdpa"))
     rows = [r for rank in spawn(_parity, 4, str(base), str(adapter), ids, str(tmp_path / "lora_shards"), layouts,
-                                exact, pp_layers) for r in rank]
+                                exact, transformers_reference(base, adapter, ids), pp_layers) for r in rank]
     check_parity_rows(rows, layouts, peft_names, bounds)  # bounds: the wider of eager's and SDPA's
 
 

@@ -85,18 +85,25 @@ def _reference(folder):
 
 
 def _sharded(folder):
+    """This rank's logits, greedy ids and gradients. Every DP rank takes the same rows and no collective spans DP
+    here, so a layout's copies beyond its first EP group (DP ranks >= EP: the EP groups are consecutive DP ranks)
+    would compute that group's results again exactly: they only create the layout's groups, as every rank must."""
     ids, pos, seg, labels = _packed()
     out = {}
     for layout in _logit_layouts(folder):
         tp, pp, sp, ep = layout
         ps = make_ps(tp=tp, pp=pp, sp=sp, ep=ep)
+        if ps.dp_rank >= ep:
+            continue
         logits = full_logits(load_chunks(HFCheckpoint(folder), ps), ps, ids, pos, seg)
         if logits is not None:
             out[("logits", *layout)] = logits
     ps = make_ps(tp=2, pp=2)
     out["generated"] = greedy_generate(load_chunks(HFCheckpoint(folder), ps), ps, ids[:1, :12], NEW_TOKENS)
     for tp, sp in GRAD_LAYOUTS:
-        out[("grads", tp, sp)] = _grads(folder, make_ps(tp=tp, sp=sp))
+        ps = make_ps(tp=tp, sp=sp)
+        if ps.dp_rank == 0:
+            out[("grads", tp, sp)] = _grads(folder, ps)
     return out
 
 

@@ -22,6 +22,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import forkrun
 import pytest
 import torch
 from bounds import within
@@ -112,14 +113,15 @@ def test_a_missing_environment_says_how_to_make_it(monkeypatch, tmp_path):
 
 
 def test_the_recipe_without_the_environment_is_one_line_exit_2(tmp_path):
-    """`--generator vllm` with no vLLM environment: refused before anything is written, with how to make it."""
+    """`--generator vllm` with no vLLM environment: refused before anything is written, with how to make it. The
+    recipe runs forked (tests/forkrun.py): it exits before any tensor is computed."""
     stories = stories_or_skip()
     (tmp_path / "p.jsonl").write_text('{"prompt": "Once upon a time"}\n')
     env = {**os.environ, "HFMEG_VLLM_PYTHON": str(tmp_path / "nope" / "python")}
-    proc = subprocess.run([sys.executable, str(RECIPE), "--model", str(stories), "--data", str(tmp_path / "p.jsonl"),
-                           "--reward-funcs", "accuracy", "--generator", "vllm", "--tp", "1", "--seq-len", "64",
-                           "--max-completion-length", "16", "--num-generations", "4", "--global-batch-size", "8",
-                           "--out", str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300)
+    proc = forkrun.run([sys.executable, str(RECIPE), "--model", str(stories), "--data", str(tmp_path / "p.jsonl"),
+                        "--reward-funcs", "accuracy", "--generator", "vllm", "--tp", "1", "--seq-len", "64",
+                        "--max-completion-length", "16", "--num-generations", "4", "--global-batch-size", "8",
+                        "--out", str(tmp_path / "out")], env=env, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "make .venv-vllm" in lines[0], proc.stderr[-2000:]
@@ -210,12 +212,15 @@ def _alive(pid: int) -> bool:
 def test_no_worker_outlives_its_engine(how, model, tmp_path):
     """A process that started an engine dies by SIGKILL, Ctrl-C (SIGINT) or an exception: the worker goes too.
     The worker is stopped before its vLLM start finishes (its pid is known at once), the costliest moment to
-    leak one."""
+    leak one. A worker reads no request before its start ends (vllm_worker.main), so the stop `close()` asks for
+    then is never answered and the kill after the grace period is what stops it, whatever the grace: the script
+    gives it 1 s (STOP_GRACE_S is 10), not 10 s more of the worker importing vLLM."""
     pid_file = tmp_path / "pid"
     script = textwrap.dedent(f"""
         import threading, time
         from pathlib import Path
         from hfmeg.generation import vllm_engine
+        vllm_engine.STOP_GRACE_S = 1.0
         real = vllm_engine.VLLMEngine._wait
         def wait(self, *a):
             Path({str(pid_file)!r}).write_text(str(self.pid))
