@@ -21,18 +21,6 @@ if _WORKERS > 1:
 
 from hfmeg.parallel.state import BACKEND_ENV  # noqa: E402
 
-# The loss plot a trainer run draws at its end (hfmeg/train/metrics.py) imports matplotlib on the run's rank 0: in a
-# world forked from this process (launch.spawn, forkrun) that is 0.6 s of CPU for every run, paid again by each.
-# Imported here once, as plot_curves imports it, every forked rank 0 has it. (What the trainer imports by itself is
-# checked in a fresh interpreter: test_import_cost.py.)
-try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot  # noqa: E402, F401
-except ImportError:  # the plot is optional (hfmeg[plot]); its absence is the product's to handle
-    pass
-
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import ASSETS, RANDOM_KINDS, rewrite_config_v4, save_tiny  # noqa: E402
@@ -189,10 +177,14 @@ def _solo(request, tmp_path_factory):
 def _imported_before_forking():
     """What a forked rank or script run would otherwise import again each time, imported once in the test process
     before the first fork: torch._dynamo, which building any torch.optim optimizer imports (every trainer rank's
-    DistributedOptimizer), and matplotlib's pyplot, which a run's loss.png imports. Neither starts a thread. A 2-rank,
-    2-step test_train run spent 4.7 s of CPU in its ranks without this and 2.0 s with it (2026-11-29); the imports
-    cost 1.2 s once. (matplotlib is optional: without it there is no loss.png to draw.)"""
+    DistributedOptimizer); transformers' modeling and generation modules, which building a transformers model
+    imports (a reference in a rank, a GRPO run's transformers engine: ~0.85 s each); and matplotlib's pyplot, which
+    a run's loss.png imports. None starts a thread. A 2-rank, 2-step test_train run spent 4.7 s of CPU in its ranks
+    without this and 2.0 s with it, test_grpo_train's some twenty forked runs 103 s and 44 s (2026-11-29); the
+    imports cost about 2 s once. (matplotlib is optional: without it there is no loss.png to draw.)"""
     import torch._dynamo  # noqa: F401
+    import transformers.generation  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
 
     try:
         import matplotlib

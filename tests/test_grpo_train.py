@@ -18,11 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-# Imported once here, before the runs' ranks are forked from this process, rather than by each rank: every GRPO run's
-# transformers engine builds a transformers model (~0.85 s of CPU importing its modules, 2026-11-29), and the file's
-# tests fork some twenty runs.
-import transformers.generation  # noqa: F401
-import transformers.modeling_utils  # noqa: F401
 from bounds import within
 from helpers import stories_or_skip
 
