@@ -93,7 +93,7 @@ def hfmeg_chunks(base: Path, adapter: Path, ps, dropout: float = 0.0, **options)
 def full_adapter_grads(chunks, ps, of=lambda p: p.grad) -> dict[str, torch.Tensor]:
     """This rank's stage's adapter gradients (`of(parameter)`, e.g. its `main_grad`) as full PEFT-keyed tensors:
     TP slices gathered over TP, expert pieces over the EP group, joined as the export joins them."""
-    out, experts = {}, {}
+    out, experts, dense = {}, {}, []
     for chunk in chunks:
         grads = stored_tensors(chunk, of)
         for t in adapter_tensors(chunk):
@@ -101,10 +101,16 @@ def full_adapter_grads(chunks, ps, of=lambda p: p.grad) -> dict[str, torch.Tenso
             if t.expert is not None:
                 experts.setdefault(t.hf, (t.split, {}))[1][t.expert[0]] = g
                 continue
-            parts = [torch.empty_like(g) for _ in range(ps.tp)] if ps.tp > 1 else [g]
-            if ps.tp > 1:
-                dist.all_gather(parts, g, group=ps.tp_group)
-            out[t.hf] = t.split.join(parts)
+            dense.append((t, g))
+    if dense:  # one all-gather of every TP slice, flattened (one collective, not one per tensor)
+        flat = torch.cat([g.reshape(-1) for _, g in dense])
+        every = [torch.empty_like(flat) for _ in range(ps.tp)] if ps.tp > 1 else [flat]
+        if ps.tp > 1:
+            dist.all_gather(every, flat, group=ps.tp_group)
+        start = 0
+        for t, g in dense:
+            out[t.hf] = t.split.join([part[start:start + g.numel()].view_as(g).to(g.dtype) for part in every])
+            start += g.numel()
     if getattr(ps, "ep", 1) > 1:
         every = [None] * ps.ep
         dist.all_gather_object(every, experts, group=ps.ep_group)

@@ -136,10 +136,14 @@ def _logits(chunks, ps, local: MicroBatch) -> torch.Tensor | None:
     return x if ps.pp_rank == (last % ps.pp) else None
 
 
-def _one_layout(folder, lay: Layout, mb: MicroBatch, ntok: int, ref_logits, ref_loss, ref_grads) -> dict:
-    ps = make_ps(tp=lay.tp, cp=lay.cp, pp=lay.pp, vpp=lay.vpp, sp=lay.sp)
+def _load(folder, lay: Layout, ps):
     split = None if lay.pp_first is None else [lay.pp_first, source_config(HFCheckpoint(folder)).num_layers - lay.pp_first]
-    chunks = load_chunks(HFCheckpoint(folder), ps, recompute=lay.recompute, pp_layers=split)
+    return load_chunks(HFCheckpoint(folder), ps, recompute=lay.recompute, pp_layers=split)
+
+
+def _one_layout(chunks, ps, lay: Layout, mb: MicroBatch, ntok: int, ref_logits, ref_loss, ref_grads) -> dict:
+    for chunk in chunks:  # the layout's chunks serve both batches: each starts from no gradient
+        chunk.zero_grad(set_to_none=True)
     row = dict(layout=lay, rank=ps.rank, last_stage=ps.is_last_stage)
     logits = _logits(chunks, ps, mb.shard(ps.cp_rank, ps.cp))  # this rank's tokens, against the reference's
     if logits is not None:
@@ -173,36 +177,44 @@ def _one_layout(folder, lay: Layout, mb: MicroBatch, ntok: int, ref_logits, ref_
 BATCHES = (("packed", _packed_batch), ("plain", _plain_batch))
 
 
-def _run_layouts(folders: dict[str, str], layouts: list[Layout]) -> list[dict]:
-    """Every (model, batch, layout) case in turn on this rank; a row per case."""
+def _run_layouts(folders: dict[str, str], layouts: list[Layout], refs: dict) -> list[dict]:
+    """Every (layout, model, batch) case in turn on this rank, against the one-process fp32 run of `refs`; a row per
+    case. The DP copies of a layout (dp_rank > 0, every replica given the same rows) would repeat copy 0's work
+    exactly: they only create the layout's groups, as every rank must."""
     report = []
-    for kind, folder in folders.items():
-        for name, make in BATCHES:
-            mb = make()
-            ntok = mb.label_tokens()
-            ref_logits, ref_loss, ref_grads = _reference(folder, mb, ntok)
-            for lay in layouts:
-                row = _one_layout(folder, lay, mb, ntok, ref_logits, ref_loss, ref_grads)
-                report.append(dict(row, kind=kind, folder=folder, batch=name, all_grads=sorted(ref_grads)))
+    for lay in layouts:
+        ps = make_ps(tp=lay.tp, cp=lay.cp, pp=lay.pp, vpp=lay.vpp, sp=lay.sp)
+        if ps.dp_rank > 0:
+            continue
+        for kind, folder in folders.items():
+            chunks = _load(folder, lay, ps)
+            for name, make in BATCHES:
+                mb = make()
+                ref_logits, ref_loss, ref_grads = refs[(kind, name)][0]
+                row = _one_layout(chunks, ps, lay, mb, mb.label_tokens(), ref_logits, ref_loss, ref_grads)
+                report.append(dict(row, kind=kind, batch=name, all_grads=sorted(ref_grads)))
     return report
 
 
-def _bounds(folders: dict[str, str], layouts: list[Layout]) -> dict[tuple[str, str, Layout], dict[str, float]]:
-    """Each case's bounds (bounds.parity_bounds): the one-process reference in fp32 and float64, in the test
-    process; a layout's loss adds CP x micro-batches fp32 partial losses."""
-    out = {}
-    for kind, folder in folders.items():
-        for name, make in BATCHES:
-            mb = make()
-            ref32, ref64 = (_reference(folder, mb, mb.label_tokens(), dtype) for dtype in (torch.float32, torch.float64))
-            for lay in layouts:
-                out[(kind, name, lay)] = parity_bounds(ref32, ref64, partial_losses=lay.cp * lay.micro)
-    return out
+def _references(folders: dict[str, str]) -> dict[tuple[str, str], tuple]:
+    """{(model, batch): the one-process run in fp32 and in float64}, computed once, in the test process."""
+    return {(kind, name): tuple(_reference(folder, make(), make().label_tokens(), dtype)
+                                for dtype in (torch.float32, torch.float64))
+            for kind, folder in folders.items() for name, make in BATCHES}
 
 
-def _check(results: list[list[dict]], layouts: list[Layout], kinds) -> None:
+def _run(world: int, folders: dict[str, str], layouts: list[Layout], kinds) -> None:
+    """The layouts of `layouts` on `world` ranks, checked (`_check`) against the references."""
+    refs = _references(folders)
+    _check(spawn(_run_layouts, world, folders, layouts, refs), layouts, kinds, refs)
+
+
+def _check(results: list[list[dict]], layouts: list[Layout], kinds, refs) -> None:
+    """Each case's bounds (bounds.parity_bounds) from the one-process reference in fp32 and float64; a layout's loss
+    adds CP x micro-batches fp32 partial losses."""
     covered, losses = {}, set()
-    bounds = _bounds({row["kind"]: row["folder"] for report in results for row in report}, layouts)
+    bounds = {(kind, name, lay): parity_bounds(ref32, ref64, partial_losses=lay.cp * lay.micro)
+              for (kind, name), (ref32, ref64) in refs.items() for lay in layouts}
     for report in results:
         for row in report:
             # fp32 sums of the same terms in another order: within rounding of the float64 run
@@ -222,7 +234,7 @@ def _check(results: list[list[dict]], layouts: list[Layout], kinds) -> None:
 
 @pytest.mark.parametrize("kind", ["llama3", "gpt2", "smollm3", "phi3", "gemma2", "gemma3"])
 def test_cp_parity_with_one_process(tiny_checkpoints, kind):
-    _check(spawn(_run_layouts, 4, {kind: str(tiny_checkpoints[kind])}, LAYOUTS_4), LAYOUTS_4, [kind])
+    _run(4, {kind: str(tiny_checkpoints[kind])}, LAYOUTS_4, [kind])
 
 
 def test_cp_parity_of_gpt_oss_sinks_and_experts(tmp_path):
@@ -230,11 +242,11 @@ def test_cp_parity_of_gpt_oss_sinks_and_experts(tmp_path):
     window layer under the split mask, its biased experts routing each CP rank's tokens (the load-balancing loss,
     refused under CP, off)."""
     folder = save_tiny("gpt_oss", tmp_path / "gpt_oss", output_router_logits=False)
-    _check(spawn(_run_layouts, 4, {"gpt_oss": str(folder)}, LAYOUTS_4), LAYOUTS_4, ["gpt_oss"])
+    _run(4, {"gpt_oss": str(folder)}, LAYOUTS_4, ["gpt_oss"])
 
 
 def test_cp_parity_on_eight_ranks_with_tp_pp_and_every_schedule(tmp_path):
     """CP4 x TP2, CP4 x PP2, CP2 x TP2 x PP2 and CP2 x PP2 x VPP2: both models in one spawn of 8 ranks."""
     kinds = ("llama3", "gpt2")
     folders = {k: str(save_tiny(k, tmp_path / k, num_hidden_layers=4)) for k in kinds}  # 2 stages x 2 chunks
-    _check(spawn(_run_layouts, 8, folders, LAYOUTS_8), LAYOUTS_8, kinds)
+    _run(8, folders, LAYOUTS_8, kinds)

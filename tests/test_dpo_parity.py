@@ -196,29 +196,37 @@ def _pair_batches(sequences, pad_id: int) -> list[PairBatch]:
     return out
 
 
-def _run_layouts(policy, reference, adapter, sequences, cfg: PreferenceConfig, pad_id: int, chosen_tokens: int,
-                 layouts):
+def _run_layouts(policy, reference, adapter, runs, pad_id: int, layouts):
+    """Each case of `runs` (sequences, settings, chosen tokens) at each layout, the layout's chunks loaded once for
+    all of them; a row per (case, layout). The DP copies of a layout beyond the first (dp_rank >= ep: the EP ranks
+    of one copy hold its experts between them), every copy given the same pairs, would repeat copy 0's work exactly:
+    they only create the layout's groups, as every rank must."""
     rows = []
     for tp, pp, cp, ep in layouts:
         ps = make_ps(tp=tp, pp=pp, cp=cp, ep=ep)
+        if ps.dp_rank >= ps.ep:
+            continue
         if adapter is not None:
             chunks, _ = hfmeg_chunks(policy, adapter, ps)
             ref = Reference(chunks, lambda: adapters_off(chunks))
         else:
             chunks = load_chunks(HFCheckpoint(policy), ps)
             ref = Reference(load_chunks(HFCheckpoint(reference), ps))
-        mbs = [mb.shard(ps.cp_rank, cp) for mb in _pair_batches(sequences, pad_id)]
-        if cfg.needs_reference:
-            mbs = ref.annotate(mbs, ps, "1f1b", ("train", 0))
-        objective = PreferenceLoss(cfg, ps, len(mbs), chosen_tokens)
-        loss = forward_backward(chunks, ps, mbs, schedule="1f1b", loss=objective)
-        sync_sequence_parallel_grads(chunks, ps)
-        grads = full_adapter_grads(chunks, ps) if adapter is not None else {}
-        if cp > 1:  # each CP rank holds half of every sequence's gradient
-            for g in grads.values():
-                torch.distributed.all_reduce(g, group=ps.cp_group)
-        rows.append(dict(layout=(tp, pp, cp, ep), loss=None if loss is None else loss * cp,
-                         metrics=objective.metrics(objective.totals) if ps.is_last_stage else None, grads=grads))
+        for i, (sequences, cfg, chosen_tokens) in enumerate(runs):
+            for chunk in chunks:  # each case's gradients from none
+                chunk.zero_grad(set_to_none=True)
+            mbs = [mb.shard(ps.cp_rank, cp) for mb in _pair_batches(sequences, pad_id)]
+            if cfg.needs_reference:
+                mbs = ref.annotate(mbs, ps, "1f1b", ("train", 0))
+            objective = PreferenceLoss(cfg, ps, len(mbs), chosen_tokens)
+            loss = forward_backward(chunks, ps, mbs, schedule="1f1b", loss=objective)
+            sync_sequence_parallel_grads(chunks, ps)
+            grads = full_adapter_grads(chunks, ps) if adapter is not None else {}
+            if cp > 1:  # each CP rank holds half of every sequence's gradient
+                for g in grads.values():
+                    torch.distributed.all_reduce(g, group=ps.cp_group)
+            rows.append(dict(case=i, layout=(tp, pp, cp, ep), loss=None if loss is None else loss * cp,
+                             metrics=objective.metrics(objective.totals) if ps.is_last_stage else None, grads=grads))
     return rows
 
 
@@ -231,11 +239,14 @@ def _check(policy, reference, adapter, cases, layouts, root):
 
     tokenizer = stories_or_skip()
     pad_id = AutoTokenizer.from_pretrained(tokenizer).eos_token_id
+    runs, wants, tols = [], [], {}
     for loss_type, options in cases:
         cfg = PreferenceConfig(loss_type=loss_type, beta=0.1, **options)
         trl_run = _trl_simpo if loss_type == "simpo" else _trl_dpo
         sequences, want_loss, want, want_grads = trl_run(policy, reference, adapter, cfg, root / "trl", tokenizer)
-        tol = _logit_bound(policy, reference, adapter, sequences)
+        if str(sequences) not in tols:  # the DPO cases share their sequences, the SimPO ones theirs
+            tols[str(sequences)] = _logit_bound(policy, reference, adapter, sequences)
+        tol = tols[str(sequences)]
         grad_bounds = {}
         if want_grads is not None:  # TRL's own fp32 gradients against its float64 run: two fp32 runs compared
             grads64 = trl_run(policy, reference, adapter, cfg, root / "trl64", tokenizer, torch.float64)[3]
@@ -245,14 +256,18 @@ def _check(policy, reference, adapter, cases, layouts, root):
         chosen_tokens = sum(sum(m[1:]) for _, m in sequences[:len(PAIRS)])
         if cfg.needs_reference:
             assert abs(want["rewards/margins"]) > 0.05, "the log-ratios must be far from 0 for the test to bite"
-        results = spawn(_run_layouts, 4, str(policy), str(reference), adapter and str(adapter), sequences, cfg,
-                        pad_id, chosen_tokens, layouts)
+        runs.append((sequences, cfg, chosen_tokens))
+        wants.append((want_loss, want, want_grads, tol, grad_bounds, n))
+    # every case in one world: each layout's groups and chunks made once
+    results = spawn(_run_layouts, 4, str(policy), str(reference), adapter and str(adapter), runs, pad_id, layouts)
+    for i, ((loss_type, options), (sequences, cfg, _), (want_loss, want, want_grads, tol, grad_bounds, n)) in enumerate(
+            zip(cases, runs, wants)):
         reward_bound = 4 * cfg.beta * n * tol
         # IPO: |d - 1/(2 beta)| of every pair is at most sqrt(pairs x TRL's mean squared loss).
         loss_bound = (2 * (want_loss * len(PAIRS)) ** 0.5 * 8 * tol if loss_type == "ipo" else 8 * cfg.beta * n * tol)
         loss_bound += cfg.rpo_alpha * 2 * tol  # a mean of log-probabilities, each within 2 TOL
         for layout in layouts:
-            rows = [r for rank in results for r in rank if r["layout"] == layout]
+            rows = [r for rank in results for r in rank if r["layout"] == layout and r["case"] == i]
             assert any(r["loss"] is not None for r in rows)
             for r in rows:
                 where = (loss_type, options, layout)

@@ -233,11 +233,11 @@ def test_releases_under_context_parallelism(tmp_path):
     """Both releases at CP2 x TP2 (SP, full recompute) and CP2 x PP2 on packed and plain rows of 32 (the 26B-A4B's
     experts route each CP rank's tokens): logits, loss and every gradient equal one process's
     (tests/test_cp_parity.py's check). The full layers' keys, reused as values, are gathered whole with them."""
-    from test_cp_parity import Layout, _check, _run_layouts
+    from test_cp_parity import Layout, _run
 
     layouts = [Layout(2, 2, sp=True, recompute="full"), Layout(1, 2, 2)]
     folders = {name: str(save_release(name, tmp_path / name)) for name in RELEASE_CASES}
-    _check(spawn(_run_layouts, 4, folders, layouts), layouts, list(folders))
+    _run(4, folders, layouts, list(folders))
 
 
 def test_26b_a4b_trains_at_tp2_and_exports(tmp_path):

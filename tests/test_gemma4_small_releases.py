@@ -98,13 +98,13 @@ def test_releases_under_context_parallelism_and_kv_shared_across_stages(tmp_path
     replicated) and interleaved over 2 virtual stages a rank at CP2 x PP2 (4 chunks, every boundary crossed): logits, loss and every gradient (the per-layer table's and projection's, and the producers' k/v
     projections' through the readers' use on the next stage, included) equal one process's (tests/test_cp_parity.py's
     check)."""
-    from test_cp_parity import Layout, _check, _run_layouts
+    from test_cp_parity import Layout, _run
 
     layouts = [Layout(2, 2, sp=True, recompute="full"), Layout(1, 2, 2, pp_first=3),
                Layout(1, 2, 2), Layout(2, 1, 2, sp=True, recompute="full"),
                Layout(1, 2, 2, vpp=2, schedule="interleaved", micro=2)]
     folders = {name: str(save_release(name, tmp_path / name)) for name in CASES}
-    _check(spawn(_run_layouts, 4, folders, layouts), layouts, list(folders))
+    _run(4, folders, layouts, list(folders))
 
 
 def _train(cfgs):

@@ -168,10 +168,13 @@ class _KeepTokenGrads(GRPOLoss):
 
 def _run_layouts(policy, reference, adapter, runs, pad_id: int):
     """Each case of `runs` (settings, completions, advantages, old log-probabilities or None) at each layout: loss,
-    metrics and (CP 1) ∂loss/∂π per completion token."""
+    metrics and (CP 1) ∂loss/∂π per completion token. The DP copies of a layout (dp_rank > 0, every replica given
+    the same completions) would repeat copy 0's work exactly: they only create the layout's groups."""
     rows = []
     for tp, pp, cp in LAYOUTS:
         ps = make_ps(tp=tp, pp=pp, cp=cp)
+        if ps.dp_rank > 0:
+            continue
         if adapter is not None:
             chunks, _ = hfmeg_chunks(policy, adapter, ps)
             ref_chunks, switched = chunks, (lambda: adapters_off(chunks))

@@ -1,8 +1,8 @@
 """verify_parity: converted MP checkpoints compute what transformers computes, on every layout.
 
-All layouts whose TP x PP divides 12 run in one 12-process gloo world (the rest of
-the world as DP replicas), TP4 x PP2 and an interleaved (VPP=2) layout in one
-8-process world. Each checks fp32 logits (max-abs, within rounding of transformers' float64 run) and a greedy
+Each layout runs in a gloo world of its own TP x PP ranks (one spawn each: in a shared world the idle DP
+replicas of the smaller layouts cost more waiting in the larger ones' group creation than their forks cost),
+TP4 x PP2 and an interleaved (VPP=2) layout among them. Each checks fp32 logits (max-abs, within rounding of transformers' float64 run) and a greedy
 continuation against transformers; stories260K's continuation is real text. Rows packed with
 several documents (windows shorter than them, soft-capping on) at TP ∈ {1,2} × PP ∈ {1,2}
 against transformers run on each document alone (`full_logits` with segment ids).
@@ -52,15 +52,11 @@ def converted(tmp_path_factory):
     return out
 
 
-def _run_layouts(jobs):
-    """jobs: [((tp, pp, vpp), [(kind, mp folder, ids, new tokens)])] -> {(kind, layout): (logits, ids)} on rank 0."""
-    results = {}
-    for (tp, pp, vpp), items in jobs:
-        ps = make_ps(tp=tp, pp=pp, vpp=vpp)
-        if ps.dp_rank > 0:  # another replica of the same model: it would compute copy 0's outputs again
-            continue
-        for kind, mp, ids, n in items:
-            results[(kind, (tp, pp, vpp))] = sharded_outputs(mp, ids, n, ps)
+def _run_layout(layout, items):
+    """items: [(kind, mp folder, ids, new tokens)] of the world's layout -> {(kind, layout): (logits, ids)} on rank 0."""
+    tp, pp, vpp = layout
+    ps = make_ps(tp=tp, pp=pp, vpp=vpp)
+    results = {(kind, layout): sharded_outputs(mp, ids, n, ps) for kind, mp, ids, n in items}
     return results if dist.get_rank() == 0 else None
 
 
@@ -69,13 +65,10 @@ def test_parity_on_every_layout(converted):
     for kind, (src, mps) in converted.items():
         ids, _ = prompt_ids(next(iter(mps.values())), "Once upon a time", 300)
         inputs[kind] = (ids, NEW_TOKENS.get(kind, 3))
-    worlds = {12: [], 8: []}
+    results = {}
     for layout in _layouts():
         items = [(kind, str(mps[layout]), *inputs[kind]) for kind, (_, mps) in converted.items() if layout in mps]
-        worlds[12 if 12 % (layout[0] * layout[1]) == 0 else 8].append((layout, items))
-    results = {}
-    for world, jobs in worlds.items():
-        results.update(spawn(_run_layouts, world, jobs)[0])
+        results.update(spawn(_run_layout, layout[0] * layout[1], layout, items)[0])
     assert len(results) == sum(len(mps) for _, mps in converted.values())
     for kind, (src, _) in converted.items():
         ids, n = inputs[kind]

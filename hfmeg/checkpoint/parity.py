@@ -84,7 +84,7 @@ def sharded_outputs(mp_dir: str | Path, ids: torch.Tensor, max_new_tokens: int, 
         box = [logits]     # is a whole model, so a world's replicas need not wait for one another (or run at all)
         dist.broadcast_object_list(box, src=ps.grid.rank(pp=ps.pp - 1, dp=ps.dp_rank), group=ps.mp_group)
         logits = box[0]
-    generated = greedy_generate(chunks, ps, ids, max_new_tokens)
+    generated = greedy_generate(chunks, ps, ids, max_new_tokens, logits)  # every rank has the prompt's logits
     return logits, generated
 
 

@@ -56,18 +56,23 @@ def full_logits(chunks: list[ModelChunk], ps: ParallelState, input_ids: torch.Te
 
 @torch.no_grad()
 def greedy_generate(
-    chunks: list[ModelChunk], ps: ParallelState, input_ids: torch.Tensor, max_new_tokens: int
+    chunks: list[ModelChunk], ps: ParallelState, input_ids: torch.Tensor, max_new_tokens: int,
+    logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Greedy decoding without a KV cache; every rank returns the same `[b, s + new]` ids.
 
+    `logits`: `full_logits` of `input_ids` where the caller already has them on every rank (as `sharded_outputs`
+    does): the first token is picked from them, without running that forward again.
     Under sequence parallelism every running length must be divisible by TP, which
     a token-by-token loop cannot keep; generate with chunks built without SP.
     """
     ids = input_ids.to(ps.device)
     last = ps.stage_rank(ps.pp - 1)
-    for _ in range(max_new_tokens):
-        logits = full_logits(chunks, ps, ids)
-        nxt = logits[:, -1].argmax(-1) if logits is not None else torch.empty(ids.shape[0], dtype=torch.long, device=ps.device)
+    for step in range(max_new_tokens):
+        if step > 0 or logits is None:
+            logits = full_logits(chunks, ps, ids)
+        nxt = (logits[:, -1].argmax(-1).to(ps.device) if logits is not None
+               else torch.empty(ids.shape[0], dtype=torch.long, device=ps.device))
         if ps.pp > 1:
             dist.broadcast(nxt, src=last, group=ps.pp_group)
         ids = torch.cat([ids, nxt[:, None].to(ids.dtype)], dim=1)
