@@ -97,6 +97,11 @@ def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Causal-LM labels of `ids`: each position's next token, -100 (ignored) at the last."""
+    return torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
+
+
 def train_step_as_one(chunks, ps: ParallelState, ids: torch.Tensor, labels: torch.Tensor):
     """One forward + backward of `chunks` through the pipeline and the data-parallel wrapper, every DP replica of
     the world taking the same rows; (the loss as one process computes it, or None off the last stage, the wrapper).

@@ -198,9 +198,13 @@ def _run_layouts(folders: dict[str, str], layouts: list[Layout], refs: dict) -> 
 
 def _references(folders: dict[str, str]) -> dict[tuple[str, str], tuple]:
     """{(model, batch): the one-process run in fp32 and in float64}, computed once, in the test process."""
-    return {(kind, name): tuple(_reference(folder, make(), make().label_tokens(), dtype)
-                                for dtype in (torch.float32, torch.float64))
-            for kind, folder in folders.items() for name, make in BATCHES}
+    refs = {}
+    for name, make in BATCHES:
+        mb = make()
+        for kind, folder in folders.items():
+            refs[(kind, name)] = tuple(_reference(folder, mb, mb.label_tokens(), dtype)
+                                       for dtype in (torch.float32, torch.float64))
+    return refs
 
 
 def _run(world: int, folders: dict[str, str], layouts: list[Layout], kinds) -> None:

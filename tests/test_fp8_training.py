@@ -33,7 +33,7 @@ from torchao.float8 import convert_to_float8_training  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from bounds import within  # noqa: E402
-from helpers import gather_tp, make_ps, train_step_as_one  # noqa: E402
+from helpers import gather_tp, make_ps, next_token_labels, train_step_as_one  # noqa: E402
 from hfmeg.checkpoint.hf_reader import HFCheckpoint  # noqa: E402
 from hfmeg.checkpoint.load import load_chunks  # noqa: E402
 from hfmeg.checkpoint.rules import chunk_rules, to_hf  # noqa: E402
@@ -52,10 +52,6 @@ from tiny_models import reference_attention, save_tiny  # noqa: E402
 FP32_EPS = torch.finfo(torch.float32).eps
 IDS = torch.tensor([[3, 17, 42, 7, 99, 150, 12, 5, 61, 200, 33, 8, 90, 14, 71, 2],
                     [44, 9, 130, 27, 6, 81, 210, 19, 55, 4, 160, 38, 11, 97, 23, 66]])
-
-
-def _labels(ids):
-    return torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
 
 
 @pytest.mark.parametrize("recipe", get_args(FP8Recipe)[1:])
@@ -172,7 +168,7 @@ def test_tp_layers_equal_unsharded(recipe):
 
 def _fp8_vs_torchao(folder, recipe):
     """(hfmeg FP8, torchao FP8, fp32) logits, loss and HF-named gradients, one process."""
-    labels = _labels(IDS)
+    labels = next_token_labels(IDS)
 
     def transformers_run(fp8: bool):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
@@ -222,7 +218,7 @@ MOE = dict(intermediate_size=64)  # the dense layer's TP2 shards stay multiples 
 def _run(folder, recipe, ps):
     """logits (rank 0 of the last stage, else None), loss and this rank's {HF name: main grad} at `ps`, with the
     FP8 `recipe` (`off`: in fp32)."""
-    labels = _labels(IDS)
+    labels = next_token_labels(IDS)
     chunks = load_chunks(HFCheckpoint(folder), ps)
     if recipe != "off":
         convert_fp8(chunks, recipe, [], ps)

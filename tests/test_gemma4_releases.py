@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from bounds import parity_bounds, rounding_bound, within
 from convert_helpers import assert_same_tensors
-from helpers import logit_bound, make_ps
+from helpers import logit_bound, make_ps, next_token_labels
 from peft_helpers import full_adapter_grads, hfmeg_chunks, peft_adapter_grads, peft_reference, rel_diff
 from peft import PeftModel
 from safetensors.torch import load_file
@@ -97,15 +97,11 @@ def test_release_configs_are_read():
         assert model_config_from_hf(release_config(name)).num_params() == held, name
 
 
-def _labels(ids: torch.Tensor) -> torch.Tensor:
-    return torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
-
-
 def transformers_reference(base: Path, adapter: Path, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """What `_parity` compares each layout with, computed once in the test process (not on every rank): transformers'
     fp32 logits of `ids` and greedy continuation of `ids[:1, :8]`, peft's LoRA logits and mean loss."""
     ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager")
-    labels = _labels(ids)
+    labels = next_token_labels(ids)
     model = peft_reference(base, adapter, trainable=False)
     with torch.no_grad():
         out = dict(logits=ref(ids).logits, gen=ref.generate(ids[:1, :8], max_new_tokens=6, do_sample=False),
@@ -119,7 +115,7 @@ def _parity(base: str, adapter: str, ids: torch.Tensor, mp_shards: str, layouts,
     """Per layout (tp, pp, ep) on this rank, its pipeline split `pp_layers` (None: even): logits and greedy generation
     against transformers, then LoRA logits, loss against peft (`ref`: `transformers_reference`) and adapter gradients
     against peft's float64 ones (`exact`); at the first layout the imported adapter exported back."""
-    labels = _labels(ids)
+    labels = next_token_labels(ids)
     tokens = int((labels != -100).sum())
     rows = []
     for n, (tp, pp, ep) in enumerate(layouts):
@@ -162,7 +158,7 @@ def float64_reference(base: Path, adapter: Path, ids: torch.Tensor,
     Six layers of attention at scale 1 over q/k-normed heads (Gemma 4's), each output scaled, are ill-conditioned
     enough that fp32 loses a few 1e-4 relative on the first layers' gradients: hfmeg's fp32 gradients are held to
     the float64 ones as tightly as peft's fp32 gradients are (ROUNDING_FACTOR times their worst error)."""
-    labels = _labels(ids)
+    labels = next_token_labels(ids)
     runs = {}
     for dtype, attention in [(torch.float64, "eager")] + [(torch.float32, path) for path in fp32_paths]:
         # transformers' grouped-GEMM experts have no float64 kernel; its eager loop is the same arithmetic

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from bounds import parity_bounds, within
-from helpers import gather_tp, make_ps, train_step_as_one
+from helpers import gather_tp, make_ps, next_token_labels, train_step_as_one
 from hfmeg.checkpoint.hf_reader import HFCheckpoint
 from hfmeg.checkpoint.load import load_chunks
 from hfmeg.checkpoint.rules import chunk_rules, to_hf
@@ -77,12 +77,8 @@ def _references(folder, ids, tmp):
     return ref, parity_bounds(ref, _reference(folder, ids, tmp, torch.float64))
 
 
-def _labels(ids):
-    return torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
-
-
 def _check_layouts(folder, ids, ref, prompt, layouts=LAYOUTS):
-    labels = _labels(ids)
+    labels = next_token_labels(ids)
     ref_logits, ref_loss, ref_grads = ref
     rows = []
     for tp, pp, sp, ep in layouts:
@@ -219,7 +215,7 @@ def test_moe_pipeline_micro_batches(tmp_path):
     """The aux loss's mean over micro-batches across stages: loss (and forward_only's) and every gradient."""
     folder = save_tiny("qwen2_moe", tmp_path / "qwen4", num_hidden_layers=4, layer_types=["full_attention"] * 4)
     g = torch.Generator().manual_seed(1)
-    mbs = [MicroBatch(input_ids=ids, labels=_labels(ids))
+    mbs = [MicroBatch(input_ids=ids, labels=next_token_labels(ids))
            for ids in torch.randint(0, 300, (MICRO_BATCHES, 2, 16), generator=g)]
     results = spawn(_pipelines, 4, str(folder), mbs, _pipelines_truth(str(folder), mbs))
     n_ref = results[0][1]

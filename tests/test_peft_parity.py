@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from bounds import within
-from helpers import make_ps
+from helpers import make_ps, next_token_labels
 from optim_harness import FP32_EPS, ROUNDING_FACTOR
 from peft_helpers import (
     merged_vs_peft,
@@ -83,15 +83,11 @@ def _peft_outputs(model, ids, labels):
     return logits.detach().double(), loss.item(), grads, effect
 
 
-def _labels(ids):
-    return torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], dim=1)
-
-
 def _check(cases, ids, layouts=LAYOUTS, options=None):
     """Every layout's logits (last stage), loss (last stage) and full adapter gradients (each stage's),
     computed by one copy only: the DP copies of a layout (dp_rank > 0) would repeat copy 0's work exactly.
     `options` go to `load_chunks` (a 4-bit base: tests/test_qlora_parity.py)."""
-    labels = _labels(ids)
+    labels = next_token_labels(ids)
     report = []
     for tp, pp, sp in layouts:
         ps = make_ps(tp=tp, pp=pp, sp=sp)  # the layout's groups, created once for all its cases
@@ -125,7 +121,7 @@ def _hfmeg_single(base, adapter, ids, dtype, options=None):
     """hfmeg's own logits, loss and adapter gradients in one process (TP1 PP1) in `dtype`, as `_reference`
     gives peft's: the float64 run checks the layers' arithmetic itself, the fp32 one measures how far fp32
     rounding takes hfmeg's form of it (e.g. Gated DeltaNet's chunked delta rule) from float64."""
-    labels, ps = _labels(ids), make_ps(world=1)
+    labels, ps = next_token_labels(ids), make_ps(world=1)
     chunks, _ = hfmeg_chunks(base, adapter, ps, dtype=dtype, **(options or {}))
     logits = full_logits(chunks, ps, ids)
     loss = forward_backward(chunks, ps, [MicroBatch(input_ids=ids, labels=labels)], schedule="1f1b",
@@ -154,7 +150,7 @@ def _references(cases, ids, reference=None, options=None) -> dict[str, tuple]:
       delta rule, which rounds differently from transformers').
     `reference(base, adapter, dtype)`: peft's run in `dtype` (default `_reference`); `options` go to `load_chunks`
     (a 4-bit base: tests/test_qlora_parity.py)."""
-    reference = reference or (lambda base, adapter, dtype: _reference(base, adapter, ids, _labels(ids), dtype))
+    reference = reference or (lambda base, adapter, dtype: _reference(base, adapter, ids, next_token_labels(ids), dtype))
     out = {}
     for base, adapter in cases:
         ref32, ref64 = (reference(base, adapter, dtype) for dtype in (torch.float32, torch.float64))

@@ -30,11 +30,11 @@ pytest.importorskip("bitsandbytes")
 import bitsandbytes as bnb  # noqa: E402
 from bitsandbytes.nn.parametrize import replace_parameter_4bit  # noqa: E402
 from bounds import rounding_bound, within  # noqa: E402
-from helpers import make_ps  # noqa: E402
+from helpers import make_ps, next_token_labels  # noqa: E402
 from peft import PeftModel  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from peft_helpers import hfmeg_chunks, make_base_and_adapter, rel_diff, replica_step  # noqa: E402
-from test_peft_parity import _labels, _peft_outputs, _references  # noqa: E402
+from test_peft_parity import _peft_outputs, _references  # noqa: E402
 from test_peft_train import _config  # noqa: E402
 from test_qlora_parity import (QLORA, _qlora, _quantized, _trained_vs_peft, _trainer_base,  # noqa: E402
                                peft_logits64, resharded_resume)
@@ -103,14 +103,14 @@ def _peft_run(ids):
         else:  # torch's grouped GEMM, transformers' default for the experts, takes no float64: its plain loop does
             model = _dequantized_moe(base).to(dtype)
             model.set_experts_implementation("eager")
-        return _peft_outputs(PeftModel.from_pretrained(model, adapter, is_trainable=True), ids, _labels(ids))
+        return _peft_outputs(PeftModel.from_pretrained(model, adapter, is_trainable=True), ids, next_token_labels(ids))
     return run
 
 
 def _check(cases, ids, stacks_of):
     """Each layout's logits and loss (last stage), full adapter gradients, and whether every expert stack this
     rank holds dequantizes to its experts of `stacks` (bitsandbytes' dequantization of the whole stack)."""
-    labels = _labels(ids)
+    labels = next_token_labels(ids)
     rows = []
     for base, adapter in cases:
         stacks = stacks_of[base]

@@ -28,10 +28,10 @@ import torch
 pytest.importorskip("bitsandbytes")
 import bitsandbytes as bnb  # noqa: E402
 from helpers import stories_or_skip  # noqa: E402
-from helpers import make_ps  # noqa: E402
+from helpers import make_ps, next_token_labels  # noqa: E402
 from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from peft_helpers import hfmeg_chunks, make_base_and_adapter  # noqa: E402
-from test_peft_parity import _assert_parity, _check, _labels, _peft_outputs, _references  # noqa: E402
+from test_peft_parity import _assert_parity, _check, _peft_outputs, _references  # noqa: E402
 from test_peft_train import ALPACA, STEPS, _config, _peft_adamw_losses  # noqa: E402
 from test_train import _losses, _run  # noqa: E402
 from tiny_models import reference_attention, save_tiny  # noqa: E402
@@ -90,7 +90,7 @@ def _peft_run(ids):
     """`_references`' `reference`: peft on the 4-bit model in fp32, on the dequantized one in float64."""
     def run(base, adapter, dtype):
         model = _quantized(base) if dtype == torch.float32 else _dequantized_reference(base).to(dtype)
-        return _peft_outputs(PeftModel.from_pretrained(model, adapter, is_trainable=True), ids, _labels(ids))
+        return _peft_outputs(PeftModel.from_pretrained(model, adapter, is_trainable=True), ids, next_token_labels(ids))
     return run
 
 
