@@ -3,7 +3,7 @@ import os
 import resource
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -163,13 +163,38 @@ def _machine_share(folder: Path, alone: bool):
         os.close(turn)
 
 
+@contextmanager
+def _own_core(worker: str):
+    """Pin the calling thread, and so whatever it forks, spawns or starts meanwhile, to one of the cores this
+    process may use: the N-th (modulo their count) for pytest-xdist worker `gwN`.
+
+    Why: two workers' multi-rank tests share two cores, and gloo's collectives between ranks hand work from thread
+    to thread across processes. On this VM, waking a task on the other core costs far more than on its own (an
+    inter-processor interrupt through the hypervisor): 3,000 all-reduces of 1 KiB between 2 forked ranks took
+    1.8 ms each and 2.4 s of system CPU on two cores, 0.68 ms and 0.8 s pinned to one; test_train's TP2xPP2
+    30-step run 39 s of CPU and 27 s wall unpinned, 30 s and 30 s pinned (wall on one core, not two); eight of
+    the heaviest e2e files on two workers 504 s CPU / 260 s wall unpinned, 445 s / 234 s pinned (2026-11-29).
+    The two workers keep both cores busy, each on its own."""
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {sorted(cores)[int(worker.removeprefix("gw")) % len(cores)]})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
 @pytest.fixture(autouse=True)
-def _solo(request, tmp_path_factory):
-    """Under pytest-xdist, a test marked `solo` (LANES) runs alone on the machine; serially every test does."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+def _machine(request, tmp_path_factory):
+    """Under pytest-xdist, a test marked `solo` (LANES) runs alone on the machine, on every core; a multi-host bed
+    on every core too (its ranks' heartbeats are timed); any other test on its worker's own core (`_own_core`).
+    Serially every test runs alone, on every core."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
         yield
         return
-    with _machine_share(tmp_path_factory.getbasetemp().parent, request.node.get_closest_marker("solo") is not None):
+    alone = request.node.get_closest_marker("solo") is not None
+    pinned = not alone and request.node.get_closest_marker("multihost") is None
+    with _machine_share(tmp_path_factory.getbasetemp().parent, alone), (_own_core(worker) if pinned else nullcontext()):
         yield
 
 

@@ -61,3 +61,21 @@ def test_a_solo_test_runs_with_no_other_test_beside_it(tmp_path):
             os._exit(0)
         assert select.select([read], [], [], 10)[0], "a second shared holder waited"
         os.waitpid(pid, 0)
+
+
+def test_a_worker_pins_what_it_starts_to_its_own_core_and_lets_go_after():
+    """conftest._own_core: worker gwN's test, and a process it forks meanwhile, run on the N-th core this process may
+    use (modulo their count); afterwards every core again."""
+    from conftest import _own_core
+
+    cores = sorted(os.sched_getaffinity(0))
+    for n in range(len(cores) + 1):
+        with _own_core(f"gw{n}"):
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.write(write, ",".join(map(str, sorted(os.sched_getaffinity(0)))).encode())
+                os._exit(0)
+            os.waitpid(pid, 0)
+            assert os.read(read, 100).decode() == str(cores[n % len(cores)]), n
+        assert sorted(os.sched_getaffinity(0)) == cores
