@@ -91,6 +91,7 @@ class Adapters(ModelPart):
             peft = replace(peft, compute_dtype=cfg.model.dtype)
         self.peft = peft
         self.base_ref: dict | None = None  # the base's path and sha256 (`check_base`)
+        self.base_dir: Path | None = None  # the folder rank 0 fingerprinted (`check_base`), what a push merges into
 
     def check_resume(self, resume: Path) -> None:
         check_resume_settings(resume, self.peft)
@@ -117,9 +118,9 @@ class Adapters(ModelPart):
         """Rank 0 fingerprints the base for every rank; refuses (on every rank) a base that changed since `saved`."""
         ref = [None]
         if self.ps.rank == 0:
-            folder = resolve_hf_source(self.base)
+            self.base_dir = resolve_hf_source(self.base)
             # absolute: the converters read the base from the checkpoint, from whatever directory they run in
-            ref[0] = {"path": absolute(self.base), "sha256": base_fingerprint(folder)}
+            ref[0] = {"path": absolute(self.base), "sha256": base_fingerprint(self.base_dir)}
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(ref, src=0)
         was = saved.get("peft_base")
@@ -150,17 +151,15 @@ class Adapters(ModelPart):
 
     def export_live(self, chunks, layout, hf_dir: Path, out: Path) -> Path | None:
         """The base with the live adapters merged in (`merge_into_hf`, as the export's `hf/`); no PEFT folder. The
-        base is the one `check_base` fingerprinted at the start, not hashed again each push."""
+        base is the folder `check_base` fingerprinted at the start (rank 0, which holds the live adapters), neither
+        hashed nor resolved again each push: a Hub id's newer revision cannot slip in mid-run."""
         tensors = live_adapters(chunks, self.ps)
-        return None if tensors is None else merge_into_hf(self._base_folder(), tensors, self.peft, out)
+        return None if tensors is None else merge_into_hf(self.base_dir, tensors, self.peft, out)
 
     def live_weights(self, chunks, layout, hf_dir: Path):
         """The merged weights of the projections the adapters change (`Merge.adapted`): the others stay the base's."""
         tensors = live_adapters(chunks, self.ps)
-        return None if tensors is None else Merge(self._base_folder(), tensors, self.peft).adapted()
-
-    def _base_folder(self) -> Path:
-        return resolve_hf_source(self.base_ref["path"])
+        return None if tensors is None else Merge(self.base_dir, tensors, self.peft).adapted()
 
     @classmethod
     def export(cls, checkpoint: Path, out: Path) -> tuple[Path, Path | None]:
