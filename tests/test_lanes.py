@@ -77,5 +77,8 @@ def test_a_worker_pins_what_it_starts_to_its_own_core_and_lets_go_after():
                 os.write(write, ",".join(map(str, sorted(os.sched_getaffinity(0)))).encode())
                 os._exit(0)
             os.waitpid(pid, 0)
-            assert os.read(read, 100).decode() == str(cores[n % len(cores)]), n
+            os.close(write)
+            seen = os.read(read, 100).decode()
+            os.close(read)
+            assert seen == str(cores[n % len(cores)]), n
         assert sorted(os.sched_getaffinity(0)) == cores
